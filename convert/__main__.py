@@ -1,0 +1,47 @@
+"""`python -m convert SRC DST [--dtype bfloat16|float32] [--force]` and `python -m convert --verify DST`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from day0jax.errors import Day0Error
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m convert",
+                                     description="Convert a Hugging Face folder or a GGUF file into a day0jax "
+                                                 "checkpoint, or verify one.")
+    parser.add_argument("src", type=Path, nargs="?", help="Hugging Face model folder or .gguf file")
+    parser.add_argument("dst", type=Path, nargs="?", help="checkpoint folder to create")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="parameter dtype (default: the source's own; float32 for GGUF)")
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        if args.verify:
+            from convert.verify import verify_checkpoint
+
+            problems = verify_checkpoint(args.verify)
+            if problems:
+                for p in problems:
+                    print(f"FAIL {p}", file=sys.stderr)
+                return 1
+            print(f"OK {args.verify}: every file matches the manifest")
+            return 0
+        if args.src is None or args.dst is None:
+            parser.error("SRC and DST are required (or --verify DST)")
+        from convert.convert import convert_checkpoint
+
+        print(convert_checkpoint(args.src, args.dst, dtype=args.dtype, force=args.force, progress=not args.quiet))
+        return 0
+    except Day0Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The conversion itself: map every runtime parameter to its source tensors, check everything, then stream.
+
+Strictness (DESIGN.md, convention 4): before a byte is written, every runtime parameter must have its source
+tensors with the expected shapes, and every source tensor must be used or explicitly dropped by the family.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from convert.sources import open_source
+from convert.writer import CheckpointWriter, sha256_file
+from day0jax import models
+from day0jax.errors import CheckpointError
+from day0jax.models.base import Source, default_source
+
+CONVERTER_VERSION = "1"
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float16": np.dtype(np.float16)}
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Summary:
+    dst: Path
+    parameters: int
+    tensors: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+
+    def __str__(self) -> str:
+        mb_s = self.bytes_in / 1e6 / max(self.seconds, 1e-9)
+        return (f"converted {self.tensors} tensors ({self.parameters / 1e6:.1f}M parameters) into {self.dst}: "
+                f"{self.bytes_in / 1e6:.1f} MB in, {self.bytes_out / 1e6:.1f} MB out, "
+                f"{self.seconds:.1f} s, {mb_s:.0f} MB/s")
+
+
+def plan_sources(fam, config, infos, source) -> dict[str, Source]:
+    """Runtime parameter path -> its Source, after checking names and shapes against the source.
+
+    Raises:
+        CheckpointError: a missing tensor, a shape mismatch, or a source tensor nothing uses.
+    """
+    available = {n: source.tensor_shape(n) for n in source.tensor_names()}
+    plan, used = {}, set()
+    custom = getattr(fam, "hf_source", None)
+    for info in infos:
+        src = (custom(config, info.path, info.shape, info.metadata) if custom else None) \
+            or default_source(info.path, info.shape, info.metadata)
+        for name, want in zip(src.names, src.shapes):
+            if name not in available:
+                raise CheckpointError(f"{source.path}: tensor {name!r} (for parameter {info.path}, shape {want}) "
+                                      "is missing")
+            if tuple(available[name]) != tuple(want):
+                raise CheckpointError(f"{source.path}: tensor {name!r} has shape {tuple(available[name])}, "
+                                      f"expected {tuple(want)} (for parameter {info.path})")
+            used.add(name)
+        plan[info.path] = src
+    dropped = dict(getattr(fam, "DROPPED", {}))
+    if getattr(config, "tie_word_embeddings", False):
+        dropped[r"lm_head\.weight"] = "tied to model.embed_tokens.weight"
+    for name in available:
+        if name not in used and not any(re.fullmatch(p, name) for p in dropped):
+            raise CheckpointError(f"{source.path}: tensor {name!r} (shape {tuple(available[name])}) is not used by "
+                                  f"the {config.model_type} runtime; refusing to drop weights silently")
+    return plan
+
+
+def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force: bool = False,
+                       progress: bool = True) -> Summary:
+    """Converts a HF folder or GGUF file at `src` into a day0jax checkpoint at `dst`.
+
+    Args:
+        src: Hugging Face model folder or `.gguf` file.
+        dst: checkpoint folder to create (atomically).
+        dtype: 'float32', 'bfloat16' or 'float16'; default: the source's own (float32 for GGUF).
+        force: replace an existing dst.
+        progress: show a progress bar over bytes on stderr.
+    Returns:
+        A Summary (printable).
+    Raises:
+        CheckpointError, UnsupportedArchitecture, ConfigError: before anything is written where possible.
+    """
+    start = time.perf_counter()
+    source = open_source(Path(src))
+    hf = source.hf_config()
+    fam = models.family(hf.get("model_type"))
+    config = fam.Config.from_hf(hf)
+    dtype = dtype or source.default_dtype()
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    out_dtype = DTYPES[dtype]
+    infos = models.param_infos(models.abstract_model(config))
+    plan = plan_sources(fam, config, infos, source)
+    total_in = sum(source.tensor_nbytes(n) for src_ in plan.values() for n in src_.names)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as hasher, CheckpointWriter(Path(dst), force=force) as writer:
+        # Source hashes are computed on the side while the tensors stream (hashlib releases the GIL).
+        hashes = {str(p.name): hasher.submit(sha256_file, p) for p in source.source_files()}
+        bar = _progress(total_in, f"converting {Path(src).name}", progress)
+        n_params = 0
+        for info in infos:
+            s = plan[info.path]
+            arrays = [source.read(n) for n in s.names]
+            array = np.asarray(s.combine(arrays, info.shape)).astype(out_dtype, copy=False)
+            if array.shape != info.shape:  # a family's combine is wrong: a bug, but never write it
+                raise CheckpointError(f"parameter {info.path}: built shape {array.shape}, expected {info.shape}")
+            writer.add(info.path, array)
+            n_params += array.size
+            bar.update(sum(source.tensor_nbytes(n) for n in s.names))
+        writer.flush()
+        bar.close()
+        tokenizer_files = source.write_tokenizer(writer.tmp)
+        out_config = dict(hf)
+        if source.kind == "gguf" or (hf.get("quantization_config") or {}).get("quant_method") == "fp8":
+            out_config.pop("quantization_config", None)  # weights are dequantized now
+        out_config["dtype"] = dtype
+        writer.write_json("config.json", out_config)
+        manifest = {
+            "converter_version": CONVERTER_VERSION,
+            "source": {"kind": source.kind, "path": str(Path(src).absolute()),
+                       "sha256": {k: f.result() for k, f in hashes.items()}},
+            "dtype": dtype,
+            "model_type": config.model_type,
+            "tokenizer_files": tokenizer_files,
+        }
+        writer.commit(manifest)
+    summary = Summary(Path(dst), n_params, len(infos), total_in, writer.bytes_written, time.perf_counter() - start)
+    return summary
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                dynamic_ncols=True)

@@ -1,0 +1,122 @@
+"""Hugging Face model folders: config.json, safetensors (single file or sharded with an index), tokenizer files.
+
+Only safetensors are read. A folder with just `pytorch_model.bin` is refused: unpickling runs arbitrary code.
+FP8 (e4m3) weights with block scales (`weight_scale_inv`, DeepSeek-V3 style) are dequantized here, so the rest
+of the converter sees ordinary float tensors under their usual names.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from convert.safetensors_file import SafetensorsFile
+from day0jax.config import read_config_json
+from day0jax.errors import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+FLOAT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class HFSource:
+    kind = "safetensors"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.config = read_config_json(self.path / "config.json")
+        self.files = self._open_shards()
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self.files:
+            for name in f.tensors:
+                if name in self._where:
+                    raise CheckpointError(f"{f.path}: tensor {name!r} also appears in {self._where[name].path}")
+                self._where[name] = f
+        q = self.config.get("quantization_config") or {}
+        self.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q.get("quant_method") == "fp8" else None
+        self._scales = {n for n in self._where if n.endswith(".weight_scale_inv")}
+
+    def _open_shards(self) -> list[SafetensorsFile]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+            shard_names = sorted(set(weight_map.values()))
+            for name in shard_names:
+                if not (self.path / name).is_file():
+                    raise CheckpointError(f"{index}: names shard {name!r}, which is missing from {self.path}")
+            files = [SafetensorsFile(self.path / n) for n in shard_names]
+            listed = {t for f in files for t in f.tensors}
+            missing = sorted(set(weight_map) - listed)
+            if missing:
+                raise CheckpointError(f"{index}: tensor {missing[0]!r} is in the index but in no shard")
+            return files
+        shards = sorted(self.path.glob("*.safetensors"))
+        if shards:
+            return [SafetensorsFile(p) for p in shards]
+        if any(self.path.glob("pytorch_model*.bin")) or any(self.path.glob("*.pt")) or any(self.path.glob("*.pth")):
+            raise CheckpointError(f"{self.path}: holds only PyTorch pickle weights (pytorch_model*.bin); these are "
+                                  "never unpickled because that can run arbitrary code. Convert them to safetensors "
+                                  "first (e.g. with transformers' save_pretrained(safe_serialization=True)).")
+        raise CheckpointError(f"{self.path}: no *.safetensors weights found")
+
+    # --- Source interface ---------------------------------------------------------------------------------
+    def hf_config(self) -> dict:
+        return dict(self.config)
+
+    def tensor_names(self) -> list[str]:
+        return [n for n in self._where if n not in self._scales]
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name].tensors[name].shape
+
+    def tensor_nbytes(self, name: str) -> int:
+        n = self._where[name].tensors[name].nbytes
+        scale = name + "_scale_inv"
+        return n + (self._where[scale].tensors[scale].nbytes if scale in self._where else 0)
+
+    def read(self, name: str) -> np.ndarray:
+        arr = self._where[name].read(name)
+        if arr.dtype in FP8:
+            return self._dequantize_fp8(name, arr)
+        return arr
+
+    def _dequantize_fp8(self, name: str, arr: np.ndarray) -> np.ndarray:
+        scale_name = name + "_scale_inv"
+        if scale_name not in self._where:
+            raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} has no {scale_name!r}")
+        scale = self._where[scale_name].read(scale_name).astype(np.float32)
+        bm, bn = self.fp8_block or (128, 128)
+        rows, cols = arr.shape
+        want = (-(-rows // bm), -(-cols // bn))
+        if scale.shape != want:
+            raise CheckpointError(f"{self._where[scale_name].path}: {scale_name!r} has shape {scale.shape}, expected "
+                                  f"{want} for blocks of {bm}x{bn} over {arr.shape}")
+        # Each (bm, bn) block of the weight shares one scale; expand scales to the weight's shape and multiply.
+        full = np.repeat(np.repeat(scale, bm, axis=0), bn, axis=1)[:rows, :cols]
+        return (arr.astype(np.float32) * full).astype(ml_dtypes.bfloat16)
+
+    def default_dtype(self) -> str:
+        if self.fp8_block is not None:
+            return "bfloat16"
+        declared = self.config.get("dtype") or self.config.get("torch_dtype")
+        return FLOAT_DTYPES.get(declared, "float32")
+
+    def source_files(self) -> list[Path]:
+        extra = [self.path / n for n in ("config.json", "model.safetensors.index.json") if (self.path / n).is_file()]
+        return extra + [f.path for f in self.files]
+
+    def write_tokenizer(self, dst: Path) -> list[str]:
+        written = []
+        for name in TOKENIZER_FILES:
+            if (self.path / name).is_file():
+                shutil.copyfile(self.path / name, dst / name)
+                written.append(name)
+        return written

@@ -1,0 +1,103 @@
+"""A strict, memory-mapped safetensors reader.
+
+The header is validated before any tensor is touched (length, JSON, dtypes, offsets inside the file, no
+overlaps), so a truncated or corrupt file is reported by name instead of crashing somewhere later.
+Tensors are returned as read-only views of a memory map: reading one never loads the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from day0jax.errors import CheckpointError
+
+DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+MAX_HEADER = 100 << 20  # the safetensors format caps the header at 100 MB
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class SafetensorsFile:
+    """One `.safetensors` file: `tensors` (name -> TensorInfo), `metadata`, and `read(name)`.
+
+    Raises:
+        CheckpointError: on any malformed header, naming the file and the problem.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path}: not a safetensors file (only {size} bytes)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > MAX_HEADER or 8 + header_len > size:
+                raise CheckpointError(f"{self.path}: header length {header_len} runs past the end of the "
+                                      f"{size}-byte file (truncated or not safetensors)")
+            raw = f.read(header_len)
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{self.path}: header is not JSON (not a safetensors file?)") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: header is not a JSON object")
+        self.metadata = header.pop("__metadata__", None) or {}
+        data_start = 8 + header_len
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            self.tensors[name] = self._parse_entry(name, entry, data_start, size)
+        spans = sorted(self.tensors.values(), key=lambda t: (t.begin, t.end))
+        for a, b in zip(spans, spans[1:]):
+            if b.begin < a.end:
+                raise CheckpointError(f"{self.path}: tensors {a.name!r} and {b.name!r} overlap "
+                                      f"(bytes {a.begin}-{a.end} and {b.begin}-{b.end})")
+        self._mmap = None
+
+    def _parse_entry(self, name: str, entry, data_start: int, size: int) -> TensorInfo:
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed header entry: {entry!r}") from None
+        if dtype_name not in DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+        dtype = DTYPES[dtype_name]
+        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (0 <= begin <= end):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has invalid shape {shape} or offsets {begin}-{end}")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{self.path}: tensor {name!r} of shape {shape} {dtype_name} needs "
+                                  f"{math.prod(shape) * dtype.itemsize} bytes but its offsets span {end - begin}")
+        if data_start + end > size:
+            raise CheckpointError(f"{self.path}: tensor {name!r} ends at byte {data_start + end}, past the end of "
+                                  f"the {size}-byte file (truncated)")
+        return TensorInfo(name, dtype, shape, data_start + begin, data_start + end)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a read-only array backed by the memory map."""
+        info = self.tensors[name]
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._mmap[info.begin:info.end].view(info.dtype).reshape(info.shape)

@@ -1,0 +1,66 @@
+"""The day0jax checkpoint format, shared by the converter (writes it) and the loader (reads it).
+
+A checkpoint is a folder:
+    config.json              the model's HF-style config (what the runtime builds the model from)
+    tokenizer.json, ...      tokenizer, chat template and generation config, as HF names them
+    day0jax.json             the manifest: format version, source, sha256 of sources and of written files,
+                             every parameter's name, shape, dtype and the group that holds it
+    params/NNNN/             parameters as Orbax PyTree checkpoints, in the runtime's names and layout,
+                             a few hundred MB each so the converter never holds the whole model in memory
+The manifest is written last: a folder without one is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from day0jax.errors import CheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST = "day0jax.json"
+PARAMS_DIR = "params"
+
+
+def group_dir(index: int) -> str:
+    return f"{PARAMS_DIR}/{index:04d}"
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint folder `path`.
+
+    Raises:
+        CheckpointError: not a day0jax checkpoint, a malformed manifest, or a newer format version.
+    """
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a folder (a day0jax checkpoint is a folder made by `python -m convert`)")
+    if not manifest_path.is_file():
+        hint = " (it looks like a Hugging Face folder: convert it first with `python -m convert`)" \
+            if (path / "config.json").is_file() else ""
+        raise CheckpointError(f"{path}: not a day0jax checkpoint, {MANIFEST} is missing{hint}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{manifest_path}: malformed manifest ({e})") from None
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise CheckpointError(f"{manifest_path}: no format_version")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{manifest_path}: format version {version} is newer than this day0jax understands "
+                              f"({FORMAT_VERSION}); upgrade day0jax or re-convert with this version")
+    return manifest
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """{'a.b.c': x} -> {'a': {'b': {'c': x}}}: Orbax trees are nested dicts of the runtime's path parts."""
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree

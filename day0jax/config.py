@@ -1,0 +1,74 @@
+"""Model configs: frozen dataclasses whose fields are the Hugging Face `config.json` keys, word for word.
+
+`from_hf` is the one generic constructor. Keys the dataclass does not declare are kept in `unknown_keys` so
+the readiness report can list them; keys known not to change the math are listed in `IGNORED_KEYS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+from day0jax.errors import ConfigError
+
+# Keys that describe training, tooling or tokenization and never change the forward pass.
+IGNORED_KEYS = frozenset({
+    "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id", "decoder_start_token_id",
+    "initializer_range", "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "dropout",
+    "_name_or_path", "_model_name_or_path", "_attn_implementation", "_attn_implementation_autoset",
+    "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder", "tie_encoder_decoder",
+    "pretraining_tp", "quantization_config", "id2label", "label2id", "task_specific_params", "problem_type",
+    "chunk_size_feed_forward", "add_cross_attention", "is_decoder", "cross_attention_hidden_size",
+    "finetuning_task", "tokenizer_class", "prefix", "bad_words_ids", "begin_suppress_tokens",
+    "suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "max_length", "min_length", "do_sample", "early_stopping",
+    "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "torchscript", "tf_legacy_loss",
+    "pruned_heads", "use_bfloat16", "model_type", "layer_types_pattern", "max_window_layers", "router_aux_loss_coef",
+    "output_router_logits", "use_sliding_window_default", "mlp_dropout", "embedding_dropout",
+})
+
+C = TypeVar("C")
+
+
+def from_hf(cls: type[C], hf: dict[str, Any]) -> C:
+    """Builds a config dataclass from a `config.json` dict.
+
+    Args:
+        cls: a frozen dataclass whose fields are HF keys (plus `unknown_keys`).
+        hf: the parsed `config.json`.
+    Returns:
+        The config, with every undeclared, not-ignored key recorded in `unknown_keys`.
+    Raises:
+        ConfigError: a required field is missing.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in hf.items() if k in names and k != "unknown_keys"}
+    unknown = {k: v for k, v in hf.items() if k not in names and k not in IGNORED_KEYS}
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in kwargs]
+    if missing:
+        raise ConfigError(f"config.json (model_type {hf.get('model_type')!r}) lacks required field(s): "
+                          + ", ".join(missing))
+    return cls(**kwargs, unknown_keys=tuple(sorted(unknown)))
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """Reads a `config.json`, with a `ConfigError` naming the file when it is missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config.json not found")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    if "model_type" not in data:
+        raise ConfigError(f"{path}: no 'model_type' field, so the architecture cannot be known")
+    return data

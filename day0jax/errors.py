@@ -1,0 +1,33 @@
+"""Typed errors that tell the user what is wrong and what to do about it.
+
+Every error raised at a public boundary (loading, conversion, the readiness report, the server) is one of these,
+so callers can catch the family they care about and users see a message instead of a stack trace.
+"""
+
+
+class Day0Error(Exception):
+    """Base of every error day0jax raises on purpose."""
+
+
+class CheckpointError(Day0Error):
+    """A source or converted checkpoint is missing, malformed, truncated or does not match the model."""
+
+
+class UnsupportedArchitecture(Day0Error):
+    """The model type, or a config value that changes the math, is not implemented."""
+
+
+class ConfigError(Day0Error):
+    """A config.json is missing, unreadable, or lacks a field the family needs."""
+
+
+class MeshError(Day0Error):
+    """A mesh SPEC is malformed or does not fit the devices or the model."""
+
+
+class OutOfMemoryPlan(Day0Error):
+    """The memory planner predicts the model will not fit on the chosen mesh."""
+
+
+class GenerationError(Day0Error):
+    """A generation request is invalid (prompt too long, max_new_tokens below 1, ...)."""

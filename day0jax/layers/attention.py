@@ -1,0 +1,75 @@
+"""Multi-head attention with grouped KV heads (GQA/MQA), through the `kernels_pallas` attention op.
+
+Projections keep heads as their own axis (q_proj kernel [D, N, H], o_proj [N, H, D]) so tensor parallelism
+splits heads by name. With a cache, new keys and values are written first and the queries attend over the
+cache; without one (a full forward pass), the queries attend over this call's keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from day0jax.layers.linear import Linear
+from day0jax.layers.norms import RMSNorm
+from day0jax.layers.rope import Rope
+from kernels_pallas.attention import api as attention_op
+
+
+class KVCache(Protocol):
+    """What attention needs of a cache: write this call's keys/values, then attend over what is cached."""
+
+    def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "KVCache": ...
+
+    def attend(self, q: jax.Array, positions: jax.Array, **attention_kwargs: Any) -> jax.Array: ...
+
+
+class Attention(nnx.Module):
+    """Self-attention block: q/k/v projections, optional q/k RMSNorm, RoPE, attention, output projection.
+
+    Args:
+        hidden_size: D.  num_heads: N.  num_kv_heads: K (divides N).  head_dim: H.
+        rope: the rotary embedding, or None for layers without positions (NoPE).
+        qkv_bias / o_bias: biases on the input / output projections.
+        qk_norm_eps: if set, RMSNorm over H on q and k before RoPE (Qwen3, OLMo 2 use variants of this).
+        sliding_window / logit_softcap / scale: passed to the attention op.
+    """
+
+    def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope | None,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 scale: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
+        self.q_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear((D,), (K, H), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype,
+                             rngs=rngs)
+        self.v_proj = Linear((D,), (K, H), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype,
+                             rngs=rngs)
+        self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype, rngs=rngs)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(H, qk_norm_eps, dtype=dtype, rngs=rngs)
+            self.k_norm = RMSNorm(H, qk_norm_eps, dtype=dtype, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope = rope
+        self.sliding_window, self.logit_softcap, self.scale = sliding_window, logit_softcap, scale
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: tuple[jax.Array, jax.Array] | None,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, N|K, H]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            cos, sin = rope_tables
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        op_kwargs = dict(sliding_window=self.sliding_window, logit_softcap=self.logit_softcap, scale=self.scale)
+        if cache is None:
+            out = attention_op.attention(q, k, v, q_positions=positions, **op_kwargs)
+        else:
+            cache = cache.update(k, v, positions)
+            out = cache.attend(q, positions, **op_kwargs)
+        return self.o_proj(out), cache

@@ -1,0 +1,47 @@
+"""Feed-forward blocks: the gated MLP (SwiGLU, GeGLU) and the activations families name in their configs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from day0jax.errors import UnsupportedArchitecture
+from day0jax.layers.linear import Linear
+
+# HF `hidden_act` / `hidden_activation` names -> functions, with HF's exact formulas.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def activation(name: str, key: str = "hidden_act"):
+    """The activation function named `name`.
+
+    Raises:
+        UnsupportedArchitecture: unknown name, naming the config key.
+    """
+    if name not in ACTIVATIONS:
+        raise UnsupportedArchitecture(f"{key}={name!r} is not implemented (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, use_bias: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        D, F = hidden_size, intermediate_size
+        self.gate_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear((F,), (D,), ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.act = activation(act)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

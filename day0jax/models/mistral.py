@@ -1,0 +1,24 @@
+"""Mistral: Llama math plus a sliding attention window (`sliding_window`, None for full attention).
+
+HF reference: transformers/models/mistral/modeling_mistral.py. HF's MistralConfig defaults differ from Llama's
+(window 4096, 32k positions), so a config.json that omits them means these values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from day0jax.models import llama
+
+MODEL_TYPES = ("mistral",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(llama.Config):
+    max_position_embeddings: int = 4096 * 32
+    sliding_window: int | None = 4096
+    model_type: str = "mistral"
+
+
+Model = llama.Model

@@ -1,0 +1,1 @@
+"""Causal multi-head attention over a batch of (possibly ragged) sequences: GQA/MQA, windows, soft-cap, sinks."""

