@@ -1,10 +1,12 @@
-"""RMSNorm as Hugging Face computes it: statistics in float32, scale applied in the input dtype."""
+"""RMSNorm as Hugging Face computes it, through the `kernels_pallas` rms_norm op."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from kernels_pallas.rms_norm import api as rms_norm_op
 
 
 class RMSNorm(nnx.Module):
@@ -15,11 +17,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(init(rngs.params(), (dim,), dtype))
         self.eps, self.offset = eps, offset
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        weight = self.weight[...]
-        if self.offset:
-            # Gemma scales in float32 before casting back; Llama casts first. Both match HF that way.
-            return (normed * (self.offset + weight.astype(jnp.float32))).astype(x.dtype)
-        return weight * normed.astype(x.dtype)
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+        """norm(x), or (norm(x + residual), x + residual) when a residual is given (the fused form)."""
+        normed, h = rms_norm_op.rms_norm(x, self.weight[...], eps=self.eps, offset=self.offset, residual=residual)
+        return normed if residual is None else (normed, h)

@@ -1,0 +1,28 @@
+"""Grouped matmul as MoE layers see it: XLA's native `ragged_dot` on accelerators, kernels, the reference."""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas import registry
+from kernels_pallas.moe import reference
+
+
+def _xla_ragged_dot(lhs, rhs, group_sizes):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype("int32"), preferred_element_type="float32").astype(
+        lhs.dtype)
+
+
+IMPLEMENTATIONS = {registry.REFERENCE: reference.grouped_matmul, "xla_ragged_dot": _xla_ragged_dot}
+# On the CPU, XLA expands ragged_dot densely over all groups: the reference is cheaper there.
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("xla_ragged_dot",), "tpu": ("xla_ragged_dot",)}
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                   implementation: str | None = None) -> jax.Array:
+    """See `reference.grouped_matmul`; `implementation` forces one candidate by name.
+
+    Raises:
+        registry.KernelUnavailable: the named implementation cannot take these inputs.
+    """
+    return registry.dispatch("moe", IMPLEMENTATIONS, CANDIDATES, implementation, lhs, rhs, group_sizes)

@@ -1,0 +1,25 @@
+"""Paged attention as callers (the engine) see it: a kernel when one accepts the inputs, else the reference."""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas import registry
+from kernels_pallas.paged_attention import reference
+
+IMPLEMENTATIONS = {registry.REFERENCE: reference.paged_attention}
+CANDIDATES: dict[str, tuple[str, ...]] = {}
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                    kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
+                    logit_softcap: float | None = None, sinks: jax.Array | None = None, scale: float | None = None,
+                    implementation: str | None = None) -> jax.Array:
+    """See `reference.paged_attention`; `implementation` forces one candidate by name.
+
+    Raises:
+        registry.KernelUnavailable: the named implementation cannot take these inputs.
+    """
+    return registry.dispatch("paged_attention", IMPLEMENTATIONS, CANDIDATES, implementation, q, k_pages, v_pages,
+                             block_tables, kv_lengths, q_positions, sliding_window=sliding_window,
+                             logit_softcap=logit_softcap, sinks=sinks, scale=scale)

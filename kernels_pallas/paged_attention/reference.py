@@ -1,0 +1,38 @@
+"""The definition of correct paged attention, in plain jax.numpy. Also the fallback on every backend.
+
+The cache of one layer is a pool of pages: k_pages, v_pages [P, page_size, K, H]. Sequence b owns the pages
+`block_tables[b, :]` in order, so its token at position p lives in page block_tables[b, p // page_size] at
+slot p % page_size. Entries of a block table past the sequence's pages may hold any page index (they are masked
+by `kv_lengths`). Queries [B, T, N, H] sit at absolute positions `q_positions` [B, T]; each sees keys at
+positions < kv_lengths[b], causally, within the sliding window, as in `attention.reference`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.attention import reference as dense
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                    kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
+                    logit_softcap: float | None = None, sinks: jax.Array | None = None,
+                    scale: float | None = None) -> jax.Array:
+    """Gathers each sequence's pages into a contiguous view and runs dense attention over it.
+
+    Args:
+        q: [B, T, N, H].
+        k_pages, v_pages: [P, page_size, K, H], one layer's pool.
+        block_tables: [B, max_blocks] int32 page indices.
+        kv_lengths: [B] int32, valid cached tokens per sequence (including this call's new ones).
+        q_positions: [B, T] int32.
+        sliding_window, logit_softcap, sinks, scale: as in `attention.reference.attention`.
+    Returns:
+        [B, T, N, H] in q's dtype.
+    """
+    B, max_blocks = block_tables.shape
+    _, page, K, H = k_pages.shape
+    k = k_pages[block_tables].reshape(B, max_blocks * page, K, H)
+    v = v_pages[block_tables].reshape(B, max_blocks * page, K, H)
+    return dense.attention(q, k, v, q_positions=q_positions, kv_lengths=kv_lengths, causal=True,
+                           sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks, scale=scale)

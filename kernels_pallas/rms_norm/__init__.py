@@ -1,0 +1,1 @@
+"""RMSNorm with the residual add fused in."""
