@@ -45,8 +45,7 @@ class Generator:
     def __init__(self, module: nnx.Module, mesh: Mesh, dtype, max_positions: int):
         self.graphdef, self.params = nnx.split(module)
         self.mesh, self.dtype, self.max_positions = mesh, dtype, max_positions
-        c = module.config
-        self.num_layers, self.kv_heads, self.head_dim = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        self.cache_layout = module.cache_layout()
         self.dp = mesh.shape.get("dp", 1)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._forward = jax.jit(self._forward_fn)
@@ -89,10 +88,12 @@ class Generator:
         return np.asarray(self._forward(self.params, self._put(padded), self._put(np.int32(T))))[:B, :T]
 
     def _new_caches(self, batch: int, length: int) -> list[DenseKVCache]:
-        sharding = named_sharding(("batch", None, "kv_heads", "head_dim"),
-                                  (batch, length, self.kv_heads, self.head_dim), self.mesh)
-        return [DenseKVCache.zeros(batch, length, self.kv_heads, self.head_dim, self.dtype, sharding)
-                for _ in range(self.num_layers)]
+        caches = []
+        for kv_heads, k_dim, v_dim in self.cache_layout:
+            # Split like the kv heads (and the batch over dp); the head dims are never split.
+            sharding = named_sharding(("batch", None, "kv_heads", None), (batch, length, kv_heads, 1), self.mesh)
+            caches.append(DenseKVCache.zeros(batch, length, kv_heads, k_dim, v_dim, self.dtype, sharding))
+        return caches
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

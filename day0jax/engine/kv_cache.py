@@ -23,9 +23,12 @@ class DenseKVCache:
     attend_len: int = field(metadata=dict(static=True))
 
     @classmethod
-    def zeros(cls, batch: int, length: int, kv_heads: int, head_dim: int, dtype, sharding=None) -> "DenseKVCache":
-        shape = (batch, length, kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding), length)
+    def zeros(cls, batch: int, length: int, kv_heads: int, k_dim: int, v_dim: int, dtype,
+              sharding=None) -> "DenseKVCache":
+        """An empty cache; keys and values may have different head dims (multi-head latent attention)."""
+        k = jnp.zeros((batch, length, kv_heads, k_dim), dtype, device=sharding)
+        v = jnp.zeros((batch, length, kv_heads, v_dim), dtype, device=sharding)
+        return cls(k, v, length)
 
     def with_attend_len(self, attend_len: int) -> "DenseKVCache":
         return DenseKVCache(self.k, self.v, min(attend_len, self.k.shape[1]))

@@ -66,6 +66,11 @@ class CausalLM(nnx.Module):
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         raise NotImplementedError
 
+    def cache_layout(self) -> list[tuple[int, int, int]]:
+        """Per layer: (kv heads, key head dim, value head dim) of its KV cache; what caches are allocated from."""
+        c = self.config
+        return [(c.num_key_value_heads, c.head_dim, c.head_dim)] * c.num_hidden_layers
+
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.model.embed_tokens(tokens)
 

