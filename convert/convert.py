@@ -24,7 +24,7 @@ from day0jax import models
 from day0jax.errors import CheckpointError
 from day0jax.models.base import Source, default_source
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
           "float16": np.dtype(np.float16)}
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ def plan_sources(fam, config, infos, source) -> dict[str, Source]:
             used.add(name)
         plan[info.path] = src
     dropped = dict(getattr(fam, "DROPPED", {}))
+    if hasattr(fam, "dropped"):  # tensors a family drops depending on its config
+        dropped.update(fam.dropped(config))
     if getattr(config, "tie_word_embeddings", False):
         dropped[r"lm_head\.weight"] = "tied to model.embed_tokens.weight"
     for name in available:

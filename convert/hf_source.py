@@ -101,7 +101,7 @@ class HFSource:
                                   f"{want} for blocks of {bm}x{bn} over {arr.shape}")
         # Each (bm, bn) block of the weight shares one scale; expand scales to the weight's shape and multiply.
         full = np.repeat(np.repeat(scale, bm, axis=0), bn, axis=1)[:rows, :cols]
-        return (arr.astype(np.float32) * full).astype(ml_dtypes.bfloat16)
+        return arr.astype(np.float32) * full  # float32; the converter casts to the checkpoint dtype
 
     def default_dtype(self) -> str:
         if self.fp8_block is not None:

@@ -7,6 +7,7 @@ which the next conversion into the same place removes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -66,11 +67,15 @@ class CheckpointWriter:
         self.params: dict[str, dict[str, Any]] = {}
         self.groups = 0
         self.bytes_written = 0
+        # Each written group is hashed and fsynced on the side while the next one is being built.
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1)
+        self._hashes: list[concurrent.futures.Future] = []
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self._hasher.shutdown(wait=True)
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
         return False
@@ -90,7 +95,9 @@ class CheckpointWriter:
 
         tree = checkpoint.nest(self._pending)
         save_args = checkpoint.nest({p: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES) for p in self._pending})
-        _checkpointer().save(self.tmp / checkpoint.group_dir(self.groups), tree, save_args=save_args)
+        group = self.tmp / checkpoint.group_dir(self.groups)
+        _checkpointer().save(group, tree, save_args=save_args)
+        self._hashes.append(self._hasher.submit(self._hash_files, group))
         self.bytes_written += self._pending_bytes
         self._pending.clear()
         self._pending_bytes = 0
@@ -102,10 +109,13 @@ class CheckpointWriter:
     def commit(self, manifest: dict[str, Any]) -> Path:
         """Flushes, hashes the written files into the manifest, writes it last, and renames into place."""
         self.flush()
+        files = self._hash_files(self.tmp, skip=self.tmp / checkpoint.PARAMS_DIR)
+        for future in self._hashes:
+            files.update(future.result())
         manifest = dict(manifest, format_version=checkpoint.FORMAT_VERSION, params=self.params,
-                        groups=self.groups, files=self._hash_written())
+                        groups=self.groups, files=dict(sorted(files.items())))
         self.write_json(checkpoint.MANIFEST, manifest)
-        _fsync_tree(self.tmp)
+        _fsync(self.tmp / checkpoint.MANIFEST)
         if self.dst.exists():
             trash = self.dst.parent / f".{self.dst.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(self.dst, trash)
@@ -115,11 +125,13 @@ class CheckpointWriter:
             os.rename(self.tmp, self.dst)
         return self.dst
 
-    def _hash_written(self) -> dict[str, str]:
+    def _hash_files(self, root: Path, skip: Path | None = None) -> dict[str, str]:
+        """sha256 of every file under root (except under `skip`), keyed by path in the checkpoint; fsyncs them."""
         out = {}
-        for f in sorted(self.tmp.rglob("*")):
-            if f.is_file() and f.name != checkpoint.MANIFEST:
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and f.name != checkpoint.MANIFEST and not (skip and f.is_relative_to(skip)):
                 out[str(f.relative_to(self.tmp))] = sha256_file(f)
+                _fsync(f)
         return out
 
 
@@ -133,11 +145,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync_tree(root: Path) -> None:
-    for f in root.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -18,7 +18,8 @@ from typing import Any
 
 from day0jax.errors import CheckpointError
 
-FORMAT_VERSION = 1
+# 2: Linear kernels in HF's [out, in] order (1 had them transposed).
+FORMAT_VERSION = 2
 MANIFEST = "day0jax.json"
 PARAMS_DIR = "params"
 
@@ -51,6 +52,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if version > FORMAT_VERSION:
         raise CheckpointError(f"{manifest_path}: format version {version} is newer than this day0jax understands "
                               f"({FORMAT_VERSION}); upgrade day0jax or re-convert with this version")
+    if version < FORMAT_VERSION:
+        raise CheckpointError(f"{manifest_path}: format version {version} is older than this day0jax's "
+                              f"({FORMAT_VERSION}); re-convert the source with `python -m convert SRC DST --force`")
     return manifest
 
 
@@ -64,3 +68,33 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(p, {})
         node[leaf] = value
     return tree
+
+
+def read_params(path: Path, names: list[str] | None = None) -> dict[str, Any]:
+    """Parameters of a checkpoint as host numpy arrays in their stored dtype (for inspection and tests).
+
+    Args:
+        path: checkpoint folder.
+        names: dotted parameter names to read (default: all); only their groups are opened.
+    Returns:
+        name -> numpy array.
+    """
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    manifest = read_manifest(path)
+    wanted = list(manifest["params"]) if names is None else names
+    missing = [n for n in wanted if n not in manifest["params"]]
+    if missing:
+        raise CheckpointError(f"{path}: no parameter {missing[0]}")
+    out = {}
+    for group in sorted({manifest["params"][n]["group"] for n in wanted}):
+        tree = ocp.PyTreeCheckpointer().restore(Path(path) / group_dir(group))
+        for name in wanted:
+            if manifest["params"][name]["group"] != group:
+                continue
+            node = tree
+            for part in name.split("."):
+                node = node[part]
+            out[name] = np.asarray(node)
+    return out

@@ -1,0 +1,150 @@
+"""Converter throughput and memory on a synthetic multi-GB checkpoint, next to a plain sequential read.
+
+    .venv/bin/python bench/convert.py [--gb 4] [--repeats 3] [--workdir /tmp/day0jax-bench-convert]
+
+Writes a Llama-shaped Hugging Face folder of random bf16 tensors (several shards with an index; the sizes are
+large enough that one layer is ~200 MB), then alternates, per repeat: a sequential read of the shard files
+(cold page cache where the OS allows dropping it, else warm for both) and a conversion in a child process whose
+peak RSS is measured (resource.getrusage of the child). Prints medians: MB/s of both, their ratio (goal >= 0.5)
+and the converter's peak RSS (goal < 1.5 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def make_source(folder: Path, gb: float) -> None:
+    """A Llama config with 4096-wide layers, enough of them for `gb` gigabytes of bf16, in ~1 GB shards."""
+    from safetensors.numpy import save_file
+
+    D, F, V, N, K = 4096, 11008, 32000, 32, 8
+    per_layer = 2 * (2 * D * D + 2 * D * (D // N) * K + 3 * D * F + 2 * D)  # bytes of one bf16 layer
+    layers = max(1, int((gb * 1e9 - 2 * 2 * V * D) / per_layer))
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": D,
+              "intermediate_size": F, "num_hidden_layers": layers, "num_attention_heads": N,
+              "num_key_value_heads": K, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+
+    shards, current, size, weight_map = [], {}, 0, {}
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(current, str(folder / name))
+            weight_map.update({k: name for k in current})
+            shards.append(name)
+            current, size = {}, 0
+
+    def add(name, array):
+        nonlocal size
+        current[name] = array
+        size += array.nbytes
+        if size >= 1e9:
+            flush()
+
+    add("model.embed_tokens.weight", rand(V, D))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", np.ones(D, ml_dtypes.bfloat16))
+        add(p + "post_attention_layernorm.weight", np.ones(D, ml_dtypes.bfloat16))
+        add(p + "self_attn.q_proj.weight", rand(D, D))
+        add(p + "self_attn.k_proj.weight", rand(K * D // N, D))
+        add(p + "self_attn.v_proj.weight", rand(K * D // N, D))
+        add(p + "self_attn.o_proj.weight", rand(D, D))
+        add(p + "mlp.gate_proj.weight", rand(F, D))
+        add(p + "mlp.up_proj.weight", rand(F, D))
+        add(p + "mlp.down_proj.weight", rand(D, F))
+    add("model.norm.weight", np.ones(D, ml_dtypes.bfloat16))
+    add("lm_head.weight", rand(V, D))
+    flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def sequential_read(folder: Path) -> tuple[float, int]:
+    total, t0 = 0, time.perf_counter()
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(64 << 20):
+                total += len(chunk)
+    return time.perf_counter() - t0, total
+
+
+def convert_child(src: Path, dst: Path) -> tuple[float, int]:
+    shutil.rmtree(dst, ignore_errors=True)
+    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run([sys.executable, "-m", "convert", "--quiet", str(src), str(dst)], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    seconds = time.perf_counter() - t0
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if peak_kb < before:  # ru_maxrss of children is the max over all children so far
+        peak_kb = before
+    return seconds, peak_kb * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=4.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/day0jax-bench-convert"))
+    args = ap.parse_args()
+    src, dst = args.workdir / "src", args.workdir / "dst"
+    if not (src / "model.safetensors.index.json").is_file():
+        shutil.rmtree(src, ignore_errors=True)
+        print(f"writing a {args.gb:.1f} GB synthetic checkpoint into {src} ...", flush=True)
+        make_source(src, args.gb)
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    cold = drop_caches()
+    reads, converts, peaks = [], [], []
+    for _ in range(args.repeats):
+        drop_caches()
+        seconds, total = sequential_read(src)
+        reads.append(total / 1e6 / seconds)
+        drop_caches()
+        seconds, peak = convert_child(src, dst)
+        converts.append(size / 1e6 / seconds)
+        peaks.append(peak)
+    read, conv = statistics.median(reads), statistics.median(converts)
+    print(f"\nConversion of {size / 1e9:.2f} GB bf16 (safetensors, {len(list(src.glob('*.safetensors')))} shards), "
+          f"median of {args.repeats}, page cache {'dropped' if cold else 'warm (could not drop)'} before each run\n")
+    print("| measure | value |\n|---|---|")
+    print(f"| sequential read | {read:.0f} MB/s |")
+    print(f"| convert | {conv:.0f} MB/s |")
+    print(f"| convert / read | {conv / read:.2f} (goal >= 0.5) |")
+    print(f"| converter peak RSS | {max(peaks) / 1e9:.2f} GB (goal < 1.5 GB) |")
+
+
+if __name__ == "__main__":
+    main()

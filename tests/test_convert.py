@@ -1,0 +1,241 @@
+"""Conversion of Hugging Face folders, FP8 block-scaled weights and GGUF files, and the checkpoint it writes.
+
+Read-back exactness: float32 sources exactly, bf16 -> bf16 bitwise. FP8 and GGUF: our dequantization equals
+the reference's float32 values exactly (same formula, same bytes). GGUF model logits: 1e-3 relative to
+transformers reading the same file.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import day0jax
+from conftest import ROOT, run_reference
+from convert import convert_checkpoint
+from convert.convert import plan_sources
+from convert.sources import open_source
+from convert.verify import verify_checkpoint
+from day0jax import checkpoint, models
+from families import FAMILIES, PROMPTS
+
+GGUF_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+GGUF_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256)
+SP_TEXTS = ["The quick brown fox", " leading space", "numbers 12345 and code def f(x): return x * 2",
+            "unseen ünïcödé 日本 🤗", "multiple   spaces\n\nnewlines", "<s>special</s> tokens", ""]
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert-refs")
+    llama = dict(FAMILIES["llama"][1])
+    gguf = root / "tiny.gguf"
+    run_reference([
+        {"op": "tiny_hf", "family": "llama", "config": llama, "seed": 1, "dtype": "bfloat16", "out": str(root / "bf16")},
+        {"op": "fp8_hf", "config": dict(llama, intermediate_size=96), "seed": 2, "block": [48, 48],
+         "out": str(root / "fp8")},
+        {"op": "tiny_gguf", "config": GGUF_CONFIG, "types": GGUF_TYPES, "seed": 3, "out": str(gguf)},
+        {"op": "state", "model": str(gguf), "out": str(root / "gguf_state.npz")},
+        {"op": "run", "model": str(gguf), "prompts": [p[:12] for p in PROMPTS], "generate": 6,
+         "out": str(root / "gguf_run.npz")},
+        {"op": "tokenize", "model": str(gguf), "texts": SP_TEXTS,
+         "chats": [[{"role": "user", "content": "hi there"}]], "out": str(root / "gguf_tok.json")},
+    ], root)
+    return root
+
+
+def expected_params(src, ckpt):
+    """What each runtime parameter must be: the family's mapping applied to the source tensors (float32)."""
+    source = open_source(src)
+    config = models.config_from_hf(source.hf_config())
+    infos = models.param_infos(models.abstract_model(config))
+    plan = plan_sources(models.family(config.model_type), config, infos, source)
+    return {i.path: plan[i.path].combine([source.read(n) for n in plan[i.path].names], i.shape) for i in infos}
+
+
+def test_float32_params_read_back_exactly(tiny, converted):
+    want = expected_params(tiny["llama"]["hf"], converted["llama"])
+    got = checkpoint.read_params(converted["llama"])
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == np.float32
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_bf16_to_bf16_is_bitwise(refs, tmp_path):
+    dst = convert_checkpoint(refs / "bf16", tmp_path / "ck", progress=False).dst
+    manifest = checkpoint.read_manifest(dst)
+    assert manifest["dtype"] == "bfloat16"
+    got = checkpoint.read_params(dst)
+    source = load_file(str(refs / "bf16" / "model.safetensors"))
+    q = got["model.layers.0.self_attn.q_proj.kernel"]
+    assert q.dtype == ml_dtypes.bfloat16
+    src_q = source["model.layers.0.self_attn.q_proj.weight"]  # loaded by safetensors as bfloat16
+    np.testing.assert_array_equal(q.view(np.uint16), src_q.reshape(q.shape).view(np.uint16))
+    np.testing.assert_array_equal(got["model.norm.weight"].view(np.uint16),
+                                  source["model.norm.weight"].view(np.uint16))
+
+
+def test_manifest_records_sources_params_and_written_files(tiny, converted):
+    dst = converted["llama"]
+    m = checkpoint.read_manifest(dst)
+    assert m["format_version"] == checkpoint.FORMAT_VERSION and m["source"]["kind"] == "safetensors"
+    from convert.writer import sha256_file
+    assert m["source"]["sha256"]["model.safetensors"] == sha256_file(tiny["llama"]["hf"] / "model.safetensors")
+    assert m["params"]["model.layers.1.mlp.down_proj.kernel"]["shape"] == [64, 128]
+    assert all((dst / f).is_file() for f in m["files"]) and any(f.startswith("params/") for f in m["files"])
+    assert json.loads((dst / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_verify_detects_modified_and_missing_files(converted, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(converted["llama"], dst)
+    assert verify_checkpoint(dst) == []
+    victim = next(p for p in sorted(dst.rglob("*")) if p.is_file() and "params/" in str(p) and p.stat().st_size > 64)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    (dst / "tokenizer_config.json").unlink(missing_ok=True)
+    (dst / "config.json").unlink()
+    problems = verify_checkpoint(dst)
+    assert any(str(victim) in p and "sha256" in p for p in problems)
+    assert any("config.json: missing" in p for p in problems)
+    cli = subprocess.run([sys.executable, "-m", "convert", "--verify", str(dst)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "sha256" in cli.stderr
+
+
+def test_transformers4_style_config_converts_to_the_same_model(tiny, tmp_path):
+    """rope_theta + rope_scaling (transformers 4.x) and rope_parameters (5.x) describe the same model."""
+    src = tmp_path / "v4"
+    shutil.copytree(tiny["llama_yarn"]["hf"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = dict(rope, type=rope.pop("rope_type"))
+    (src / "config.json").write_text(json.dumps(cfg))
+    model = day0jax.load(convert_checkpoint(src, tmp_path / "ck", progress=False).dst)
+    ref = tiny["llama_yarn"]["ref"]["logits_2"]
+    assert np.abs(model.logits([PROMPTS[2]])[0] - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def test_fp8_block_scaled_weights_are_dequantized(refs, tmp_path):
+    dst = convert_checkpoint(refs / "fp8", tmp_path / "ck", dtype="float32", progress=False).dst
+    reference = load_file(str(refs / "fp8.reference.safetensors"))
+    got = checkpoint.read_params(dst)
+    w = reference["model.layers.0.mlp.down_proj.weight"]  # [64, 96]: blocks of 48 leave partial edge blocks
+    np.testing.assert_array_equal(got["model.layers.0.mlp.down_proj.kernel"], w)
+    q = reference["model.layers.1.self_attn.q_proj.weight"]
+    np.testing.assert_array_equal(got["model.layers.1.self_attn.q_proj.kernel"], q.reshape(4, 16, 64))
+    assert "quantization_config" not in json.loads((dst / "config.json").read_text())
+    assert checkpoint.read_manifest(convert_checkpoint(refs / "fp8", tmp_path / "ck2", progress=False).dst)[
+        "dtype"] == "bfloat16"  # FP8 sources default to bf16
+
+
+@pytest.fixture(scope="module")
+def gguf_ckpt(refs, tmp_path_factory):
+    return convert_checkpoint(refs / "tiny.gguf", tmp_path_factory.mktemp("gguf") / "ck", progress=False).dst
+
+
+def test_gguf_every_type_dequantizes_like_transformers(refs, gguf_ckpt):
+    state = dict(np.load(refs / "gguf_state.npz"))
+    got = checkpoint.read_params(gguf_ckpt)
+    for name, value in got.items():
+        hf = name.replace(".kernel", ".weight")
+        want = state[hf]
+        if name.endswith(".kernel"):
+            want = want.reshape(value.shape)
+        np.testing.assert_array_equal(value, want, err_msg=name)
+    assert len(got) == len(state)
+
+
+def test_gguf_model_matches_transformers(refs, gguf_ckpt):
+    model = day0jax.load(gguf_ckpt)
+    ref = dict(np.load(refs / "gguf_run.npz"))
+    for i, p in enumerate(PROMPTS):
+        prompt = p[:12]
+        ours = model.logits([prompt])[0]
+        assert np.abs(ours - ref[f"logits_{i}"]).max() <= 1e-3 * np.abs(ref[f"logits_{i}"]).max()
+        assert model.generate([prompt], 6, ignore_eos=True)[0] == ref[f"generated_{i}"].tolist()
+
+
+def test_gguf_sentencepiece_tokenizer_matches_transformers(refs, gguf_ckpt):
+    ref = json.loads((refs / "gguf_tok.json").read_text())
+    tok = day0jax.load(gguf_ckpt).tokenizer
+    for text, ids, decoded in zip(SP_TEXTS, ref["texts"], ref["decoded"]):
+        assert tok.encode(text) == ids, repr(text)
+        assert tok.decode(ids) == decoded, repr(text)
+    assert tok.render_chat([{"role": "user", "content": "hi there"}]) == ref["chat_texts"][0]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi there"}]) == ref["chats"][0]
+
+
+def test_existing_destination_needs_force(converted, tiny, tmp_path):
+    from day0jax.errors import CheckpointError
+
+    dst = tmp_path / "ck"
+    convert_checkpoint(tiny["llama"]["hf"], dst, progress=False)
+    with pytest.raises(CheckpointError, match="already exists.*--force"):
+        convert_checkpoint(tiny["llama"]["hf"], dst, progress=False)
+    convert_checkpoint(tiny["mistral"]["hf"], dst, force=True, progress=False)
+    assert json.loads((dst / "config.json").read_text())["model_type"] == "mistral"
+    assert verify_checkpoint(dst) == []
+
+
+def test_cli_prints_progress_and_summary(tiny, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "convert", str(tiny["llama"]["hf"]), str(tmp_path / "ck")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "converting llama" in proc.stderr and "100%" in proc.stderr  # the tqdm bar over bytes
+    assert "M parameters" in proc.stdout and "MB/s" in proc.stdout and "MB in" in proc.stdout
+
+
+def test_sigkill_midway_leaves_no_destination(tiny, tmp_path):
+    """A conversion killed half-way leaves no DST; the next one cleans its temporary folder and succeeds."""
+    from conftest import smollm2_gguf
+
+    dst = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "convert", "--quiet", str(smollm2_gguf()), str(dst)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until the first parameter group is being written
+        tmp = list(tmp_path.glob(".ck.tmp-*"))
+        if tmp and list((tmp[0] / "params").glob("*")):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("conversion never started writing")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists()
+    assert list(tmp_path.glob(".ck.tmp-*"))  # the debris is hidden, not a checkpoint
+    convert_checkpoint(tiny["llama"]["hf"], dst, progress=False)  # same destination, killed run's debris removed
+    assert not list(tmp_path.glob(".ck.tmp-*"))
+    assert verify_checkpoint(dst) == []
+
+
+def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_path):
+    """Released DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` extra layers after the last one."""
+    from safetensors.numpy import save_file
+
+    from day0jax.errors import CheckpointError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny["deepseek_v3"]["hf"], src)
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    tensors = load_file(str(src / "model.safetensors"))
+    mtp = {f"model.layers.{layers}.eh_proj.weight": np.ones((4, 8), np.float32)}
+    save_file(dict(tensors, **mtp), str(src / "model.safetensors"))
+    convert_checkpoint(src, tmp_path / "ok", progress=False)
+    save_file(dict(tensors, **{f"model.layers.{layers + 1}.eh_proj.weight": np.ones((4, 8), np.float32)}),
+              str(src / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"model\.layers\.{layers + 1}\.eh_proj\.weight.*is not used"):
+        convert_checkpoint(src, tmp_path / "bad", progress=False)

@@ -1,0 +1,165 @@
+"""Bad input to the converter: each case is a typed error naming the file and the problem, and writes nothing."""
+
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from convert import convert_checkpoint
+from day0jax.errors import CheckpointError, ConfigError, UnsupportedArchitecture
+
+
+@pytest.fixture
+def hf(tiny, tmp_path):
+    """A writable copy of the tiny llama folder."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny["llama"]["hf"], src)
+    return src
+
+
+def convert_fails(src, tmp_path, error, match):
+    dst = tmp_path / "dst"
+    with pytest.raises(error, match=match):
+        convert_checkpoint(src, dst, progress=False)
+    assert not dst.exists() and not list(tmp_path.glob(".dst.tmp-*"))
+
+
+def write_safetensors(path, header: dict, data: bytes = b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_truncated_safetensors(hf, tmp_path):
+    f = hf / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    convert_fails(hf, tmp_path, CheckpointError, r"model\.safetensors: tensor '.*' ends at byte \d+, past the end")
+
+
+def test_header_length_beyond_file(hf, tmp_path):
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", 10 ** 9) + b"{}")
+    convert_fails(hf, tmp_path, CheckpointError, r"model\.safetensors: header length 1000000000 runs past the end")
+
+
+def test_overlapping_offsets(hf, tmp_path):
+    write_safetensors(hf / "model.safetensors", {
+        "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, bytes(24))
+    convert_fails(hf, tmp_path, CheckpointError, r"tensors 'a' and 'b' overlap")
+
+
+def test_offsets_out_of_range_and_size_mismatch(hf, tmp_path):
+    write_safetensors(hf / "model.safetensors", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+                      bytes(8))
+    convert_fails(hf, tmp_path, CheckpointError, r"tensor 'a' ends at byte \d+, past the end")
+    write_safetensors(hf / "model.safetensors", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}},
+                      bytes(16))
+    convert_fails(hf, tmp_path, CheckpointError, r"tensor 'a' of shape \(4,\) F32 needs 16 bytes but its offsets "
+                                                 r"span 12")
+
+
+def test_not_safetensors(hf, tmp_path):
+    (hf / "model.safetensors").write_text("this is not a safetensors file at all, just some text")
+    convert_fails(hf, tmp_path, CheckpointError, r"model\.safetensors: (header .* runs past|header is not JSON)")
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    convert_fails(src, tmp_path, CheckpointError, r"only PyTorch pickle weights .* never unpickled")
+
+
+def test_missing_and_malformed_config(hf, tmp_path):
+    (hf / "config.json").unlink()
+    convert_fails(hf, tmp_path, ConfigError, r"config\.json not found")
+    (hf / "config.json").write_text("{not json")
+    convert_fails(hf, tmp_path, ConfigError, r"config\.json: not valid JSON")
+    (hf / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    convert_fails(hf, tmp_path, ConfigError, r"no 'model_type'")
+
+
+def test_index_naming_a_missing_shard(hf, tmp_path):
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    convert_fails(hf, tmp_path, CheckpointError, r"index\.json: names shard 'model-00001-of-00002\.safetensors', "
+                                                 r"which is missing")
+
+
+def test_unknown_architecture_refused_before_writing(hf, tmp_path):
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["model_type"] = "lama"
+    (hf / "config.json").write_text(json.dumps(cfg))
+    convert_fails(hf, tmp_path, UnsupportedArchitecture, r"model_type 'lama' is not supported; the closest "
+                                                         r"supported family is 'llama'")
+
+
+def test_missing_wrong_shape_and_unused_tensors(hf, tmp_path):
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(hf / "model.safetensors"))
+    broken = dict(tensors)
+    del broken["model.layers.1.mlp.up_proj.weight"]
+    save_file(broken, str(hf / "model.safetensors"))
+    convert_fails(hf, tmp_path, CheckpointError, r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' .* is missing")
+    broken = dict(tensors, **{"model.norm.weight": np.ones(65, np.float32)})
+    save_file(broken, str(hf / "model.safetensors"))
+    convert_fails(hf, tmp_path, CheckpointError, r"tensor 'model\.norm\.weight' has shape \(65,\), expected \(64,\)")
+    broken = dict(tensors, **{"model.layers.0.mystery.weight": np.ones(3, np.float32)})
+    save_file(broken, str(hf / "model.safetensors"))
+    convert_fails(hf, tmp_path, CheckpointError, r"tensor 'model\.layers\.0\.mystery\.weight' .* is not used")
+
+
+# --- GGUF -------------------------------------------------------------------------------------------------------
+
+def tiny_gguf(path, tensor_type=None):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_token_list(["<unk>", "<s>", "</s>", "a"])
+    w.add_tokenizer_model("llama")
+    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_bad_magic(tmp_path):
+    f = tiny_gguf(tmp_path / "m.gguf")
+    f.write_bytes(b"GGUX" + f.read_bytes()[4:])
+    convert_fails(f, tmp_path, CheckpointError, r"m\.gguf: bad magic b'GGUX'")
+
+
+def test_gguf_truncated_header(tmp_path):
+    f = tiny_gguf(tmp_path / "m.gguf")
+    f.write_bytes(f.read_bytes()[:60])
+    convert_fails(f, tmp_path, CheckpointError, r"m\.gguf: GGUF header is truncated")
+
+
+def test_gguf_tensor_data_past_the_end(tmp_path):
+    f = tiny_gguf(tmp_path / "m.gguf")
+    f.write_bytes(f.read_bytes()[:-64])
+    convert_fails(f, tmp_path, CheckpointError, r"tensor '(token_embd|output_norm)\.weight' data ends at byte \d+, "
+                                                r"past the end")
+
+
+def test_gguf_unknown_tensor_type(tmp_path):
+    f = tiny_gguf(tmp_path / "m.gguf")
+    data = bytearray(f.read_bytes())
+    name = b"output_norm.weight"
+    at = data.index(name) + len(name) + 4 + 8  # past the name, n_dims (u32) and the one dim (u64)
+    assert struct.unpack_from("<I", data, at)[0] == 0  # F32
+    struct.pack_into("<I", data, at, 77)
+    f.write_bytes(bytes(data))
+    convert_fails(f, tmp_path, CheckpointError, r"tensor 'output_norm\.weight' has GGML type 77, which is unknown")
+
+
+def test_source_that_does_not_exist(tmp_path):
+    convert_fails(tmp_path / "nope", tmp_path, CheckpointError, r"nope: no such file or folder")
