@@ -6,28 +6,113 @@ tries the backend's candidates in order (a kernel raises `NotImplementedError` f
 ends at the reference, which takes everything. A named implementation that cannot run raises
 `KernelUnavailable`: the caller asked for it explicitly. Dispatch happens at trace time, so under `jax.jit`
 it costs nothing per call.
+
+The process-wide `Policy` (set by `set_policy`, normally by the startup self-test when a model loads) can
+restrict the choice: mode 'reference' runs only references, and `disabled` lists kernels that disagreed with
+their reference on the model's shapes and must not be chosen again. It is read when a function is traced, so
+it applies to everything traced after it is set.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "reference"
+MODES = ("auto", "strict", "reference")
+# op name (as each api passes it to `dispatch`) -> the api module that declares its pool.
+OPS = {
+    "attention": "kernels_pallas.attention.api",
+    "paged_attention": "kernels_pallas.paged_attention.api",
+    "moe": "kernels_pallas.moe.api",
+    "rms_norm": "kernels_pallas.rms_norm.api",
+}
 
 
 class KernelUnavailable(RuntimeError):
     """An explicitly named implementation cannot run on these inputs or this backend."""
 
 
-def order(candidates: Mapping[str, Sequence[str]], backend: str | None = None) -> tuple[str, ...]:
-    """The names `dispatch` tries on `backend` (default: JAX's default backend), the reference last."""
+class KernelMismatch(RuntimeError):
+    """A kernel's output disagrees with its reference beyond the dtype's tolerance (strict self-test)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How `dispatch` chooses when no implementation is named.
+
+    Attributes:
+        mode: 'auto' (candidates in order, then the reference), 'strict' (the same choice; the self-test turns
+            disagreement into an error) or 'reference' (only references).
+        disabled: (op, implementation) pairs never chosen automatically.
+    """
+
+    mode: str = "auto"
+    disabled: frozenset[tuple[str, str]] = field(default_factory=frozenset)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"kernels mode {self.mode!r} is not one of {', '.join(MODES)}")
+
+    def without(self, op: str, implementation: str) -> "Policy":
+        """This policy with `implementation` of `op` disabled."""
+        return Policy(self.mode, self.disabled | {(op, implementation)})
+
+
+_policy = Policy()
+
+
+def get_policy() -> Policy:
+    return _policy
+
+
+def set_policy(policy: Policy) -> Policy:
+    """Makes `policy` the process-wide choice rule; returns the previous one."""
+    global _policy
+    previous, _policy = _policy, policy
+    return previous
+
+
+@contextlib.contextmanager
+def use_policy(policy: Policy) -> Iterator[Policy]:
+    """`set_policy` for the duration of a block (tests, benchmarks)."""
+    previous = set_policy(policy)
+    try:
+        yield policy
+    finally:
+        set_policy(previous)
+
+
+def api(op: str) -> ModuleType:
+    """The api module of `op` (its `IMPLEMENTATIONS`, `CANDIDATES` and the op function)."""
+    if op not in OPS:
+        raise KeyError(f"unknown op {op!r}; known: {sorted(OPS)}")
+    return importlib.import_module(OPS[op])
+
+
+def order(candidates: Mapping[str, Sequence[str]], backend: str | None = None, *, op: str | None = None,
+          policy: Policy | None = None) -> tuple[str, ...]:
+    """The names `dispatch` tries on `backend` (default: JAX's default backend), the reference last.
+
+    With `op` given, the policy applies: mode 'reference' leaves only the reference, disabled kernels drop out.
+    """
     backend = backend or jax.default_backend()
-    return tuple(candidates.get(backend, ())) + (REFERENCE,)
+    names = tuple(candidates.get(backend, ()))
+    if op is not None:
+        policy = policy or _policy
+        if policy.mode == "reference":
+            names = ()
+        names = tuple(n for n in names if (op, n) not in policy.disabled)
+    return names + (REFERENCE,)
 
 
 def dispatch(op: str, implementations: Mapping[str, Callable[..., Any]], candidates: Mapping[str, Sequence[str]],
@@ -35,7 +120,7 @@ def dispatch(op: str, implementations: Mapping[str, Callable[..., Any]], candida
     """Runs `op` with the named implementation, or the first candidate that accepts the inputs.
 
     Args:
-        op: the op's name, for messages.
+        op: the op's name, for messages and the policy.
         implementations: name -> callable, including `REFERENCE`.
         candidates: backend -> ordered names to try before the reference.
         implementation: a name to force, or None to choose.
@@ -51,7 +136,7 @@ def dispatch(op: str, implementations: Mapping[str, Callable[..., Any]], candida
             return implementations[implementation](*args, **kwargs)
         except NotImplementedError as e:
             raise KernelUnavailable(f"{op}: implementation {implementation!r} cannot run these inputs: {e}") from e
-    for name in order(candidates):
+    for name in order(candidates, op=op):
         fn = implementations.get(name)
         if fn is None:
             continue
@@ -60,3 +145,36 @@ def dispatch(op: str, implementations: Mapping[str, Callable[..., Any]], candida
         except NotImplementedError as e:
             log.debug("%s: %s declined (%s), trying the next candidate", op, name, e)
     raise KernelUnavailable(f"{op}: no implementation accepted the inputs")  # unreachable: the reference takes all
+
+
+def accepts(op: str, implementation: str, *args: Any, **kwargs: Any) -> str | None:
+    """None if `implementation` of `op` takes these inputs (traced abstractly, nothing runs), else the reason."""
+    fn = api(op).IMPLEMENTATIONS[implementation]
+    try:
+        trace_abstractly(fn, *args, **kwargs)
+    except NotImplementedError as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def trace_abstractly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`jax.eval_shape` of fn(*args, **kwargs), with array leaves abstract and everything else (flags, window
+    sizes, scales) passed as the Python values the implementations branch on."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
+
+    def call(*arrays):
+        it = iter(arrays)
+        a, k = jax.tree.unflatten(tree, [next(it) if arr else x for x, arr in zip(leaves, is_array)])
+        return fn(*a, **k)
+
+    return jax.eval_shape(call, *[x for x, arr in zip(leaves, is_array) if arr])
+
+
+def chosen(op: str, *args: Any, policy: Policy | None = None, **kwargs: Any) -> str:
+    """The implementation `dispatch` would run for these inputs under `policy` (default: the current one)."""
+    mod = api(op)
+    for name in order(mod.CANDIDATES, op=op, policy=policy):
+        if name in mod.IMPLEMENTATIONS and accepts(op, name, *args, **kwargs) is None:
+            return name
+    return REFERENCE

@@ -1,15 +1,30 @@
-"""Attention as callers see it: picks a kernel from the candidates, falls back to the reference."""
+"""Attention as callers see it: picks a kernel from the candidates, falls back to the reference.
+
+Candidates on NVIDIA GPUs, in order: the Mosaic GPU FlashAttention-3 style kernel (Hopper; every variant of
+the contract), then cuDNN's flash attention (where its masks match), then the reference. `mosaic_gpu_interpret`
+runs the Mosaic GPU kernel in the interpreter on the CPU; tests and `selfcheck --interpret` name it explicitly.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 from kernels_pallas import registry
-from kernels_pallas.attention import reference
+from kernels_pallas.attention import pallas_mgpu, reference, xla_cudnn
 
-IMPLEMENTATIONS = {registry.REFERENCE: reference.attention}
+IMPLEMENTATIONS = {
+    registry.REFERENCE: reference.attention,
+    "mosaic_gpu": pallas_mgpu.attention,
+    "mosaic_gpu_interpret": functools.partial(pallas_mgpu.attention, interpret=True),
+    "cudnn": xla_cudnn.attention,
+}
 # backend -> kernels to try, in order, before the reference.
-CANDIDATES: dict[str, tuple[str, ...]] = {}
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu", "cudnn")}
+# Implementations that are Pallas kernels: what `selfcheck --lower cuda` lowers (name -> its lowering target).
+PALLAS = {"mosaic_gpu": "cuda"}
+INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,

@@ -29,7 +29,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         sinks: [N] learned logits that join every softmax denominator and take no value (gpt-oss).
         scale: score scale; default H ** -0.5.
     Returns:
-        [B, T, N, H] in q's dtype.
+        [B, T, N, Hv] in q's dtype, Hv being v's head dim (H except in multi-head latent attention).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -60,4 +60,4 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     else:
         weights = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N, H).astype(q.dtype)
+    return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)

@@ -1,11 +1,17 @@
-"""Grouped matmul as MoE layers see it: XLA's native `ragged_dot` on accelerators, kernels, the reference."""
+"""Grouped matmul as MoE layers see it: a Mosaic GPU kernel, XLA's native `ragged_dot`, the reference.
+
+Candidates: on NVIDIA GPUs the Mosaic GPU kernel (Hopper), then `jax.lax.ragged_dot`; on TPUs `ragged_dot`.
+`mosaic_gpu_interpret` runs the kernel in the interpreter on the CPU.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 from kernels_pallas import registry
-from kernels_pallas.moe import reference
+from kernels_pallas.moe import pallas_mgpu, reference
 
 
 def _xla_ragged_dot(lhs, rhs, group_sizes):
@@ -13,9 +19,16 @@ def _xla_ragged_dot(lhs, rhs, group_sizes):
         lhs.dtype)
 
 
-IMPLEMENTATIONS = {registry.REFERENCE: reference.grouped_matmul, "xla_ragged_dot": _xla_ragged_dot}
+IMPLEMENTATIONS = {
+    registry.REFERENCE: reference.grouped_matmul,
+    "xla_ragged_dot": _xla_ragged_dot,
+    "mosaic_gpu": pallas_mgpu.grouped_matmul,
+    "mosaic_gpu_interpret": functools.partial(pallas_mgpu.grouped_matmul, interpret=True),
+}
 # On the CPU, XLA expands ragged_dot densely over all groups: the reference is cheaper there.
-CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("xla_ragged_dot",), "tpu": ("xla_ragged_dot",)}
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu", "xla_ragged_dot"), "tpu": ("xla_ragged_dot",)}
+PALLAS = {"mosaic_gpu": "cuda"}
+INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,

@@ -1,14 +1,26 @@
-"""Paged attention as callers (the engine) see it: a kernel when one accepts the inputs, else the reference."""
+"""Paged decode attention as callers (the engine) see it: a kernel when one accepts the inputs, else the reference.
+
+This is the issue's `paged_decode_attention` op. Candidates on NVIDIA GPUs: the Mosaic GPU split-KV kernel
+(Hopper), then the reference. `mosaic_gpu_interpret` runs the kernel in the interpreter on the CPU.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 from kernels_pallas import registry
-from kernels_pallas.paged_attention import reference
+from kernels_pallas.paged_attention import pallas_mgpu, reference
 
-IMPLEMENTATIONS = {registry.REFERENCE: reference.paged_attention}
-CANDIDATES: dict[str, tuple[str, ...]] = {}
+IMPLEMENTATIONS = {
+    registry.REFERENCE: reference.paged_attention,
+    "mosaic_gpu": pallas_mgpu.paged_attention,
+    "mosaic_gpu_interpret": functools.partial(pallas_mgpu.paged_attention, interpret=True),
+}
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu",)}
+PALLAS = {"mosaic_gpu": "cuda"}
+INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,

@@ -33,6 +33,6 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     B, max_blocks = block_tables.shape
     _, page, K, H = k_pages.shape
     k = k_pages[block_tables].reshape(B, max_blocks * page, K, H)
-    v = v_pages[block_tables].reshape(B, max_blocks * page, K, H)
+    v = v_pages[block_tables].reshape(B, max_blocks * page, K, v_pages.shape[-1])  # Hv may differ (MLA)
     return dense.attention(q, k, v, q_positions=q_positions, kv_lengths=kv_lengths, causal=True,
                            sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks, scale=scale)

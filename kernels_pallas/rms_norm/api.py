@@ -1,18 +1,34 @@
-"""RMSNorm as the layers see it: a kernel when one accepts the inputs, else the reference."""
+"""RMSNorm as the layers see it: a kernel when one accepts the inputs, else the reference.
+
+Candidates on NVIDIA GPUs: the Mosaic GPU kernel (Hopper), then the reference (which XLA fuses well).
+`mosaic_gpu_interpret` runs the kernel in the interpreter on the CPU.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 from kernels_pallas import registry
-from kernels_pallas.rms_norm import reference
+from kernels_pallas.rms_norm import pallas_mgpu, reference
 
-IMPLEMENTATIONS = {registry.REFERENCE: reference.rms_norm}
-CANDIDATES: dict[str, tuple[str, ...]] = {}
+IMPLEMENTATIONS = {
+    registry.REFERENCE: reference.rms_norm,
+    "mosaic_gpu": pallas_mgpu.rms_norm,
+    "mosaic_gpu_interpret": functools.partial(pallas_mgpu.rms_norm, interpret=True),
+}
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu",)}
+PALLAS = {"mosaic_gpu": "cuda"}
+INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0,
              residual: jax.Array | None = None, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
-    """See `reference.rms_norm`; `implementation` forces one candidate by name."""
+    """See `reference.rms_norm`; `implementation` forces one candidate by name.
+
+    Raises:
+        registry.KernelUnavailable: the named implementation cannot take these inputs.
+    """
     return registry.dispatch("rms_norm", IMPLEMENTATIONS, CANDIDATES, implementation, x, weight, eps=eps,
                              offset=offset, residual=residual)

@@ -1,0 +1,353 @@
+"""Kernel benchmark: each op's implementations on real layer shapes, against the chip's measured ceilings.
+
+    python bench/kernels.py [--json PATH] [--markdown] [--iters N] [--tune] [--only OP ...]
+    python bench/kernels.py --cpu-smoke      # tiny shapes on the CPU: checks the script itself, times nothing real
+
+On the GPU, first the two ceilings are measured in this same run: streaming bandwidth (a large device-to-device
+read+write, y = x + 1 over 4 GiB of bf16, bytes read plus bytes written) and the bf16 matrix rate (an
+8192 x 8192 x 8192 product on random data, float32 accumulation). Then, for each op and shape (Llama-3-8B,
+Qwen3-30B-A3B and DeepSeek-V3 layers), every implementation that accepts the shape runs: output checked
+against the reference (max relative error), then timed.
+
+Timing: device time of every kernel the op launches, read with CUPTI (`jax.experimental.mosaic.gpu.profiler`,
+hardware timestamps per kernel, no host clocks) over `--iters` runs after a warm-up (compile + 1 run); the
+median is reported. If CUPTI is unavailable the script falls back to wall clock around block_until_ready over
+the same runs, and says so in the 'timer' column. Inputs are random (never zeros) and larger than the 60 MB
+L2 wherever the op streams memory.
+
+Figures: prefill attention and MoE prefill in TFLOP/s (causal attention counts half the score matrix) as a
+fraction of the measured matmul rate; paged decode, MoE decode and RMSNorm in GB/s (minimum bytes: each input
+read once, each output written once) as a fraction of the measured copy bandwidth; the speed-up over the
+reference (XLA) and over cuDNN / ragged_dot where they exist. Targets (H100/H200): paged decode >= 60% of copy
+bandwidth, prefill attention >= 50% of the matmul rate, MoE grouped matmul >= 45%.
+
+`--tune` sweeps each Pallas kernel's block sizes on these shapes and prints table entries for the kernels'
+`TABLE`s (kernels_pallas/*/pallas_mgpu.py), to paste with the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, no install needed
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kernels_pallas import cases, platform, registry, selftest  # noqa: E402
+from kernels_pallas.attention import pallas_mgpu as attention_mgpu  # noqa: E402
+from kernels_pallas.moe import pallas_mgpu as moe_mgpu  # noqa: E402
+from kernels_pallas.paged_attention import pallas_mgpu as paged_mgpu  # noqa: E402
+from kernels_pallas.rms_norm import pallas_mgpu as rms_mgpu  # noqa: E402
+
+TARGETS = {"attention": ("matmul", 0.50), "paged_attention": ("copy", 0.60), "moe": ("matmul", 0.45)}
+
+
+@dataclasses.dataclass
+class Bench:
+    """One op on one shape: the case, and its work on the inputs actually built (lengths and group sizes are
+    drawn at random): work(args, kwargs) -> (useful FLOPs, minimum bytes). `compute_bound` picks the ceiling:
+    the matmul rate (FLOPs) or the copy bandwidth (bytes)."""
+
+    op: str
+    name: str
+    case: cases.Case
+    work: Callable[[tuple, dict], tuple[float, float]]
+    compute_bound: bool
+
+
+# --- what to run ---------------------------------------------------------------------------------------------
+
+def attention_bench(family: str, B: int, T: int, dtype: str) -> Bench:
+    d = cases.attention_dims(cases.FAMILIES[family])
+    spec = dict(B=B, T=T, S=T, N=d["N"], K=d["K"], H=d["H"], scale=d["scale"], window=None, softcap=None,
+                sinks=d["sinks"], offsets=False)
+    flops = 4.0 * B * d["N"] * T * T * d["H"] / 2  # QK^T and PV, causal: half the score matrix
+    return Bench("attention", f"{family} prefill B={B} T={T}", cases.Case("attention", family, dtype, spec),
+                 lambda args, kwargs: (flops, 0.0), True)
+
+
+def paged_bench(family: str, B: int, length: int, dtype: str, page: int = 16) -> Bench:
+    d = cases.attention_dims(cases.FAMILIES[family])
+    spec = dict(B=B, T=1, N=d["N"], K=d["K"], H=d["H"], page=page, max_len=length, scale=d["scale"], window=None,
+                softcap=None, sinks=d["sinks"])
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def work(args, kwargs):  # the cached keys and values of every row, read once (lengths are random)
+        return 0.0, float(jnp.sum(args[4])) * d["K"] * d["H"] * 2 * itemsize
+
+    return Bench("paged_attention", f"{family} decode B={B} len<={length}",
+                 cases.Case("paged_attention", family, dtype, spec), work, False)
+
+
+def moe_bench(family: str, tokens: int, dtype: str, proj: str = "gate/up") -> Bench:
+    m = cases.moe_dims(cases.FAMILIES[family])
+    D, F = (m["D"], m["F"]) if proj == "gate/up" else (m["F"], m["D"])
+    M = tokens * m["k"]
+    spec = dict(M=M, G=m["G"], D=D, F=F, k=m["k"])
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def work(args, kwargs):  # rows in, the weights of the experts that got rows, rows out
+        active = int(jnp.sum(args[2] > 0))
+        return 2.0 * M * D * F, float(M * D + active * D * F + M * F) * itemsize
+
+    decode = tokens <= 64  # a few rows per expert: streaming the weights is the cost
+    return Bench("moe", f"{family} {proj} {'decode' if decode else 'prefill'} tokens={tokens}",
+                 cases.Case("moe", family, dtype, spec), work, not decode)
+
+
+def rms_bench(family: str, rows: int, dtype: str) -> Bench:
+    hf = cases.FAMILIES[family]
+    D = int(hf["hidden_size"])
+    spec = dict(M=rows, D=D, eps=float(hf.get("rms_norm_eps", 1e-6)), offset=0.0)
+    nbytes = 4.0 * rows * D * jnp.dtype(dtype).itemsize  # x, residual in; normed, h out
+    return Bench("rms_norm", f"{family} rows={rows}", cases.Case("rms_norm", family, dtype, spec),
+                 lambda args, kwargs: (0.0, nbytes), False)
+
+
+def benches(dtype: str, tiny: bool = False) -> list[Bench]:
+    if tiny:  # --cpu-smoke: exercise every path with toy sizes
+        return [attention_bench("llama-3-8b", 1, 128, dtype), paged_bench("llama-3-8b", 2, 128, dtype),
+                moe_bench("qwen3-30b-a3b", 16, dtype), rms_bench("llama-3-8b", 64, dtype)]
+    return [
+        attention_bench("llama-3-8b", 4, 4096, dtype),
+        attention_bench("qwen3-30b-a3b", 4, 4096, dtype),
+        attention_bench("deepseek-v3", 1, 4096, dtype),
+        paged_bench("llama-3-8b", 64, 4096, dtype),
+        paged_bench("qwen3-30b-a3b", 64, 4096, dtype),
+        paged_bench("llama-3-8b", 8, 32768, dtype),
+        moe_bench("qwen3-30b-a3b", 4096, dtype),
+        moe_bench("qwen3-30b-a3b", 4096, dtype, "down"),
+        moe_bench("deepseek-v3", 4096, dtype),
+        moe_bench("qwen3-30b-a3b", 32, dtype),
+        moe_bench("deepseek-v3", 32, dtype),
+        rms_bench("llama-3-8b", 16384, dtype),
+        rms_bench("deepseek-v3", 8192, dtype),
+    ]
+
+
+# --- timing --------------------------------------------------------------------------------------------------
+
+def jitted(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list]:
+    """fn as a jitted function of its array arguments only (flags and sizes static)."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(x, jax.Array) for x in leaves]
+
+    def call(*arrays):
+        it = iter(arrays)
+        a, k = jax.tree.unflatten(tree, [next(it) if arr else x for x, arr in zip(leaves, is_array)])
+        return fn(*a, **k)
+
+    return jax.jit(call), [x for x, arr in zip(leaves, is_array) if arr]
+
+
+def time_ms(f: Callable, arrays: list, iters: int) -> tuple[float, str]:
+    """Median device milliseconds of f(*arrays) over `iters` runs after warm-up, and the timer used."""
+    jax.block_until_ready(f(*arrays))  # compile and warm up
+    if jax.default_backend() == "gpu":
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            _, per_iter = profiler.measure(f, iterations=iters)(*arrays)
+            if per_iter:
+                return statistics.median(per_iter if isinstance(per_iter, list) else [per_iter]), "cupti"
+        except Exception as e:  # CUPTI may be unavailable in a sandbox: fall back, and say so
+            print(f"  (CUPTI unavailable: {type(e).__name__}: {e}; using wall clock)", file=sys.stderr)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*arrays))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), "wall"
+
+
+def ceilings(iters: int, tiny: bool) -> dict[str, float]:
+    """Measured streaming bandwidth (bytes/s, read + write) and bf16 matmul rate (FLOP/s) of this device."""
+    n = (1 << 20) if tiny else (1 << 31)  # 4 GiB of bf16: far past the L2
+    x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
+    ms, _ = time_ms(jax.jit(lambda x: x + jnp.bfloat16(1)), [x], iters)
+    copy = 2 * n * 2 / (ms / 1e3)
+    del x
+    m = 512 if tiny else 8192
+    a = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(3), (m, m), jnp.bfloat16)
+    ms, _ = time_ms(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)), [a, b], iters)
+    return {"copy": copy, "matmul": 2 * m ** 3 / (ms / 1e3)}
+
+
+# --- running -------------------------------------------------------------------------------------------------
+
+def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int) -> list[dict[str, Any]]:
+    mod = registry.api(bench.op)
+    interpreted = set(getattr(mod, "INTERPRET", {}).values())
+    args, kwargs = bench.case.build(seed)
+    flops, nbytes = bench.work(args, kwargs)
+    ref_fn, arrays = jitted(mod.IMPLEMENTATIONS[registry.REFERENCE], args, kwargs)
+    try:
+        ref_out = jax.block_until_ready(ref_fn(*arrays))
+    except Exception as e:  # the reference may not fit (huge score matrices): time the others anyway
+        ref_out, ref_error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    else:
+        ref_error = ""
+    rows = []
+    for name in mod.IMPLEMENTATIONS:
+        if name in interpreted:
+            continue
+        row = dict(op=bench.op, shape=bench.name, implementation=name, ms=None, timer="", rate=None, unit="",
+                   fraction=None, max_rel_error=None, detail="")
+        reason = registry.accepts(bench.op, name, *args, **kwargs)
+        if reason is not None:
+            row["detail"] = f"unavailable: {reason[:100]}"
+            rows.append(row)
+            continue
+        if name == registry.REFERENCE and ref_out is None:
+            row["detail"] = f"reference failed: {ref_error}"
+            rows.append(row)
+            continue
+        try:
+            fn, arrs = jitted(mod.IMPLEMENTATIONS[name], args, kwargs)
+            out = jax.block_until_ready(fn(*arrs))
+            if ref_out is not None:
+                row["max_rel_error"] = cases.max_relative_error(out, ref_out)
+            ms, timer = time_ms(fn, arrs, iters)
+        except Exception as e:
+            row["detail"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            rows.append(row)
+            continue
+        secs = ms / 1e3
+        if bench.compute_bound:
+            rate, unit = flops / secs, "TFLOP/s"
+            row["fraction"] = rate / ceil["matmul"]
+            row["rate"] = rate / 1e12
+        else:
+            rate, unit = nbytes / secs, "GB/s"
+            row["fraction"] = rate / ceil["copy"]
+            row["rate"] = rate / 1e9
+        row.update(ms=ms, timer=timer, unit=unit)
+        rows.append(row)
+    by_name = {r["implementation"]: r["ms"] for r in rows if r["ms"]}
+    for r in rows:
+        if r["ms"]:
+            r["vs_reference"] = by_name[registry.REFERENCE] / r["ms"] if by_name.get(registry.REFERENCE) else None
+            vendor = by_name.get("cudnn") or by_name.get("xla_ragged_dot")
+            r["vs_vendor"] = vendor / r["ms"] if vendor else None
+    return rows
+
+
+def tune(dtype: str, iters: int) -> list[str]:
+    """Sweeps each Pallas kernel's blocks on the bench shapes; returns table-entry lines for the best."""
+    kind = platform.current().kind
+    today = datetime.date.today().isoformat()
+    sweeps = {
+        "attention": (attention_mgpu, [attention_mgpu.Blocks(64, kv, st) for kv in (64, 128) for st in (2, 3)],
+                      lambda s: attention_mgpu.shape_class(s["H"])),
+        "paged_attention": (paged_mgpu, [paged_mgpu.Blocks(kv, st, 16) for kv in (64, 128, 256) for st in (2, 3, 4)],
+                            lambda s: paged_mgpu.shape_class(s["H"], s["page"])),
+        "moe": (moe_mgpu, [moe_mgpu.Blocks(bm, bn, 64, st) for bm in (64, 128) for bn in (128, 256)
+                           for st in (3, 4, 5)], lambda s: moe_mgpu.shape_class(s["M"], s["G"])),
+        "rms_norm": (rms_mgpu, [rms_mgpu.Blocks(r) for r in (1, 2, 4, 8)], lambda s: rms_mgpu.shape_class(s["D"])),
+    }
+    lines = []
+    for bench in benches(dtype):
+        module, configs, cls = sweeps[bench.op]
+        fn = getattr(module, {"attention": "attention", "paged_attention": "paged_attention",
+                              "moe": "grouped_matmul", "rms_norm": "rms_norm"}[bench.op])
+        args, kwargs = bench.case.build(0)
+        best = None
+        for cfg in configs:
+            try:
+                f, arrays = jitted(lambda *a, **k: fn(*a, blocks=cfg, **k), args, kwargs)
+                ms, _ = time_ms(f, arrays, iters)
+            except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
+                print(f"  {bench.name} {cfg}: {type(e).__name__}", file=sys.stderr)
+                continue
+            print(f"  {bench.name} {cfg}: {ms:.3f} ms", file=sys.stderr)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        if best:
+            lines.append(f'{bench.op}: ("{kind}", "{cls(bench.case.spec)}"): tuning.Entry({best[1]!r}, '
+                         f'"measured {today} {best[0]:.3f} ms on {bench.name}"),')
+    return lines
+
+
+def format_rows(rows: list[dict[str, Any]], ceil: dict[str, float], markdown: bool) -> str:
+    head = ["op", "shape", "implementation", "ms", "rate", "of ceiling", "vs XLA ref", "vs cuDNN/ragged_dot",
+            "max rel err", "note"]
+    body = []
+    for r in rows:
+        def f(v, spec):
+            return "-" if v is None else format(v, spec)
+        body.append([r["op"], r["shape"], r["implementation"], f(r["ms"], ".3f"),
+                     "-" if r["rate"] is None else f"{r['rate']:.1f} {r['unit']}",
+                     "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%",
+                     f(r.get("vs_reference"), ".2f") + ("x" if r.get("vs_reference") else ""),
+                     f(r.get("vs_vendor"), ".2f") + ("x" if r.get("vs_vendor") else ""),
+                     f(r["max_rel_error"], ".1e"), (r["timer"] + " " + r["detail"]).strip()[:70]])
+    lines = [f"ceilings: copy {ceil['copy'] / 1e9:.0f} GB/s (read+write), bf16 matmul {ceil['matmul'] / 1e12:.0f} "
+             f"TFLOP/s"]
+    if markdown:
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(map(str, b)) + " |" for b in body]
+    else:
+        widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+        lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [head, *body]]
+    for op, (which, target) in TARGETS.items():
+        best = [r for r in rows if r["op"] == op and r["implementation"].startswith("mosaic_gpu") and r["fraction"]]
+        if best:
+            got = max(r["fraction"] for r in best)
+            lines.append(f"target {op}: >= {100 * target:.0f}% of {which}: best mosaic_gpu {100 * got:.0f}% "
+                         f"({'met' if got >= target else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--only", action="append", choices=sorted(registry.OPS))
+    p.add_argument("--json", type=Path, help="write the rows and ceilings here")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown (for bench/RESULTS.md)")
+    p.add_argument("--tune", action="store_true", help="sweep block sizes and print tuning-table entries")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: check the script runs")
+    a = p.parse_args(argv)
+    if jax.default_backend() != "gpu" and not a.cpu_smoke:
+        print("bench/kernels.py needs a GPU (jax.default_backend() is "
+              f"{jax.default_backend()!r}); --cpu-smoke runs toy shapes to check the script.", file=sys.stderr)
+        return 2
+    target = platform.current()
+    print(f"device: {target.device_kind} ({target.num_cores} SMs), jax {jax.__version__}, "
+          f"{datetime.date.today().isoformat()}")
+    if a.tune:
+        print("\n".join(tune(a.dtype, a.iters)))
+        return 0
+    ceil = ceilings(a.iters, a.cpu_smoke)
+    rows = []
+    for i, bench in enumerate(benches(a.dtype, a.cpu_smoke)):
+        if a.only and bench.op not in a.only:
+            continue
+        print(f"... {bench.op}: {bench.name}", file=sys.stderr, flush=True)
+        rows += run_bench(bench, ceil, a.iters, seed=i)
+    print(format_rows(rows, ceil, a.markdown))
+    if a.json:
+        a.json.write_text(json.dumps({"device": target.device_kind, "date": datetime.date.today().isoformat(),
+                                      "ceilings": ceil, "rows": rows},
+                                     default=lambda v: None if isinstance(v, float) and not math.isfinite(v)
+                                     else str(v), indent=1))
+    bad = [r for r in rows if r["max_rel_error"] is not None and r["max_rel_error"] > cases.TOLERANCE[a.dtype]]
+    for r in bad:
+        print(f"WRONG: {r['op']} {r['implementation']} on {r['shape']}: max rel error {r['max_rel_error']:.2e}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""`python -m kernels_pallas.selfcheck [--interpret] [--lower cuda] [--json]`: every candidate of every op on the
+supported families' shapes, compared with the reference.
+
+Modes:
+- default: each implementation of each op (kernels, cuDNN, `ragged_dot`) runs on each case (fresh random
+  inputs) and is compared with the reference: op x implementation x max relative error x ok. Implementations
+  that cannot take a case (no Hopper GPU here, a head dim a kernel lacks) are listed as unavailable, with why.
+- `--interpret`: also runs the Pallas kernels in the Mosaic GPU interpreter on the CPU (tiny shapes).
+- `--lower cuda`: lowers every Pallas kernel for CUDA with `jax.export` (serving-sized shapes, nothing runs),
+  tracing as if for an H100, and reports what fails: a GPU-less machine's check of the GPU build.
+Shapes come from `cases.FAMILIES` (llama-3-8b, qwen3-30b-a3b and deepseek-v3 by default): 'full' (serving
+sizes) on a GPU and for lowering, 'tiny' on the CPU. `--json` prints a list of rows with at least op,
+implementation, ok (true, false, or null for unavailable). The exit status is 1 if any row has ok false.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import jax
+
+from kernels_pallas import cases as cases_lib
+from kernels_pallas import platform, registry, selftest
+
+
+def _run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    for i, case in enumerate(case_list):
+        mod = registry.api(case.op)
+        interpreted = set(getattr(mod, "INTERPRET", {}).values())
+        names = [n for n in mod.IMPLEMENTATIONS if n != registry.REFERENCE and (interpret or n not in interpreted)]
+        args, kwargs = case.build(seed * 1000 + i)
+        reference_out = None
+        for name in names:
+            reason = registry.accepts(case.op, name, *args, **kwargs)
+            if reason is not None:
+                rows.append(dict(op=case.op, case=case.name, implementation=name, dtype=case.dtype,
+                                 tolerance=case.tolerance, max_rel_error=None, ok=None, seconds=0.0,
+                                 detail=f"unavailable: {reason}"))
+                continue
+            if reference_out is None:
+                reference_out = selftest.run(mod.IMPLEMENTATIONS[registry.REFERENCE], args, kwargs)
+            rows.append(selftest.check(case, name, args, kwargs, reference_out))
+    return rows
+
+
+def lower_rows(case_list: list[cases_lib.Case], target_platform: str = "cuda") -> list[dict[str, Any]]:
+    """Lowers each Pallas implementation of each case's op for `target_platform` with `jax.export`.
+
+    Returns:
+        Rows: op, case, implementation, ok (None when the kernel declines the case), seconds, detail.
+    """
+    rows = []
+    for case in case_list:
+        mod = registry.api(case.op)
+        for name, plat in getattr(mod, "PALLAS", {}).items():
+            if plat != target_platform:
+                continue
+            args, kwargs = case.build(0, abstract=True)
+            row = dict(op=case.op, case=case.name, implementation=name, dtype=case.dtype, mode=f"lower-{plat}")
+            t0 = time.perf_counter()
+            try:
+                with platform.assume(platform.HOPPER):
+                    export_for(mod.IMPLEMENTATIONS[name], args, kwargs, target_platform)
+                row.update(ok=True, detail="")
+            except NotImplementedError as e:
+                row.update(ok=None, detail=f"unavailable: {e}")
+            except Exception as e:
+                row.update(ok=False, detail=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            row["seconds"] = round(time.perf_counter() - t0, 3)
+            rows.append(row)
+    return rows
+
+
+def export_for(fn, args: tuple, kwargs: dict, target_platform: str = "cuda"):
+    """`jax.export` of fn(*args, **kwargs) for `target_platform`, arrays abstract, the rest static."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves]
+
+    def call(*arrays):
+        it = iter(arrays)
+        a, k = jax.tree.unflatten(tree, [next(it) if arr else x for x, arr in zip(leaves, is_array)])
+        return fn(*a, **k)
+
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x, arr in zip(leaves, is_array) if arr]
+    return jax.export.export(jax.jit(call), platforms=(target_platform,))(*specs)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table: op, case, implementation, max rel error, tolerance, ok, detail."""
+    head = ("op", "case", "implementation", "max rel err", "tol", "ok", "s", "detail")
+    body = []
+    for r in rows:
+        err = r.get("max_rel_error")
+        err_s = "-" if err is None else ("inf" if math.isinf(err) else f"{err:.2e}")
+        ok = {True: "ok", False: "FAIL", None: "n/a"}[r.get("ok")]
+        tol = r.get("tolerance")
+        body.append((r["op"], r["case"], r["implementation"], err_s, "-" if tol is None else f"{tol:g}", ok,
+                     f"{r.get('seconds', 0):.1f}", r.get("detail", "")[:90]))
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body]]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kernels_pallas.selfcheck", description=__doc__.split("\n\n")[0])
+    p.add_argument("--interpret", action="store_true", help="also run the Pallas kernels in the CPU interpreter")
+    p.add_argument("--lower", choices=["cuda"], help="only lower the Pallas kernels for this platform")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--save", metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument("--family", action="append", choices=sorted(cases_lib.FAMILIES),
+                   help=f"families whose shapes to use (repeatable; default {', '.join(cases_lib.DEFAULT_FAMILIES)})")
+    p.add_argument("--op", action="append", choices=sorted(registry.OPS), help="ops to check (repeatable)")
+    p.add_argument("--scale", choices=cases_lib.SCALES,
+                   help="case sizes (default: full on a GPU and for --lower, tiny otherwise)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(cases_lib.TOLERANCE))
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh per run)")
+    a = p.parse_args(argv)
+    families = tuple(a.family or cases_lib.DEFAULT_FAMILIES)
+    ops = tuple(a.op) if a.op else None
+    if a.lower:
+        scale = a.scale or "full"
+        rows = lower_rows(cases_lib.family_cases(families, a.dtype, scale=scale, ops=ops), a.lower)
+    else:
+        scale = a.scale or ("full" if jax.default_backend() == "gpu" and not a.interpret else "tiny")
+        seed = a.seed if a.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
+        rows = _run_rows(cases_lib.family_cases(families, a.dtype, scale=scale, ops=ops), a.interpret, seed)
+    as_json = json.dumps([{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                          for r in rows], indent=1)
+    if a.save:
+        with open(a.save, "w") as f:
+            f.write(as_json + "\n")
+    if a.json:
+        print(as_json)
+    else:
+        target = platform.HOPPER if a.lower else platform.current()
+        print(f"kernels_pallas selfcheck: {'lower ' + a.lower if a.lower else 'run'} on {target.device_kind}, "
+              f"scale {scale}, {a.dtype}")
+        print(format_table(rows))
+        failed = sum(r.get("ok") is False for r in rows)
+        passed = sum(r.get("ok") is True for r in rows)
+        print(f"{passed} ok, {failed} failed, {len(rows) - passed - failed} unavailable")
+    return 1 if any(r.get("ok") is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

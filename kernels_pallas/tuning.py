@@ -1,0 +1,53 @@
+"""Block-size tables: one per kernel, keyed by device kind and shape class, with a heuristic for the rest.
+
+A kernel declares `TABLE = BlockTable(name, heuristic, entries)`; `TABLE.lookup(kind, shape_class, ...)`
+returns the entry for (device kind, shape class) when there is one, else `heuristic(...)`. Entries record
+where they came from (`source`): a figure measured by `bench/kernels.py --tune` on that device (with its date),
+or 'seed' for a starting point that has not been measured yet. `bench/kernels.py --tune` prints entries in the
+form the tables use, to paste after a run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Mapping, TypeVar
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class Entry(Generic[C]):
+    """One tuned configuration and where it came from ('seed', or 'measured <date> <figure>')."""
+
+    config: C
+    source: str
+
+
+@dataclass(frozen=True)
+class BlockTable(Generic[C]):
+    """Tuned configurations of one kernel.
+
+    Attributes:
+        kernel: the kernel's name, for messages.
+        heuristic: (shape_class, **shape) -> config, used when the table has no entry.
+        entries: (device kind, shape class) -> Entry.
+    """
+
+    kernel: str
+    heuristic: Callable[..., C]
+    entries: Mapping[tuple[str, str], Entry[C]] = field(default_factory=dict)
+
+    def lookup(self, kind: str, shape_class: str, **shape: Any) -> C:
+        """The configuration for `shape_class` on device `kind`: the table's entry, else the heuristic."""
+        entry = self.entries.get((kind, shape_class))
+        if entry is not None:
+            return entry.config
+        return self.heuristic(shape_class, **shape)
+
+
+def size_class(n: int, bounds: tuple[int, ...] = (256, 2048, 16384)) -> str:
+    """A coarse bucket name for a size: 'xs', 's', 'm', 'l' below each bound, 'xl' above."""
+    for name, bound in zip(("xs", "s", "m", "l"), bounds):
+        if n <= bound:
+            return name
+    return "xl"

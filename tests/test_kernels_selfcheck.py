@@ -1,0 +1,53 @@
+"""`python -m kernels_pallas.selfcheck` and the kernels hook of `day0jax.load`.
+
+The CLI runs as users run it (a subprocess, JSON on stdout), on one family and one op to stay cheap: the
+interpreter run must compare the Mosaic GPU kernel with the reference and pass; the CUDA lowering run must
+lower it. `day0jax.load(..., kernels=...)` installs the self-test's policy and reports it on the model.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import day0jax
+from kernels_pallas import registry
+
+
+def selfcheck(*args):
+    proc = subprocess.run([sys.executable, "-m", "kernels_pallas.selfcheck", *args], capture_output=True,
+                          text=True, timeout=900)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_interpret_json_rows():
+    rc, out, err = selfcheck("--interpret", "--json", "--family", "gpt-oss-20b", "--op", "rms_norm")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert {r["implementation"] for r in rows} == {"mosaic_gpu", "mosaic_gpu_interpret"}
+    for row in rows:
+        assert {"op", "implementation", "ok", "max_rel_error", "tolerance", "case"} <= set(row)
+    interp = [r for r in rows if r["implementation"] == "mosaic_gpu_interpret"]
+    assert interp and all(r["ok"] is True and r["max_rel_error"] <= r["tolerance"] for r in interp), interp
+    native = [r for r in rows if r["implementation"] == "mosaic_gpu"]  # no Hopper GPU here: unavailable
+    assert all(r["ok"] is None and "Hopper" in r["detail"] for r in native), native
+
+
+def test_lower_cuda_table():
+    rc, out, err = selfcheck("--lower", "cuda", "--family", "llama-3-8b", "--op", "rms_norm")
+    assert rc == 0, err
+    assert "rms_norm" in out and "mosaic_gpu" in out and "1 ok, 0 failed" in out, out
+
+
+def test_load_runs_the_kernel_selftest(converted):
+    with registry.use_policy(registry.Policy()):
+        model = day0jax.load(converted["llama"], kernels="reference")
+        assert registry.get_policy().mode == "reference"
+        assert model.kernel_report.mode == "reference"
+        assert set(model.kernel_report.chosen) >= {"attention", "rms_norm"}
+        model = day0jax.load(converted["llama"])
+        assert model.kernel_report.mode == "auto"
+        with pytest.raises(ValueError, match="kernels='fastest'"):
+            day0jax.load(converted["llama"], kernels="fastest")
+    assert registry.get_policy() == registry.Policy()
