@@ -22,10 +22,15 @@ class Model:
         tokenizer: the checkpoint's `Tokenizer`, or None when the checkpoint has no tokenizer.json.
         mesh: the device mesh the parameters are sharded over.
         module: the underlying Flax NNX module.
+        context_length: the longest sequence (prompt + new tokens) accepted: the model's own, or less when
+            loading planned memory for a shorter `max_context`.
+        memory_plan: per-device memory plan made before loading (sharding/plan.py).
+        kernel_report: which implementation each operator uses, from the startup self-test.
     """
 
     def __init__(self, module: nnx.Module, config: Any, *, path: Path, mesh: Mesh, dtype: str,
-                 generation_config: dict):
+                 generation_config: dict, max_context: int | None = None, memory_plan: Any = None,
+                 kernel_report: Any = None):
         import jax.numpy as jnp
 
         self.module, self.config, self.path, self.mesh, self.dtype = module, config, Path(path), mesh, dtype
@@ -35,7 +40,9 @@ class Model:
             from day0jax.config import read_config_json
             eos = read_config_json(Path(path) / "config.json").get("eos_token_id")
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.context_length = context_length(config.rope, config.max_position_embeddings)
+        self.context_length = min(context_length(config.rope, config.max_position_embeddings),
+                                  max_context or 1 << 62)
+        self.memory_plan, self.kernel_report = memory_plan, kernel_report
         self._generator = Generator(module, mesh, getattr(jnp, dtype), self.context_length)
 
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:

@@ -1,12 +1,21 @@
-"""Device meshes from a SPEC string such as `dp=2,tp=4,ep=1` (data, tensor, expert parallelism).
+"""Device meshes from a SPEC string such as `dp=2,tp=4,ep=1` (data, tensor, expert parallelism), or chosen
+automatically for the visible devices.
 
 The mesh always has the three axes, in the order (dp, ep, tp): tensor parallelism innermost, where devices are
-best connected. The product of the sizes is the number of devices used.
+best connected (consecutive devices, on one host). The product of the sizes is the number of devices used:
+- with an explicit `devices` list, the product must equal its length;
+- in a single process, the mesh takes the first `product` visible devices (a product above the visible count
+  is refused);
+- with several processes (multi-host), the mesh must span every process's devices, so the product must equal
+  the global device count.
+A mesh must also fit the model: tp divides the attention heads and ep divides the experts. (In a dense model,
+ep splits only the batch, like dp; see rules.py.) Refusals say which meshes would work.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -15,11 +24,21 @@ from jax.sharding import Mesh
 from day0jax.errors import MeshError
 
 AXES = ("dp", "ep", "tp")
+AXIS_MEANING = {"dp": "data parallel: splits the batch", "ep": "expert parallel: splits the experts",
+                "tp": "tensor parallel: splits heads, MLP and vocabulary"}
+AUTO = "auto"
+# Logical axes that must be split evenly by a mesh axis for the model to run on it (others fall back to
+# replication, see rules.py): each tensor-parallel rank owns whole attention heads, each expert rank whole experts.
+MUST_DIVIDE = {"tp": ("heads", "attention heads"), "ep": ("experts", "experts")}
 
 
 def parse_spec(spec: str | None) -> dict[str, int]:
     """Parses `dp=2,tp=4` into {'dp': 2, 'ep': 1, 'tp': 4}; missing axes are 1.
 
+    Args:
+        spec: comma-separated AXIS=SIZE pairs, AXIS one of dp, ep, tp; None or "" is a single device.
+    Returns:
+        The size of every axis.
     Raises:
         MeshError: an unknown axis, a repeated axis, or a size that is not a positive integer.
     """
@@ -31,42 +50,163 @@ def parse_spec(spec: str | None) -> dict[str, int]:
         name, sep, value = part.strip().partition("=")
         name = name.strip()
         if not sep or name not in AXES:
-            raise MeshError(f"mesh spec {spec!r}: {part.strip()!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)}")
+            raise MeshError(f"mesh spec {spec!r}: {part.strip()!r} is not AXIS=SIZE with AXIS one of "
+                            + "; ".join(f"{a} ({m})" for a, m in AXIS_MEANING.items())
+                            + ". Example: 'dp=2,tp=4'")
         if name in seen:
-            raise MeshError(f"mesh spec {spec!r}: axis {name!r} given twice")
+            raise MeshError(f"mesh spec {spec!r}: axis {name!r} given twice; give each axis once, e.g. "
+                            f"'{name}={value.strip()}'")
         seen.add(name)
         try:
             size = int(value)
         except ValueError:
             size = 0
         if size < 1:
-            raise MeshError(f"mesh spec {spec!r}: size of {name!r} must be a positive integer, got {value!r}")
+            raise MeshError(f"mesh spec {spec!r}: size of {name!r} must be a positive integer, got {value.strip()!r}")
         sizes[name] = size
     return sizes
 
 
-def make_mesh(spec: str | None = None, devices: list | None = None) -> Mesh:
-    """A mesh over the first dp*ep*tp devices (default: one device).
+def format_spec(sizes: dict[str, int]) -> str:
+    """{'dp': 2, 'ep': 1, 'tp': 4} -> 'dp=2,tp=4' (axes of size 1 left out; a single device is 'dp=1')."""
+    parts = [f"{a}={sizes.get(a, 1)}" for a in AXES if sizes.get(a, 1) > 1]
+    return ",".join(parts) or "dp=1"
+
+
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """The axis sizes of a `Mesh`, an `AbstractMesh`, a SPEC string or a sizes dict, as {'dp', 'ep', 'tp'}."""
+    if isinstance(mesh, str) or mesh is None:
+        return parse_spec(mesh)
+    shape = mesh if isinstance(mesh, dict) else dict(mesh.shape)
+    return {a: int(shape.get(a, 1)) for a in AXES}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _must_divide(infos: Iterable[Any]) -> dict[str, tuple[int, str]]:
+    """mesh axis -> (size of the logical axis it must divide, a parameter that has it), from parameter infos."""
+    found: dict[str, tuple[int, str]] = {}
+    for info in infos:
+        for name, size in zip(info.axes, info.shape):
+            for axis, (logical, _) in MUST_DIVIDE.items():
+                if name == logical:
+                    # Families have one head count and one expert count; keep the first seen (layer 0).
+                    found.setdefault(axis, (int(size), info.path))
+    return found
+
+
+def problems(sizes: dict[str, int], infos: Sequence[Any] | None) -> list[str]:
+    """Why a mesh of these sizes cannot run the model whose parameters are `infos` (empty: it can)."""
+    if infos is None:
+        return []
+    need = _must_divide(infos)
+    out = []
+    for axis, (logical, words) in MUST_DIVIDE.items():
+        size = sizes.get(axis, 1)
+        if size == 1:
+            continue
+        if axis in need and need[axis][0] % size:
+            n, where = need[axis]
+            allowed = ", ".join(str(d) for d in divisors(n))
+            out.append(f"{axis}={size} does not divide the {n} {words} ({where}); {axis} must be one of {allowed}")
+    return out
+
+
+def valid_sizes(n_devices: int, infos: Sequence[Any] | None = None) -> list[dict[str, int]]:
+    """Every (dp, ep, tp) whose product is `n_devices` and that fits the model, most tensor parallel first.
+
+    For a model without experts only ep=1 is listed: there ep would only repeat what dp does.
+    """
+    moe = infos is None or "ep" in _must_divide(infos)
+    out = []
+    for tp in reversed(divisors(n_devices)):
+        for ep in reversed(divisors(n_devices // tp) if moe else [1]):
+            sizes = {"dp": n_devices // tp // ep, "ep": ep, "tp": tp}
+            if not problems(sizes, infos):
+                out.append(sizes)
+    return out
+
+
+def _would_work(n_devices: int, infos: Sequence[Any] | None, limit: int = 6) -> str:
+    options = [format_spec(s) for s in valid_sizes(n_devices, infos)]
+    if not options:
+        return f"no mesh over {n_devices} device(s) fits this model"
+    more = f" (and {len(options) - limit} more)" if len(options) > limit else ""
+    return f"meshes that would work on {n_devices} device(s): " + "; ".join(options[:limit]) + more
+
+
+def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
+               fits: Callable[[dict[str, int]], bool] | None = None) -> dict[str, int]:
+    """The mesh `--mesh auto` picks over `n_devices`.
+
+    With `fits` (a memory test, see plan.py): the smallest model-parallel group (tp * ep) that fits, the rest of
+    the devices data parallel, since replicas scale throughput without collectives; ties go to more tp, which also
+    splits attention. Without `fits`: the most tensor parallelism the model allows, which needs the least memory.
+
+    Raises:
+        MeshError: no mesh over these devices fits the model.
+    """
+    options = valid_sizes(n_devices, infos)
+    if not options:
+        raise MeshError(f"no mesh over {n_devices} device(s) fits this model: "
+                        + "; ".join(problems({"tp": n_devices}, infos)))
+    if fits is None:
+        return options[0]
+    for sizes in sorted(options, key=lambda s: (s["tp"] * s["ep"], -s["tp"])):
+        if fits(sizes):
+            return sizes
+    return options[0]  # nothing fits: the caller's planner reports it with the least memory-hungry mesh
+
+
+def make_mesh(spec: str | dict | None = None, devices: Sequence[Any] | None = None, *,
+              infos: Sequence[Any] | None = None,
+              fits: Callable[[dict[str, int]], bool] | None = None) -> Mesh:
+    """A mesh from a SPEC, over the visible (or given) devices, checked against the model.
 
     Args:
-        spec: `dp=..,tp=..,ep=..`; None or "" means a single device.
-        devices: the devices to use (default: `jax.devices()`).
+        spec: `dp=..,tp=..,ep=..`, a sizes dict, 'auto' (see `auto_sizes`), or None/"" for one device.
+        devices: the devices to use, all of them (default: `jax.devices()`, every process's devices).
+        infos: the model's parameters (objects with `.path`, `.shape`, `.axes` logical names), to refuse meshes
+            that do not divide its heads or experts; None skips that check.
+        fits: for 'auto', a memory test on candidate sizes.
     Returns:
         A `Mesh` with axes ('dp', 'ep', 'tp').
     Raises:
-        MeshError: the spec is malformed or asks for more devices than exist.
+        MeshError: the spec is malformed, its product does not match the devices, or it does not fit the model;
+            the message lists meshes that would work.
     """
-    sizes = parse_spec(spec)
+    explicit = devices is not None
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise MeshError("no devices to build a mesh on")
+    platform = devices[0].platform
+    processes = len({getattr(d, "process_index", 0) for d in devices})
+    multi_process = processes > 1
+    if spec == AUTO:
+        sizes = auto_sizes(len(devices), infos, fits)
+    else:
+        sizes = dict(spec) if isinstance(spec, dict) else parse_spec(spec)
+        sizes = {a: int(sizes.get(a, 1)) for a in AXES}
+    label = spec if isinstance(spec, str) else format_spec(sizes)
     needed = math.prod(sizes.values())
     if needed > len(devices):
-        raise MeshError(f"mesh spec {spec!r} needs {needed} devices but only {len(devices)} "
-                        f"{devices[0].platform if devices else ''} device(s) are visible")
+        raise MeshError(f"mesh spec {label!r} needs {needed} devices but only {len(devices)} {platform} device(s) "
+                        f"are {'given' if explicit else 'visible'}; {_would_work(len(devices), infos)}")
+    if needed < len(devices) and (explicit or multi_process):
+        why = f"all {len(devices)} devices of the {processes} processes" if multi_process else "the devices given"
+        raise MeshError(f"mesh spec {label!r} uses {needed} device(s); the product of the sizes must equal "
+                        f"{len(devices)} ({why}); {_would_work(len(devices), infos)}")
+    bad = problems(sizes, infos)
+    if bad:
+        raise MeshError(f"mesh spec {label!r} does not fit the model: {'; '.join(bad)}. "
+                        f"{_would_work(needed, infos)}")
     grid = np.array(devices[:needed], dtype=object).reshape([sizes[a] for a in AXES])
     return Mesh(grid, AXES)
 
 
 def describe(mesh: Mesh) -> str:
-    """`dp=1,ep=1,tp=4 on 4 cpu devices`, for logs and reports."""
+    """`dp=1,ep=1,tp=4 on 4 cpu device(s)`, for logs and reports."""
     spec = ",".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     return f"{spec} on {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)"

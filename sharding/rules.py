@@ -1,51 +1,119 @@
-"""Logical axis names to mesh axes: the one table that decides how parameters and caches are split.
+"""Logical axis names to mesh axes: the one table that decides how parameters, caches and activations are split.
 
-Parameters declare logical names where they are made (`nnx.with_partitioning`); this table maps them to mesh
-axes. XLA inserts the collectives. A logical axis whose size the mesh axis does not divide stays replicated
-(kv heads fewer than tp, for instance), which is correct, only less memory-efficient.
+Parameters declare logical names where they are made (`nnx.with_partitioning`); `RULES` maps them to mesh axes.
+Tensor parallelism (tp) splits query heads, kv heads, the MLP dimension (dense and per-expert) and the vocabulary;
+expert parallelism (ep) splits the experts axis of MoE weights; data parallelism (dp) splits the batch, and so
+does ep outside the experts (in a dense model, ep is more data parallelism). The KV cache is split like the kv
+heads (and the batch). Collectives are never written by hand: XLA's SPMD partitioner inserts them
+from these annotations.
+
+A logical axis whose size its mesh axis does not divide stays replicated: kv heads fewer than tp (each tp rank
+then keeps all of them, which is what GQA needs), a vocabulary of odd size. That is correct, only less
+memory-efficient; the heads and experts, which must divide, are checked by mesh.py.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Any, Iterable, Sequence
 
+import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# logical axis -> mesh axis (None: replicated).
-RULES: dict[str, str | None] = {
-    "batch": "dp",
+# logical axis -> mesh axis, or several (split over their product), or None (replicated). Every logical name a
+# family uses must appear here (tests/test_sharding.py checks it), so a new name is a decision, not a silent
+# replication.
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    # activations: the batch is split over ep too, so outside the MoE layers (and in dense models) the expert
+    # ranks work as data-parallel replicas instead of repeating each other's work.
+    "batch": ("dp", "ep"),
     "seq": None,
+    # attention
     "embed": None,
     "heads": "tp",
     "kv_heads": "tp",
     "head_dim": None,
+    "q_lora": None,   # MLA's compressed query rank: small, and each tp rank needs all of it
+    "kv_lora": None,  # MLA's compressed kv rank (and its rope part): shared by every head
+    # feed-forward
     "mlp": "tp",
-    "vocab": "tp",
     "experts": "ep",
     "expert_mlp": "tp",
+    "vocab": "tp",
     "norm": None,
+    "layers": None,   # stacked layers (scan form) are never split
 }
 
+# The residual stream between blocks: batch over dp, everything else whole. The only activation constraint;
+# inside a block, XLA propagates the parameters' shardings.
+ACTIVATION = ("batch", "seq", "embed")
 
-def partition_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                   rules: dict[str, str | None] = RULES) -> PartitionSpec:
+
+def partition_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Any,
+                   rules: dict[str, str | tuple[str, ...] | None] = RULES) -> PartitionSpec:
     """The PartitionSpec for an array whose dimensions carry these logical names.
 
-    A dimension is split over its mesh axis only when the axis size divides it and no earlier dimension of the
-    same array already uses that mesh axis.
+    A dimension is split over its mesh axes (those of size > 1 that no earlier dimension of the array uses) when
+    their product divides it; otherwise over the longest leading run of them that does, or not at all.
+
+    Args:
+        logical: one logical name (or None) per dimension.
+        shape: the array's shape.
+        mesh: a `Mesh`, an `AbstractMesh` or a dict of axis sizes (only the sizes matter).
+        rules: logical -> mesh axis table.
+    Returns:
+        The PartitionSpec, one entry per dimension.
     """
+    sizes = mesh if isinstance(mesh, dict) else dict(mesh.shape)
     used: set[str] = set()
     spec = []
     for name, size in zip(logical, shape):
-        axis = rules.get(name) if name else None
-        if axis is None or axis in used or mesh.shape.get(axis, 1) == 1 or size % mesh.shape[axis]:
-            spec.append(None)
-            continue
-        used.add(axis)
-        spec.append(axis)
+        target = rules.get(name) if name else None
+        axes = [a for a in ((target,) if isinstance(target, str) else target or ())
+                if sizes.get(a, 1) > 1 and a not in used]
+        while axes and size % math.prod(sizes[a] for a in axes):
+            axes.pop()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return PartitionSpec(*spec)
 
 
 def named_sharding(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> NamedSharding:
     """`partition_spec` wrapped in a NamedSharding on `mesh`."""
     return NamedSharding(mesh, partition_spec(logical, shape, mesh))
+
+
+def shard_shape(logical: Sequence[str | None], shape: Sequence[int], mesh: Any) -> tuple[int, ...]:
+    """The shape of one device's piece of an array sharded by these logical names."""
+    sizes = mesh if isinstance(mesh, dict) else dict(mesh.shape)
+    spec = partition_spec(logical, shape, sizes)
+    return tuple(n // _split(a, sizes) for n, a in zip(shape, spec))
+
+
+def _split(entry: str | tuple[str, ...] | None, sizes: dict[str, int]) -> int:
+    """How many pieces a PartitionSpec entry cuts its dimension into."""
+    if entry is None:
+        return 1
+    return math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def spec_table(infos: Iterable[Any], mesh: Any) -> dict[str, list[str | None]]:
+    """Parameter path -> its PartitionSpec as a JSON-able list (the golden sharding files' content).
+
+    Args:
+        infos: objects with `.path`, `.shape` and `.axes` (logical names), e.g. `day0jax.models.param_infos`.
+        mesh: a Mesh, AbstractMesh or sizes dict.
+    """
+    return {i.path: list(partition_spec(i.axes, i.shape, mesh)) for i in infos}
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None] = ACTIVATION) -> jax.Array:
+    """Pins an activation's sharding by logical names, on the mesh set by `jax.set_mesh` (a no-op without one).
+
+    Called at block boundaries only: it keeps the residual stream split over dp and whole otherwise, so XLA
+    places each block's collectives (tp all-reduces after o_proj and down_proj) where the rules imply them.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, partition_spec(logical, x.shape, mesh))

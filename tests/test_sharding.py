@@ -1,0 +1,402 @@
+"""sharding/ in one process on one CPU device: mesh specs and their refusals, the rules table, golden sharding
+files, the memory planner (against XLA's own figures) and refusals before any weight is read, multi-host flags.
+
+The tests that need 8 devices run in subprocesses: tests/test_sharding_multidevice.py.
+
+Golden files (tests/golden_sharding/<model_type>.json): every family's parameter path -> PartitionSpec table on a
+few meshes, so a change of sharding shows up in review. After an intended change, regenerate them with
+    .venv/bin/python tests/test_sharding.py --update-golden
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from day0jax import models
+from day0jax.errors import GenerationError, MeshError, OutOfMemoryPlan
+from sharding import distributed, mesh as mesh_lib, plan as plan_lib, rules
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden_sharding"
+MESHES = ["tp=2,dp=4", "tp=2,ep=4", "tp=2,ep=2,dp=2", "tp=8"]  # the meshes the issue names
+
+sys.path.insert(0, str(ROOT / "tests"))
+from families import FAMILIES as TEST_FAMILIES  # noqa: E402
+
+# Sharding test configs: each family's first config in tests/families.py with 8 query heads, so every mesh above
+# (tp up to 8) is valid. Per family, further overrides (more experts, so ep=4 leaves two per rank).
+OVERRIDES = {
+    "deepseek_v3": dict(num_key_value_heads=8),
+    "qwen3_moe": dict(num_experts=8),
+}
+# The families the 8-device tests load and compare on every mesh: a dense, an MoE and an MLA model. Adding a
+# family is adding its model_type here.
+MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3"]
+
+
+def sharding_config(model_type: str) -> dict:
+    """The HF config.json dict the sharding tests use for `model_type`.
+
+    Raises:
+        KeyError: tests/families.py has no config of that model_type (every family must have one).
+    """
+    for mt, config, _ in TEST_FAMILIES.values():
+        if mt == model_type:
+            return dict(config, model_type=model_type, num_attention_heads=8, **OVERRIDES.get(model_type, {}))
+    raise KeyError(f"tests/families.py has no config for model_type {model_type!r}")
+
+
+def abstract_infos(hf: dict):
+    config = models.config_from_hf(hf)
+    module = models.abstract_model(config)
+    return module, models.param_infos(module)
+
+
+def synthetic_checkpoint(hf: dict, dst: Path, seed: int = 0) -> Path:
+    """A day0jax checkpoint with random weights for `hf` (no tokenizer), written with the converter's writer.
+
+    Kernels are scaled by 1/sqrt(fan-in) and norm weights sit near 1, so activations stay O(1) through the
+    layers and logits are not dominated by rounding.
+    """
+    from convert.writer import CheckpointWriter
+
+    config = models.config_from_hf(hf)
+    rng = np.random.default_rng(seed)
+    with CheckpointWriter(Path(dst), force=True) as writer:
+        for info in models.param_infos(models.abstract_model(config)):
+            shape = info.shape
+            noise = rng.standard_normal(shape, dtype=np.float32)
+            if "in_ndim" in info.metadata:
+                array = noise / np.sqrt(math.prod(shape[len(shape) - info.metadata["in_ndim"]:]))
+            elif len(shape) == 1 and "norm" in info.path:
+                array = 1 + 0.1 * noise
+            elif len(shape) == 1:
+                array = 0.1 * noise
+            else:
+                array = noise / np.sqrt(shape[-1])
+            writer.add(info.path, array.astype(np.float32))
+        writer.write_json("config.json", hf)
+        writer.commit({"model_type": config.model_type, "dtype": "float32", "source": {"kind": "synthetic"}})
+    return Path(dst)
+
+
+# --- mesh specs ----------------------------------------------------------------------------------------------
+
+def test_parse_spec_sizes_and_defaults():
+    assert mesh_lib.parse_spec("dp=2,tp=4") == {"dp": 2, "ep": 1, "tp": 4}
+    assert mesh_lib.parse_spec(" tp = 2 , ep=2 ") == {"dp": 1, "ep": 2, "tp": 2}
+    assert mesh_lib.parse_spec(None) == {"dp": 1, "ep": 1, "tp": 1}
+    assert mesh_lib.format_spec({"dp": 2, "ep": 1, "tp": 4}) == "dp=2,tp=4"
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("xp=2", ["'xp=2'", "dp (data parallel", "tp (tensor parallel", "Example: 'dp=2,tp=4'"]),
+    ("tp=2,tp=4", ["given twice"]),
+    ("tp=0", ["positive integer", "'0'"]),
+    ("tp", ["is not AXIS=SIZE"]),
+])
+def test_parse_spec_refusals_say_what_would_work(spec, words):
+    with pytest.raises(MeshError) as e:
+        mesh_lib.parse_spec(spec)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+class FakeDevice:
+    """Enough of a jax Device for make_mesh's checks, which refuse before any Mesh is built."""
+
+    def __init__(self, i, process=0):
+        self.id, self.process_index, self.platform = i, process, "cpu"
+
+
+def test_make_mesh_refuses_a_product_that_does_not_match_the_devices():
+    _, infos = abstract_infos(sharding_config("llama"))
+    eight = [FakeDevice(i) for i in range(8)]
+    with pytest.raises(MeshError) as e:
+        mesh_lib.make_mesh("tp=16", eight, infos=infos)
+    msg = str(e.value)
+    assert "needs 16 devices but only 8" in msg and "tp=8" in msg and "dp=2,tp=4" in msg, msg
+    # An explicit device list is used whole: a smaller product is refused too.
+    with pytest.raises(MeshError) as e:
+        mesh_lib.make_mesh("tp=4", eight, infos=infos)
+    assert "must equal 8" in str(e.value) and "tp=8" in str(e.value)
+    # Several processes: the mesh must span every process's devices.
+    two_hosts = [FakeDevice(i, process=i // 4) for i in range(8)]
+    with pytest.raises(MeshError, match="all 8 devices of the"):
+        mesh_lib.make_mesh("tp=4", two_hosts, infos=infos)
+
+
+def test_make_mesh_on_the_visible_devices():
+    # One process: the spec takes the first dp*ep*tp visible devices; more than visible is refused.
+    mesh = mesh_lib.make_mesh("dp=1")
+    assert dict(mesh.shape) == {"dp": 1, "ep": 1, "tp": 1} and mesh.axis_names == ("dp", "ep", "tp")
+    with pytest.raises(MeshError, match=f"only {len(jax.devices())} cpu device"):
+        mesh_lib.make_mesh(f"tp={len(jax.devices()) + 1}")
+
+
+def test_heads_and_experts_must_divide():
+    _, dense = abstract_infos(sharding_config("llama"))
+    with pytest.raises(MeshError) as e:
+        mesh_lib.make_mesh("tp=3", [FakeDevice(i) for i in range(3)], infos=dense)
+    msg = str(e.value)
+    assert "tp=3 does not divide the 8 attention heads" in msg and "tp must be one of 1, 2, 4, 8" in msg, msg
+    assert "dp=3" in msg  # what would work on these 3 devices
+    _, moe = abstract_infos(sharding_config("qwen3_moe"))
+    assert mesh_lib.problems({"dp": 1, "ep": 4, "tp": 2}, moe) == []
+    bad = mesh_lib.problems({"dp": 1, "ep": 3, "tp": 1}, moe)
+    assert len(bad) == 1 and "ep=3 does not divide the 8 experts" in bad[0], bad
+    # In a dense model ep only splits the batch: allowed, but never proposed (dp does the same).
+    assert mesh_lib.problems({"dp": 1, "ep": 4, "tp": 2}, dense) == []
+    assert all(s["ep"] == 1 for s in mesh_lib.valid_sizes(8, dense))
+    assert {"dp": 1, "ep": 4, "tp": 2} in mesh_lib.valid_sizes(8, moe)
+
+
+def test_auto_mesh():
+    _, dense = abstract_infos(sharding_config("llama"))
+    assert mesh_lib.auto_sizes(8, dense) == {"dp": 1, "ep": 1, "tp": 8}  # no memory test: most memory-frugal
+    # With a memory test: the smallest model-parallel group that fits, the other devices data parallel.
+    assert mesh_lib.auto_sizes(8, dense, fits=lambda s: s["tp"] >= 2) == {"dp": 4, "ep": 1, "tp": 2}
+    assert mesh_lib.auto_sizes(8, dense, fits=lambda s: True) == {"dp": 8, "ep": 1, "tp": 1}
+
+
+# --- rules ---------------------------------------------------------------------------------------------------
+
+def test_rules_split_heads_mlp_vocab_experts_and_batch():
+    P = jax.sharding.PartitionSpec
+    tp8 = {"dp": 1, "ep": 1, "tp": 8}
+    assert rules.partition_spec(("embed", "heads", "head_dim"), (64, 8, 8), tp8) == P(None, "tp", None)
+    # Fewer kv heads than tp: replicated, each rank keeps them all.
+    assert rules.partition_spec(("embed", "kv_heads", "head_dim"), (64, 2, 8), tp8) == P(None, None, None)
+    assert rules.partition_spec(("embed", "kv_heads", "head_dim"), (64, 2, 8), {"tp": 2}) == P(None, "tp", None)
+    assert rules.partition_spec(("vocab", "embed"), (256, 64), tp8) == P("tp", None)
+    assert rules.partition_spec(("vocab", "embed"), (250, 64), tp8) == P(None, None)  # odd vocabulary
+    mixed = {"dp": 2, "ep": 2, "tp": 2}
+    assert rules.partition_spec(("experts", "embed", "expert_mlp"), (8, 64, 32), mixed) == P("ep", None, "tp")
+    # The batch is split over dp and ep; where their product does not divide it, over dp alone.
+    assert rules.partition_spec(("batch", None, "kv_heads", None), (4, 64, 2, 8), mixed) == \
+        P(("dp", "ep"), None, "tp", None)
+    assert rules.partition_spec(("batch", None), (2, 16), mixed) == P("dp", None)
+    # A mesh axis splits at most one dimension of an array.
+    assert rules.partition_spec(("mlp", "vocab"), (8, 8), tp8) == P("tp", None)
+    assert rules.shard_shape(("batch", None, "kv_heads", None), (4, 64, 2, 8), mixed) == (1, 64, 1, 8)
+
+
+def test_every_logical_axis_of_every_family_is_in_the_rules():
+    for model_type in models.FAMILIES:
+        _, infos = abstract_infos(sharding_config(model_type))
+        names = {a for i in infos for a in i.axes if a is not None}
+        assert names <= set(rules.RULES), f"{model_type}: {sorted(names - set(rules.RULES))} not in sharding RULES"
+
+
+def test_constrain_is_a_no_op_without_a_mesh():
+    x = jnp.ones((2, 3, 4))
+    assert rules.constrain(x) is x
+    with jax.set_mesh(mesh_lib.make_mesh(None)):
+        np.testing.assert_array_equal(jax.jit(rules.constrain)(x), x)
+
+
+# --- golden sharding files -----------------------------------------------------------------------------------
+
+def golden_table(model_type: str) -> dict:
+    """What tests/golden_sharding/<model_type>.json holds: per mesh, every parameter's and the KV cache's spec,
+    or why the mesh is refused."""
+    hf = sharding_config(model_type)
+    module, infos = abstract_infos(hf)
+    out = {"model_type": model_type, "config": hf, "meshes": {}}
+    for spec in MESHES:
+        sizes = mesh_lib.parse_spec(spec)
+        bad = mesh_lib.problems(sizes, infos)
+        if bad:
+            out["meshes"][spec] = {"refused": bad}
+            continue
+        batch = sizes["dp"] * sizes["ep"]
+        kv = {f"{k}x{kd}x{vd}": list(rules.partition_spec(plan_lib.KV_AXES, (batch, 64, k, 1), sizes))
+              for k, kd, vd in sorted(set(module.cache_layout()))}
+        out["meshes"][spec] = {"params": _jsonable(rules.spec_table(infos, sizes)), "kv_cache": _jsonable(kv)}
+    return out
+
+
+def dump_golden(table: dict) -> str:
+    """JSON with one parameter per line, so a review diff shows exactly which specs changed."""
+    def block(d: dict, indent: str) -> str:
+        return "{\n" + ",\n".join(f"{indent}  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(d.items())) + \
+            f"\n{indent}}}"
+    meshes = []
+    for spec, entry in table["meshes"].items():
+        parts = ",\n".join(f"    {json.dumps(k)}: {block(v, '    ') if isinstance(v, dict) else json.dumps(v)}"
+                            for k, v in sorted(entry.items()))
+        meshes.append(f"  {json.dumps(spec)}: {{\n{parts}\n  }}")
+    return ("{\n" + f' "model_type": {json.dumps(table["model_type"])},\n'
+            + f' "config": {json.dumps(table["config"], sort_keys=True)},\n'
+            + ' "meshes": {\n' + ",\n".join(meshes) + "\n }\n}\n")
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x))  # tuples (multi-axis entries) become lists, as in the file
+
+
+@pytest.mark.parametrize("model_type", sorted(models.FAMILIES))
+def test_golden_sharding(model_type):
+    path = GOLDEN / f"{model_type}.json"
+    assert path.is_file(), f"{path} is missing: run `.venv/bin/python tests/test_sharding.py --update-golden`"
+    want = json.loads(path.read_text())
+    got = golden_table(model_type)
+    assert got["config"] == want["config"], f"{model_type}: the test config changed; regenerate the golden files"
+    for spec in MESHES:
+        assert got["meshes"][spec] == want["meshes"].get(spec), (
+            f"{model_type} on {spec}: sharding differs from {path.name}; if intended, run "
+            "`.venv/bin/python tests/test_sharding.py --update-golden` and review the diff")
+
+
+def test_golden_files_split_what_the_issue_says():
+    """Spot checks of the checked-in tables themselves (not only that they are stable)."""
+    llama = json.loads((GOLDEN / "llama.json").read_text())["meshes"]["tp=8"]
+    assert llama["params"]["model.layers.0.self_attn.q_proj.kernel"] == ["tp", None, None]  # [N, H, D]
+    assert llama["params"]["model.layers.0.self_attn.k_proj.kernel"] == [None, None, None]  # 2 kv heads < tp
+    assert llama["params"]["model.layers.0.mlp.down_proj.kernel"] == [None, "tp"]  # [D, F]
+    assert llama["params"]["model.embed_tokens.weight"] == ["tp", None]
+    assert llama["kv_cache"] == {"2x8x8": [None, None, None, None]}
+    moe = json.loads((GOLDEN / "qwen3_moe.json").read_text())["meshes"]["tp=2,ep=4"]
+    expert = [v for k, v in moe["params"].items() if "experts" in k and k.startswith("model.layers.0")]
+    assert expert and all(v[0] == "ep" and "tp" in v for v in expert), expert
+    assert moe["kv_cache"] == {"2x8x8": ["ep", None, "tp", None]}  # batch over ep, kv heads over tp
+
+
+# --- the memory planner --------------------------------------------------------------------------------------
+
+def test_plan_params_and_kv_bytes():
+    module, infos = abstract_infos(sharding_config("llama"))
+    shape = plan_lib.ModelShape.from_model(module)
+    total = sum(math.prod(i.shape) for i in infos) * 4
+    one = plan_lib.plan(shape, "dp=1", batch=1, context=128)
+    assert one.params_bytes == one.model_bytes == total
+    tp8 = plan_lib.plan(shape, "tp=8", batch=1, context=128)
+    # Per parameter: split by 8 where its tp axis divides, whole otherwise (kv projections, norms).
+    expect = sum(math.prod(i.shape) // (8 if any(rules.RULES.get(a) == "tp" and n % 8 == 0
+                                                 for a, n in zip(i.axes, i.shape)) else 1) for i in infos) * 4
+    assert tp8.params_bytes == expect < total / 4
+    # KV: layers x batch x positions x kv heads (2, replicated under tp=8, split under tp=2) x (k + v dims).
+    c = models.config_from_hf(sharding_config("llama"))
+    assert tp8.kv_cache_bytes == c.num_hidden_layers * 1 * 128 * 2 * (8 + 8) * 4
+    tp2 = plan_lib.plan(shape, "dp=4,tp=2", batch=8, context=128, dtype="bfloat16")
+    assert tp2.kv_cache_bytes == c.num_hidden_layers * 2 * 128 * 1 * (8 + 8) * 2
+    assert tp2.fits and "KV cache" in tp2.summary()
+
+
+@pytest.mark.parametrize("context", [64, 256])
+def test_activation_estimate_bounds_xla(context, tmp_path_factory):
+    """The estimate covers XLA's own temporary buffers for the prefill and is not far above them."""
+    import day0jax
+
+    hf = dict(sharding_config("llama"), hidden_size=256, intermediate_size=704, vocab_size=1024,
+              max_position_embeddings=256)
+    ckpt = synthetic_checkpoint(hf, tmp_path_factory.mktemp("act") / "ckpt")
+    model = day0jax.load(ckpt)
+    g = model._generator
+    caches = g._new_caches(1, context)
+    args = (g.params, caches, jnp.zeros((1, context), jnp.int32), jnp.full((1,), context, jnp.int32),
+            jax.random.key(0), jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+    with jax.set_mesh(g.mesh):
+        temp = g._prefill.lower(*args, mode="greedy").compile().memory_analysis().temp_size_in_bytes
+    est = plan_lib.activation_bytes(plan_lib.ModelShape.from_model(model.module), mesh_lib.parse_spec(None), 1,
+                                    context, "float32")
+    assert temp <= est <= 1.5 * temp, (context, temp, est)
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    return synthetic_checkpoint(sharding_config("llama"), tmp_path_factory.mktemp("plan") / "llama")
+
+
+def test_out_of_memory_plan_refuses_before_reading_weights(small_ckpt, tmp_path):
+    import day0jax
+
+    module, _ = abstract_infos(sharding_config("llama"))
+    shape = plan_lib.ModelShape.from_model(module)
+    need_1 = plan_lib.plan(shape, "dp=1", batch=1, context=128).total_bytes
+    need_2 = plan_lib.plan(shape, "tp=2", batch=1, context=128).total_bytes
+    budget = (need_1 + need_2) // 2  # fits on tp=2, not on one device
+    # The weights are gone: a refusal that read them would fail differently.
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(small_ckpt, no_weights, ignore=shutil.ignore_patterns("params"))
+    with pytest.raises(OutOfMemoryPlan) as e:
+        day0jax.load(no_weights, memory_budget=budget)
+    msg = str(e.value)
+    assert "2 devices of this size would fit it (--mesh tp=2)" in msg, msg
+    assert "max_context=64" in msg and "per device (params" in msg, msg
+    # Following the hint works.
+    model = day0jax.load(small_ckpt, memory_budget=budget, max_context=64)
+    assert model.memory_plan.fits and model.memory_plan.context == 64 and model.context_length == 64
+    with pytest.raises(GenerationError, match="context of 64"):
+        model.generate([[1] * 60], 10)
+    assert len(model.generate([[1] * 50], 10, ignore_eos=True)[0]) == 10
+
+
+def test_plan_refusal_names_a_mesh_on_the_visible_devices():
+    module, _ = abstract_infos(sharding_config("qwen3_moe"))
+    shape = plan_lib.ModelShape.from_model(module)
+    p = plan_lib.plan(shape, "dp=8", batch=8, context=128)
+    budget = plan_lib.plan(shape, "tp=2,ep=4", batch=8, context=128).total_bytes
+    with pytest.raises(OutOfMemoryPlan) as e:
+        plan_lib.require_fit(plan_lib.plan(shape, "dp=8", batch=8, context=128, available=budget), shape,
+                             n_devices=8)
+    assert "--mesh" in str(e.value) and p.mesh in str(e.value)
+    hinted = str(e.value).split("--mesh ")[1].split(" ")[0]
+    assert plan_lib.plan(shape, hinted, batch=8, context=128, available=budget).fits, hinted
+
+
+# --- multi-host flags ----------------------------------------------------------------------------------------
+
+def test_distributed_flags_and_environment():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    distributed.add_arguments(parser)
+    args = parser.parse_args(["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "1"])
+    assert distributed.resolve(args.coordinator, args.num_processes, args.process_id, env={}) == \
+        distributed.Cluster("localhost:1234", 2, 1)
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert distributed.resolve(env=env) == distributed.Cluster("10.0.0.1:99", 4, 3)
+    assert distributed.resolve(process_id=2, env=env).process_id == 2  # flags win over the environment
+    assert distributed.resolve(env={}) is None  # no coordinator: one process, nothing to start
+    for kwargs, words in [(dict(coordinator="localhost"), "HOST:PORT"),
+                          (dict(coordinator="h:1"), "--num-processes is not"),
+                          (dict(coordinator="h:1", num_processes=2, process_id=2), "0..1"),
+                          (dict(num_processes=2, process_id=1), "need --coordinator")]:
+        with pytest.raises(MeshError, match=words):
+            distributed.resolve(env={}, **kwargs)
+
+
+def test_generate_cli_takes_the_multihost_flags(capsys):
+    from day0jax import generate
+
+    args = generate.build_parser().parse_args(["--prompt", "x", "--coordinator", "h:1", "--num-processes", "2",
+                                               "--process-id", "1"])
+    assert (args.coordinator, args.num_processes, args.process_id) == ("h:1", 2, 1)
+    # A bad flag is refused before anything is loaded, with the typed error's message.
+    assert generate.main(["--prompt", "x", "--coordinator", "nohost"]) == 2
+    assert "--coordinator 'nohost' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_distributed_start_after_devices_are_in_use_is_refused():
+    jax.devices()  # this process already uses its devices
+    with pytest.raises(MeshError, match="before any JAX device is used"):
+        distributed.initialize("localhost:1234", 2, 0, env={})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update-golden"]:
+        sys.exit("usage: python tests/test_sharding.py --update-golden")
+    GOLDEN.mkdir(exist_ok=True)
+    for mt in sorted(models.FAMILIES):
+        (GOLDEN / f"{mt}.json").write_text(dump_golden(golden_table(mt)))
+        print("wrote", GOLDEN / f"{mt}.json")
