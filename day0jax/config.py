@@ -30,6 +30,7 @@ IGNORED_KEYS = frozenset({
     "num_return_sequences", "output_scores", "return_dict_in_generate", "torchscript", "tf_legacy_loss",
     "pruned_heads", "use_bfloat16", "model_type", "layer_types_pattern", "max_window_layers", "router_aux_loss_coef",
     "output_router_logits", "use_sliding_window_default", "mlp_dropout", "embedding_dropout",
+    "cache_implementation",  # generate()'s default cache class (Gemma 2/3 write "hybrid"), not the math
 })
 
 C = TypeVar("C")

@@ -1,6 +1,6 @@
 """Multi-head attention with grouped KV heads (GQA/MQA), through the `kernels_pallas` attention op.
 
-Projections keep heads as their own axis (q_proj kernel [D, N, H], o_proj [N, H, D]) so tensor parallelism
+Projections keep heads as their own axis (q_proj kernel [N, H, D], o_proj [D, N, H]) so tensor parallelism
 splits heads by name. With a cache, new keys and values are written first and the queries attend over the
 cache; without one (a full forward pass), the queries attend over this call's keys.
 """
@@ -34,12 +34,16 @@ class Attention(nnx.Module):
         hidden_size: D.  num_heads: N.  num_kv_heads: K (divides N).  head_dim: H.
         rope: the rotary embedding, or None for layers without positions (NoPE).
         qkv_bias / o_bias: biases on the input / output projections.
-        qk_norm_eps: if set, RMSNorm over H on q and k before RoPE (Qwen3, OLMo 2 use variants of this).
+        qk_norm_eps: if set, RMSNorm on q and k before RoPE: over each head's H dims (`qk_norm_over="head"`,
+            Qwen3, Gemma 3) or over all of a token's N*H (K*H) dims (`"all"`, OLMo 2).
+        qk_norm_offset: 1.0 for Gemma-style (1 + weight) norms.
+        sinks: learned per-head logits that join every softmax (gpt-oss); HF's `self_attn.sinks` [N].
         sliding_window / logit_softcap / scale: passed to the attention op.
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope | None,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                 qk_norm_over: str = "head", qk_norm_offset: float = 0.0, sinks: bool = False,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
                  scale: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
@@ -50,23 +54,37 @@ class Attention(nnx.Module):
                              rngs=rngs)
         self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype, rngs=rngs)
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(H, qk_norm_eps, dtype=dtype, rngs=rngs)
-            self.k_norm = RMSNorm(H, qk_norm_eps, dtype=dtype, rngs=rngs)
+            assert qk_norm_over in ("head", "all"), qk_norm_over
+            q_dim, k_dim = (H, H) if qk_norm_over == "head" else (N * H, K * H)
+            self.q_norm = RMSNorm(q_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
+            self.k_norm = RMSNorm(k_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
+        self.qk_norm_over = qk_norm_over
+        self.sinks = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, ("heads",))(
+            rngs.params(), (N,), dtype)) if sinks else None
         self.rope = rope
         self.sliding_window, self.logit_softcap, self.scale = sliding_window, logit_softcap, scale
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: tuple[jax.Array, jax.Array] | None,
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
-        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache)."""
+        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache).
+
+        `rope_tables`: {Rope: (cos, sin)} for every RoPE of the model (this layer takes its own), or one (cos, sin).
+        """
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, N|K, H]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if self.qk_norm_over == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            else:  # over the whole projection, as OLMo 2 normalizes q_proj(x) before splitting heads
+                q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
+                k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
         if self.rope is not None:
-            cos, sin = rope_tables
+            cos, sin = rope_tables[self.rope] if isinstance(rope_tables, dict) else rope_tables
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         op_kwargs = dict(sliding_window=self.sliding_window, logit_softcap=self.logit_softcap, scale=self.scale)
+        if self.sinks is not None:
+            op_kwargs["sinks"] = self.sinks[...]
         if cache is None:
             out = attention_op.attention(q, k, v, q_positions=positions, **op_kwargs)
         else:

@@ -1,7 +1,8 @@
 """Linear maps and embeddings whose parameters carry logical axis names.
 
-A `Linear` kernel has shape in_shape + out_shape (for q_proj: [D, N, H]); the HF `weight` [out, in] becomes
-`weight.T.reshape(in_shape + out_shape)` on conversion, so the runtime never transposes at load time.
+A `Linear` kernel keeps Hugging Face's [out, in] order, with heads as their own axes: q_proj is [N, H, D],
+o_proj [D, N, H]. Conversion is then a reshape of the HF `weight`, and the kernel can be the left operand of
+the matmul, which is what makes decoding fast on the CPU (see `project`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# Up to this many rows (tokens), the CPU path computes kernel @ x (see `project`).
+NARROW_ROWS = 64
+
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dtype, stddev: float,
            **metadata) -> nnx.Param:
@@ -21,23 +25,43 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], d
     return nnx.Param(init(rngs.params(), shape, dtype))
 
 
+def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
+    """x [..., *in] times kernel [*out, *in] -> [..., *out].
+
+    XLA:CPU multiplies a few rows by a large weight twice as fast when the weight is the left operand and the
+    result comes out as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against 65 ms); the
+    optimization barrier keeps XLA from folding the transpose back into the dot. Other backends, and prefill-sized
+    inputs, take the plain contraction.
+    """
+    letters = string.ascii_lowercase
+    o, i = letters[:kernel.ndim - in_ndim], letters[kernel.ndim - in_ndim:kernel.ndim]
+    rows = math.prod(x.shape[:x.ndim - in_ndim])
+    if jax.default_backend() == "cpu" and rows <= NARROW_ROWS:
+        y = jax.lax.optimization_barrier(jnp.einsum(f"{o}{i},...{i}->{o}...", kernel, x))
+        return jnp.moveaxis(y, tuple(range(len(o))), tuple(range(-len(o), 0)))
+    return jnp.einsum(f"...{i},{o}{i}->...{o}", x, kernel)
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias), contracting x's trailing `in_shape` dims into `out_shape`."""
+    """y = x @ kernel.T (+ bias), contracting x's trailing `in_shape` dims into `out_shape`.
+
+    `axes` names the dimensions in the order in_shape + out_shape, as callers think of the map; the kernel itself
+    is stored out_shape + in_shape.
+    """
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], axes: Sequence[str | None], *,
                  use_bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
-        assert len(axes) == len(self.in_shape) + len(self.out_shape), (axes, in_shape, out_shape)
-        # `in_ndim` tells the converter how to fold an HF [out, in] weight into this kernel.
-        self.kernel = _param(rngs, self.in_shape + self.out_shape, axes, dtype, 1 / math.sqrt(math.prod(in_shape)),
-                             in_ndim=len(self.in_shape))
-        self.bias = _param(rngs, self.out_shape, axes[len(self.in_shape):], dtype, 0.0) if use_bias else None
-        letters = string.ascii_lowercase
-        i, o = letters[:len(self.in_shape)], letters[len(self.in_shape):len(axes)]
-        self._eq = f"...{i},{i}{o}->...{o}"
+        n_in = len(self.in_shape)
+        assert len(axes) == n_in + len(self.out_shape), (axes, in_shape, out_shape)
+        kernel_axes = tuple(axes[n_in:]) + tuple(axes[:n_in])
+        # `in_ndim` tells the converter and `project` where the input dims start.
+        self.kernel = _param(rngs, self.out_shape + self.in_shape, kernel_axes, dtype,
+                             1 / math.sqrt(math.prod(in_shape)), in_ndim=n_in)
+        self.bias = _param(rngs, self.out_shape, axes[n_in:], dtype, 0.0) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self._eq, x, self.kernel[...])
+        y = project(x, self.kernel[...], len(self.in_shape))
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -51,4 +75,4 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...d,vd->...v", x, self.weight[...])
+        return project(x, self.weight[...], 1)

@@ -1,38 +1,146 @@
-"""What every decoder-only family shares: the embed -> layers -> norm -> head skeleton, and the default
-mapping from Hugging Face tensor names to runtime parameters.
+"""What every decoder-only family shares: the embed -> layers -> norm -> head skeleton, the config base with its
+refusals, and the default mapping from Hugging Face tensor names to runtime parameters.
 
 A family subclasses `CausalLM`, says how to build one layer (`make_layer`) and, only where it differs from HF's
-plain naming, how its parameters map to HF tensors (`hf_sources`).
+plain naming, how its parameters map to HF tensors (`hf_source`). Its `Config` subclasses `HFConfig`: fields are
+HF keys with HF's defaults, and `__post_init__` refuses every value the family does not implement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, NoReturn, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from day0jax import config as config_lib
+from day0jax.errors import UnsupportedArchitecture
 from day0jax.layers.linear import Embedding, Linear
+from day0jax.layers.mlp import activation
 from day0jax.layers.norms import RMSNorm
-from day0jax.layers.rope import Rope
+from day0jax.layers.rope import Rope, rope_parameters
+from sharding.rules import constrain
 
+
+# --- configs ---------------------------------------------------------------------------------------------------
+
+def refuse(key: str, value: Any, why: str = "is not implemented") -> NoReturn:
+    """Raises `UnsupportedArchitecture` naming the config key and its value: never run with wrong numbers."""
+    raise UnsupportedArchitecture(f"config {key}={value!r} {why}")
+
+
+@dataclass(frozen=True, eq=False)
+class HFConfig:
+    """Base of family configs: `from_hf` (with HF's key aliases) and the helpers `__post_init__`s use.
+
+    Class attributes a family may set: `ALIASES` (old or alternative HF key -> the field it means, as HF's
+    `attribute_map`), `DEFAULT_THETA` (HF's `default_theta`).
+    """
+
+    ALIASES: ClassVar[dict[str, str]] = {}
+    DEFAULT_THETA: ClassVar[float] = 10000.0
+    unknown_keys: tuple = dataclasses.field(default=(), kw_only=True)
+
+    @classmethod
+    def from_hf(cls, hf: dict, *, strict: bool = True):
+        """The config for a parsed config.json.
+
+        Args:
+            hf: the config.json dict.
+            strict: refuse keys the family does not declare and that are not known to be harmless
+                (`day0jax.config.IGNORED_KEYS`); `day0jax.check` passes False to report them instead.
+        Raises:
+            UnsupportedArchitecture: an unknown key (when strict) or a value the family does not implement.
+            ConfigError: a required key is missing.
+        """
+        hf = dict(hf)
+        for alias, field in cls.ALIASES.items():
+            if alias in hf:
+                value = hf.pop(alias)
+                hf.setdefault(field, value)
+        config = config_lib.from_hf(cls, hf)
+        if strict:
+            refuse_unknown_keys(config, hf)
+        return config
+
+    def _set(self, **values) -> None:
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+
+    def _heads(self, head_dim: int | None = None) -> None:
+        """Fills num_key_value_heads and head_dim as HF does and checks that the heads group evenly."""
+        if self.num_key_value_heads is None:
+            self._set(num_key_value_heads=self.num_attention_heads)
+        if getattr(self, "head_dim", None) is None:
+            self._set(head_dim=head_dim or self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            refuse("num_key_value_heads", self.num_key_value_heads,
+                   f"does not divide num_attention_heads={self.num_attention_heads}")
+
+    def _rope(self, params: dict | None = None, **kwargs) -> dict:
+        """The normalized RoPE dict from this config's rope keys (see `layers.rope.rope_parameters`)."""
+        if params is None:
+            params = getattr(self, "rope_parameters", None)
+        return rope_parameters(params, getattr(self, "rope_scaling", None), getattr(self, "rope_theta", None),
+                               partial_rotary_factor=getattr(self, "partial_rotary_factor", None),
+                               default_theta=self.DEFAULT_THETA,
+                               max_position_embeddings=self.max_position_embeddings, **kwargs)
+
+    def _activation(self, key: str = "hidden_act") -> None:
+        activation(getattr(self, key), key)  # raises, naming the key, for an activation we do not have
+
+    def _layer_types(self, default: Sequence[str], allowed=("full_attention", "sliding_attention")) -> list[str]:
+        """HF's `layer_types` (or the family's default pattern), checked: one known kind per layer."""
+        types = list(getattr(self, "layer_types", None) or default)
+        if len(types) < self.num_hidden_layers:
+            refuse("layer_types", types, f"has {len(types)} entries for num_hidden_layers={self.num_hidden_layers}")
+        for t in types:
+            if t not in allowed:
+                refuse("layer_types", t, f"is not implemented (known: {', '.join(allowed)})")
+        return types[:self.num_hidden_layers]
+
+    def _refuse_if(self, key: str, bad: Callable[[Any], bool], why: str = "is not implemented") -> None:
+        value = getattr(self, key)
+        if bad(value):
+            refuse(key, value, why)
+
+
+def refuse_unknown_keys(config: Any, hf: dict) -> None:
+    """Refuses keys the family's Config does not declare (after `IGNORED_KEYS`): their effect is unknown."""
+    unknown = list(getattr(config, "unknown_keys", ()))
+    if unknown:
+        shown = ", ".join(f"{k}={hf.get(k)!r}" for k in unknown)
+        raise UnsupportedArchitecture(
+            f"config key(s) not implemented by the {config.model_type} family: {shown}. They may change the math, "
+            "so day0jax refuses to run rather than give wrong numbers (`python -m day0jax.check` lists every key)")
+
+
+# --- modules ---------------------------------------------------------------------------------------------------
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). HF names kept."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). HF names kept.
+
+    `residual_multiplier` scales each block's output before the residual add (Granite); 1.0 elsewhere.
+    """
 
     def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, input_layernorm: RMSNorm,
-                 post_attention_layernorm: RMSNorm):
+                 post_attention_layernorm: RMSNorm, residual_multiplier: float = 1.0):
         self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm, self.post_attention_layernorm = input_layernorm, post_attention_layernorm
+        self.residual_multiplier = residual_multiplier
 
     def __call__(self, x, positions, rope_tables, cache=None):
+        m = self.residual_multiplier
         h, cache = self.self_attn(self.input_layernorm(x), positions, rope_tables, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        x = x + (h if m == 1.0 else h * m)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if m == 1.0 else h * m), cache
 
 
 class Backbone(nnx.Module):
@@ -45,16 +153,19 @@ class Backbone(nnx.Module):
 class CausalLM(nnx.Module):
     """Token ids -> hidden states (with an optional per-layer KV cache) -> float32 logits.
 
-    Subclasses set `config` fields and implement `make_layer`; the constructor does the rest.
+    Subclasses set `config` fields and implement `make_layer`; the constructor does the rest. Hooks:
+    `make_rope` / `make_ropes` (families whose layers use different RoPEs return them all), `make_norm`,
+    `embed` (scaled embeddings), `logits` (soft-capping, scaling) and `cache_layout`.
     """
 
     def __init__(self, config: Any, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
         D = config.hidden_size
         self.rope = self.make_rope()
+        self.ropes = tuple(self.make_ropes())
         layers = [self.make_layer(i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)]
         self.model = Backbone(Embedding(config.vocab_size, D, dtype=dtype, rngs=rngs), layers,
-                              RMSNorm(D, config.rms_norm_eps, dtype=dtype, rngs=rngs))
+                              self.make_norm(D, dtype=dtype, rngs=rngs))
         self.lm_head = None if config.tie_word_embeddings else Linear(
             (D,), (config.vocab_size,), ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
@@ -62,6 +173,13 @@ class CausalLM(nnx.Module):
     def make_rope(self) -> Rope | None:
         c = self.config
         return Rope(c.rope, c.head_dim, c.max_position_embeddings)
+
+    def make_ropes(self) -> Sequence[Rope]:
+        """Every RoPE some layer uses; each gets its cos/sin tables computed once per call."""
+        return [self.rope] if self.rope is not None else []
+
+    def make_norm(self, dim: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        return RMSNorm(dim, self.config.rms_norm_eps, dtype=dtype, rngs=rngs)
 
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         raise NotImplementedError
@@ -81,14 +199,32 @@ class CausalLM(nnx.Module):
 
         `seq_len`: the unpadded length of the longest sequence, for RoPE variants that depend on it.
         """
-        x = self.embed(tokens)
-        rope_tables = self.rope.cos_sin(positions, seq_len) if self.rope is not None else None
+        x, new_caches, _ = self._run(tokens, positions, caches, seq_len, collect=False)
+        return x, new_caches
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, seq_len: jax.Array | None = None
+                      ) -> list[jax.Array]:
+        """The residual stream as transformers' `output_hidden_states=True` reports it, without a cache.
+
+        Returns L + 1 arrays [B, T, D]: the embeddings, the output of layers 1..L-1, and the final normed output.
+        """
+        x, _, hidden = self._run(tokens, positions, None, seq_len, collect=True)
+        return hidden[:-1] + [x]
+
+    def _run(self, tokens, positions, caches, seq_len, collect: bool):
+        # The residual stream is pinned (batch over dp) at block boundaries only; XLA derives the rest.
+        x = constrain(self.embed(tokens))
+        rope_tables = {rope: rope.cos_sin(positions, seq_len) for rope in self.ropes}
         new_caches = [] if caches is not None else None
+        hidden = [x] if collect else None
         for i, layer in enumerate(self.model.layers):
             x, cache = layer(x, positions, rope_tables, None if caches is None else caches[i])
+            x = constrain(x)
             if caches is not None:
                 new_caches.append(cache)
-        return self.model.norm(x), new_caches
+            if collect:
+                hidden.append(x)
+        return self.model.norm(x), new_caches, hidden
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 [..., V]."""
@@ -97,6 +233,11 @@ class CausalLM(nnx.Module):
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 # --- Hugging Face tensor mapping -----------------------------------------------------------------------------
@@ -114,21 +255,43 @@ class Source:
     shapes: tuple[tuple[int, ...], ...]
 
 
-def linear_kernel(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-    """HF Linear weight [out, in] -> runtime kernel in_shape + out_shape."""
-    return arrays[0].T.reshape(shape)
-
-
 def same(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
     return arrays[0].reshape(shape)
 
 
 def default_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source:
-    """The plain HF mapping: `a.b.kernel` <- `a.b.weight` transposed; everything else by the same name."""
+    """The plain HF mapping: `a.b.kernel` <- `a.b.weight` [out, in] reshaped; everything else by the same name."""
     if path.endswith(".kernel"):
-        k = metadata["in_ndim"]
-        hf_shape = (math.prod(shape[k:]), math.prod(shape[:k]))
-        return Source((path[: -len("kernel")] + "weight",), linear_kernel, (hf_shape,))
+        n_out = len(shape) - metadata["in_ndim"]
+        hf_shape = (math.prod(shape[:n_out]), math.prod(shape[n_out:]))
+        return Source((path[: -len("kernel")] + "weight",), same, (hf_shape,))
     if path.endswith(".bias"):
         return Source((path,), same, ((math.prod(shape),),))
     return Source((path,), same, (shape,))
+
+
+def stacked_experts(names: Sequence[str], hf_shape: tuple[int, int]) -> Source:
+    """One runtime [E, in, out] expert weight from E per-expert HF Linear weights [out, in] (transposed, stacked)."""
+    return Source(tuple(names), lambda arrays, shape: np.stack([a.T for a in arrays]).reshape(shape),
+                  (tuple(hf_shape),) * len(names))
+
+
+def rows_of(name: str, hf_shape: tuple[int, ...], start: int, stop: int) -> Source:
+    """A runtime kernel from rows [start, stop) of a fused HF Linear weight (Phi-3's qkv_proj, gate_up_proj)."""
+    return Source((name,), lambda arrays, shape: arrays[0][start:stop].reshape(shape), (tuple(hf_shape),))
+
+
+def per_expert_source(path: str, shape: tuple[int, ...], prefix: Callable[[str], str] = lambda p: p,
+                      names: dict[str, str] | None = None) -> Source | None:
+    """`<p>.experts.gate_proj|up_proj|down_proj` [E, in, out] <- `<prefix(p)>.experts.<e>.<name>.weight` for each e.
+
+    What transformers' save_pretrained writes for Mixtral, Qwen-MoE and DeepSeek (one Linear per expert).
+    `names` renames the projections (Mixtral: w1, w3, w2); `prefix` renames the block (Mixtral:
+    `mlp` -> `block_sparse_moe`). None for paths that are not stacked expert weights.
+    """
+    m = re.fullmatch(r"(.*)\.experts\.(gate_proj|up_proj|down_proj)", path)
+    if not m:
+        return None
+    E, fan_in, fan_out = shape
+    name = (names or {}).get(m[2], m[2])
+    return stacked_experts([f"{prefix(m[1])}.experts.{e}.{name}.weight" for e in range(E)], (fan_out, fan_in))

@@ -10,13 +10,9 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from day0jax import config as config_lib
-from day0jax.errors import UnsupportedArchitecture
 from day0jax.layers.attention import Attention
 from day0jax.layers.mlp import GatedMLP
-from day0jax.layers.norms import RMSNorm
-from day0jax.layers.rope import rope_parameters
-from day0jax.models.base import CausalLM, DecoderLayer
+from day0jax.models.base import CausalLM, DecoderLayer, HFConfig
 
 MODEL_TYPES = ("llama",)
 
@@ -27,12 +23,12 @@ DROPPED = {
 
 
 @dataclass(frozen=True, eq=False)
-class Config:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
+class Config(HFConfig):
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     hidden_act: str = "silu"
@@ -45,34 +41,35 @@ class Config:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     model_type: str = "llama"
-    unknown_keys: tuple = ()
 
     def __post_init__(self):
-        set_ = object.__setattr__
-        if self.num_key_value_heads is None:
-            set_(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            set_(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UnsupportedArchitecture(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                                          f"num_key_value_heads={self.num_key_value_heads}")
-        set_(self, "rope", rope_parameters(self.rope_parameters, self.rope_scaling, self.rope_theta,
-                                           max_position_embeddings=self.max_position_embeddings))
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "Config":
-        return config_lib.from_hf(cls, hf)
+        self._heads()
+        self._activation()
+        self._set(rope=self._rope())
 
 
 class Model(CausalLM):
-    sliding_window: int | None = None  # Mistral sets it per config
+    """Llama's layers; other families override the pieces that differ (`attention_kwargs`, `make_mlp`, ...)."""
+
+    def attention_kwargs(self, index: int) -> dict:
+        """Keyword arguments of layer `index`'s `Attention` beyond the head shapes."""
+        c = self.config
+        return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+                    sliding_window=getattr(c, "sliding_window", None))
+
+    def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> Attention:
+        c = self.config
+        return Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
+                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, **self.attention_kwargs(index),
+                         dtype=dtype, rngs=rngs)
+
+    def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        c = self.config
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, use_bias=getattr(c, "mlp_bias", False),
+                        dtype=dtype, rngs=rngs)
 
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> DecoderLayer:
-        c = self.config
-        attn = Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope=self.rope,
-                         qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-                         sliding_window=getattr(c, "sliding_window", None), dtype=dtype, rngs=rngs)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, use_bias=c.mlp_bias, dtype=dtype, rngs=rngs)
-        return DecoderLayer(attn, mlp, RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, rngs=rngs),
-                            RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, rngs=rngs))
+        D = self.config.hidden_size
+        return DecoderLayer(self.make_attention(index, dtype=dtype, rngs=rngs),
+                            self.make_mlp(index, dtype=dtype, rngs=rngs),
+                            self.make_norm(D, dtype=dtype, rngs=rngs), self.make_norm(D, dtype=dtype, rngs=rngs))

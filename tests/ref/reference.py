@@ -6,7 +6,7 @@ read back the files it writes. One call per test session amortizes torch's impor
 Jobs (each a dict with "op"):
   tiny_hf      {family, config, seed, out}: a tiny random model saved with save_pretrained (safetensors).
   fp8_hf       {config, seed, out, block}: a tiny llama whose linear weights are FP8 e4m3 with block scales
-               (`weight_scale_inv`), plus `reference.safetensors` holding the exact float32 dequantization.
+               (`weight_scale_inv`), plus OUT.reference.safetensors holding the exact float32 dequantization.
   tiny_gguf    {config, seed, out, types}: a tiny llama GGUF with a SentencePiece-style BPE vocabulary and
                its linear weights in the given GGML types (random bytes for the K-quants, which gguf-py
                cannot quantize).
@@ -14,6 +14,8 @@ Jobs (each a dict with "op"):
   run          {model, prompts, generate, out}: float32 logits of each prompt, and greedy continuations.
   state        {model, out}: the float32 state dict transformers loads (dequantized for GGUF).
   tokenize     {model, texts, chats, out}: token ids of each text and of each chat with the chat template.
+  hidden       {model, prompts, out, dtype?}: per prompt i, `hidden_{i}` [L+1, T, D] (output_hidden_states: the
+               embeddings, each layer's output, the last one after the final norm) and `logits_{i}` [T, V], float32.
 """
 
 import json
@@ -49,6 +51,9 @@ def tiny_hf(job):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias") or "sinks" in name:
                 p.normal_(0.0 if name.endswith(".bias") else 1.0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek's routing bias is a buffer, zero at init
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     if job.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(job["out"])
@@ -82,7 +87,7 @@ def fp8_hf(job):
             out[name] = w
             reference[name] = w
     save_file(out, path, metadata={"format": "pt"})
-    save_file(reference, os.path.join(job["out"], "reference.safetensors"))
+    save_file(reference, job["out"] + ".reference.safetensors")  # beside the folder: not part of the model
     cfg_path = os.path.join(job["out"], "config.json")
     cfg = json.load(open(cfg_path))
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
@@ -159,11 +164,11 @@ def tiny_gguf(job):
             else:
                 raw[..., 0:2] = d
                 raw[..., 2:4] = d  # dmin
-            w.add_tensor(name, raw.reshape(shape[0], -1), raw_shape=shape, raw_dtype=qt)
+            w.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=qt)  # byte rows
         elif qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             w.add_tensor(name, data.astype(np.float16 if qt == gguf.GGMLQuantizationType.F16 else np.float32))
         else:
-            w.add_tensor(name, gguf.quants.quantize(data, qt), raw_shape=shape, raw_dtype=qt)
+            w.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
 
     add("token_embd.weight", (V, D))
     for i in range(L):
@@ -185,7 +190,18 @@ def tiny_gguf(job):
 
 
 def from_gguf(job):
-    _load(job["gguf"]).save_pretrained(job["out"])
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    src = _load(job["gguf"])
+    # A model loaded from GGUF refuses save_pretrained; the same weights in a plain model of the same config save.
+    config = copy.deepcopy(src.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    model.save_pretrained(job["out"])
     _load(job["gguf"], "tokenizer").save_pretrained(job["out"])
 
 
@@ -218,6 +234,20 @@ def tokenize(job):
            "chat_texts": [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                           for m in job.get("chats", [])]}
     json.dump(out, open(job["out"], "w"))
+
+
+def hidden(job):
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, job.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).eval()
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            out = model(torch.tensor([prompt]), output_hidden_states=True)
+            result[f"hidden_{i}"] = torch.stack([h[0] for h in out.hidden_states]).float().numpy()
+            result[f"logits_{i}"] = out.logits[0].float().numpy()
+    np.savez(job["out"], **result)
 
 
 def main():

@@ -1,0 +1,41 @@
+"""Decoder blocks whose norms sit elsewhere than Llama's pre-norms (which is `models.base.DecoderLayer`).
+
+HF's attribute names are kept, and they mean different things per family: in Gemma 2/3 and OLMo 2
+`post_attention_layernorm` normalizes the attention *output*, where in Llama it is the norm before the MLP.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+
+class SandwichDecoderLayer(nnx.Module):
+    """Gemma 2/3: x + post_attention_layernorm(attn(input_layernorm(x))), then
+    x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
+
+    def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, *, input_layernorm, post_attention_layernorm,
+                 pre_feedforward_layernorm, post_feedforward_layernorm):
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm, self.post_attention_layernorm = input_layernorm, post_attention_layernorm
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = (pre_feedforward_layernorm,
+                                                                           post_feedforward_layernorm)
+
+    def __call__(self, x, positions, rope_tables, cache=None):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, rope_tables, cache)
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
+
+
+class PostNormDecoderLayer(nnx.Module):
+    """OLMo 2: no pre-norms; x + post_attention_layernorm(attn(x)), then x + post_feedforward_layernorm(mlp(x))."""
+
+    def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, *, post_attention_layernorm,
+                 post_feedforward_layernorm):
+        self.self_attn, self.mlp = self_attn, mlp
+        self.post_attention_layernorm, self.post_feedforward_layernorm = (post_attention_layernorm,
+                                                                          post_feedforward_layernorm)
+
+    def __call__(self, x, positions, rope_tables, cache=None):
+        h, cache = self.self_attn(x, positions, rope_tables, cache)
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(x)), cache

@@ -1,0 +1,88 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections, RoPE on a decoupled slice.
+
+HF names kept: q_a_proj -> q_a_layernorm -> q_b_proj (or one q_proj when `q_lora_rank` is None),
+kv_a_proj_with_mqa -> (latent: kv_a_layernorm | shared rope key), kv_b_proj, o_proj.
+
+Computed in the "absorbed" form: kv_b_proj's key half is folded into the query (q_nope @ W_uk gives a query in
+latent space), so attention runs as multi-query attention over [normed latent ; roped key] (one kv head of
+kv_lora_rank + qk_rope_head_dim dims) and the value half W_uv is applied after attention. The cache therefore
+holds the latent, not per-head keys and values: for DeepSeek-V3, 576 numbers per token instead of 128 x 320.
+The scores are exactly q_nope . (W_uk latent) + q_rope . k_rope, HF's, reassociated.
+
+Legend: N heads, R kv_lora_rank, P qk_rope_head_dim, C qk_nope_head_dim, U v_head_dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from day0jax.layers.linear import Linear
+from day0jax.layers.norms import RMSNorm
+from day0jax.layers.rope import Rope
+from kernels_pallas.attention import api as attention_op
+
+
+class MLAttention(nnx.Module):
+    """Args: hidden_size D; num_heads N; q_lora_rank (None: a plain q_proj); kv_lora_rank R; qk_nope_head_dim C;
+    qk_rope_head_dim P; v_head_dim U; rope over P dims; rope_interleave: the checkpoint's rope dims are
+    interleaved pairs (DeepSeek's layout); scale: the softmax scale (HF: (C + P) ** -0.5 times YaRN's mscale^2);
+    use_bias: HF's `attention_bias` on q_a_proj, kv_a_proj_with_mqa and o_proj.
+    """
+
+    def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: Rope, rope_interleave: bool,
+                 scale: float, eps: float, use_bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, N, R, P, C, U = hidden_size, num_heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+        if q_lora_rank is None:
+            self.q_proj = Linear((D,), (N, C + P), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear((D,), (q_lora_rank,), ("embed", "q_lora"), use_bias=use_bias, dtype=dtype,
+                                   rngs=rngs)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps, dtype=dtype, rngs=rngs)
+            self.q_b_proj = Linear((q_lora_rank,), (N, C + P), ("q_lora", "heads", "head_dim"), dtype=dtype,
+                                   rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear((D,), (R + P,), ("embed", "kv_lora"), use_bias=use_bias, dtype=dtype,
+                                         rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(R, eps, dtype=dtype, rngs=rngs)
+        self.kv_b_proj = Linear((R,), (N, C + U), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear((N, U), (D,), ("heads", "head_dim", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.rope, self.rope_interleave, self.scale = rope, rope_interleave, scale
+        self.dims = (R, P, C, U)
+
+    @staticmethod
+    def _deinterleave(x: jax.Array) -> jax.Array:
+        # Pairs (x0, x1), (x2, x3)... -> evens then odds: HF's rotate_half layout. q and k are permuted alike,
+        # so their dot products (all attention uses them for) are unchanged.
+        return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache=None):
+        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache). The cache holds [B, S, 1, R + P]."""
+        R, P, C, U = self.dims
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # [B, T, N, C + P]
+        q_nope, q_rope = q[..., :C], q[..., C:]
+        kv = self.kv_a_proj_with_mqa(x)  # [B, T, R + P]
+        latent, k_rope = self.kv_a_layernorm(kv[..., :R]), kv[..., None, R:]  # [B, T, R], [B, T, 1, P]
+        if self.rope_interleave:
+            q_rope, k_rope = self._deinterleave(q_rope), self._deinterleave(k_rope)
+        cos, sin = rope_tables[self.rope] if isinstance(rope_tables, dict) else rope_tables
+        q_rope, k_rope = self.rope.apply(q_rope, cos, sin), self.rope.apply(k_rope, cos, sin)
+
+        w = self.kv_b_proj.kernel[...]  # [N, C + U, R]
+        q_latent = jnp.einsum("btnc,ncr->btnr", q_nope, w[:, :C])
+        query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, R + P]
+        key = jnp.concatenate([latent[:, :, None, :], k_rope.astype(latent.dtype)], axis=-1)  # [B, T, 1, R + P]
+        # The value is the latent: the key itself, whose rope part is sliced off the output below.
+        if cache is None:
+            out = attention_op.attention(query, key, key, q_positions=positions, scale=self.scale)
+        else:
+            cache = cache.update(key, key, positions)
+            out = cache.attend(query, positions, scale=self.scale)
+        out = jnp.einsum("btnr,nur->btnu", out[..., :R], w[:, C:])  # [B, T, N, U]
+        return self.o_proj(out), cache

@@ -1,0 +1,180 @@
+"""Mixture-of-experts blocks: routers (softmax, top-k-then-softmax, DeepSeek's grouped sigmoid), stacked expert
+weights run through the `kernels_pallas` grouped matmul, and optional shared experts.
+
+Tokens never meet experts they were not routed to: the (token, chosen expert) rows are sorted by expert, each
+expert's rows go through its weights in one grouped matmul (`jax.lax.ragged_dot`'s contract), and the results
+are unsorted, weighted and summed per token. Work is proportional to tokens x top_k, not tokens x experts.
+
+Shapes (DESIGN.md legend): M tokens (B*T flattened), D model, E experts, F expert hidden size, k experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from day0jax.layers.linear import Linear
+from day0jax.layers.mlp import activation
+from kernels_pallas.moe import api as moe_op
+
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, stddev: float = 0.02) -> nnx.Param:
+    init = nnx.with_partitioning(nnx.initializers.normal(stddev), tuple(axes))
+    return nnx.Param(init(rngs.params(), shape, dtype))
+
+
+class Router(nnx.Module):
+    """Chooses k experts per token and their weights. Logits are computed in float32, as DeepSeek's router does.
+
+    Args:
+        routing: how scores become (weights, experts):
+            "softmax_topk": softmax over all experts, top k, renormalized when `norm_topk_prob` (Mixtral, Qwen MoE);
+            "topk_softmax": top k of the logits, softmax over those k (gpt-oss);
+            "sigmoid_grouped": sigmoid scores; experts chosen by score + `e_score_correction_bias` within the
+                `topk_group` best of `n_group` groups (a group's score: the sum of its top two); weights are the
+                plain scores, renormalized when `norm_topk_prob`, times `routed_scaling_factor` (DeepSeek-V3).
+        use_bias: a bias on the router logits (gpt-oss).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, routing: str, norm_topk_prob: bool = False,
+                 use_bias: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        assert routing in ROUTINGS, routing
+        E = num_experts
+        # HF's [experts, hidden] layout, like every Linear kernel.
+        self.kernel = nnx.Param(nnx.with_partitioning(nnx.initializers.normal(1 / math.sqrt(hidden_size)),
+                                                      (None, "embed"), in_ndim=1)(rngs.params(), (E, hidden_size),
+                                                                                   dtype))
+        self.bias = _param(rngs, (E,), (None,), dtype, 0.0) if use_bias else None
+        self.e_score_correction_bias = (_param(rngs, (E,), (None,), jnp.float32, 0.0)
+                                        if routing == "sigmoid_grouped" else None)
+        self.routing, self.top_k, self.norm_topk_prob = routing, top_k, norm_topk_prob
+        self.n_group, self.topk_group, self.scale = n_group, topk_group, routed_scaling_factor
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [M, D] -> (weights [M, k] float32, expert ids [M, k] int32)."""
+        logits = jnp.einsum("md,ed->me", x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+        if self.bias is not None:
+            logits = logits + self.bias[...].astype(jnp.float32)
+        k = self.top_k
+        if self.routing == "softmax_topk":
+            weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdims=True)
+        elif self.routing == "topk_softmax":
+            top, experts = jax.lax.top_k(logits, k)
+            weights = jax.nn.softmax(top, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.e_score_correction_bias[...]
+            M, E = choice.shape
+            groups = choice.reshape(M, self.n_group, E // self.n_group)
+            group_score = jax.lax.top_k(groups, 2)[0].sum(-1)  # [M, n_group]
+            _, best = jax.lax.top_k(group_score, self.topk_group)
+            keep = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(M)[:, None], best].set(True)
+            choice = jnp.where(jnp.repeat(keep, E // self.n_group, axis=1), choice, -jnp.inf)
+            _, experts = jax.lax.top_k(choice, k)
+            weights = jnp.take_along_axis(scores, experts, axis=-1)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+            weights = weights * self.scale
+        return weights, experts.astype(jnp.int32)
+
+
+def swiglu(act: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """act(gate) * up, the gated unit of Llama-style MLPs."""
+    fn = activation(act)
+    return lambda gate, up: fn(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """gpt-oss: gate clamped above, up clamped both sides, (up + 1) * gate * sigmoid(alpha * gate)."""
+    def glu(gate, up):
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return glu
+
+
+class Experts(nnx.Module):
+    """E experts' weights stacked: gate_proj, up_proj [E, D, F], down_proj [E, F, D] (optional biases).
+
+    Args:
+        glu: (gate [.., F], up [.., F]) -> [.., F], e.g. `swiglu("silu")` or `clamped_swiglu(...)`.
+        use_bias: per-expert biases gate_proj_bias, up_proj_bias [E, F] and down_proj_bias [E, D] (gpt-oss).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 glu: Callable[[jax.Array, jax.Array], jax.Array], *, use_bias: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        E, D, F = num_experts, hidden_size, intermediate_size
+        self.gate_proj = _param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
+        self.up_proj = _param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
+        self.down_proj = _param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), dtype, 1 / math.sqrt(F))
+        if use_bias:
+            self.gate_proj_bias = _param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
+            self.up_proj_bias = _param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
+            self.down_proj_bias = _param(rngs, (E, D), ("experts", "embed"), dtype, 0.0)
+        else:
+            self.gate_proj_bias = self.up_proj_bias = self.down_proj_bias = None
+        self.num_experts, self.glu = E, glu
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """x [M, D], weights and expert ids [M, k] -> sum over k of weight * expert(x), [M, D]."""
+        M, k = experts.shape
+        flat = experts.reshape(-1)                   # [M*k], row r = (token r // k, its (r % k)-th choice)
+        order = jnp.argsort(flat, stable=True)       # rows grouped by expert
+        token = order // k
+        sorted_expert = flat[order]
+        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        rows = x[token]                              # [M*k, D]
+        gate = moe_op.grouped_matmul(rows, self.gate_proj[...], group_sizes)
+        up = moe_op.grouped_matmul(rows, self.up_proj[...], group_sizes)
+        if self.gate_proj_bias is not None:
+            gate = gate + self.gate_proj_bias[...][sorted_expert]
+            up = up + self.up_proj_bias[...][sorted_expert]
+        out = moe_op.grouped_matmul(self.glu(gate, up), self.down_proj[...], group_sizes)  # [M*k, D]
+        if self.down_proj_bias is not None:
+            out = out + self.down_proj_bias[...][sorted_expert]
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(x).at[token].add(out)
+
+
+class MoE(nnx.Module):
+    """Router + experts (+ shared experts, optionally gated), under the attribute names the family's HF code uses.
+
+    Args:
+        router / experts: the two parts; `router_name` is HF's name for the router ("gate" or "router").
+        shared: an MLP every token goes through as well (Qwen2-MoE's `shared_expert`, DeepSeek's
+            `shared_experts`: `shared_name`), or None.
+        shared_gate: Linear D -> 1; the shared output is scaled by sigmoid(shared_gate(x)) (Qwen2-MoE).
+    """
+
+    def __init__(self, router: Router, experts: Experts, *, router_name: str = "gate", shared: nnx.Module | None = None,
+                 shared_name: str = "shared_expert", shared_gate: Linear | None = None):
+        setattr(self, router_name, router)
+        self.experts = experts
+        self.router_name, self.shared_name = router_name, shared_name
+        if shared is not None:
+            setattr(self, shared_name, shared)
+        if shared_gate is not None:
+            self.shared_expert_gate = shared_gate
+        self.has_shared, self.has_shared_gate = shared is not None, shared_gate is not None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = getattr(self, self.router_name)(flat)
+        out = self.experts(flat, weights, experts)
+        if self.has_shared:
+            shared = getattr(self, self.shared_name)(flat)
+            if self.has_shared_gate:
+                shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return out.reshape(x.shape)

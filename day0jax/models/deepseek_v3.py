@@ -1,0 +1,137 @@
+"""DeepSeek-V3: multi-head latent attention (low-rank q and kv, decoupled RoPE) and MoE layers after the first
+`first_k_dense_replace` dense ones: sigmoid scores, expert choice biased by `e_score_correction_bias` within the
+best `topk_group` of `n_group` groups, weights renormalized and times `routed_scaling_factor`, plus shared experts.
+
+HF reference: transformers/models/deepseek_v3/modeling_deepseek_v3.py. The attention runs in the absorbed form
+(see `layers/mla.py`): the KV cache holds one latent of kv_lora_rank + qk_rope_head_dim per token. With YaRN
+RoPE the softmax scale gains mscale(factor, mscale_all_dim) ** 2, as in HF. The multi-token-prediction layers
+(`num_nextn_predict_layers`) serve speculative decoding only and are not part of the forward pass. HF builds
+q_a_layernorm and kv_a_layernorm with RMSNorm's default eps (1e-6), not `rms_norm_eps`; so do we.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flax import nnx
+
+from day0jax.layers.mla import MLAttention
+from day0jax.layers.mlp import GatedMLP
+from day0jax.layers.moe import Experts, MoE, Router, swiglu
+from day0jax.models import llama
+from day0jax.models.base import HFConfig, Source, per_expert_source
+
+MODEL_TYPES = ("deepseek_v3",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(HFConfig):
+    ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int | None = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 1
+    head_dim: int | None = None     # derived by HF (qk_rope_head_dim); written to config.json
+    qk_head_dim: int | None = None  # derived by HF (qk_nope_head_dim + qk_rope_head_dim)
+    # Keys of DeepSeek's own config.json: the values transformers implements are the only ones accepted.
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    moe_layer_freq: int = 1
+    ep_size: int = 1                # the original code's expert-parallel hint; the mesh decides here
+    aux_loss_alpha: float = 0.0     # training only
+    seq_aux: bool = True            # training only
+    model_type: str = "deepseek_v3"
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self._set(num_key_value_heads=self.num_attention_heads)
+        self._refuse_if("num_key_value_heads", lambda v: v != self.num_attention_heads,
+                        f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
+        self._activation()
+        self._refuse_if("scoring_func", lambda v: v != "sigmoid", "is not implemented (only 'sigmoid')")
+        self._refuse_if("topk_method", lambda v: v != "noaux_tc", "is not implemented (only 'noaux_tc')")
+        self._refuse_if("moe_layer_freq", lambda v: v != 1, "is not implemented (only 1)")
+        self._refuse_if("n_group", lambda v: not v or self.n_routed_experts % v,
+                        f"does not divide n_routed_experts={self.n_routed_experts}")
+        self._refuse_if("topk_group", lambda v: not v or v > self.n_group, f"must be in 1..n_group={self.n_group}")
+        self._set(head_dim=self.qk_rope_head_dim, qk_head_dim=self.qk_nope_head_dim + self.qk_rope_head_dim,
+                  rope=self._rope())
+
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope
+        if r["rope_type"] != "default" and r.get("mscale_all_dim"):
+            m = 0.1 * r["mscale_all_dim"] * math.log(r["factor"]) + 1.0 if r["factor"] > 1 else 1.0
+            scale *= m * m
+        return scale
+
+
+class Model(llama.Model):
+    def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> MLAttention:
+        c = self.config
+        return MLAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
+                           kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                           qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, rope=self.rope,
+                           rope_interleave=c.rope_interleave, scale=c.softmax_scale(), eps=1e-6,
+                           use_bias=c.attention_bias, dtype=dtype, rngs=rngs)
+
+    def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        c = self.config
+        D = c.hidden_size
+        if index < c.first_k_dense_replace:
+            return GatedMLP(D, c.intermediate_size, c.hidden_act, dtype=dtype, rngs=rngs)
+        shared = (GatedMLP(D, c.moe_intermediate_size * c.n_shared_experts, c.hidden_act, dtype=dtype, rngs=rngs)
+                  if c.n_shared_experts else None)
+        return MoE(Router(D, c.n_routed_experts, c.num_experts_per_tok, routing="sigmoid_grouped",
+                          norm_topk_prob=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
+                          routed_scaling_factor=c.routed_scaling_factor, dtype=dtype, rngs=rngs),
+                   Experts(c.n_routed_experts, D, c.moe_intermediate_size, swiglu(c.hidden_act), dtype=dtype,
+                           rngs=rngs),
+                   shared=shared, shared_name="shared_experts")
+
+    def cache_layout(self) -> list[tuple[int, int, int]]:
+        # One shared "head": the normed latent and the roped key; the value is the latent (see layers/mla.py).
+        c = self.config
+        d = c.kv_lora_rank + c.qk_rope_head_dim
+        return [(1, d, d)] * c.num_hidden_layers
+
+
+def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
+    return per_expert_source(path, shape)
+
+
+def dropped(config: Config) -> dict[str, str]:
+    """Released checkpoints store the multi-token-prediction layers after the last decoder layer."""
+    L, n = config.num_hidden_layers, config.num_nextn_predict_layers
+    if not n:
+        return {}
+    indices = "|".join(str(L + i) for i in range(n))
+    return {rf"model\.layers\.({indices})\..*": "multi-token-prediction layers, used only for speculative decoding"}

@@ -1,0 +1,60 @@
+"""Gemma: Llama's layout with embeddings scaled by sqrt(hidden_size), (1 + weight) RMSNorms, tanh-GELU gating,
+and tied embeddings.
+
+HF reference: transformers/models/gemma/modeling_gemma.py. The norm weights are stored as w - 1 (HF's layout,
+kept); `hidden_act="gelu"` in old configs means the tanh approximation, as HF's config maps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+from flax import nnx
+
+from day0jax.layers.norms import RMSNorm
+from day0jax.models import llama
+from day0jax.models.base import HFConfig
+
+MODEL_TYPES = ("gemma",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(HFConfig):
+    vocab_size: int = 256000
+    hidden_size: int = 3072
+    intermediate_size: int = 24576
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = 16
+    head_dim: int | None = 256
+    hidden_act: str = "gelu_pytorch_tanh"
+    # Some Gemma configs also carry `hidden_activation`; HF's Gemma (v1) reads only hidden_act.
+    hidden_activation: str | None = None
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    use_bidirectional_attention: bool | None = None
+    model_type: str = "gemma"
+
+    def __post_init__(self):
+        if self.hidden_act == "gelu":
+            self._set(hidden_act="gelu_pytorch_tanh")
+        self._heads()
+        self._activation()
+        self._refuse_if("use_bidirectional_attention", bool, "(non-causal attention) is not implemented")
+        self._set(rope=self._rope())
+
+
+class Model(llama.Model):
+    def make_norm(self, dim: int, *, dtype, rngs: nnx.Rngs) -> RMSNorm:
+        return RMSNorm(dim, self.config.rms_norm_eps, offset=1.0, dtype=dtype, rngs=rngs)
+
+    def embed(self, tokens):
+        x = self.model.embed_tokens(tokens)
+        return x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)  # HF rounds the scale to the dtype

@@ -1,0 +1,89 @@
+"""gpt-oss: attention with learned sinks and biases, alternating sliding/global layers, YaRN RoPE, and an MoE
+in every layer: top-k of the (biased) router logits, softmax over those k, experts with biases and a clamped
+SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit).
+
+HF reference: transformers/models/gpt_oss/modeling_gpt_oss.py. The checkpoint stores experts fused and not
+transposed: `experts.gate_up_proj` [E, D, 2F] with gate and up interleaved column by column (`::2`, `1::2`),
+`experts.down_proj` [E, F, D]; `hf_source` splits them. (OpenAI's MXFP4-packed release, `*_blocks`/`*_scales`,
+must be dequantized first, e.g. by loading it with transformers and saving it.)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from flax import nnx
+
+from day0jax.layers.moe import Experts, MoE, Router, clamped_swiglu
+from day0jax.models import llama
+from day0jax.models.base import HFConfig, Source
+
+MODEL_TYPES = ("gpt_oss",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(HFConfig):
+    ALIASES = {"num_experts": "num_local_experts", "experts_per_token": "num_experts_per_tok"}
+    DEFAULT_THETA = 150000.0
+    num_hidden_layers: int = 36
+    num_local_experts: int = 128
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    head_dim: int | None = 64
+    num_attention_heads: int = 64
+    num_key_value_heads: int | None = 8
+    sliding_window: int | None = 128
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"  # HF's experts use the clamped SwiGLU whatever this says
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    num_experts_per_tok: int = 4
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    layer_types: list | None = None
+    attention_bias: bool = True
+    initial_context_length: int | None = None  # OpenAI's name for YaRN's original_max_position_embeddings
+    model_type: str = "gpt_oss"
+
+    def __post_init__(self):
+        self._heads()
+        params = self.rope_parameters if self.rope_parameters or self.rope_scaling else {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}  # HF's default when the config gives none
+        self._set(rope=self._rope(params), layer_types=self._layer_types(
+            ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)]))
+
+
+class Model(llama.Model):
+    def attention_kwargs(self, index: int) -> dict:
+        c = self.config
+        window = c.sliding_window if c.layer_types[index] == "sliding_attention" else None
+        return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias, sinks=True,
+                    sliding_window=window)
+
+    def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> MoE:
+        c = self.config
+        return MoE(Router(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, routing="topk_softmax",
+                          use_bias=True, dtype=dtype, rngs=rngs),
+                   Experts(c.num_local_experts, c.hidden_size, c.intermediate_size,
+                           clamped_swiglu(c.swiglu_alpha, c.swiglu_limit), use_bias=True, dtype=dtype, rngs=rngs),
+                   router_name="router")
+
+
+def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
+    """Splits the interleaved gate_up_proj (and its bias) into gate_proj and up_proj."""
+    m = re.fullmatch(r"(.*\.experts)\.(gate|up)_proj(_bias)?", path)
+    if not m:
+        return None
+    E, F = shape[0], shape[-1]
+    offset = 0 if m[2] == "gate" else 1
+    if m[3]:
+        return Source((f"{m[1]}.gate_up_proj_bias",), lambda a, s: a[0][:, offset::2].reshape(s), ((E, 2 * F),))
+    D = shape[1]
+    return Source((f"{m[1]}.gate_up_proj",), lambda a, s: a[0][:, :, offset::2].reshape(s), ((E, D, 2 * F),))

@@ -1,0 +1,72 @@
+"""Mixtral: Mistral attention with a sparse MoE in every layer: softmax over `num_local_experts`, top
+`num_experts_per_tok`, renormalized; each expert a SwiGLU of `intermediate_size`.
+
+HF reference: transformers/models/mixtral/modeling_mixtral.py. Checkpoints name the block `block_sparse_moe`
+and the expert projections w1 (gate), w3 (up), w2 (down); the runtime uses transformers 5's `mlp.gate` and
+`mlp.experts.{gate,up,down}_proj`, and `hf_source` maps between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flax import nnx
+
+from day0jax.layers.moe import Experts, MoE, Router, swiglu
+from day0jax.models import llama
+from day0jax.models.base import HFConfig, Source, default_source, per_expert_source
+
+MODEL_TYPES = ("mixtral",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(HFConfig):
+    ALIASES = {"num_experts": "num_local_experts"}
+    DEFAULT_THETA = 1000000.0
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096 * 32
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    sliding_window: int | None = None
+    num_experts_per_tok: int = 2
+    num_local_experts: int = 8
+    router_jitter_noise: float = 0.0  # training-time noise only
+    model_type: str = "mixtral"
+
+    def __post_init__(self):
+        self._heads()
+        self._activation()
+        self._set(rope=self._rope())
+
+
+class Model(llama.Model):
+    def attention_kwargs(self, index: int) -> dict:
+        return dict(rope=self.rope, sliding_window=self.config.sliding_window)
+
+    def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> MoE:
+        c = self.config
+        return MoE(Router(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, routing="softmax_topk",
+                          norm_topk_prob=True, dtype=dtype, rngs=rngs),
+                   Experts(c.num_local_experts, c.hidden_size, c.intermediate_size, swiglu(c.hidden_act),
+                           dtype=dtype, rngs=rngs))
+
+
+def _block(prefix: str) -> str:
+    return prefix.replace(".mlp", ".block_sparse_moe")
+
+
+def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
+    if path.endswith(".mlp.gate.kernel"):
+        return default_source(_block(path), shape, metadata)
+    return per_expert_source(path, shape, prefix=_block, names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})

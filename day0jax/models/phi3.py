@@ -1,0 +1,74 @@
+"""Phi-3: Llama math with fused projections in the checkpoint (`qkv_proj`, `gate_up_proj`), partial rotary
+dims and LongRoPE ("su" in old configs).
+
+HF reference: transformers/models/phi3/modeling_phi3.py. The fused HF weights are split into q/k/v and gate/up
+on conversion (`hf_source`), so tensor parallelism splits heads and the MLP as it does for Llama.
+`original_max_position_embeddings` (top level) is the pretraining context LongRoPE switches at, as in HF.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from day0jax.models import llama
+from day0jax.models.base import HFConfig, Source, refuse, rows_of
+
+MODEL_TYPES = ("phi3",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(HFConfig):
+    vocab_size: int = 32064
+    hidden_size: int = 3072
+    intermediate_size: int = 8192
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    original_max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float | None = None
+    sliding_window: int | None = None
+    attention_bias: bool = False  # in Phi-3 configs, always false: HF's Phi-3 has no biases
+    model_type: str = "phi3"
+
+    def __post_init__(self):
+        self._heads()
+        self._activation()
+        self._refuse_if("attention_bias", bool, "is not implemented (HF's Phi-3 has no attention biases)")
+        params = dict(self.rope_parameters or self.rope_scaling or {})
+        kind = params.pop("type", None) or params.get("rope_type") or "default"
+        params["rope_type"] = "longrope" if kind in ("su", "yarn") else kind  # HF's Phi-3 renames these
+        if params["rope_type"] not in ("default", "longrope"):
+            refuse("rope_parameters.rope_type", kind, "is not one Phi-3 has (default, longrope)")
+        if params["rope_type"] == "longrope":
+            params["original_max_position_embeddings"] = self.original_max_position_embeddings
+        self._set(rope=self._rope(params))
+
+
+class Model(llama.Model):
+    def attention_kwargs(self, index: int) -> dict:
+        return dict(rope=self.rope, sliding_window=self.config.sliding_window)
+
+
+def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
+    """q/k/v_proj from row blocks of `qkv_proj.weight`, gate/up_proj from the halves of `gate_up_proj.weight`."""
+    D, N, K, H, F = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                     config.intermediate_size)
+    m = re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.kernel", path)
+    if m:
+        start, stop = {"q": (0, N * H), "k": (N * H, (N + K) * H), "v": ((N + K) * H, (N + 2 * K) * H)}[m[2]]
+        return rows_of(f"{m[1]}.qkv_proj.weight", ((N + 2 * K) * H, D), start, stop)
+    m = re.fullmatch(r"(.*\.mlp)\.(gate|up)_proj\.kernel", path)
+    if m:
+        start, stop = (0, F) if m[2] == "gate" else (F, 2 * F)
+        return rows_of(f"{m[1]}.gate_up_proj.weight", (2 * F, D), start, stop)
+    return None

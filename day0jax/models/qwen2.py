@@ -1,0 +1,57 @@
+"""Qwen2: Llama with biases on q/k/v (always on, no config key) and optional sliding-window layers.
+
+HF reference: transformers/models/qwen2/modeling_qwen2.py. The window applies only when `use_sliding_window`
+is set, to the layers `layer_types` marks "sliding_attention" (by default those from `max_window_layers` on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from day0jax.models import llama
+from day0jax.models.base import HFConfig
+
+MODEL_TYPES = ("qwen2",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(HFConfig):
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 32
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list | None = None
+    model_type: str = "qwen2"
+
+    def __post_init__(self):
+        self._heads()
+        self._activation()
+        window = self.sliding_window if self.use_sliding_window else None
+        self._set(sliding_window=window, rope=self._rope())
+        self._set(layer_types=self._layer_types(
+            ["sliding_attention" if window is not None and i >= self.max_window_layers else "full_attention"
+             for i in range(self.num_hidden_layers)]))
+
+
+def window(config, index: int) -> int | None:
+    """The sliding window of layer `index` (None: full attention)."""
+    return config.sliding_window if config.layer_types[index] == "sliding_attention" else None
+
+
+class Model(llama.Model):
+    def attention_kwargs(self, index: int) -> dict:
+        return dict(rope=self.rope, qkv_bias=True, sliding_window=window(self.config, index))

@@ -1,0 +1,86 @@
+"""Qwen2-MoE: Qwen2 attention (q/k/v biases per `qkv_bias`) with sparse MoE MLPs: softmax routing over
+`num_experts`, top `num_experts_per_tok` (renormalized when `norm_topk_prob`), plus a shared expert every token
+uses, scaled by sigmoid(shared_expert_gate(x)).
+
+HF reference: transformers/models/qwen2_moe/modeling_qwen2_moe.py. A layer is sparse unless listed in
+`mlp_only_layers` or skipped by `decoder_sparse_step`; dense layers use `intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flax import nnx
+
+from day0jax.layers.linear import Linear
+from day0jax.layers.mlp import GatedMLP
+from day0jax.layers.moe import Experts, MoE, Router, swiglu
+from day0jax.models import llama, qwen2
+from day0jax.models.base import HFConfig, Source, per_expert_source
+
+MODEL_TYPES = ("qwen2_moe",)
+DROPPED = llama.DROPPED
+
+
+@dataclass(frozen=True, eq=False)
+class Config(HFConfig):
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = 16
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    layer_types: list | None = None
+    decoder_sparse_step: int = 1
+    moe_intermediate_size: int = 1408
+    shared_expert_intermediate_size: int = 5632
+    num_experts_per_tok: int = 4
+    num_experts: int = 60
+    norm_topk_prob: bool = False
+    mlp_only_layers: list | None = None
+    qkv_bias: bool = True
+    model_type: str = "qwen2_moe"
+
+    def __post_init__(self):
+        self._heads()
+        self._activation()
+        window = self.sliding_window if self.use_sliding_window else None
+        self._set(sliding_window=window, mlp_only_layers=list(self.mlp_only_layers or []), rope=self._rope())
+        self._set(layer_types=self._layer_types(
+            ["sliding_attention" if window is not None and (i + 1) % 2 and i < self.max_window_layers
+             else "full_attention" for i in range(self.num_hidden_layers)]))
+
+    def is_sparse(self, index: int) -> bool:
+        return (index not in self.mlp_only_layers and self.num_experts > 0
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+
+class Model(llama.Model):
+    def attention_kwargs(self, index: int) -> dict:
+        return dict(rope=self.rope, qkv_bias=self.config.qkv_bias, sliding_window=qwen2.window(self.config, index))
+
+    def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        c = self.config
+        D = c.hidden_size
+        if not c.is_sparse(index):
+            return GatedMLP(D, c.intermediate_size, c.hidden_act, dtype=dtype, rngs=rngs)
+        return MoE(Router(D, c.num_experts, c.num_experts_per_tok, routing="softmax_topk",
+                          norm_topk_prob=c.norm_topk_prob, dtype=dtype, rngs=rngs),
+                   Experts(c.num_experts, D, c.moe_intermediate_size, swiglu(c.hidden_act), dtype=dtype, rngs=rngs),
+                   shared=GatedMLP(D, c.shared_expert_intermediate_size, c.hidden_act, dtype=dtype, rngs=rngs),
+                   shared_gate=Linear((D,), (1,), ("embed", None), dtype=dtype, rngs=rngs))
+
+
+def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
+    return per_expert_source(path, shape)

@@ -1,0 +1,262 @@
+"""`python -m day0jax.verify CKPT --reference HF_FOLDER`: layer-by-layer precision against transformers.
+
+Runs the day0jax checkpoint and transformers (in its own Python, `--reference-python`, since the runtime never
+imports torch) on the same token ids and prints, per layer, the max and mean relative difference of the hidden
+states (transformers' `output_hidden_states`: the embeddings, each layer's output, the last after the final
+norm), then the logits' max relative difference, KL divergence (transformers' distribution as the truth) and
+top-1 agreement. Exits 1 when a figure is beyond its tolerance, 2 when it cannot run. This is how every new
+family and every optimization (a kernel, bf16) is checked: the first layer whose difference jumps is where the
+math departs.
+
+Relative differences are scaled per layer: max |ours - ref| / max |ref| and mean |ours - ref| / mean |ref|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from day0jax.errors import Day0Error
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_SCRIPT = ROOT / "tests" / "ref" / "reference.py"
+DEFAULT_TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land"]
+# Default tolerances per day0jax dtype (transformers runs in float32): (logits max rel, mean KL, top-1 agreement).
+TOLERANCES = {"float32": (1e-3, 1e-5, 1.0), "bfloat16": (5e-2, 1e-2, 0.9), "float16": (2e-2, 5e-3, 0.95)}
+
+
+class VerifyError(Day0Error):
+    """The comparison could not be run (reference missing or failing, bad prompts file)."""
+
+
+@dataclass
+class LayerDiff:
+    layer: int
+    name: str
+    max_rel: float
+    mean_rel: float
+
+
+@dataclass
+class Result:
+    layers: list[LayerDiff]
+    logits_max_rel: float
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    tokens: int
+    tolerance: dict
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), passed=self.passed)
+
+
+def default_reference_python() -> str:
+    """.venv-ref/bin/python beside the project when it exists (make install builds it), else this Python."""
+    ref = ROOT / ".venv-ref" / "bin" / "python"
+    return str(ref) if ref.exists() else sys.executable
+
+
+def read_prompts(path: Path | None, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Token-id prompts from a file (JSON list of strings or of id lists, or text with one prompt per line).
+
+    Raises:
+        VerifyError: unreadable file, text prompts without a tokenizer, or ids outside the vocabulary.
+    """
+    if path is None:
+        if tokenizer is not None:
+            return [tokenizer.encode(t) for t in DEFAULT_TEXTS]
+        rng = np.random.default_rng(0)
+        return [rng.integers(0, vocab_size, n).tolist() for n in (7, 19)]
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise VerifyError(f"--prompts {path}: cannot read ({e})") from None
+    try:
+        items = json.loads(text)
+        if not isinstance(items, list):
+            raise ValueError
+    except ValueError:
+        items = [line for line in text.splitlines() if line.strip()]
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise VerifyError(f"--prompts {path}: text prompts need a tokenizer.json in the checkpoint; "
+                                  "give token ids (a JSON list of lists) instead")
+            prompts.append(tokenizer.encode(item))
+        elif isinstance(item, list) and item and all(isinstance(t, int) and 0 <= t < vocab_size for t in item):
+            prompts.append(item)
+        else:
+            raise VerifyError(f"--prompts {path}: {item!r} is neither a string nor a non-empty list of token ids "
+                              f"below the vocabulary size {vocab_size}")
+    if not prompts:
+        raise VerifyError(f"--prompts {path}: no prompts")
+    return prompts
+
+
+def run_reference(hf_folder: Path, prompts: list[list[int]], python: str, dtype: str = "float32",
+                  timeout: int = 3600) -> dict[str, np.ndarray]:
+    """transformers' hidden states and logits per prompt (the `hidden` job of tests/ref/reference.py).
+
+    Raises:
+        VerifyError: the reference script or Python is missing, or the job failed.
+    """
+    if not REFERENCE_SCRIPT.is_file():
+        raise VerifyError(f"{REFERENCE_SCRIPT} is missing: verify needs the project's reference script")
+    with tempfile.TemporaryDirectory(prefix="day0jax-verify-") as tmp:
+        out = Path(tmp) / "reference.npz"
+        spec = Path(tmp) / "jobs.json"
+        spec.write_text(json.dumps([{"op": "hidden", "model": str(Path(hf_folder).absolute()), "prompts": prompts,
+                                     "dtype": dtype, "out": str(out)}]))
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        try:
+            proc = subprocess.run([python, str(REFERENCE_SCRIPT), str(spec)], capture_output=True, text=True,
+                                  timeout=timeout, env=env)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise VerifyError(f"reference Python {python}: {e}") from None
+        if proc.returncode:
+            raise VerifyError(f"transformers ({python}) failed on {hf_folder}:\n{proc.stderr[-3000:]}")
+        return dict(np.load(out))
+
+
+def run_day0jax(model, prompts: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per prompt: hidden states [L+1, T, D] (module path, no cache) and logits [T, V] (the public `.logits`)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params = nnx.split(model.module)
+
+    @jax.jit
+    def hidden(params, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return jnp.stack(nnx.merge(graphdef, params).hidden_states(tokens, positions)).astype(jnp.float32)
+
+    hiddens, logits = [], []
+    for p in prompts:
+        hiddens.append(np.asarray(hidden(params, jnp.asarray([p], jnp.int32)))[:, 0])
+        logits.append(model.logits([p])[0])
+    return hiddens, logits
+
+
+def compare(ours_hidden: Sequence[np.ndarray], ours_logits: Sequence[np.ndarray], ref: dict[str, np.ndarray],
+            tolerance: tuple[float, float, float]) -> Result:
+    """The figures, over all prompts, and which exceed `tolerance` = (logits max rel, mean KL, top-1 agreement)."""
+    n = len(ours_logits)
+    layers = ours_hidden[0].shape[0]
+    ref_hidden = [ref[f"hidden_{i}"] for i in range(n)]
+    if ref_hidden[0].shape[0] != layers:
+        raise VerifyError(f"transformers reports {ref_hidden[0].shape[0]} hidden states, day0jax {layers}")
+    diffs = []
+    for j in range(layers):
+        d = np.concatenate([np.abs(o[j] - r[j]).ravel() for o, r in zip(ours_hidden, ref_hidden)])
+        a = np.concatenate([np.abs(r[j]).ravel() for r in ref_hidden])
+        name = "embeddings" if j == 0 else f"layer {j}" + (" + final norm" if j == layers - 1 else "")
+        diffs.append(LayerDiff(j, name, float(d.max() / max(a.max(), 1e-30)), float(d.mean() / max(a.mean(), 1e-30))))
+    ours = np.concatenate(list(ours_logits)).astype(np.float64)
+    theirs = np.concatenate([ref[f"logits_{i}"] for i in range(n)]).astype(np.float64)
+    if ours.shape != theirs.shape:
+        raise VerifyError(f"logits shapes differ: day0jax {ours.shape}, transformers {theirs.shape}")
+    logp_ref = theirs - _logsumexp(theirs)
+    logp_ours = ours - _logsumexp(ours)
+    kl = (np.exp(logp_ref) * (logp_ref - logp_ours)).sum(-1)
+    result = Result(diffs, float(np.abs(ours - theirs).max() / np.abs(theirs).max()), float(kl.mean()),
+                    float(kl.max()), float((ours.argmax(-1) == theirs.argmax(-1)).mean()), int(ours.shape[0]),
+                    dict(zip(("logits_max_rel", "kl_mean", "top1_agreement"), tolerance)))
+    max_rel, max_kl, min_top1 = tolerance
+    if result.logits_max_rel > max_rel:
+        result.failures.append(f"logits max relative difference {result.logits_max_rel:.3e} > {max_rel:.1e}")
+    if result.kl_mean > max_kl:
+        result.failures.append(f"mean KL divergence {result.kl_mean:.3e} > {max_kl:.1e}")
+    if result.top1_agreement < min_top1:
+        result.failures.append(f"top-1 agreement {result.top1_agreement:.4f} < {min_top1}")
+    return result
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | None = None,
+           reference_python: str | None = None, dtype: str = "float32",
+           tolerance: tuple[float, float, float] | None = None) -> Result:
+    """Compares a day0jax checkpoint with transformers on the same prompts (see the module docstring).
+
+    Args:
+        ckpt: day0jax checkpoint folder.  reference: the Hugging Face folder it was converted from.
+        prompts: prompts file (default: a few built-in texts, or random ids without a tokenizer).
+        reference_python: the Python that has transformers and torch (default: `default_reference_python()`).
+        dtype: day0jax's dtype; transformers always runs in float32.
+        tolerance: (logits max rel, mean KL, min top-1 agreement); default per dtype (`TOLERANCES`).
+    Returns:
+        A `Result`; `.passed` says whether every figure is within tolerance.
+    Raises:
+        VerifyError, and the errors of `day0jax.load`.
+    """
+    import day0jax
+
+    model = day0jax.load(Path(ckpt).absolute(), dtype=dtype)  # orbax wants absolute paths
+    token_prompts = read_prompts(Path(prompts) if prompts else None, model.tokenizer, model.config.vocab_size)
+    ref = run_reference(Path(reference), token_prompts, reference_python or default_reference_python())
+    hiddens, logits = run_day0jax(model, token_prompts)
+    return compare(hiddens, logits, ref, tolerance or TOLERANCES[dtype])
+
+
+def render(result: Result) -> str:
+    rows = [f"{'layer':>5}  {'hidden state':<24}  {'max rel diff':>12}  {'mean rel diff':>13}"]
+    rows += [f"{d.layer:>5}  {d.name:<24}  {d.max_rel:>12.3e}  {d.mean_rel:>13.3e}" for d in result.layers]
+    t = result.tolerance
+    rows += ["", f"logits over {result.tokens} tokens: max rel diff {result.logits_max_rel:.3e} "
+                 f"(tolerance {t['logits_max_rel']:.1e}), KL mean {result.kl_mean:.3e} (tolerance "
+                 f"{t['kl_mean']:.1e}) max {result.kl_max:.3e}, top-1 agreement {result.top1_agreement:.4f} "
+                 f"(at least {t['top1_agreement']})",
+             "PASS" if result.passed else "FAIL: " + "; ".join(result.failures)]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m day0jax.verify", description=__doc__.split("\n\n")[0])
+    parser.add_argument("ckpt", help="day0jax checkpoint folder")
+    parser.add_argument("--reference", required=True, help="the Hugging Face model folder (for transformers)")
+    parser.add_argument("--prompts", default=None, help="JSON list of strings or token-id lists, or one text "
+                        "prompt per line")
+    parser.add_argument("--reference-python", default=None, help="Python with transformers and torch "
+                        f"(default: {default_reference_python()})")
+    parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES), help="day0jax's dtype")
+    parser.add_argument("--tolerance", type=float, default=None, help="logits max relative difference allowed")
+    parser.add_argument("--max-kl", type=float, default=None, help="mean KL divergence allowed")
+    parser.add_argument("--min-top1", type=float, default=None, help="top-1 agreement required (0..1)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    default = TOLERANCES[args.dtype]
+    tolerance = (args.tolerance if args.tolerance is not None else default[0],
+                 args.max_kl if args.max_kl is not None else default[1],
+                 args.min_top1 if args.min_top1 is not None else default[2])
+    try:
+        result = verify(args.ckpt, args.reference, prompts=args.prompts, reference_python=args.reference_python,
+                        dtype=args.dtype, tolerance=tolerance)
+    except Day0Error as e:
+        print(f"day0jax verify: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else render(result))
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""`day0jax.check` (the readiness report) and the refusals it reports: unknown model types, unknown config keys,
+values a family does not implement, checkpoints whose tensors do not map, kernels versus reference fallback.
+
+The refusals are also checked where they matter most, in `convert` and `day0jax.load`: a model that would run
+with silently wrong numbers is the worst outcome.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from day0jax import check as check_lib
+from day0jax import models
+from day0jax.errors import UnsupportedArchitecture
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def variant(src: Path, dst: Path, **changes) -> Path:
+    """A copy of HF folder `src` (weights symlinked) whose config.json has `changes` (None deletes a key)."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def config_only(dst: Path, cfg: dict) -> Path:
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_moe_family_report(tiny):
+    """Supported, every key classified, the operators with their implementation, counts and memory."""
+    report = check_lib.check(tiny["qwen2_moe"]["hf"])
+    assert report.supported, report.reasons
+    assert report.family == "day0jax.models.qwen2_moe" and report.source == "safetensors"
+    status = {r["key"]: r["status"] for r in report.keys}
+    assert status["num_experts"] == "used" and status["shared_expert_intermediate_size"] == "used"
+    assert status["transformers_version"] == "ignored" and "unknown" not in status.values()
+    ops = {(r["op"], r["layers"]): r for r in report.ops}
+    moe = ops[("moe grouped matmul", "1")]  # layer 0 is dense (mlp_only_layers)
+    assert "4 experts" in moe["variant"] and "top-2" in moe["variant"] and "shared_expert (gated)" in moe["variant"]
+    assert ops[("mlp", "0")]["variant"] == "gated MLP x 128"
+    attention = ops[("attention (prefill, dense cache)", "0-1")]
+    assert attention["variant"].startswith("GQA 4q/2kv heads x 16")
+    assert attention["implementation"].startswith("reference")  # no attention kernel is registered for the CPU
+    params = report.parameters
+    abstract = models.abstract_model(models.config_from_hf(json.loads((tiny["qwen2_moe"]["hf"] / "config.json")
+                                                                      .read_text())))
+    assert params["model"] == sum(int(jax.numpy.size(jax.numpy.zeros(i.shape))) for i in models.param_infos(abstract))
+    assert params["checkpoint_elements"] == params["model"]
+    assert params["checkpoint_bytes_by_dtype"] == {"float32": 4 * params["model"]}
+    m = report.memory
+    assert m["params_bytes"] == 4 * params["model"] and m["kv_cache_bytes"] > 0 and m["fits"]
+    assert m["context"] == 128 and m["batch"] == 1
+
+
+def test_report_of_every_family_variant(tiny, converted):
+    """MLA, sinks, soft-caps, NoPE layers and per-layer windows show up; a converted checkpoint checks too."""
+    rows = {name: {(r["op"], r["layers"]): r["variant"] for r in check_lib.check(tiny[name]["hf"]).ops}
+            for name in ("deepseek_v3", "gpt_oss", "gemma2", "smollm3")}
+    assert rows["deepseek_v3"][("attention (prefill, dense cache)", "0-2")].startswith("MLA (absorbed)")
+    assert "sigmoid_grouped" in rows["deepseek_v3"][("moe grouped matmul", "1-2")]
+    assert "sinks" in rows["gpt_oss"][("attention (prefill, dense cache)", "0")]
+    assert "sliding window 8" in rows["gpt_oss"][("attention (prefill, dense cache)", "0")]
+    assert "sliding window" not in rows["gpt_oss"][("attention (prefill, dense cache)", "1")]
+    assert "score soft-cap 2.0" in rows["gemma2"][("attention (prefill, dense cache)", "0")]
+    assert "(1 + w)" in rows["gemma2"][("rms_norm", "0-1")]
+    assert rows["smollm3"][("rope", "1")] == "none (NoPE layer)"
+    ckpt = check_lib.check(converted["deepseek_v3"])
+    assert ckpt.supported and ckpt.source == "day0jax", ckpt.reasons
+    # The latent cache: one "head" of kv_lora_rank + qk_rope_head_dim for key and value, 3 layers, 128 positions.
+    assert ckpt.memory["kv_cache_bytes"] == 3 * 128 * 2 * (16 + 8) * 4
+
+
+def test_mesh_spec_splits_memory(tiny):
+    """A SPEC may ask for more devices than are visible: it is a plan. tp=2 halves the split weights."""
+    one = check_lib.check(tiny["llama"]["hf"], mesh="tp=1").memory
+    two = check_lib.check(tiny["llama"]["hf"], mesh="tp=2").memory
+    assert two["sizes"] == {"dp": 1, "ep": 1, "tp": 2}
+    assert one["params_bytes"] / 2 < two["params_bytes"] < one["params_bytes"]  # norms stay replicated
+    assert two["kv_cache_bytes"] == one["kv_cache_bytes"] / 2  # 2 kv heads split over tp=2
+    bad = check_lib.check(tiny["llama"]["hf"], mesh="tp=3")
+    assert not bad.supported and any("tp=3" in r for r in bad.reasons)
+
+
+def test_reads_no_tensor_data(tiny, monkeypatch):
+    from convert.safetensors_file import SafetensorsFile
+
+    def boom(self, name):
+        raise AssertionError(f"check read tensor {name}")
+    monkeypatch.setattr(SafetensorsFile, "read", boom)
+    assert check_lib.check(tiny["mixtral"]["hf"]).supported
+
+
+def test_config_only_folder(tmp_path, tiny):
+    """Before the weights are downloaded, config.json alone says whether the architecture will run."""
+    cfg = json.loads((tiny["gemma3_text"]["hf"] / "config.json").read_text())
+    report = check_lib.check(config_only(tmp_path / "cfg", cfg))
+    assert report.supported and report.source == "config.json only" and report.notes
+
+
+def test_kernel_chosen_or_fallback(tiny, monkeypatch):
+    """The report traces the registry's candidates on the model's shapes: a kernel that declines is named."""
+    from kernels_pallas.attention import api
+
+    def picky(q, *args, **kwargs):
+        raise NotImplementedError(f"head_dim {q.shape[-1]} below 64")
+
+    def eager(q, k, v, **kwargs):
+        return q
+
+    backend = jax.default_backend()
+    monkeypatch.setitem(api.IMPLEMENTATIONS, "picky", picky)
+    monkeypatch.setitem(api.IMPLEMENTATIONS, "eager", eager)
+    monkeypatch.setitem(api.CANDIDATES, backend, ("picky", "eager"))
+    row = next(r for r in check_lib.check(tiny["llama"]["hf"]).ops if r["op"].startswith("attention"))
+    assert row["implementation"].startswith("eager (kernel)") and "picky declined: head_dim 16 below 64" in \
+        row["implementation"]
+    monkeypatch.setitem(api.CANDIDATES, backend, ("picky",))
+    row = next(r for r in check_lib.check(tiny["llama"]["hf"]).ops if r["op"].startswith("attention"))
+    assert row["implementation"].startswith("reference (fallback")
+
+
+# --- refusals ----------------------------------------------------------------------------------------------------
+
+def test_unknown_model_type_names_closest(tmp_path, tiny):
+    cfg = json.loads((tiny["qwen3_moe"]["hf"] / "config.json").read_text())
+    report = check_lib.check(config_only(tmp_path / "c", dict(cfg, model_type="qwen3_mo")))
+    assert not report.supported and "closest supported family is 'qwen3_moe'" in report.reasons[0]
+    with pytest.raises(UnsupportedArchitecture, match="'gemma3'.*closest supported family is 'gemma3_text'"):
+        models.family("gemma3")
+
+
+@pytest.mark.parametrize("name,changes,message", [
+    ("llama", {"attention_chunk_size": 8}, "attention_chunk_size=8"),
+    ("llama", {"rope_parameters": {"rope_type": "mrope", "rope_theta": 10000.0}}, "rope_type='mrope'"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "alpha": 3}},
+     r"\['alpha'\]"),
+    ("qwen3", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
+    ("gemma2", {"hidden_activation": "gelu_10"}, "hidden_activation='gelu_10'"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ("gemma3_text", {"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ("phi3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
+    ("smollm3", {"no_rope_layers": [1, 2]}, "no_rope_layers"),
+])
+def test_refused_config_values(name, changes, message, tiny, tmp_path):
+    """Every math-changing value a family does not implement is refused by check, convert and load, by name."""
+    folder = variant(tiny[name]["hf"], tmp_path / "v", **changes)
+    report = check_lib.check(folder)
+    assert not report.supported
+    assert any(re.search(message, r) for r in report.reasons), report.reasons
+    key = next(iter(changes))
+    row = next(r for r in report.keys if r["key"] == key)
+    assert row["status"] == ("unknown" if key == "attention_chunk_size" else "refused"), row
+    from convert import convert_checkpoint
+    with pytest.raises(UnsupportedArchitecture, match=message):
+        convert_checkpoint(folder, tmp_path / "out", progress=False)
+
+
+def test_load_refuses_unknown_key(tiny, converted, tmp_path):
+    import day0jax
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted["mistral"], ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(cfg, use_parallel_residual=True)))
+    with pytest.raises(UnsupportedArchitecture, match="use_parallel_residual=True"):
+        day0jax.load(ckpt)
+
+
+def test_checkpoint_that_does_not_match(tiny, tmp_path):
+    """Shapes come from the headers: a config that disagrees with the weights is caught before loading."""
+    report = check_lib.check(variant(tiny["olmo2"]["hf"], tmp_path / "v", intermediate_size=96))
+    assert not report.supported and any("mlp.down_proj.weight' has shape (64, 128), expected (64, 96)" in r
+                                          for r in report.reasons), report.reasons
+
+
+def test_cli_exit_codes_and_json(tiny, tmp_path):
+    """`python -m day0jax.check` exits 0 for a model that will run and 2 for one that will not."""
+    py = sys.executable
+    ok = subprocess.run([py, "-m", "day0jax.check", str(tiny["gpt_oss"]["hf"]), "--json"], capture_output=True,
+                        text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    data = json.loads(ok.stdout)
+    assert data["supported"] and data["family"] == "day0jax.models.gpt_oss" and data["memory"]["fits"]
+    bad = variant(tiny["gpt_oss"]["hf"], tmp_path / "bad", swiglu_limit=None, experts_implementation_hint="x")
+    text = subprocess.run([py, "-m", "day0jax.check", str(bad), "--mesh", "tp=2"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert text.returncode == 2, text.stderr[-2000:]
+    assert "NOT SUPPORTED" in text.stdout and "experts_implementation_hint" in text.stdout
+    assert "operators on" in text.stdout and "memory per device" in text.stdout
+
+
+def test_gguf_header_only(monkeypatch):
+    """The embedded SmolLM2 GGUF: config from its metadata, tensors from its header."""
+    from conftest import smollm2_gguf
+    from convert.gguf_source import GGUFSource
+
+    monkeypatch.setattr(GGUFSource, "read", lambda self, name: pytest.fail(f"check read tensor {name}"))
+    report = check_lib.check(smollm2_gguf())
+    assert report.supported and report.source == "gguf", report.reasons
+    assert report.parameters["model"] == 134_515_008
+    assert set(report.parameters["checkpoint_bytes_by_dtype"]) >= {"Q4_1", "F32"}
