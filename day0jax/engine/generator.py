@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from day0jax.engine.kv_cache import DenseKVCache
 from day0jax.engine.sampling import mode_for, sample
 from day0jax.errors import GenerationError
-from sharding.rules import named_sharding
+from sharding.rules import constrain, named_sharding
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class Generator:
         self.graphdef, self.params = nnx.split(module)
         self.mesh, self.dtype, self.max_positions = mesh, dtype, max_positions
         self.cache_layout = module.cache_layout()
-        self.dp = mesh.shape.get("dp", 1)
+        # Batches are split over dp and ep (sharding/rules.py): buckets are multiples of both.
+        self.dp = mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._forward = jax.jit(self._forward_fn)
         self._prefill = jax.jit(self._prefill_fn, donate_argnames=("caches",), static_argnames=("mode",))
@@ -57,23 +58,42 @@ class Generator:
         model = nnx.merge(self.graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         hidden, _ = model(tokens, positions, seq_len=seq_len)
-        return model.logits(hidden)
+        return self._to_host(model.logits(constrain(hidden)))
 
     def _prefill_fn(self, params, caches, tokens, lengths, key, temperature, top_k, top_p, mode):
         model = nnx.merge(self.graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(lengths))
-        last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]  # only the last prompt token needs logits
-        return sample(model.logits(last), key, temperature, top_k, top_p, mode), caches
+        last = constrain(hidden)[jnp.arange(tokens.shape[0]), lengths - 1]  # only the last token needs logits
+        return self._to_host(sample(model.logits(last), key, temperature, top_k, top_p, mode)), caches
 
     def _decode_fn(self, params, caches, tokens, positions, key, temperature, top_k, top_p, mode):
         model = nnx.merge(self.graphdef, params)
         hidden, caches = model(tokens[:, None], positions[:, None], caches)
-        return sample(model.logits(hidden[:, 0]), key, temperature, top_k, top_p, mode), caches
+        next_tokens = sample(model.logits(constrain(hidden)[:, 0]), key, temperature, top_k, top_p, mode)
+        return self._to_host(next_tokens), caches
+
+    # --- sharding of inputs and outputs (issue 6) --------------------------------------------------------------
+    def _to_host(self, x: jax.Array) -> jax.Array:
+        # What the host reads back is replicated: every process of a multi-host mesh can then read all of it.
+        return jax.lax.with_sharding_constraint(x, self._replicated)
+
+    def _put(self, x, logical: tuple | None = None) -> jax.Array:
+        """A host array onto the mesh, split by `logical` names (None: replicated).
+
+        Built from each device's slice (`make_array_from_callback`), so it also works when the mesh spans
+        several processes, each holding the same host value, without a cross-process equality check.
+        """
+        x = np.asarray(x)
+        sharding = self._replicated if logical is None else named_sharding(logical, x.shape, self.mesh)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    def _call(self, fn, *args, **kwargs):
+        # The mesh is the context while tracing so `sharding.rules.constrain` at block boundaries can see it.
+        with jax.set_mesh(self.mesh):
+            return fn(*args, **kwargs)
 
     # --- host side -------------------------------------------------------------------------------------------
-    def _put(self, x) -> jax.Array:
-        return jax.device_put(x, self._replicated)
 
     def logits(self, token_ids) -> np.ndarray:
         """Full forward pass without a cache: int [B, T] -> float32 numpy [B, T, V]."""
@@ -85,7 +105,8 @@ class Generator:
             raise GenerationError(f"{T} tokens exceed the model's context of {self.max_positions}")
         padded = np.zeros((bucket(B, self.dp), bucket(T, 16)), np.int32)
         padded[:B, :T] = tokens
-        return np.asarray(self._forward(self.params, self._put(padded), self._put(np.int32(T))))[:B, :T]
+        return np.asarray(self._call(self._forward, self.params, self._put(padded, ("batch", None)),
+                                     self._put(np.int32(T))))[:B, :T]
 
     def _new_caches(self, batch: int, length: int) -> list[DenseKVCache]:
         caches = []
@@ -118,8 +139,9 @@ class Generator:
 
         seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
         key = jax.random.key(seed)
-        sampling = (self._put(np.full(Bb, temperature, np.float32)), self._put(np.full(Bb, top_k, np.int32)),
-                    self._put(np.full(Bb, top_p, np.float32)))
+        sampling = (self._put(np.full(Bb, temperature, np.float32), ("batch",)),
+                    self._put(np.full(Bb, top_k, np.int32), ("batch",)),
+                    self._put(np.full(Bb, top_p, np.float32), ("batch",)))
         mode = mode_for([temperature], [top_k], [top_p])
         stops = set(stop_token_ids)
         out: list[list[int]] = [[] for _ in range(B)]
@@ -127,16 +149,18 @@ class Generator:
         positions = all_lengths.copy()  # where each row's next token goes
 
         t0 = time.perf_counter()
-        next_tokens, caches = self._prefill(self.params, caches, self._put(tokens), self._put(all_lengths),
-                                            jax.random.fold_in(key, 0), *sampling, mode=mode)
+        next_tokens, caches = self._call(self._prefill, self.params, caches, self._put(tokens, ("batch", None)),
+                                         self._put(all_lengths, ("batch",)), jax.random.fold_in(key, 0),
+                                         *sampling, mode=mode)
         for step in range(max_new_tokens):
             pending = next_tokens
             if step + 1 < max_new_tokens:
                 # Dispatch the next step before reading this one back, so the host's bookkeeping overlaps it.
                 span = bucket(int(positions.max()) + 1, 64)
                 caches = [c.with_attend_len(span) for c in caches]
-                next_tokens, caches = self._decode(self.params, caches, next_tokens, self._put(positions),
-                                                   jax.random.fold_in(key, step + 1), *sampling, mode=mode)
+                next_tokens, caches = self._call(self._decode, self.params, caches, next_tokens,
+                                                 self._put(positions, ("batch",)),
+                                                 jax.random.fold_in(key, step + 1), *sampling, mode=mode)
                 positions = positions + 1
             host = np.asarray(pending)
             for i in np.flatnonzero(~done):

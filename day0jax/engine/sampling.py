@@ -61,3 +61,126 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax
     choice = jax.random.categorical(key, sorted_logits, axis=-1)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+# --- per-request sampling for the serving engine -------------------------------------------------------------
+# The engine's rows each carry their own parameters and seed. Filtering uses bisection on a threshold instead of
+# a vocabulary sort: a few dozen masked reductions over [B, V] cost a fraction of a sort on a CPU, and the kept
+# set is the same (ties at the threshold are all kept, as a sort-based filter keeps them in rank order).
+TOP_LOGPROBS = 20  # the OpenAI API's maximum top_logprobs; computed for every row in logprobs mode
+_BISECT_STEPS = 32
+
+
+def row_mode(temperature, top_k, top_p, min_p) -> str:
+    """`mode_for` extended with min_p: the cheapest static mode serving these host-side per-row values."""
+    temperature, min_p = np.asarray(temperature), np.asarray(min_p)
+    mode = mode_for(temperature, top_k, top_p)
+    if mode == "random" and (min_p[temperature > 0] > 0).any():
+        return "filtered"
+    return mode
+
+
+def _bisect_threshold(x: jax.Array, enough) -> jax.Array:
+    """The largest t (per row, to bisection precision) with enough(x >= t) true; x [B, V] finite where kept."""
+    finite = jnp.isfinite(x)
+    lo = jnp.min(jnp.where(finite, x, jnp.inf), axis=-1)
+    hi = jnp.max(jnp.where(finite, x, -jnp.inf), axis=-1)
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) * 0.5
+        ok = enough(x >= mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, body, (lo, hi))
+    # hi itself may qualify (the maximum always keeps at least one token).
+    return jnp.where(enough(x >= hi[:, None]), hi, lo)
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, seen: jax.Array, presence: jax.Array,
+                    frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """OpenAI presence/frequency penalties on generated-token counts, then the multiplicative repetition
+    penalty (as transformers and vLLM apply it) on every token seen in the prompt or the output.
+
+    Args:
+        logits: [B, V] float32.
+        counts: [B, V] float32, how often each token was generated so far.
+        seen: [B, V] bool, tokens in the prompt or the output.
+        presence, frequency: [B]; 0 is off.  repetition: [B]; 1 is off.
+    """
+    logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    rep = repetition[:, None]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    return jnp.where(seen, penalized, logits)
+
+
+def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Masks (to -inf) what min_p, then top_k, then top_p exclude from temperature-scaled logits [B, V]."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep_min_p = probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    x = jnp.where(keep_min_p, scaled, -jnp.inf)
+    t_k = _bisect_threshold(x, lambda m: jnp.sum(m, axis=-1) >= top_k)
+    x = jnp.where((top_k[:, None] <= 0) | (x >= t_k[:, None]), x, -jnp.inf)
+    probs = jax.nn.softmax(x, axis=-1)
+    # The small slack keeps float rounding of the running mass from dropping the token that reaches top_p.
+    t_p = _bisect_threshold(x, lambda m: jnp.sum(jnp.where(m, probs, 0.0), axis=-1) >= top_p * (1 - 1e-6))
+    return jnp.where((top_p[:, None] >= 1.0) | (x >= t_p[:, None]), x, -jnp.inf)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    # murmur3's 32-bit finalizer: every input bit flips about half the output bits.
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: jax.Array, counters: jax.Array, V: int) -> jax.Array:
+    """Gumbel(0, 1) noise [B, V] that depends only on each row's (seed, counter) and the token index.
+
+    A counter-based integer hash rather than jax.random's threefry: per-row keys through vmap cost seconds of
+    compilation and milliseconds per step on a CPU, and sampling needs only well-mixed uniforms, not a
+    cryptographic stream. argmax(logits + noise) draws from softmax(logits) (the Gumbel-max trick).
+    """
+    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(counters.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+    bits = _mix32(row[:, None] ^ (jnp.arange(V, dtype=jnp.uint32)[None, :] * jnp.uint32(0x27D4EB2F)))
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -jnp.log(-jnp.log(u))
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
+                top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None, *,
+                mode: str = "filtered", logprobs: bool = False) -> dict[str, jax.Array]:
+    """Picks one token per row, each row with its own parameters and its own seeded random stream.
+
+    Args:
+        logits: [B, V] float32 model output.
+        seeds: [B] uint32 per-request seeds; counters: [B] int32 the row's output index (so a request's draws
+            depend only on its seed and position, never on which other requests share the batch).
+        temperature: [B]; 0 is greedy.  top_k: [B] int, <= 0 is off.  top_p: [B], 1 is off.  min_p: [B], 0 is off.
+        penalties: None, or (counts, seen, presence, frequency, repetition) as in `apply_penalties`.
+        mode: static, "greedy" | "random" | "filtered" (see `row_mode`).
+        logprobs: static; also return log-probabilities of the raw model distribution.
+    Returns:
+        {"tokens": [B] int32} and, with logprobs, "logprob" [B] (of the chosen token), "top_ids" and
+        "top_logprobs" [B, TOP_LOGPROBS].
+    """
+    raw = logits
+    if penalties is not None:
+        logits = apply_penalties(logits, *penalties)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        tokens = greedy
+    else:
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        if mode == "filtered":
+            scaled = filter_logits(scaled, top_k, top_p, min_p)
+        drawn = jnp.argmax(scaled + gumbel_noise(seeds, counters, scaled.shape[-1]), axis=-1).astype(jnp.int32)
+        tokens = jnp.where(temperature > 0, drawn, greedy)
+    out = {"tokens": tokens}
+    if logprobs:
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        out["logprob"] = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        out["top_logprobs"], out["top_ids"] = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+    return out

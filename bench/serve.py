@@ -1,0 +1,172 @@
+"""Load test of `python -m day0jax.serve` against transformers, measured in the same run.
+
+    .venv/bin/python bench/serve.py [--streams 16] [--repeats 3] [--skip-reference]
+
+day0jax side: the server (embedded SmolLM2-135M-Instruct, float32) on loopback, driven by N concurrent streaming
+clients with mixed prompt and output lengths (token-id prompts, greedy, EOS ignored so every request produces
+exactly its output length). Reported: tokens/s (generated tokens / wall time), time to first token and
+inter-token latency p50/p99; plus batch-1 and batch-8 decode tokens/s (streams of one fixed prompt).
+transformers side (bench/serve_reference.py, a worker in .venv-ref): the same N requests as one left-padded
+batch (`generate`, everyone runs to the longest output, only requested tokens count), and batch-1 / batch-8
+decode. The two sides take turns run by run; each figure is the median of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven curious owls watch from an old oak tree near "
+         "the river bank where children play and merchants sell bread cheese apples and warm tea").split()
+
+
+def workload(tokenizer, n: int, seed: int = 0):
+    """n (prompt ids, output length) pairs: prompts of 16-256 tokens, outputs of 32-160 tokens, mixed."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = [16, 48, 96, 160, 256, 32, 64, 128]
+    out_lens = [32, 64, 96, 128, 160, 48, 80, 112]
+    requests = []
+    for i in range(n):
+        target = prompt_lens[i % len(prompt_lens)]
+        ids: list[int] = []
+        while len(ids) < target:
+            ids += tokenizer.encode(" ".join(rng.choice(WORDS, 16)) + ".")
+        requests.append((ids[:target], out_lens[(i * 3) % len(out_lens)]))
+    return requests
+
+
+async def one_stream(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    stamps = []
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["text"] is not None:
+                    stamps.append(time.perf_counter())
+    return t0, stamps
+
+
+async def run_streams(url, model, requests):
+    limits = httpx.Limits(max_connections=len(requests) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(http, url, model, p, n) for p, n in requests))
+        return time.perf_counter() - t0, results
+
+
+def measure_mixed(url, model, requests):
+    wall, results = asyncio.run(run_streams(url, model, requests))
+    ttft = [stamps[0] - t0 for t0, stamps in results]
+    itl = [b - a for _, stamps in results for a, b in zip(stamps, stamps[1:])]
+    return dict(tokens_per_s=sum(n for _, n in requests) / wall, wall=wall, ttft=ttft, itl=itl)
+
+
+def measure_decode(url, model, prompt, n_tokens, batch):
+    _, results = asyncio.run(run_streams(url, model, [(prompt, n_tokens)] * batch))
+    # Decode rate: the chunks after each stream's first, over the window where all streams were decoding.
+    start = max(stamps[0] for _, stamps in results)
+    end = min(stamps[-1] for _, stamps in results)
+    counted = sum(sum(1 for s in stamps if start < s <= end) for _, stamps in results)
+    return counted / (end - start)
+
+
+def pct(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024, help="server's --max-model-len (fewer shapes)")
+    ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--server-args", default="", help="extra arguments for the server")
+    args = ap.parse_args()
+
+    from day0jax.default_model import NAME, default_checkpoint, default_gguf
+    from day0jax.serve.launch import ServerProcess
+    from day0jax.tokenizer import Tokenizer
+
+    ckpt = default_checkpoint()
+    tok = Tokenizer(ckpt)
+    requests = workload(tok, args.streams)
+    decode_prompt = requests[1][0][:48]
+
+    ref_worker = None
+    if not args.skip_reference:
+        print("transformers: loading the reference worker ...", flush=True)
+        ref_worker = subprocess.Popen(
+            [str(ROOT / ".venv-ref/bin/python"), "-P", str(ROOT / "bench/serve_reference.py"), str(default_gguf())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        assert json.loads(ref_worker.stdout.readline())["ready"]
+
+    def reference(cmd):
+        ref_worker.stdin.write(json.dumps(cmd) + "\n")
+        ref_worker.stdin.flush()
+        return json.loads(ref_worker.stdout.readline())
+
+    t0 = time.perf_counter()
+    server = ServerProcess(["--max-num-seqs", str(max(16, args.streams)), "--max-model-len", str(args.max_model_len),
+                            *args.server_args.split()])
+    server.wait_ready(1800)
+    startup = time.perf_counter() - t0
+    mixed, d1, d8 = [], [], []
+    ref = {"batch": [], "d1": [], "d8": []}
+    try:
+        # The two systems take turns, run by run (never at once), so a change in the machine's load between
+        # runs hits both sides alike.
+        for r in range(args.repeats):
+            print(f"run {r + 1}/{args.repeats}", flush=True)
+            mixed.append(measure_mixed(server.url, NAME, requests))
+            d1.append(measure_decode(server.url, NAME, decode_prompt, args.decode_tokens, 1))
+            d8.append(measure_decode(server.url, NAME, decode_prompt, args.decode_tokens, 8))
+            if ref_worker:
+                useful = sum(n for _, n in requests)
+                ref["batch"].append(useful / reference({"op": "batch", "prompts": [p for p, _ in requests],
+                                                        "outputs": [n for _, n in requests]})["seconds"])
+                for b, key in ((1, "d1"), (8, "d8")):
+                    ref[key].append(reference({"op": "decode", "batch": b, "prompt": decode_prompt,
+                                               "tokens": args.decode_tokens})["tokens_per_s"])
+    finally:
+        code = server.terminate()
+        if ref_worker:
+            ref_worker.stdin.close()
+            ref_worker.wait()
+    ref = {k: statistics.median(v) for k, v in ref.items()} if ref_worker else None
+    best = sorted(mixed, key=lambda m: m["tokens_per_s"])[len(mixed) // 2]
+    ours = dict(batch=statistics.median(m["tokens_per_s"] for m in mixed), d1=statistics.median(d1),
+                d8=statistics.median(d8))
+    rows = [(f"{args.streams} concurrent streams, mixed lengths (tokens/s)", ours["batch"],
+             ref and ref["batch"]),
+            ("batch-1 decode (tokens/s)", ours["d1"], ref and ref["d1"]),
+            ("batch-8 decode (tokens/s)", ours["d8"], ref and ref["d8"])]
+    print(f"\nserver start (load + warm-up): {startup:.0f}s; exit code after SIGTERM: {code}")
+    print("| measure | day0jax.serve | transformers | ratio |\n| --- | ---: | ---: | ---: |")
+    for name, a, b in rows:
+        print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |" if b else f"| {name} | {a:.1f} | - | - |")
+    print(f"\nlatency, {args.streams} streams (median run): TTFT p50 {pct(best['ttft'], 50) * 1000:.0f} ms, "
+          f"p99 {pct(best['ttft'], 99) * 1000:.0f} ms; ITL p50 {pct(best['itl'], 50) * 1000:.0f} ms, "
+          f"p99 {pct(best['itl'], 99) * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

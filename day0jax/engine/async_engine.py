@@ -1,0 +1,135 @@
+"""The engine on its own thread, with an asyncio face: `generate()` yields a request's `TokenEvent`s.
+
+The model step runs in a background thread (it holds the device and releases the GIL while XLA computes), so the
+event loop keeps accepting, validating and streaming. Events are handed to the loop in one thread-safe call per
+step. Leaving `generate()` early (a client that disconnected, a stop string found) aborts the request, which
+frees its KV pages at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator, Sequence
+
+from day0jax.engine.engine import ABORT, Engine, SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine's step raised; the server answers 500 for the requests that were in flight."""
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in a loop on a daemon thread.
+
+    Args:
+        engine: the `Engine`.
+        on_step: optional callable(events, seconds) called on the engine thread after each step (metrics).
+    """
+
+    def __init__(self, engine: Engine, on_step=None):
+        self.engine = engine
+        self.on_step = on_step
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="day0jax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams
+               ) -> AsyncIterator[TokenEvent]:
+        """Queues a request and returns the iterator of its events (until each of its `n` sequences finished).
+
+        Call `release(request_id)` when done with the iterator (early or not): it aborts the request if it is
+        still running. The iterator raises EngineDead if the engine failed while the request ran.
+
+        Raises:
+            InvalidRequest, QueueFull: from `Engine.add_request`, synchronously.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        return self._stream(queue, params.n)
+
+    @staticmethod
+    async def _stream(queue: asyncio.Queue, n: int) -> AsyncIterator[TokenEvent]:
+        done = 0
+        while done < n:
+            event = await queue.get()
+            if isinstance(event, BaseException):
+                raise EngineDead(str(event)) from event
+            if event.finish_reason is not None:
+                done += 1
+            yield event
+
+    def release(self, request_id: str, finished: bool) -> None:
+        """Forgets a request's queue; aborts it in the engine unless it `finished`."""
+        self._queues.pop(request_id, None)
+        if not finished:
+            self.abort(request_id)
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        self.engine.abort(request_id, index)
+        self._wake.set()
+
+    def _deliver(self, batches: dict[str, list]) -> None:
+        for request_id, items in batches.items():
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                for item in items:
+                    queue.put_nowait(item)
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception as e:  # a real fault: fail the requests in flight, keep serving the next ones
+                log.exception("engine step failed")
+                failed = {rid: [e] for rid in list(self._queues)}
+                for rid in failed:
+                    self.engine.abort(rid)
+                try:
+                    self.engine.step()  # applies the aborts, frees the pages
+                except Exception:
+                    log.exception("engine could not recover")
+                self._loop.call_soon_threadsafe(self._deliver, failed)
+                continue
+            if self.on_step is not None:
+                self.on_step(events, time.perf_counter() - t0)
+            if events:
+                batches: dict[str, list] = {}
+                for event in events:
+                    batches.setdefault(event.request_id, []).append(event)
+                self._loop.call_soon_threadsafe(self._deliver, batches)
+
+
+__all__ = ["AsyncEngine", "EngineDead", "ABORT"]

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client, raw HTTP and
+schemathesis: chat and completions (plain and streamed), concurrency, clients that disconnect, the bad-input
+matrix, the API key, metrics.
+
+One server per module (a tiny random Llama with SmolLM2's tokenizer and chat template; a few compiled shapes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
+
+from day0jax.serve.launch import ServerProcess  # noqa: E402
+
+KEY = "test-key-123"
+MODEL = "tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("serve"))
+    # The key comes from the environment, as a deployment would pass it.
+    # Few compiled shapes (batch 1/2/4/8, one attention span, chunks 32/128) keep the warm-up short.
+    proc = ServerProcess(["--model", str(ckpt), "--max-num-seqs", "8", "--chunk-sizes", "32,128",
+                          "--max-model-len", "256", "--min-width", "256"], env={"DAY0JAX_API_KEY": KEY})
+    try:
+        yield proc.wait_ready(900)
+    finally:
+        code = proc.terminate()
+        assert code == 0, proc.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def headers():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_models_and_health(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_plain_and_streamed_give_the_same_text(client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    text = plain.choices[0].message.content
+    assert plain.choices[0].finish_reason in ("stop", "length") and plain.usage.completion_tokens >= 1
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [plain.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # The second call reused the first one's prompt pages.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_with_logprobs_n_and_stop(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens and all(len(t) == 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    # A stop string cuts the text before it and ends the choice with "stop".
+    text = r.choices[0].text
+    cut = text[3:6]
+    if cut:
+        s = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stop=[cut])
+        assert s.choices[0].text == text[:text.index(cut)] and s.choices[0].finish_reason == "stop"
+    many = client.completions.create(model=MODEL, prompt=["a b c", "d e f"], max_tokens=5, n=2, temperature=1.0,
+                                     seed=3)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2, temperature=0,
+                                          extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.2})
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+def test_32_concurrent_requests(client):
+    def one(i):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {i}"}],
+                                           max_tokens=8 + i % 8, temperature=0.7, seed=i)
+        return r.choices[0].finish_reason, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert all(reason in ("stop", "length") and n >= 1 for reason, n in results)
+
+
+def test_disconnecting_streams_free_their_blocks(server):
+    baseline = metric(server, "day0jax_kv_blocks_used")
+
+    async def client(i, drop: bool):
+        body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 60, "stream": True,
+                "ignore_eos": True, "temperature": 0.8, "seed": i}
+        async with httpx.AsyncClient(timeout=120, headers=headers()) as http:
+            async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks += 1
+                        if drop and chunks == 3:
+                            return "dropped"  # closing the stream mid-way is the disconnect
+                    if line == "data: [DONE]":
+                        return chunks
+
+    async def main():
+        return await asyncio.gather(*(client(i, i % 5 == 0) for i in range(40)))
+
+    results = asyncio.run(main())
+    assert results.count("dropped") == 8
+    assert all(r == "dropped" or r >= 60 for r in results), results  # the others got every token
+    deadline = time.time() + 30
+    while time.time() < deadline and metric(server, "day0jax_kv_blocks_used") != baseline:
+        time.sleep(0.2)
+    assert metric(server, "day0jax_kv_blocks_used") == baseline
+    assert metric(server, "day0jax_num_requests_running") == 0
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "tiny-chat", "messages": [', 400),
+    ("a JSON array body", b'[{"role": "user", "content": "hi"}]', 400),
+    ("missing messages", json.dumps({"model": MODEL}).encode(), 400),
+    ("empty messages", json.dumps({"model": MODEL, "messages": []}).encode(), 400),
+    ("negative max_tokens", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                        "max_tokens": -5}).encode(), 400),
+    ("temperature as a string", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                            "temperature": "0.5"}).encode(), 400),
+    ("top_p out of range", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                       "top_p": 1.5}).encode(), 400),
+    ("unknown model", json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 400),
+    ("a prompt far beyond the context", json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": "word " * 5000}]}).encode(), 400),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_matrix(server, name, body, status):
+    r = httpx.post(server.url + "/v1/chat/completions", content=body,
+                   headers={**headers(), "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_context_overflow_names_both_numbers(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello " * 100, max_tokens=200)
+    message = e.value.body["message"] if isinstance(e.value.body, dict) else str(e.value)
+    assert "256" in message and "200" in message and re.search(r"\b10[0-9]\b", message), message
+
+
+def test_bad_params_name_the_parameter(server):
+    for field, value in [("max_tokens", -1), ("temperature", "hot"), ("top_p", 0), ("n", 100)]:
+        r = httpx.post(server.url + "/v1/completions", headers=headers(),
+                       json={"model": MODEL, "prompt": "x", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_api_key_required(server):
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+
+
+def test_oversized_body_is_refused(server):
+    r = httpx.post(server.url + "/v1/completions", headers=headers(), content=b"x" * (5 << 20))
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="metrics please", max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ["day0jax_requests_total", "day0jax_prompt_tokens_total", "day0jax_generation_tokens_total",
+                 "day0jax_time_to_first_token_seconds_bucket", "day0jax_inter_token_latency_seconds_bucket",
+                 "day0jax_num_requests_waiting", "day0jax_num_requests_running", "day0jax_kv_blocks_used",
+                 "day0jax_kv_blocks_free", "day0jax_prefix_cache_hits_total"]:
+        assert name in text, name
+    assert metric(server, "day0jax_generation_tokens_total") > 0
+    assert metric(server, "day0jax_prefix_cache_hits_total") > 0  # the chat test reused its prompt
+
+
+def test_schemathesis_finds_no_server_error(server):
+    import schemathesis
+    from hypothesis import HealthCheck, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    failures = []
+    for op in schema.get_all_operations():
+        operation = op.ok()
+        strategy = operation.as_strategy()
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @__import__("hypothesis").given(case=strategy)
+        def check(case):
+            if isinstance(case.body, dict):  # keep generated requests short: this is about validation
+                for k in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(case.body.get(k), int) and case.body[k] > 8:
+                        case.body[k] = 8
+                if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
+                    case.body["n"] = 2
+                case.body["stream"] = False
+            response = case.call(headers=headers(), timeout=120)
+            if response.status_code >= 500:
+                failures.append((operation.label, case.body, response.status_code, response.text[:300]))
+
+        check()
+    assert not failures, failures[:5]
+    assert httpx.get(server.url + "/health").status_code == 200
