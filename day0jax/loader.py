@@ -7,25 +7,36 @@ shardings, so each device reads only its slice and the host never holds a replic
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from day0jax import checkpoint, models
 from day0jax.config import read_config_json
-from day0jax.errors import CheckpointError, MeshError
+from day0jax.engine.generator import bucket
+from day0jax.errors import CheckpointError, GenerationError, MeshError
+from day0jax.layers.rope import context_length as model_context_length
 from day0jax.runtime import Model
-from sharding.mesh import describe, make_mesh
+from kernels_pallas import selftest as kernel_selftest
+from sharding import plan as plan_lib
+from sharding.mesh import describe, make_mesh, problems
 from sharding.rules import named_sharding
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Orbax reads at most this much (in GB) of checkpoint slices at once before they reach their devices; its default
+# (96 GB) lets a whole parameter group sit in host memory on top of the already placed shards.
+READ_CONCURRENT_GB = 0.064
 
 
 def default_dtype() -> str:
@@ -33,51 +44,83 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None) -> Model:
+def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None, max_batch: int = 1,
+         max_context: int | None = None, memory_budget: int | None = None, kernels: str = "auto") -> Model:
     """Loads a day0jax checkpoint.
+
+    Before any weight is read, the memory planner (sharding/plan.py) checks that parameters, the KV cache for
+    `max_batch` sequences of `max_context` tokens and the prefill's activations fit on each device.
 
     Args:
         path: checkpoint folder written by `python -m convert`.
         dtype: compute and parameter dtype ('float32', 'bfloat16', 'float16'); default per backend.
-        mesh: a `Mesh`, a SPEC string like 'tp=2', or None for one device.
+        mesh: a `Mesh`, a SPEC string like 'tp=2', 'auto' (the smallest model-parallel group that fits, the rest
+            data parallel, over all devices), or None for one device.
+        max_batch: sequences the plan reserves KV cache for.
+        max_context: the longest sequence (prompt + new tokens) to plan for and allow; default and upper bound:
+            the model's context length.
+        memory_budget: bytes one device may use; default: what the devices report free (on the CPU, the host's
+            available memory shared by the local devices).
+        kernels: 'auto' (kernels checked against their references on the model's shapes; one that disagrees is
+            replaced by the next candidate), 'strict' (disagreement is an error) or 'reference' (no kernels).
     Returns:
-        A `Model`.
+        A `Model`; `model.memory_plan` holds the plan.
     Raises:
         CheckpointError: not a checkpoint, newer format, or parameters that do not match the model.
         UnsupportedArchitecture: the model type or a config value is not implemented.
-        MeshError: the mesh spec is invalid or does not fit the model.
+        MeshError: the mesh spec is invalid or does not fit the model (the message lists meshes that would).
+        OutOfMemoryPlan: the plan does not fit; the message names a mesh or a context length that would.
+        ValueError: `kernels` is not 'auto', 'strict' or 'reference'.
+        kernels_pallas.registry.KernelMismatch: kernels='strict' and a kernel disagrees with its reference.
     """
     t0 = time.perf_counter()
-    path = Path(path)
+    path = Path(path).absolute()  # Orbax needs absolute paths
     manifest = checkpoint.read_manifest(path)
     hf = read_config_json(path / "config.json")
     config = models.config_from_hf(hf)
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
-    check_mesh_fits(config, mesh)
 
     abstract = models.abstract_model(config, DTYPES[dtype])
     graphdef, abstract_state = nnx.split(abstract)
     infos = {i.path: i for i in models.param_infos(abstract)}
+    full_context = model_context_length(config.rope, config.max_position_embeddings)
+    if max_context is not None and not 1 <= max_context <= full_context:
+        raise GenerationError(f"max_context={max_context} must be between 1 and the model's context of "
+                              f"{full_context} tokens")
+    context = max_context or full_context
+    shape = plan_lib.ModelShape.from_model(abstract, full_context)
+
+    def plan_for(sizes: dict, budget) -> plan_lib.Plan:
+        # The engine allocates caches in power-of-two batch and length buckets: plan what it will allocate.
+        return plan_lib.plan(shape, sizes, batch=bucket(max_batch, sizes["dp"] * sizes["ep"]),
+                             context=bucket(context, 64), dtype=DTYPES[dtype], available=budget)
+
+    devices = jax.devices()
+    if isinstance(mesh, Mesh):
+        bad = problems(dict(mesh.shape), list(infos.values()))
+        if bad:
+            raise MeshError(f"mesh {describe(mesh)} does not fit the model: {'; '.join(bad)}")
+    else:
+        budget = memory_budget if memory_budget is not None else plan_lib.device_memory(devices)
+        mesh = make_mesh(mesh, infos=list(infos.values()), fits=lambda s: plan_for(s, budget).fits)
+    budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
+    memory_plan = plan_for(dict(mesh.shape), budget)
+    log.info("memory plan: %s", memory_plan.summary())
+    plan_lib.require_fit(memory_plan, shape, n_devices=len(devices))
     _check_manifest(path, manifest, infos)
-    arrays = _restore(path, manifest, infos, mesh, DTYPES[dtype])
+    with _large_buffers_back_to_the_os():
+        arrays = _restore(path, manifest, infos, mesh, DTYPES[dtype])
     flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
     module = nnx.merge(graphdef, nnx.from_flat_state(flat))
     log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type,
              sum(a.size for a in arrays.values()), describe(mesh), time.perf_counter() - t0)
+    # The startup self-test runs each chosen kernel on this model's shapes against its reference.
+    report = kernel_selftest.startup(hf, dtype=DTYPES[dtype], mode=kernels, tp=mesh.shape.get("tp", 1))
     return Model(module, config, path=path, mesh=mesh, dtype=dtype,
-                 generation_config=_read_json(path / "generation_config.json"))
-
-
-def check_mesh_fits(config, mesh: Mesh) -> None:
-    """Refuses meshes whose tensor-parallel size does not divide the attention heads."""
-    tp = mesh.shape.get("tp", 1)
-    heads = config.num_attention_heads
-    if heads % tp:
-        fits = [d for d in range(1, heads + 1) if heads % d == 0 and d <= mesh.devices.size * 8]
-        raise MeshError(f"tp={tp} does not divide num_attention_heads={heads}; tp could be one of {fits}")
+                 generation_config=_read_json(path / "generation_config.json"), max_context=context,
+                 memory_plan=memory_plan, kernel_report=report)
 
 
 def _check_manifest(path: Path, manifest: dict, infos: dict) -> None:
@@ -100,7 +143,13 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
     by_group: dict[int, list[str]] = {}
     for name, p in manifest["params"].items():
         by_group.setdefault(p["group"], []).append(name)
-    checkpointer = ocp.PyTreeCheckpointer()
+    # Bounded reads in flight: host memory while loading stays near the device shards' own size (issue 6).
+    # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding
+    # does), and Orbax refuses a read larger than its limit, so the limit is at least the largest array.
+    largest = max(math.prod(p["shape"]) * np.dtype(_np_dtype(p["dtype"])).itemsize
+                  for p in manifest["params"].values())
+    limit_gb = max(READ_CONCURRENT_GB, (1.1 * largest + (1 << 20)) / 1e9)
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit_gb))
     out = {}
     for group, names in sorted(by_group.items()):
         targets, restore_args = {}, {}
@@ -121,6 +170,35 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
                 node = node[part]
             out[name] = node
     return out
+
+
+@contextlib.contextmanager
+def _large_buffers_back_to_the_os():
+    """While restoring, blocks of 1 MiB or more are mapped on their own, so a freed read buffer goes back to the OS
+    at once instead of staying in the heap between parameters already placed (glibc's default raises its mmap
+    threshold to the largest block freed, up to 32 MiB, and the host's peak memory then grows with the reads).
+
+    Afterwards the threshold is left at 32 MiB, glibc's own ceiling, where its dynamic rule ends up anyway once
+    blocks that large have been freed. A no-op where the C library has no `mallopt` (not glibc).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    M_MMAP_THRESHOLD = -3
+    mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        mallopt(M_MMAP_THRESHOLD, 32 << 20)
+
+
+def _np_dtype(name: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 def _read_json(path: Path) -> dict:

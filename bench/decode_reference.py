@@ -1,0 +1,45 @@
+"""The transformers side of bench/decode.py: a worker in the reference venv that keeps the model loaded.
+
+Reads commands from stdin, one JSON per line: {"batch": B, "prompt": [ids], "new_tokens": N}; answers one JSON
+line per command with the seconds of a greedy `generate` of N tokens and of 1 token (so prefill can be taken
+out). Never imported by day0jax.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def main():
+    # The protocol owns the real stdout; anything libraries print goes to stderr instead.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    gguf = sys.argv[1]
+    torch.set_num_threads(os.cpu_count() or 1)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                 dtype=torch.float32).eval()
+
+    def run(ids, n):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
+
+    print(json.dumps({"ready": True}), file=reply, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        ids = torch.tensor([cmd["prompt"]] * cmd["batch"])
+        full, tokens = run(ids, cmd["new_tokens"])
+        first, _ = run(ids, 1)
+        print(json.dumps({"full": full, "first": first, "tokens": tokens}), file=reply, flush=True)
+
+
+if __name__ == "__main__":
+    main()
