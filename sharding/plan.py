@@ -181,7 +181,9 @@ def activation_bytes(shape: ModelShape, sizes: dict[str, int], batch: int, conte
     v_dim = max((vd for _, _, vd in shape.cache_layout), default=0)
     residual = 2 * b * t * shape.hidden_size * item
     qkv = b * t * (n * k_dim + split(kv) * (k_dim + v_dim) + n * v_dim) * item
-    scores = 2 * b * n * t * t * 4  # float32 scores and softmax weights
+    # float32 scores, masked scores and softmax weights: XLA:CPU keeps all three live at some lengths
+    # (measured: 128 tokens needed 1.3x the two-buffer figure).
+    scores = 3 * b * n * t * t * 4
     ffn = 3 * b * t * split(shape.ffn_per_token) * item
     logits = b * split(shape.vocab_size) * 4
     return residual + max(qkv + scores, ffn) + logits

@@ -292,7 +292,7 @@ def test_plan_params_and_kv_bytes():
     assert tp2.fits and "KV cache" in tp2.summary()
 
 
-@pytest.mark.parametrize("context", [64, 256])
+@pytest.mark.parametrize("context", [64, 128, 256])
 def test_activation_estimate_bounds_xla(context, tmp_path_factory):
     """The estimate covers XLA's own temporary buffers for the prefill and is not far above them."""
     import day0jax
