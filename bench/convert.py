@@ -4,17 +4,18 @@
 
 Writes a Llama-shaped Hugging Face folder of random bf16 tensors (several shards with an index; the sizes are
 large enough that one layer is ~200 MB), then alternates, per repeat: a sequential read of the shard files
-(cold page cache where the OS allows dropping it, else warm for both) and a conversion in a child process whose
-peak RSS is measured (resource.getrusage of the child). Prints medians: MB/s of both, their ratio (goal >= 0.5)
-and the converter's peak RSS (goal < 1.5 GB).
+(cold page cache where the OS allows dropping it, else warm for both), a sequential write of 1 GB ending in
+fdatasync (what the disk takes durably: the converter syncs its output before the final rename), and a conversion
+in a child process whose peak RSS is measured (os.wait4's rusage of that child). Prints medians: MB/s of all
+three, convert/read (goal >= 0.5), convert/write, and the converter's peak RSS (goal < 1.5 GB).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -35,7 +36,7 @@ def make_source(folder: Path, gb: float) -> None:
 
     D, F, V, N, K = 4096, 11008, 32000, 32, 8
     per_layer = 2 * (2 * D * D + 2 * D * (D // N) * K + 3 * D * F + 2 * D)  # bytes of one bf16 layer
-    layers = max(1, int((gb * 1e9 - 2 * 2 * V * D) / per_layer))
+    layers = max(1, math.ceil((gb * 1e9 - 2 * 2 * V * D) / per_layer))
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": D,
               "intermediate_size": F, "num_hidden_layers": layers, "num_attention_heads": N,
               "num_key_value_heads": K, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
@@ -101,17 +102,31 @@ def sequential_read(folder: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
+def sequential_write(folder: Path, nbytes: int = 1 << 30) -> float:
+    """MB/s of writing `nbytes` in 64 MB blocks and syncing them to the disk."""
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    path = folder / "write-test.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        os.fdatasync(f.fileno())
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / 1e6 / seconds
+
+
 def convert_child(src: Path, dst: Path) -> tuple[float, int]:
+    """Seconds and peak RSS (bytes) of `python -m convert src dst` in a child process."""
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run([sys.executable, "-m", "convert", "--quiet", str(src), str(dst)], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
+    child = subprocess.Popen([sys.executable, "-m", "convert", "--quiet", str(src), str(dst)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage, not the max over all children
     seconds = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if peak_kb < before:  # ru_maxrss of children is the max over all children so far
-        peak_kb = before
-    return seconds, peak_kb * 1024
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"conversion failed with status {os.waitstatus_to_exitcode(status)}")
+    return seconds, usage.ru_maxrss * 1024
 
 
 def main() -> None:
@@ -127,23 +142,26 @@ def main() -> None:
         make_source(src, args.gb)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     cold = drop_caches()
-    reads, converts, peaks = [], [], []
+    reads, writes, converts, peaks = [], [], [], []
     for _ in range(args.repeats):
         drop_caches()
         seconds, total = sequential_read(src)
         reads.append(total / 1e6 / seconds)
+        writes.append(sequential_write(args.workdir))
         drop_caches()
         seconds, peak = convert_child(src, dst)
         converts.append(size / 1e6 / seconds)
         peaks.append(peak)
-    read, conv = statistics.median(reads), statistics.median(converts)
+    read, write, conv = statistics.median(reads), statistics.median(writes), statistics.median(converts)
     print(f"\nConversion of {size / 1e9:.2f} GB bf16 (safetensors, {len(list(src.glob('*.safetensors')))} shards), "
           f"median of {args.repeats}, page cache {'dropped' if cold else 'warm (could not drop)'} before each run\n")
     print("| measure | value |\n|---|---|")
     print(f"| sequential read | {read:.0f} MB/s |")
+    print(f"| sequential write + fdatasync | {write:.0f} MB/s |")
     print(f"| convert | {conv:.0f} MB/s |")
     print(f"| convert / read | {conv / read:.2f} (goal >= 0.5) |")
-    print(f"| converter peak RSS | {max(peaks) / 1e9:.2f} GB (goal < 1.5 GB) |")
+    print(f"| convert / write | {conv / write:.2f} |")
+    print(f"| converter peak RSS | {max(peaks) / 1e9:.2f} GB, the largest of {args.repeats} runs (goal < 1.5 GB) |")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,10 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     plan = plan_sources(fam, config, infos, source)
     total_in = sum(source.tensor_nbytes(n) for src_ in plan.values() for n in src_.names)
 
-    with concurrent.futures.ThreadPoolExecutor(1) as hasher, CheckpointWriter(Path(dst), force=force) as writer:
+    # The writer saves each group on a side thread; once a group is on disk, the source pages it was read from
+    # are unmapped (release), so resident memory stays near two groups whatever the model's size.
+    with concurrent.futures.ThreadPoolExecutor(1) as hasher, \
+            CheckpointWriter(Path(dst), force=force, on_saved=source.release) as writer:
         # Source hashes are computed on the side while the tensors stream (hashlib releases the GIL).
         hashes = {str(p.name): hasher.submit(sha256_file, p) for p in source.source_files()}
         bar = _progress(total_in, f"converting {Path(src).name}", progress)

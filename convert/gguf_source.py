@@ -8,6 +8,7 @@ the tensors match the Hugging Face (half-split) layout.
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -253,6 +254,11 @@ class GGUFSource:
         t = self._tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.tensor_shape(name))
         return self._fix(name, w)
+
+    def release(self) -> None:
+        mapped = getattr(self.reader.data, "_mmap", None)  # gguf's reader maps the whole file with np.memmap
+        if mapped is not None:
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     def default_dtype(self) -> str:
         # Dequantized values (d * q + m) are not bf16-representable; float32 keeps them exact.

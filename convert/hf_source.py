@@ -88,6 +88,10 @@ class HFSource:
             return self._dequantize_fp8(name, arr)
         return arr
 
+    def release(self) -> None:
+        for f in self.files:
+            f.release()
+
     def _dequantize_fp8(self, name: str, arr: np.ndarray) -> np.ndarray:
         scale_name = name + "_scale_inv"
         if scale_name not in self._where:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,4 +101,13 @@ class SafetensorsFile:
         info = self.tensors[name]
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # Ask the kernel to start reading it now: the pages arrive while the previous group is being written.
+        start = info.begin - info.begin % mmap.PAGESIZE
+        if info.end > start:
+            self._mmap._mmap.madvise(mmap.MADV_WILLNEED, start, info.end - start)
         return self._mmap[info.begin:info.end].view(info.dtype).reshape(info.shape)
+
+    def release(self) -> None:
+        """Drops this file's mapped pages from the process; later reads fault them in again from the page cache."""
+        if self._mmap is not None:
+            self._mmap._mmap.madvise(mmap.MADV_DONTNEED)

@@ -36,6 +36,14 @@ class Source(Protocol):
 
     def source_files(self) -> list[Path]: ...
 
+    def release(self) -> None:
+        """Unmaps the pages read so far from this process (the OS page cache keeps them).
+
+        Tensors are memory-mapped views; every page touched counts in the converter's resident memory until it is
+        released, so without this a conversion's RSS would grow to the size of the source.
+        """
+        ...
+
     def write_tokenizer(self, dst: Path) -> list[str]:
         """Writes tokenizer and generation files into dst; returns the names written."""
         ...

@@ -163,3 +163,35 @@ def test_gguf_unknown_tensor_type(tmp_path):
 
 def test_source_that_does_not_exist(tmp_path):
     convert_fails(tmp_path / "nope", tmp_path, CheckpointError, r"nope: no such file or folder")
+
+
+def test_failed_save_on_the_writer_thread_reaches_the_caller(hf, tmp_path, monkeypatch):
+    """A save that fails on the writer's side thread (a full disk, say) fails the conversion, leaving nothing."""
+    from convert import writer
+
+    class FullDisk:
+        def save(self, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(writer, "_checkpointer", FullDisk)
+    convert_fails(hf, tmp_path, OSError, "No space left")
+
+
+def test_release_unmaps_the_pages_a_read_touched(tmp_path):
+    """Tensors are views of a memory map; `release` must drop their pages from the process, or a conversion's
+    resident memory grows to the size of the source."""
+    from convert.safetensors_file import SafetensorsFile
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    path = tmp_path / "big.safetensors"
+    save_file({"w": np.ones((64, 1 << 20), np.uint8)}, str(path))  # 64 MiB
+    f = SafetensorsFile(path)
+    before = rss()
+    assert int(f.read("w").sum(dtype=np.int64)) == 64 << 20  # touches every page
+    touched = rss()
+    f.release()
+    released = rss()
+    assert touched - before > 48 << 20, (before, touched)
+    assert touched - released > 48 << 20, (touched, released)
