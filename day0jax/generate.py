@@ -1,7 +1,9 @@
 """`python -m day0jax.generate`: generate text from a prompt with a converted checkpoint or the default model.
 
 Without `--model` it uses the embedded SmolLM2-135M-Instruct (converted on first use). `--chat` wraps the prompt
-as a user message with the checkpoint's chat template. A log line says where the time went.
+as a user message with the checkpoint's chat template. Compiled programs are kept in the compilation cache
+(`--compile-cache`, default ~/.cache/day0jax/compile), so a second run compiles nothing. A log line says where
+the time went.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
+from day0jax import cli
 from day0jax.errors import Day0Error
+from kernels_pallas.registry import MODES as KERNEL_MODES
 from sharding import distributed
 
 
@@ -28,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message (with --chat)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=2 or dp=2,tp=4 (default: one device)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
+                   help="'auto', 'strict' or 'reference' (see day0jax.load); default auto")
     p.add_argument("-v", "--verbose", action="store_true")
+    cli.add_compile_cache_arguments(p)
     distributed.add_arguments(p)  # --coordinator/--num-processes/--process-id: one mesh over several hosts
     return p
 
@@ -42,9 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize_from_args(args)  # before anything touches a device; no-op without a coordinator
         import day0jax
         from day0jax.default_model import default_checkpoint
+        from day0jax.loader import default_dtype
+        from day0jax.startup import enable_cache
+        from day0jax.timeline import null
 
-        path = args.model or default_checkpoint()
-        model = day0jax.load(path, dtype=args.dtype, mesh=args.mesh)
+        path = Path(args.model) if args.model else default_checkpoint()
+        dtype = args.dtype or default_dtype()
+        enable_cache(args, path, dtype, null())  # before the first compile; warns and goes on if unusable
+        model = day0jax.load(path, dtype=dtype, mesh=args.mesh, kernels=args.kernels)
         t_load = time.perf_counter()
         if model.tokenizer is None:
             raise day0jax.errors.CheckpointError(f"{path}: no tokenizer.json, so text prompts cannot be encoded")

@@ -27,6 +27,8 @@ from day0jax.engine.generator import bucket
 from day0jax.errors import CheckpointError, GenerationError, MeshError
 from day0jax.layers.rope import context_length as model_context_length
 from day0jax.runtime import Model
+from day0jax.timeline import Timeline
+from day0jax.timeline import null as null_timeline
 from kernels_pallas import selftest as kernel_selftest
 from sharding import plan as plan_lib
 from sharding.mesh import describe, make_mesh, problems
@@ -45,7 +47,8 @@ def default_dtype() -> str:
 
 
 def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None, max_batch: int = 1,
-         max_context: int | None = None, memory_budget: int | None = None, kernels: str = "auto") -> Model:
+         max_context: int | None = None, memory_budget: int | None = None, kernels: str = "auto",
+         timeline: Timeline | None = None) -> Model:
     """Loads a day0jax checkpoint.
 
     Before any weight is read, the memory planner (sharding/plan.py) checks that parameters, the KV cache for
@@ -63,6 +66,8 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
             available memory shared by the local devices).
         kernels: 'auto' (kernels checked against their references on the model's shapes; one that disagrees is
             replaced by the next candidate), 'strict' (disagreement is an error) or 'reference' (no kernels).
+        timeline: a `day0jax.timeline.Timeline` that records the phases (reading the config, building the model,
+            restoring parameters with their bytes, the kernel self-test).
     Returns:
         A `Model`; `model.memory_plan` holds the plan.
     Raises:
@@ -74,50 +79,59 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         kernels_pallas.registry.KernelMismatch: kernels='strict' and a kernel disagrees with its reference.
     """
     t0 = time.perf_counter()
-    path = Path(path).absolute()  # Orbax needs absolute paths
-    manifest = checkpoint.read_manifest(path)
-    hf = read_config_json(path / "config.json")
-    config = models.config_from_hf(hf)
+    timeline = timeline or null_timeline()
+    with timeline.phase("read config"):
+        path = Path(path).absolute()  # Orbax needs absolute paths
+        manifest = checkpoint.read_manifest(path)
+        hf = read_config_json(path / "config.json")
+        config = models.config_from_hf(hf)
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
-    abstract = models.abstract_model(config, DTYPES[dtype])
-    graphdef, abstract_state = nnx.split(abstract)
-    infos = {i.path: i for i in models.param_infos(abstract)}
-    full_context = model_context_length(config.rope, config.max_position_embeddings)
-    if max_context is not None and not 1 <= max_context <= full_context:
-        raise GenerationError(f"max_context={max_context} must be between 1 and the model's context of "
-                              f"{full_context} tokens")
-    context = max_context or full_context
-    shape = plan_lib.ModelShape.from_model(abstract, full_context)
+    with timeline.phase("build model") as info:
+        abstract = models.abstract_model(config, DTYPES[dtype])
+        graphdef, abstract_state = nnx.split(abstract)
+        infos = {i.path: i for i in models.param_infos(abstract)}
+        full_context = model_context_length(config.rope, config.max_position_embeddings)
+        if max_context is not None and not 1 <= max_context <= full_context:
+            raise GenerationError(f"max_context={max_context} must be between 1 and the model's context of "
+                                  f"{full_context} tokens")
+        context = max_context or full_context
+        shape = plan_lib.ModelShape.from_model(abstract, full_context)
 
-    def plan_for(sizes: dict, budget) -> plan_lib.Plan:
-        # The engine allocates caches in power-of-two batch and length buckets: plan what it will allocate.
-        return plan_lib.plan(shape, sizes, batch=bucket(max_batch, sizes["dp"] * sizes["ep"]),
-                             context=bucket(context, 64), dtype=DTYPES[dtype], available=budget)
+        def plan_for(sizes: dict, budget) -> plan_lib.Plan:
+            # The engine allocates caches in power-of-two batch and length buckets: plan what it will allocate.
+            return plan_lib.plan(shape, sizes, batch=bucket(max_batch, sizes["dp"] * sizes["ep"]),
+                                 context=bucket(context, 64), dtype=DTYPES[dtype], available=budget)
 
-    devices = jax.devices()
-    if isinstance(mesh, Mesh):
-        bad = problems(dict(mesh.shape), list(infos.values()))
-        if bad:
-            raise MeshError(f"mesh {describe(mesh)} does not fit the model: {'; '.join(bad)}")
-    else:
-        budget = memory_budget if memory_budget is not None else plan_lib.device_memory(devices)
-        mesh = make_mesh(mesh, infos=list(infos.values()), fits=lambda s: plan_for(s, budget).fits)
-    budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
-    memory_plan = plan_for(dict(mesh.shape), budget)
-    log.info("memory plan: %s", memory_plan.summary())
-    plan_lib.require_fit(memory_plan, shape, n_devices=len(devices))
-    _check_manifest(path, manifest, infos)
-    with _large_buffers_back_to_the_os():
-        arrays = _restore(path, manifest, infos, mesh, DTYPES[dtype])
-    flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
-    module = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        devices = jax.devices()
+        if isinstance(mesh, Mesh):
+            bad = problems(dict(mesh.shape), list(infos.values()))
+            if bad:
+                raise MeshError(f"mesh {describe(mesh)} does not fit the model: {'; '.join(bad)}")
+        else:
+            budget = memory_budget if memory_budget is not None else plan_lib.device_memory(devices)
+            mesh = make_mesh(mesh, infos=list(infos.values()), fits=lambda s: plan_for(s, budget).fits)
+        budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
+        memory_plan = plan_for(dict(mesh.shape), budget)
+        log.info("memory plan: %s", memory_plan.summary())
+        plan_lib.require_fit(memory_plan, shape, n_devices=len(devices))
+        info["mesh"] = describe(mesh)
+    with timeline.phase("restore parameters") as info:
+        _check_manifest(path, manifest, infos)
+        with _large_buffers_back_to_the_os():
+            arrays = _restore(path, manifest, infos, mesh, DTYPES[dtype])
+        flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
+        module = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        jax.block_until_ready(list(arrays.values()))
+        info["bytes"] = sum(a.nbytes for a in arrays.values())
+        info["parameters"] = sum(a.size for a in arrays.values())
     log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type,
              sum(a.size for a in arrays.values()), describe(mesh), time.perf_counter() - t0)
     # The startup self-test runs each chosen kernel on this model's shapes against its reference.
-    report = kernel_selftest.startup(hf, dtype=DTYPES[dtype], mode=kernels, tp=mesh.shape.get("tp", 1))
+    with timeline.phase("kernel self-test", mode=kernels):
+        report = kernel_selftest.startup(hf, dtype=DTYPES[dtype], mode=kernels, tp=mesh.shape.get("tp", 1))
     return Model(module, config, path=path, mesh=mesh, dtype=dtype,
                  generation_config=_read_json(path / "generation_config.json"), max_context=context,
                  memory_plan=memory_plan, kernel_report=report)

@@ -244,15 +244,29 @@ class Engine:
         return ([(b, 1, w) for w in r.decode_widths for b in r.batch_buckets] +
                 [(1, c, w) for w in r.prefill_widths for c in r.chunk_buckets])
 
-    def warm_up(self, progress=None, max_len: int | None = None) -> float:
-        """Compiles the programs before traffic arrives; returns the seconds it took.
+    def programs(self, max_len: int | None = None) -> list:
+        """Every program to compile before serving: the forward shapes of `warmup_shapes(max_len)` and all the
+        sampler's variants (`ModelRunner.all_programs`)."""
+        return self.runner.all_programs(self.warmup_shapes(max_len))
+
+    def warm_up(self, progress=None, max_len: int | None = None, *, store=None, workers: int | None = None,
+                timeline=None) -> list:
+        """Compiles (or loads from the caches) the programs before traffic arrives, in parallel.
 
         Args:
             progress: optional callable(done, total).
-            max_len: compile only programs whose attention span is at most this many tokens (None: all); the
-                others compile on first use (a one-time pause of a few seconds on a CPU).
+            max_len: warm up only forward programs whose attention span is at most this many tokens (None: all);
+                the others compile on first use (a pause of seconds on that request).
+            store: a `day0jax.program_store.ProgramStore`, to load programs without tracing (None: trace all).
+            workers: compile threads (default: one per core).
+            timeline: a `day0jax.timeline.Timeline` receiving one record per program.
+        Returns:
+            The `CompileRecord`s, one per program.
         """
-        return self.runner.warm_up(self.warmup_shapes(max_len), progress=progress)
+        from day0jax.warmup import compile_programs
+
+        return compile_programs(self.runner, self.programs(max_len), store=store, workers=workers,
+                                timeline=timeline, progress=progress)
 
     def warmup_shapes(self, max_len: int | None = None) -> list[tuple[int, int, int]]:
         shapes = self.program_shapes()

@@ -2,8 +2,12 @@
 
 One forward program serves decode steps (tokens [B, 1]) and prefill chunks (tokens [1, C]); it returns the
 logits of one chosen position per row. Sampling is a separate small program, so the model programs do not
-multiply by sampling modes. Shapes come from a few buckets (batch sizes, chunk lengths, block-table widths),
-each compiled once, during `warm_up` when asked; padding tokens and rows are routed to the trash page.
+multiply by sampling modes. Shapes come from a few buckets (batch sizes, chunk lengths, block-table widths);
+padding tokens and rows are routed to the trash page.
+
+Every (program, bucket) is a `Program`. Before serving, `day0jax.warmup.compile_programs` lowers, compiles (or
+loads) and `install`s each one; `forward` and `sample` then call the installed executables directly, so a
+warmed-up bucket never traces or compiles again. A bucket that was not warmed up goes through `jax.jit`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache, new_pools
-from day0jax.engine.sampling import sample_rows
+from day0jax.engine.sampling import MODES, sample_rows
+from kernels_pallas import registry as kernel_registry
 from sharding.rules import named_sharding
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,33 @@ def pick(buckets: Sequence[int], n: int) -> int:
         if b >= n:
             return b
     return buckets[-1]
+
+
+ROW_ARRAYS = ("seeds", "counters", "temperature", "top_k", "top_p", "min_p")
+
+
+@dataclass(frozen=True)
+class Program:
+    """One compiled program of the runner.
+
+    Attributes:
+        name: "forward" (shape: rows, tokens, width in pages) or "sample" (shape: rows).
+        shape: the bucket.
+        mode, logprobs, penalized: the sampler's static variant (mode is one of sampling.MODES).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    mode: str = ""
+    logprobs: bool = False
+    penalized: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.name == "forward":
+            return "x".join(map(str, self.shape))
+        extras = "".join(f"+{x}" for x, on in (("logprobs", self.logprobs), ("penalties", self.penalized)) if on)
+        return f"{self.shape[0]} {self.mode}{extras}"
 
 
 @dataclass
@@ -74,6 +106,8 @@ class ModelRunner:
         self._forward = jax.jit(self._forward_fn, donate_argnames=("pools",))
         self._sample = jax.jit(sample_rows, static_argnames=("mode", "logprobs"))
         self.compiled: set[tuple[int, int, int]] = set()
+        self.programs: dict[Program, jax.stages.Compiled] = {}  # installed by warm-up
+        self._context: str | None = None  # see `signature`
 
     @property
     def pool_bytes(self) -> int:
@@ -85,7 +119,9 @@ class ModelRunner:
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths))
         last = hidden[jnp.arange(tokens.shape[0]), last_index]
-        return model.logits(last), [(c.k_pages, c.v_pages) for c in caches]
+        # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
+        logits = jax.lax.with_sharding_constraint(model.logits(last), self._replicated)
+        return logits, [(c.k_pages, c.v_pages) for c in caches]
 
     def _put(self, x):
         x = np.asarray(x)
@@ -97,23 +133,28 @@ class ModelRunner:
     def forward(self, batch: Batch) -> jax.Array:
         """Runs one forward call (writing its keys/values into the pools); returns logits [B, V] on device."""
         key = batch.tokens.shape + (batch.block_tables.shape[1],)
-        if key not in self.compiled:
+        program = self.programs.get(Program("forward", key))
+        if program is None and key not in self.compiled:
             log.info("compiling the forward program for batch %d x %d tokens, %d pages", *key)
             self.compiled.add(key)
         inputs = [self._put(x) for x in (batch.tokens, batch.positions, batch.block_tables, batch.kv_lengths,
                                          batch.last_index)]
         # The mesh is the context while tracing, for `sharding.rules.constrain` inside the model.
         with jax.set_mesh(self.mesh):
-            logits, self.pools = self._forward(self.params, self.pools, *inputs)
+            logits, self.pools = (program or self._forward)(self.params, self.pools, *inputs)
         return logits
 
     def sample(self, logits: jax.Array, rows: dict[str, np.ndarray], penalties: tuple | None, mode: str,
                logprobs: bool) -> dict[str, np.ndarray]:
         """Samples one token per row of `logits`; `rows` holds the per-row arrays of `sample_rows`."""
         pen = None if penalties is None else tuple(self._put(x) for x in penalties)
-        args = [self._put(rows[k]) for k in ("seeds", "counters", "temperature", "top_k", "top_p", "min_p")]
+        args = [self._put(rows[k]) for k in ROW_ARRAYS]
+        program = self.programs.get(Program("sample", (logits.shape[0],), mode, logprobs, penalties is not None))
         with jax.set_mesh(self.mesh):
-            out = self._sample(logits, *args, pen, mode=mode, logprobs=logprobs)
+            if program is not None:
+                out = program(logits, *args, pen)
+            else:
+                out = self._sample(logits, *args, pen, mode=mode, logprobs=logprobs)
         return {k: np.asarray(v) for k, v in out.items()}
 
     def empty_batch(self, rows: int, tokens: int, width: int) -> Batch:
@@ -123,22 +164,61 @@ class ModelRunner:
                      block_tables=np.full((rows, width), TRASH_PAGE, np.int32),
                      kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32))
 
-    def warm_up(self, shapes: Sequence[tuple[int, int, int]],
-                sample_modes: Sequence[str] = ("greedy", "random", "filtered"), progress=None) -> float:
-        """Compiles (by running on padding) the forward program for each (rows, tokens, width) and the sampler
-        for each row count and mode. Returns the seconds it took."""
+    # --- programs ahead of time (see day0jax/warmup.py) -------------------------------------------------------
+    def all_programs(self, shapes: Sequence[tuple[int, int, int]]) -> list[Program]:
+        """The forward program for each (rows, tokens, width) in `shapes`, then every sampler variant for every
+        row count the sampler sees (decode batch buckets, and 1 for prefill)."""
+        rows = sorted(set(self.batch_buckets) | {1})
+        return ([Program("forward", tuple(s)) for s in shapes] +
+                [Program("sample", (r,), mode, logprobs, penalized) for r in rows for mode in MODES
+                 for logprobs in (False, True) for penalized in (False, True)])
+
+    def lower(self, program: Program) -> jax.stages.Lowered:
+        """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
+        with jax.set_mesh(self.mesh):
+            if program.name == "forward":
+                b = self.empty_batch(*program.shape)
+                inputs = [self._put(x) for x in (b.tokens, b.positions, b.block_tables, b.kv_lengths, b.last_index)]
+                return self._forward.lower(self.params, self.pools, *inputs)
+            rows, V = program.shape[0], self.vocab_size
+            logits = jax.ShapeDtypeStruct((rows, V), jnp.float32, sharding=self._replicated)
+            neutral = self.neutral_rows(rows)
+            args = [self._put(neutral[k]) for k in ROW_ARRAYS]
+            pen = None
+            if program.penalized:
+                pen = tuple(self._put(x) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
+                                                   np.zeros(rows, np.float32), np.zeros(rows, np.float32),
+                                                   np.ones(rows, np.float32)))
+            return self._sample.lower(logits, *args, pen, mode=program.mode, logprobs=program.logprobs)
+
+    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """Compiles (or loads from JAX's persistent cache) a lowered program; safe to call from several threads."""
+        with jax.set_mesh(self.mesh):
+            return lowered.compile()
+
+    def install(self, program: Program, compiled: jax.stages.Compiled) -> None:
+        """From now on `forward`/`sample` run `compiled` for `program`'s bucket."""
+        self.programs[program] = compiled
+
+    def signature(self, program: Program) -> str:
+        """What the program store keys `program` on, beyond the code and the environment: the program, then
+        the shapes, dtypes and shardings of every argument, and the kernel choices (read when tracing)."""
+        if self._context is None:
+            leaves = jax.tree.leaves(self.params) + jax.tree.leaves(self.pools)
+            self._context = "\n".join([
+                str(jax.tree.structure(self.params)), str(jax.tree.structure(self.pools)),
+                *(f"{x.shape} {x.dtype} {x.sharding}" for x in leaves),
+                f"page_size={self.page_size} num_pages={self.num_pages} vocab={self.vocab_size}",
+                f"mesh={self.mesh}", f"kernels={kernel_registry.get_policy()}"])
+        return f"{program.name} {program.label}\n{program}\n{self._context}"
+
+    def smoke_run(self) -> float:
+        """Runs the smallest decode step and the greedy sampler once on padding (a program that loads but cannot
+        run fails here, at start, not on the first request); returns the seconds it took."""
         t0 = time.perf_counter()
-        rows_seen = set()
-        for i, (rows, tokens, width) in enumerate(shapes):
-            logits = self.forward(self.empty_batch(rows, tokens, width))
-            if rows not in rows_seen:
-                rows_seen.add(rows)
-                for mode in sample_modes:
-                    self.sample(logits, self.neutral_rows(rows), None, mode, False)
-            else:
-                logits.block_until_ready()
-            if progress:
-                progress(i + 1, len(shapes))
+        rows = self.batch_buckets[0]
+        logits = self.forward(self.empty_batch(rows, 1, self.decode_widths[0]))
+        self.sample(logits, self.neutral_rows(rows), None, "greedy", False)
         return time.perf_counter() - t0
 
     @staticmethod

@@ -1,8 +1,9 @@
 """`python -m day0jax.serve`: load a checkpoint (the embedded default without --model), warm up, serve.
 
-The HTTP socket opens at once; /health answers 503 while the model loads and its programs compile, 200 when
-ready. SIGTERM (or Ctrl-C) stops admitting (503), lets the requests in flight finish within `--shutdown-grace`
-seconds, aborts what is left, and exits 0.
+The HTTP socket opens at once; /health answers 503 while the model loads and every program the engine can run
+is compiled or loaded from the compile cache (day0jax/startup.py), 200 when ready. At ready the log shows the
+startup timeline, which /metrics also exports. SIGTERM (or Ctrl-C) stops admitting (503), lets the requests in
+flight finish within `--shutdown-grace` seconds, aborts what is left, and exits 0.
 """
 
 from __future__ import annotations
@@ -22,88 +23,67 @@ log = logging.getLogger("day0jax.serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from day0jax import cli
+    from sharding import distributed
+
     p = argparse.ArgumentParser(prog="python -m day0jax.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="day0jax checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    cli.add_model_arguments(p)
     p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mesh", help="device mesh SPEC, e.g. 'tp=2' (default: one device)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: per backend")
-    p.add_argument("--compile-cache", help="persistent XLA compilation cache folder")
     p.add_argument("--api-key", default=os.environ.get("DAY0JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DAY0JAX_API_KEY)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together")
-    p.add_argument("--kv-cache-tokens", type=int, help="KV pool capacity in tokens")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk-sizes", default="32,256", help="prefill chunk lengths compiled, comma separated")
-    p.add_argument("--min-width", type=int, default=128,
-                   help="smallest attention span (tokens) compiled for decode; spans double up to 1024, then 4x")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued sequences before answering 429")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="compile programs on first use instead of at start")
-    p.add_argument("--warmup-max-len", type=int, default=2048,
-                   help="compile at start the programs for spans up to this many tokens (0: all); longer spans "
-                        "compile on first use")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--log-level", default="info")
+    cli.add_compile_cache_arguments(p)
+    cli.add_engine_arguments(p)
+    distributed.add_arguments(p)
     return p.parse_args(argv)
 
 
 def load_engine(args, state) -> None:
-    """Loads the model and builds, warms up and starts the engine; updates `state.status` as it goes."""
-    import jax
-
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    import day0jax
+    """Loads the model, builds and warms up the engine (every program, from the caches where possible) and
+    wraps it for the server; updates `state.status`/`state.detail` as it goes and records `state.timeline`."""
     from day0jax.engine.async_engine import AsyncEngine
-    from day0jax.engine.engine import Engine, EngineConfig
+    from day0jax.startup import start_engine
 
-    path = Path(args.model) if args.model else None
-    if path is None:
-        from day0jax.default_model import default_checkpoint
+    def status(detail: str) -> None:
+        if detail.startswith("compil"):
+            state.status = "warming up"
+        state.detail = detail
 
-        state.detail = "converting the default model (first use only)"
-        path = default_checkpoint()
-    state.detail = f"loading {path}"
-    model = day0jax.load(path, dtype=args.dtype, mesh=args.mesh)
+    started = start_engine(args, state.timeline, status, warm_up=not args.no_warmup)
+    model, engine = started.model, started.engine
     if model.tokenizer is None:
-        raise SystemExit(f"{path} has no tokenizer.json: the server needs one to read text")
-    config = EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          kv_cache_tokens=args.kv_cache_tokens, max_waiting=args.max_waiting,
-                          chunk_buckets=tuple(int(x) for x in args.chunk_sizes.split(",")),
-                          min_width=args.min_width, prefix_caching=not args.no_prefix_caching)
-    engine = Engine.from_model(model, config)
+        raise SystemExit(f"{model.path} has no tokenizer.json: the server needs one to read text")
     state.tokenizer, state.max_model_len = model.tokenizer, engine.max_model_len
-    if not args.no_warmup:
-        state.status = "warming up"
-        shapes = engine.warmup_shapes(args.warmup_max_len or None)
-
-        def progress(done, total):
-            state.detail = f"compiled {done}/{total} programs"
-
-        seconds = engine.warm_up(progress, args.warmup_max_len or None)
-        log.info("warm-up: %d of %d programs in %.1fs", len(shapes), len(engine.program_shapes()), seconds)
     state.engine = AsyncEngine(engine)
     return model
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+    from day0jax.timeline import Timeline
 
-    from day0jax.serve.app import ServerState, build_app
+    timeline = Timeline()  # counts from the process's start
+    with timeline.phase("server imports", what="flags, uvicorn, FastAPI, jax"):
+        args = parse_args(argv)
+        import uvicorn
+
+        from day0jax.serve.app import ServerState, build_app
+        from day0jax.warmup import compile_totals, watch_compiles
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    watch_compiles()  # counts traces and compiles, so /metrics shows any that happen after ready
 
     name = args.served_model_name
     if not name:
         from day0jax.default_model import NAME
 
         name = Path(args.model).resolve().name if args.model else NAME
-    state = ServerState(model_name=name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes)
+    state = ServerState(model_name=name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
+                        timeline=timeline)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     args.host)
@@ -118,7 +98,10 @@ def main(argv=None) -> int:
             try:
                 load_engine(args, state)
                 state.engine.start(loop)
+                state.timeline.mark_ready()
+                state.compiles_at_ready = compile_totals()
                 state.status, state.detail = "ready", ""
+                log.info("startup timeline:\n%s", state.timeline.table())
                 log.info("ready: serving %s on http://%s:%d", state.model_name, args.host, args.port)
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits non-zero
                 log.exception("loading failed")

@@ -41,6 +41,7 @@ class ServerState:
         api_key: when set, every /v1 route needs `Authorization: Bearer <key>`.
         max_body_bytes: larger request bodies get 413.
         max_prompt_chars: longer prompt texts get 400 before tokenization.
+        timeline: the startup timeline, exported on /metrics.
     """
 
     model_name: str
@@ -54,6 +55,8 @@ class ServerState:
     max_model_len: int = 0
     metrics: Metrics | None = None
     in_flight: int = 0
+    timeline: Any = None  # day0jax.timeline.Timeline of this start (phases and compiled programs)
+    compiles_at_ready: dict[str, int] | None = None  # day0jax.warmup.compile_totals() when it became ready
 
     def __post_init__(self):
         self.metrics = Metrics(self)

@@ -1,8 +1,9 @@
-"""Prometheus metrics of the server: request and token counters, latency histograms, engine gauges.
+"""Prometheus metrics of the server: request and token counters, latency histograms, engine gauges, startup.
 
 Counters and histograms are updated where things happen (the request handlers); the engine's gauges (queue,
-batch, KV pages, prefix cache) are read at scrape time by a collector, so they are never stale. One registry per
-server, so tests can run several in one process.
+batch, KV pages, prefix cache) and the startup timeline (phases, compiled programs and where each came from,
+traces and compiles since ready) are read at scrape time by collectors, so they are never stale. One registry
+per server, so tests can run several in one process.
 """
 
 from __future__ import annotations
@@ -46,6 +47,49 @@ class _EngineCollector:
             yield c
 
 
+class _StartupCollector:
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        timeline = self.state.timeline
+        if timeline is None:
+            return
+        phases = GaugeMetricFamily("day0jax_startup_phase_seconds",
+                                   "Seconds of each startup phase; 'ready' is process start to ready.",
+                                   labels=["phase"])
+        for name, seconds in timeline.phase_seconds().items():
+            phases.add_metric([name], seconds)
+        yield phases
+        restored = [p for p in timeline.phases if p.name == "restore parameters" and "bytes" in p.detail]
+        if restored:
+            g = GaugeMetricFamily("day0jax_startup_restore_bytes", "Parameter bytes restored at startup.")
+            g.add_metric([], restored[-1].detail["bytes"])
+            yield g
+        per_program = GaugeMetricFamily("day0jax_startup_compile_seconds",
+                                        "Seconds to make each program ready (lowering plus compiling or loading).",
+                                        labels=["program", "shape", "cache", "source"])
+        for r in timeline.compiles:
+            per_program.add_metric([r.program, r.shape, r.cache, r.source], r.seconds)
+        yield per_program
+        programs = CounterMetricFamily("day0jax_startup_programs", "Programs made ready at startup, by cache outcome.",
+                                       labels=["cache", "source"])
+        for source, n in timeline.compile_counts().items():
+            programs.add_metric(["miss" if source == "compiled" else "hit", source], n)
+        yield programs
+        at_ready = self.state.compiles_at_ready
+        if at_ready is not None:
+            from day0jax.warmup import compile_totals
+
+            now = compile_totals()
+            late = CounterMetricFamily("day0jax_compiles_after_ready",
+                                       "JAX traces and XLA compilations since ready (each one stalls a request; "
+                                       "0 when warm-up covered every program).", labels=["kind"])
+            late.add_metric(["trace"], now["traces"] - at_ready["traces"])
+            late.add_metric(["compile"], now["compiles"] - at_ready["compiles"])
+            yield late
+
+
 class Metrics:
     """The server's registry and instruments."""
 
@@ -65,6 +109,7 @@ class Metrics:
         self.e2e = Histogram("day0jax_e2e_request_latency_seconds", "Time from request to its last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(state))
+        r.register(_StartupCollector(state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,62 @@
+"""Command-line flags shared by `day0jax.serve`, `day0jax.compile` and `day0jax.generate`.
+
+The engine's shape flags live here once, so `python -m day0jax.compile` given the same flags as the server
+compiles exactly the server's programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kernels_pallas.registry import MODES as KERNEL_MODES
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --mesh, --dtype, --kernels."""
+    p.add_argument("--model", help="day0jax checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--mesh", help="device mesh SPEC, e.g. 'tp=2' or 'dp=2,tp=4', or 'auto' (default: one device)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: per backend")
+    p.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
+                   help="'auto': Pallas kernels checked against their references at load, falling back per op; "
+                        "'strict': a disagreeing kernel is an error; 'reference': no kernels (default auto)")
+
+
+def add_compile_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """--compile-cache DIR / --no-compile-cache."""
+    g = p.add_argument_group("compilation cache")
+    g.add_argument("--compile-cache", metavar="DIR",
+                   help="persistent compilation cache root (default: ~/.cache/day0jax/compile); a subfolder per "
+                        "jax version, backend, mesh and model")
+    g.add_argument("--no-compile-cache", action="store_true", help="compile everything, read and write no cache")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's shape and scheduling flags, and how many of its programs to compile before serving."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together")
+    g.add_argument("--kv-cache-tokens", type=int, help="KV pool capacity in tokens")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--chunk-sizes", default="32,256", help="prefill chunk lengths compiled, comma separated")
+    g.add_argument("--min-width", type=int, default=128,
+                   help="smallest attention span (tokens) compiled for decode; spans double up to 1024, then 4x")
+    g.add_argument("--max-waiting", type=int, default=256, help="queued sequences before answering 429")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--warmup-max-len", type=int, default=0,
+                   help="compile before serving only the forward programs for spans up to this many tokens, "
+                        "the rest on first use (faster cold start, slower first long request); default 0: all")
+    g.add_argument("--compile-workers", type=int, default=None,
+                   help="threads compiling programs in parallel (default: one per core, at most 8)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The `EngineConfig` the engine flags describe."""
+    from day0jax.engine.engine import EngineConfig
+
+    try:
+        chunks = tuple(int(x) for x in args.chunk_sizes.split(","))
+    except ValueError:
+        raise SystemExit(f"--chunk-sizes {args.chunk_sizes!r}: expected comma-separated integers, e.g. 32,256")
+    return EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        kv_cache_tokens=args.kv_cache_tokens, max_waiting=args.max_waiting, chunk_buckets=chunks,
+                        min_width=args.min_width, prefix_caching=not args.no_prefix_caching)

@@ -1,0 +1,57 @@
+"""`python -m day0jax.compile`: fill the compilation cache ahead of time, then exit (a build step, a container image).
+
+It loads the model and builds the engine exactly as `python -m day0jax.serve` with the same flags does, compiles
+(or finds in the cache) every program the server would run, prints one line per program and the startup
+timeline, and exits 0. A server started later with the same model, mesh, flags and cache folder starts without
+compiling anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from day0jax import cli
+from day0jax.errors import Day0Error
+from sharding import distributed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m day0jax.compile", description=__doc__.splitlines()[0])
+    cli.add_model_arguments(p)
+    cli.add_compile_cache_arguments(p)
+    cli.add_engine_arguments(p)
+    distributed.add_arguments(p)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("jax", "absl", "orbax"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    from day0jax.startup import start_engine
+    from day0jax.timeline import Timeline, program_table
+
+    timeline = Timeline()
+    try:
+        started = start_engine(args, timeline)
+    except Day0Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    timeline.mark_ready()
+    print(program_table(started.records))
+    print()
+    print(timeline.table(programs=False))
+    cache = started.cache
+    if cache is None:
+        print("no compilation cache was used (--no-compile-cache, or the folder was unusable: see the warning)")
+    else:
+        print(f"cache: {cache.folder}{'' if cache.writable else ' (read-only: nothing was saved)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""From command-line arguments to a warmed-up engine: the start sequence `serve` and `compile` share.
+
+Multi-host runtime, then the compilation cache (before anything compiles), the model (its phases recorded in
+the timeline), the engine, and every program compiled or loaded from the caches, then one smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from day0jax.timeline import CompileRecord, Timeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Started:
+    """A started engine and how it got there."""
+
+    model: Any
+    engine: Any
+    cache: Any  # day0jax.compile_cache.CompileCache or None
+    records: list[CompileRecord] = field(default_factory=list)
+
+
+def resolve_model(args: argparse.Namespace, timeline: Timeline, status: Callable[[str], None]) -> Path:
+    """--model, or the embedded default (converted on first use)."""
+    if args.model:
+        return Path(args.model)
+    from day0jax.default_model import default_checkpoint
+
+    status("converting the default model (first use only)")
+    with timeline.phase("default model"):
+        return default_checkpoint()
+
+
+def enable_cache(args: argparse.Namespace, path: Path, dtype: str, timeline: Timeline):
+    """Enables the compile cache the flags ask for; returns it, or None (disabled or unusable)."""
+    if getattr(args, "no_compile_cache", False):
+        return None
+    from day0jax import compile_cache
+
+    with timeline.phase("compile cache") as info:
+        key = compile_cache.current_key(args.mesh, compile_cache.model_fingerprint(path, dtype))
+        cache = compile_cache.enable(args.compile_cache, key)
+        info["folder"] = str(cache.folder) if cache else "none"
+    return cache
+
+
+def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[[str], None] = lambda s: None,
+                 warm_up: bool = True) -> Started:
+    """Loads the model and builds the engine the flags describe; with `warm_up`, compiles all its programs.
+
+    Args:
+        args: parsed flags of `cli.add_model_arguments`, `add_compile_cache_arguments`, `add_engine_arguments`
+            and `sharding.distributed.add_arguments`.
+        timeline: receives the phases and one record per program.
+        status: called with a short description as the start proceeds (the server's /health detail).
+        warm_up: compile the programs now (else on first use).
+    Raises:
+        Day0Error subclasses from loading (CheckpointError, MeshError, OutOfMemoryPlan, ...).
+    """
+    with timeline.phase("imports", what="jax, flax, orbax, day0jax"):
+        import jax
+
+        import day0jax
+        from day0jax.cli import engine_config_from_args
+        from day0jax.engine.engine import Engine
+        from day0jax.loader import default_dtype
+        from sharding import distributed
+
+    distributed.initialize_from_args(args)  # before anything touches a device
+    path = resolve_model(args, timeline, status)
+    dtype = args.dtype or default_dtype()
+    cache = enable_cache(args, path, dtype, timeline)
+    status(f"loading {path}")
+    model = day0jax.load(path, dtype=dtype, mesh=args.mesh, kernels=args.kernels, timeline=timeline)
+    with timeline.phase("build engine"):
+        engine = Engine.from_model(model, engine_config_from_args(args))
+    started = Started(model, engine, cache)
+    if not warm_up:
+        return started
+    store = None
+    if cache is not None and jax.process_count() == 1:
+        from day0jax.program_store import ProgramStore
+
+        store = ProgramStore(cache)
+    programs = engine.programs(args.warmup_max_len or None)
+    status(f"compiling {len(programs)} programs")
+    with timeline.phase("compile") as info:
+        started.records = engine.warm_up(lambda done, total: status(f"compiled {done}/{total} programs"),
+                                         args.warmup_max_len or None, store=store, workers=args.compile_workers,
+                                         timeline=timeline)
+        info["programs"] = len(started.records)
+        for source in ("program-store", "xla-cache", "compiled"):
+            info[source] = sum(1 for r in started.records if r.source == source)
+    skipped = len(engine.program_shapes()) - len(engine.warmup_shapes(args.warmup_max_len or None))
+    if skipped:
+        log.info("--warmup-max-len %d: %d forward programs compile on first use", args.warmup_max_len, skipped)
+    damaged = (cache.corrupt if cache else []) + (store.corrupt if store else [])
+    if damaged:
+        log.warning("compile cache: %d damaged entries were removed and rebuilt (%s)", len(damaged),
+                    ", ".join(damaged[:5]) + (" ..." if len(damaged) > 5 else ""))
+    with timeline.phase("warm-up", what="one decode step and sample on padding"):
+        engine.runner.smoke_run()
+    return started

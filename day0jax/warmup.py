@@ -1,0 +1,161 @@
+"""Compiling every program before serving: the program store first, then trace and compile, in parallel.
+
+For each program the main thread asks the program store (loads run in a thread pool); a program not found there
+is traced and lowered in the main thread (Python, holding the GIL) and compiled in the pool, where XLA runs
+without the GIL, so lowering the next program overlaps compiling the previous ones. Compiling goes through
+JAX's persistent cache: a hit there skips the compiler. A per-thread JAX monitoring listener tells the two apart
+(JAX 0.11.2 records "/jax/compilation_cache/cache_hits" in the thread that asked). Each program ends up
+installed in its owner (the engine's runner), which then runs it without any further tracing or compiling.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+
+from day0jax import compile_cache
+from day0jax.program_store import ProgramStore
+from day0jax.timeline import CompileRecord, Timeline
+
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+class ProgramOwner(Protocol):
+    """What `compile_programs` needs from the owner of the programs (the engine's `ModelRunner`)."""
+
+    def lower(self, program: Any) -> jax.stages.Lowered: ...
+
+    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled: ...
+
+    def install(self, program: Any, compiled: jax.stages.Compiled) -> None: ...
+
+    def signature(self, program: Any) -> str: ...
+
+
+def default_workers() -> int:
+    """Compile threads: one per core (the main thread's lowering shares them), at most 8."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+# --- JAX monitoring: which thread saw a cache hit; how many compiles happened when -----------------------------
+
+_local = threading.local()
+_registered = False
+_register_lock = threading.Lock()
+_totals = {"traces": 0, "compiles": 0}
+
+
+def _on_event(event: str, **kwargs) -> None:
+    seen = getattr(_local, "events", None)
+    if seen is not None:
+        seen.append(event)
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == _TRACE:
+        _totals["traces"] += 1
+    elif event == _BACKEND_COMPILE:
+        _totals["compiles"] += 1
+
+
+def watch_compiles() -> None:
+    """Registers the JAX monitoring listeners (once per process)."""
+    global _registered
+    with _register_lock:
+        if not _registered:
+            jax.monitoring.register_event_listener(_on_event)
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            _registered = True
+
+
+def compile_totals() -> dict[str, int]:
+    """Process-wide counts since `watch_compiles`: functions traced ("traces") and XLA compilations ("compiles")."""
+    return dict(_totals)
+
+
+# --- the pipeline ----------------------------------------------------------------------------------------------
+
+def compile_programs(owner: ProgramOwner, programs: Sequence[Any], *, store: ProgramStore | None = None,
+                     workers: int | None = None, timeline: Timeline | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> list[CompileRecord]:
+    """Makes every program ready (from the store, JAX's cache, or compiled) and installs it in `owner`.
+
+    Args:
+        owner: lowers, compiles and installs programs, and names their store signatures.
+        programs: what to compile; each has `.name` and `.label` (for the records).
+        store: the program store (None: always trace).
+        workers: compile threads (default `default_workers()`).
+        timeline: receives a `CompileRecord` per program.
+        progress: called with (done, total) as programs become ready.
+    Returns:
+        The records, in `programs` order.
+    Raises:
+        Whatever lowering or compiling a program raises (a program that cannot compile is fatal).
+    """
+    watch_compiles()
+    total = len(programs)
+    records: list[CompileRecord | None] = [None] * total
+    done = 0
+
+    def from_store(i: int):
+        t0 = time.perf_counter()
+        compiled = store.load(owner.signature(programs[i]))
+        return compiled, time.perf_counter() - t0
+
+    def compile_one(i: int, lowered, lower_seconds: float):
+        _local.events = []
+        compile_cache.reset_last_key()
+        try:
+            t0 = time.perf_counter()
+            compiled = owner.compile(lowered)
+            seconds = time.perf_counter() - t0
+            hit = _CACHE_HIT in _local.events
+        finally:
+            _local.events = None
+        if store is not None:  # next start: no tracing either
+            store.save(owner.signature(programs[i]), compiled, compile_cache.last_key())
+        p = programs[i]
+        return compiled, CompileRecord(p.name, p.label, lower_seconds, seconds, "xla-cache" if hit else "compiled")
+
+    def finish(i: int, compiled, record: CompileRecord) -> None:
+        nonlocal done
+        owner.install(programs[i], compiled)
+        records[i] = record
+        if timeline is not None:
+            timeline.add_compile(record)
+        done += 1
+        if progress:
+            progress(done, total)
+
+    with ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="day0jax-compile") as pool:
+        looked_up: list[Future | None] = [pool.submit(from_store, i) if store else None for i in range(total)]
+        compiling: list[tuple[int, Future]] = []
+        for i, p in enumerate(programs):
+            if looked_up[i] is not None:
+                compiled, seconds = looked_up[i].result()
+                if compiled is not None:
+                    finish(i, compiled, CompileRecord(p.name, p.label, 0.0, seconds, "program-store"))
+                    continue
+            t0 = time.perf_counter()
+            lowered = owner.lower(p)
+            compiling.append((i, pool.submit(compile_one, i, lowered, time.perf_counter() - t0)))
+            _collect(compiling, finish, block=False)
+        _collect(compiling, finish, block=True)
+    return [r for r in records if r is not None]
+
+
+def _collect(compiling: list[tuple[int, Future]], finish, block: bool) -> None:
+    """Installs the compiled programs that are done (all of them, waiting, with `block`)."""
+    for item in list(compiling):
+        i, future = item
+        if block or future.done():
+            compiled, record = future.result()
+            finish(i, compiled, record)
+            compiling.remove(item)
