@@ -139,15 +139,8 @@ def benches(dtype: str, tiny: bool = False) -> list[Bench]:
 
 def jitted(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list]:
     """fn as a jitted function of its array arguments only (flags and sizes static)."""
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    is_array = [isinstance(x, jax.Array) for x in leaves]
-
-    def call(*arrays):
-        it = iter(arrays)
-        a, k = jax.tree.unflatten(tree, [next(it) if arr else x for x, arr in zip(leaves, is_array)])
-        return fn(*a, **k)
-
-    return jax.jit(call), [x for x, arr in zip(leaves, is_array) if arr]
+    call, arrays = registry.split_arrays(fn, args, kwargs)
+    return jax.jit(call), arrays
 
 
 def time_ms(f: Callable, arrays: list, iters: int) -> tuple[float, str]:

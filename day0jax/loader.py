@@ -127,8 +127,8 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         jax.block_until_ready(list(arrays.values()))
         info["bytes"] = sum(a.nbytes for a in arrays.values())
         info["parameters"] = sum(a.size for a in arrays.values())
-    log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type,
-             sum(a.size for a in arrays.values()), describe(mesh), time.perf_counter() - t0)
+    log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type, info["parameters"],
+             describe(mesh), time.perf_counter() - t0)
     # The startup self-test runs each chosen kernel on this model's shapes against its reference.
     with timeline.phase("kernel self-test", mode=kernels):
         report = kernel_selftest.startup(hf, dtype=DTYPES[dtype], mode=kernels, tp=mesh.shape.get("tp", 1))

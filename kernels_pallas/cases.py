@@ -262,6 +262,12 @@ def _rms_norm(rnd: _Random, dtype, *, M, D, eps, offset):
 _BUILDERS = {"attention": _attention, "paged_attention": _paged_attention, "moe": _moe, "rms_norm": _rms_norm}
 
 
+def upcast(tree: Any) -> Any:
+    """The tree with its bfloat16 arrays in float32: the inputs of the float32 reference answer."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16
+                        else x, tree)
+
+
 def max_relative_error(out: Any, ref: Any) -> float:
     """max|out - ref| / max|ref| over every array of the outputs (float64; NaN or a shape mismatch -> inf)."""
     worst = 0.0

@@ -160,6 +160,16 @@ def accepts(op: str, implementation: str, *args: Any, **kwargs: Any) -> str | No
 def trace_abstractly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`jax.eval_shape` of fn(*args, **kwargs), with array leaves abstract and everything else (flags, window
     sizes, scales) passed as the Python values the implementations branch on."""
+    call, arrays = split_arrays(fn, args, kwargs)
+    return jax.eval_shape(call, *arrays)
+
+
+def split_arrays(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], list]:
+    """fn(*args, **kwargs) as a function of the array leaves only, and those leaves.
+
+    Every other leaf (flags, window sizes, scales) stays the Python value the implementations branch on, so the
+    result can be jitted, exported or traced abstractly with the arrays as its only arguments.
+    """
     leaves, tree = jax.tree.flatten((args, kwargs))
     is_array = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
 
@@ -168,7 +178,7 @@ def trace_abstractly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         a, k = jax.tree.unflatten(tree, [next(it) if arr else x for x, arr in zip(leaves, is_array)])
         return fn(*a, **k)
 
-    return jax.eval_shape(call, *[x for x, arr in zip(leaves, is_array) if arr])
+    return call, [x for x, arr in zip(leaves, is_array) if arr]
 
 
 def chosen(op: str, *args: Any, policy: Policy | None = None, **kwargs: Any) -> str:

@@ -79,15 +79,8 @@ def lower_rows(case_list: list[cases_lib.Case], target_platform: str = "cuda") -
 
 def export_for(fn, args: tuple, kwargs: dict, target_platform: str = "cuda"):
     """`jax.export` of fn(*args, **kwargs) for `target_platform`, arrays abstract, the rest static."""
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    is_array = [isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves]
-
-    def call(*arrays):
-        it = iter(arrays)
-        a, k = jax.tree.unflatten(tree, [next(it) if arr else x for x, arr in zip(leaves, is_array)])
-        return fn(*a, **k)
-
-    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x, arr in zip(leaves, is_array) if arr]
+    call, arrays = registry.split_arrays(fn, args, kwargs)
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
     return jax.export.export(jax.jit(call), platforms=(target_platform,))(*specs)
 
 

@@ -52,15 +52,8 @@ class Report:
 
 def run(fn, args: tuple, kwargs: dict) -> Any:
     """fn(*args, **kwargs) under `jax.jit`, arrays as arguments and everything else static; blocks until done."""
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    is_array = [isinstance(x, jax.Array) for x in leaves]
-
-    def call(*arrays):
-        it = iter(arrays)
-        a, k = jax.tree.unflatten(tree, [next(it) if arr else x for x, arr in zip(leaves, is_array)])
-        return fn(*a, **k)
-
-    return jax.block_until_ready(jax.jit(call)(*[x for x, arr in zip(leaves, is_array) if arr]))
+    call, arrays = registry.split_arrays(fn, args, kwargs)
+    return jax.block_until_ready(jax.jit(call)(*arrays))
 
 
 def check(case: cases_lib.Case, implementation: str, args: tuple, kwargs: dict,

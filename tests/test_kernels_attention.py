@@ -26,11 +26,6 @@ CASES = {
 }
 
 
-def _upcast(tree):
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16
-                        else x, tree)
-
-
 class AttentionContract:
     """Every implementation of `attention` must match the float32 reference on these cases."""
 
@@ -41,7 +36,7 @@ class AttentionContract:
         case = cases.Case("attention", name, "bfloat16", CASES[name])
         (q, k, v), kwargs = case.build(sorted(CASES).index(name))
         got = selftest.run(functools.partial(api.attention, implementation=self.implementation), (q, k, v), kwargs)
-        want = selftest.run(reference.attention, _upcast((q, k, v)), kwargs)
+        want = selftest.run(reference.attention, cases.upcast((q, k, v)), kwargs)
         assert got.shape == q.shape and got.dtype == q.dtype
         err = cases.max_relative_error(got, want)
         assert err <= case.tolerance, f"{self.implementation} on {name}: max relative error {err}"

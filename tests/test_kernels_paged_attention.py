@@ -25,11 +25,6 @@ CASES = {
 }
 
 
-def _upcast(tree):
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16
-                        else x, tree)
-
-
 class PagedAttentionContract:
     implementation: str
 
@@ -38,7 +33,7 @@ class PagedAttentionContract:
         case = cases.Case("paged_attention", name, "bfloat16", CASES[name])
         args, kwargs = case.build(10 + sorted(CASES).index(name))
         got = selftest.run(functools.partial(api.paged_attention, implementation=self.implementation), args, kwargs)
-        want = selftest.run(reference.paged_attention, _upcast(args), kwargs)
+        want = selftest.run(reference.paged_attention, cases.upcast(args), kwargs)
         assert got.shape == args[0].shape and got.dtype == args[0].dtype
         err = cases.max_relative_error(got, want)
         assert err <= case.tolerance, f"{self.implementation} on {name}: max relative error {err}"

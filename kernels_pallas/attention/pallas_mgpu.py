@@ -55,6 +55,17 @@ class Blocks:
     compute_wgs: int = 2
 
 
+def online_softmax_step(s, m_i, l_i, acc):
+    """One block of the online softmax (base 2: scores are pre-scaled by log2 e): rescales the running sum `l_i`
+    and accumulator `acc` [rows, H] to the new row maxima; returns (p, m_new, l_i, acc) with p = 2^(s - m_new),
+    still to be multiplied by the block's values and added to acc."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, m_new, l_i * alpha + p.sum(axis=1), acc
+
+
 def _heuristic(shape_class: str, *, head_dim: int, **_) -> Blocks:
     # Wide heads need more registers per query row (the f32 accumulator is block_q x H) and shared memory per
     # key block: halve the key block past 128.
@@ -253,11 +264,7 @@ def _call(q, k, v, q_positions, lo, hi, row_min, row_max, kv_len, sinks, *, bloc
                 return jnp.where(visible, s, -jnp.inf)
 
             s = lax.cond(full, lambda s: s, masked, s)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
+            p, m_new, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
             p16 = p.astype(dtype)
             schedule()
             if interpret:

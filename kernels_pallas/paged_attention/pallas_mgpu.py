@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import platform, tuning
+from kernels_pallas.attention.pallas_mgpu import online_softmax_step
 
 LOG2E = math.log2(math.e)
 M0 = -1e30  # the running max before any key: masked (-inf) scores vanish against it; see attention/pallas_mgpu
@@ -236,11 +237,7 @@ def _call(rows, k_pages, v_pages, tables, split_start, split_count, row_pos, fir
                 return jnp.where(visible, s, -jnp.inf)
 
             s = lax.cond(full, lambda s: s, masked, s)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
+            p, m_new, l_i, acc = online_softmax_step(s, m_i, l_i, acc)
             p16 = p.astype(dtype)
             for pi in range(ppb):
                 plgpu.barrier_wait(v_bar.at[slot * ppb + pi])
