@@ -16,13 +16,12 @@ from pathlib import Path
 
 from day0jax import cli
 from day0jax.errors import Day0Error
-from kernels_pallas.registry import MODES as KERNEL_MODES
 from sharding import distributed
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m day0jax.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="day0jax checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
+    cli.add_model_arguments(p)  # --model, --mesh, --dtype, --kernels, as serve and compile take them
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -31,10 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to the prompt")
     p.add_argument("--system", default=None, help="a system message (with --chat)")
-    p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=2 or dp=2,tp=4 (default: one device)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
-                   help="'auto', 'strict' or 'reference' (see day0jax.load); default auto")
     p.add_argument("-v", "--verbose", action="store_true")
     cli.add_compile_cache_arguments(p)
     distributed.add_arguments(p)  # --coordinator/--num-processes/--process-id: one mesh over several hosts
