@@ -1,10 +1,17 @@
 """The server's life: /health is 503 until the model is loaded and compiled; a full queue answers 429 with
 Retry-After (before tokenizing); SIGTERM stops admitting (503), lets the requests in flight finish, exits 0.
+
+Every step waits for what it depends on to be observed (a stream's first chunk, a response's headers, /health
+turning 503) rather than for time to pass, so the test means the same on a loaded machine. The one assumption
+left is that a stream of LONG tokens does not end while the client sends three requests, which has a margin of
+thousands of engine steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -13,41 +20,59 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
+from serve_tiny import CONFIG, write_tiny_chat_checkpoint  # noqa: E402
 
 from day0jax.serve.launch import ServerProcess  # noqa: E402
 
 MODEL = "tiny-chat"
+LONG = 2000  # tokens each streamed request asks for (EOS ignored)
+CONTEXT = 2048
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_tiny_chat_checkpoint(tmp_path_factory.mktemp("life"))
+    return write_tiny_chat_checkpoint(tmp_path_factory.mktemp("life"),
+                                      dict(CONFIG, max_position_embeddings=CONTEXT))
 
 
-async def stream(url: str, i: int, max_tokens: int, started: asyncio.Event | None = None):
-    body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=300) as http:
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return r.status_code, r.headers.get("retry-after"), r.json()
-            chunks, reasons = 0, []
-            async for line in r.aiter_lines():
+def body(i: int, max_tokens: int = LONG, stream: bool = True) -> dict:
+    return {"model": MODEL, "prompt": f"request {i}", "max_tokens": max_tokens, "stream": stream,
+            "ignore_eos": True, **({"stream_options": {"include_usage": True}} if stream else {})}
+
+
+class Stream:
+    """A streaming completion whose headers have arrived; `first` is set at its first data chunk."""
+
+    def __init__(self, response: httpx.Response):
+        self.response, self.first = response, asyncio.Event()
+        self.done = asyncio.create_task(self._read())
+
+    @classmethod
+    async def open(cls, http: httpx.AsyncClient, url: str, i: int) -> "Stream":
+        response = await http.send(http.build_request("POST", url + "/v1/completions", json=body(i)), stream=True)
+        assert response.status_code == 200, (await response.aread()).decode()
+        return cls(response)
+
+    async def _read(self) -> tuple[int, list[str]]:
+        """(completion tokens from the usage chunk, finish reasons seen)."""
+        tokens, reasons = 0, []
+        try:
+            async for line in self.response.aiter_lines():
                 if line.startswith("data: {"):
-                    chunks += 1
-                    if started is not None:
-                        started.set()
-                    if '"finish_reason":"' in line:
-                        reasons.append(line.split('"finish_reason":"')[1].split('"')[0])
-            return 200, chunks, reasons
+                    self.first.set()
+                    chunk = json.loads(line[6:])
+                    reasons += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+        finally:
+            await self.response.aclose()
+        return tokens, reasons
 
 
 def test_health_503_then_429_then_graceful_sigterm(ckpt):
-    # One running sequence and two waiting at most: the fourth concurrent request gets 429.
+    # One running sequence and two waiting at most: a fourth request gets 429.
     proc = ServerProcess(["--model", str(ckpt), "--max-num-seqs", "1", "--max-waiting", "2", "--chunk-sizes", "32",
-                          "--max-model-len", "256", "--min-width", "256", "--shutdown-grace", "120"])
+                          "--max-model-len", str(CONTEXT), "--min-width", str(CONTEXT), "--shutdown-grace", "300"])
     try:
         statuses = set()
         deadline = time.monotonic() + 900
@@ -55,9 +80,7 @@ def test_health_503_then_429_then_graceful_sigterm(ckpt):
             code = proc.health()
             if code is not None:
                 statuses.add(code)
-                if code == 200:
-                    break
-                if proc.proc.poll() is not None:
+                if code == 200 or proc.proc.poll() is not None:
                     break
                 models = httpx.get(proc.url + "/v1/models").status_code
                 # Not ready: /v1 answers 503 too (unless it became ready between the two calls).
@@ -65,33 +88,26 @@ def test_health_503_then_429_then_graceful_sigterm(ckpt):
             time.sleep(0.05)
         assert statuses == {503, 200}, (statuses, proc.log_text()[-3000:])
 
-        async def burst():
-            return await asyncio.gather(*(stream(proc.url, i, 40) for i in range(8)))
+        async def life():
+            async with httpx.AsyncClient(timeout=600) as http:
+                # A runs (it has streamed), then B and C are accepted one after the other: they wait behind A.
+                a = await Stream.open(http, proc.url, 0)
+                await a.first.wait()
+                streams = [a, await Stream.open(http, proc.url, 1), await Stream.open(http, proc.url, 2)]
+                full = await http.post(proc.url + "/v1/completions", json=body(3, stream=False))
+                assert full.status_code == 429, full.text
+                assert full.headers.get("retry-after") and full.json()["error"]["type"] == "rate_limit_error"
 
-        results = asyncio.run(burst())
-        limited = [r for r in results if r[0] == 429]
-        served = [r for r in results if r[0] == 200]
-        assert limited and served, results
-        for _, retry_after, body in limited:
-            assert retry_after and body["error"]["type"] == "rate_limit_error"
-        assert all(chunks >= 40 and reasons == ["length"] for _, chunks, reasons in served)
+                proc.proc.send_signal(signal.SIGTERM)
+                while (await http.get(proc.url + "/health")).status_code != 503:  # the signal has been handled
+                    await asyncio.sleep(0.01)
+                during = await http.post(proc.url + "/v1/completions", json=body(4, 4, stream=False))
+                assert during.status_code == 503 and during.json()["error"]["message"], during.text
+                return await asyncio.gather(*(s.done for s in streams))
 
-        async def drain():
-            # Three long requests (one running, two queued); SIGTERM as soon as the first one streams.
-            started = asyncio.Event()
-            running = [asyncio.create_task(stream(proc.url, i, 240, started)) for i in range(3)]
-            await started.wait()
-            proc.proc.send_signal(__import__("signal").SIGTERM)
-            await asyncio.sleep(0.05)
-            async with httpx.AsyncClient(timeout=30) as http:
-                during = await http.post(proc.url + "/v1/completions", json={"model": MODEL, "prompt": "late"})
-                health = await http.get(proc.url + "/health")
-            return await asyncio.gather(*running), during, health
-
-        finished, during, health = asyncio.run(drain())
-        assert during.status_code == 503 and during.json()["error"]["message"]
-        assert health.status_code == 503
-        assert all(r[0] == 200 and r[2] == ["length"] and r[1] >= 240 for r in finished), finished
-        assert proc.proc.wait(120) == 0, proc.log_text()[-3000:]
+        finished = asyncio.run(life())
+        # The three requests in flight at SIGTERM all run to their length.
+        assert finished == [(LONG, ["length"])] * 3, finished
+        assert proc.proc.wait(300) == 0, proc.log_text()[-3000:]
     finally:
         proc.kill()
