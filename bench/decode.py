@@ -33,7 +33,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     import day0jax
-    from day0jax.default_model import default_checkpoint, default_gguf
+    from day0jax.weights.default_model import default_checkpoint, default_gguf
 
     model = day0jax.load(default_checkpoint())
     prompt = model.tokenizer.encode(PROMPT)

@@ -101,9 +101,9 @@ def main():
     ap.add_argument("--server-args", default="", help="extra arguments for the server")
     args = ap.parse_args()
 
-    from day0jax.default_model import NAME, default_checkpoint, default_gguf
+    from day0jax.weights.default_model import NAME, default_checkpoint, default_gguf
     from day0jax.serve.launch import ServerProcess
-    from day0jax.tokenizer import Tokenizer
+    from day0jax.weights.tokenizer import Tokenizer
 
     ckpt = default_checkpoint()
     tok = Tokenizer(ckpt)

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from convert.safetensors_file import SafetensorsFile
-from day0jax.config import read_config_json
+from day0jax.weights.hf_config import read_config_json
 from day0jax.errors import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

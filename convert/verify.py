@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from convert.writer import sha256_file
-from day0jax import checkpoint
+from day0jax.weights import checkpoint
 from day0jax.errors import CheckpointError
 
 

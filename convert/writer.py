@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from day0jax import checkpoint
+from day0jax.weights import checkpoint
 from day0jax.errors import CheckpointError
 
 GROUP_BYTES = 128 << 20  # parameters per Orbax save: the converter holds about three groups' worth at once

@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "load":
-        from day0jax.loader import load
+        from day0jax.weights.loader import load
         return load
     if name == "Model":
-        from day0jax.runtime import Model
+        from day0jax.model import Model
         return Model
     raise AttributeError(f"module 'day0jax' has no attribute {name!r}")

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from day0jax import config as config_lib
+from day0jax.weights import hf_config as config_lib
 from day0jax.errors import Day0Error
 
 RUNS, WONT_RUN = 0, 2
@@ -55,7 +55,7 @@ class Report:
 def _open(path: Path, report: Report) -> tuple[dict, Any]:
     """(config.json dict, a tensor source or a manifest) without reading tensor data."""
     from convert.sources import open_source
-    from day0jax import checkpoint
+    from day0jax.weights import checkpoint
 
     if path.is_dir() and (path / checkpoint.MANIFEST).is_file():
         report.source = "day0jax"
@@ -300,7 +300,7 @@ def check(path: str | Path, *, mesh: str | None = None, batch: int = 1, context:
 
     from day0jax import models
     from day0jax.layers.rope import context_length
-    from day0jax.loader import DTYPES, default_dtype
+    from day0jax.weights.loader import DTYPES, default_dtype
 
     path = Path(path)
     report = Report(path=str(path), backend=jax.default_backend())

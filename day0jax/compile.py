@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("jax", "absl", "orbax"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-    from day0jax.startup import start_engine
-    from day0jax.timeline import Timeline, program_table
+    from day0jax.startup.start import start_engine
+    from day0jax.startup.timeline import Timeline, program_table
 
     timeline = Timeline()
     try:

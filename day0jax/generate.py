@@ -44,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         distributed.initialize_from_args(args)  # before anything touches a device; no-op without a coordinator
         import day0jax
-        from day0jax.default_model import default_checkpoint
-        from day0jax.loader import default_dtype
-        from day0jax.startup import enable_cache
-        from day0jax.timeline import null
+        from day0jax.weights.default_model import default_checkpoint
+        from day0jax.weights.loader import default_dtype
+        from day0jax.startup.start import enable_cache
+        from day0jax.startup.timeline import null
 
         path = Path(args.model) if args.model else default_checkpoint()
         dtype = args.dtype or default_dtype()

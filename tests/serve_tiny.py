@@ -23,7 +23,7 @@ def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0)
     from safetensors.numpy import save_file
 
     from convert import convert_checkpoint
-    from day0jax.default_model import default_checkpoint
+    from day0jax.weights.default_model import default_checkpoint
 
     root = Path(root)
     hf = root / "tiny-chat-hf"

@@ -25,7 +25,8 @@ from convert import convert_checkpoint
 from convert.convert import plan_sources
 from convert.sources import open_source
 from convert.verify import verify_checkpoint
-from day0jax import checkpoint, models
+from day0jax import models
+from day0jax.weights import checkpoint
 from families import FAMILIES, PROMPTS
 
 GGUF_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]

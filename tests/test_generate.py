@@ -103,7 +103,7 @@ def test_cli_generate_chat(smollm2):
 
 
 def test_default_model_converts_once(tmp_path):
-    from day0jax.default_model import default_checkpoint
+    from day0jax.weights.default_model import default_checkpoint
 
     first = default_checkpoint(tmp_path, progress=False)
     stamp = (first / "day0jax.json").stat().st_mtime_ns

@@ -26,9 +26,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
 
-from day0jax import compile_cache, timeline as tl  # noqa: E402
+from day0jax.startup import compile_cache, timeline as tl  # noqa: E402
 from day0jax.serve.launch import ServerProcess  # noqa: E402
-from day0jax.warmup import compile_totals, watch_compiles  # noqa: E402
+from day0jax.startup.warmup import compile_totals, watch_compiles  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-chat"
@@ -117,7 +117,7 @@ def test_verified_files_detect_damage_and_replace_atomically(tmp_path, caplog):
                "empty": b"", "jax's own format": b"\x78\x9c" + raw[2:]}
     for what, data in damages.items():
         (tmp_path / "entry").write_bytes(data)
-        with caplog.at_level(logging.WARNING, logger="day0jax.compile_cache"):
+        with caplog.at_level(logging.WARNING, logger="day0jax.startup.compile_cache"):
             caplog.clear()
             assert files.read("entry") is None, what
         assert "is damaged" in caplog.text and str(tmp_path / "entry") in caplog.text, what
@@ -129,7 +129,7 @@ def test_unusable_cache_folder_is_reported_and_a_read_only_one_is_used_read_only
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     key = compile_cache.current_key(None, "model")
-    with caplog.at_level(logging.WARNING, logger="day0jax.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="day0jax.startup.compile_cache"):
         assert compile_cache.enable(blocker / "cache", key) is None
     assert f"cannot use {blocker / 'cache'}" in caplog.text and "without a compilation cache" in caplog.text
 
@@ -144,7 +144,7 @@ def test_unusable_cache_folder_is_reported_and_a_read_only_one_is_used_read_only
     monkeypatch.setattr(compile_cache, "_probe_write", read_only)
     caplog.clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="day0jax.compile_cache"):
+        with caplog.at_level(logging.WARNING, logger="day0jax.startup.compile_cache"):
             cache = compile_cache.enable(tmp_path / "ro", key)
         assert cache is not None and not cache.writable and "not writable" in caplog.text
         assert cache.files.read("entry-cache") == b"an executable"

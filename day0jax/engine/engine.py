@@ -257,13 +257,13 @@ class Engine:
             progress: optional callable(done, total).
             max_len: warm up only forward programs whose attention span is at most this many tokens (None: all);
                 the others compile on first use (a pause of seconds on that request).
-            store: a `day0jax.program_store.ProgramStore`, to load programs without tracing (None: trace all).
+            store: a `day0jax.startup.program_store.ProgramStore`, to load programs without tracing (None: trace all).
             workers: compile threads (default: one per core).
-            timeline: a `day0jax.timeline.Timeline` receiving one record per program.
+            timeline: a `day0jax.startup.timeline.Timeline` receiving one record per program.
         Returns:
             The `CompileRecord`s, one per program.
         """
-        from day0jax.warmup import compile_programs
+        from day0jax.startup.warmup import compile_programs
 
         return compile_programs(self.runner, self.programs(max_len), store=store, workers=workers,
                                 timeline=timeline, progress=progress)

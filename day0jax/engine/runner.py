@@ -5,7 +5,7 @@ logits of one chosen position per row. Sampling is a separate small program, so 
 multiply by sampling modes. Shapes come from a few buckets (batch sizes, chunk lengths, block-table widths);
 padding tokens and rows are routed to the trash page.
 
-Every (program, bucket) is a `Program`. Before serving, `day0jax.warmup.compile_programs` lowers, compiles (or
+Every (program, bucket) is a `Program`. Before serving, `day0jax.startup.warmup.compile_programs` lowers, compiles (or
 loads) and `install`s each one; `forward` and `sample` then call the installed executables directly, so a
 warmed-up bucket never traces or compiles again. A bucket that was not warmed up goes through `jax.jit`.
 """

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from day0jax import config as config_lib
+from day0jax.weights import hf_config as config_lib
 from day0jax.errors import UnsupportedArchitecture
 from day0jax.layers.linear import Embedding, Linear
 from day0jax.layers.mlp import activation
@@ -54,7 +54,7 @@ class HFConfig:
         Args:
             hf: the config.json dict.
             strict: refuse keys the family does not declare and that are not known to be harmless
-                (`day0jax.config.IGNORED_KEYS`); `day0jax.check` passes False to report them instead.
+                (`day0jax.weights.hf_config.IGNORED_KEYS`); `day0jax.check` passes False to report them instead.
         Raises:
             UnsupportedArchitecture: an unknown key (when strict) or a value the family does not implement.
             ConfigError: a required key is missing.

@@ -47,7 +47,7 @@ def load_engine(args, state) -> None:
     """Loads the model, builds and warms up the engine (every program, from the caches where possible) and
     wraps it for the server; updates `state.status`/`state.detail` as it goes and records `state.timeline`."""
     from day0jax.engine.async_engine import AsyncEngine
-    from day0jax.startup import start_engine
+    from day0jax.startup.start import start_engine
 
     def status(detail: str) -> None:
         if detail.startswith("compil"):
@@ -64,7 +64,7 @@ def load_engine(args, state) -> None:
 
 
 def main(argv=None) -> int:
-    from day0jax.timeline import Timeline
+    from day0jax.startup.timeline import Timeline
 
     timeline = Timeline()  # counts from the process's start
     with timeline.phase("server imports", what="flags, uvicorn, FastAPI, jax"):
@@ -72,14 +72,14 @@ def main(argv=None) -> int:
         import uvicorn
 
         from day0jax.serve.app import ServerState, build_app
-        from day0jax.warmup import compile_totals, watch_compiles
+        from day0jax.startup.warmup import compile_totals, watch_compiles
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     watch_compiles()  # counts traces and compiles, so /metrics shows any that happen after ready
 
     name = args.served_model_name
     if not name:
-        from day0jax.default_model import NAME
+        from day0jax.weights.default_model import NAME
 
         name = Path(args.model).resolve().name if args.model else NAME
     state = ServerState(model_name=name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,

@@ -26,7 +26,7 @@ from day0jax.engine.async_engine import AsyncEngine, EngineDead
 from day0jax.engine.engine import ABORT, InvalidRequest, QueueFull, SamplingParams, TokenEvent
 from day0jax.serve import protocol as P
 from day0jax.serve.metrics import Metrics
-from day0jax.tokenizer import ChatTemplateError
+from day0jax.weights.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class ServerState:
     max_model_len: int = 0
     metrics: Metrics | None = None
     in_flight: int = 0
-    timeline: Any = None  # day0jax.timeline.Timeline of this start (phases and compiled programs)
-    compiles_at_ready: dict[str, int] | None = None  # day0jax.warmup.compile_totals() when it became ready
+    timeline: Any = None  # day0jax.startup.timeline.Timeline of this start (phases and compiled programs)
+    compiles_at_ready: dict[str, int] | None = None  # day0jax.startup.warmup.compile_totals() when it became ready
 
     def __post_init__(self):
         self.metrics = Metrics(self)

@@ -79,7 +79,7 @@ class _StartupCollector:
         yield programs
         at_ready = self.state.compiles_at_ready
         if at_ready is not None:
-            from day0jax.warmup import compile_totals
+            from day0jax.startup.warmup import compile_totals
 
             now = compile_totals()
             late = CounterMetricFamily("day0jax_compiles_after_ready",

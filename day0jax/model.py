@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from day0jax.engine.generator import Generator
 from day0jax.layers.rope import context_length
-from day0jax.tokenizer import Tokenizer
+from day0jax.weights.tokenizer import Tokenizer
 
 
 class Model:
@@ -37,7 +37,7 @@ class Model:
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         eos = generation_config.get("eos_token_id", getattr(config, "eos_token_id", None))
         if eos is None:
-            from day0jax.config import read_config_json
+            from day0jax.weights.hf_config import read_config_json
             eos = read_config_json(Path(path) / "config.json").get("eos_token_id")
         self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.context_length = min(context_length(config.rope, config.max_position_embeddings),

@@ -40,7 +40,7 @@ _LENGTH = 8
 
 def default_root() -> Path:
     """`~/.cache/day0jax/compile` (or under $DAY0JAX_CACHE / $XDG_CACHE_HOME, like the default model)."""
-    from day0jax.default_model import cache_root
+    from day0jax.weights.default_model import cache_root
 
     return cache_root() / "compile"
 
@@ -118,7 +118,7 @@ def model_fingerprint(path: str | Path, dtype: str) -> str:
     Raises:
         CheckpointError: `path` is not a readable day0jax checkpoint.
     """
-    from day0jax import checkpoint
+    from day0jax.weights import checkpoint
     from day0jax.errors import CheckpointError
 
     path = Path(path)

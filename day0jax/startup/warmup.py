@@ -18,9 +18,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import jax
 
-from day0jax import compile_cache
-from day0jax.program_store import ProgramStore
-from day0jax.timeline import CompileRecord, Timeline
+from day0jax.startup import compile_cache
+from day0jax.startup.program_store import ProgramStore
+from day0jax.startup.timeline import CompileRecord, Timeline
 
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from day0jax.timeline import CompileRecord, Timeline
+from day0jax.startup.timeline import CompileRecord, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class Started:
 
     model: Any
     engine: Any
-    cache: Any  # day0jax.compile_cache.CompileCache or None
+    cache: Any  # day0jax.startup.compile_cache.CompileCache or None
     records: list[CompileRecord] = field(default_factory=list)
 
 
@@ -31,7 +31,7 @@ def resolve_model(args: argparse.Namespace, timeline: Timeline, status: Callable
     """--model, or the embedded default (converted on first use)."""
     if args.model:
         return Path(args.model)
-    from day0jax.default_model import default_checkpoint
+    from day0jax.weights.default_model import default_checkpoint
 
     status("converting the default model (first use only)")
     with timeline.phase("default model"):
@@ -42,7 +42,7 @@ def enable_cache(args: argparse.Namespace, path: Path, dtype: str, timeline: Tim
     """Enables the compile cache the flags ask for; returns it, or None (disabled or unusable)."""
     if getattr(args, "no_compile_cache", False):
         return None
-    from day0jax import compile_cache
+    from day0jax.startup import compile_cache
 
     with timeline.phase("compile cache") as info:
         key = compile_cache.current_key(args.mesh, compile_cache.model_fingerprint(path, dtype))
@@ -70,7 +70,7 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
         import day0jax
         from day0jax.cli import engine_config_from_args
         from day0jax.engine.engine import Engine
-        from day0jax.loader import default_dtype
+        from day0jax.weights.loader import default_dtype
         from sharding import distributed
 
     distributed.initialize_from_args(args)  # before anything touches a device
@@ -86,7 +86,7 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
         return started
     store = None
     if cache is not None and jax.process_count() == 1:
-        from day0jax.program_store import ProgramStore
+        from day0jax.startup.program_store import ProgramStore
 
         store = ProgramStore(cache)
     programs = engine.programs(args.warmup_max_len or None)

@@ -1,0 +1,1 @@
+"""Start-up: the persistent compile cache, the program store, parallel warm-up and the start-up timeline."""
