@@ -1,11 +1,13 @@
-"""Greedy decode tokens/s: day0jax's `Model.generate` against transformers, same SmolLM2 weights, float32, CPU.
+"""Greedy decode tokens/s of `Model.generate` against transformers (and, with --baseline, an earlier day0jax),
+same SmolLM2 weights, float32, CPU.
 
-    .venv/bin/python bench/decode.py [--repeats 5] [--new-tokens 64] [--batches 1,8]
+    .venv/bin/python bench/decode.py [--repeats 5] [--new-tokens 64] [--batches 1,8] [--baseline DIR]
 
-Both run in this one process tree, alternately (day0jax, then transformers, per repeat), after a warm-up that
-compiles day0jax's programs; transformers runs in the reference venv as a worker that stays loaded. Decode
+Every system runs as a worker process that stays loaded (bench/decode_worker.py for day0jax, this tree's and,
+with --baseline, the checkout of an earlier revision in DIR; bench/decode_reference.py in the reference venv for
+transformers). They take turns, batch by batch and repeat by repeat, after a warm-up of the same shapes. Decode
 rate = batch * (N - 1) / (time for N tokens - time for 1 token), so prompt processing is taken out the same way
-on both sides. Prints a table of medians with the ratio; the issue's target is day0jax >= 1.5x at batch 1 and 8.
+on every side, and all must produce the same greedy tokens (asserted). Prints a table of medians with ratios.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,55 +25,75 @@ sys.path.insert(0, str(ROOT))
 PROMPT = "Once upon a time, in a small village at the edge of a great forest, there lived"
 
 
+class Worker:
+    """A timing worker answering bench/decode_reference.py's protocol."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        # -P keeps bench/ off the worker's path (transformers would import bench/kernels.py as `kernels`).
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **env})
+        self.hello = json.loads(self.proc.stdout.readline())
+        assert self.hello["ready"]
+
+    def run(self, batch: int, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
+        self.proc.stdin.write(json.dumps({"batch": batch, "prompt": prompt, "new_tokens": n}) + "\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        return r["full"], r["first"], r["tokens"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--baseline", metavar="DIR", help="a checkout of an earlier day0jax revision to run beside")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    import day0jax
     from day0jax.weights.default_model import default_checkpoint, default_gguf
+    from day0jax.weights.tokenizer import Tokenizer
 
-    model = day0jax.load(default_checkpoint())
-    prompt = model.tokenizer.encode(PROMPT)
-    # -P: bench/ must not be on the worker's path (transformers would import bench/kernels.py as `kernels`).
-    ref = subprocess.Popen([str(ROOT / ".venv-ref/bin/python"), "-P", str(ROOT / "bench/decode_reference.py"),
-                            str(default_gguf())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    assert json.loads(ref.stdout.readline())["ready"]
-
-    def ours(batch, n):
-        t0 = time.perf_counter()
-        out = model.generate([prompt] * batch, n, ignore_eos=True)
-        return time.perf_counter() - t0, out[0]
-
-    def theirs(batch, n):
-        ref.stdin.write(json.dumps({"batch": batch, "prompt": prompt, "new_tokens": n}) + "\n")
-        ref.stdin.flush()
-        r = json.loads(ref.stdout.readline())
-        return r["full"], r["first"], r["tokens"]
-
+    ckpt = default_checkpoint()
+    prompt = Tokenizer(ckpt).encode(PROMPT)
+    python = str(ROOT / ".venv/bin/python")
+    workers = {"day0jax": Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],
+                                 {"PYTHONPATH": str(ROOT)})}
+    if args.baseline:
+        workers["baseline"] = Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],
+                                     {"PYTHONPATH": str(Path(args.baseline).resolve())})
+        assert workers["baseline"].hello["from"] == str(Path(args.baseline).resolve()), workers["baseline"].hello
+    workers["transformers"] = Worker([str(ROOT / ".venv-ref/bin/python"), "-P",
+                                      str(ROOT / "bench/decode_reference.py"), str(default_gguf())],
+                                     {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     n = args.new_tokens
+    for batch in batches:  # warm-up: every program and kernel these shapes use
+        for w in workers.values():
+            w.run(batch, prompt, n)
     rates: dict[tuple[str, int], list[float]] = {}
-    for batch in batches:  # warm-up: compile every program this batch size uses, and warm torch
-        ours(batch, n), ours(batch, 1), theirs(batch, 2)
     for _ in range(args.repeats):
         for batch in batches:
-            (full, tokens), (first, _) = ours(batch, n), ours(batch, 1)
-            rates.setdefault(("day0jax", batch), []).append(batch * (n - 1) / (full - first))
-            ref_full, ref_first, ref_tokens = theirs(batch, n)
-            rates.setdefault(("transformers", batch), []).append(batch * (n - 1) / (ref_full - ref_first))
-            assert tokens == ref_tokens, "day0jax and transformers disagree on the greedy tokens"
-    ref.stdin.close()
-    ref.wait()
+            tokens = {}
+            for name, w in workers.items():
+                full, first, tokens[name] = w.run(batch, prompt, n)
+                rates.setdefault((name, batch), []).append(batch * (n - 1) / (full - first))
+            assert len({tuple(t) for t in tokens.values()}) == 1, f"greedy tokens differ: {tokens}"
+    for w in workers.values():
+        w.close()
 
+    names = list(workers)
     print(f"\nGreedy decode, SmolLM2-135M float32, {n} new tokens, median of {args.repeats} (tokens/s)\n")
-    print(f"| batch | day0jax | transformers | ratio |\n|---|---|---|---|")
+    ratios = [("day0jax", "transformers")] + ([("day0jax", "baseline")] if args.baseline else [])
+    print("| batch | " + " | ".join(names) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    print("|---" * (1 + len(names) + len(ratios)) + "|")
     for batch in batches:
-        a, b = statistics.median(rates[("day0jax", batch)]), statistics.median(rates[("transformers", batch)])
-        print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+        med = {name: statistics.median(rates[(name, batch)]) for name in names}
+        print(f"| {batch} | " + " | ".join(f"{med[x]:.1f}" for x in names) + " | "
+              + " | ".join(f"{med[a] / med[b]:.2f}x" for a, b in ratios) + " |")
 
 
 if __name__ == "__main__":

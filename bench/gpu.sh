@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-specific in one run (DESIGN.md, "Platform facts"), a few minutes on one H100/H200:
+# Everything GPU-specific in one run, a few minutes on one H100/H200:
 #   1. the kernel tests' compiled-kernel classes (TestMosaicGpu, TestCudnn: they exist only where a GPU runs them);
 #   2. `python -m kernels_pallas.selfcheck` on the real device: every candidate of every op, serving-sized shapes;
 #   3. bench/kernels.py: each kernel against the ceilings it measures (copy bandwidth, bf16 matmul rate) and

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels_pallas import cases, platform, registry, selftest  # noqa: E402
+from kernels_pallas import cases, platform, registry  # noqa: E402
 from kernels_pallas.attention import pallas_mgpu as attention_mgpu  # noqa: E402
 from kernels_pallas.moe import pallas_mgpu as moe_mgpu  # noqa: E402
 from kernels_pallas.paged_attention import pallas_mgpu as paged_mgpu  # noqa: E402
@@ -67,8 +67,14 @@ class Bench:
 
 # --- what to run ---------------------------------------------------------------------------------------------
 
+def flagship_call(family: str, op: str):
+    """The flagship's first op call of `op` (its global attention layers' for attention ops)."""
+    calls = [c for c in cases.flagships()[family] if c.op == op]
+    return next((c for c in calls if c.get("window") is None), calls[0])
+
+
 def attention_bench(family: str, B: int, T: int, dtype: str) -> Bench:
-    d = cases.attention_dims(cases.FAMILIES[family])
+    d = flagship_call(family, "attention")
     spec = dict(B=B, T=T, S=T, N=d["N"], K=d["K"], H=d["H"], scale=d["scale"], window=None, softcap=None,
                 sinks=d["sinks"], offsets=False)
     flops = 4.0 * B * d["N"] * T * T * d["H"] / 2  # QK^T and PV, causal: half the score matrix
@@ -77,7 +83,7 @@ def attention_bench(family: str, B: int, T: int, dtype: str) -> Bench:
 
 
 def paged_bench(family: str, B: int, length: int, dtype: str, page: int = 16) -> Bench:
-    d = cases.attention_dims(cases.FAMILIES[family])
+    d = flagship_call(family, "paged_attention")
     spec = dict(B=B, T=1, N=d["N"], K=d["K"], H=d["H"], page=page, max_len=length, scale=d["scale"], window=None,
                 softcap=None, sinks=d["sinks"])
     itemsize = jnp.dtype(dtype).itemsize
@@ -90,10 +96,10 @@ def paged_bench(family: str, B: int, length: int, dtype: str, page: int = 16) ->
 
 
 def moe_bench(family: str, tokens: int, dtype: str, proj: str = "gate/up") -> Bench:
-    m = cases.moe_dims(cases.FAMILIES[family])
+    m = flagship_call(family, "moe")
     D, F = (m["D"], m["F"]) if proj == "gate/up" else (m["F"], m["D"])
     M = tokens * m["k"]
-    spec = dict(M=M, G=m["G"], D=D, F=F, k=m["k"])
+    spec = dict(M=M, G=m["E"], D=D, F=F, k=m["k"])
     itemsize = jnp.dtype(dtype).itemsize
 
     def work(args, kwargs):  # rows in, the weights of the experts that got rows, rows out
@@ -106,9 +112,9 @@ def moe_bench(family: str, tokens: int, dtype: str, proj: str = "gate/up") -> Be
 
 
 def rms_bench(family: str, rows: int, dtype: str) -> Bench:
-    hf = cases.FAMILIES[family]
-    D = int(hf["hidden_size"])
-    spec = dict(M=rows, D=D, eps=float(hf.get("rms_norm_eps", 1e-6)), offset=0.0)
+    norm = max((c for c in cases.flagships()[family] if c.op == "rms_norm"), key=lambda c: c["D"])  # the hidden size
+    D = norm["D"]
+    spec = dict(M=rows, D=D, eps=norm["eps"], offset=norm["offset"])
     nbytes = 4.0 * rows * D * jnp.dtype(dtype).itemsize  # x, residual in; normed, h out
     return Bench("rms_norm", f"{family} rows={rows}", cases.Case("rms_norm", family, dtype, spec),
                  lambda args, kwargs: (0.0, nbytes), False)

@@ -1,6 +1,6 @@
 """Load test of `python -m day0jax.serve` against transformers, measured in the same run.
 
-    .venv/bin/python bench/serve.py [--streams 16] [--repeats 3] [--skip-reference]
+    .venv/bin/python bench/serve.py [--streams 16] [--repeats 3] [--skip-reference] [--baseline DIR]
 
 day0jax side: the server (embedded SmolLM2-135M-Instruct, float32) on loopback, driven by N concurrent streaming
 clients with mixed prompt and output lengths (token-id prompts, greedy, EOS ignored so every request produces
@@ -8,7 +8,8 @@ exactly its output length). Reported: tokens/s (generated tokens / wall time), t
 inter-token latency p50/p99; plus batch-1 and batch-8 decode tokens/s (streams of one fixed prompt).
 transformers side (bench/serve_reference.py, a worker in .venv-ref): the same N requests as one left-padded
 batch (`generate`, everyone runs to the longest output, only requested tokens count), and batch-1 / batch-8
-decode. The two sides take turns run by run; each figure is the median of --repeats runs.
+decode. With --baseline DIR, a second server runs from a checkout of an earlier revision, for before/after
+figures. The sides take turns run by run; each figure is the median of --repeats runs.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=1024, help="server's --max-model-len (fewer shapes)")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--server-args", default="", help="extra arguments for the server")
+    ap.add_argument("--baseline", metavar="DIR", help="also serve from this checkout of an earlier revision, taking "
+                                                      "turns with this tree's server")
     args = ap.parse_args()
 
     from day0jax.weights.default_model import NAME, default_checkpoint, default_gguf
@@ -124,21 +127,29 @@ def main():
         ref_worker.stdin.flush()
         return json.loads(ref_worker.stdout.readline())
 
+    server_args = ["--max-num-seqs", str(max(16, args.streams)), "--max-model-len", str(args.max_model_len),
+                   *args.server_args.split()]
     t0 = time.perf_counter()
-    server = ServerProcess(["--max-num-seqs", str(max(16, args.streams)), "--max-model-len", str(args.max_model_len),
-                            *args.server_args.split()])
+    server = ServerProcess(server_args)
     server.wait_ready(1800)
     startup = time.perf_counter() - t0
+    baseline = ServerProcess(server_args, cwd=Path(args.baseline).resolve()).wait_ready(1800) if args.baseline \
+        else None
     mixed, d1, d8 = [], [], []
     ref = {"batch": [], "d1": [], "d8": []}
+    base = {"batch": [], "d1": [], "d8": []}
     try:
-        # The two systems take turns, run by run (never at once), so a change in the machine's load between
-        # runs hits both sides alike.
+        # The systems take turns, run by run (never at once), so a change in the machine's load between runs
+        # hits every side alike.
         for r in range(args.repeats):
             print(f"run {r + 1}/{args.repeats}", flush=True)
             mixed.append(measure_mixed(server.url, NAME, requests))
             d1.append(measure_decode(server.url, NAME, decode_prompt, args.decode_tokens, 1))
             d8.append(measure_decode(server.url, NAME, decode_prompt, args.decode_tokens, 8))
+            if baseline:
+                base["batch"].append(measure_mixed(baseline.url, NAME, requests)["tokens_per_s"])
+                base["d1"].append(measure_decode(baseline.url, NAME, decode_prompt, args.decode_tokens, 1))
+                base["d8"].append(measure_decode(baseline.url, NAME, decode_prompt, args.decode_tokens, 8))
             if ref_worker:
                 useful = sum(n for _, n in requests)
                 ref["batch"].append(useful / reference({"op": "batch", "prompts": [p for p, _ in requests],
@@ -148,6 +159,8 @@ def main():
                                                "tokens": args.decode_tokens})["tokens_per_s"])
     finally:
         code = server.terminate()
+        if baseline:
+            baseline.terminate()
         if ref_worker:
             ref_worker.stdin.close()
             ref_worker.wait()
@@ -160,6 +173,12 @@ def main():
             ("batch-1 decode (tokens/s)", ours["d1"], ref and ref["d1"]),
             ("batch-8 decode (tokens/s)", ours["d8"], ref and ref["d8"])]
     print(f"\nserver start (load + warm-up): {startup:.0f}s; exit code after SIGTERM: {code}")
+    if baseline:
+        print("| measure | day0jax.serve | baseline | ratio |\n| --- | ---: | ---: | ---: |")
+        for (name, a, _), key in zip(rows, ("batch", "d1", "d8")):
+            b = statistics.median(base[key])
+            print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+        print()
     print("| measure | day0jax.serve | transformers | ratio |\n| --- | ---: | ---: | ---: |")
     for name, a, b in rows:
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |" if b else f"| {name} | {a:.1f} | - | - |")

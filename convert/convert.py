@@ -1,13 +1,12 @@
 """The conversion itself: map every runtime parameter to its source tensors, check everything, then stream.
 
-Strictness (DESIGN.md, convention 4): before a byte is written, every runtime parameter must have its source
+Strictness: before a byte is written, every runtime parameter must have its source
 tensors with the expected shapes, and every source tensor must be used or explicitly dropped by the family.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import re
 import sys
@@ -23,6 +22,7 @@ from convert.writer import CheckpointWriter, sha256_file
 from day0jax import models
 from day0jax.errors import CheckpointError
 from day0jax.models.base import Source, default_source
+from day0jax.models.contract import Family
 
 CONVERTER_VERSION = "2"
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -46,17 +46,21 @@ class Summary:
                 f"{self.seconds:.1f} s, {mb_s:.0f} MB/s")
 
 
-def plan_sources(fam, config, infos, source) -> dict[str, Source]:
+def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
     """Runtime parameter path -> its Source, after checking names and shapes against the source.
 
+    Args:
+        fam: the model's family (its `hf_source` and dropped tensors).
+        config: its config.
+        infos: the runtime parameters (`models.param_infos`).
+        source: the opened checkpoint (`convert.sources.open_source`).
     Raises:
         CheckpointError: a missing tensor, a shape mismatch, or a source tensor nothing uses.
     """
     available = {n: source.tensor_shape(n) for n in source.tensor_names()}
     plan, used = {}, set()
-    custom = getattr(fam, "hf_source", None)
     for info in infos:
-        src = (custom(config, info.path, info.shape, info.metadata) if custom else None) \
+        src = fam.hf_source(config, info.path, info.shape, info.metadata) \
             or default_source(info.path, info.shape, info.metadata)
         for name, want in zip(src.names, src.shapes):
             if name not in available:
@@ -67,10 +71,8 @@ def plan_sources(fam, config, infos, source) -> dict[str, Source]:
                                       f"expected {tuple(want)} (for parameter {info.path})")
             used.add(name)
         plan[info.path] = src
-    dropped = dict(getattr(fam, "DROPPED", {}))
-    if hasattr(fam, "dropped"):  # tensors a family drops depending on its config
-        dropped.update(fam.dropped(config))
-    if getattr(config, "tie_word_embeddings", False):
+    dropped = {**fam.dropped, **fam.dropped_for(config)}
+    if config.tie_word_embeddings:
         dropped[r"lm_head\.weight"] = "tied to model.embed_tokens.weight"
     for name in available:
         if name not in used and not any(re.fullmatch(p, name) for p in dropped):
@@ -98,7 +100,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     source = open_source(Path(src))
     hf = source.hf_config()
     fam = models.family(hf.get("model_type"))
-    config = fam.Config.from_hf(hf)
+    config = fam.config.from_hf(hf)
     dtype = dtype or source.default_dtype()
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")

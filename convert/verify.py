@@ -6,7 +6,6 @@ from pathlib import Path
 
 from convert.writer import sha256_file
 from day0jax.weights import checkpoint
-from day0jax.errors import CheckpointError
 
 
 def verify_checkpoint(path: Path) -> list[str]:

@@ -3,8 +3,10 @@
 Says, before a single weight is read, whether a model will run and how: the family that implements it, every
 config.json key (used, ignored as harmless, or unknown and refused), the operators it needs with the
 implementation each takes on this backend (a kernel or the reference fallback, found by tracing the op on the
-model's shapes), the parameter count and bytes per dtype, whether the checkpoint's tensors map onto the model,
-and the memory per device for the weights plus the KV cache at a stated batch and context.
+model's shapes; the model reports its own op calls), the parameter count and bytes per dtype, whether the
+checkpoint's tensors map onto the model, and the memory per device (weights, the engine's KV page pool and the
+activations of its largest program) for the mesh and engine flags given: the plan `load` and `serve` make with
+the same flags.
 
 PATH is a Hugging Face folder (config.json and safetensors headers), a day0jax checkpoint folder (config.json and
 its manifest) or a GGUF file (its header and metadata; the tensor data is memory-mapped, never read).
@@ -19,12 +21,13 @@ import json
 import math
 import sys
 from collections import Counter
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from day0jax.weights import hf_config as config_lib
+from day0jax import cli
 from day0jax.errors import Day0Error
+from sharding import mesh as mesh_lib
 
 RUNS, WONT_RUN = 0, 2
 
@@ -42,6 +45,7 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     keys: list[dict] = dataclasses.field(default_factory=list)
     ops: list[dict] = dataclasses.field(default_factory=list)
+    op_calls: list[dict] = dataclasses.field(default_factory=list)  # the model's own description of its ops
     parameters: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
     backend: str = ""
@@ -109,8 +113,8 @@ def _itemsize(dtype: str) -> int:
 # --- the config ------------------------------------------------------------------------------------------------
 
 def _key_table(hf: dict, fam) -> list[dict]:
-    fields = {f.name for f in dataclasses.fields(fam.Config)}
-    aliases = getattr(fam.Config, "ALIASES", {})
+    fields = {f.name for f in dataclasses.fields(fam.config)}
+    aliases = fam.config.ALIASES
     rows = []
     for key in sorted(hf):
         value = hf[key]
@@ -133,47 +137,36 @@ def _short(value: Any, limit: int = 60) -> str:
 
 # --- operators ---------------------------------------------------------------------------------------------------
 
-def _probe(api, *args, **kwargs) -> tuple[str, list[str]]:
-    """The implementation `api`'s dispatch would take for these (abstract) inputs, and why others declined.
+OP_TITLES = {"attention": "attention (cache-less forward)", "paged_attention": "paged attention (engine)",
+             "moe": "moe grouped matmul", "rms_norm": "rms_norm", "mlp": "mlp", "rope": "rope"}
 
-    Traces each candidate with `jax.eval_shape` (no computation), in the registry's order for this backend.
+
+def _implementation(call, dtype, tp: int) -> str:
+    """The implementation the op's dispatch would take for this call's shapes here, and why others declined.
+
+    Traces each candidate on the call's abstract inputs (`jax.eval_shape`: nothing runs), in the registry's
+    order for this backend.
     """
-    import jax
+    from kernels_pallas import cases, registry
+    from kernels_pallas.calls import PLAIN_OPS
 
-    from kernels_pallas import registry
-
-    notes = []
+    if call.op in PLAIN_OPS:
+        return "jax.numpy (no kernel op)"
+    case = cases.cases_from_calls([call], dtype, scale="startup", tp=tp)[0]
+    args, kwargs = case.build(0, abstract=True)
+    api, notes = registry.api(call.op), []
     for name in registry.order(api.CANDIDATES):
-        fn = api.IMPLEMENTATIONS.get(name)
-        if fn is None:
+        if name == registry.REFERENCE:
+            text = "reference (fallback: no kernel takes it here)"
+            break
+        if name not in api.IMPLEMENTATIONS:
             notes.append(f"{name}: not available")
             continue
-        arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.ShapeDtypeStruct)}
-        static = {k: v for k, v in kwargs.items() if k not in arrays}
-        try:
-            jax.eval_shape(partial(fn, **static), *args, **arrays)
-            return name, notes
-        except NotImplementedError as e:
-            notes.append(f"{name} declined: {e}")
-    return "none", notes
-
-
-def _shape(param) -> tuple[int, ...]:
-    """Shape of a parameter of a real or abstract (`nnx.eval_shape`) model."""
-    value = param.get_value() if hasattr(param, "get_value") else param.value
-    return tuple(value.shape)
-
-
-def _impl_text(name: str, notes: list[str]) -> str:
-    """'name (kernel)', 'reference (fallback)' or, for ops that are plain jax.numpy, the name as given."""
-    from kernels_pallas import registry
-
-    if name == registry.REFERENCE:
-        text = "reference (fallback: no kernel takes it here)"
-    elif name.startswith("jax.numpy") or name == "-":
-        text = name
-    else:
-        text = f"{name} (kernel)"
+        reason = registry.accepts(call.op, name, *args, **kwargs)
+        if reason is None:
+            text = f"{name} (kernel)"
+            break
+        notes.append(f"{name} declined: {reason}")
     return text + (f"; {'; '.join(notes)}" if notes else "")
 
 
@@ -188,110 +181,31 @@ def _layer_ranges(layers: list[int]) -> str:
     return ",".join(out)
 
 
-def _ops(model, dtype) -> list[dict]:
-    """One row per distinct (operator, variant), with the layers that use it and the implementation chosen."""
-    import jax
-    import jax.numpy as jnp
-
-    from day0jax.layers.attention import Attention
-    from day0jax.layers.mla import MLAttention
-    from day0jax.layers.mlp import GatedMLP
-    from day0jax.layers.moe import MoE
-    from kernels_pallas.attention import api as attention_api
-    from kernels_pallas.moe import api as moe_api
-    from kernels_pallas.paged_attention import api as paged_api
-    from kernels_pallas.rms_norm import api as norm_api
-
-    S = jax.ShapeDtypeStruct
-    rows: dict[tuple, dict] = {}
-
-    def add(op, variant, layer, probe):
-        key = (op, variant)
-        if key not in rows:
-            rows[key] = {"op": op, "variant": variant, "layers": [], "implementation": _impl_text(*probe())}
-        rows[key]["layers"].append(layer)
-
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        if isinstance(attn, MLAttention):
-            R, P, C, U = attn.dims
-            N, Kh, H = attn.kv_b_proj.out_shape[0], 1, R + P
-            variant = (f"MLA (absorbed): {N} heads over one latent of {R}+{P} dims, q "
-                       f"{'low-rank' if attn.q_proj is None else 'full-rank'}, value {U} dims")
-            kw = dict(scale=attn.scale)
-        elif isinstance(attn, Attention):
-            N, H = attn.q_proj.out_shape
-            Kh = attn.k_proj.out_shape[0]
-            kind = "MHA" if N == Kh else "MQA" if Kh == 1 else "GQA"
-            parts = [f"{kind} {N}q/{Kh}kv heads x {H}"]
-            if attn.sliding_window is not None:
-                parts.append(f"sliding window {attn.sliding_window}")
-            if attn.logit_softcap is not None:
-                parts.append(f"score soft-cap {attn.logit_softcap}")
-            if attn.sinks is not None:
-                parts.append("sinks")
-            if attn.q_norm is not None:
-                parts.append(f"q/k RMSNorm over {'each head' if attn.qk_norm_over == 'head' else 'all heads'}")
-            if attn.scale is not None:
-                parts.append(f"scale {attn.scale:.4g}")
-            variant = ", ".join(parts)
-            kw = dict(sliding_window=attn.sliding_window, logit_softcap=attn.logit_softcap, scale=attn.scale,
-                      sinks=None if attn.sinks is None else S((N,), dtype))
-        else:
-            variant, kw, N, Kh, H = type(attn).__name__, {}, None, None, None
-        if N is not None:
-            q, kv, pos = S((1, 16, N, H), dtype), S((1, 16, Kh, H), dtype), S((1, 16), jnp.int32)
-            add("attention (prefill, dense cache)", variant, i,
-                lambda: _probe(attention_api, q, kv, kv, q_positions=pos, **kw))
-            pages, table = S((4, 16, Kh, H), dtype), S((1, 4), jnp.int32)
-            q1, lens, pos1 = S((1, 1, N, H), dtype), S((1,), jnp.int32), S((1, 1), jnp.int32)
-            add("paged attention (decode)", variant, i,
-                lambda: _probe(paged_api, q1, pages, pages, table, lens, pos1, **kw))
-        rope = getattr(attn, "rope", None)
-        if rope is None:
-            add("rope", "none (NoPE layer)", i, lambda: ("-", []))
-        else:
-            p = rope.params
-            extra = f", {rope.rotary_dim} of {rope.head_dim} dims" if rope.rotary_dim != rope.head_dim else ""
-            factor = f", factor {p['factor']:g}" if p.get("factor") else ""
-            add("rope", f"{p['rope_type']} (theta {p['rope_theta']:g}{factor}{extra})", i,
-                lambda: ("jax.numpy (no kernel op)", []))
-        mlp = layer.mlp
-        D = model.config.hidden_size
-        if isinstance(mlp, MoE):
-            router = getattr(mlp, mlp.router_name)
-            E, _, F = _shape(mlp.experts.gate_proj)
-            shared = f", shared {mlp.shared_name}{' (gated)' if mlp.has_shared_gate else ''}" if mlp.has_shared else ""
-            variant = f"MoE {E} experts x {F}, top-{router.top_k} {router.routing}{shared}"
-            k = router.top_k
-            add("moe grouped matmul", variant, i, lambda: _probe(
-                moe_api, S((16 * k, D), dtype), S((E, D, F), dtype), S((E,), jnp.int32)))
-        elif isinstance(mlp, GatedMLP):
-            add("mlp", f"gated MLP x {mlp.gate_proj.out_shape[0]}", i, lambda: ("jax.numpy (XLA dots)", []))
-        norms = [n for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                             "post_feedforward_layernorm") if getattr(layer, n, None) is not None]
-        offset = getattr(layer, norms[0]).offset
-        add("rms_norm", f"{type(layer).__name__}: {', '.join(norms)}{' (1 + w)' if offset else ''}", i,
-            lambda: _probe(norm_api, S((1, 16, D), dtype), S((D,), dtype), eps=1e-6, offset=offset))
-    out = []
+def _ops(op_calls, dtype, tp: int) -> list[dict]:
+    """One row per distinct op call (from the model's own `op_calls()`), with the layers that make it and the
+    implementation it takes."""
+    rows: dict[object, dict] = {}
+    for layer, call in op_calls:
+        if call not in rows:
+            rows[call] = {"op": OP_TITLES.get(call.op, call.op), "variant": call.describe(), "layers": [],
+                          "implementation": _implementation(call, dtype, tp)}
+        rows[call]["layers"].append("final" if layer is None else layer)
     for row in rows.values():
-        row["layers"] = _layer_ranges(row["layers"])
-        out.append(row)
-    return out
+        numbered = sorted({n for n in row["layers"] if n != "final"})
+        row["layers"] = ",".join(filter(None, [_layer_ranges(numbered), "final" * ("final" in row["layers"])]))
+    return list(rows.values())
 
 
 # --- the report ------------------------------------------------------------------------------------------------
 
-def check(path: str | Path, *, mesh: str | None = None, batch: int = 1, context: int | None = None,
-          dtype: str | None = None) -> Report:
+def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None) -> Report:
     """Builds the readiness report for `path` (see the module docstring). Never reads tensor data.
 
     Args:
         path: HF folder, day0jax checkpoint folder or GGUF file.
-        mesh: SPEC such as 'tp=4' to plan memory for (it may ask for more devices than are visible);
-            default: the visible devices, arranged as `--mesh auto` would.
-        batch: sequences whose KV cache is planned for.
-        context: cached positions per sequence (default: the model's context length).
+        mesh: SPEC such as 'tp=4' to plan memory for (it may ask for more devices than are visible), 'auto' (as
+            `load` chooses over the visible devices), or None for one device, as `load` and the server take it.
+        engine: the `EngineConfig` to plan for (default `EngineConfig()`, as `load` and the server use).
         dtype: parameter and cache dtype (default: the runtime's default for this backend).
     Returns:
         A `Report`; `report.supported` is whether the model will run.
@@ -299,7 +213,7 @@ def check(path: str | Path, *, mesh: str | None = None, batch: int = 1, context:
     import jax
 
     from day0jax import models
-    from day0jax.layers.rope import context_length
+    from day0jax.engine.config import EngineConfig
     from day0jax.weights.loader import DTYPES, default_dtype
 
     path = Path(path)
@@ -315,14 +229,14 @@ def check(path: str | Path, *, mesh: str | None = None, batch: int = 1, context:
     except Day0Error as e:
         report.reasons.append(str(e))
         return report
-    report.family = fam.__name__
+    report.family = models.FAMILIES[report.model_type]
     report.keys = _key_table(hf, fam)
     unknown = [r for r in report.keys if r["status"] == "unknown"]
     if unknown:
         report.reasons.append("config key(s) the family does not implement: "
                               + ", ".join(f"{r['key']}={r['value']}" for r in unknown))
     try:
-        config = fam.Config.from_hf(hf, strict=False)
+        config = fam.config.from_hf(hf, strict=False)
     except Day0Error as e:
         report.reasons.append(str(e))
         for row in report.keys:  # the value named by the refusal (`config KEY=VALUE ...`, or a rope sub-key)
@@ -337,13 +251,15 @@ def check(path: str | Path, *, mesh: str | None = None, batch: int = 1, context:
         return report
     abstract = models.abstract_model(config, DTYPES[dtype])
     infos = models.param_infos(abstract)
-    report.ops = _ops(abstract, DTYPES[dtype])
+    op_calls = abstract.op_calls()
+    report.op_calls = [call.to_dict() for call in dict.fromkeys(call for _, call in op_calls)]
+    tp = mesh_lib.parse_spec(mesh)["tp"] if mesh and mesh != "auto" else 1
+    report.ops = _ops(op_calls, DTYPES[dtype], tp)
     count, by_dtype = _checkpoint_tensors(source)
     report.parameters = {"model": sum(math.prod(i.shape) for i in infos), "checkpoint_elements": count,
                          "checkpoint_bytes_by_dtype": by_dtype, "runtime_dtype": dtype}
     report.reasons += _mapping_problems(fam, config, infos, source)
-    report.memory = _memory(abstract, infos, config, mesh, batch, context, DTYPES[dtype], report,
-                            context_length(config.rope, config.max_position_embeddings))
+    report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report)
     report.supported = not report.reasons
     return report
 
@@ -368,32 +284,32 @@ def _mapping_problems(fam, config, infos, source) -> list[str]:
     return []
 
 
-def _memory(abstract, infos, config, mesh_spec, batch, context, dtype, report, full_context) -> dict:
+def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Report) -> dict:
+    """The memory plan `load` would make for these flags, on the visible devices or on the mesh described."""
     import jax
 
-    from day0jax.engine.generator import bucket
-    from sharding import mesh as mesh_lib
+    from day0jax.weights.loader import EnginePlanInputs
     from sharding import plan as plan_lib
 
     devices = jax.devices()
+    available = plan_lib.device_memory(devices)
     try:
-        sizes = mesh_lib.parse_spec(mesh_spec) if mesh_spec and mesh_spec != "auto" else \
-            mesh_lib.auto_sizes(len(devices), infos)
+        inputs = EnginePlanInputs.of(abstract, config, engine)
+        if mesh_spec == "auto":
+            sizes = mesh_lib.auto_sizes(len(devices), infos, lambda s: inputs.plan(s, dtype, available).fits)
+        else:
+            sizes = mesh_lib.parse_spec(mesh_spec)
     except Day0Error as e:
         report.reasons.append(str(e))
         return {}
     bad = mesh_lib.problems(sizes, infos)
     if bad:
         report.reasons.append(f"mesh {mesh_lib.format_spec(sizes)}: " + "; ".join(bad))
-    shape = plan_lib.ModelShape.from_model(abstract, full_context)
-    context = min(context or full_context, full_context)
-    p = plan_lib.plan(shape, sizes, batch=bucket(batch, sizes["dp"] * sizes["ep"]), context=bucket(context, 64),
-                      dtype=dtype, available=plan_lib.device_memory(devices))
-    if not p.fits:
-        try:
-            plan_lib.require_fit(p, shape, n_devices=len(devices))
-        except Day0Error as e:
-            report.reasons.append(str(e))
+    p = inputs.plan(sizes, dtype, available)
+    try:
+        inputs.require_fit(p, n_devices=len(devices))
+    except Day0Error as e:
+        report.reasons.append(str(e))
     out = p.to_dict()
     out["summary"] = p.summary()
     out["visible_devices"] = f"{len(devices)} {devices[0].platform}"
@@ -437,14 +353,13 @@ def render(report: Report) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m day0jax.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="Hugging Face folder, day0jax checkpoint folder or .gguf file")
-    parser.add_argument("--mesh", default=None, help="SPEC such as 'dp=2,tp=4' (default: the visible devices)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences to plan the KV cache for (default 1)")
-    parser.add_argument("--context", type=int, default=None, help="cached positions per sequence "
-                        "(default: the model's context length)")
+    parser.add_argument("--mesh", default=None, help="SPEC such as 'dp=2,tp=4' (may name more devices than are "
+                        "visible), or 'auto' (default: one device, as load and serve)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per backend)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    cli.add_engine_arguments(parser)
     args = parser.parse_args(argv)
-    report = check(args.path, mesh=args.mesh, batch=args.batch, context=args.context, dtype=args.dtype)
+    report = check(args.path, mesh=args.mesh, engine=cli.engine_config_from_args(args), dtype=args.dtype)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return RUNS if report.supported else WONT_RUN
 

@@ -31,7 +31,7 @@ def add_compile_cache_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine's shape and scheduling flags, and how many of its programs to compile before serving."""
+    """The engine's shape and scheduling flags (`EngineConfig`)."""
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's context)")
     g.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together")
@@ -42,6 +42,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="smallest attention span (tokens) compiled for decode; spans double up to 1024, then 4x")
     g.add_argument("--max-waiting", type=int, default=256, help="queued sequences before answering 429")
     g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def add_warmup_arguments(p: argparse.ArgumentParser) -> None:
+    """How many of the engine's programs to compile before serving, and with how many threads."""
+    g = p.add_argument_group("warm-up")
     g.add_argument("--warmup-max-len", type=int, default=0,
                    help="compile before serving only the forward programs for spans up to this many tokens, "
                         "the rest on first use (faster cold start, slower first long request); default 0: all")
@@ -51,7 +56,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """The `EngineConfig` the engine flags describe."""
-    from day0jax.engine.engine import EngineConfig
+    from day0jax.engine.config import EngineConfig
 
     try:
         chunks = tuple(int(x) for x in args.chunk_sizes.split(","))

@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from day0jax import cli
+from day0jax import cli, logs
 from day0jax.errors import Day0Error
 from sharding import distributed
 
@@ -22,20 +22,20 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_model_arguments(p)
     cli.add_compile_cache_arguments(p)
     cli.add_engine_arguments(p)
+    cli.add_warmup_arguments(p)
     distributed.add_arguments(p)
-    p.add_argument("--log-level", default="info")
+    logs.add_argument(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("jax", "absl", "orbax"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    logs.setup(args.log_level)
     from day0jax.startup.start import start_engine
     from day0jax.startup.timeline import Timeline, program_table
 
     timeline = Timeline()
+    timeline.log_phases(logging.getLogger("day0jax.compile"))
     try:
         started = start_engine(args, timeline)
     except Day0Error as e:

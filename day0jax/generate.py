@@ -9,12 +9,11 @@ the time went.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
 
-from day0jax import cli
+from day0jax import cli, logs
 from day0jax.errors import Day0Error
 from sharding import distributed
 
@@ -30,16 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to the prompt")
     p.add_argument("--system", default=None, help="a system message (with --chat)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    logs.add_argument(p, default="warning")
+    p.add_argument("-v", "--verbose", action="store_const", dest="log_level", const="info",
+                   help="log the steps (the same as --log-level info)")
     cli.add_compile_cache_arguments(p)
+    cli.add_engine_arguments(p)  # the engine generate runs on, as the server's
     distributed.add_arguments(p)  # --coordinator/--num-processes/--process-id: one mesh over several hosts
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
+    logs.setup(args.log_level)
     t0 = time.perf_counter()
     try:
         distributed.initialize_from_args(args)  # before anything touches a device; no-op without a coordinator
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.model) if args.model else default_checkpoint()
         dtype = args.dtype or default_dtype()
         enable_cache(args, path, dtype, null())  # before the first compile; warns and goes on if unusable
-        model = day0jax.load(path, dtype=dtype, mesh=args.mesh, kernels=args.kernels)
+        model = day0jax.load(path, dtype=dtype, mesh=args.mesh, engine=cli.engine_config_from_args(args),
+                             kernels=args.kernels)
         t_load = time.perf_counter()
         if model.tokenizer is None:
             raise day0jax.errors.CheckpointError(f"{path}: no tokenizer.json, so text prompts cannot be encoded")

@@ -1,17 +1,28 @@
-"""`Model`: a loaded checkpoint as users see it (`logits`, `generate`, `tokenizer`, `config`, `mesh`)."""
+"""`Model`: a loaded checkpoint as users see it (`logits`, `generate`, `tokenizer`, `config`, `mesh`, `engine`).
+
+`generate` runs on the engine the server runs (`day0jax.engine`): the same scheduler, paged KV cache and
+sampler, so a request with the same parameters and seed gives the same tokens from either. `logits` is the one
+other path: a full forward pass without a cache.
+"""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from day0jax.engine.generator import Generator
-from day0jax.layers.rope import context_length
+from day0jax.engine.config import EngineConfig
+from day0jax.engine.requests import QueueFull, SamplingParams
+from day0jax.errors import GenerationError
+from day0jax.layers.linear import exact_float32
 from day0jax.weights.tokenizer import Tokenizer
+from sharding.rules import constrain, named_sharding
 
 
 class Model:
@@ -22,45 +33,128 @@ class Model:
         tokenizer: the checkpoint's `Tokenizer`, or None when the checkpoint has no tokenizer.json.
         mesh: the device mesh the parameters are sharded over.
         module: the underlying Flax NNX module.
-        context_length: the longest sequence (prompt + new tokens) accepted: the model's own, or less when
-            loading planned memory for a shorter `max_context`.
-        memory_plan: per-device memory plan made before loading (sharding/plan.py).
+        engine_config: the engine's runtime choices (`generate` and the server run that engine).
+        context_length: the longest sequence (prompt + new tokens) accepted: the model's own, or less when the
+            engine config's `max_model_len` asks for less.
+        memory_plan: per-device memory plan made before loading (sharding/plan.py), for this engine config.
         kernel_report: which implementation each operator uses, from the startup self-test.
     """
 
     def __init__(self, module: nnx.Module, config: Any, *, path: Path, mesh: Mesh, dtype: str,
-                 generation_config: dict, max_context: int | None = None, memory_plan: Any = None,
-                 kernel_report: Any = None):
-        import jax.numpy as jnp
-
+                 eos_token_ids: Sequence[int], engine_config: EngineConfig, context_length: int,
+                 memory_plan: Any = None, kernel_report: Any = None):
         self.module, self.config, self.path, self.mesh, self.dtype = module, config, Path(path), mesh, dtype
         self.tokenizer = Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
-        eos = generation_config.get("eos_token_id", getattr(config, "eos_token_id", None))
-        if eos is None:
-            from day0jax.weights.hf_config import read_config_json
-            eos = read_config_json(Path(path) / "config.json").get("eos_token_id")
-        self.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.context_length = min(context_length(config.rope, config.max_position_embeddings),
-                                  max_context or 1 << 62)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.engine_config, self.context_length = engine_config, context_length
         self.memory_plan, self.kernel_report = memory_plan, kernel_report
-        self._generator = Generator(module, mesh, getattr(jnp, dtype), self.context_length)
+        self._engine = None
+        self._request_ids = itertools.count()
+        self._graphdef, self._params = nnx.split(module)
+        self._forward = jax.jit(self._forward_fn)
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        # Batches are split over dp and ep (sharding/rules.py): padded batch sizes are multiples of both.
+        self._batch_multiple = mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)
+
+    @property
+    def engine(self):
+        """The `day0jax.engine.Engine` of this model (made on first use: it allocates the KV page pool)."""
+        if self._engine is None:
+            from day0jax.engine.engine import Engine
+
+            self._engine = Engine(self.module, self.mesh, jnp.dtype(self.dtype), context_length=self.context_length,
+                                  eos_token_ids=self.eos_token_ids, config=self.engine_config)
+        return self._engine
+
+    # --- the cache-less forward pass -------------------------------------------------------------------------
+    def _forward_fn(self, params, tokens, seq_len):
+        model = nnx.merge(self._graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        with exact_float32(self.dtype):
+            hidden, _ = model(tokens, positions, seq_len=seq_len)
+            logits = model.logits(constrain(hidden))
+        # Replicated: every process of a multi-host mesh can read all of it.
+        return jax.lax.with_sharding_constraint(logits, self._replicated)
+
+    def _put(self, x, logical: tuple | None = None) -> jax.Array:
+        """A host array onto the mesh, split by `logical` names (None: replicated); built from each device's
+        slice, so it also works when the mesh spans several processes."""
+        x = np.asarray(x)
+        sharding = self._replicated if logical is None else named_sharding(logical, x.shape, self.mesh)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
-        """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V]."""
-        return self._generator.logits(token_ids)
+        """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V].
 
+        Shapes are padded to powers of two (the batch to a multiple of the data-parallel size, the length to at
+        least 16), so differing lengths share compiled programs.
+
+        Raises:
+            GenerationError: not a [B, T] array of token ids, or longer than the context.
+        """
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        if tokens.ndim != 2 or tokens.shape[1] < 1:
+            raise GenerationError(f"logits expects int token ids of shape [B, T] with T >= 1, got {tokens.shape}")
+        B, T = tokens.shape
+        if T > self.context_length:
+            raise GenerationError(f"{T} tokens exceed the model's context of {self.context_length}")
+        padded = np.zeros((_round_up_pow2(B, self._batch_multiple), _round_up_pow2(T, 16)), np.int32)
+        padded[:B, :T] = tokens
+        with jax.set_mesh(self.mesh):
+            out = self._forward(self._params, self._put(padded, ("batch", None)), self._put(np.int32(T)))
+        return np.asarray(out)[:B, :T]
+
+    # --- generation on the engine ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> list[list[int]]:
         """Generates up to `max_new_tokens` for each prompt (a list of token ids); returns only the new tokens.
 
-        A row stops after EOS (unless `ignore_eos`) or any of `stop_token_ids`; that token is the last returned.
+        Each prompt is one engine request with these parameters and `seed`: the server answers a request with
+        the same prompt, parameters and seed with the same tokens. A row stops after EOS (unless `ignore_eos`)
+        or any of `stop_token_ids`; that token is the last returned.
 
         Raises:
             GenerationError: invalid prompts or parameters, or a prompt too long for the context.
         """
-        stops = set(stop_token_ids or ())
-        if not ignore_eos:
-            stops |= set(self.eos_token_ids)
-        return self._generator.generate(prompts, max_new_tokens, temperature=temperature, top_p=top_p,
-                                        top_k=top_k, seed=seed, stop_token_ids=stops)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise GenerationError("prompts must be a non-empty list of non-empty token-id lists")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        params = SamplingParams(max_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
+                                top_k=int(top_k), seed=seed, stop_token_ids=tuple(stop_token_ids or ()),
+                                ignore_eos=ignore_eos)
+        engine = self.engine
+        ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        queued, running = list(zip(ids, prompts)), set()
+        try:
+            while queued or running:
+                while queued:  # as many as the queue takes; the rest once some have finished
+                    rid, prompt = queued[0]
+                    try:
+                        engine.add_request(rid, prompt, params)
+                    except QueueFull:
+                        if not running:
+                            raise
+                        break
+                    queued.pop(0)
+                    running.add(rid)
+                for event in engine.step():
+                    if event.request_id in out:
+                        if event.token is not None:
+                            out[event.request_id].append(event.token)
+                        if event.finish_reason is not None:
+                            running.discard(event.request_id)
+        except BaseException:
+            for rid in running:
+                engine.abort(rid)
+            while engine.has_work():  # frees the aborted requests' pages
+                engine.step()
+            raise
+        return [out[rid] for rid in ids]
+
+
+def _round_up_pow2(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()

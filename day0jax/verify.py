@@ -140,12 +140,16 @@ def run_day0jax(model, prompts: list[list[int]]) -> tuple[list[np.ndarray], list
     import jax.numpy as jnp
     from flax import nnx
 
+    from day0jax.layers.linear import exact_float32
+
     graphdef, params = nnx.split(model.module)
 
     @jax.jit
     def hidden(params, tokens):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return jnp.stack(nnx.merge(graphdef, params).hidden_states(tokens, positions)).astype(jnp.float32)
+        with exact_float32(model.dtype):
+            states = nnx.merge(graphdef, params).hidden_states(tokens, positions)
+        return jnp.stack(states).astype(jnp.float32)
 
     hiddens, logits = [], []
     for p in prompts:

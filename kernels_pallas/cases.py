@@ -1,13 +1,13 @@
-"""Test cases for every op, built from model configs: what `selfcheck`, the startup self-test and the tests run.
+"""Test cases for every op, built from a model's op calls: what `selfcheck`, the startup self-test and the tests run.
 
-A model's `config.json` (Hugging Face keys) fixes the shapes the kernels will see: head counts and head dim,
-GQA ratio, sliding window, soft-cap, sinks, multi-head latent attention, hidden size, experts and their width.
-`cases_from_config` turns one into `Case`s; sequence lengths and batch sizes come from the scale:
+A model's op calls (`calls.OpCall`, reported by its layers) fix the shapes the kernels will see: head counts and
+head dims, GQA ratio, sliding window, soft-cap, sinks, multi-head latent attention, norm widths, experts and their
+width. `cases_from_calls` turns them into `Case`s; sequence lengths and batch sizes come from the scale:
 - 'full': serving-sized (prefill of 2048 tokens, 32 decode rows over 4096 cached tokens, 1024 MoE tokens);
 - 'startup': the model's real dims with short sequences, cheap enough to run at every load;
 - 'tiny': the family's features (GQA, window, soft-cap, sinks, head dim) with few heads, rows and experts and
   a small hidden size, for the CPU interpreter in CI.
-`FAMILIES` holds the config excerpts of the supported families' flagship shapes.
+`flagships()` holds the op calls of flagship models (`flagships.json`).
 
 Inputs are random normal (never zeros: zeros hide unwritten outputs and wrong indexing), drawn fresh per run
 unless a seed is given, and every query sees at least one key, so every output element is defined and compared.
@@ -18,36 +18,24 @@ TF32 matrix units (about 1e-3).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.calls import PLAIN_OPS, OpCall
+
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 2e-3}
 
-# Config excerpts (HF keys, the values of the released checkpoints) of the families the selfcheck covers.
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
-                   "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5},
-    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32,
-                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                      "moe_intermediate_size": 768, "rms_norm_eps": 1e-6},
-    "deepseek-v3": {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
-                    "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-                    "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
-                    "moe_intermediate_size": 2048, "rms_norm_eps": 1e-6},
-    "gemma-2-9b": {"model_type": "gemma2", "hidden_size": 3584, "num_attention_heads": 16,
-                   "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 4096,
-                   "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6},
-    "gpt-oss-20b": {"model_type": "gpt_oss", "hidden_size": 2880, "num_attention_heads": 64,
-                    "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128, "num_local_experts": 32,
-                    "num_experts_per_tok": 4, "intermediate_size": 2880, "rms_norm_eps": 1e-5},
-}
-# What `selfcheck` runs by default: the issue's three layer-shape sources.
-DEFAULT_FAMILIES = ("llama-3-8b", "qwen3-30b-a3b", "deepseek-v3")
+# The flagship models' op calls, written from the model code (day0jax's tests check they still match it).
+FLAGSHIPS_FILE = Path(__file__).with_name("flagships.json")
+# What `selfcheck` runs by default: a dense GQA model, a fine-grained MoE, and MLA with a large MoE.
+DEFAULT_FLAGSHIPS = ("llama-3-8b", "qwen3-30b-a3b", "deepseek-v3")
 SCALES = ("full", "startup", "tiny")
 
 
@@ -79,106 +67,89 @@ class Case:
         return ", ".join(f"{k}={v}" for k, v in self.spec.items() if v is not None)
 
 
-# --- config -> model dims --------------------------------------------------------------------------------
+# --- op calls -> cases ------------------------------------------------------------------------------------
 
-def attention_dims(hf: dict[str, Any]) -> dict[str, Any]:
-    """N, K, H (and the value head dim, scale, window, soft-cap, sinks) of a config's attention."""
-    N = int(hf["num_attention_heads"])
-    if "kv_lora_rank" in hf:  # MLA in the absorbed form: one kv head over [latent ; rope key], value = key
-        H = int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"])
-        scale = (int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"])) ** -0.5
-        return dict(N=N, K=1, H=H, scale=scale, window=None, softcap=None, sinks=False)
-    K = int(hf.get("num_key_value_heads") or N)
-    H = int(hf.get("head_dim") or hf["hidden_size"] // N)
-    scalar = hf.get("query_pre_attn_scalar")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    return dict(N=N, K=K, H=H, scale=None if scalar is None else float(scalar) ** -0.5,
-                window=None if window is None else int(window), softcap=hf.get("attn_logit_softcapping"),
-                sinks=hf.get("model_type") == "gpt_oss")
+def flagships() -> dict[str, list[OpCall]]:
+    """Flagship name -> its op calls, from `flagships.json`."""
+    data = json.loads(FLAGSHIPS_FILE.read_text())
+    return {name: [OpCall.from_dict(c) for c in entry["calls"]] for name, entry in data.items()}
 
 
-def moe_dims(hf: dict[str, Any]) -> dict[str, int] | None:
-    """Experts G, chosen per token k, hidden D and expert width F; None for dense models."""
-    G = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts")
-    if not G:
-        return None
-    k = hf.get("num_experts_per_tok") or hf.get("experts_per_token") or 1
-    F = hf.get("moe_intermediate_size") or hf["intermediate_size"]
-    return dict(G=int(G), k=int(k), D=int(hf["hidden_size"]), F=int(F))
+def flagship_cases(names=DEFAULT_FLAGSHIPS, dtype: str = "bfloat16", *, scale: str = "full",
+                   ops: tuple[str, ...] | None = None) -> list[Case]:
+    """`cases_from_calls` over flagship models."""
+    table = flagships()
+    return [c for n in names for c in cases_from_calls(table[n], dtype, scale=scale, name=n, ops=ops)]
 
 
-def cases_from_config(hf: dict[str, Any], dtype: str = "bfloat16", *, scale: str = "full", name: str = "",
-                      tp: int = 1, ops: tuple[str, ...] | None = None) -> list[Case]:
-    """The cases one model's shapes call for.
+def cases_from_calls(calls: list[OpCall], dtype: str = "bfloat16", *, scale: str = "full", name: str = "",
+                     tp: int = 1, ops: tuple[str, ...] | None = None) -> list[Case]:
+    """The cases a model's op calls call for (each distinct call once; plain jax.numpy ops have none).
 
     Args:
-        hf: a parsed config.json (or a `FAMILIES` entry).
+        calls: the model's op calls (`OpCall`s, as its `op_calls()` reports them).
         dtype: input dtype name.
         scale: 'full', 'startup' or 'tiny' (see the module docstring).
-        name: prefix of the case names (the family).
+        name: prefix of the case names (the model).
         tp: tensor-parallel size; heads are split across it as the model's shards see them.
         ops: restrict to these ops.
     Returns:
-        Cases for attention, paged_attention, rms_norm and, for MoE models, moe.
+        Cases for attention, paged_attention, rms_norm and moe.
     """
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r} is not one of {SCALES}")
     dtype = jnp.dtype(dtype).name
-    a = attention_dims(hf)
-    N, K, H = a["N"], a["K"], a["H"]
+    prefix = f"{name} " if name else ""
+    out: list[Case] = []
+    for call in dict.fromkeys(calls):
+        if call.op in PLAIN_OPS or (ops is not None and call.op not in ops):
+            continue
+        out += _CASES_OF[call.op](call, dtype, scale, prefix, tp)
+    return out
+
+
+def _attention_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
+    N, K, H, window = call["N"], call["K"], call["H"], call["window"]
     if tp > 1 and N % tp == 0 and K % tp == 0:
         N, K = N // tp, K // tp
     elif tp > 1 and N % tp == 0 and K == 1:
         N //= tp
-    D = int(hf["hidden_size"])
-    eps = float(hf.get("rms_norm_eps") or hf.get("layer_norm_epsilon") or 1e-6)
-    offset = 1.0 if str(hf.get("model_type", "")).startswith("gemma") else 0.0
-    window = a["window"]
-    if scale == "tiny":
-        G = N // K
-        K, N = 1, min(G, 4)
-        D = 256
+    if scale == "tiny":  # the family's features (GQA ratio, head dim, window...) with few heads
+        K, N = 1, min(N // K, 4)
         window = None if window is None else min(window, 48)
-    prefix = f"{name} " if name else ""
-    attn = dict(N=N, K=K, H=H, scale=a["scale"], softcap=a["softcap"], sinks=a["sinks"])
-    out: list[Case] = []
-    if scale == "full":
-        prefill = [("prefill", dict(B=1, T=2048, S=2048, window=None, offsets=False))]
-        if window:
-            prefill.append(("prefill sliding", dict(B=1, T=2048, S=2048, window=window, offsets=False)))
-        prefill.append(("chunked prefill", dict(B=4, T=256, S=1024, window=window, offsets=True)))
-        paged = dict(B=32, T=1, page=16, max_len=4096, window=window)
-        tokens_prefill, tokens_decode, rows = 1024, 8, 2048
-    elif scale == "startup":
-        prefill = [("prefill", dict(B=1, T=256, S=256, window=window, offsets=False)),
-                   ("chunked prefill", dict(B=2, T=128, S=384, window=window, offsets=True))]
-        paged = dict(B=4, T=1, page=16, max_len=512, window=window)
-        tokens_prefill, tokens_decode, rows = 128, 8, 64
-    else:
-        prefill = [("prefill", dict(B=1, T=128, S=128, window=window, offsets=False)),
-                   ("chunked prefill", dict(B=2, T=64, S=192, window=window, offsets=True))]
-        paged = dict(B=2, T=2, page=16, max_len=200, window=window)
-        tokens_prefill, tokens_decode, rows = 24, 4, 12
-    for label, spec in prefill:
-        out.append(Case("attention", f"{prefix}{label}", dtype, {**attn, **spec}))
-    out.append(Case("paged_attention", f"{prefix}decode", dtype, {**attn, **paged}))
-    out.append(Case("rms_norm", f"{prefix}residual", dtype, dict(M=rows, D=D, eps=eps, offset=offset)))
-    m = moe_dims(hf)
-    if m is not None:
-        G, k, F = m["G"], m["k"], m["F"]
-        Dm = m["D"]
-        if scale == "tiny":
-            G, k, Dm, F = min(G, 6), min(k, 2), 128, 128
-        for label, tokens in (("prefill", tokens_prefill), ("decode", tokens_decode)):
-            out.append(Case("moe", f"{prefix}gate/up {label}", dtype, dict(M=tokens * k, G=G, D=Dm, F=F, k=k)))
-        out.append(Case("moe", f"{prefix}down prefill", dtype, dict(M=tokens_prefill * k, G=G, D=F, F=Dm, k=k)))
-    return [c for c in out if ops is None or c.op in ops]
+    attn = dict(N=N, K=K, H=H, scale=call["scale"], softcap=call["softcap"], sinks=call["sinks"], window=window)
+    suffix = " sliding" if window else ""
+    if call.op == "paged_attention":
+        paged = {"full": dict(B=32, T=1, page=16, max_len=4096), "startup": dict(B=4, T=1, page=16, max_len=512),
+                 "tiny": dict(B=2, T=2, page=16, max_len=200)}[scale]
+        return [Case("paged_attention", f"{prefix}decode{suffix}", dtype, {**attn, **paged})]
+    # (label, B, T, S, offsets): prefill from position 0, and chunks of a ragged batch that end at kv_len.
+    shapes = {"full": [("prefill", 1, 2048, 2048, False), ("chunked prefill", 4, 256, 1024, True)],
+              "startup": [("prefill", 1, 256, 256, False), ("chunked prefill", 2, 128, 384, True)],
+              "tiny": [("prefill", 1, 128, 128, False), ("chunked prefill", 2, 64, 192, True)]}[scale]
+    return [Case("attention", f"{prefix}{label}{suffix}", dtype, dict(attn, B=B, T=T, S=S, offsets=offsets))
+            for label, B, T, S, offsets in shapes]
 
 
-def family_cases(families=DEFAULT_FAMILIES, dtype: str = "bfloat16", *, scale: str = "full",
-                 ops: tuple[str, ...] | None = None) -> list[Case]:
-    """`cases_from_config` over `FAMILIES` entries."""
-    return [c for f in families for c in cases_from_config(FAMILIES[f], dtype, scale=scale, name=f, ops=ops)]
+def _rms_norm_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
+    rows = {"full": 2048, "startup": 64, "tiny": 12}[scale]
+    D = 256 if scale == "tiny" else call["D"]
+    return [Case("rms_norm", f"{prefix}residual {call['D']}", dtype,
+                 dict(M=rows, D=D, eps=call["eps"], offset=call["offset"]))]
+
+
+def _moe_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
+    G, k, D, F = call["E"], call["k"], call["D"], call["F"]
+    if scale == "tiny":
+        G, k, D, F = min(G, 6), min(k, 2), 128, 128
+    prefill, decode = {"full": (1024, 8), "startup": (128, 8), "tiny": (24, 4)}[scale]
+    return [Case("moe", f"{prefix}gate/up prefill", dtype, dict(M=prefill * k, G=G, D=D, F=F, k=k)),
+            Case("moe", f"{prefix}gate/up decode", dtype, dict(M=decode * k, G=G, D=D, F=F, k=k)),
+            Case("moe", f"{prefix}down prefill", dtype, dict(M=prefill * k, G=G, D=F, F=D, k=k))]
+
+
+_CASES_OF = {"attention": _attention_cases, "paged_attention": _attention_cases, "rms_norm": _rms_norm_cases,
+             "moe": _moe_cases}
 
 
 # --- input builders (one per op) -------------------------------------------------------------------------

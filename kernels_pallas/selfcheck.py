@@ -8,8 +8,9 @@ Modes:
 - `--interpret`: also runs the Pallas kernels in the Mosaic GPU interpreter on the CPU (tiny shapes).
 - `--lower cuda`: lowers every Pallas kernel for CUDA with `jax.export` (serving-sized shapes, nothing runs),
   tracing as if for an H100, and reports what fails: a GPU-less machine's check of the GPU build.
-Shapes come from `cases.FAMILIES` (llama-3-8b, qwen3-30b-a3b and deepseek-v3 by default): 'full' (serving
-sizes) on a GPU and for lowering, 'tiny' on the CPU. `--json` prints a list of rows with at least op,
+Shapes come from flagship models' op calls (`cases.flagships()`: llama-3-8b, qwen3-30b-a3b and deepseek-v3 by
+default), or from any model's with `--calls FILE` (the JSON of `python -m day0jax.check PATH --json`, or a list
+of op calls): 'full' (serving sizes) on a GPU and for lowering, 'tiny' on the CPU. `--json` prints a list of rows with at least op,
 implementation, ok (true, false, or null for unavailable). The exit status is 1 if any row has ok false.
 """
 
@@ -18,14 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from kernels_pallas import cases as cases_lib
 from kernels_pallas import platform, registry, selftest
+from kernels_pallas.calls import OpCall
 
 
 def _run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> list[dict[str, Any]]:
@@ -84,6 +88,14 @@ def export_for(fn, args: tuple, kwargs: dict, target_platform: str = "cuda"):
     return jax.export.export(jax.jit(call), platforms=(target_platform,))(*specs)
 
 
+def read_calls(path: str) -> list[OpCall]:
+    """Op calls from a JSON file: a `day0jax.check --json` report (its "op_calls") or a list of op calls."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        data = data.get("op_calls", [])
+    return [OpCall.from_dict(d) for d in data]
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table: op, case, implementation, max rel error, tolerance, ok, detail."""
     head = ("op", "case", "implementation", "max rel err", "tol", "ok", "s", "detail")
@@ -106,23 +118,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lower", choices=["cuda"], help="only lower the Pallas kernels for this platform")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--save", metavar="PATH", help="also write the rows as JSON to PATH")
-    p.add_argument("--family", action="append", choices=sorted(cases_lib.FAMILIES),
-                   help=f"families whose shapes to use (repeatable; default {', '.join(cases_lib.DEFAULT_FAMILIES)})")
+    p.add_argument("--family", action="append", choices=sorted(cases_lib.flagships()),
+                   help=f"flagship models whose shapes to use (repeatable; default "
+                        f"{', '.join(cases_lib.DEFAULT_FLAGSHIPS)})")
+    p.add_argument("--calls", metavar="FILE", help="a model's op calls instead: `python -m day0jax.check --json` "
+                                                   "output, or a JSON list of op calls")
     p.add_argument("--op", action="append", choices=sorted(registry.OPS), help="ops to check (repeatable)")
     p.add_argument("--scale", choices=cases_lib.SCALES,
                    help="case sizes (default: full on a GPU and for --lower, tiny otherwise)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(cases_lib.TOLERANCE))
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh per run)")
     a = p.parse_args(argv)
-    families = tuple(a.family or cases_lib.DEFAULT_FAMILIES)
     ops = tuple(a.op) if a.op else None
-    if a.lower:
-        scale = a.scale or "full"
-        rows = lower_rows(cases_lib.family_cases(families, a.dtype, scale=scale, ops=ops), a.lower)
+    scale = a.scale or ("full" if a.lower or (jax.default_backend() == "gpu" and not a.interpret) else "tiny")
+    if a.calls:
+        case_list = cases_lib.cases_from_calls(read_calls(a.calls), a.dtype, scale=scale, name=Path(a.calls).stem,
+                                               ops=ops)
     else:
-        scale = a.scale or ("full" if jax.default_backend() == "gpu" and not a.interpret else "tiny")
-        seed = a.seed if a.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
-        rows = _run_rows(cases_lib.family_cases(families, a.dtype, scale=scale, ops=ops), a.interpret, seed)
+        case_list = cases_lib.flagship_cases(tuple(a.family or cases_lib.DEFAULT_FLAGSHIPS), a.dtype, scale=scale,
+                                             ops=ops)
+    if a.lower:
+        rows = lower_rows(case_list, a.lower)
+    else:
+        seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
+        rows = _run_rows(case_list, a.interpret, seed)
     as_json = json.dumps([{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
                           for r in rows], indent=1)
     if a.save:

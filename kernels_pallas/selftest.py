@@ -1,8 +1,8 @@
 """The startup self-test: before a model serves, every kernel it would use is checked on its own shapes.
 
-`startup(config, dtype=..., mode=...)` builds the model's cases (its head counts and dims, window, soft-cap,
-sinks, hidden size, experts; short sequences), finds for each the implementation `dispatch` would choose, runs
-it once and compares it with the reference. Then:
+`startup(op_calls, dtype=..., mode=...)` builds the cases of the model's op calls (its head counts and dims,
+window, soft-cap, sinks, norm widths, experts; short sequences), finds for each the implementation `dispatch`
+would choose, runs it once and compares it with the reference. Then:
 - mode 'auto' (default): a kernel that disagrees (or fails to compile or run) is logged, disabled in the
   process-wide policy, and the next candidate is checked the same way, down to the reference;
 - mode 'strict': disagreement raises `KernelMismatch`;
@@ -23,6 +23,7 @@ import jax
 
 from kernels_pallas import cases as cases_lib
 from kernels_pallas import registry
+from kernels_pallas.calls import OpCall
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,12 @@ def check(case: cases_lib.Case, implementation: str, args: tuple, kwargs: dict,
     return row
 
 
-def startup(config: dict[str, Any], *, dtype: Any, mode: str = "auto", tp: int = 1, seed: int = 0,
+def startup(op_calls: list[OpCall], *, dtype: Any, mode: str = "auto", tp: int = 1, seed: int = 0,
             install: bool = True, case_list: list[cases_lib.Case] | None = None) -> Report:
     """Checks the kernels a model will use on its shapes and installs the resulting policy.
 
     Args:
-        config: the model's parsed config.json (HF keys).
+        op_calls: the model's op calls (its `op_calls()`).
         dtype: the compute dtype (name or jnp dtype).
         mode: 'auto', 'strict' or 'reference'.
         tp: tensor-parallel size (heads per shard).
@@ -103,8 +104,8 @@ def startup(config: dict[str, Any], *, dtype: Any, mode: str = "auto", tp: int =
     policy = registry.Policy(mode)
     report = Report(mode)
     dtype_name = jax.numpy.dtype(dtype).name
-    todo = case_list if case_list is not None else cases_lib.cases_from_config(config, dtype_name, scale="startup",
-                                                                               tp=tp)
+    todo = case_list if case_list is not None else cases_lib.cases_from_calls(op_calls, dtype_name, scale="startup",
+                                                                              tp=tp)
     for i, case in enumerate(todo):
         mod = registry.api(case.op)
         if registry.order(mod.CANDIDATES, op=case.op, policy=policy) == (registry.REFERENCE,):

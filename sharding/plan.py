@@ -1,21 +1,23 @@
-"""The memory planner: per-device bytes of a model on a mesh, computed from shapes alone, before any weight is read.
+"""The memory planner: per-device bytes of a model served on a mesh, from shapes alone, before any weight is read.
 
-Three parts, per device:
+It plans what the engine allocates and runs, described by a `Workload` (made from the engine's layout by
+`day0jax`), per device:
 - parameters: every parameter's shard (its shape divided as `rules.partition_spec` splits it) at the load dtype;
-- KV cache: per layer, batch/(dp*ep) x cached positions x kv heads (split by tp when they divide) x (key +
-  value head dims), exactly what the engine allocates for that batch and cache length;
-- activations, an estimate of the peak of one prefill of `context` tokens per sequence: the residual stream,
-  plus the larger of attention (q/k/v and float32 scores and weights, which the reference attention
-  materializes) and the feed-forward (gate, up and their product; for MoE the routed experts' share per token).
-  Only the last token's logits are counted, as generation computes.
+- KV cache: the engine's page pool, per layer: pages x page size x kv heads (split by tp when they divide) x
+  (key + value head dims);
+- activations: an estimate of the peak temporary memory of the largest program the engine runs: for a forward
+  program of B rows x T tokens attending over S positions, the residual stream plus the larger of attention
+  (q/k/v, the row's gathered pages, float32 scores and weights, which the reference attention materializes) and
+  the feed-forward (gate, up and their product; for MoE the routed experts' share per token), plus the last
+  position's logits; for the sampler, a few float32 [B, V] buffers.
 
-`plan()` gives the figures; `suggestions()` lists what would fit instead (a mesh, a context length, a batch);
-`require_fit()` turns a plan that does not fit into an `OutOfMemoryPlan` that says so. `day0jax.load` and
-`day0jax.check` use them:
+`plan()` gives the figures; `suggestions()` lists what would fit instead (a mesh, a shorter max_model_len, fewer
+sequences); `require_fit()` turns a plan that does not fit into an `OutOfMemoryPlan` that says so. `day0jax.load`,
+`python -m day0jax.check` and the server use them with the same workload for the same flags:
 
     shape = ModelShape.from_model(abstract_model, context_length)
-    p = plan(shape, "tp=4", batch=8, context=4096, dtype="bfloat16", available=device_memory(devices))
-    p.fits, p.summary(), p.to_dict(), suggestions(p, shape, n_devices=len(devices))
+    p = plan(shape, "tp=4", workload, dtype="bfloat16", available=device_memory(devices))
+    p.fits, p.summary(), p.to_dict(), suggestions(p, shape, workload_for, n_devices=len(devices))
 """
 
 from __future__ import annotations
@@ -23,19 +25,18 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from day0jax.errors import OutOfMemoryPlan
+from day0jax.errors import Day0Error, OutOfMemoryPlan
 from sharding import mesh as mesh_lib
-from sharding.rules import shard_shape
+from sharding.rules import KV_POOL, shard_shape
 
 GiB = 1 << 30
 # Share of a device's free memory the plan may use: XLA needs room for compiled programs, fragmentation and
 # transfers beyond what the planner counts. Not applied to an explicit budget.
 HEADROOM = 0.9
-KV_AXES = ("batch", None, "kv_heads", None)  # as the engine shards its caches
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,9 @@ class ModelShape:
     Attributes:
         params: every parameter's path, shape and logical axes.
         cache_layout: per layer (kv heads, key head dim, value head dim).
-        hidden_size, num_heads, vocab_size: D, N, V.
+        hidden_size, num_heads, vocab_size: D, N (the most any layer has), V.
         ffn_per_token: F of the feed-forward a token passes through (for MoE: experts per token x expert F,
-            plus shared experts; the largest over dense and MoE layers).
+            plus shared experts; the largest over the layers).
         context_length: the model's own context length.
     """
 
@@ -67,29 +68,54 @@ class ModelShape:
     context_length: int
 
     @classmethod
-    def from_model(cls, model: Any, context_length: int | None = None) -> "ModelShape":
-        """From an nnx model (abstract, from `nnx.eval_shape`, or real) with a `config` and `cache_layout()`.
+    def from_model(cls, model: Any, context_length: int) -> "ModelShape":
+        """From an nnx model (abstract, from `nnx.eval_shape`, or real): its parameters, `cache_layout()` and
+        `op_calls()` (the layers' own description of the operators they run).
 
         Args:
-            model: a `day0jax.models.base.CausalLM` (or anything with `.config` and `.cache_layout()`).
-            context_length: the model's context (default: `config.max_position_embeddings`).
+            model: a `day0jax.models.base.CausalLM`.
+            context_length: the model's context.
         """
         from flax import nnx
 
         params = []
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            value = var.get_value() if hasattr(var, "get_value") else var.value
-            axes = tuple(var.get_metadata().get("out_sharding") or (None,) * len(value.shape))
-            params.append(ParamShape(".".join(map(str, path)), tuple(value.shape), axes))
-        c = model.config
-        dense = getattr(c, "intermediate_size", 0) or 0
-        routed = (getattr(c, "num_experts_per_tok", 0) or 0) * (getattr(c, "moe_intermediate_size", 0) or 0)
-        shared = (getattr(c, "shared_expert_intermediate_size", 0) or 0) + \
-            (getattr(c, "n_shared_experts", 0) or 0) * (getattr(c, "moe_intermediate_size", 0) or 0)
+            axes = tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))
+            params.append(ParamShape(".".join(map(str, path)), tuple(var.shape), axes))
+        ffn: dict[Any, int] = {}
+        heads = 0
+        for layer, call in model.op_calls():
+            if call.op == "mlp":
+                ffn[layer] = ffn.get(layer, 0) + call["F"]
+            elif call.op == "moe":
+                ffn[layer] = ffn.get(layer, 0) + call["k"] * call["F"]
+            elif call.op == "attention":
+                heads = max(heads, call["N"])
+        V, D = model.model.embed_tokens.weight.shape
         return cls(params=tuple(params), cache_layout=tuple(tuple(x) for x in model.cache_layout()),
-                   hidden_size=c.hidden_size, num_heads=c.num_attention_heads, vocab_size=c.vocab_size,
-                   ffn_per_token=max(dense, routed + shared),
-                   context_length=int(context_length or c.max_position_embeddings))
+                   hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
+                   context_length=int(context_length))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the engine allocates and runs, as far as memory goes (`day0jax.engine.config.EngineLayout`).
+
+    Attributes:
+        kv_slots: token slots per layer in the KV page pool (pages x page size, the trash page included).
+        forward_shapes: (rows, tokens, attended positions) of every forward program.
+        sampler_rows: the largest batch the sampler sees.
+        max_num_seqs, max_model_len: the engine's limits, for messages.
+        weight_copy_rows: forward programs of more token rows than this hold transposed copies of the largest
+            weights (XLA:CPU does, for its matrix products with many rows); None where the backend does not.
+    """
+
+    kv_slots: int
+    forward_shapes: tuple[tuple[int, int, int], ...]
+    sampler_rows: int
+    max_num_seqs: int
+    max_model_len: int
+    weight_copy_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +124,9 @@ class Plan:
 
     Attributes:
         mesh: the mesh as a SPEC ('dp=2,tp=4'); sizes: its axis sizes; devices: their product.
-        batch, context: the batch and cache length planned for; dtype: parameter and cache dtype.
+        dtype: parameter and cache dtype.
+        kv_slots, max_num_seqs, max_model_len: the engine workload planned for.
+        largest_program: (rows, tokens, attended positions) of the forward program with the most activations.
         params_bytes, kv_cache_bytes, activation_bytes: per device (the largest share, where uneven).
         model_bytes: all parameters, unsharded.
         available_bytes: what one device may use (None: unknown, assumed to fit).
@@ -107,9 +135,11 @@ class Plan:
     mesh: str
     sizes: dict[str, int]
     devices: int
-    batch: int
-    context: int
     dtype: str
+    kv_slots: int
+    max_num_seqs: int
+    max_model_len: int
+    largest_program: tuple[int, int, int]
     params_bytes: int
     kv_cache_bytes: int
     activation_bytes: int
@@ -126,13 +156,16 @@ class Plan:
         return self.available_bytes is None or self.total_bytes <= self.available_bytes
 
     def summary(self) -> str:
-        """One line: 'tp=4: 1.23 GiB per device (params 1.00 GiB, KV cache ..., activations ...); 8.00 GiB
-        available'."""
+        """One line: 'tp=4: 1.23 GiB per device (params ..., KV cache ... for 8208 token slots, activations ...
+        for the largest program, 1 x 256 tokens over 8192 positions); 8.00 GiB available'."""
         avail = "available memory unknown" if self.available_bytes is None else \
             f"{fmt_bytes(self.available_bytes)} available"
+        rows, tokens, span = self.largest_program
         return (f"{self.mesh}: {fmt_bytes(self.total_bytes)} per device (params {fmt_bytes(self.params_bytes)}, "
-                f"KV cache {fmt_bytes(self.kv_cache_bytes)} for batch {self.batch} x {self.context} positions, "
-                f"activations {fmt_bytes(self.activation_bytes)}); {avail}")
+                f"KV cache {fmt_bytes(self.kv_cache_bytes)} for {self.kv_slots} token slots, "
+                f"activations {fmt_bytes(self.activation_bytes)} for the largest program, {rows} x {tokens} "
+                f"tokens over {span} positions; up to {self.max_num_seqs} sequences of {self.max_model_len} "
+                f"tokens); {avail}")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(asdict(self), total_bytes=self.total_bytes, fits=self.fits)
@@ -158,35 +191,60 @@ def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
     return sum(math.prod(shard_shape(p.axes, p.shape, sizes)) * item for p in shape.params)
 
 
-def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], batch: int, context: int, dtype: Any) -> int:
-    """Bytes of KV cache one device holds for `batch` sequences of `context` cached positions."""
+def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any) -> int:
+    """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer."""
     item = _itemsize(dtype)
     total = 0
     for kv_heads, k_dim, v_dim in shape.cache_layout:
-        b, s, k, _ = shard_shape(KV_AXES, (batch, context, kv_heads, 1), sizes)
-        total += b * s * k * (k_dim + v_dim) * item
+        _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, kv_heads, 1), sizes)
+        total += kv_slots * k * (k_dim + v_dim) * item
     return total
 
 
-def activation_bytes(shape: ModelShape, sizes: dict[str, int], batch: int, context: int, dtype: Any) -> int:
-    """Estimated peak activation bytes on one device for a prefill of `context` tokens per sequence."""
+def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int, tokens: int, span: int,
+                             dtype: Any, weight_copy_rows: int | None = None) -> int:
+    """Estimated peak temporary bytes on one device of a forward program: `rows` x `tokens` new tokens
+    attending over `span` positions (the paged cache's gathered pages). Measured against XLA:CPU's own buffer
+    assignment (tests/test_sharding.py): never below it, at most about 1.5 times it."""
     item = _itemsize(dtype)
     tp = sizes.get("tp", 1)
-    b = shard_shape(("batch",), (batch,), sizes)[0]
-    t = context
+    b = shard_shape(("batch",), (rows,), sizes)[0]
+    t = tokens
     split = lambda n: n // tp if n % tp == 0 else n  # noqa: E731  (as the rules split, else replicated)
     n = split(shape.num_heads)
-    kv = max((k for k, _, _ in shape.cache_layout), default=0)
+    kv = split(max((k for k, _, _ in shape.cache_layout), default=0))
     k_dim = max((kd for _, kd, _ in shape.cache_layout), default=0)
     v_dim = max((vd for _, _, vd in shape.cache_layout), default=0)
     residual = 2 * b * t * shape.hidden_size * item
-    qkv = b * t * (n * k_dim + split(kv) * (k_dim + v_dim) + n * v_dim) * item
-    # float32 scores, masked scores and softmax weights: XLA:CPU keeps all three live at some lengths
-    # (measured: 128 tokens needed 1.3x the two-buffer figure).
-    scores = 3 * b * n * t * t * 4
+    qkv = b * t * (n * k_dim + kv * (k_dim + v_dim) + n * v_dim) * item
+    gathered = b * span * kv * (k_dim + v_dim) * item
+    # float32 scores, masked scores and softmax weights: XLA:CPU keeps all three live at some lengths.
+    scores = 3 * b * n * t * span * 4
     ffn = 3 * b * t * split(shape.ffn_per_token) * item
     logits = b * split(shape.vocab_size) * 4
-    return residual + max(qkv + scores, ffn) + logits
+    copies = 0
+    if weight_copy_rows is not None and b * t > weight_copy_rows:
+        copies = 2 * max((math.prod(shard_shape(p.axes, p.shape, sizes)) for p in shape.params
+                          if p.path.startswith("model.layers.") and ".experts." not in p.path and len(p.shape) >= 2),
+                         default=0) * item
+    return residual + max(qkv + gathered + scores, ffn) + copies + logits
+
+
+def sample_activation_bytes(shape: ModelShape, rows: int) -> int:
+    """Estimated peak temporary bytes of the sampler over `rows` rows (replicated): a few float32 [rows, V]
+    buffers (scaled and filtered logits, probabilities, noise, penalties)."""
+    return 6 * rows * shape.vocab_size * 4
+
+
+def activation_bytes(shape: ModelShape, sizes: dict[str, int], workload: Workload, dtype: Any
+                     ) -> tuple[int, tuple[int, int, int]]:
+    """The largest program's estimated activation bytes on one device, and that program's forward shape."""
+    best, largest = 0, (0, 0, 0)
+    for rows, tokens, span in workload.forward_shapes:
+        n = forward_activation_bytes(shape, sizes, rows, tokens, span, dtype, workload.weight_copy_rows)
+        if n > best:
+            best, largest = n, (rows, tokens, span)
+    return max(best, sample_activation_bytes(shape, workload.sampler_rows)), largest
 
 
 def device_memory(devices: Sequence[Any]) -> int | None:
@@ -223,48 +281,49 @@ def _host_available() -> int | None:
         return None
 
 
-def plan(shape: ModelShape | Any, mesh: Any, *, batch: int = 1, context: int | None = None,
-         dtype: Any = "float32", available: int | None = None) -> Plan:
-    """Per-device memory of a model on a mesh.
+def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "float32",
+         available: int | None = None) -> Plan:
+    """Per-device memory of a model serving `workload` on a mesh.
 
     Args:
-        shape: a `ModelShape`, or a model (abstract or real) to build one from.
+        shape: the model's `ModelShape`.
         mesh: a Mesh, AbstractMesh, SPEC string or sizes dict.
-        batch: sequences decoded together (the engine's batch bucket: a multiple of dp * ep).
-        context: cached positions per sequence (default: the model's context length).
+        workload: what the engine allocates and runs.
         dtype: parameter, cache and compute dtype.
         available: bytes one device may use (None: unknown; see `device_memory`).
     Returns:
         A `Plan`.
     """
-    if not isinstance(shape, ModelShape):
-        shape = ModelShape.from_model(shape)
-    sizes = mesh_lib.mesh_sizes(mesh)
-    context = int(context or shape.context_length)
     import jax.numpy as jnp
 
+    sizes = mesh_lib.mesh_sizes(mesh)
     item = _itemsize(dtype)
     notes = []
-    kv_split = [k % sizes["tp"] == 0 for k, _, _ in shape.cache_layout]
-    if sizes["tp"] > 1 and not all(kv_split):
+    if sizes["tp"] > 1 and not all(k % sizes["tp"] == 0 for k, _, _ in shape.cache_layout):
         notes.append(f"kv heads are fewer than tp={sizes['tp']} (or not divisible): the KV cache is replicated "
                      "across tensor-parallel ranks")
-    return Plan(mesh=mesh_lib.format_spec(sizes), sizes=sizes, devices=math.prod(sizes.values()), batch=batch,
-                context=context, dtype=str(jnp.dtype(dtype)),
+    activations, largest = activation_bytes(shape, sizes, workload, dtype)
+    return Plan(mesh=mesh_lib.format_spec(sizes), sizes=sizes, devices=math.prod(sizes.values()),
+                dtype=str(jnp.dtype(dtype)), kv_slots=workload.kv_slots, max_num_seqs=workload.max_num_seqs,
+                max_model_len=workload.max_model_len, largest_program=largest,
                 params_bytes=params_bytes(shape, sizes, dtype),
-                kv_cache_bytes=kv_cache_bytes(shape, sizes, batch, context, dtype),
-                activation_bytes=activation_bytes(shape, sizes, batch, context, dtype),
-                model_bytes=sum(math.prod(p.shape) for p in shape.params) * item,
+                kv_cache_bytes=kv_cache_bytes(shape, sizes, workload.kv_slots, dtype),
+                activation_bytes=activations, model_bytes=sum(math.prod(p.shape) for p in shape.params) * item,
                 available_bytes=available, notes=tuple(notes))
 
 
-def largest_context(shape: ModelShape, mesh: Any, *, batch: int, dtype: Any, available: int,
-                    minimum: int = 64) -> int | None:
-    """The largest power-of-two context (at most the model's) that fits on `mesh`, or None if not even `minimum`."""
+def largest_context(shape: ModelShape, mesh: Any, workload_for: Callable[[int], Workload], *, dtype: Any,
+                    available: int, minimum: int = 64) -> int | None:
+    """The largest power-of-two max_model_len (at most the model's context) whose workload fits on `mesh`, or
+    None if not even `minimum`."""
     best = None
     context = minimum
     while context <= max(shape.context_length, minimum):
-        if plan(shape, mesh, batch=batch, context=context, dtype=dtype, available=available).fits:
+        try:
+            workload = workload_for(context)
+        except Day0Error:  # no layout at this length (a pool too small for it)
+            break
+        if plan(shape, mesh, workload, dtype=dtype, available=available).fits:
             best = context
         else:
             break
@@ -272,13 +331,15 @@ def largest_context(shape: ModelShape, mesh: Any, *, batch: int, dtype: Any, ava
     return best
 
 
-def suggestions(p: Plan, shape: ModelShape, *, n_devices: int | None = None) -> list[str]:
+def suggestions(p: Plan, shape: ModelShape, workload: Workload,
+                workload_for: Callable[[int], Workload] | None = None, *, n_devices: int | None = None) -> list[str]:
     """What would fit when `p` does not: a mesh over the devices there are (or over more of them), a shorter
-    context, a smaller batch. Empty when `p` fits.
+    max_model_len, fewer sequences. Empty when `p` fits.
 
     Args:
-        p: the plan.
+        p: the plan; workload: what it was made for.
         shape: the model it was made for.
+        workload_for: the engine's workload at another max_model_len (None: no context suggestion).
         n_devices: devices available for a mesh (default: the plan's own count); meshes over these, then over 2,
             4 and 8 times as many devices of the same size, are tried.
     """
@@ -288,7 +349,7 @@ def suggestions(p: Plan, shape: ModelShape, *, n_devices: int | None = None) -> 
     hints = []
 
     def fitting(n: int) -> list[Plan]:
-        plans = [plan(shape, s, batch=p.batch, context=p.context, dtype=p.dtype, available=p.available_bytes)
+        plans = [plan(shape, s, workload, dtype=p.dtype, available=p.available_bytes)
                  for s in mesh_lib.valid_sizes(n, shape.params)]
         # Fewest model-parallel devices first: the rest serve as data-parallel replicas.
         return sorted((q for q in plans if q.fits), key=lambda q: (q.sizes["tp"] * q.sizes["ep"], -q.sizes["tp"]))
@@ -302,18 +363,20 @@ def suggestions(p: Plan, shape: ModelShape, *, n_devices: int | None = None) -> 
             if more:
                 hints.append(f"{n} devices of this size would fit it (--mesh {more[0].mesh})")
                 break
-    context = largest_context(shape, p.sizes, batch=p.batch, dtype=p.dtype, available=p.available_bytes)
-    if context is not None and context < p.context:
-        hints.append(f"a context of {context} tokens fits on {p.mesh} (max_context={context})")
-    if p.batch > p.sizes["dp"] * p.sizes["ep"]:
-        hints.append(f"a smaller batch (now {p.batch}) needs less KV cache")
+    if workload_for is not None:
+        context = largest_context(shape, p.sizes, workload_for, dtype=p.dtype, available=p.available_bytes)
+        if context is not None and context < p.max_model_len:
+            hints.append(f"a context of {context} tokens fits on {p.mesh} (max_model_len={context})")
+    if p.max_num_seqs > 1:
+        hints.append(f"fewer sequences at once (max_num_seqs, now {p.max_num_seqs}) need less activation memory")
     if not hints:
         hints.append(f"the parameters alone need {fmt_bytes(p.params_bytes)} per device on {p.mesh}; use more "
                      "devices or a smaller dtype")
     return hints
 
 
-def require_fit(p: Plan, shape: ModelShape, *, n_devices: int | None = None) -> None:
+def require_fit(p: Plan, shape: ModelShape, workload: Workload,
+                workload_for: Callable[[int], Workload] | None = None, *, n_devices: int | None = None) -> None:
     """Raises `OutOfMemoryPlan` unless `p` fits, naming meshes and context lengths that would (`suggestions`).
 
     Raises:
@@ -321,4 +384,4 @@ def require_fit(p: Plan, shape: ModelShape, *, n_devices: int | None = None) -> 
     """
     if not p.fits:
         raise OutOfMemoryPlan(f"the model will not fit: {p.summary()}. Would fit: "
-                              + "; or ".join(suggestions(p, shape, n_devices=n_devices)))
+                              + "; or ".join(suggestions(p, shape, workload, workload_for, n_devices=n_devices)))

@@ -3,8 +3,8 @@
 Parameters declare logical names where they are made (`nnx.with_partitioning`); `RULES` maps them to mesh axes.
 Tensor parallelism (tp) splits query heads, kv heads, the MLP dimension (dense and per-expert) and the vocabulary;
 expert parallelism (ep) splits the experts axis of MoE weights; data parallelism (dp) splits the batch, and so
-does ep outside the experts (in a dense model, ep is more data parallelism). The KV cache is split like the kv
-heads (and the batch). Collectives are never written by hand: XLA's SPMD partitioner inserts them
+does ep outside the experts (in a dense model, ep is more data parallelism). The engine's KV page pool is split
+like the kv heads only: its pages serve every row. Collectives are never written by hand: XLA's SPMD partitioner inserts them
 from these annotations.
 
 A logical axis whose size its mesh axis does not divide stays replicated: kv heads fewer than tp (each tp rank
@@ -47,6 +47,8 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 # The residual stream between blocks: batch over dp, everything else whole. The only activation constraint;
 # inside a block, XLA propagates the parameters' shardings.
 ACTIVATION = ("batch", "seq", "embed")
+# The engine's KV page pool, per layer [pages, page size, K, H]: split like the kv heads, pages shared by all rows.
+KV_POOL = (None, None, "kv_heads", None)
 
 
 def partition_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Any,

@@ -1,5 +1,18 @@
 """Shared fixtures: the reference venv runner, tiny models built by transformers, and the real SmolLM2 GGUF.
 
+The suite means the same on the CPU (CI: 2 cores, no GPU) and on a machine with one NVIDIA H200 (jax's default
+backend 'gpu'), unchanged:
+- Compiled Mosaic GPU kernels and cuDNN run only where they can (`needs_hopper`, `needs_nvidia_gpu` below); on the
+  CPU those tests show as skipped, with the reason.
+- The Mosaic GPU interpreter is a CPU program: its tests pin JAX's default device to the CPU (`interpreter_on_cpu`)
+  and `selfcheck --interpret` runs with JAX_PLATFORMS=cpu, on the GPU machine as in CI.
+- Tests against transformers (float32) ask for float32 explicitly: the runtime's default is bfloat16 on a GPU.
+  There, float32 matmuls get full precision (JAX_DEFAULT_MATMUL_PRECISION=highest, set below for this process and
+  the CLIs and servers it starts): XLA:GPU's default multiplies float32 in TF32 (about 1e-3 relative).
+- Subprocesses that simulate several devices force the CPU platform (JAX_PLATFORMS=cpu).
+- No process preallocates the GPU (XLA_PYTHON_CLIENT_PREALLOCATE=false), so the servers and CLIs the tests start
+  share it with this one.
+
 Reference work (transformers on torch) runs in `.venv-ref` as one subprocess per group of jobs, so torch is
 imported a couple of times per session, not per test. `make install` creates that venv; without it the tests
 fail with that instruction rather than skip.
@@ -16,6 +29,44 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+# Before any backend starts, here and in every subprocess the tests start (they inherit the environment).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+
+from kernels_pallas import platform as kernel_platform  # noqa: E402
+
+BACKEND = jax.default_backend()
+TARGET = kernel_platform.current()  # the device the kernels trace for: platform, device kind, compute capability
+if BACKEND == "gpu":
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
+
+_HERE = f"jax's device here is {TARGET.device_kind} ({TARGET.platform})"
+needs_nvidia_gpu = pytest.mark.skipif(TARGET.platform != "cuda", reason=f"needs an NVIDIA GPU (cuDNN); {_HERE}")
+needs_hopper = pytest.mark.skipif(not TARGET.is_hopper, reason="compiled Mosaic GPU kernels need an NVIDIA Hopper GPU "
+                                  f"(compute capability 9.0); {_HERE}")
+
+
+@pytest.fixture
+def interpreter_on_cpu():
+    """JAX's default device is the CPU for the test: the Mosaic GPU interpreter (`interpret=True`) simulates the GPU
+    with host callbacks that start nested jax computations, a CPU program. A no-op where the CPU is the backend."""
+    if BACKEND == "cpu":
+        yield
+        return
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        pytest.skip(f"the Mosaic GPU interpreter runs on the CPU backend, which JAX_PLATFORMS leaves out ({_HERE})")
+    previous = jax.config.jax_default_device
+    jax.config.update("jax_default_device", cpu)  # process-wide: the interpreter's own threads see it too
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_device", previous)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 REF_PYTHON = ROOT / ".venv-ref" / "bin" / "python"

@@ -46,7 +46,7 @@ def config_only(dst: Path, cfg: dict) -> Path:
 
 def test_moe_family_report(tiny):
     """Supported, every key classified, the operators with their implementation, counts and memory."""
-    report = check_lib.check(tiny["qwen2_moe"]["hf"])
+    report = check_lib.check(tiny["qwen2_moe"]["hf"], dtype="float32")  # the runtime's default on the CPU only
     assert report.supported, report.reasons
     assert report.family == "day0jax.models.qwen2_moe" and report.source == "safetensors"
     status = {r["key"]: r["status"] for r in report.keys}
@@ -55,10 +55,10 @@ def test_moe_family_report(tiny):
     ops = {(r["op"], r["layers"]): r for r in report.ops}
     moe = ops[("moe grouped matmul", "1")]  # layer 0 is dense (mlp_only_layers)
     assert "4 experts" in moe["variant"] and "top-2" in moe["variant"] and "shared_expert (gated)" in moe["variant"]
-    assert ops[("mlp", "0")]["variant"] == "gated MLP x 128"
-    attention = ops[("attention (prefill, dense cache)", "0-1")]
+    assert ops[("mlp", "0")]["variant"] == "gated MLP x 128 (silu)"
+    attention = ops[("attention (cache-less forward)", "0-1")]
     assert attention["variant"].startswith("GQA 4q/2kv heads x 16")
-    assert attention["implementation"].startswith("reference")  # no attention kernel is registered for the CPU
+    assert attention["implementation"].startswith("reference")  # no kernel takes float32 (nor any on the CPU)
     params = report.parameters
     abstract = models.abstract_model(models.config_from_hf(json.loads((tiny["qwen2_moe"]["hf"] / "config.json")
                                                                       .read_text())))
@@ -67,25 +67,27 @@ def test_moe_family_report(tiny):
     assert params["checkpoint_bytes_by_dtype"] == {"float32": 4 * params["model"]}
     m = report.memory
     assert m["params_bytes"] == 4 * params["model"] and m["kv_cache_bytes"] > 0 and m["fits"]
-    assert m["context"] == 128 and m["batch"] == 1
+    # The engine's defaults, as `load` and the server plan them: 16 sequences of the model's 128 tokens, a pool
+    # of 512 tokens a sequence (+ the trash page).
+    assert m["max_model_len"] == 128 and m["max_num_seqs"] == 16 and m["kv_slots"] == 16 * 512 + 16
 
 
 def test_report_of_every_family_variant(tiny, converted):
     """MLA, sinks, soft-caps, NoPE layers and per-layer windows show up; a converted checkpoint checks too."""
     rows = {name: {(r["op"], r["layers"]): r["variant"] for r in check_lib.check(tiny[name]["hf"]).ops}
             for name in ("deepseek_v3", "gpt_oss", "gemma2", "smollm3")}
-    assert rows["deepseek_v3"][("attention (prefill, dense cache)", "0-2")].startswith("MLA (absorbed)")
+    assert rows["deepseek_v3"][("attention (cache-less forward)", "0-2")].startswith("MLA (absorbed)")
     assert "sigmoid_grouped" in rows["deepseek_v3"][("moe grouped matmul", "1-2")]
-    assert "sinks" in rows["gpt_oss"][("attention (prefill, dense cache)", "0")]
-    assert "sliding window 8" in rows["gpt_oss"][("attention (prefill, dense cache)", "0")]
-    assert "sliding window" not in rows["gpt_oss"][("attention (prefill, dense cache)", "1")]
-    assert "score soft-cap 2.0" in rows["gemma2"][("attention (prefill, dense cache)", "0")]
-    assert "(1 + w)" in rows["gemma2"][("rms_norm", "0-1")]
+    assert "sinks" in rows["gpt_oss"][("attention (cache-less forward)", "0")]
+    assert "sliding window 8" in rows["gpt_oss"][("attention (cache-less forward)", "0")]
+    assert "sliding window" not in rows["gpt_oss"][("attention (cache-less forward)", "1")]
+    assert "score soft-cap 2.0" in rows["gemma2"][("attention (cache-less forward)", "0")]
+    assert "(1 + w)" in rows["gemma2"][("rms_norm", "0-1,final")]  # four per layer and the final norm
     assert rows["smollm3"][("rope", "1")] == "none (NoPE layer)"
-    ckpt = check_lib.check(converted["deepseek_v3"])
+    ckpt = check_lib.check(converted["deepseek_v3"], dtype="float32")
     assert ckpt.supported and ckpt.source == "day0jax", ckpt.reasons
-    # The latent cache: one "head" of kv_lora_rank + qk_rope_head_dim for key and value, 3 layers, 128 positions.
-    assert ckpt.memory["kv_cache_bytes"] == 3 * 128 * 2 * (16 + 8) * 4
+    # The latent cache: one "head" of kv_lora_rank + qk_rope_head_dim for key and value, 3 layers, every slot.
+    assert ckpt.memory["kv_cache_bytes"] == 3 * ckpt.memory["kv_slots"] * 2 * (16 + 8) * 4
 
 
 def test_mesh_spec_splits_memory(tiny):
@@ -135,6 +137,27 @@ def test_kernel_chosen_or_fallback(tiny, monkeypatch):
     monkeypatch.setitem(api.CANDIDATES, backend, ("picky",))
     row = next(r for r in check_lib.check(tiny["llama"]["hf"]).ops if r["op"].startswith("attention"))
     assert row["implementation"].startswith("reference (fallback")
+
+
+# --- families and configs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", sorted(models.FAMILIES))
+def test_family_registry_matches_family_objects(model_type):
+    fam = models.family(model_type)
+    assert model_type in fam.model_types and fam.config().model_type == model_type
+
+
+def test_config_fields_keep_config_json_values():
+    """Derived values are properties; the HF-key fields hold what config.json gave (or HF's default)."""
+    llama = models.config_from_hf(dict(model_type="llama", hidden_size=64, num_attention_heads=4))
+    assert (llama.num_key_value_heads, llama.head_dim) == (None, None)
+    assert (llama.kv_heads, llama.head_size) == (4, 16) and llama.rope["rope_type"] == "default"
+    qwen2 = models.config_from_hf(dict(model_type="qwen2", num_hidden_layers=2, sliding_window=8))
+    assert qwen2.sliding_window == 8 and qwen2.layer_types is None and qwen2.window is None
+    assert qwen2.layer_kinds == ("full_attention",) * 2 and qwen2.layer_window(1) is None
+    deepseek = models.config_from_hf(dict(model_type="deepseek_v3", head_dim=7, qk_head_dim=9))
+    assert (deepseek.head_dim, deepseek.qk_head_dim) == (7, 9)
+    assert (deepseek.head_size, deepseek.qk_head_size) == (64, 192)  # HF recomputes both from the qk_* dims
 
 
 # --- refusals ----------------------------------------------------------------------------------------------------
@@ -219,3 +242,21 @@ def test_gguf_header_only(monkeypatch):
     assert report.supported and report.source == "gguf", report.reasons
     assert report.parameters["model"] == 134_515_008
     assert set(report.parameters["checkpoint_bytes_by_dtype"]) >= {"Q4_1", "F32"}
+
+
+def test_check_load_and_serve_plan_the_same(converted):
+    """The same engine flags, read by the parser `serve` and `check` share, give `check` and `load` one plan."""
+    import argparse
+
+    import day0jax
+    from day0jax import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_engine_arguments(parser)
+    engine = cli.engine_config_from_args(parser.parse_args(
+        ["--max-model-len", "96", "--max-num-seqs", "4", "--kv-cache-tokens", "512", "--chunk-sizes", "16,64"]))
+    checked = check_lib.check(converted["llama"], engine=engine, dtype="float32").memory
+    loaded = day0jax.load(converted["llama"], engine=engine, dtype="float32").memory_plan.to_dict()
+    same = {k for k in loaded if k not in ("available_bytes", "fits")}  # free memory moves between the calls
+    assert {k: checked[k] for k in same} == {k: loaded[k] for k in same}
+    assert loaded["max_model_len"] == 96 and loaded["max_num_seqs"] == 4 and loaded["kv_slots"] == 512 + 16

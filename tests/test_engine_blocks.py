@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from day0jax import models
 from day0jax.engine.block_pool import BlockPool, OutOfPages
-from day0jax.engine.engine import ABORT, Engine, EngineConfig, InvalidRequest, QueueFull, SamplingParams
+from day0jax.engine.config import EngineConfig
+from day0jax.engine.engine import Engine
+from day0jax.engine.requests import ABORT, InvalidRequest, QueueFull, SamplingParams
 from sharding.mesh import make_mesh
 
 VOCAB = 64
@@ -29,7 +31,7 @@ def module():
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                      max_position_embeddings=96))
     with nnx.use_eager_sharding(False):
-        return models.family("llama").Model(cfg, rngs=nnx.Rngs(0))
+        return models.family("llama").model(cfg, rngs=nnx.Rngs(0))
 
 
 def fake_engine(module, num_pages_tokens: int, max_num_seqs: int, seed: int) -> Engine:
@@ -39,13 +41,19 @@ def fake_engine(module, num_pages_tokens: int, max_num_seqs: int, seed: int) -> 
     rng = np.random.default_rng(seed)
     forwards = []
 
-    def forward(batch):
+    def random_tokens(rows):
+        tokens = np.zeros(engine.layout.max_rows, np.int32)  # padded like the real programs' outputs
+        tokens[:rows] = rng.integers(0, VOCAB, size=rows)
+        return tokens
+
+    def forward(batch, previous=None):
         # What a real step would touch: rows' pages for the positions they write.
+        assert (previous is None) == bool((batch.token_source < 0).all()), "a row's input token is lost"
         forwards.append(batch)
-        return np.zeros((batch.tokens.shape[0], 1))
+        return np.zeros((batch.tokens.shape[0], 1)), random_tokens(batch.tokens.shape[0])
 
     def sample(logits, rows, penalties, mode, logprobs):
-        return {"tokens": rng.integers(0, VOCAB, size=logits.shape[0]).astype(np.int32)}
+        return {"tokens": random_tokens(logits.shape[0])}
 
     engine.runner.forward, engine.runner.sample = forward, sample
     engine.forwards = forwards
@@ -53,10 +61,10 @@ def fake_engine(module, num_pages_tokens: int, max_num_seqs: int, seed: int) -> 
 
 
 def check_invariants(engine: Engine) -> None:
-    pool = engine.pool
+    pool = engine.scheduler.pool
     pool.check()
     holders: dict[int, int] = {}
-    for seq in engine.running:
+    for seq in engine.scheduler.running:
         # Prefill rows hold pages for all their tokens from admission; decode rows for what they computed (the
         # page for the pending token is taken when it is scheduled).
         covered = len(seq.tokens) if seq.pending > 1 else seq.num_computed
@@ -69,8 +77,8 @@ def check_invariants(engine: Engine) -> None:
     for page in range(1, pool.num_pages):
         assert pool.ref[page] == holders.get(page, 0), f"page {page}: ref {pool.ref[page]} holders {holders.get(page)}"
     assert pool.num_used == len(holders)
-    for seq in engine.waiting:
-        assert seq.pages == [] and not seq.finished
+    for seq in engine.scheduler.waiting:
+        assert seq.pages == [] and not seq.finished and not seq.in_flight
 
 
 def check_writes(engine: Engine) -> None:
@@ -131,7 +139,8 @@ def test_block_accounting_random_sequences(module, ops, pool_tokens, max_num_seq
                 finished.add((ev.request_id, ev.index))
         check_invariants(engine)
     assert not engine.has_work()
-    assert engine.pool.num_used == 0 and engine.pool.num_free == engine.pool.usable
+    pool = engine.scheduler.pool
+    assert pool.num_used == 0 and pool.num_free == pool.usable
     for rid, n in added:
         for i in range(n):
             assert (rid, i) in finished, f"{rid}/{i} never finished"
@@ -146,15 +155,16 @@ def test_prefix_reuse_counts_hits_and_shares_pages(module):
     engine.add_request("a", system + [40, 41], SamplingParams(max_tokens=1, ignore_eos=True))
     while engine.has_work():
         engine.step()
-    hits_before = engine.pool.hits
+    pool = engine.scheduler.pool
+    hits_before = pool.hits
     engine.add_request("b", system + [50, 51, 52], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
-    seq = engine.running[0]
-    assert engine.pool.hits - hits_before == 5 and seq.cached_tokens == 20 and seq.num_computed >= 20
-    assert engine.prefix_hit_tokens >= 20
+    seq = engine.scheduler.running[0]
+    assert pool.hits - hits_before == 5 and seq.cached_tokens == 20 and seq.num_computed >= 20
+    assert engine.scheduler.prefix_hit_tokens >= 20
     while engine.has_work():
         engine.step()
-    assert engine.pool.num_used == 0
+    assert pool.num_used == 0
 
 
 def test_n_sequences_share_prompt_pages(module):
@@ -163,13 +173,14 @@ def test_n_sequences_share_prompt_pages(module):
     engine.add_request("n", prompt, SamplingParams(max_tokens=4, n=3, ignore_eos=True))
     seen_shared = False
     while engine.has_work():
-        events = engine.step()
+        engine.step()
         check_invariants(engine)
-        if len(engine.running) == 3:
-            firsts = [tuple(s.pages[:4]) for s in engine.running]
+        running = engine.scheduler.running
+        if len(running) == 3:
+            firsts = [tuple(s.pages[:4]) for s in running]
             seen_shared |= len(set(firsts)) == 1
     assert seen_shared, "the n sequences did not share the prompt's full pages"
-    assert engine.pool.num_used == 0
+    assert engine.scheduler.pool.num_used == 0
 
 
 def test_preemption_instead_of_crash(module):
@@ -182,9 +193,9 @@ def test_preemption_instead_of_crash(module):
         for ev in engine.step():
             done.setdefault(ev.request_id, []).append(ev)
         check_invariants(engine)
-    assert engine.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0
     assert all(len(evs) == 32 and evs[-1].finish_reason == "length" for evs in done.values())
-    assert engine.pool.num_used == 0
+    assert engine.scheduler.pool.num_used == 0
 
 
 def test_abort_frees_pages_at_once(module):
@@ -192,11 +203,11 @@ def test_abort_frees_pages_at_once(module):
     engine.add_request("x", list(range(2, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.pool.num_used > 0
+    assert engine.scheduler.pool.num_used > 0
     engine.abort("x")
     events = engine.step()
     assert [(e.request_id, e.finish_reason) for e in events] == [("x", ABORT)]
-    assert engine.pool.num_used == 0 and not engine.has_work()
+    assert engine.scheduler.pool.num_used == 0 and not engine.has_work()
 
 
 def test_validation_names_parameters(module):
@@ -232,13 +243,13 @@ def test_shape_buckets_and_warmup_subset():
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                      max_position_embeddings=8192))
     with nnx.use_eager_sharding(False):
-        big = models.family("llama").Model(cfg, rngs=nnx.Rngs(0))
+        big = models.family("llama").model(cfg, rngs=nnx.Rngs(0))
     engine = Engine(big, make_mesh(None), jnp.float32, context_length=8192,
                     config=EngineConfig(max_num_seqs=12, kv_cache_tokens=8192))
-    r = engine.runner
-    assert r.batch_buckets == (1, 2, 4, 8, 12)  # every running batch fits a bucket
-    assert [w * 16 for w in r.decode_widths] == [128, 256, 512, 1024, 4096, 8192]
-    assert [w * 16 for w in r.prefill_widths] == [256, 1024, 4096, 8192]
-    subset = engine.warmup_shapes(2048)
+    layout = engine.layout
+    assert layout.batch_buckets == (1, 2, 4, 8, 12)  # every running batch fits a bucket
+    assert [w * 16 for w in layout.decode_widths] == [128, 256, 512, 1024, 4096, 8192]
+    assert [w * 16 for w in layout.prefill_widths] == [256, 1024, 4096, 8192]
+    subset = layout.forward_shapes(2048)
     assert subset and all(width * 16 <= 2048 for _, _, width in subset)
-    assert len(engine.program_shapes()) == 6 * 5 + 4 * 2 and len(subset) == 4 * 5 + 2 * 2
+    assert len(layout.forward_shapes()) == 6 * 5 + 4 * 2 and len(subset) == 4 * 5 + 2 * 2

@@ -16,7 +16,7 @@ from families import PROMPTS
 
 @pytest.fixture(scope="module")
 def model(converted):
-    return day0jax.load(converted["llama"])
+    return day0jax.load(converted["llama"], dtype="float32")  # as on the CPU; a GPU's default is bfloat16
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
@@ -41,28 +41,30 @@ def test_top_k_keeps_samples_among_the_k_best(model):
         assert token in top3
 
 
-def test_stop_tokens_and_eos(model):
+def test_stop_tokens_and_eos(model, converted, tmp_path):
     greedy = model.generate([PROMPTS[0]], 10, ignore_eos=True)[0]
     stop = greedy[3]
     out = model.generate([PROMPTS[0]], 10, stop_token_ids=[stop], ignore_eos=True)[0]
     assert out == greedy[:greedy.index(stop) + 1]  # the stop token is the last one returned
-    model.eos_token_ids = (stop,)
-    try:
-        assert model.generate([PROMPTS[0]], 10)[0] == out
-        assert model.generate([PROMPTS[0]], 10, ignore_eos=True)[0] == greedy
-    finally:
-        model.eos_token_ids = (2,)
+    # The same token as the checkpoint's EOS (generation_config.json): generation ends there unless ignore_eos.
+    eos = tmp_path / "eos"
+    shutil.copytree(converted["llama"], eos)
+    (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+    with_eos = day0jax.load(eos, dtype="float32")
+    assert with_eos.eos_token_ids == (stop,)
+    assert with_eos.generate([PROMPTS[0]], 10)[0] == out
+    assert with_eos.generate([PROMPTS[0]], 10, ignore_eos=True)[0] == greedy
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(prompts=[[1, 2]], max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(prompts=[], max_new_tokens=4), "non-empty list"),
     (dict(prompts=[[1], []], max_new_tokens=4), "non-empty list"),
-    (dict(prompts=[[1] * 120], max_new_tokens=20), "a prompt of 120 tokens plus max_new_tokens=20 exceeds the "
-                                                   "model's context of 128"),
-    (dict(prompts=[[1]], max_new_tokens=2, temperature=-1.0), "temperature must be >= 0"),
+    (dict(prompts=[[1] * 120], max_new_tokens=20), "maximum context length is 128 tokens; the prompt has 120 "
+                                                   "tokens and 20 more were asked for"),
+    (dict(prompts=[[1]], max_new_tokens=2, temperature=-1.0), r"temperature must be in \[0, 100\], got -1.0"),
     (dict(prompts=[[1]], max_new_tokens=2, top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(prompts=[[1]], max_new_tokens=2, top_k=-2), "top_k must be >= 0"),
+    (dict(prompts=[[1]], max_new_tokens=2, top_k=-2), "top_k must be -1, 0 \\(off\\) or a positive integer"),
 ])
 def test_invalid_requests(model, kwargs, match):
     with pytest.raises(GenerationError, match=match):
@@ -95,7 +97,8 @@ def test_cli_generate_reports_errors(converted):
 
 def test_cli_generate_chat(smollm2):
     proc = subprocess.run([sys.executable, "-m", "day0jax.generate", "--model", str(smollm2["ckpt_gguf"]),
-                           "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12"],
+                           "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "12",
+                           "--dtype", "float32"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout

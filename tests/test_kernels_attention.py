@@ -1,17 +1,19 @@
 """The attention op's shared contract test, run by every implementation of the pool that can run here.
 
 Each implementation computes bfloat16 inputs; the expectation is the reference on the same values in float32.
-Pallas kernels run in the Mosaic GPU interpreter on the CPU (`mosaic_gpu_interpret`); on a machine with a
-Hopper GPU the compiled kernel and cuDNN join. Tolerance: `cases.TOLERANCE["bfloat16"]` (2e-2 of the largest
-output magnitude), written beside the cases in kernels_pallas/cases.py.
+Pallas kernels run in the Mosaic GPU interpreter on the CPU (`mosaic_gpu_interpret`, on the CPU device on every
+machine); the compiled kernel joins on a Hopper GPU and cuDNN on an NVIDIA GPU (skipped elsewhere, with the
+reason). Inputs an implementation refuses (cuDNN: soft-cap, sinks) must be refused by name. Tolerance:
+`cases.TOLERANCE["bfloat16"]` (2e-2 of the largest output magnitude), written beside the cases in
+kernels_pallas/cases.py.
 """
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import TARGET, needs_hopper, needs_nvidia_gpu
 from kernels_pallas import cases, registry, selftest
 from kernels_pallas.attention import api, reference
 
@@ -30,12 +32,18 @@ class AttentionContract:
     """Every implementation of `attention` must match the float32 reference on these cases."""
 
     implementation: str
+    declines: dict[str, str] = {}  # case -> what the refusal (`KernelUnavailable`) says: inputs it does not take
 
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_matches_reference(self, name):
         case = cases.Case("attention", name, "bfloat16", CASES[name])
         (q, k, v), kwargs = case.build(sorted(CASES).index(name))
-        got = selftest.run(functools.partial(api.attention, implementation=self.implementation), (q, k, v), kwargs)
+        run = functools.partial(api.attention, implementation=self.implementation)
+        if name in self.declines:
+            with pytest.raises(registry.KernelUnavailable, match=self.declines[name]):
+                selftest.run(run, (q, k, v), kwargs)
+            return
+        got = selftest.run(run, (q, k, v), kwargs)
         want = selftest.run(reference.attention, cases.upcast((q, k, v)), kwargs)
         assert got.shape == q.shape and got.dtype == q.dtype
         err = cases.max_relative_error(got, want)
@@ -46,27 +54,36 @@ class TestReference(AttentionContract):
     implementation = "reference"
 
 
+@pytest.mark.usefixtures("interpreter_on_cpu")
 class TestMosaicGpuInterpret(AttentionContract):
     implementation = "mosaic_gpu_interpret"
 
 
-if jax.default_backend() == "gpu":  # the compiled kernels, where a GPU runs the suite
-    class TestMosaicGpu(AttentionContract):
-        implementation = "mosaic_gpu"
-
-    class TestCudnn(AttentionContract):
-        implementation = "cudnn"
+@needs_hopper
+class TestMosaicGpu(AttentionContract):
+    implementation = "mosaic_gpu"
 
 
-def test_off_gpu_the_pool_falls_back_and_named_kernels_refuse():
+@needs_nvidia_gpu
+class TestCudnn(AttentionContract):
+    implementation = "cudnn"
+    # jax's cuDNN attention has neither soft-cap nor sinks; head dim 256 needs Hopper or newer.
+    declines = {"ragged-window-softcap-sinks": "soft-cap nor sinks",
+                **({} if TARGET.is_hopper else {"mqa-headdim-256": "head dim"})}
+
+
+def test_the_pool_chooses_by_device_and_named_kernels_refuse_where_they_cannot_run():
     q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
     pos = jnp.arange(128)[None]
-    if jax.default_backend() != "gpu":
+    if not TARGET.is_hopper:
         with pytest.raises(registry.KernelUnavailable, match="Hopper"):
             api.attention(q, q, q, q_positions=pos, implementation="mosaic_gpu")
+    if TARGET.platform != "cuda":
         with pytest.raises(registry.KernelUnavailable, match="NVIDIA GPU"):
             api.attention(q, q, q, q_positions=pos, implementation="cudnn")
-        assert registry.chosen("attention", q, q, q, q_positions=pos) == "reference"
+    # Hopper: the Mosaic GPU kernel; another NVIDIA GPU: cuDNN; the CPU (no candidates): the reference.
+    want = "mosaic_gpu" if TARGET.is_hopper else "cudnn" if TARGET.platform == "cuda" else "reference"
+    assert registry.chosen("attention", q, q, q, q_positions=pos) == want
     # Inputs no kernel takes (float32, head dim 8) still run: the reference ends every pool.
     small = jnp.ones((1, 4, 2, 8), jnp.float32)
     assert api.attention(small, small, small, q_positions=jnp.arange(4)[None]).shape == small.shape

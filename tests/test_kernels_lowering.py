@@ -2,7 +2,7 @@
 machine without a GPU: the Mosaic GPU lowering (layout inference, wgmma/TMA constraints, shared-memory
 budget) runs fully here, so most of what would break the GPU build breaks this test.
 
-The shapes are the supported families' own (`kernels_pallas.cases`): Llama-3-8B and Qwen3-30B-A3B layers,
+The shapes are flagship models' own op calls (`kernels_pallas/flagships.json`): Llama-3-8B and Qwen3-30B-A3B layers,
 Gemma 2 (head dim 256, window, soft-cap) and gpt-oss (head dim 64, sinks, window). DeepSeek-V3's absorbed MLA
 attention (head dim 576) must be declined, not mis-lowered.
 """
@@ -11,8 +11,8 @@ import pytest
 
 from kernels_pallas import cases, selfcheck
 
-LOWERED = [c for c in cases.family_cases(("llama-3-8b", "qwen3-30b-a3b", "gemma-2-9b", "gpt-oss-20b"),
-                                         scale="full")
+LOWERED = [c for c in cases.flagship_cases(("llama-3-8b", "qwen3-30b-a3b", "gemma-2-9b", "gpt-oss-20b"),
+                                           scale="full")
            if not (c.name.startswith(("gemma", "gpt-oss")) and c.op in ("moe", "rms_norm"))]
 
 
@@ -25,6 +25,6 @@ def test_pallas_kernel_lowers_for_cuda(case):
 
 
 def test_unsupported_shapes_are_declined_not_mislowered():
-    rows = selfcheck.lower_rows(cases.family_cases(("deepseek-v3",), scale="full",
-                                                   ops=("attention", "paged_attention")), "cuda")
+    rows = selfcheck.lower_rows(cases.flagship_cases(("deepseek-v3",), scale="full",
+                                                     ops=("attention", "paged_attention")), "cuda")
     assert rows and all(r["ok"] is None and "576" in r["detail"] for r in rows), rows

@@ -4,11 +4,11 @@ bfloat16 inputs against the float32 reference on the same values; tolerance `cas
 Group sizes include empty groups, groups that straddle row blocks and rows past sum(group_sizes) (must be 0).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import needs_hopper
 from kernels_pallas import cases
 from kernels_pallas.moe import api, pallas_mgpu, reference
 
@@ -45,13 +45,14 @@ class TestXlaRaggedDot(GroupedMatmulContract):
     implementation = "xla_ragged_dot"
 
 
+@pytest.mark.usefixtures("interpreter_on_cpu")
 class TestMosaicGpuInterpret(GroupedMatmulContract):
     implementation = "mosaic_gpu_interpret"
 
 
-if jax.default_backend() == "gpu":
-    class TestMosaicGpu(GroupedMatmulContract):
-        implementation = "mosaic_gpu"
+@needs_hopper
+class TestMosaicGpu(GroupedMatmulContract):
+    implementation = "mosaic_gpu"
 
 
 def test_pair_table_maps_every_row_to_its_own_groups_tile():

@@ -1,17 +1,18 @@
 """The paged decode attention op's shared contract test, run by every implementation that can run here.
 
 bfloat16 inputs against the float32 reference on the same values; tolerance `cases.TOLERANCE["bfloat16"]`
-(2e-2 of the largest output magnitude). The Mosaic GPU kernel runs in the interpreter on the CPU; the cases
-make it split rows' keys (some splits empty), gather several pages per key block, and need two query tiles.
+(2e-2 of the largest output magnitude). The Mosaic GPU kernel runs in the interpreter on the CPU (on every
+machine) and, compiled, on a Hopper GPU; the cases make it split rows' keys (some splits empty), gather several
+pages per key block, and need two query tiles.
 """
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import needs_hopper
 from kernels_pallas import cases, registry, selftest
 from kernels_pallas.paged_attention import api, pallas_mgpu, reference
 
@@ -43,13 +44,14 @@ class TestReference(PagedAttentionContract):
     implementation = "reference"
 
 
+@pytest.mark.usefixtures("interpreter_on_cpu")
 class TestMosaicGpuInterpret(PagedAttentionContract):
     implementation = "mosaic_gpu_interpret"
 
 
-if jax.default_backend() == "gpu":
-    class TestMosaicGpu(PagedAttentionContract):
-        implementation = "mosaic_gpu"
+@needs_hopper
+class TestMosaicGpu(PagedAttentionContract):
+    implementation = "mosaic_gpu"
 
 
 def test_split_count_fills_the_chip_but_never_exceeds_the_blocks():

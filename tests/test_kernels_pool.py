@@ -69,7 +69,7 @@ def test_dispatch_takes_the_first_candidate_that_accepts(fake_pool):
 
 
 def test_selftest_auto_replaces_a_disagreeing_kernel(fake_pool):
-    report = selftest.startup({}, dtype="float32", mode="auto", case_list=RMS_CASE)
+    report = selftest.startup([], dtype="float32", mode="auto", case_list=RMS_CASE)
     assert report.disabled == [("rms_norm", "wrong")]
     assert report.chosen == {"rms_norm": ["right"]}
     assert [r["implementation"] for r in report.rows] == ["wrong", "right"]
@@ -82,18 +82,18 @@ def test_selftest_auto_replaces_a_disagreeing_kernel(fake_pool):
 
 def test_selftest_strict_raises_and_reference_runs_nothing(fake_pool):
     with pytest.raises(registry.KernelMismatch, match="rms_norm.wrong"):
-        selftest.startup({}, dtype="float32", mode="strict", case_list=RMS_CASE)
-    report = selftest.startup({}, dtype="float32", mode="reference", case_list=RMS_CASE)
+        selftest.startup([], dtype="float32", mode="strict", case_list=RMS_CASE)
+    report = selftest.startup([], dtype="float32", mode="reference", case_list=RMS_CASE)
     assert report.chosen == {"rms_norm": ["reference"]} and report.rows == []
     assert registry.get_policy().mode == "reference"
     with pytest.raises(ValueError, match="kernels='sometimes'"):
-        selftest.startup({}, dtype="float32", mode="sometimes", case_list=RMS_CASE)
+        selftest.startup([], dtype="float32", mode="sometimes", case_list=RMS_CASE)
 
 
 def test_selftest_on_this_backend():
     """On the CPU (no candidates) a no-op reporting 'reference'; on a GPU every chosen kernel must agree."""
     with registry.use_policy(registry.Policy()):
-        report = selftest.startup(cases.FAMILIES["qwen3-30b-a3b"], dtype="bfloat16")
+        report = selftest.startup(cases.flagships()["qwen3-30b-a3b"], dtype="bfloat16")
     assert set(report.chosen) == {"attention", "paged_attention", "rms_norm", "moe"}
     if BACKEND == "gpu":
         assert report.disabled == [] and all(r["ok"] for r in report.rows), report.rows
@@ -104,19 +104,20 @@ def test_selftest_on_this_backend():
 
 def test_startup_cases_keep_the_models_real_dims():
     by_op = {}
-    for c in cases.cases_from_config(cases.FAMILIES["gpt-oss-20b"], "bfloat16", scale="startup"):
+    flagships = cases.flagships()
+    for c in cases.cases_from_calls(flagships["gpt-oss-20b"], "bfloat16", scale="startup"):
         by_op.setdefault(c.op, c)
     attn = by_op["attention"].spec
     assert (attn["N"], attn["K"], attn["H"], attn["window"], attn["sinks"]) == (64, 8, 64, 128, True)
     assert by_op["moe"].spec["G"] == 32 and by_op["rms_norm"].spec["D"] == 2880
-    mla = cases.cases_from_config(cases.FAMILIES["deepseek-v3"], scale="startup", ops=("attention",))[0].spec
+    mla = cases.cases_from_calls(flagships["deepseek-v3"], scale="startup", ops=("attention",))[0].spec
     assert (mla["K"], mla["H"]) == (1, 576)
-    halved = cases.cases_from_config(cases.FAMILIES["llama-3-8b"], scale="startup", tp=2, ops=("attention",))
+    halved = cases.cases_from_calls(flagships["llama-3-8b"], scale="startup", tp=2, ops=("attention",))
     assert (halved[0].spec["N"], halved[0].spec["K"]) == (16, 4)
 
 
 def test_built_inputs_are_random_and_every_query_sees_a_key():
-    for case in cases.family_cases(("gemma-2-9b", "gpt-oss-20b"), scale="tiny"):
+    for case in cases.flagship_cases(("gemma-2-9b", "gpt-oss-20b"), scale="tiny"):
         args, kwargs = case.build(3)
         floats = [a for a in jax.tree.leaves((args, kwargs))
                   if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]

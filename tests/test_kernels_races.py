@@ -2,7 +2,8 @@
 
 A missing barrier wait, a slot refilled while a matmul still reads it, or an output stored before its shared
 memory is committed would be reported here as a race; on a GPU it would be an error that changes from run to
-run. The first test plants such a race to show the detector sees one.
+run. The first test plants such a race to show the detector sees one. The interpreter runs on the CPU device on
+every machine (`interpreter_on_cpu`).
 """
 
 import jax
@@ -18,6 +19,7 @@ from kernels_pallas.paged_attention import pallas_mgpu as paged
 from kernels_pallas.rms_norm import pallas_mgpu as rms
 
 DETECT = plgpu.InterpretGPUParams(detect_races=True)
+pytestmark = pytest.mark.usefixtures("interpreter_on_cpu")
 
 
 def races_found() -> bool:

@@ -5,11 +5,11 @@ outputs, Gemma-style outputs keep x's dtype). Tolerance per dtype from `cases.TO
 be identical (one rounding of one add).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import needs_hopper
 from kernels_pallas import cases, registry
 from kernels_pallas.rms_norm import api, reference
 
@@ -43,13 +43,14 @@ class TestReference(RMSNormContract):
     implementation = "reference"
 
 
+@pytest.mark.usefixtures("interpreter_on_cpu")
 class TestMosaicGpuInterpret(RMSNormContract):
     implementation = "mosaic_gpu_interpret"
 
 
-if jax.default_backend() == "gpu":
-    class TestMosaicGpu(RMSNormContract):
-        implementation = "mosaic_gpu"
+@needs_hopper
+class TestMosaicGpu(RMSNormContract):
+    implementation = "mosaic_gpu"
 
 
 def test_hidden_size_not_a_multiple_of_128_is_declined():

@@ -24,7 +24,7 @@ def loaded(converted):
 
     def get(name):
         if name not in cache:
-            cache[name] = day0jax.load(converted[name])
+            cache[name] = day0jax.load(converted[name], dtype="float32")  # a GPU's default is bfloat16
         return cache[name]
     return get
 

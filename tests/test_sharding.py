@@ -1,5 +1,6 @@
-"""sharding/ in one process on one CPU device: mesh specs and their refusals, the rules table, golden sharding
-files, the memory planner (against XLA's own figures) and refusals before any weight is read, multi-host flags.
+"""sharding/ in one process on its one device (the CPU in CI, or one GPU): mesh specs and their refusals, the rules
+table, golden sharding files, the memory planner (against XLA:CPU's own figures) and refusals before any weight is
+read, multi-host flags.
 
 The tests that need 8 devices run in subprocesses: tests/test_sharding_multidevice.py.
 
@@ -27,7 +28,7 @@ from sharding import distributed, mesh as mesh_lib, plan as plan_lib, rules
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden_sharding"
-MESHES = ["tp=2,dp=4", "tp=2,ep=4", "tp=2,ep=2,dp=2", "tp=8"]  # the meshes the issue names
+MESHES = ["tp=2,dp=4", "tp=2,ep=4", "tp=2,ep=2,dp=2", "tp=8"]  # tp inside, combined with dp, ep or both
 
 sys.path.insert(0, str(ROOT / "tests"))
 from families import FAMILIES as TEST_FAMILIES  # noqa: E402
@@ -139,7 +140,7 @@ def test_make_mesh_on_the_visible_devices():
     # One process: the spec takes the first dp*ep*tp visible devices; more than visible is refused.
     mesh = mesh_lib.make_mesh("dp=1")
     assert dict(mesh.shape) == {"dp": 1, "ep": 1, "tp": 1} and mesh.axis_names == ("dp", "ep", "tp")
-    with pytest.raises(MeshError, match=f"only {len(jax.devices())} cpu device"):
+    with pytest.raises(MeshError, match=f"only {len(jax.devices())} {jax.devices()[0].platform} device"):
         mesh_lib.make_mesh(f"tp={len(jax.devices()) + 1}")
 
 
@@ -218,8 +219,7 @@ def golden_table(model_type: str) -> dict:
         if bad:
             out["meshes"][spec] = {"refused": bad}
             continue
-        batch = sizes["dp"] * sizes["ep"]
-        kv = {f"{k}x{kd}x{vd}": list(rules.partition_spec(plan_lib.KV_AXES, (batch, 64, k, 1), sizes))
+        kv = {f"{k}x{kd}x{vd}": list(rules.partition_spec(rules.KV_POOL, (64, 16, k, 1), sizes))
               for k, kd, vd in sorted(set(module.cache_layout()))}
         out["meshes"][spec] = {"params": _jsonable(rules.spec_table(infos, sizes)), "kv_cache": _jsonable(kv)}
     return out
@@ -257,7 +257,7 @@ def test_golden_sharding(model_type):
             "`.venv/bin/python tests/test_sharding.py --update-golden` and review the diff")
 
 
-def test_golden_files_split_what_the_issue_says():
+def test_golden_files_split_heads_experts_and_the_kv_pool():
     """Spot checks of the checked-in tables themselves (not only that they are stable)."""
     llama = json.loads((GOLDEN / "llama.json").read_text())["meshes"]["tp=8"]
     assert llama["params"]["model.layers.0.self_attn.q_proj.kernel"] == ["tp", None, None]  # [N, H, D]
@@ -268,48 +268,96 @@ def test_golden_files_split_what_the_issue_says():
     moe = json.loads((GOLDEN / "qwen3_moe.json").read_text())["meshes"]["tp=2,ep=4"]
     expert = [v for k, v in moe["params"].items() if "experts" in k and k.startswith("model.layers.0")]
     assert expert and all(v[0] == "ep" and "tp" in v for v in expert), expert
-    assert moe["kv_cache"] == {"2x8x8": ["ep", None, "tp", None]}  # batch over ep, kv heads over tp
+    assert moe["kv_cache"] == {"2x8x8": [None, None, "tp", None]}  # the page pool serves every row: kv heads only
 
 
 # --- the memory planner --------------------------------------------------------------------------------------
 
+def engine_plan(hf: dict, engine=None):
+    """The planner's inputs for `hf` served by `engine` (default EngineConfig), as `load` makes them."""
+    from day0jax.engine.config import EngineConfig
+    from day0jax.weights.loader import EnginePlanInputs
+
+    config = models.config_from_hf(hf)
+    return EnginePlanInputs.of(models.abstract_model(config), config, engine or EngineConfig())
+
+
 def test_plan_params_and_kv_bytes():
-    module, infos = abstract_infos(sharding_config("llama"))
-    shape = plan_lib.ModelShape.from_model(module)
+    from day0jax.engine.config import EngineConfig
+
+    _, infos = abstract_infos(sharding_config("llama"))
+    inputs = engine_plan(sharding_config("llama"), EngineConfig(max_num_seqs=4, kv_cache_tokens=1024))
     total = sum(math.prod(i.shape) for i in infos) * 4
-    one = plan_lib.plan(shape, "dp=1", batch=1, context=128)
+    one = inputs.plan("dp=1", "float32", None)
     assert one.params_bytes == one.model_bytes == total
-    tp8 = plan_lib.plan(shape, "tp=8", batch=1, context=128)
+    tp8 = inputs.plan("tp=8", "float32", None)
     # Per parameter: split by 8 where its tp axis divides, whole otherwise (kv projections, norms).
     expect = sum(math.prod(i.shape) // (8 if any(rules.RULES.get(a) == "tp" and n % 8 == 0
                                                  for a, n in zip(i.axes, i.shape)) else 1) for i in infos) * 4
     assert tp8.params_bytes == expect < total / 4
-    # KV: layers x batch x positions x kv heads (2, replicated under tp=8, split under tp=2) x (k + v dims).
+    # KV: layers x the pool's token slots (1024 + the trash page) x kv heads (2: replicated under tp=8, split
+    # under tp=2) x (k + v dims); dp does not split the pool, whose pages serve every row.
     c = models.config_from_hf(sharding_config("llama"))
-    assert tp8.kv_cache_bytes == c.num_hidden_layers * 1 * 128 * 2 * (8 + 8) * 4
-    tp2 = plan_lib.plan(shape, "dp=4,tp=2", batch=8, context=128, dtype="bfloat16")
-    assert tp2.kv_cache_bytes == c.num_hidden_layers * 2 * 128 * 1 * (8 + 8) * 2
-    assert tp2.fits and "KV cache" in tp2.summary()
+    assert one.kv_slots == 1024 + 16
+    assert tp8.kv_cache_bytes == c.num_hidden_layers * 1040 * 2 * (8 + 8) * 4
+    tp2 = inputs.plan("dp=4,tp=2", "bfloat16", None)
+    assert tp2.kv_cache_bytes == c.num_hidden_layers * 1040 * 1 * (8 + 8) * 2
+    assert tp2.fits and "KV cache" in tp2.summary() and "4 sequences" in tp2.summary()
 
 
-@pytest.mark.parametrize("context", [64, 128, 256])
-def test_activation_estimate_bounds_xla(context, tmp_path_factory):
-    """The estimate covers XLA's own temporary buffers for the prefill and is not far above them."""
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """A synthetic model loaded with an engine whose every program is compiled (the server's start-up)."""
     import day0jax
+    from day0jax.engine.config import EngineConfig
 
-    hf = dict(sharding_config("llama"), hidden_size=256, intermediate_size=704, vocab_size=1024,
-              max_position_embeddings=256)
-    ckpt = synthetic_checkpoint(hf, tmp_path_factory.mktemp("act") / "ckpt")
-    model = day0jax.load(ckpt)
-    g = model._generator
-    caches = g._new_caches(1, context)
-    args = (g.params, caches, jnp.zeros((1, context), jnp.int32), jnp.full((1,), context, jnp.int32),
-            jax.random.key(0), jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
-    with jax.set_mesh(g.mesh):
-        temp = g._prefill.lower(*args, mode="greedy").compile().memory_analysis().temp_size_in_bytes
-    est = plan_lib.activation_bytes(plan_lib.ModelShape.from_model(model.module), mesh_lib.parse_spec(None), 1,
-                                    context, "float32")
-    assert temp <= est <= 1.5 * temp, (context, temp, est)
+    hf = dict(sharding_config("llama"), hidden_size=256, intermediate_size=1024, vocab_size=1024,
+              max_position_embeddings=1024, head_dim=64, num_key_value_heads=2)
+    # Serving-shaped: 8 sequences of up to 1024 tokens; two prefill chunks, spans from 256.
+    engine = EngineConfig(max_num_seqs=8, chunk_buckets=(32, 128), min_width=256)
+    model = day0jax.load(synthetic_checkpoint(hf, tmp_path_factory.mktemp("alloc") / "ckpt"), engine=engine,
+                         dtype="float32")
+    model.engine.warm_up()
+    return model
+
+
+# A string condition: evaluated when the test runs, so importing this module (tests/test_sharding_multidevice.py
+# does, before it starts the distributed runtime) does not start a JAX backend.
+XLA_CPU_ONLY = pytest.mark.skipif("jax.default_backend() != 'cpu'",
+                                  reason="calibrated against XLA:CPU's buffer assignment")
+
+
+@XLA_CPU_ONLY
+def test_plan_matches_what_the_engine_allocates(started):
+    """After start-up, the plan's figures are the bytes the engine holds (parameters and the KV page pool, every
+    live array on the device) and the temporary memory of its largest compiled program: within 10% in all."""
+    runner = started.engine.runner
+    live = {a.unsafe_buffer_pointer(): a.nbytes for a in jax.live_arrays()}  # each buffer once
+    temps = {p: c.memory_analysis().temp_size_in_bytes for p, c in runner.programs.items()}
+    plan = started.memory_plan
+    assert plan.params_bytes == runner.param_bytes and plan.kv_cache_bytes == runner.pool_bytes
+    assert plan.params_bytes + plan.kv_cache_bytes == sum(live.values())
+    allocated = sum(live.values()) + max(temps.values())
+    assert abs(plan.total_bytes - allocated) <= 0.1 * allocated, (plan.summary(), allocated)
+    # The program the plan names as the largest is the one XLA gives the most temporary memory.
+    largest = max((p for p in temps if p.name == "forward"), key=temps.get)
+    rows, tokens, width = largest.shape
+    assert plan.largest_program == (rows, tokens, width * started.engine.page_size)
+
+
+@XLA_CPU_ONLY
+def test_activation_estimate_bounds_every_program(started):
+    """Per forward program, the estimate covers XLA's own temporary buffers and is at most 1.5 times them."""
+    engine = started.engine
+    inputs = engine_plan(json.loads((started.path / "config.json").read_text()), engine.config)
+    for program, compiled in engine.runner.programs.items():
+        if program.name != "forward":
+            continue
+        rows, tokens, width = program.shape
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        est = plan_lib.forward_activation_bytes(inputs.shape, mesh_lib.parse_spec(None), rows, tokens,
+                                                width * engine.page_size, "float32", inputs.workload.weight_copy_rows)
+        assert temp <= est <= 1.5 * temp, (program.label, temp, est)
 
 
 @pytest.fixture(scope="module")
@@ -319,39 +367,39 @@ def small_ckpt(tmp_path_factory):
 
 def test_out_of_memory_plan_refuses_before_reading_weights(small_ckpt, tmp_path):
     import day0jax
+    from day0jax.engine.config import EngineConfig
 
-    module, _ = abstract_infos(sharding_config("llama"))
-    shape = plan_lib.ModelShape.from_model(module)
-    need_1 = plan_lib.plan(shape, "dp=1", batch=1, context=128).total_bytes
-    need_2 = plan_lib.plan(shape, "tp=2", batch=1, context=128).total_bytes
+    inputs = engine_plan(sharding_config("llama"))
+    need_1 = inputs.plan("dp=1", "float32", None).total_bytes
+    need_2 = inputs.plan("tp=2", "float32", None).total_bytes
     budget = (need_1 + need_2) // 2  # fits on tp=2, not on one device
     # The weights are gone: a refusal that read them would fail differently.
     no_weights = tmp_path / "no-weights"
     shutil.copytree(small_ckpt, no_weights, ignore=shutil.ignore_patterns("params"))
     with pytest.raises(OutOfMemoryPlan) as e:
-        day0jax.load(no_weights, memory_budget=budget)
+        day0jax.load(no_weights, memory_budget=budget, dtype="float32")
     msg = str(e.value)
     assert "2 devices of this size would fit it (--mesh tp=2)" in msg, msg
-    assert "max_context=64" in msg and "per device (params" in msg, msg
+    assert "max_model_len=64" in msg and "per device (params" in msg, msg
     # Following the hint works.
-    model = day0jax.load(small_ckpt, memory_budget=budget, max_context=64)
-    assert model.memory_plan.fits and model.memory_plan.context == 64 and model.context_length == 64
-    with pytest.raises(GenerationError, match="context of 64"):
+    model = day0jax.load(small_ckpt, memory_budget=budget, engine=EngineConfig(max_model_len=64), dtype="float32")
+    assert model.memory_plan.fits and model.memory_plan.max_model_len == 64 and model.context_length == 64
+    with pytest.raises(GenerationError, match="maximum context length is 64"):
         model.generate([[1] * 60], 10)
     assert len(model.generate([[1] * 50], 10, ignore_eos=True)[0]) == 10
 
 
 def test_plan_refusal_names_a_mesh_on_the_visible_devices():
-    module, _ = abstract_infos(sharding_config("qwen3_moe"))
-    shape = plan_lib.ModelShape.from_model(module)
-    p = plan_lib.plan(shape, "dp=8", batch=8, context=128)
-    budget = plan_lib.plan(shape, "tp=2,ep=4", batch=8, context=128).total_bytes
+    from day0jax.engine.config import EngineConfig
+
+    inputs = engine_plan(sharding_config("qwen3_moe"), EngineConfig(max_num_seqs=8))
+    p = inputs.plan("dp=8", "float32", None)
+    budget = inputs.plan("tp=2,ep=4", "float32", None).total_bytes
     with pytest.raises(OutOfMemoryPlan) as e:
-        plan_lib.require_fit(plan_lib.plan(shape, "dp=8", batch=8, context=128, available=budget), shape,
-                             n_devices=8)
+        inputs.require_fit(inputs.plan("dp=8", "float32", budget), n_devices=8)
     assert "--mesh" in str(e.value) and p.mesh in str(e.value)
     hinted = str(e.value).split("--mesh ")[1].split(" ")[0]
-    assert plan_lib.plan(shape, hinted, batch=8, context=128, available=budget).fits, hinted
+    assert inputs.plan(hinted, "float32", budget).fits, hinted
 
 
 # --- multi-host flags ----------------------------------------------------------------------------------------

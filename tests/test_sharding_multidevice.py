@@ -1,8 +1,9 @@
 """Sharded models on 8 simulated CPU devices, multi-host runs and the host memory of sharded loading.
 
 Each check runs in a subprocess started with `XLA_FLAGS=--xla_force_host_platform_device_count=N` (the flag must
-be set before jax starts; this test process keeps its single device). The subprocess is this file, run as a
-script with a job: `python tests/test_sharding_multidevice.py JOB.json`.
+be set before jax starts; this test process keeps its single device) and `JAX_PLATFORMS=cpu`, so that on a GPU
+machine too it gets N CPU devices. The subprocess is this file, run as a script with a job:
+`python tests/test_sharding_multidevice.py JOB.json`.
 
 Tolerances: logits on a mesh equal the single-device logits within max |mesh - one| <= 1e-5 * max |one|
 (float32; the sums are split across devices, so only the order of additions differs: 6e-7 to 4e-6 observed); the
@@ -65,12 +66,11 @@ def job_meshes(job: dict) -> dict:
         for spec in job["meshes"]:
             model = day0jax.load(ckpt, mesh=spec)
             logits = model.logits(np.array(TOKENS, np.int32))
-            params = jax.tree.leaves(model._generator.params)
+            runner = model.engine.runner  # the parameters it runs on and the KV page pool it allocated
+            params = runner.params
             devices = list(model.mesh.devices.flat)
             plan = model.memory_plan
-            # Caches as the engine makes them for the planned batch and length.
-            caches = model._generator._new_caches(plan.batch, plan.context)
-            cache_arrays = [a for c in caches for a in (c.k, c.v)]
+            cache_arrays = jax.tree.leaves(runner.pools)
             entry = {
                 "rel_err": float(np.abs(logits - ref).max() / np.abs(ref).max()),
                 "param_bytes_per_device": [_device_bytes(params, d) for d in devices],
@@ -81,7 +81,7 @@ def job_meshes(job: dict) -> dict:
             if spec in generate:
                 entry["tokens"] = model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
             res["meshes"][spec] = entry
-            del model, caches, cache_arrays, params
+            del model, runner, cache_arrays, params
         out[model_type] = res
     return out
 
@@ -125,6 +125,7 @@ def job_rss(job: dict) -> dict:
     import gc
 
     import jax
+    from flax import nnx
 
     import day0jax
 
@@ -135,7 +136,7 @@ def job_rss(job: dict) -> dict:
     before = _status_bytes("VmRSS")
     model = day0jax.load(job["checkpoint"], mesh=job["mesh"])
     peak = _status_bytes("VmHWM")
-    params = jax.tree.leaves(model._generator.params)
+    params = jax.tree.leaves(nnx.state(model.module))
     return {"before": before, "peak": peak, "model_bytes": sum(a.nbytes for a in params),
             "device0_bytes": _device_bytes(params, model.mesh.devices.flat[0]),
             "planned_per_device": model.memory_plan.params_bytes}

@@ -1,5 +1,6 @@
 """Fast restarts: the compile cache's key and folders, checked entries, `python -m day0jax.compile`, the program
-store, warm-up of every program before /health is 200, and the startup timeline in the log and on /metrics.
+store, warm-up of every program before /health is 200, the startup timeline on /metrics, and the server's
+default log (short: one line per phase, a compile bar, the URL; no library INFO lines).
 
 One tiny model and one set of engine flags (27 programs: 3 forward shapes, 24 sampler variants), compiled once
 by the first `day0jax.compile` run; the other processes start from that cache.
@@ -79,12 +80,16 @@ def filled(ckpt, tmp_path_factory):
 def test_cache_key_separates_jax_versions_meshes_and_models(ckpt, tmp_path):
     fp = compile_cache.model_fingerprint(ckpt, "float32")
     key = compile_cache.current_key(None, fp)
-    assert key.jax == jax.__version__ and key.platform == "cpu" and key.devices == jax.device_count()
+    here = jax.devices()[0]
+    assert key.jax == jax.__version__ and key.devices == jax.device_count()
+    assert (key.platform, key.device_kind) == (here.platform, here.device_kind)
     assert compile_cache.current_key("dp=1", fp) == key  # the same mesh spelled another way
+    # Another device than this machine's: an H200, or an H100 where this is an H200.
+    other = "NVIDIA H100 80GB HBM3" if (key.platform, key.device_kind) == ("gpu", "NVIDIA H200") else "NVIDIA H200"
     others = [dataclasses.replace(key, jax="0.10.0"), dataclasses.replace(key, jaxlib="0.10.0"),
               compile_cache.current_key("tp=2", fp), compile_cache.current_key("auto", fp),
               dataclasses.replace(key, processes=2),
-              dataclasses.replace(key, platform="gpu", device_kind="NVIDIA H200"),
+              dataclasses.replace(key, platform="gpu", device_kind=other),
               dataclasses.replace(key, host="another-cpu"),
               compile_cache.current_key(None, compile_cache.model_fingerprint(ckpt, "bfloat16"))]
     names = {key.folder_name()} | {k.folder_name() for k in others}
@@ -310,7 +315,29 @@ def test_server_warms_up_every_program_and_exports_the_timeline(ckpt, filled):
         # Every request ran on warmed-up programs: nothing was traced or compiled after ready.
         assert value("day0jax_compiles_after_ready_total", kind="trace") == 0
         assert value("day0jax_compiles_after_ready_total", kind="compile") == 0
-        assert "startup timeline:" in proc.log_text() and re.search(r"^restore parameters .* GB/s", proc.log_text(),
-                                                                      re.M)
+        check_short_startup_log(proc.log_text(), proc.url)
     finally:
         assert proc.terminate() == 0, proc.log_text()[-3000:]
+
+
+SERVER_PHASES = ("python start", "server imports", "imports", "compile cache", "read config", "build model",
+                 "restore parameters", "kernel self-test", "build engine", "compile", "warm-up")
+MAX_STARTUP_LINES = 25  # about 17 today: the phases, a few notes (memory plan, kernels, cache folder), ready
+
+
+def check_short_startup_log(text: str, url: str) -> None:
+    """The default-level server log: no library INFO lines, one line per phase, the compile bar, the ready URL."""
+    # Reading the log as text turned the progress bar's carriage returns into newlines: one line per update.
+    bar = [line for line in text.split("\n") if f"compiling {PROGRAMS} programs |" in line]
+    assert bar and f"| {PROGRAMS}/{PROGRAMS} [" in bar[-1], text
+    lines = [line for line in text.split("\n") if line.strip() and line not in bar]
+    for library in ("absl", "orbax", "jax", "uvicorn"):
+        assert not [line for line in lines if re.search(rf" INFO {library}\b", line)], (library, text)
+    assert "if no error is raised then it is a bug" not in text  # one of Orbax's INFO lines
+    assert "startup timeline:" not in text  # the full table is for --log-level debug (and /metrics)
+    for phase in SERVER_PHASES:
+        found = [line for line in lines if re.match(rf"\d\d:\d\d:\d\d {re.escape(phase)} \d+\.\d\ds\b", line)]
+        assert len(found) == 1, (phase, text)
+    assert re.search(r"^\d\d:\d\d:\d\d restore parameters .* GB/s", text, re.M), text
+    ready = [i for i, line in enumerate(lines) if re.search(rf" ready in \d+\.\ds: serving {MODEL} on {url}$", line)]
+    assert len(ready) == 1 and ready[0] < MAX_STARTUP_LINES, text

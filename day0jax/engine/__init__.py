@@ -1,7 +1,10 @@
-"""The engine: KV caches, jitted prefill and decode steps, sampling. It speaks token ids only.
+"""The one engine: requests in, token ids out, over a paged KV cache. It speaks token ids only.
 
-`generator.Generator` (contiguous cache) is `Model.generate`'s path; `engine.Engine` is the serving engine
-(paged cache in `paged_cache`, page accounting and prefix cache in `block_pool`, device programs in `runner`,
-continuous batching with chunked prefill and preemption), `async_engine.AsyncEngine` runs it on a thread for the
-server.
+- `requests`: `SamplingParams`, `TokenEvent`, the per-sequence state, the request errors;
+- `config`: `EngineConfig` (runtime choices) and the `EngineLayout` it resolves to (pool size, shape buckets);
+- `scheduler`: admission, decode rows and prefill chunks, preemption, prefix reuse (`block_pool`);
+- `engine`: the step loop (`Engine`), which `Model.generate` and the server both drive;
+- `runner`: the device side (parameters, page pools in `paged_cache`, the forward and sample programs);
+- `sampling`: the sampler;
+- `async_engine`: the engine on its own thread, with an asyncio face for the server.
 """

@@ -14,7 +14,8 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
-from day0jax.engine.engine import ABORT, Engine, SamplingParams, TokenEvent
+from day0jax.engine.engine import Engine
+from day0jax.engine.requests import SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -131,5 +132,3 @@ class AsyncEngine:
                     batches.setdefault(event.request_id, []).append(event)
                 self._loop.call_soon_threadsafe(self._deliver, batches)
 
-
-__all__ = ["AsyncEngine", "EngineDead", "ABORT"]

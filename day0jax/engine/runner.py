@@ -1,13 +1,19 @@
-"""The device side of the serving engine: the paged KV pools and the two jitted programs (forward, sample).
+"""The device side of the engine: the parameters, the paged KV pools and the two jitted programs (forward, sample).
 
 One forward program serves decode steps (tokens [B, 1]) and prefill chunks (tokens [1, C]); it returns the
-logits of one chosen position per row. Sampling is a separate small program, so the model programs do not
-multiply by sampling modes. Shapes come from a few buckets (batch sizes, chunk lengths, block-table widths);
-padding tokens and rows are routed to the trash page.
+logits of one chosen position per row, and each row's greedy token (so a batch that samples greedily needs no
+second program). Sampling is a separate small program, so the model programs do not multiply by sampling modes. Shapes come from the layout's buckets (batch sizes, chunk lengths, block-table
+widths); padding tokens and rows are routed to the trash page.
 
-Every (program, bucket) is a `Program`. Before serving, `day0jax.startup.warmup.compile_programs` lowers, compiles (or
-loads) and `install`s each one; `forward` and `sample` then call the installed executables directly, so a
-warmed-up bucket never traces or compiles again. A bucket that was not warmed up goes through `jax.jit`.
+A decode row's input token may still be on the device: the sampler's output of the previous step, which the
+engine has not read yet. The forward program takes that output (`previous`, [max_rows]) and, per row, the index
+of the row's token in it (`token_source`, -1 for a token given by the host), so the next step can be dispatched
+before the last one's tokens reach the host.
+
+Every (program, bucket) is a `Program`. Before serving, `day0jax.startup.warmup.compile_programs` lowers,
+compiles (or loads) and `install`s each one; `forward` and `sample` then call the installed executables
+directly, so a warmed-up bucket never traces or compiles again. A bucket that was not warmed up goes through
+`jax.jit`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,21 +28,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from day0jax.engine.config import EngineLayout
 from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache, new_pools
-from day0jax.engine.sampling import MODES, sample_rows
+from day0jax.engine.sampling import MODES, sample
+from day0jax.layers.linear import exact_float32
 from kernels_pallas import registry as kernel_registry
-from sharding.rules import named_sharding
+from sharding.rules import KV_POOL, named_sharding
 
 log = logging.getLogger(__name__)
-
-
-def pick(buckets: Sequence[int], n: int) -> int:
-    """The smallest bucket >= n (the largest if none is)."""
-    for b in buckets:
-        if b >= n:
-            return b
-    return buckets[-1]
-
 
 ROW_ARRAYS = ("seeds", "counters", "temperature", "top_k", "top_p", "min_p")
 
@@ -75,6 +73,10 @@ class Batch:
     block_tables: np.ndarray
     kv_lengths: np.ndarray
     last_index: np.ndarray  # [B] which of the T positions to return logits for
+    token_source: np.ndarray  # [B] row of `previous` holding the row's input token, -1: `tokens` holds it
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.tokens, self.positions, self.block_tables, self.kv_lengths, self.last_index, self.token_source
 
 
 class ModelRunner:
@@ -84,27 +86,23 @@ class ModelRunner:
         module: the nnx model (any family implementing the cache protocol and `cache_layout()`).
         mesh: the mesh its parameters live on.
         dtype: KV cache dtype.
-        num_pages: pages per layer, trash page included.
-        page_size: tokens per page.
-        batch_buckets, chunk_buckets: allowed decode batch sizes and prefill chunk lengths, ascending.
-        decode_widths, prefill_widths: allowed block-table widths in pages for decode steps and prefill chunks,
-            ascending (the last covers the longest sequence).
+        layout: the engine's pool size and shape buckets.
     """
 
-    def __init__(self, module: nnx.Module, mesh: Mesh, dtype, *, num_pages: int, page_size: int,
-                 batch_buckets: Sequence[int], chunk_buckets: Sequence[int], decode_widths: Sequence[int],
-                 prefill_widths: Sequence[int]):
-        self.graphdef, self.params = nnx.split(module)
-        self.mesh, self.page_size, self.num_pages = mesh, page_size, num_pages
-        self.batch_buckets, self.chunk_buckets = tuple(batch_buckets), tuple(chunk_buckets)
-        self.decode_widths, self.prefill_widths = tuple(decode_widths), tuple(prefill_widths)
+    def __init__(self, module: nnx.Module, mesh: Mesh, dtype, layout: EngineLayout):
+        graphdef, params = nnx.split(module)
+        # Flat leaves: unflattening nnx Variables on every call costs about a millisecond of host time a step.
+        self.params, self._params_def = jax.tree.flatten(params)
+        self._graphdef = graphdef
+        self.mesh, self.layout, self.dtype = mesh, layout, dtype
         self.vocab_size = int(module.config.vocab_size)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         # Pools split like the model's kv heads; pages, slots and head dims are never split.
-        self.pools = new_pools(module.cache_layout(), num_pages, page_size, dtype,
-                               lambda shape: named_sharding((None, None, "kv_heads", None), shape, mesh))
+        self.pools = new_pools(module.cache_layout(), layout.num_pages, layout.page_size, dtype,
+                               lambda shape: named_sharding(KV_POOL, shape, mesh))
+        self._no_previous = self._put(np.zeros(layout.max_rows, np.int32))
         self._forward = jax.jit(self._forward_fn, donate_argnames=("pools",))
-        self._sample = jax.jit(sample_rows, static_argnames=("mode", "logprobs"))
+        self._sample = jax.jit(self._sample_fn, static_argnames=("mode", "logprobs"))
         self.compiled: set[tuple[int, int, int]] = set()
         self.programs: dict[Program, jax.stages.Compiled] = {}  # installed by warm-up
         self._context: str | None = None  # see `signature`
@@ -113,73 +111,99 @@ class ModelRunner:
     def pool_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.pools)
 
-    def _forward_fn(self, params, pools, tokens, positions, block_tables, kv_lengths, last_index):
-        model = nnx.merge(self.graphdef, params)
+    @property
+    def param_bytes(self) -> int:
+        return sum(x.nbytes for x in self.params)
+
+    # --- the two programs ------------------------------------------------------------------------------------
+    def _forward_fn(self, params, pools, previous, tokens, positions, block_tables, kv_lengths, last_index,
+                    token_source):
+        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
+        tokens = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
         caches = [PagedKVCache(k, v, block_tables, kv_lengths) for k, v in pools]
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
-        hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths))
-        last = hidden[jnp.arange(tokens.shape[0]), last_index]
+        with exact_float32(self.dtype):
+            hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths))
+            logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last_index])
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
-        logits = jax.lax.with_sharding_constraint(model.logits(last), self._replicated)
-        return logits, [(c.k_pages, c.v_pages) for c in caches]
+        logits = jax.lax.with_sharding_constraint(logits, self._replicated)
+        return logits, self._padded(jnp.argmax(logits, axis=-1)), [(c.k_pages, c.v_pages) for c in caches]
 
+    def _padded(self, tokens: jax.Array) -> jax.Array:
+        # To max_rows: the next forward reads its input tokens from here, whatever this batch's size.
+        return jnp.zeros(self.layout.max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens.astype(jnp.int32))
+
+    def _sample_fn(self, logits, *rows, mode: str, logprobs: bool):
+        *arrays, penalties = rows
+        out = sample(logits, *arrays, penalties, mode=mode, logprobs=logprobs)
+        out["tokens"] = self._padded(out["tokens"])
+        return out
+
+    # --- host side -------------------------------------------------------------------------------------------
     def _put(self, x):
         x = np.asarray(x)
         if self.mesh.size == 1:
             return x  # jit's own transfer of host arrays is the cheapest path (it runs every step)
-        # Built from each device's slice, so a mesh spanning several processes works too (as the generator does).
+        # Built from each device's slice, so a mesh spanning several processes works too.
         return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
 
-    def forward(self, batch: Batch) -> jax.Array:
-        """Runs one forward call (writing its keys/values into the pools); returns logits [B, V] on device."""
+    def forward(self, batch: Batch, previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Runs one forward call (writing its keys/values into the pools); returns, on device, the logits [B, V]
+        and each row's greedy token (padded to max_rows, as `sample`'s "tokens").
+
+        `previous`: a `sample` output's "tokens" that `batch.token_source` points into (None: no row does).
+        """
         key = batch.tokens.shape + (batch.block_tables.shape[1],)
         program = self.programs.get(Program("forward", key))
         if program is None and key not in self.compiled:
             log.info("compiling the forward program for batch %d x %d tokens, %d pages", *key)
             self.compiled.add(key)
-        inputs = [self._put(x) for x in (batch.tokens, batch.positions, batch.block_tables, batch.kv_lengths,
-                                         batch.last_index)]
+        inputs = [self._put(x) for x in batch.arrays()]
+        previous = self._no_previous if previous is None else previous
         # The mesh is the context while tracing, for `sharding.rules.constrain` inside the model.
         with jax.set_mesh(self.mesh):
-            logits, self.pools = (program or self._forward)(self.params, self.pools, *inputs)
-        return logits
+            logits, greedy, self.pools = (program or self._forward)(self.params, self.pools, previous, *inputs)
+        return logits, greedy
 
     def sample(self, logits: jax.Array, rows: dict[str, np.ndarray], penalties: tuple | None, mode: str,
-               logprobs: bool) -> dict[str, np.ndarray]:
-        """Samples one token per row of `logits`; `rows` holds the per-row arrays of `sample_rows`."""
+               logprobs: bool) -> dict[str, jax.Array]:
+        """Samples one token per row of `logits` without waiting for it: `rows` holds the per-row arrays of
+        `sampling.sample`. Returns device arrays ("tokens" padded to max_rows); `read` brings them to the host."""
         pen = None if penalties is None else tuple(self._put(x) for x in penalties)
         args = [self._put(rows[k]) for k in ROW_ARRAYS]
         program = self.programs.get(Program("sample", (logits.shape[0],), mode, logprobs, penalties is not None))
         with jax.set_mesh(self.mesh):
             if program is not None:
-                out = program(logits, *args, pen)
-            else:
-                out = self._sample(logits, *args, pen, mode=mode, logprobs=logprobs)
+                return program(logits, *args, pen)
+            return self._sample(logits, *args, pen, mode=mode, logprobs=logprobs)
+
+    @staticmethod
+    def read(out: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+        """A `sample` output on the host (waits for it)."""
         return {k: np.asarray(v) for k, v in out.items()}
 
     def empty_batch(self, rows: int, tokens: int, width: int) -> Batch:
         """A batch of padding only: every token goes to the trash page."""
-        pad = width * self.page_size  # beyond every block table: the trash page
+        pad = width * self.layout.page_size  # beyond every block table: the trash page
         return Batch(tokens=np.zeros((rows, tokens), np.int32), positions=np.full((rows, tokens), pad, np.int32),
                      block_tables=np.full((rows, width), TRASH_PAGE, np.int32),
-                     kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32))
+                     kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
+                     token_source=np.full(rows, -1, np.int32))
 
-    # --- programs ahead of time (see day0jax/warmup.py) -------------------------------------------------------
-    def all_programs(self, shapes: Sequence[tuple[int, int, int]]) -> list[Program]:
-        """The forward program for each (rows, tokens, width) in `shapes`, then every sampler variant for every
-        row count the sampler sees (decode batch buckets, and 1 for prefill)."""
-        rows = sorted(set(self.batch_buckets) | {1})
-        return ([Program("forward", tuple(s)) for s in shapes] +
-                [Program("sample", (r,), mode, logprobs, penalized) for r in rows for mode in MODES
-                 for logprobs in (False, True) for penalized in (False, True)])
+    # --- programs ahead of time (see day0jax/startup/warmup.py) -----------------------------------------------
+    def all_programs(self, max_len: int | None = None) -> list[Program]:
+        """The forward program of each of the layout's shapes (with `max_len`, those attending over at most
+        that many tokens), then every sampler variant for every row count the sampler sees."""
+        return ([Program("forward", s) for s in self.layout.forward_shapes(max_len)] +
+                [Program("sample", (r,), mode, logprobs, penalized) for r in self.layout.sampler_batches()
+                 for mode in MODES for logprobs in (False, True) for penalized in (False, True)])
 
     def lower(self, program: Program) -> jax.stages.Lowered:
         """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
         with jax.set_mesh(self.mesh):
             if program.name == "forward":
-                b = self.empty_batch(*program.shape)
-                inputs = [self._put(x) for x in (b.tokens, b.positions, b.block_tables, b.kv_lengths, b.last_index)]
-                return self._forward.lower(self.params, self.pools, *inputs)
+                inputs = [self._put(x) for x in self.empty_batch(*program.shape).arrays()]
+                return self._forward.lower(self.params, self.pools, self._no_previous, *inputs)
             rows, V = program.shape[0], self.vocab_size
             logits = jax.ShapeDtypeStruct((rows, V), jnp.float32, sharding=self._replicated)
             neutral = self.neutral_rows(rows)
@@ -204,11 +228,11 @@ class ModelRunner:
         """What the program store keys `program` on, beyond the code and the environment: the program, then
         the shapes, dtypes and shardings of every argument, and the kernel choices (read when tracing)."""
         if self._context is None:
-            leaves = jax.tree.leaves(self.params) + jax.tree.leaves(self.pools)
+            leaves = self.params + jax.tree.leaves(self.pools)
             self._context = "\n".join([
-                str(jax.tree.structure(self.params)), str(jax.tree.structure(self.pools)),
+                str(self._params_def), str(jax.tree.structure(self.pools)),
                 *(f"{x.shape} {x.dtype} {x.sharding}" for x in leaves),
-                f"page_size={self.page_size} num_pages={self.num_pages} vocab={self.vocab_size}",
+                f"layout={self.layout} vocab={self.vocab_size}",
                 f"mesh={self.mesh}", f"kernels={kernel_registry.get_policy()}"])
         return f"{program.name} {program.label}\n{program}\n{self._context}"
 
@@ -216,9 +240,9 @@ class ModelRunner:
         """Runs the smallest decode step and the greedy sampler once on padding (a program that loads but cannot
         run fails here, at start, not on the first request); returns the seconds it took."""
         t0 = time.perf_counter()
-        rows = self.batch_buckets[0]
-        logits = self.forward(self.empty_batch(rows, 1, self.decode_widths[0]))
-        self.sample(logits, self.neutral_rows(rows), None, "greedy", False)
+        rows = self.layout.batch_buckets[0]
+        logits, _ = self.forward(self.empty_batch(rows, 1, self.layout.decode_widths[0]))
+        self.read(self.sample(logits, self.neutral_rows(rows), None, "greedy", False))
         return time.perf_counter() - t0
 
     @staticmethod

@@ -1,10 +1,14 @@
-"""Token sampling from logits: greedy, temperature, top-k and top-p, per row, inside the jitted step.
+"""The one sampler: a token per row from logits, each row with its own parameters and seeded random stream.
 
-Order and semantics follow transformers' logits processors: temperature, then top-k, then top-p (the smallest
-set of tokens whose probability reaches top_p, at least one kept). Temperature 0 means greedy.
+Order and semantics follow transformers' logits processors and vLLM: penalties, temperature, then min_p, top-k
+and top-p (the smallest set of tokens whose probability reaches top_p, at least one kept). Temperature 0 means
+greedy.
 
-Sorting a 50k-200k vocabulary costs more than a small model's whole decode step on a CPU, so the caller picks a
-static `mode` for the batch: "greedy" (argmax only), "random" (temperature only, no sort) or "filtered".
+Filtering a 50k-200k vocabulary costs more than a small model's whole decode step on a CPU, so the caller picks
+a static `mode` for the batch: "greedy" (argmax only), "random" (temperature only) or "filtered". Filtering
+bisects a threshold instead of sorting the vocabulary: a few dozen masked reductions over [B, V] cost a
+fraction of a sort on a CPU, and the kept set is the same (ties at the threshold are all kept, as a sort-based
+filter keeps them in rank order).
 """
 
 from __future__ import annotations
@@ -14,70 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 MODES = ("greedy", "random", "filtered")
-
-
-def mode_for(temperature, top_k, top_p) -> str:
-    """The cheapest mode that serves every row of these (host-side) per-row parameters."""
-    temperature, top_k, top_p = (np.asarray(x) for x in (temperature, top_k, top_p))
-    sampled = temperature > 0
-    if not sampled.any():
-        return "greedy"
-    if ((top_k[sampled] > 0) | (top_p[sampled] < 1.0)).any():
-        return "filtered"
-    return "random"
-
-
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           mode: str = "filtered") -> jax.Array:
-    """Picks one token per row.
-
-    Args:
-        logits: [B, V] float32.
-        key: a PRNG key for this step.
-        temperature: [B]; 0 means greedy for that row.
-        top_k: [B] int; 0 means no limit.
-        top_p: [B]; 1.0 means no limit.
-        mode: static; see `mode_for`.
-    Returns:
-        [B] int32 token ids.
-    """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if mode == "greedy":
-        return greedy
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    if mode == "random":
-        sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-        return jnp.where(temperature > 0, sampled, greedy)
-    V = logits.shape[-1]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(V)[None, :]
-    k = jnp.where(top_k > 0, top_k, V)[:, None]
-    sorted_logits = jnp.where(rank < k, sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the mass before it is below top_p (so the first token is always kept).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    sorted_logits = jnp.where(mass_before < top_p[:, None], sorted_logits, -jnp.inf)
-    choice = jax.random.categorical(key, sorted_logits, axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
-
-
-# --- per-request sampling for the serving engine -------------------------------------------------------------
-# The engine's rows each carry their own parameters and seed. Filtering uses bisection on a threshold instead of
-# a vocabulary sort: a few dozen masked reductions over [B, V] cost a fraction of a sort on a CPU, and the kept
-# set is the same (ties at the threshold are all kept, as a sort-based filter keeps them in rank order).
 TOP_LOGPROBS = 20  # the OpenAI API's maximum top_logprobs; computed for every row in logprobs mode
 _BISECT_STEPS = 32
 
 
-def row_mode(temperature, top_k, top_p, min_p) -> str:
-    """`mode_for` extended with min_p: the cheapest static mode serving these host-side per-row values."""
-    temperature, min_p = np.asarray(temperature), np.asarray(min_p)
-    mode = mode_for(temperature, top_k, top_p)
-    if mode == "random" and (min_p[temperature > 0] > 0).any():
+def sampler_mode(temperature, top_k, top_p, min_p) -> str:
+    """The cheapest static mode that serves every row of these host-side per-row values: "greedy" when no row
+    samples, "random" when no sampled row filters, else "filtered"."""
+    temperature, top_k, top_p, min_p = (np.asarray(x) for x in (temperature, top_k, top_p, min_p))
+    sampled = temperature > 0
+    if not sampled.any():
+        return "greedy"
+    if ((top_k[sampled] > 0) | (top_p[sampled] < 1.0) | (min_p[sampled] > 0)).any():
         return "filtered"
-    return mode
+    return "random"
 
 
 def _bisect_threshold(x: jax.Array, enough) -> jax.Array:
@@ -149,7 +103,7 @@ def gumbel_noise(seeds: jax.Array, counters: jax.Array, V: int) -> jax.Array:
     return -jnp.log(-jnp.log(u))
 
 
-def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
+def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
                 top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None, *,
                 mode: str = "filtered", logprobs: bool = False) -> dict[str, jax.Array]:
     """Picks one token per row, each row with its own parameters and its own seeded random stream.
@@ -160,7 +114,7 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
             depend only on its seed and position, never on which other requests share the batch).
         temperature: [B]; 0 is greedy.  top_k: [B] int, <= 0 is off.  top_p: [B], 1 is off.  min_p: [B], 0 is off.
         penalties: None, or (counts, seen, presence, frequency, repetition) as in `apply_penalties`.
-        mode: static, "greedy" | "random" | "filtered" (see `row_mode`).
+        mode: static, "greedy" | "random" | "filtered" (see `sampler_mode`).
         logprobs: static; also return log-probabilities of the raw model distribution.
     Returns:
         {"tokens": [B] int32} and, with logprobs, "logprob" [B] (of the chosen token), "top_ids" and

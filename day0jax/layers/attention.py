@@ -17,6 +17,7 @@ from day0jax.layers.linear import Linear
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import Rope
 from kernels_pallas.attention import api as attention_op
+from kernels_pallas.calls import OpCall
 
 
 class KVCache(Protocol):
@@ -91,3 +92,13 @@ class Attention(nnx.Module):
             cache = cache.update(k, v, positions)
             out = cache.attend(q, positions, **op_kwargs)
         return self.o_proj(out), cache
+
+    def op_calls(self) -> list[OpCall]:
+        """The attention op (cache-less forward) and the paged one (engine), q/k norms and RoPE."""
+        N, H = self.q_proj.out_shape
+        shape = dict(N=N, K=self.k_proj.out_shape[0], H=H, Hv=H, scale=self.scale, window=self.sliding_window,
+                     softcap=self.logit_softcap, sinks=self.sinks is not None, latent=False)
+        calls = [OpCall.of("attention", **shape), OpCall.of("paged_attention", **shape)]
+        if self.q_norm is not None:
+            calls += self.q_norm.op_calls() + self.k_norm.op_calls()
+        return calls + [self.rope.op_call() if self.rope is not None else OpCall.of("rope", kind=None)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from flax import nnx
 
+from kernels_pallas.calls import OpCall
+
 
 class SandwichDecoderLayer(nnx.Module):
     """Gemma 2/3: x + post_attention_layernorm(attn(input_layernorm(x))), then
@@ -25,6 +27,11 @@ class SandwichDecoderLayer(nnx.Module):
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
 
+    def op_calls(self) -> list[OpCall]:
+        norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                 self.post_feedforward_layernorm)
+        return self.self_attn.op_calls() + self.mlp.op_calls() + [c for n in norms for c in n.op_calls()]
+
 
 class PostNormDecoderLayer(nnx.Module):
     """OLMo 2: no pre-norms; x + post_attention_layernorm(attn(x)), then x + post_feedforward_layernorm(mlp(x))."""
@@ -39,3 +46,7 @@ class PostNormDecoderLayer(nnx.Module):
         h, cache = self.self_attn(x, positions, rope_tables, cache)
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(x)), cache
+
+    def op_calls(self) -> list[OpCall]:
+        norms = (self.post_attention_layernorm, self.post_feedforward_layernorm)
+        return self.self_attn.op_calls() + self.mlp.op_calls() + [c for n in norms for c in n.op_calls()]

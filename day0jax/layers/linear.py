@@ -7,6 +7,7 @@ the matmul, which is what makes decoding fast on the CPU (see `project`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import string
 from typing import Sequence
@@ -40,6 +41,12 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
         y = jax.lax.optimization_barrier(jnp.einsum(f"{o}{i},...{i}->{o}...", kernel, x))
         return jnp.moveaxis(y, tuple(range(len(o))), tuple(range(-len(o), 0)))
     return jnp.einsum(f"...{i},{o}{i}->...{o}", x, kernel)
+
+
+def exact_float32(dtype):
+    """A context for tracing a model of `dtype`: float32 models multiply in true float32 (on GPUs, XLA's
+    default for float32 matrix products is TF32, about 1e-3 relative); other dtypes keep the backend's default."""
+    return jax.default_matmul_precision("highest") if jnp.dtype(dtype) == jnp.float32 else contextlib.nullcontext()
 
 
 class Linear(nnx.Module):

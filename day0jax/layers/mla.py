@@ -22,6 +22,7 @@ from day0jax.layers.linear import Linear
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import Rope
 from kernels_pallas.attention import api as attention_op
+from kernels_pallas.calls import OpCall
 
 
 class MLAttention(nnx.Module):
@@ -86,3 +87,11 @@ class MLAttention(nnx.Module):
             out = cache.attend(query, positions, scale=self.scale)
         out = jnp.einsum("btnr,nur->btnu", out[..., :R], w[:, C:])  # [B, T, N, U]
         return self.o_proj(out), cache
+
+    def op_calls(self) -> list[OpCall]:
+        """Multi-query attention over the latent (key = value = [latent ; rope key]), the norms and RoPE."""
+        R, P, _, _ = self.dims
+        shape = dict(N=self.kv_b_proj.out_shape[0], K=1, H=R + P, Hv=R + P, scale=self.scale, window=None,
+                     softcap=None, sinks=False, latent=True)
+        norms = ([] if self.q_a_layernorm is None else self.q_a_layernorm.op_calls()) + self.kv_a_layernorm.op_calls()
+        return [OpCall.of("attention", **shape), OpCall.of("paged_attention", **shape), *norms, self.rope.op_call()]

@@ -8,6 +8,7 @@ from flax import nnx
 
 from day0jax.errors import UnsupportedArchitecture
 from day0jax.layers.linear import Linear
+from kernels_pallas.calls import OpCall
 
 # HF `hidden_act` / `hidden_activation` names -> functions, with HF's exact formulas.
 ACTIVATIONS = {
@@ -41,7 +42,10 @@ class GatedMLP(nnx.Module):
         self.gate_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear((F,), (D,), ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def op_calls(self) -> list[OpCall]:
+        return [OpCall.of("mlp", D=self.down_proj.out_shape[0], F=self.gate_proj.out_shape[0], act=self.act_name)]

@@ -5,7 +5,7 @@ Tokens never meet experts they were not routed to: the (token, chosen expert) ro
 expert's rows go through its weights in one grouped matmul (`jax.lax.ragged_dot`'s contract), and the results
 are unsorted, weighted and summed per token. Work is proportional to tokens x top_k, not tokens x experts.
 
-Shapes (DESIGN.md legend): M tokens (B*T flattened), D model, E experts, F expert hidden size, k experts per token.
+Shapes (the letter legend of docs/architecture.md): M tokens (B*T flattened), D model, E experts, F expert hidden size, k experts per token.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from flax import nnx
 
 from day0jax.layers.linear import Linear
 from day0jax.layers.mlp import activation
+from kernels_pallas.calls import OpCall
 from kernels_pallas.moe import api as moe_op
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
@@ -178,3 +179,13 @@ class MoE(nnx.Module):
                 shared = jax.nn.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         return out.reshape(x.shape)
+
+    def op_calls(self) -> list[OpCall]:
+        """The routed experts' grouped matmul, then the shared experts' own calls."""
+        router = getattr(self, self.router_name)
+        E, D, F = self.experts.gate_proj.shape
+        shared = None
+        if self.has_shared:
+            shared = self.shared_name + (" (gated)" if self.has_shared_gate else "")
+        calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=router.routing, shared=shared)]
+        return calls + (getattr(self, self.shared_name).op_calls() if self.has_shared else [])

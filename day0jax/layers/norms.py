@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.calls import OpCall
 from kernels_pallas.rms_norm import api as rms_norm_op
 
 
@@ -21,3 +22,6 @@ class RMSNorm(nnx.Module):
         """norm(x), or (norm(x + residual), x + residual) when a residual is given (the fused form)."""
         normed, h = rms_norm_op.rms_norm(x, self.weight[...], eps=self.eps, offset=self.offset, residual=residual)
         return normed if residual is None else (normed, h)
+
+    def op_calls(self) -> list[OpCall]:
+        return [OpCall.of("rms_norm", D=self.weight.shape[0], eps=self.eps, offset=self.offset)]

@@ -11,11 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from day0jax.errors import UnsupportedArchitecture
+from kernels_pallas.calls import OpCall
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -83,6 +85,11 @@ class Rope:
 
     def __hash__(self):  # params holds lists; identity is enough for a module attribute
         return id(self)
+
+    def op_call(self) -> OpCall:
+        p = self.params
+        return OpCall.of("rope", kind=p["rope_type"], theta=float(p["rope_theta"]), factor=p.get("factor"),
+                         rotary_dim=self.rotary_dim, head_dim=self.head_dim)
 
     @property
     def rotary_dim(self) -> int:

@@ -1,10 +1,9 @@
 """Model families: `model_type` -> the module that implements it, and the helpers that build models.
 
-Each family module defines `MODEL_TYPES`, a `Config` dataclass (fields = HF keys; `Config.from_hf(hf)` refuses
-undeclared keys that are not in `config.IGNORED_KEYS`, and values the family does not implement), a `Model`
-(an nnx module, usually a `base.CausalLM`), `DROPPED` (regex -> why those HF tensors are not read; a family may
-also define `dropped(config)` for config-dependent ones) and, where
-its tensors do not follow HF's plain naming, `hf_source(config, path, shape, metadata)`.
+Each family module ends with `FAMILY = contract.Family(...)`: its model types, `Config` (fields = HF keys;
+`Config.from_hf(hf)` refuses undeclared keys that are not in `hf_config.IGNORED_KEYS`, and values the family does
+not implement), `Model`, the HF tensors it drops and, where its tensors do not follow HF's plain naming, its
+`hf_source`. `family(model_type)` returns that object; nothing else is read from a family module.
 """
 
 from __future__ import annotations
@@ -13,14 +12,15 @@ import difflib
 import importlib
 import os
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.errors import UnsupportedArchitecture
+
+if TYPE_CHECKING:  # the family modules import it; importing it here would load every layer up front
+    from day0jax.models.contract import Family
 
 FAMILIES = {
     "llama": "day0jax.models.llama",
@@ -42,8 +42,8 @@ FAMILIES = {
 }
 
 
-def family(model_type: str) -> ModuleType:
-    """The module implementing `model_type`.
+def family(model_type: str) -> Family:
+    """The family implementing `model_type`: the `FAMILY` of its module in `FAMILIES`.
 
     Raises:
         UnsupportedArchitecture: unknown model_type, naming the closest supported one.
@@ -52,7 +52,7 @@ def family(model_type: str) -> ModuleType:
         hint = f"; the closest supported family is {closest(str(model_type))!r}"
         raise UnsupportedArchitecture(f"model_type {model_type!r} is not supported{hint} "
                                       f"(supported: {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(FAMILIES[model_type])
+    return importlib.import_module(FAMILIES[model_type]).FAMILY
 
 
 def closest(model_type: str) -> str:
@@ -66,7 +66,7 @@ def closest(model_type: str) -> str:
 
 def config_from_hf(hf: dict) -> Any:
     """The family's Config for a parsed config.json."""
-    return family(hf.get("model_type")).Config.from_hf(hf)
+    return family(hf.get("model_type")).config.from_hf(hf)
 
 
 def abstract_model(config: Any, dtype=jnp.float32) -> nnx.Module:
@@ -74,7 +74,7 @@ def abstract_model(config: Any, dtype=jnp.float32) -> nnx.Module:
     fam = family(config.model_type)
     # Logical axis names are resolved by sharding/rules.py, not by flax's eager sharding.
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: fam.Model(config, dtype=dtype, rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: fam.model(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
 @dataclass(frozen=True)

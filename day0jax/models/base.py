@@ -2,8 +2,9 @@
 refusals, and the default mapping from Hugging Face tensor names to runtime parameters.
 
 A family subclasses `CausalLM`, says how to build one layer (`make_layer`) and, only where it differs from HF's
-plain naming, how its parameters map to HF tensors (`hf_source`). Its `Config` subclasses `HFConfig`: fields are
-HF keys with HF's defaults, and `__post_init__` refuses every value the family does not implement.
+plain naming, how its parameters map to HF tensors (its `contract.Family.hf_source`). Its `Config` subclasses
+`HFConfig`: fields are HF keys with HF's defaults, holding exactly what config.json gave; what HF derives from
+them is a read-only property; `__post_init__` refuses every value the family does not implement.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, ClassVar, NoReturn, Sequence
 
 import jax
@@ -25,6 +27,7 @@ from day0jax.layers.linear import Embedding, Linear
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import Rope, rope_parameters
+from kernels_pallas.calls import OpCall
 from sharding.rules import constrain
 
 
@@ -37,7 +40,15 @@ def refuse(key: str, value: Any, why: str = "is not implemented") -> NoReturn:
 
 @dataclass(frozen=True, eq=False)
 class HFConfig:
-    """Base of family configs: `from_hf` (with HF's key aliases) and the helpers `__post_init__`s use.
+    """Base of family configs: `from_hf` (with HF's key aliases), the values HF derives, and the helpers
+    `__post_init__`s use.
+
+    Fields keep exactly what config.json gave (HF's default when absent) and are never rewritten. What HF derives
+    from them is a property with its own name: `kv_heads` (K), `head_size` (H), `rope` (the normalized RoPE
+    dict); families add theirs (e.g. `layer_kinds`). These read the attention and RoPE keys every family
+    declares (num_attention_heads, num_key_value_heads, head_dim, hidden_size, rope_parameters, rope_scaling,
+    rope_theta, max_position_embeddings); a family whose HF config derives them otherwise overrides them.
+    `__post_init__` only refuses, and reads the properties to do so (a bad RoPE or layer list fails at load).
 
     Class attributes a family may set: `ALIASES` (old or alternative HF key -> the field it means, as HF's
     `attribute_map`), `DEFAULT_THETA` (HF's `default_theta`).
@@ -69,41 +80,61 @@ class HFConfig:
             refuse_unknown_keys(config, hf)
         return config
 
-    def _set(self, **values) -> None:
-        for k, v in values.items():
-            object.__setattr__(self, k, v)
+    @property
+    def kv_heads(self) -> int:
+        """K: `num_key_value_heads`, or one kv head per query head when it is None (as HF)."""
+        return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
 
-    def _heads(self, head_dim: int | None = None) -> None:
-        """Fills num_key_value_heads and head_dim as HF does and checks that the heads group evenly."""
-        if self.num_key_value_heads is None:
-            self._set(num_key_value_heads=self.num_attention_heads)
-        if getattr(self, "head_dim", None) is None:
-            self._set(head_dim=head_dim or self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            refuse("num_key_value_heads", self.num_key_value_heads,
+    @property
+    def head_size(self) -> int:
+        """H: `head_dim`, or hidden_size // num_attention_heads when it is None (as HF)."""
+        return self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
+
+    @cached_property
+    def rope(self) -> dict[str, Any]:
+        """The normalized RoPE dict (see `layers.rope.rope_parameters`) from this config's rope keys.
+
+        Raises:
+            UnsupportedArchitecture: a rope_type, or a key of it, that is not implemented.
+        """
+        return self._rope()
+
+    def _check_heads(self) -> None:
+        """Refuses kv heads that do not group the query heads evenly."""
+        if self.num_attention_heads % self.kv_heads:
+            refuse("num_key_value_heads", self.kv_heads,
                    f"does not divide num_attention_heads={self.num_attention_heads}")
 
-    def _rope(self, params: dict | None = None, **kwargs) -> dict:
-        """The normalized RoPE dict from this config's rope keys (see `layers.rope.rope_parameters`)."""
-        if params is None:
-            params = getattr(self, "rope_parameters", None)
-        return rope_parameters(params, getattr(self, "rope_scaling", None), getattr(self, "rope_theta", None),
-                               partial_rotary_factor=getattr(self, "partial_rotary_factor", None),
-                               default_theta=self.DEFAULT_THETA,
+    def _check_derived(self, *names: str) -> None:
+        """Computes the derived properties `names` now, so that their refusals come when the config is built."""
+        for name in names:
+            getattr(self, name)
+
+    def _rope(self, params: dict | None = None, **kwargs) -> dict[str, Any]:
+        """The normalized RoPE dict from `params` (default: `rope_parameters`), `rope_scaling` and `rope_theta`;
+        `kwargs` go to `layers.rope.rope_parameters` (e.g. `partial_rotary_factor`)."""
+        return rope_parameters(self.rope_parameters if params is None else params, self.rope_scaling,
+                               self.rope_theta, default_theta=self.DEFAULT_THETA,
                                max_position_embeddings=self.max_position_embeddings, **kwargs)
 
     def _activation(self, key: str = "hidden_act") -> None:
         activation(getattr(self, key), key)  # raises, naming the key, for an activation we do not have
 
-    def _layer_types(self, default: Sequence[str], allowed=("full_attention", "sliding_attention")) -> list[str]:
-        """HF's `layer_types` (or the family's default pattern), checked: one known kind per layer."""
-        types = list(getattr(self, "layer_types", None) or default)
+    def _checked_layer_kinds(self, default: Sequence[str], allowed=("full_attention", "sliding_attention")
+                             ) -> tuple[str, ...]:
+        """HF's `layer_types` (or the family's default pattern when it is None), checked: one known kind per
+        layer. What families' `layer_kinds` properties return.
+
+        Raises:
+            UnsupportedArchitecture: too few entries, or a kind that is not in `allowed`.
+        """
+        types = list(self.layer_types or default)
         if len(types) < self.num_hidden_layers:
             refuse("layer_types", types, f"has {len(types)} entries for num_hidden_layers={self.num_hidden_layers}")
         for t in types:
             if t not in allowed:
                 refuse("layer_types", t, f"is not implemented (known: {', '.join(allowed)})")
-        return types[:self.num_hidden_layers]
+        return tuple(types[:self.num_hidden_layers])
 
     def _refuse_if(self, key: str, bad: Callable[[Any], bool], why: str = "is not implemented") -> None:
         value = getattr(self, key)
@@ -142,6 +173,10 @@ class DecoderLayer(nnx.Module):
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h if m == 1.0 else h * m), cache
 
+    def op_calls(self) -> list[OpCall]:
+        norms = self.input_layernorm.op_calls() + self.post_attention_layernorm.op_calls()
+        return self.self_attn.op_calls() + self.mlp.op_calls() + norms
+
 
 class Backbone(nnx.Module):
     """HF's `model.` prefix: embed_tokens, layers, norm."""
@@ -172,7 +207,7 @@ class CausalLM(nnx.Module):
     # --- hooks ---------------------------------------------------------------------------------------------
     def make_rope(self) -> Rope | None:
         c = self.config
-        return Rope(c.rope, c.head_dim, c.max_position_embeddings)
+        return Rope(c.rope, c.head_size, c.max_position_embeddings)
 
     def make_ropes(self) -> Sequence[Rope]:
         """Every RoPE some layer uses; each gets its cos/sin tables computed once per call."""
@@ -187,10 +222,17 @@ class CausalLM(nnx.Module):
     def cache_layout(self) -> list[tuple[int, int, int]]:
         """Per layer: (kv heads, key head dim, value head dim) of its KV cache; what caches are allocated from."""
         c = self.config
-        return [(c.num_key_value_heads, c.head_dim, c.head_dim)] * c.num_hidden_layers
+        return [(c.kv_heads, c.head_size, c.head_size)] * c.num_hidden_layers
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.model.embed_tokens(tokens)
+
+    def op_calls(self) -> list[tuple[int | None, OpCall]]:
+        """Every op call the forward pass makes, as (layer index, call); the final norm's layer is None. This
+        is the model's one description of its operators: the readiness report, the kernel self-test and the
+        memory planner read it."""
+        calls = [(i, call) for i, layer in enumerate(self.model.layers) for call in layer.op_calls()]
+        return calls + [(None, call) for call in self.model.norm.op_calls()]
 
     # --- forward -------------------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, positions: jax.Array, caches: Sequence[Any] | None = None,

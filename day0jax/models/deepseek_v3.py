@@ -20,10 +20,8 @@ from day0jax.layers.mla import MLAttention
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, Source, per_expert_source
-
-MODEL_TYPES = ("deepseek_v3",)
-DROPPED = llama.DROPPED
+from day0jax.models.base import HFConfig, Source, per_expert_source, refuse
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,8 +57,10 @@ class Config(HFConfig):
     rope_interleave: bool = True
     attention_bias: bool = False
     num_nextn_predict_layers: int = 1
-    head_dim: int | None = None     # derived by HF (qk_rope_head_dim); written to config.json
-    qk_head_dim: int | None = None  # derived by HF (qk_nope_head_dim + qk_rope_head_dim)
+    # HF writes these to config.json but recomputes them from the qk_* dims whatever they say: see `head_size`
+    # and `qk_head_size`.
+    head_dim: int | None = None
+    qk_head_dim: int | None = None
     # Keys of DeepSeek's own config.json: the values transformers implements are the only ones accepted.
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
@@ -71,10 +71,9 @@ class Config(HFConfig):
     model_type: str = "deepseek_v3"
 
     def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self._set(num_key_value_heads=self.num_attention_heads)
-        self._refuse_if("num_key_value_heads", lambda v: v != self.num_attention_heads,
-                        f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
+        if self.kv_heads != self.num_attention_heads:
+            refuse("num_key_value_heads", self.kv_heads,
+                   f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
         self._activation()
         self._refuse_if("scoring_func", lambda v: v != "sigmoid", "is not implemented (only 'sigmoid')")
         self._refuse_if("topk_method", lambda v: v != "noaux_tc", "is not implemented (only 'noaux_tc')")
@@ -82,11 +81,23 @@ class Config(HFConfig):
         self._refuse_if("n_group", lambda v: not v or self.n_routed_experts % v,
                         f"does not divide n_routed_experts={self.n_routed_experts}")
         self._refuse_if("topk_group", lambda v: not v or v > self.n_group, f"must be in 1..n_group={self.n_group}")
-        self._set(head_dim=self.qk_rope_head_dim, qk_head_dim=self.qk_nope_head_dim + self.qk_rope_head_dim,
-                  rope=self._rope())
+        self._check_derived("rope")
 
+    @property
+    def head_size(self) -> int:
+        """The rotated part of each query/key head, `qk_rope_head_dim` (HF's `head_dim`): the RoPE's size."""
+        return self.qk_rope_head_dim
+
+    @property
+    def qk_head_size(self) -> int:
+        """A whole query/key head: qk_nope_head_dim + qk_rope_head_dim (HF's `qk_head_dim`)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
     def softmax_scale(self) -> float:
-        scale = self.qk_head_dim ** -0.5
+        """qk_head_size ** -0.5, times mscale(factor, mscale_all_dim) ** 2 when a scaled RoPE sets mscale_all_dim
+        (as HF)."""
+        scale = self.qk_head_size ** -0.5
         r = self.rope
         if r["rope_type"] != "default" and r.get("mscale_all_dim"):
             m = 0.1 * r["mscale_all_dim"] * math.log(r["factor"]) + 1.0 if r["factor"] > 1 else 1.0
@@ -94,13 +105,13 @@ class Config(HFConfig):
         return scale
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> MLAttention:
         c = self.config
         return MLAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
                            kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                            qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, rope=self.rope,
-                           rope_interleave=c.rope_interleave, scale=c.softmax_scale(), eps=1e-6,
+                           rope_interleave=c.rope_interleave, scale=c.softmax_scale, eps=1e-6,
                            use_bias=c.attention_bias, dtype=dtype, rngs=rngs)
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
@@ -135,3 +146,7 @@ def dropped(config: Config) -> dict[str, str]:
         return {}
     indices = "|".join(str(L + i) for i in range(n))
     return {rf"model\.layers\.({indices})\..*": "multi-token-prediction layers, used only for speculative decoding"}
+
+
+FAMILY = Family(model_types=("deepseek_v3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
+                dropped_for=dropped, hf_source=hf_source)

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama
 from day0jax.models.base import HFConfig
-
-MODEL_TYPES = ("gemma",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,18 +42,33 @@ class Config(HFConfig):
     model_type: str = "gemma"
 
     def __post_init__(self):
-        if self.hidden_act == "gelu":
-            self._set(hidden_act="gelu_pytorch_tanh")
-        self._heads()
+        self._check_heads()
         self._activation()
         self._refuse_if("use_bidirectional_attention", bool, "(non-causal attention) is not implemented")
-        self._set(rope=self._rope())
+        self._check_derived("rope")
+
+    @property
+    def activation(self) -> str:
+        """The MLP's activation: `hidden_act`, where the legacy "gelu" means the tanh approximation (HF's
+        GemmaConfig rewrites it so)."""
+        return "gelu_pytorch_tanh" if self.hidden_act == "gelu" else self.hidden_act
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
+    def attention_kwargs(self, index: int) -> dict:
+        c = self.config
+        return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias)
+
+    def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> GatedMLP:
+        c = self.config
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.activation, dtype=dtype, rngs=rngs)
+
     def make_norm(self, dim: int, *, dtype, rngs: nnx.Rngs) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, offset=1.0, dtype=dtype, rngs=rngs)
 
     def embed(self, tokens):
         x = self.model.embed_tokens(tokens)
         return x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)  # HF rounds the scale to the dtype
+
+
+FAMILY = Family(model_types=("gemma",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

@@ -7,6 +7,7 @@ HF reference: transformers/models/gemma2/modeling_gemma2.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from flax import nnx
 
@@ -14,9 +15,7 @@ from day0jax.layers.decoder import SandwichDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.models import gemma, llama
 from day0jax.models.base import HFConfig, softcap
-
-MODEL_TYPES = ("gemma2",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,19 +46,28 @@ class Config(HFConfig):
     model_type: str = "gemma2"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation("hidden_activation")
         self._refuse_if("use_bidirectional_attention", bool, "(non-causal attention) is not implemented")
-        self._set(rope=self._rope(), layer_types=self._layer_types(
-            ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)]))
+        self._check_derived("rope", "layer_kinds")
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: `layer_types`, by default sliding and full alternating."""
+        return self._checked_layer_kinds(
+            ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)])
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: full attention)."""
+        return self.sliding_window if self.layer_kinds[index] == "sliding_attention" else None
 
 
 class Model(gemma.Model):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
-        window = c.sliding_window if c.layer_types[index] == "sliding_attention" else None
-        return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias, sliding_window=window,
-                    scale=c.query_pre_attn_scalar ** -0.5, logit_softcap=c.attn_logit_softcapping)
+        return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+                    sliding_window=c.layer_window(index), scale=c.query_pre_attn_scalar ** -0.5,
+                    logit_softcap=c.attn_logit_softcapping)
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> GatedMLP:
         c = self.config
@@ -74,3 +82,6 @@ class Model(gemma.Model):
 
     def logits(self, hidden):
         return softcap(super().logits(hidden), self.config.final_logit_softcapping)
+
+
+FAMILY = Family(model_types=("gemma2",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

@@ -10,12 +10,11 @@ apply `attn_logit_softcapping` (its attention is called without it); neither do 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from day0jax.layers.rope import Rope, rope_parameters
 from day0jax.models import gemma2, llama
-
-MODEL_TYPES = ("gemma3_text",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,12 +30,30 @@ class Config(gemma2.Config):
     model_type: str = "gemma3_text"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation("hidden_activation")
         self._refuse_if("use_bidirectional_attention", bool, "(non-causal attention) is not implemented")
+        self._check_derived("layer_kinds", "rope", "local_rope")
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: `layer_types`, by default every `sliding_window_pattern`-th layer full."""
         p = self.sliding_window_pattern
-        self._set(layer_types=self._layer_types(
-            ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(self.num_hidden_layers)]))
+        return self._checked_layer_kinds(
+            ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(self.num_hidden_layers)])
+
+    @cached_property
+    def rope(self) -> dict:
+        """The RoPE of the full-attention ("global") layers."""
+        return self._ropes()[0]
+
+    @cached_property
+    def local_rope(self) -> dict:
+        """The RoPE of the sliding-window ("local") layers."""
+        return self._ropes()[1]
+
+    def _ropes(self) -> tuple[dict, dict]:
+        """(global, local) normalized RoPE dicts, from either form of the config (see the module docstring)."""
         given = self.rope_parameters or {}
         if "full_attention" in given or "sliding_attention" in given:
             full, local = dict(given.get("full_attention") or {}), dict(given.get("sliding_attention") or {})
@@ -45,18 +62,21 @@ class Config(gemma2.Config):
         full.setdefault("rope_theta", self.rope_theta if self.rope_theta is not None else 1_000_000.0)
         local.setdefault("rope_theta", self.rope_local_base_freq if self.rope_local_base_freq is not None else 10_000.0)
         kw = dict(max_position_embeddings=self.max_position_embeddings)
-        self._set(rope=rope_parameters(full, None, None, **kw), local_rope=rope_parameters(local, None, None, **kw))
+        return rope_parameters(full, None, None, **kw), rope_parameters(local, None, None, **kw)
 
 
 class Model(gemma2.Model):
     def make_ropes(self):
         c = self.config
-        self.local_rope = Rope(c.local_rope, c.head_dim, c.max_position_embeddings)
+        self.local_rope = Rope(c.local_rope, c.head_size, c.max_position_embeddings)
         return [self.rope, self.local_rope]
 
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
-        local = c.layer_types[index] == "sliding_attention"
+        local = c.layer_kinds[index] == "sliding_attention"
         return dict(rope=self.local_rope if local else self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-                    sliding_window=c.sliding_window if local else None, scale=c.query_pre_attn_scalar ** -0.5,
+                    sliding_window=c.layer_window(index), scale=c.query_pre_attn_scalar ** -0.5,
                     qk_norm_eps=c.rms_norm_eps, qk_norm_offset=1.0)
+
+
+FAMILY = Family(model_types=("gemma3_text",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

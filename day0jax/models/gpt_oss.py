@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from flax import nnx
 
 from day0jax.layers.moe import Experts, MoE, Router, clamped_swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, Source
-
-MODEL_TYPES = ("gpt_oss",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,20 +51,33 @@ class Config(HFConfig):
     model_type: str = "gpt_oss"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
+        self._check_derived("rope", "layer_kinds")
+
+    @cached_property
+    def rope(self) -> dict:
+        """The normalized RoPE dict; HF's YaRN default when the config gives no RoPE parameters."""
         params = self.rope_parameters if self.rope_parameters or self.rope_scaling else {
             "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-            "original_max_position_embeddings": 4096}  # HF's default when the config gives none
-        self._set(rope=self._rope(params), layer_types=self._layer_types(
-            ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)]))
+            "original_max_position_embeddings": 4096}
+        return self._rope(params)
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: `layer_types`, by default sliding and full alternating."""
+        return self._checked_layer_kinds(
+            ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)])
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: full attention)."""
+        return self.sliding_window if self.layer_kinds[index] == "sliding_attention" else None
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
-        window = c.sliding_window if c.layer_types[index] == "sliding_attention" else None
         return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias, sinks=True,
-                    sliding_window=window)
+                    sliding_window=c.layer_window(index))
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> MoE:
         c = self.config
@@ -87,3 +99,7 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
         return Source((f"{m[1]}.gate_up_proj_bias",), lambda a, s: a[0][:, offset::2].reshape(s), ((E, 2 * F),))
     D = shape[1]
     return Source((f"{m[1]}.gate_up_proj",), lambda a, s: a[0][:, :, offset::2].reshape(s), ((E, D, 2 * F),))
+
+
+FAMILY = Family(model_types=("gpt_oss",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
+                hf_source=hf_source)

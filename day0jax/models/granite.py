@@ -13,9 +13,7 @@ from flax import nnx
 
 from day0jax.models import llama
 from day0jax.models.base import DecoderLayer
-
-MODEL_TYPES = ("granite",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,3 +39,6 @@ class Model(llama.Model):
 
     def logits(self, hidden):
         return super().logits(hidden) / self.config.logits_scaling
+
+
+FAMILY = Family(model_types=("granite",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

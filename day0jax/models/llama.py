@@ -1,7 +1,8 @@
 """Llama (and every family that is Llama with other defaults): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
 HF reference: transformers/models/llama/modeling_llama.py. Tensor names are HF's; the default mapping in
-`base.py` covers them all.
+`base.py` covers them all. `LlamaLike` is the layer layout without Llama's own options (biases), the base of
+the families that change pieces of it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from flax import nnx
 from day0jax.layers.attention import Attention
 from day0jax.layers.mlp import GatedMLP
 from day0jax.models.base import CausalLM, DecoderLayer, HFConfig
+from day0jax.models.contract import Family
 
-MODEL_TYPES = ("llama",)
-
-# HF tensors we read nothing from, and why.
-DROPPED = {
+# HF buffers that RoPE models may save and that we recompute: every RoPE family drops them.
+ROPE_BUFFERS = {
     r".*\.rotary_emb\.inv_freq$": "recomputed from the config",
 }
 
@@ -43,33 +43,50 @@ class Config(HFConfig):
     model_type: str = "llama"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
-        self._set(rope=self._rope())
+        self._check_derived("rope")
 
 
-class Model(CausalLM):
-    """Llama's layers; other families override the pieces that differ (`attention_kwargs`, `make_mlp`, ...)."""
+class LlamaLike(CausalLM):
+    """Llama's layers reading only the keys every Llama-like config has (sizes, heads, `hidden_act`, RoPE, norm
+    eps); families override the pieces that differ (`attention_kwargs`, `mlp_kwargs`, `make_mlp`, ...)."""
 
     def attention_kwargs(self, index: int) -> dict:
-        """Keyword arguments of layer `index`'s `Attention` beyond the head shapes."""
-        c = self.config
-        return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-                    sliding_window=getattr(c, "sliding_window", None))
+        """Keyword arguments of layer `index`'s `Attention` beyond the head shapes (here: RoPE only, so no
+        biases and full attention)."""
+        return dict(rope=self.rope)
+
+    def mlp_kwargs(self, index: int) -> dict:
+        """Keyword arguments of layer `index`'s `GatedMLP` beyond its sizes and activation (here: none)."""
+        return {}
 
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> Attention:
         c = self.config
-        return Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, **self.attention_kwargs(index),
-                         dtype=dtype, rngs=rngs)
+        return Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.kv_heads,
+                         head_dim=c.head_size, **self.attention_kwargs(index), dtype=dtype, rngs=rngs)
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
-        return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, use_bias=getattr(c, "mlp_bias", False),
-                        dtype=dtype, rngs=rngs)
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, **self.mlp_kwargs(index), dtype=dtype,
+                        rngs=rngs)
 
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> DecoderLayer:
         D = self.config.hidden_size
         return DecoderLayer(self.make_attention(index, dtype=dtype, rngs=rngs),
                             self.make_mlp(index, dtype=dtype, rngs=rngs),
                             self.make_norm(D, dtype=dtype, rngs=rngs), self.make_norm(D, dtype=dtype, rngs=rngs))
+
+
+class Model(LlamaLike):
+    """Llama: q/k/v/o biases per `attention_bias`, MLP biases per `mlp_bias`."""
+
+    def attention_kwargs(self, index: int) -> dict:
+        c = self.config
+        return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias)
+
+    def mlp_kwargs(self, index: int) -> dict:
+        return dict(use_bias=self.config.mlp_bias)
+
+
+FAMILY = Family(model_types=("llama",), config=Config, model=Model, dropped=ROPE_BUFFERS)

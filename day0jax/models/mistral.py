@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from day0jax.models import llama
-
-MODEL_TYPES = ("mistral",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -21,4 +19,9 @@ class Config(llama.Config):
     model_type: str = "mistral"
 
 
-Model = llama.Model
+class Model(llama.Model):
+    def attention_kwargs(self, index: int) -> dict:
+        return dict(super().attention_kwargs(index), sliding_window=self.config.sliding_window)
+
+
+FAMILY = Family(model_types=("mistral",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

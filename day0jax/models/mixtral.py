@@ -15,9 +15,7 @@ from flax import nnx
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, Source, default_source, per_expert_source
-
-MODEL_TYPES = ("mixtral",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,12 +43,12 @@ class Config(HFConfig):
     model_type: str = "mixtral"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
-        self._set(rope=self._rope())
+        self._check_derived("rope")
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
         return dict(rope=self.rope, sliding_window=self.config.sliding_window)
 
@@ -70,3 +68,7 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     if path.endswith(".mlp.gate.kernel"):
         return default_source(_block(path), shape, metadata)
     return per_expert_source(path, shape, prefix=_block, names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
+
+
+FAMILY = Family(model_types=("mixtral",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
+                hf_source=hf_source)

@@ -13,9 +13,7 @@ from flax import nnx
 from day0jax.layers.decoder import PostNormDecoderLayer
 from day0jax.models import llama
 from day0jax.models.base import HFConfig
-
-MODEL_TYPES = ("olmo2",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,12 +36,12 @@ class Config(HFConfig):
     model_type: str = "olmo2"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
-        self._set(rope=self._rope())
+        self._check_derived("rope")
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
         return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm_eps=c.rms_norm_eps,
@@ -55,3 +53,6 @@ class Model(llama.Model):
                                     self.make_mlp(index, dtype=dtype, rngs=rngs),
                                     post_attention_layernorm=self.make_norm(D, dtype=dtype, rngs=rngs),
                                     post_feedforward_layernorm=self.make_norm(D, dtype=dtype, rngs=rngs))
+
+
+FAMILY = Family(model_types=("olmo2",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, Source, refuse, rows_of
-
-MODEL_TYPES = ("phi3",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,9 +40,19 @@ class Config(HFConfig):
     model_type: str = "phi3"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
         self._refuse_if("attention_bias", bool, "is not implemented (HF's Phi-3 has no attention biases)")
+        self._check_derived("rope")
+
+    @cached_property
+    def rope(self) -> dict:
+        """The normalized RoPE dict, with HF's Phi-3 renames ("su" and "yarn" are LongRoPE) and LongRoPE's
+        switch at the top-level `original_max_position_embeddings`.
+
+        Raises:
+            UnsupportedArchitecture: a rope_type Phi-3 does not have.
+        """
         params = dict(self.rope_parameters or self.rope_scaling or {})
         kind = params.pop("type", None) or params.get("rope_type") or "default"
         params["rope_type"] = "longrope" if kind in ("su", "yarn") else kind  # HF's Phi-3 renames these
@@ -51,17 +60,17 @@ class Config(HFConfig):
             refuse("rope_parameters.rope_type", kind, "is not one Phi-3 has (default, longrope)")
         if params["rope_type"] == "longrope":
             params["original_max_position_embeddings"] = self.original_max_position_embeddings
-        self._set(rope=self._rope(params))
+        return self._rope(params, partial_rotary_factor=self.partial_rotary_factor)
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
         return dict(rope=self.rope, sliding_window=self.config.sliding_window)
 
 
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
     """q/k/v_proj from row blocks of `qkv_proj.weight`, gate/up_proj from the halves of `gate_up_proj.weight`."""
-    D, N, K, H, F = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+    D, N, K, H, F = (config.hidden_size, config.num_attention_heads, config.kv_heads, config.head_size,
                      config.intermediate_size)
     m = re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.kernel", path)
     if m:
@@ -72,3 +81,6 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
         start, stop = (0, F) if m[2] == "gate" else (F, 2 * F)
         return rows_of(f"{m[1]}.gate_up_proj.weight", (2 * F, D), start, stop)
     return None
+
+
+FAMILY = Family(model_types=("phi3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS, hf_source=hf_source)

@@ -7,12 +7,11 @@ is set, to the layers `layer_types` marks "sliding_attention" (by default those 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from day0jax.models import llama
 from day0jax.models.base import HFConfig
-
-MODEL_TYPES = ("qwen2",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,20 +37,30 @@ class Config(HFConfig):
     model_type: str = "qwen2"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
-        window = self.sliding_window if self.use_sliding_window else None
-        self._set(sliding_window=window, rope=self._rope())
-        self._set(layer_types=self._layer_types(
-            ["sliding_attention" if window is not None and i >= self.max_window_layers else "full_attention"
-             for i in range(self.num_hidden_layers)]))
+        self._check_derived("rope", "layer_kinds")
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window HF uses: `sliding_window` when `use_sliding_window`, else None (no window)."""
+        return self.sliding_window if self.use_sliding_window else None
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: `layer_types`, by default sliding from `max_window_layers` on."""
+        return self._checked_layer_kinds(
+            ["sliding_attention" if self.window is not None and i >= self.max_window_layers else "full_attention"
+             for i in range(self.num_hidden_layers)])
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: full attention)."""
+        return self.window if self.layer_kinds[index] == "sliding_attention" else None
 
 
-def window(config, index: int) -> int | None:
-    """The sliding window of layer `index` (None: full attention)."""
-    return config.sliding_window if config.layer_types[index] == "sliding_attention" else None
-
-
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
-        return dict(rope=self.rope, qkv_bias=True, sliding_window=window(self.config, index))
+        return dict(rope=self.rope, qkv_bias=True, sliding_window=self.config.layer_window(index))
+
+
+FAMILY = Family(model_types=("qwen2",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

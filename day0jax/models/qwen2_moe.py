@@ -9,17 +9,16 @@ HF reference: transformers/models/qwen2_moe/modeling_qwen2_moe.py. A layer is sp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from flax import nnx
 
 from day0jax.layers.linear import Linear
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
-from day0jax.models import llama, qwen2
+from day0jax.models import llama
 from day0jax.models.base import HFConfig, Source, per_expert_source
-
-MODEL_TYPES = ("qwen2_moe",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,22 +52,36 @@ class Config(HFConfig):
     model_type: str = "qwen2_moe"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
-        window = self.sliding_window if self.use_sliding_window else None
-        self._set(sliding_window=window, mlp_only_layers=list(self.mlp_only_layers or []), rope=self._rope())
-        self._set(layer_types=self._layer_types(
-            ["sliding_attention" if window is not None and (i + 1) % 2 and i < self.max_window_layers
-             else "full_attention" for i in range(self.num_hidden_layers)]))
+        self._check_derived("rope", "layer_kinds")
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window HF uses: `sliding_window` when `use_sliding_window`, else None (no window)."""
+        return self.sliding_window if self.use_sliding_window else None
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: `layer_types`, by default with a window every other layer below
+        `max_window_layers`."""
+        return self._checked_layer_kinds(
+            ["sliding_attention" if self.window is not None and (i + 1) % 2 and i < self.max_window_layers
+             else "full_attention" for i in range(self.num_hidden_layers)])
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: full attention)."""
+        return self.window if self.layer_kinds[index] == "sliding_attention" else None
 
     def is_sparse(self, index: int) -> bool:
-        return (index not in self.mlp_only_layers and self.num_experts > 0
+        """Whether layer `index` is an MoE: not in `mlp_only_layers`, and on the `decoder_sparse_step`."""
+        return (index not in (self.mlp_only_layers or ()) and self.num_experts > 0
                 and (index + 1) % self.decoder_sparse_step == 0)
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
-        return dict(rope=self.rope, qkv_bias=self.config.qkv_bias, sliding_window=qwen2.window(self.config, index))
+        return dict(rope=self.rope, qkv_bias=self.config.qkv_bias, sliding_window=self.config.layer_window(index))
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
@@ -84,3 +97,7 @@ class Model(llama.Model):
 
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
     return per_expert_source(path, shape)
+
+
+FAMILY = Family(model_types=("qwen2_moe",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
+                hf_source=hf_source)

@@ -8,9 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from day0jax.models import llama, qwen2
-
-MODEL_TYPES = ("qwen3",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -21,8 +19,11 @@ class Config(qwen2.Config):
     model_type: str = "qwen3"
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
         return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm_eps=c.rms_norm_eps,
-                    sliding_window=qwen2.window(c, index))
+                    sliding_window=c.layer_window(index))
+
+
+FAMILY = Family(model_types=("qwen3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

@@ -14,9 +14,7 @@ from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, Source, per_expert_source
-
-MODEL_TYPES = ("qwen3_moe",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,21 +46,26 @@ class Config(HFConfig):
     model_type: str = "qwen3_moe"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
-        self._set(sliding_window=self.sliding_window if self.use_sliding_window else None,
-                  mlp_only_layers=list(self.mlp_only_layers or []), rope=self._rope())
+        self._check_derived("rope")
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window of every layer: `sliding_window` when `use_sliding_window`, else None (as HF)."""
+        return self.sliding_window if self.use_sliding_window else None
 
     def is_sparse(self, index: int) -> bool:
-        return (index not in self.mlp_only_layers and self.num_local_experts > 0
+        """Whether layer `index` is an MoE: not in `mlp_only_layers`, and on the `decoder_sparse_step`."""
+        return (index not in (self.mlp_only_layers or ()) and self.num_local_experts > 0
                 and (index + 1) % self.decoder_sparse_step == 0)
 
 
-class Model(llama.Model):
+class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
         return dict(rope=self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm_eps=c.rms_norm_eps,
-                    sliding_window=c.sliding_window)
+                    sliding_window=c.window)
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
@@ -76,3 +79,7 @@ class Model(llama.Model):
 
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
     return per_expert_source(path, shape)
+
+
+FAMILY = Family(model_types=("qwen3_moe",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
+                hf_source=hf_source)

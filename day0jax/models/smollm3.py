@@ -8,12 +8,11 @@ NoPE layers may be marked "sliding_attention" in `layer_types`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, refuse
-
-MODEL_TYPES = ("smollm3",)
-DROPPED = llama.DROPPED
+from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,22 +42,44 @@ class Config(HFConfig):
     model_type: str = "smollm3"
 
     def __post_init__(self):
-        self._heads()
+        self._check_heads()
         self._activation()
+        self._check_derived("rope", "rope_layers", "layer_kinds")
+
+    @cached_property
+    def rope_layers(self) -> tuple[bool, ...]:
+        """Whether each layer applies RoPE: `no_rope_layers` (1 = RoPE), by default all but every
+        `no_rope_layer_interval`-th layer.
+
+        Raises:
+            UnsupportedArchitecture: not a 0 or 1 for each layer.
+        """
         L = self.num_hidden_layers
         rope_on = list(self.no_rope_layers if self.no_rope_layers is not None else
                        [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(L)])
         if len(rope_on) < L or any(v not in (0, 1) for v in rope_on):
             refuse("no_rope_layers", rope_on, f"must hold a 0 or 1 for each of the {L} layers")
+        return tuple(bool(v) for v in rope_on[:L])
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: `layer_types`, by default sliding for the NoPE layers when
+        `use_sliding_window` (and a window) is set."""
         sliding = self.use_sliding_window and self.sliding_window is not None
-        self._set(no_rope_layers=rope_on, rope=self._rope())
-        self._set(layer_types=self._layer_types(
-            ["sliding_attention" if sliding and not rope_on[i] else "full_attention" for i in range(L)]))
+        return self._checked_layer_kinds(["sliding_attention" if sliding and not on else "full_attention"
+                                          for on in self.rope_layers])
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: full attention)."""
+        sliding = self.use_sliding_window and self.layer_kinds[index] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
 
 class Model(llama.Model):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
-        window = c.sliding_window if c.use_sliding_window and c.layer_types[index] == "sliding_attention" else None
-        return dict(rope=self.rope if c.no_rope_layers[index] else None, qkv_bias=c.attention_bias,
-                    o_bias=c.attention_bias, sliding_window=window)
+        return dict(rope=self.rope if c.rope_layers[index] else None, qkv_bias=c.attention_bias,
+                    o_bias=c.attention_bias, sliding_window=c.layer_window(index))
+
+
+FAMILY = Family(model_types=("smollm3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

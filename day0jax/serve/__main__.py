@@ -1,9 +1,11 @@
 """`python -m day0jax.serve`: load a checkpoint (the embedded default without --model), warm up, serve.
 
 The HTTP socket opens at once; /health answers 503 while the model loads and every program the engine can run
-is compiled or loaded from the compile cache (day0jax/startup.py), 200 when ready. At ready the log shows the
-startup timeline, which /metrics also exports. SIGTERM (or Ctrl-C) stops admitting (503), lets the requests in
-flight finish within `--shutdown-grace` seconds, aborts what is left, and exits 0.
+is compiled or loaded from the compile cache (day0jax/startup/), 200 when ready. The log is short: one line per
+startup phase with its time, a progress bar while compiling, then the URL; `--log-level debug` adds the
+libraries' messages and the full startup timeline, which /metrics also exports. SIGTERM (or Ctrl-C) stops
+admitting (503), lets the requests in flight finish within `--shutdown-grace` seconds, aborts what is left, and
+exits 0.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ log = logging.getLogger("day0jax.serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from day0jax import cli
+    from day0jax import cli, logs
     from sharding import distributed
 
     p = argparse.ArgumentParser(prog="python -m day0jax.serve", description=__doc__.splitlines()[0])
@@ -36,9 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--no-warmup", action="store_true", help="compile programs on first use instead of at start")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
-    p.add_argument("--log-level", default="info")
+    logs.add_argument(p)
     cli.add_compile_cache_arguments(p)
     cli.add_engine_arguments(p)
+    cli.add_warmup_arguments(p)
     distributed.add_arguments(p)
     return p.parse_args(argv)
 
@@ -71,9 +73,12 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         import uvicorn
 
-        from day0jax.serve.app import ServerState, build_app
+        from day0jax import logs
+        from day0jax.serve.app import build_app
+        from day0jax.serve.state import ServerState
         from day0jax.startup.warmup import compile_totals, watch_compiles
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level)
+    timeline.log_phases(log)
 
     watch_compiles()  # counts traces and compiles, so /metrics shows any that happen after ready
 
@@ -101,8 +106,9 @@ def main(argv=None) -> int:
                 state.timeline.mark_ready()
                 state.compiles_at_ready = compile_totals()
                 state.status, state.detail = "ready", ""
-                log.info("startup timeline:\n%s", state.timeline.table())
-                log.info("ready: serving %s on http://%s:%d", state.model_name, args.host, args.port)
+                log.debug("startup timeline:\n%s", state.timeline.table())
+                log.info("ready in %.1fs: serving %s on http://%s:%d", state.timeline.ready_at, state.model_name,
+                         args.host, args.port)
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits non-zero
                 log.exception("loading failed")
                 state.status, state.detail = "failed", str(e)
@@ -141,7 +147,8 @@ def main(argv=None) -> int:
                     self.should_exit = True
             return await super().on_tick(counter)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+    # log_config=None: uvicorn's records go through logs.setup's handler (its INFO lines only at debug level).
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             timeout_graceful_shutdown=5, access_log=False)
     server = Server(config)
     server_box.append(server)

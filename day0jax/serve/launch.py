@@ -30,15 +30,17 @@ class ServerProcess:
         args: extra command-line arguments for `python -m day0jax.serve`.
         env: extra environment variables.
         python: the interpreter (default: this one).
+        cwd: the folder to run in, whose `day0jax` is the one served (default: this checkout).
     """
 
-    def __init__(self, args: list[str], env: dict | None = None, python: str | None = None):
+    def __init__(self, args: list[str], env: dict | None = None, python: str | None = None,
+                 cwd: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="day0jax-serve-", suffix=".log", delete=False)
         cmd = [python or sys.executable, "-m", "day0jax.serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[2])
+                                     env={**os.environ, **(env or {})}, cwd=cwd or Path(__file__).resolve().parents[2])
 
     def log_text(self) -> str:
         self.log.flush()

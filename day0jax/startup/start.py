@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from day0jax import logs
 from day0jax.startup.timeline import CompileRecord, Timeline
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,8 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     """Loads the model and builds the engine the flags describe; with `warm_up`, compiles all its programs.
 
     Args:
-        args: parsed flags of `cli.add_model_arguments`, `add_compile_cache_arguments`, `add_engine_arguments`
-            and `sharding.distributed.add_arguments`.
+        args: parsed flags of `cli.add_model_arguments`, `add_compile_cache_arguments`, `add_engine_arguments`,
+            `add_warmup_arguments` and `sharding.distributed.add_arguments`.
         timeline: receives the phases and one record per program.
         status: called with a short description as the start proceeds (the server's /health detail).
         warm_up: compile the programs now (else on first use).
@@ -69,7 +70,6 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
 
         import day0jax
         from day0jax.cli import engine_config_from_args
-        from day0jax.engine.engine import Engine
         from day0jax.weights.loader import default_dtype
         from sharding import distributed
 
@@ -78,9 +78,10 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     dtype = args.dtype or default_dtype()
     cache = enable_cache(args, path, dtype, timeline)
     status(f"loading {path}")
-    model = day0jax.load(path, dtype=dtype, mesh=args.mesh, kernels=args.kernels, timeline=timeline)
-    with timeline.phase("build engine"):
-        engine = Engine.from_model(model, engine_config_from_args(args))
+    model = day0jax.load(path, dtype=dtype, mesh=args.mesh, engine=engine_config_from_args(args),
+                         kernels=args.kernels, timeline=timeline)
+    with timeline.phase("build engine", what="KV page pool"):
+        engine = model.engine
     started = Started(model, engine, cache)
     if not warm_up:
         return started
@@ -90,15 +91,21 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
 
         store = ProgramStore(cache)
     programs = engine.programs(args.warmup_max_len or None)
-    status(f"compiling {len(programs)} programs")
-    with timeline.phase("compile") as info:
-        started.records = engine.warm_up(lambda done, total: status(f"compiled {done}/{total} programs"),
-                                         args.warmup_max_len or None, store=store, workers=args.compile_workers,
-                                         timeline=timeline)
+    what = f"compiling {len(programs)} programs"
+    status(what)
+    with timeline.phase("compile") as info, logs.progress_bar(len(programs), what) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+            status(f"compiled {done}/{total} programs")
+
+        started.records = engine.warm_up(progress, args.warmup_max_len or None, store=store,
+                                         workers=args.compile_workers, timeline=timeline)
         info["programs"] = len(started.records)
         for source in ("program-store", "xla-cache", "compiled"):
             info[source] = sum(1 for r in started.records if r.source == source)
-    skipped = len(engine.program_shapes()) - len(engine.warmup_shapes(args.warmup_max_len or None))
+    layout = engine.layout
+    skipped = len(layout.forward_shapes()) - len(layout.forward_shapes(args.warmup_max_len or None))
     if skipped:
         log.info("--warmup-max-len %d: %d forward programs compile on first use", args.warmup_max_len, skipped)
     damaged = (cache.corrupt if cache else []) + (store.corrupt if store else [])

@@ -2,13 +2,15 @@
 
 Phases (reading the config, building the model, restoring parameters, the kernel self-test, building the
 engine, compiling, warm-up) are recorded as they happen, with details such as the bytes restored; every
-compiled program gets a `CompileRecord` (seconds, and whether it came from a cache). `table()` is the readable
-form printed in the log at ready; the server exports the same figures on /metrics.
+compiled program gets a `CompileRecord` (seconds, and whether it came from a cache). `log_phases` logs one short
+line per phase as it ends; `table()` is the full readable form (the server logs it at debug level, `compile`
+prints it); the server exports the same figures on /metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -85,6 +87,7 @@ class Timeline:
         self.phases: list[Phase] = []
         self.compiles: list[CompileRecord] = []
         self.ready_at: float | None = None  # seconds since origin
+        self._logger: logging.Logger | None = None  # see log_phases
         if now - self.origin > 1e-3:
             self.phases.append(Phase("python start", 0.0, now - self.origin, {"what": "interpreter and imports"}))
 
@@ -100,7 +103,20 @@ class Timeline:
         try:
             yield info
         finally:
-            self.phases.append(Phase(name, start, self.now() - start, info))
+            phase = Phase(name, start, self.now() - start, info)
+            self.phases.append(phase)
+            if self._logger is not None:
+                self._logger.info("%s", phase_line(phase))
+
+    def log_phases(self, logger: logging.Logger) -> None:
+        """Logs each phase at INFO as it ends, one line (`phase_line`); the phases recorded so far first.
+
+        Args:
+            logger: where the lines go.
+        """
+        for phase in self.phases:
+            logger.info("%s", phase_line(phase))
+        self._logger = logger
 
     def add_compile(self, record: CompileRecord) -> None:
         self.compiles.append(record)
@@ -145,6 +161,12 @@ def program_table(records: list[CompileRecord]) -> str:
                  f"; {sum(r.lower_seconds for r in records):.1f}s lowering, "
                  f"{sum(r.compile_seconds for r in records):.1f}s compiling or loading (summed over threads)")
     return "\n".join(lines)
+
+
+def phase_line(p: Phase) -> str:
+    """One phase as a short log line: its name, seconds and details, e.g. "compile 5.73s (programs=27, ...)"."""
+    detail = _detail(p)
+    return f"{p.name} {p.seconds:.2f}s" + (f" ({detail})" if detail else "")
 
 
 def _detail(p: Phase) -> str:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +26,8 @@ from jax.sharding import Mesh
 from day0jax import models
 from day0jax.weights import checkpoint
 from day0jax.weights.hf_config import read_config_json
-from day0jax.engine.generator import bucket
-from day0jax.errors import CheckpointError, GenerationError, MeshError
+from day0jax.engine.config import EngineConfig, EngineLayout
+from day0jax.errors import CheckpointError, MeshError
 from day0jax.layers.rope import context_length as model_context_length
 from day0jax.model import Model
 from day0jax.startup.timeline import Timeline
@@ -47,33 +49,34 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None, max_batch: int = 1,
-         max_context: int | None = None, memory_budget: int | None = None, kernels: str = "auto",
+def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None,
+         engine: EngineConfig | None = None, memory_budget: int | None = None, kernels: str = "auto",
          timeline: Timeline | None = None) -> Model:
     """Loads a day0jax checkpoint.
 
-    Before any weight is read, the memory planner (sharding/plan.py) checks that parameters, the KV cache for
-    `max_batch` sequences of `max_context` tokens and the prefill's activations fit on each device.
+    Before any weight is read, the memory planner (sharding/plan.py) checks that the parameters, the engine's KV
+    page pool and the activations of its largest program fit on each device, for the engine `engine` describes
+    (the one `Model.generate` and the server run).
 
     Args:
         path: checkpoint folder written by `python -m convert`.
         dtype: compute and parameter dtype ('float32', 'bfloat16', 'float16'); default per backend.
         mesh: a `Mesh`, a SPEC string like 'tp=2', 'auto' (the smallest model-parallel group that fits, the rest
             data parallel, over all devices), or None for one device.
-        max_batch: sequences the plan reserves KV cache for.
-        max_context: the longest sequence (prompt + new tokens) to plan for and allow; default and upper bound:
-            the model's context length.
+        engine: the engine's runtime choices (`EngineConfig`: max_model_len, max_num_seqs, KV pool size, shape
+            buckets); default `EngineConfig()`.
         memory_budget: bytes one device may use; default: what the devices report free (on the CPU, the host's
             available memory shared by the local devices).
         kernels: 'auto' (kernels checked against their references on the model's shapes; one that disagrees is
             replaced by the next candidate), 'strict' (disagreement is an error) or 'reference' (no kernels).
-        timeline: a `day0jax.startup.timeline.Timeline` that records the phases (reading the config, building the model,
-            restoring parameters with their bytes, the kernel self-test).
+        timeline: a `day0jax.startup.timeline.Timeline` that records the phases (reading the config, building the
+            model, restoring parameters with their bytes, the kernel self-test).
     Returns:
         A `Model`; `model.memory_plan` holds the plan.
     Raises:
         CheckpointError: not a checkpoint, newer format, or parameters that do not match the model.
         UnsupportedArchitecture: the model type or a config value is not implemented.
+        GenerationError: an engine config that cannot work (a pool smaller than one sequence, ...).
         MeshError: the mesh spec is invalid or does not fit the model (the message lists meshes that would).
         OutOfMemoryPlan: the plan does not fit; the message names a mesh or a context length that would.
         ValueError: `kernels` is not 'auto', 'strict' or 'reference'.
@@ -81,6 +84,7 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
     """
     t0 = time.perf_counter()
     timeline = timeline or null_timeline()
+    engine = engine or EngineConfig()
     with timeline.phase("read config"):
         path = Path(path).absolute()  # Orbax needs absolute paths
         manifest = checkpoint.read_manifest(path)
@@ -94,30 +98,7 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         abstract = models.abstract_model(config, DTYPES[dtype])
         graphdef, abstract_state = nnx.split(abstract)
         infos = {i.path: i for i in models.param_infos(abstract)}
-        full_context = model_context_length(config.rope, config.max_position_embeddings)
-        if max_context is not None and not 1 <= max_context <= full_context:
-            raise GenerationError(f"max_context={max_context} must be between 1 and the model's context of "
-                                  f"{full_context} tokens")
-        context = max_context or full_context
-        shape = plan_lib.ModelShape.from_model(abstract, full_context)
-
-        def plan_for(sizes: dict, budget) -> plan_lib.Plan:
-            # The engine allocates caches in power-of-two batch and length buckets: plan what it will allocate.
-            return plan_lib.plan(shape, sizes, batch=bucket(max_batch, sizes["dp"] * sizes["ep"]),
-                                 context=bucket(context, 64), dtype=DTYPES[dtype], available=budget)
-
-        devices = jax.devices()
-        if isinstance(mesh, Mesh):
-            bad = problems(dict(mesh.shape), list(infos.values()))
-            if bad:
-                raise MeshError(f"mesh {describe(mesh)} does not fit the model: {'; '.join(bad)}")
-        else:
-            budget = memory_budget if memory_budget is not None else plan_lib.device_memory(devices)
-            mesh = make_mesh(mesh, infos=list(infos.values()), fits=lambda s: plan_for(s, budget).fits)
-        budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
-        memory_plan = plan_for(dict(mesh.shape), budget)
-        log.info("memory plan: %s", memory_plan.summary())
-        plan_lib.require_fit(memory_plan, shape, n_devices=len(devices))
+        layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)
     with timeline.phase("restore parameters") as info:
         _check_manifest(path, manifest, infos)
@@ -130,12 +111,69 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         info["parameters"] = sum(a.size for a in arrays.values())
     log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type, info["parameters"],
              describe(mesh), time.perf_counter() - t0)
-    # The startup self-test runs each chosen kernel on this model's shapes against its reference.
+    # The startup self-test runs each chosen kernel on this model's op calls against its reference.
     with timeline.phase("kernel self-test", mode=kernels):
-        report = kernel_selftest.startup(hf, dtype=DTYPES[dtype], mode=kernels, tp=mesh.shape.get("tp", 1))
+        report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
+                                         mode=kernels, tp=mesh.shape.get("tp", 1))
+    generation = _read_json(path / "generation_config.json")
+    eos = generation.get("eos_token_id", hf.get("eos_token_id"))
     return Model(module, config, path=path, mesh=mesh, dtype=dtype,
-                 generation_config=_read_json(path / "generation_config.json"), max_context=context,
-                 memory_plan=memory_plan, kernel_report=report)
+                 eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
+                 engine_config=engine, context_length=layout.max_model_len, memory_plan=memory_plan,
+                 kernel_report=report)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlanInputs:
+    """What the memory planner needs about a model served by an engine: the engine's layout for the model,
+    the model's shape, the workload, and the workload at another max_model_len (for suggestions)."""
+
+    layout: EngineLayout
+    shape: plan_lib.ModelShape
+    workload: plan_lib.Workload
+    workload_for: Callable[[int], plan_lib.Workload]
+
+    @classmethod
+    def of(cls, abstract: nnx.Module, config, engine: EngineConfig) -> "EnginePlanInputs":
+        """`load` and `check` both plan from this, so the same flags give the same plan.
+
+        Raises:
+            GenerationError: an engine config that cannot work for this model.
+        """
+        full_context = model_context_length(config.rope, config.max_position_embeddings)
+        layout = engine.layout(full_context)
+        return cls(layout, plan_lib.ModelShape.from_model(abstract, full_context), layout.workload(),
+                   lambda n: dataclasses.replace(engine, max_model_len=n).layout(full_context).workload())
+
+    def plan(self, sizes, dtype: str, available: int | None) -> plan_lib.Plan:
+        return plan_lib.plan(self.shape, sizes, self.workload, dtype=DTYPES[dtype], available=available)
+
+    def require_fit(self, p: plan_lib.Plan, n_devices: int) -> None:
+        plan_lib.require_fit(p, self.shape, self.workload, self.workload_for, n_devices=n_devices)
+
+
+def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, mesh: Mesh | str | None,
+                memory_budget: int | None = None) -> tuple[EngineLayout, plan_lib.Plan, Mesh]:
+    """The engine's layout, the memory plan for it, and the mesh (made here unless a `Mesh` is given).
+
+    Raises:
+        GenerationError, MeshError, OutOfMemoryPlan: as `load`.
+    """
+    inputs = EnginePlanInputs.of(abstract, config, engine)
+    infos = models.param_infos(abstract)
+    devices = jax.devices()
+    if isinstance(mesh, Mesh):
+        bad = problems(dict(mesh.shape), infos)
+        if bad:
+            raise MeshError(f"mesh {describe(mesh)} does not fit the model: {'; '.join(bad)}")
+    else:
+        budget = memory_budget if memory_budget is not None else plan_lib.device_memory(devices)
+        mesh = make_mesh(mesh, infos=infos, fits=lambda s: inputs.plan(s, dtype, budget).fits)
+    budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
+    memory_plan = inputs.plan(dict(mesh.shape), dtype, budget)
+    log.info("memory plan: %s", memory_plan.summary())
+    inputs.require_fit(memory_plan, n_devices=len(devices))
+    return inputs.layout, memory_plan, mesh
 
 
 def _check_manifest(path: Path, manifest: dict, infos: dict) -> None:
@@ -158,7 +196,7 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
     by_group: dict[int, list[str]] = {}
     for name, p in manifest["params"].items():
         by_group.setdefault(p["group"], []).append(name)
-    # Bounded reads in flight: host memory while loading stays near the device shards' own size (issue 6).
+    # Bounded reads in flight: host memory while loading stays near the device shards' own size.
     # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding
     # does), and Orbax refuses a read larger than its limit, so the limit is at least the largest array.
     largest = max(math.prod(p["shape"]) * np.dtype(_np_dtype(p["dtype"])).itemsize

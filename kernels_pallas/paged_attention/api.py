@@ -1,6 +1,6 @@
 """Paged decode attention as callers (the engine) see it: a kernel when one accepts the inputs, else the reference.
 
-This is the issue's `paged_decode_attention` op. Candidates on NVIDIA GPUs: the Mosaic GPU split-KV kernel
+The engine's decode attention over its page pool. Candidates on NVIDIA GPUs: the Mosaic GPU split-KV kernel
 (Hopper), then the reference. `mosaic_gpu_interpret` runs the kernel in the interpreter on the CPU.
 """
 

@@ -1,0 +1,38 @@
+"""The day0jax side of bench/decode.py: a worker that keeps one checkpoint loaded and answers timing commands.
+
+It imports whichever `day0jax` comes first on its path, so bench/decode.py can run this tree and an earlier
+revision's checkout (`--baseline DIR`, put first on PYTHONPATH) side by side. Uses only what every revision has:
+`day0jax.load(path)` and `Model.generate(prompts, n, ignore_eos=True)`. Protocol as bench/decode_reference.py:
+{"batch": B, "prompt": [ids], "new_tokens": N} in, {"full": s, "first": s, "tokens": [...]} out, one JSON a line.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main():
+    reply = os.fdopen(os.dup(1), "w")  # the protocol owns the real stdout; library output goes to stderr
+    os.dup2(2, 1)
+    import day0jax
+
+    model = day0jax.load(sys.argv[1])
+
+    def run(prompts, n):
+        t0 = time.perf_counter()
+        out = model.generate(prompts, n, ignore_eos=True)
+        return time.perf_counter() - t0, out[0]
+
+    print(json.dumps({"ready": True, "from": os.path.dirname(os.path.dirname(day0jax.__file__))}), file=reply,
+          flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        prompts = [cmd["prompt"]] * cmd["batch"]
+        full, tokens = run(prompts, cmd["new_tokens"])
+        first, _ = run(prompts, 1)
+        print(json.dumps({"full": full, "first": first, "tokens": tokens}), file=reply, flush=True)
+
+
+if __name__ == "__main__":
+    main()

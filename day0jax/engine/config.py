@@ -1,0 +1,139 @@
+"""The engine's runtime choices (`EngineConfig`) and what they resolve to for one model (`EngineLayout`): the KV
+page pool and the shape buckets of every program. The memory planner sizes exactly this layout, so `check`,
+`load` and `serve` given the same flags plan what the engine then allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from day0jax.errors import GenerationError
+from sharding.plan import Workload
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime choices of the engine (not the model's config).
+
+    Attributes:
+        page_size: tokens per KV page.
+        max_model_len: longest prompt + output (default: the model's context).
+        max_num_seqs: most sequences running at once (the largest decode batch).
+        kv_cache_tokens: pool capacity in tokens (default: max(max_model_len, 512 per running sequence)).
+        batch_buckets: decode batch sizes compiled (default: powers of two up to max_num_seqs).
+        chunk_buckets: prefill chunk lengths compiled; the largest is also the prefill token budget per step.
+        min_width: the smallest block-table width of decode steps, in tokens. Decode widths double up to
+            `fine_width` (attention over the table is a large part of a CPU decode step, so tight buckets pay),
+            then grow 4x up to max_model_len. Prefill widths start at max(min_width, 256) and grow 4x.
+        max_waiting: most queued sequences; more are refused (the server answers 429).
+        prefix_caching: reuse cached full blocks across requests.
+    """
+
+    page_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 16  # a CPU gains little past 16 rows; accelerators want more
+    kv_cache_tokens: int | None = None
+    batch_buckets: tuple[int, ...] | None = None
+    chunk_buckets: tuple[int, ...] = (32, 256)
+    min_width: int = 128
+    fine_width: int = 1024
+    max_waiting: int = 256
+    prefix_caching: bool = True
+
+    def layout(self, context_length: int) -> "EngineLayout":
+        """What this config means for a model whose context is `context_length` tokens.
+
+        Raises:
+            GenerationError: a value that cannot work (a pool smaller than one sequence, no rows, ...).
+        """
+        if self.max_num_seqs < 1:
+            raise GenerationError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.page_size < 1:
+            raise GenerationError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise GenerationError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.chunk_buckets or min(self.chunk_buckets) < 1:
+            raise GenerationError(f"chunk sizes must be positive integers, got {self.chunk_buckets}")
+        max_len = min(self.max_model_len or context_length, context_length)
+        page = self.page_size
+        max_pages_per_seq = -(-max_len // page)
+        kv_tokens = self.kv_cache_tokens or max(max_len, 512 * self.max_num_seqs)
+        num_pages = -(-kv_tokens // page) + 1  # + the trash page
+        if num_pages - 1 < max_pages_per_seq:
+            raise GenerationError(f"kv_cache_tokens={kv_tokens} cannot hold one sequence of max_model_len={max_len}")
+        # Powers of two below max_num_seqs, and max_num_seqs itself: every running batch has a bucket.
+        batches = self.batch_buckets or tuple(1 << i for i in range(self.max_num_seqs.bit_length()))
+        batches = tuple(sorted({b for b in batches if b < self.max_num_seqs} | {self.max_num_seqs}))
+        return EngineLayout(
+            max_model_len=max_len, page_size=page, num_pages=num_pages, batch_buckets=batches,
+            chunk_buckets=tuple(sorted({min(x, max_len) for x in self.chunk_buckets})),
+            decode_widths=_widths(self.min_width // page, self.fine_width // page, max_pages_per_seq),
+            prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq))
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """An `EngineConfig` resolved for one model: what the engine allocates and compiles.
+
+    Attributes:
+        max_model_len: longest prompt + output.
+        page_size, num_pages: the KV pool (per layer), the trash page included.
+        batch_buckets: decode batch sizes; chunk_buckets: prefill chunk lengths (ascending).
+        decode_widths, prefill_widths: block-table widths in pages (ascending; the last covers max_model_len).
+    """
+
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    batch_buckets: tuple[int, ...]
+    chunk_buckets: tuple[int, ...]
+    decode_widths: tuple[int, ...]
+    prefill_widths: tuple[int, ...]
+
+    @property
+    def max_rows(self) -> int:
+        """The largest batch any program sees (decode rows; a prefill chunk is one row)."""
+        return self.batch_buckets[-1]
+
+    def forward_shapes(self, max_len: int | None = None) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, width in pages) forward shape the scheduler can ask for; with `max_len`, only
+        those attending over at most that many tokens (the smallest widths always included)."""
+        shapes = ([(b, 1, w) for w in self.decode_widths for b in self.batch_buckets] +
+                  [(1, c, w) for w in self.prefill_widths for c in self.chunk_buckets])
+        if max_len:
+            limit = max(max_len, self.page_size * min(self.decode_widths[0], self.prefill_widths[0]))
+            shapes = [s for s in shapes if s[2] * self.page_size <= limit]
+        return shapes
+
+    def workload(self) -> Workload:
+        """What the memory planner sizes: the pool's token slots and every program's shape."""
+        import jax
+
+        from day0jax.layers.linear import NARROW_ROWS
+
+        return Workload(kv_slots=self.num_pages * self.page_size,
+                        forward_shapes=tuple((r, t, w * self.page_size) for r, t, w in self.forward_shapes()),
+                        sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
+                        weight_copy_rows=NARROW_ROWS if jax.default_backend() == "cpu" else None)
+
+    def sampler_batches(self) -> list[int]:
+        """Every row count the sampler sees: decode batch buckets, and 1 for a prefill's last token."""
+        return sorted(set(self.batch_buckets) | {1})
+
+
+def smallest_bucket(buckets: Sequence[int], n: int) -> int:
+    """The smallest bucket >= n (the largest if none is)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+def _widths(smallest: int, fine_until: int, largest: int) -> tuple[int, ...]:
+    """Block-table widths in pages: doubling below `fine_until`, then 4x, always ending at `largest`."""
+    widths, w = [], max(1, min(smallest, largest))
+    while w < largest:
+        widths.append(w)
+        w *= 2 if w < fine_until else 4
+    return tuple(widths) + (largest,)

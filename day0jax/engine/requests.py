@@ -1,0 +1,135 @@
+"""What the engine is asked for and what it answers: sampling parameters, token events, and the state of each
+sequence while it runs. Token ids only; text belongs to the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from day0jax.errors import GenerationError
+from day0jax.engine.sampling import TOP_LOGPROBS
+
+STOP, LENGTH, ABORT = "stop", "length", "abort"
+
+
+class InvalidRequest(GenerationError):
+    """A request parameter is out of range; `param` names it (the OpenAI error body's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(GenerationError):
+    """The waiting queue is at `max_waiting`; try again later."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (OpenAI / vLLM semantics).
+
+    top_k <= 0 disables top-k; logprobs None returns none, an int k returns the chosen token's log-probability
+    and the k most likely (k <= 20). `n` sequences share the prompt's cached pages. Sequence i of a request
+    draws from seed + i, so a request's tokens depend only on its prompt, parameters and seed.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises InvalidRequest naming the first parameter out of range."""
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, (int, np.integer)) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "in [0, 100]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("top_k", isinstance(self.top_k, (int, np.integer)) and self.top_k >= -1,
+             "-1, 0 (off) or a positive integer"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "in (0, 10]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= TOP_LOGPROBS, f"in [0, {TOP_LOGPROBS}]"),
+            ("n", isinstance(self.n, int) and 1 <= self.n <= 16, "an integer in [1, 16]"),
+            ("seed", self.seed is None or isinstance(self.seed, (int, np.integer)), "an integer"),
+        ]
+        for name, ok, what in checks:
+            if not ok:
+                raise InvalidRequest(f"{name} must be {what}, got {getattr(self, name)!r}", name)
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass
+class TokenEvent:
+    """One new token of one sequence (or only its end, when token is None)."""
+
+    request_id: str
+    index: int  # which of the request's n sequences
+    token: int | None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while it runs
+    stop_token: bool = False  # the token is EOS or a stop token id (servers leave it out of the text)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One sequence while the engine holds it.
+
+    `tokens` are the prompt and the generated tokens the host has read; `in_flight` more were sampled on the
+    device and are read one step later (the engine dispatches the next step before reading them). Keys and
+    values exist for the first `num_computed` positions. A sequence with `pending == 1` extends by one token (a
+    decode row); more makes it a prefill row.
+    """
+
+    request_id: str
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    arrival: float
+    stops: frozenset
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_hashed: int = 0  # leading full blocks registered in the prefix cache
+    hashes: list[bytes] = field(default_factory=list)
+    cached_tokens: int = 0
+    wait_for: "SequenceState | None" = None
+    finished: bool = False
+    in_flight: int = 0
+    counts: np.ndarray | None = None  # penalties: generated-token counts
+    seen: np.ndarray | None = None  # penalties: tokens in prompt or output
+
+    @property
+    def length(self) -> int:
+        """Tokens so far, the ones still on the device included."""
+        return len(self.tokens) + self.in_flight
+
+    @property
+    def num_generated(self) -> int:
+        return self.length - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        return self.length - self.num_computed

@@ -1,0 +1,178 @@
+"""Who runs in the next step: admission from the waiting queue, decode rows and prefill chunks, preemption.
+
+Sequences wait first-come first-served until pages are free and a batch row is; a prompt's leading full blocks
+found in the prefix cache are shared instead of recomputed. Each step extends every running sequence that has
+one token to compute (decode rows) and gives prefill chunks, up to a token budget, to those still reading their
+prompt. When a decode row needs a page and none is free, the most recently admitted sequence is preempted: its
+pages are released (their full blocks stay in the prefix cache) and it waits to be recomputed from its prompt
+plus what it already generated, which it keeps.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from day0jax.engine.block_pool import BlockPool, OutOfPages, block_hash
+from day0jax.engine.config import EngineConfig, EngineLayout
+from day0jax.engine.requests import SamplingParams, SequenceState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Work:
+    """One step's rows: sequences extended by one token, and (sequence, tokens) prefill chunks."""
+
+    decode: list[SequenceState]
+    prefill: list[tuple[SequenceState, int]]
+
+
+class NeedTokens(Exception):
+    """Scheduling needs tokens still on the device (a preemption, or penalties over a token not read yet)."""
+
+
+class Scheduler:
+    """Waiting and running sequences over a `BlockPool`.
+
+    Args:
+        config: the engine config (max_num_seqs, prefix_caching).
+        layout: its resolution for the model (page size and count, chunk sizes, max_model_len).
+        eos_token_ids: tokens that end a sequence unless its request says `ignore_eos`.
+    """
+
+    def __init__(self, config: EngineConfig, layout: EngineLayout, eos_token_ids: Sequence[int]):
+        self.config, self.layout, self.page_size = config, layout, layout.page_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pool = BlockPool(layout.num_pages, layout.page_size)
+        self.waiting: collections.deque[SequenceState] = collections.deque()
+        self.running: list[SequenceState] = []
+        self.by_request: dict[str, list[SequenceState]] = {}
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Queues the request's `n` sequences (the later ones wait for the first to compute the prompt, then
+        find its blocks in the prefix cache)."""
+        now = time.monotonic()
+        base_seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seqs = []
+        for i in range(params.n):
+            seq = SequenceState(request_id, i, list(prompt), len(prompt), params, (base_seed + i) & 0xFFFFFFFF,
+                                now, stops)
+            seq.wait_for = seqs[0] if seqs else None
+            seqs.append(seq)
+            self.waiting.append(seq)
+        self.by_request[request_id] = seqs
+
+    def admit(self) -> None:
+        """Moves waiting sequences to running while rows and pages allow, in arrival order."""
+        page = self.page_size
+        skipped = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            parent = seq.wait_for
+            if parent is not None and not parent.finished and parent.num_computed < parent.prompt_len:
+                skipped.append(self.waiting.popleft())  # its prompt blocks are not cached yet
+                continue
+            # At least one token is always computed, so the last prompt position yields logits.
+            hits: list[int] = []
+            queried = 0
+            if self.config.prefix_caching:
+                queried = (len(seq.tokens) - 1) // page
+                hits = self.pool.lookup(self.hashes(seq, queried))
+            needed = -(-len(seq.tokens) // page) - len(hits)
+            if self.pool.free_count_after_taking(hits) < needed:
+                break  # first come, first served: wait for pages rather than let later ones overtake
+            self.waiting.popleft()
+            self.pool.take_cached(hits, queried)
+            seq.pages = list(hits) + [self.pool.allocate() for _ in range(needed)]
+            seq.num_computed, seq.num_hashed = len(hits) * page, len(hits)
+            if seq.num_generated == 0:
+                seq.cached_tokens = len(hits) * page
+            self.prefix_hit_tokens += len(hits) * page
+            seq.wait_for = None
+            self.running.append(seq)
+        self.waiting.extendleft(reversed(skipped))
+
+    def schedule(self) -> Work:
+        """This step's decode rows (each given the page its next token needs) and prefill chunks.
+
+        Raises:
+            NeedTokens: the step cannot be planned before the tokens still on the device are read.
+        """
+        page = self.page_size
+        decode = []
+        for seq in list(self.running):
+            if seq.finished or seq.pending != 1 or seq not in self.running or self._exhausted(seq):
+                continue
+            if seq.in_flight and seq.params.penalized:
+                raise NeedTokens("penalties count the token still on the device")
+            # The token to write sits at position num_computed; it may need a new page.
+            while seq.num_computed // page >= len(seq.pages):
+                try:
+                    seq.pages.append(self.pool.allocate())
+                except OutOfPages:
+                    victim = self.running[-1]
+                    if victim.in_flight:
+                        raise NeedTokens("a preempted sequence keeps every token it generated") from None
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+            if seq in self.running:
+                decode.append(seq)
+        budget = self.layout.chunk_buckets[-1]
+        prefill = []
+        for seq in self.running:
+            if seq.pending > 1 and budget > 0:
+                n = min(seq.pending, budget)
+                prefill.append((seq, n))
+                budget -= n
+        return Work(decode, prefill)
+
+    def _exhausted(self, seq: SequenceState) -> bool:
+        """Every token the sequence may have is sampled (it ends when the last one is read)."""
+        return seq.num_generated >= seq.params.max_tokens or seq.length >= self.layout.max_model_len
+
+    def preempt(self, seq: SequenceState) -> None:
+        log.info("preempting %s/%d (%d tokens) for lack of KV pages", seq.request_id, seq.index, len(seq.tokens))
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages, seq.num_computed, seq.num_hashed = [], 0, 0
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: SequenceState) -> None:
+        """Ends a sequence: its pages go back to the pool; its request is forgotten once all its sequences end."""
+        seq.finished = True
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.release(seq.pages)
+            seq.pages = []
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if all(s.finished for s in self.by_request.get(seq.request_id, [])):
+            self.by_request.pop(seq.request_id, None)
+
+    def hashes(self, seq: SequenceState, upto_blocks: int) -> list[bytes]:
+        """The prefix-cache hashes of the sequence's first `upto_blocks` full blocks (computed once)."""
+        while len(seq.hashes) < upto_blocks:
+            i = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else None
+            seq.hashes.append(block_hash(parent, seq.tokens[i * self.page_size:(i + 1) * self.page_size]))
+        return seq.hashes[:upto_blocks]
+
+    def register_blocks(self, seq: SequenceState) -> None:
+        """Offers the sequence's computed full blocks to the prefix cache (only blocks whose tokens are read)."""
+        if not self.config.prefix_caching:
+            return
+        full = min(seq.num_computed, len(seq.tokens)) // self.page_size
+        if full > seq.num_hashed and seq.pages:
+            for i, h in enumerate(self.hashes(seq, full)[seq.num_hashed:], start=seq.num_hashed):
+                self.pool.register(seq.pages[i], h)
+            seq.num_hashed = full

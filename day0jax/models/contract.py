@@ -1,0 +1,46 @@
+"""What a model family hands the rest of day0jax: one `Family` object, the `FAMILY` of its module.
+
+The runtime, the converter and the readiness report read a family only through these attributes, so what a
+family must define (and what it may leave to a default) is stated here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from day0jax.models.base import HFConfig, Source
+
+
+def no_config_dependent_drops(config: Any) -> dict[str, str]:
+    """The default `Family.dropped_for`: the tensors a family drops do not depend on its config."""
+    return {}
+
+
+def plain_hf_names(config: Any, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
+    """The default `Family.hf_source`: every parameter follows HF's plain naming (`base.default_source`)."""
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its config, its model and how its parameters map to a Hugging Face checkpoint.
+
+    Attributes:
+        model_types: the config.json `model_type`s it implements.
+        config: its config class, an `HFConfig` (fields are HF keys; `config.from_hf(hf)` builds one and refuses
+            what the family does not implement).
+        model: its model class (usually a `base.CausalLM`), built as `model(config, dtype=..., rngs=...)`.
+        dropped: regex -> why, for HF tensors deliberately not read (the converter refuses any other unused one).
+        dropped_for: config -> more such regexes, for tensors dropped only under some configs (default: none).
+        hf_source: (config, runtime path, runtime shape, parameter metadata) -> the `Source` of a parameter whose
+            HF tensors differ from the runtime's naming or layout, or None for `base.default_source` (the
+            default: None for every parameter).
+    """
+
+    model_types: tuple[str, ...]
+    config: type[HFConfig]
+    model: type
+    dropped: Mapping[str, str]
+    dropped_for: Callable[[Any], Mapping[str, str]] = no_config_dependent_drops
+    hf_source: Callable[[Any, str, tuple[int, ...], dict], Source | None] = plain_hf_names

@@ -1,0 +1,101 @@
+"""Errors in the OpenAI shape `{"error": {"message", "type", "param", "code"}}`, and the app's exception handlers.
+
+400 for what the client sent (validation included), the HTTP status of routing errors (404, 405), 500 with only
+the exception's type for real faults (the traceback goes to the log).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape.
+
+    Args:
+        status: the HTTP status code.
+        message: what went wrong and what to do about it.
+        type_: the OpenAI error type ("invalid_request_error", "rate_limit_error", ...).
+        param: the request field at fault, if one is.
+        code: a machine-readable code ("model_not_found", "queue_full", ...).
+        headers: extra response headers (e.g. Retry-After).
+    """
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
+    """The OpenAI error body.
+
+    Args:
+        message: the human-readable message.
+        type_: the OpenAI error type.
+        param: the request field at fault, or None.
+        code: a machine-readable code, or None.
+    Returns:
+        `{"error": {"message", "type", "param", "code"}}`.
+    """
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """The JSON response for `e`: its status, its headers and the OpenAI error body."""
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+async def _api_error(request: Request, e: APIError):
+    return error_response(e)
+
+
+async def _validation_error(request: Request, e: RequestValidationError):
+    # The first error is enough to act on; `param` names the field as a dotted path without the "body" prefix.
+    errors = e.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        message = f"the body is not valid JSON: {first.get('msg')}"
+    elif not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        message = "the body must be a JSON object"
+    else:
+        message = f"{param or 'body'}: {first.get('msg')}"
+    return JSONResponse(error_body(message, "invalid_request_error", param, kind or None), status_code=400)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):
+    return JSONResponse(error_body(str(e.detail), _TYPES.get(e.status_code, "invalid_request_error")),
+                        status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
+async def _server_error(request: Request, e: Exception):
+    log.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(error_body(f"internal server error: {type(e).__name__}", "server_error"), status_code=500)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Makes every error `app` answers take the OpenAI shape.
+
+    Args:
+        app: the FastAPI app.
+    """
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)

@@ -1,0 +1,178 @@
+"""From engine token events to OpenAI output: per-choice text, stop strings, streaming chunks, final responses.
+
+The engine speaks token ids; here they become text. A choice's text is re-decoded from all its ids on each event
+(a token may complete a multi-byte character begun by the previous one), cut at the first stop string, and
+streamed only as far as it can no longer change: an unfinished UTF-8 character and a possible stop-string prefix
+are held back until the next token settles them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from day0jax.engine.requests import ABORT, TokenEvent
+from day0jax.serve import protocol as P
+
+
+class Detokenizer:
+    """Token ids to text, with the single-token texts (logprobs' `token` fields) cached.
+
+    Args:
+        tokenizer: the model's tokenizer (`decode(ids, skip_special_tokens=...)`).
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def text(self, ids: list[int]) -> str:
+        """The text of a sequence of ids, special tokens left out."""
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token(self, token_id: int) -> str:
+        """The text of one token, special tokens included (as logprobs show them)."""
+        if token_id not in self._cache:
+            self._cache[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return self._cache[token_id]
+
+
+@dataclass
+class Choice:
+    """One output sequence of a request (OpenAI's `choices[index]`) as it is generated."""
+
+    index: int
+    stops: list[str]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # text so far (stop strings cut away)
+    sent: int = 0  # characters of `text` already streamed
+    finish_reason: str | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    sent_logprobs: int = 0
+    generated: int = 0  # tokens generated (stop tokens included), for usage
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def add(self, event: TokenEvent, detok: Detokenizer) -> bool:
+        """Adds one engine event to the text and logprobs.
+
+        Args:
+            event: the engine's event for this choice.
+            detok: the request's detokenizer.
+        Returns:
+            True when a stop string ended the choice (the text is cut before it).
+        """
+        if event.token is not None and not event.stop_token:
+            self.ids.append(event.token)
+        if event.token is not None and event.logprob is not None:
+            self.logprobs.append((event.token, event.logprob, event.top_logprobs or []))
+        full = detok.text(self.ids)
+        stopped = False
+        for stop in self.stops:
+            # Search only where a new match can be: the previous text's tail plus the new characters.
+            pos = full.find(stop, max(0, len(self.text) - len(stop) + 1))
+            if pos != -1:
+                full, stopped = full[:pos], True
+        self.text = full
+        return stopped
+
+    def sendable(self) -> str:
+        """Takes the new text that is safe to stream: not an unfinished UTF-8 character or a possible stop prefix.
+
+        Returns:
+            The text after what was sent before (marked as sent now); everything left once the choice finished.
+        """
+        text = self.text
+        end = len(text)
+        if self.finish_reason is None:
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            end = max(self.sent, end - hold)
+        new = text[self.sent:end]
+        self.sent = end
+        return new
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The OpenAI finish reason of an engine one (an abort after a stop string is a "stop")."""
+    return "stop" if reason == ABORT else reason
+
+
+def sse(model) -> str:
+    """One server-sent event carrying a response model as JSON."""
+    return "data: " + model.model_dump_json() + "\n\n"
+
+
+def chunk(rid: str, model_name: str, c: Choice, detok: Detokenizer, chat: bool):
+    """The next streaming chunk of a choice, or None while there is nothing to send yet.
+
+    Args:
+        rid: the response id.
+        model_name: the `model` field.
+        c: the choice; its new text and logprobs are marked as sent.
+        detok: the request's detokenizer.
+        chat: a chat completion chunk (else a completion).
+    Returns:
+        A `ChatCompletionChunk` or `CompletionResponse`, or None.
+    """
+    text = c.sendable()
+    new_lp = c.logprobs[c.sent_logprobs:]
+    if not text and c.finish_reason is None:
+        return None  # nothing to say yet (held back); logprobs go out with the text they belong to
+    c.sent_logprobs = len(c.logprobs)
+    if chat:
+        lp = P.ChatLogprobs(content=chat_logprobs(new_lp, detok)) if new_lp else None
+        return P.ChatCompletionChunk(id=rid, model=model_name, choices=[P.ChatChunkChoice(
+            index=c.index, delta=P.ChatDelta(content=text or None), logprobs=lp,
+            finish_reason=finish_reason(c.finish_reason))])
+    lp = completion_logprobs(new_lp, detok, 0) if new_lp else None
+    return P.CompletionResponse(id=rid, model=model_name, choices=[P.CompletionChoice(
+        index=c.index, text=text, logprobs=lp, finish_reason=finish_reason(c.finish_reason))])
+
+
+def final_response(rid: str, model_name: str, choices: list[Choice], usage: P.Usage, detok: Detokenizer,
+                   chat: bool):
+    """The whole (non-streamed) response once every choice finished.
+
+    Args:
+        rid: the response id.
+        model_name: the `model` field.
+        choices: the request's choices, in index order.
+        usage: the token counts.
+        detok: the request's detokenizer.
+        chat: a chat completion (else a completion).
+    Returns:
+        A `ChatCompletionResponse` or `CompletionResponse`.
+    """
+    if chat:
+        out = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
+                            logprobs=P.ChatLogprobs(content=chat_logprobs(c.logprobs, detok))
+                            if c.logprobs else None, finish_reason=finish_reason(c.finish_reason)) for c in choices]
+        return P.ChatCompletionResponse(id=rid, model=model_name, choices=out, usage=usage)
+    out = [P.CompletionChoice(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason),
+                              logprobs=completion_logprobs(c.logprobs, detok, 0) if c.logprobs else None)
+           for c in choices]
+    return P.CompletionResponse(id=rid, model=model_name, choices=out, usage=usage)
+
+
+def chat_logprobs(entries, detok: Detokenizer) -> list[P.TokenLogprob]:
+    """Chat-style logprobs (one entry per token, with bytes and the top alternatives)."""
+    out = []
+    for token, lp, top in entries:
+        text = detok.token(token)
+        out.append(P.TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=[
+            P.TopLogprob(token=detok.token(t), logprob=v, bytes=list(detok.token(t).encode())) for t, v in top]))
+    return out
+
+
+def completion_logprobs(entries, detok: Detokenizer, offset: int) -> P.CompletionLogprobs:
+    """Completion-style logprobs (parallel lists of tokens, logprobs, top alternatives and text offsets)."""
+    out = P.CompletionLogprobs()
+    for token, lp, top in entries:
+        text = detok.token(token)
+        out.text_offset.append(offset)
+        offset += len(text)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append({detok.token(t): v for t, v in top})
+    return out

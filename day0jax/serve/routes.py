@@ -1,0 +1,190 @@
+"""The HTTP routes: /health, /metrics, /v1/models, /v1/chat/completions and /v1/completions.
+
+Each route reads the server state from `request.app.state.server` (see `server_state`). The two generation
+routes check what they can before tokenizing (ready, queue room, model name, prompt length), turn the body into
+token ids and `SamplingParams`, and hand over to `serving.serve_request`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from day0jax.engine.async_engine import AsyncEngine
+from day0jax.engine.requests import SamplingParams
+from day0jax.serve import protocol as P
+from day0jax.serve.errors import APIError
+from day0jax.serve.serving import serve_request
+from day0jax.serve.state import ServerState
+from day0jax.weights.tokenizer import ChatTemplateError
+
+MAX_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_STOPS = 16
+
+router = APIRouter()
+
+
+async def server_state(request: Request) -> ServerState:
+    """The server state `build_app` stored on the app (async, so FastAPI does not run it in a thread)."""
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(server_state)]
+
+_ERRORS = {400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse}, 429: {"model": P.ErrorResponse},
+           503: {"model": P.ErrorResponse}}
+
+
+@router.get("/health", responses={503: {"model": P.ErrorResponse}})
+async def health(state: State):
+    if state.status == "ready":
+        return {"status": "ok"}
+    return JSONResponse({"status": state.status, "detail": state.detail}, status_code=503)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(state: State):
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
+async def list_models(state: State):
+    ready(state)
+    return P.ModelList(data=[P.ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+
+
+@router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=_ERRORS)
+async def chat_completions(body: P.ChatCompletionRequest, request: Request, state: State):
+    arrival = time.monotonic()
+    engine = ready(state)
+    check_queue(engine)
+    check_model(state, body.model)
+    check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    try:
+        prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except Exception as e:  # noqa: BLE001 - a template choking on odd messages is the request's problem
+        raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top = body.top_logprobs if body.top_logprobs is not None else 0
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    params = sampling_params(state, body, max_tokens, len(prompt), top if body.logprobs else None)
+    rid = P.new_id("chatcmpl")
+    return await serve_request(request, state, engine, rid, [prompt], params, stop_strings(body.stop), body, True,
+                               arrival)
+
+
+@router.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)
+async def completions(body: P.CompletionRequest, request: Request, state: State):
+    arrival = time.monotonic()
+    engine = ready(state)
+    check_queue(engine)
+    check_model(state, body.model)
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    token_prompts = []
+    for p in prompts:
+        if isinstance(p, str):
+            check_chars(state, len(p), "prompt")
+            token_prompts.append(state.tokenizer.encode(p))
+        else:
+            token_prompts.append(list(p))
+    if any(not p for p in token_prompts):
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    params = sampling_params(state, body, body.max_tokens or 16, max(map(len, token_prompts)), body.logprobs)
+    rid = P.new_id("cmpl")
+    return await serve_request(request, state, engine, rid, token_prompts, params, stop_strings(body.stop), body,
+                               False, arrival)
+
+
+# --- checks before any tokenizing ------------------------------------------------------------------------------
+
+def ready(state: ServerState) -> AsyncEngine:
+    """The engine, once the server is ready.
+
+    Raises:
+        APIError: 503 with Retry-After while loading, warming up, draining or failed.
+    """
+    if state.status != "ready" or state.engine is None:
+        what = {"draining": "the server is shutting down"}.get(state.status, f"the model is {state.status}")
+        raise APIError(503, f"{what}; retry later", "service_unavailable", headers={"Retry-After": "5"})
+    return state.engine
+
+
+def check_queue(engine: AsyncEngine) -> None:
+    """Raises APIError 429 (with Retry-After) when the engine's waiting queue is full."""
+    e = engine.engine
+    if e.num_waiting >= e.config.max_waiting:
+        raise APIError(429, f"the server is at capacity ({e.num_waiting} requests queued); retry later",
+                       "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+def check_model(state: ServerState, name: str) -> None:
+    """Raises APIError 400 unless `name` is the served model's id."""
+    if name != state.model_name:
+        raise APIError(400, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def check_chars(state: ServerState, n: int, param: str) -> None:
+    """Raises APIError 400 for a prompt text too long to be worth tokenizing.
+
+    Without `--max-prompt-chars`, the limit is 64 characters per context token: far above any text that fits.
+    """
+    limit = state.max_prompt_chars or state.max_model_len * 64
+    if n > limit:
+        raise APIError(400, f"the {param} has {n} characters, more than this server accepts ({limit}; "
+                       f"the model's context is {state.max_model_len} tokens)", param=param,
+                       code="context_length_exceeded")
+
+
+# --- request fields to engine inputs ---------------------------------------------------------------------------
+
+def sampling_params(state: ServerState, body, max_tokens: int | None, prompt_len: int,
+                    logprobs: int | None) -> SamplingParams:
+    """The engine's sampling parameters for a request body.
+
+    Args:
+        state: the server state (the context length).
+        body: a chat or completion request.
+        max_tokens: the tokens asked for; None: whatever the context leaves after the prompt (as vLLM does).
+        prompt_len: tokens of the longest prompt.
+        logprobs: top log-probabilities per token, or None for none.
+    Returns:
+        The `SamplingParams` (the engine validates their ranges when the request is submitted).
+    """
+    if max_tokens is None:
+        max_tokens = max(1, state.max_model_len - prompt_len)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=None if body.seed is None else body.seed & 0xFFFFFFFF, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=logprobs,
+        n=body.n)
+
+
+def stop_strings(stop) -> list[str]:
+    """The request's `stop` as a list.
+
+    Raises:
+        APIError: 400 for an empty stop string or more than MAX_STOPS.
+    """
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"at most {MAX_STOPS} stop strings", param="stop")
+    return stops

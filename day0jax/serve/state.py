@@ -1,0 +1,40 @@
+"""What the server knows between requests: the model's name and status, limits, the engine once loaded, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from day0jax.engine.async_engine import AsyncEngine
+from day0jax.serve.metrics import Metrics
+
+
+@dataclass
+class ServerState:
+    """What the routes need; `engine` and `tokenizer` appear once loading is done.
+
+    Attributes:
+        model_name: the id clients must send as `model`.
+        status: "loading", "warming up", "ready", "draining" or "failed".
+        api_key: when set, every /v1 route needs `Authorization: Bearer <key>`.
+        max_body_bytes: larger request bodies get 413.
+        max_prompt_chars: longer prompt texts get 400 before tokenization.
+        timeline: the startup timeline, exported on /metrics.
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    max_prompt_chars: int | None = None
+    status: str = "loading"
+    detail: str = ""
+    engine: AsyncEngine | None = None
+    tokenizer: Any = None
+    max_model_len: int = 0
+    metrics: Metrics | None = None
+    in_flight: int = 0
+    timeline: Any = None  # day0jax.startup.timeline.Timeline of this start (phases and compiled programs)
+    compiles_at_ready: dict[str, int] | None = None  # day0jax.startup.warmup.compile_totals() when it became ready
+
+    def __post_init__(self):
+        self.metrics = Metrics(self)

@@ -1,0 +1,81 @@
+"""`OpCall`: one kind of call a model makes to an operator, with the static facts that fix its shapes.
+
+A model describes itself as the list of its layers' op calls (each layer reports its own: `op_calls()` on the
+model and layer classes of `day0jax`). That one description is what the readiness report lists, what the kernel
+self-test checks at load, and what `selfcheck` builds its cases from (`cases.cases_from_calls`); the flagship
+models' descriptions ship in `flagships.json`, written from the model code.
+
+Parameters by op (letters as elsewhere: N query heads, K kv heads, H key head dim, D hidden, E experts, F expert
+or MLP width, k experts per token):
+- attention, paged_attention: N, K, H, Hv (value head dim), scale (None: H ** -0.5), window, softcap, sinks
+  (bool), latent (bool: multi-head latent attention in its absorbed form);
+- moe (the grouped matmul of routed experts): E, k, D, F, routing;
+- rms_norm: D, eps, offset (1.0 for Gemma-style 1 + w);
+- mlp, rope: plain jax.numpy, no kernel op; listed so the report shows every operator a layer runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Ops that are plain jax.numpy (no api.py, no kernels).
+PLAIN_OPS = ("mlp", "rope")
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """An op name and its parameters (sorted (name, value) pairs, so calls compare and hash by value)."""
+
+    op: str
+    params: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, op: str, **params: Any) -> "OpCall":
+        return cls(op, tuple(sorted(params.items())))
+
+    def __getitem__(self, name: str) -> Any:
+        return dict(self.params)[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict(self.params).get(name, default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, **dict(self.params)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OpCall":
+        d = dict(d)
+        return cls.of(d.pop("op"), **d)
+
+    def describe(self) -> str:
+        """The variant in words, e.g. 'GQA 32q/8kv heads x 128, sliding window 4096'."""
+        p = dict(self.params)
+        if self.op in ("attention", "paged_attention"):
+            N, K, H, Hv = p["N"], p["K"], p["H"], p["Hv"]
+            kind = "MHA" if N == K else "MQA" if K == 1 else "GQA"
+            head = f"x {H}" if H == Hv else f"x {H} (values {Hv})"
+            parts = [f"{'MLA (absorbed): ' if p.get('latent') else ''}{kind} {N}q/{K}kv heads {head}"]
+            if p.get("window") is not None:
+                parts.append(f"sliding window {p['window']}")
+            if p.get("softcap") is not None:
+                parts.append(f"score soft-cap {p['softcap']}")
+            if p.get("sinks"):
+                parts.append("sinks")
+            if p.get("scale") is not None:
+                parts.append(f"scale {p['scale']:.4g}")
+            return ", ".join(parts)
+        if self.op == "moe":
+            shared = f", shared {p['shared']}" if p.get("shared") else ""
+            return f"MoE {p['E']} experts x {p['F']}, top-{p['k']} {p['routing']}{shared}"
+        if self.op == "rms_norm":
+            return f"RMSNorm over {p['D']}, eps {p['eps']:g}{' (1 + w)' if p['offset'] else ''}"
+        if self.op == "mlp":
+            return f"gated MLP x {p['F']} ({p['act']})"
+        if self.op == "rope":
+            if p.get("kind") is None:
+                return "none (NoPE layer)"
+            factor = f", factor {p['factor']:g}" if p.get("factor") else ""
+            part = f", {p['rotary_dim']} of {p['head_dim']} dims" if p["rotary_dim"] != p["head_dim"] else ""
+            return f"{p['kind']} (theta {p['theta']:g}{factor}{part})"
+        return ", ".join(f"{k}={v}" for k, v in self.params)

@@ -1,0 +1,42 @@
+"""Token events to OpenAI text, in-process: stop strings cut the text, and streaming holds back what may still
+change (an unfinished UTF-8 character, a possible stop-string prefix) until the next token settles it.
+"""
+
+from __future__ import annotations
+
+from day0jax.engine.requests import TokenEvent
+from day0jax.serve.outputs import Choice, Detokenizer
+
+
+class ByteTokenizer:
+    """Token i is the byte i (so one character may take several tokens)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def feed(choice: Choice, text: str) -> tuple[list[str], bool]:
+    """Adds `text` byte by byte; returns what was streamable after each token and whether a stop string hit."""
+    detok, sent, stopped = Detokenizer(ByteTokenizer()), [], False
+    for b in text.encode():
+        stopped = choice.add(TokenEvent("r", 0, b), detok)
+        sent.append(choice.sendable())
+        if stopped:
+            break
+    return sent, stopped
+
+
+def test_a_stop_string_cuts_the_text_and_its_prefix_is_never_streamed():
+    choice = Choice(0, stops=["END"])
+    sent, stopped = feed(choice, "one EN two END three")
+    assert stopped and choice.text == "one EN two "
+    assert "".join(sent) == "one EN two "[:len("".join(sent))]  # never more than the final text
+    assert "EN" not in "".join(sent[:6])  # "EN" was held back while it could have begun "END"
+    choice.finish_reason = "stop"
+    assert "".join(sent) + choice.sendable() == "one EN two "
+
+
+def test_an_unfinished_utf8_character_is_held_back():
+    choice = Choice(0, stops=[])
+    sent, _ = feed(choice, "é🤗")  # 2 + 4 bytes
+    assert sent == ["", "é", "", "", "", "🤗"]
