@@ -26,7 +26,8 @@ PROMPT = "Once upon a time, in a small village at the edge of a great forest, th
 
 
 class Worker:
-    """A timing worker answering bench/decode_reference.py's protocol."""
+    """A worker process that keeps a model loaded and answers each JSON command line with one JSON line
+    (bench/decode_worker.py and bench/decode_reference.py here, bench/serve_reference.py for bench/serve.py)."""
 
     def __init__(self, cmd: list[str], env: dict):
         # -P keeps bench/ off the worker's path (transformers would import bench/kernels.py as `kernels`).
@@ -35,11 +36,10 @@ class Worker:
         self.hello = json.loads(self.proc.stdout.readline())
         assert self.hello["ready"]
 
-    def run(self, batch: int, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
-        self.proc.stdin.write(json.dumps({"batch": batch, "prompt": prompt, "new_tokens": n}) + "\n")
+    def ask(self, command: dict) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
-        r = json.loads(self.proc.stdout.readline())
-        return r["full"], r["first"], r["tokens"]
+        return json.loads(self.proc.stdout.readline())
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -73,14 +73,15 @@ def main() -> None:
     n = args.new_tokens
     for batch in batches:  # warm-up: every program and kernel these shapes use
         for w in workers.values():
-            w.run(batch, prompt, n)
+            w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
     rates: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):
         for batch in batches:
             tokens = {}
             for name, w in workers.items():
-                full, first, tokens[name] = w.run(batch, prompt, n)
-                rates.setdefault((name, batch), []).append(batch * (n - 1) / (full - first))
+                r = w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
+                tokens[name] = r["tokens"]
+                rates.setdefault((name, batch), []).append(batch * (n - 1) / (r["full"] - r["first"]))
             assert len({tuple(t) for t in tokens.values()}) == 1, f"greedy tokens differ: {tokens}"
     for w in workers.values():
         w.close()

@@ -187,7 +187,7 @@ def ceilings(iters: int, tiny: bool) -> dict[str, float]:
 
 def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int) -> list[dict[str, Any]]:
     mod = registry.api(bench.op)
-    interpreted = set(getattr(mod, "INTERPRET", {}).values())
+    interpreted = set(mod.INTERPRET.values())
     args, kwargs = bench.case.build(seed)
     flops, nbytes = bench.work(args, kwargs)
     ref_fn, arrays = jitted(mod.IMPLEMENTATIONS[registry.REFERENCE], args, kwargs)
@@ -203,14 +203,13 @@ def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int) -> li
             continue
         row = dict(op=bench.op, shape=bench.name, implementation=name, ms=None, timer="", rate=None, unit="",
                    fraction=None, max_rel_error=None, detail="")
+        rows.append(row)
         reason = registry.accepts(bench.op, name, *args, **kwargs)
         if reason is not None:
             row["detail"] = f"unavailable: {reason[:100]}"
-            rows.append(row)
             continue
         if name == registry.REFERENCE and ref_out is None:
             row["detail"] = f"reference failed: {ref_error}"
-            rows.append(row)
             continue
         try:
             fn, arrs = jitted(mod.IMPLEMENTATIONS[name], args, kwargs)
@@ -220,19 +219,11 @@ def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int) -> li
             ms, timer = time_ms(fn, arrs, iters)
         except Exception as e:
             row["detail"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            rows.append(row)
             continue
-        secs = ms / 1e3
-        if bench.compute_bound:
-            rate, unit = flops / secs, "TFLOP/s"
-            row["fraction"] = rate / ceil["matmul"]
-            row["rate"] = rate / 1e12
-        else:
-            rate, unit = nbytes / secs, "GB/s"
-            row["fraction"] = rate / ceil["copy"]
-            row["rate"] = rate / 1e9
-        row.update(ms=ms, timer=timer, unit=unit)
-        rows.append(row)
+        work, ceiling, scale, unit = (flops, "matmul", 1e12, "TFLOP/s") if bench.compute_bound else \
+            (nbytes, "copy", 1e9, "GB/s")
+        rate = work / (ms / 1e3)
+        row.update(ms=ms, timer=timer, rate=rate / scale, unit=unit, fraction=rate / ceil[ceiling])
     by_name = {r["implementation"]: r["ms"] for r in rows if r["ms"]}
     for r in rows:
         if r["ms"]:
@@ -246,20 +237,21 @@ def tune(dtype: str, iters: int) -> list[str]:
     """Sweeps each Pallas kernel's blocks on the bench shapes; returns table-entry lines for the best."""
     kind = platform.current().kind
     today = datetime.date.today().isoformat()
-    sweeps = {
-        "attention": (attention_mgpu, [attention_mgpu.Blocks(64, kv, st) for kv in (64, 128) for st in (2, 3)],
+    sweeps = {  # op -> (kernel, block configurations, shape class of a case spec)
+        "attention": (attention_mgpu.attention,
+                      [attention_mgpu.Blocks(64, kv, st) for kv in (64, 128) for st in (2, 3)],
                       lambda s: attention_mgpu.shape_class(s["H"])),
-        "paged_attention": (paged_mgpu, [paged_mgpu.Blocks(kv, st, 16) for kv in (64, 128, 256) for st in (2, 3, 4)],
+        "paged_attention": (paged_mgpu.paged_attention,
+                            [paged_mgpu.Blocks(kv, st, 16) for kv in (64, 128, 256) for st in (2, 3, 4)],
                             lambda s: paged_mgpu.shape_class(s["H"], s["page"])),
-        "moe": (moe_mgpu, [moe_mgpu.Blocks(bm, bn, 64, st) for bm in (64, 128) for bn in (128, 256)
-                           for st in (3, 4, 5)], lambda s: moe_mgpu.shape_class(s["M"], s["G"])),
-        "rms_norm": (rms_mgpu, [rms_mgpu.Blocks(r) for r in (1, 2, 4, 8)], lambda s: rms_mgpu.shape_class(s["D"])),
+        "moe": (moe_mgpu.grouped_matmul, [moe_mgpu.Blocks(bm, bn, 64, st) for bm in (64, 128) for bn in (128, 256)
+                                          for st in (3, 4, 5)], lambda s: moe_mgpu.shape_class(s["M"], s["G"])),
+        "rms_norm": (rms_mgpu.rms_norm, [rms_mgpu.Blocks(r) for r in (1, 2, 4, 8)],
+                     lambda s: rms_mgpu.shape_class(s["D"])),
     }
     lines = []
     for bench in benches(dtype):
-        module, configs, cls = sweeps[bench.op]
-        fn = getattr(module, {"attention": "attention", "paged_attention": "paged_attention",
-                              "moe": "grouped_matmul", "rms_norm": "rms_norm"}[bench.op])
+        fn, configs, cls = sweeps[bench.op]
         args, kwargs = bench.case.build(0)
         best = None
         for cfg in configs:
@@ -281,16 +273,14 @@ def tune(dtype: str, iters: int) -> list[str]:
 def format_rows(rows: list[dict[str, Any]], ceil: dict[str, float], markdown: bool) -> str:
     head = ["op", "shape", "implementation", "ms", "rate", "of ceiling", "vs XLA ref", "vs cuDNN/ragged_dot",
             "max rel err", "note"]
-    body = []
-    for r in rows:
-        def f(v, spec):
-            return "-" if v is None else format(v, spec)
-        body.append([r["op"], r["shape"], r["implementation"], f(r["ms"], ".3f"),
-                     "-" if r["rate"] is None else f"{r['rate']:.1f} {r['unit']}",
-                     "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%",
-                     f(r.get("vs_reference"), ".2f") + ("x" if r.get("vs_reference") else ""),
-                     f(r.get("vs_vendor"), ".2f") + ("x" if r.get("vs_vendor") else ""),
-                     f(r["max_rel_error"], ".1e"), (r["timer"] + " " + r["detail"]).strip()[:70]])
+
+    def cell(value, spec, suffix=""):
+        return "-" if value is None else format(value, spec) + suffix
+
+    body = [[r["op"], r["shape"], r["implementation"], cell(r["ms"], ".3f"), cell(r["rate"], ".1f", " " + r["unit"]),
+             "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%", cell(r.get("vs_reference"), ".2f", "x"),
+             cell(r.get("vs_vendor"), ".2f", "x"), cell(r["max_rel_error"], ".1e"),
+             (r["timer"] + " " + r["detail"]).strip()[:70]] for r in rows]
     lines = [f"ceilings: copy {ceil['copy'] / 1e9:.0f} GB/s (read+write), bf16 matmul {ceil['matmul'] / 1e12:.0f} "
              f"TFLOP/s"]
     if markdown:

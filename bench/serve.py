@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+
+from bench.decode import Worker  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven curious owls watch from an old oak tree near "
          "the river bank where children play and merchants sell bread cheese apples and warm tea").split()
@@ -116,16 +116,27 @@ def main():
     ref_worker = None
     if not args.skip_reference:
         print("transformers: loading the reference worker ...", flush=True)
-        ref_worker = subprocess.Popen(
-            [str(ROOT / ".venv-ref/bin/python"), "-P", str(ROOT / "bench/serve_reference.py"), str(default_gguf())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-        assert json.loads(ref_worker.stdout.readline())["ready"]
+        ref_worker = Worker([str(ROOT / ".venv-ref/bin/python"), "-P", str(ROOT / "bench/serve_reference.py"),
+                             str(default_gguf())], {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
-    def reference(cmd):
-        ref_worker.stdin.write(json.dumps(cmd) + "\n")
-        ref_worker.stdin.flush()
-        return json.loads(ref_worker.stdout.readline())
+    def measure(url):
+        """One run on the server at `url`: tokens/s of the mixed workload (its latencies under "mixed"), of
+        batch-1 and of batch-8 decode."""
+        mixed = measure_mixed(url, NAME, requests)
+        return dict(batch=mixed["tokens_per_s"], mixed=mixed,
+                    **{f"d{b}": measure_decode(url, NAME, decode_prompt, args.decode_tokens, b) for b in (1, 8)})
+
+    def measure_reference():
+        """The same figures from the transformers worker."""
+        useful = sum(n for _, n in requests)
+        batch = ref_worker.ask({"op": "batch", "prompts": [p for p, _ in requests],
+                                "outputs": [n for _, n in requests]})
+        return dict(batch=useful / batch["seconds"],
+                    **{f"d{b}": ref_worker.ask({"op": "decode", "batch": b, "prompt": decode_prompt,
+                                                "tokens": args.decode_tokens})["tokens_per_s"] for b in (1, 8)})
+
+    def medians(runs):
+        return {k: statistics.median(r[k] for r in runs) for k in ("batch", "d1", "d8")}
 
     server_args = ["--max-num-seqs", str(max(16, args.streams)), "--max-model-len", str(args.max_model_len),
                    *args.server_args.split()]
@@ -135,39 +146,25 @@ def main():
     startup = time.perf_counter() - t0
     baseline = ServerProcess(server_args, cwd=Path(args.baseline).resolve()).wait_ready(1800) if args.baseline \
         else None
-    mixed, d1, d8 = [], [], []
-    ref = {"batch": [], "d1": [], "d8": []}
-    base = {"batch": [], "d1": [], "d8": []}
+    ours, base, ref = [], [], []
     try:
         # The systems take turns, run by run (never at once), so a change in the machine's load between runs
         # hits every side alike.
         for r in range(args.repeats):
             print(f"run {r + 1}/{args.repeats}", flush=True)
-            mixed.append(measure_mixed(server.url, NAME, requests))
-            d1.append(measure_decode(server.url, NAME, decode_prompt, args.decode_tokens, 1))
-            d8.append(measure_decode(server.url, NAME, decode_prompt, args.decode_tokens, 8))
+            ours.append(measure(server.url))
             if baseline:
-                base["batch"].append(measure_mixed(baseline.url, NAME, requests)["tokens_per_s"])
-                base["d1"].append(measure_decode(baseline.url, NAME, decode_prompt, args.decode_tokens, 1))
-                base["d8"].append(measure_decode(baseline.url, NAME, decode_prompt, args.decode_tokens, 8))
+                base.append(measure(baseline.url))
             if ref_worker:
-                useful = sum(n for _, n in requests)
-                ref["batch"].append(useful / reference({"op": "batch", "prompts": [p for p, _ in requests],
-                                                        "outputs": [n for _, n in requests]})["seconds"])
-                for b, key in ((1, "d1"), (8, "d8")):
-                    ref[key].append(reference({"op": "decode", "batch": b, "prompt": decode_prompt,
-                                               "tokens": args.decode_tokens})["tokens_per_s"])
+                ref.append(measure_reference())
     finally:
         code = server.terminate()
         if baseline:
             baseline.terminate()
         if ref_worker:
-            ref_worker.stdin.close()
-            ref_worker.wait()
-    ref = {k: statistics.median(v) for k, v in ref.items()} if ref_worker else None
-    best = sorted(mixed, key=lambda m: m["tokens_per_s"])[len(mixed) // 2]
-    ours = dict(batch=statistics.median(m["tokens_per_s"] for m in mixed), d1=statistics.median(d1),
-                d8=statistics.median(d8))
+            ref_worker.close()
+    best = sorted((r["mixed"] for r in ours), key=lambda m: m["tokens_per_s"])[len(ours) // 2]
+    ours, ref = medians(ours), medians(ref) if ref_worker else None
     rows = [(f"{args.streams} concurrent streams, mixed lengths (tokens/s)", ours["batch"],
              ref and ref["batch"]),
             ("batch-1 decode (tokens/s)", ours["d1"], ref and ref["d1"]),
@@ -175,8 +172,7 @@ def main():
     print(f"\nserver start (load + warm-up): {startup:.0f}s; exit code after SIGTERM: {code}")
     if baseline:
         print("| measure | day0jax.serve | baseline | ratio |\n| --- | ---: | ---: | ---: |")
-        for (name, a, _), key in zip(rows, ("batch", "d1", "d8")):
-            b = statistics.median(base[key])
+        for (name, a, _), b in zip(rows, medians(base).values()):
             print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
         print()
     print("| measure | day0jax.serve | transformers | ratio |\n| --- | ---: | ---: | ---: |")

@@ -101,12 +101,10 @@ def main() -> int:
     try:
         for i in range(args.runs):
             cache = work / f"cache-{i}"
-            load = os.getloadavg()[0]
-            cold.append(one_run(cache, args))
-            print(f"run {i + 1}: cold {cold[-1]['first_request']:.1f}s (load average {load:.1f})", flush=True)
-            load = os.getloadavg()[0]
-            warm.append(one_run(cache, args))
-            print(f"run {i + 1}: warm {warm[-1]['first_request']:.1f}s (load average {load:.1f})", flush=True)
+            for label, runs in (("cold", cold), ("warm", warm)):
+                load = os.getloadavg()[0]
+                runs.append(one_run(cache, args))
+                print(f"run {i + 1}: {label} {runs[-1]['first_request']:.1f}s (load average {load:.1f})", flush=True)
             shutil.rmtree(cache)
     finally:
         shutil.rmtree(work, ignore_errors=True)

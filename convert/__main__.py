@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from convert.convert import convert_checkpoint
+from convert.verify import verify_checkpoint
 from day0jax.errors import Day0Error
 
 
@@ -23,8 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.verify:
-            from convert.verify import verify_checkpoint
-
             problems = verify_checkpoint(args.verify)
             if problems:
                 for p in problems:
@@ -34,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.src is None or args.dst is None:
             parser.error("SRC and DST are required (or --verify DST)")
-        from convert.convert import convert_checkpoint
-
         print(convert_checkpoint(args.src, args.dst, dtype=args.dtype, force=args.force, progress=not args.quiet))
         return 0
     except Day0Error as e:

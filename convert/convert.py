@@ -7,7 +7,6 @@ tensors with the expected shapes, and every source tensor must be used or explic
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import re
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from tqdm import tqdm
 
 from convert.sources import open_source
 from convert.writer import CheckpointWriter, sha256_file
@@ -27,7 +27,6 @@ from day0jax.models.contract import Family
 CONVERTER_VERSION = "2"
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
           "float16": np.dtype(np.float16)}
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,9 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     with concurrent.futures.ThreadPoolExecutor(1) as hasher, \
             CheckpointWriter(Path(dst), force=force, on_saved=source.release) as writer:
         # Source hashes are computed on the side while the tensors stream (hashlib releases the GIL).
-        hashes = {str(p.name): hasher.submit(sha256_file, p) for p in source.source_files()}
-        bar = _progress(total_in, f"converting {Path(src).name}", progress)
+        hashes = {p.name: hasher.submit(sha256_file, p) for p in source.source_files()}
+        bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
+                   file=sys.stderr, dynamic_ncols=True, disable=not progress)
         n_params = 0
         for info in infos:
             s = plan[info.path]
@@ -143,22 +143,5 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
             "tokenizer_files": tokenizer_files,
         }
         writer.commit(manifest)
-    summary = Summary(Path(dst), n_params, len(infos), total_in, writer.bytes_written, time.perf_counter() - start)
-    return summary
+    return Summary(Path(dst), n_params, len(infos), total_in, writer.bytes_written, time.perf_counter() - start)
 
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
-                dynamic_ncols=True)

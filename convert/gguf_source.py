@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import numpy as np
 
-from day0jax.errors import CheckpointError
+from day0jax.errors import CheckpointError, UnsupportedArchitecture
 
 # Tensor types we dequantize (through the `gguf` package), by GGML type id.
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
@@ -25,14 +26,6 @@ SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_
 
 # --- header validation ---------------------------------------------------------------------------------------
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-@dataclass(frozen=True)
-class TensorHeader:
-    name: str
-    dims: tuple[int, ...]  # GGML order: dims[0] is the innermost
-    type_id: int
-    offset: int  # relative to the data section
 
 
 class _Cursor:
@@ -73,8 +66,8 @@ class _Cursor:
         raise CheckpointError(f"{self.path}: GGUF metadata value type {type_id} at offset {self.pos} is unknown")
 
 
-def validate_header(path: Path) -> tuple[list[TensorHeader], int]:
-    """Parses and checks the header; returns the tensor headers and the absolute start of the data section.
+def validate_header(path: Path) -> None:
+    """Parses and checks the header.
 
     Raises:
         CheckpointError: bad magic, unsupported version, truncated header, unknown tensor type, or tensor data
@@ -106,17 +99,14 @@ def validate_header(path: Path) -> tuple[list[TensorHeader], int]:
         if type_id not in SUPPORTED_TYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has GGML type {type_id}, which is unknown or not "
                                   f"supported (supported: {', '.join(SUPPORTED_TYPES.values())})")
-        tensors.append(TensorHeader(name, dims, type_id, offset))
+        tensors.append((name, dims, type_id, offset))  # offset: from the start of the data section
     data_start = -(-cur.pos // alignment) * alignment
-    import gguf  # the block sizes live with the dequantizers
-
-    for t in tensors:
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.type_id)]
-        nbytes = int(np.prod(t.dims, dtype=np.int64)) * type_size // block
-        if data_start + t.offset + nbytes > size:
-            raise CheckpointError(f"{path}: tensor {t.name!r} data ends at byte {data_start + t.offset + nbytes}, "
+    for name, dims, type_id, offset in tensors:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+        end = data_start + offset + int(np.prod(dims, dtype=np.int64)) * type_size // block
+        if end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} data ends at byte {end}, "
                                   f"past the end of the {size}-byte file (truncated)")
-    return tensors, data_start
 
 
 # --- architectures -------------------------------------------------------------------------------------------
@@ -179,9 +169,9 @@ def _llama_config(meta: dict, arch: str, tensor_names: set[str]) -> dict:
 
 def _llama_fix(cfg: dict) -> Callable[[str, np.ndarray], np.ndarray]:
     def fix(hf_name: str, w: np.ndarray) -> np.ndarray:
-        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             return _unpermute_qk(w, cfg["num_attention_heads"])
-        if hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+        if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             return _unpermute_qk(w, cfg["num_key_value_heads"])
         return w
     return fix
@@ -201,10 +191,8 @@ class GGUFSource:
     kind = "gguf"
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = Path(path)
-        self.headers, _ = validate_header(self.path)
+        validate_header(self.path)
         try:
             self.reader = gguf.GGUFReader(self.path)
         except (ValueError, KeyError, IndexError) as e:
@@ -215,7 +203,6 @@ class GGUFSource:
             raise CheckpointError(f"{self.path}: GGUF metadata holds a string that is not UTF-8 ({e})") from None
         arch = self.meta.get("general.architecture")
         if arch not in ARCHS:
-            from day0jax.errors import UnsupportedArchitecture
             raise UnsupportedArchitecture(f"{self.path}: GGUF architecture {arch!r} is not supported "
                                           f"(supported: {', '.join(sorted(ARCHS))})")
         self.arch = ARCHS[arch]
@@ -249,8 +236,6 @@ class GGUFSource:
         return int(self._tensors[name].n_bytes)
 
     def read(self, name: str) -> np.ndarray:
-        import gguf
-
         t = self._tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.tensor_shape(name))
         return self._fix(name, w)
@@ -275,8 +260,6 @@ class GGUFSource:
 
 def _field_value(field):
     """A reader field as a plain Python value (arrays of strings as lists)."""
-    import gguf
-
     types = field.types
     if not types:
         return None

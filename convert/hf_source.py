@@ -21,7 +21,6 @@ from day0jax.errors import CheckpointError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
-FLOAT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class HFSource:
@@ -111,7 +110,7 @@ class HFSource:
         if self.fp8_block is not None:
             return "bfloat16"
         declared = self.config.get("dtype") or self.config.get("torch_dtype")
-        return FLOAT_DTYPES.get(declared, "float32")
+        return declared if declared in ("float32", "bfloat16", "float16") else "float32"
 
     def source_files(self) -> list[Path]:
         extra = [self.path / n for n in ("config.json", "model.safetensors.index.json") if (self.path / n).is_file()]

@@ -67,10 +67,7 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: header is not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
-        data_start = 8 + header_len
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, entry in header.items():
-            self.tensors[name] = self._parse_entry(name, entry, data_start, size)
+        self.tensors = {name: self._parse_entry(name, entry, 8 + header_len, size) for name, entry in header.items()}
         spans = sorted(self.tensors.values(), key=lambda t: (t.begin, t.end))
         for a, b in zip(spans, spans[1:]):
             if b.begin < a.end:

@@ -11,6 +11,8 @@ from typing import Protocol
 
 import numpy as np
 
+from convert.hf_source import HFSource
+from day0jax.errors import CheckpointError
 
 class Source(Protocol):
     kind: str  # "safetensors" or "gguf"
@@ -55,10 +57,6 @@ def open_source(path: Path) -> Source:
     Raises:
         CheckpointError: the path is neither, or is malformed.
     """
-    from convert.gguf_source import GGUFSource
-    from convert.hf_source import HFSource
-    from day0jax.errors import CheckpointError
-
     path = Path(path)
     if path.is_dir():
         return HFSource(path)
@@ -66,6 +64,8 @@ def open_source(path: Path) -> Source:
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == b"GGUF" or path.suffix == ".gguf":
+            from convert.gguf_source import GGUFSource  # imports the `gguf` package: only for GGUF files
+
             return GGUFSource(path)
         raise CheckpointError(f"{path}: not a Hugging Face model folder or a GGUF file")
     raise CheckpointError(f"{path}: no such file or folder")

@@ -16,19 +16,17 @@ def verify_checkpoint(path: Path) -> list[str]:
     """
     path = Path(path)
     manifest = checkpoint.read_manifest(path)
+    listed = manifest.get("files", {})
     problems = []
-    for rel, digest in sorted(manifest.get("files", {}).items()):
+    for rel, digest in sorted(listed.items()):
         f = path / rel
         if not f.is_file():
             problems.append(f"{f}: missing")
         elif sha256_file(f) != digest:
             problems.append(f"{f}: sha256 differs from the manifest (modified or corrupt)")
     written = {str(f.relative_to(path)) for f in path.rglob("*") if f.is_file()} - {checkpoint.MANIFEST}
-    for extra in sorted(written - set(manifest.get("files", {}))):
-        problems.append(f"{path / extra}: not in the manifest")
-    if not problems:
-        problems += _check_shapes(path, manifest)
-    return problems
+    problems += [f"{path / extra}: not in the manifest" for extra in sorted(written - set(listed))]
+    return problems or _check_shapes(path, manifest)
 
 
 def _check_shapes(path: Path, manifest: dict) -> list[str]:
@@ -36,33 +34,19 @@ def _check_shapes(path: Path, manifest: dict) -> list[str]:
     import orbax.checkpoint as ocp
 
     problems = []
-    by_group: dict[int, dict[str, dict]] = {}
-    for name, p in manifest["params"].items():
-        by_group.setdefault(p["group"], {})[name] = p
-    for group, params in sorted(by_group.items()):
+    for group, names in checkpoint.groups(manifest).items():
+        folder = checkpoint.group_dir(group)
         try:
-            meta = ocp.PyTreeCheckpointer().metadata(path / checkpoint.group_dir(group))
+            meta = ocp.PyTreeCheckpointer().metadata(path / folder)
         except Exception as e:  # orbax raises many types for unreadable metadata
-            problems.append(f"{path / checkpoint.group_dir(group)}: unreadable Orbax metadata ({e})")
+            problems.append(f"{path / folder}: unreadable Orbax metadata ({e})")
             continue
-        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-        flat = _flatten(tree)
-        for name, p in params.items():
-            m = flat.get(name)
+        stored = checkpoint.flatten(meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta)
+        for name in names:
+            m, p = stored.get(name), manifest["params"][name]
             if m is None:
-                problems.append(f"parameter {name}: missing from {checkpoint.group_dir(group)}")
+                problems.append(f"parameter {name}: missing from {folder}")
             elif list(m.shape) != p["shape"] or str(m.dtype) != p["dtype"]:
                 problems.append(f"parameter {name}: stored {tuple(m.shape)} {m.dtype}, manifest says "
                                 f"{tuple(p['shape'])} {p['dtype']}")
     return problems
-
-
-def _flatten(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out

@@ -28,14 +28,8 @@ GROUP_BYTES = 128 << 20  # parameters per Orbax save: the converter holds about 
 CHUNK_BYTES = 16 << 20
 
 
-class _NoOcdbtMergeWarning(logging.Filter):
-    """Orbax 0.12 tries to merge OCDBT files after every save, even with OCDBT off, and warns each time."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Skipping merge of OCDBT checkpoints" not in str(record.msg)
-
-
-logging.getLogger("absl").addFilter(_NoOcdbtMergeWarning())
+# Orbax 0.12 tries to merge OCDBT files after every save, even with OCDBT off, and warns each time.
+logging.getLogger("absl").addFilter(lambda record: "Skipping merge of OCDBT checkpoints" not in str(record.msg))
 
 
 def _checkpointer():
@@ -61,8 +55,7 @@ class CheckpointWriter:
         CheckpointError: the destination exists (without `force`) or cannot be written.
     """
 
-    def __init__(self, dst: Path, *, force: bool = False, group_bytes: int = GROUP_BYTES,
-                 on_saved: Callable[[], None] | None = None):
+    def __init__(self, dst: Path, *, force: bool = False, on_saved: Callable[[], None] | None = None):
         self.dst = Path(dst).absolute()
         if self.dst.exists() and not force:
             raise CheckpointError(f"{self.dst}: already exists; pass --force to replace it")
@@ -74,7 +67,6 @@ class CheckpointWriter:
         self.tmp = self.dst.parent / f".{self.dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
         (self.tmp / checkpoint.PARAMS_DIR).mkdir()
-        self.group_bytes = group_bytes
         self._pending: dict[str, np.ndarray] = {}
         self._pending_bytes = 0
         self.params: dict[str, dict[str, Any]] = {}
@@ -99,11 +91,11 @@ class CheckpointWriter:
         return False
 
     def add(self, path: str, array: np.ndarray) -> None:
-        """Queues one parameter; writes a group once the queue holds `group_bytes`."""
+        """Queues one parameter; writes a group once the queue holds `GROUP_BYTES`."""
         self._pending[path] = array
         self._pending_bytes += array.nbytes
         self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "group": self.groups}
-        if self._pending_bytes >= self.group_bytes:
+        if self._pending_bytes >= GROUP_BYTES:
             self.flush()
 
     def flush(self) -> None:

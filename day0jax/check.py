@@ -77,37 +77,20 @@ def _open(path: Path, report: Report) -> tuple[dict, Any]:
 def _checkpoint_tensors(source: Any) -> tuple[int, dict[str, int]]:
     """(element count, bytes per dtype) of what the checkpoint stores."""
     if source is None:
-        return 0, {}
-    if isinstance(source, dict):  # a day0jax manifest
-        count, by_dtype = 0, Counter()
-        for p in source.get("params", {}).values():
-            n = math.prod(p["shape"])
-            count += n
-            by_dtype[p["dtype"]] += n * _itemsize(p["dtype"])
-        return count, dict(by_dtype)
-    if source.kind == "safetensors":
-        count, by_dtype = 0, Counter()
-        for f in source.files:
-            for t in f.tensors.values():
-                count += math.prod(t.shape)
-                by_dtype[str(t.dtype)] += t.nbytes
-        return count, dict(by_dtype)
-    from convert.gguf_source import SUPPORTED_TYPES
+        stored = []
+    elif isinstance(source, dict):  # a day0jax manifest
+        import jax.numpy as jnp
 
-    count, by_dtype = 0, Counter()
-    for h in source.headers:
-        count += math.prod(h.dims)
-    for name in source.tensor_names():
-        t = source._tensors[name]
-        by_dtype[SUPPORTED_TYPES.get(int(t.tensor_type), str(t.tensor_type))] += int(t.n_bytes)
-    return count, dict(by_dtype)
-
-
-def _itemsize(dtype: str) -> int:
-    import jax.numpy as jnp
-    import numpy as np
-
-    return np.dtype(jnp.dtype(dtype)).itemsize
+        stored = [(math.prod(p["shape"]), p["dtype"], math.prod(p["shape"]) * jnp.dtype(p["dtype"]).itemsize)
+                  for p in source.get("params", {}).values()]
+    elif source.kind == "safetensors":
+        stored = [(math.prod(t.shape), str(t.dtype), t.nbytes) for f in source.files for t in f.tensors.values()]
+    else:  # GGUF: the GGML type names (F32, Q4_1, ...)
+        stored = [(t.n_elements, t.tensor_type.name, int(t.n_bytes)) for t in source.reader.tensors]
+    by_dtype = Counter()
+    for _, dtype, nbytes in stored:
+        by_dtype[dtype] += nbytes
+    return sum(n for n, _, _ in stored), dict(by_dtype)
 
 
 # --- the config ------------------------------------------------------------------------------------------------
@@ -220,11 +203,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     report = Report(path=str(path), backend=jax.default_backend())
     try:
         hf, source = _open(path, report)
-    except Day0Error as e:
-        report.reasons.append(str(e))
-        return report
-    report.model_type = hf.get("model_type")
-    try:
+        report.model_type = hf.get("model_type")
         fam = models.family(report.model_type)
     except Day0Error as e:
         report.reasons.append(str(e))
@@ -269,12 +248,9 @@ def _mapping_problems(fam, config, infos, source) -> list[str]:
     if source is None:
         return []
     if isinstance(source, dict):
-        params = source.get("params", {})
-        problems = [f"checkpoint lacks parameter {i.path}" for i in infos if i.path not in params]
-        problems += [f"checkpoint parameter {i.path} has shape {tuple(params[i.path]['shape'])}, the model "
-                     f"expects {i.shape}" for i in infos if i.path in params and tuple(params[i.path]["shape"])
-                     != i.shape]
-        return problems[:5]
+        from day0jax.weights.loader import manifest_problems
+
+        return manifest_problems(source, infos)[:5]
     from convert.convert import plan_sources
 
     try:

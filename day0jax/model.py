@@ -22,7 +22,7 @@ from day0jax.engine.requests import QueueFull, SamplingParams
 from day0jax.errors import GenerationError
 from day0jax.layers.linear import exact_float32
 from day0jax.weights.tokenizer import Tokenizer
-from sharding.rules import constrain, named_sharding
+from sharding.rules import constrain, put
 
 
 class Model:
@@ -76,13 +76,6 @@ class Model:
         # Replicated: every process of a multi-host mesh can read all of it.
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
-    def _put(self, x, logical: tuple | None = None) -> jax.Array:
-        """A host array onto the mesh, split by `logical` names (None: replicated); built from each device's
-        slice, so it also works when the mesh spans several processes."""
-        x = np.asarray(x)
-        sharding = self._replicated if logical is None else named_sharding(logical, x.shape, self.mesh)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
         """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V].
 
@@ -101,7 +94,7 @@ class Model:
         padded = np.zeros((_round_up_pow2(B, self._batch_multiple), _round_up_pow2(T, 16)), np.int32)
         padded[:B, :T] = tokens
         with jax.set_mesh(self.mesh):
-            out = self._forward(self._params, self._put(padded, ("batch", None)), self._put(np.int32(T)))
+            out = self._forward(self._params, put(padded, self.mesh, ("batch", None)), put(np.int32(T), self.mesh))
         return np.asarray(out)[:B, :T]
 
     # --- generation on the engine ----------------------------------------------------------------------------

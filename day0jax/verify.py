@@ -248,10 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-top1", type=float, default=None, help="top-1 agreement required (0..1)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    default = TOLERANCES[args.dtype]
-    tolerance = (args.tolerance if args.tolerance is not None else default[0],
-                 args.max_kl if args.max_kl is not None else default[1],
-                 args.min_top1 if args.min_top1 is not None else default[2])
+    given = (args.tolerance, args.max_kl, args.min_top1)
+    tolerance = tuple(default if value is None else value for value, default in zip(given, TOLERANCES[args.dtype]))
     try:
         result = verify(args.ckpt, args.reference, prompts=args.prompts, reference_python=args.reference_python,
                         dtype=args.dtype, tolerance=tolerance)

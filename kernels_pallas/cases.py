@@ -176,7 +176,6 @@ class _Random:
         return self.rng.integers(low, high, size).astype(np.int32)
 
 
-
 def _attention(rnd: _Random, dtype, *, B, T, S, N, K, H, scale, window, softcap, sinks, offsets):
     q = rnd.normal((B, T, N, H), dtype)
     k = rnd.normal((B, S, K, H), dtype)

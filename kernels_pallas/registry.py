@@ -1,7 +1,9 @@
 """The candidate pool: each op's implementations and, per backend, the order in which to try them.
 
-Each op's `api.py` declares `IMPLEMENTATIONS` (name -> callable, including "reference") and `CANDIDATES`
-(backend -> names to try before the reference), and calls `dispatch`. With `implementation=None`, `dispatch`
+Each op's `api.py` declares `IMPLEMENTATIONS` (name -> callable, including "reference"), `CANDIDATES`
+(backend -> names to try before the reference), `PALLAS` (the Pallas kernels, name -> the platform
+`selfcheck --lower` lowers them for) and `INTERPRET` (kernel -> its variant run in the interpreter on the CPU,
+which only tests and `selfcheck --interpret` name), and calls `dispatch`. With `implementation=None`, `dispatch`
 tries the backend's candidates in order (a kernel raises `NotImplementedError` for inputs it cannot take) and
 ends at the reference, which takes everything. A named implementation that cannot run raises
 `KernelUnavailable`: the caller asked for it explicitly. Dispatch happens at trace time, so under `jax.jit`
@@ -149,19 +151,12 @@ def dispatch(op: str, implementations: Mapping[str, Callable[..., Any]], candida
 
 def accepts(op: str, implementation: str, *args: Any, **kwargs: Any) -> str | None:
     """None if `implementation` of `op` takes these inputs (traced abstractly, nothing runs), else the reason."""
-    fn = api(op).IMPLEMENTATIONS[implementation]
+    call, arrays = split_arrays(api(op).IMPLEMENTATIONS[implementation], args, kwargs)
     try:
-        trace_abstractly(fn, *args, **kwargs)
+        jax.eval_shape(call, *arrays)
     except NotImplementedError as e:
         return str(e) or type(e).__name__
     return None
-
-
-def trace_abstractly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`jax.eval_shape` of fn(*args, **kwargs), with array leaves abstract and everything else (flags, window
-    sizes, scales) passed as the Python values the implementations branch on."""
-    call, arrays = split_arrays(fn, args, kwargs)
-    return jax.eval_shape(call, *arrays)
 
 
 def split_arrays(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], list]:

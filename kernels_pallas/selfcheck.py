@@ -10,8 +10,9 @@ Modes:
   tracing as if for an H100, and reports what fails: a GPU-less machine's check of the GPU build.
 Shapes come from flagship models' op calls (`cases.flagships()`: llama-3-8b, qwen3-30b-a3b and deepseek-v3 by
 default), or from any model's with `--calls FILE` (the JSON of `python -m day0jax.check PATH --json`, or a list
-of op calls): 'full' (serving sizes) on a GPU and for lowering, 'tiny' on the CPU. `--json` prints a list of rows with at least op,
-implementation, ok (true, false, or null for unavailable). The exit status is 1 if any row has ok false.
+of op calls): 'full' (serving sizes) on a GPU and for lowering, 'tiny' on the CPU. `--json` prints a list of
+rows with at least op, implementation, ok (true, false, or null for unavailable). The exit status is 1 if any
+row has ok false.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> li
     rows = []
     for i, case in enumerate(case_list):
         mod = registry.api(case.op)
-        interpreted = set(getattr(mod, "INTERPRET", {}).values())
+        interpreted = set(mod.INTERPRET.values())
         names = [n for n in mod.IMPLEMENTATIONS if n != registry.REFERENCE and (interpret or n not in interpreted)]
         args, kwargs = case.build(seed * 1000 + i)
         reference_out = None
@@ -62,15 +63,17 @@ def lower_rows(case_list: list[cases_lib.Case], target_platform: str = "cuda") -
     rows = []
     for case in case_list:
         mod = registry.api(case.op)
-        for name, plat in getattr(mod, "PALLAS", {}).items():
+        for name, plat in mod.PALLAS.items():
             if plat != target_platform:
                 continue
             args, kwargs = case.build(0, abstract=True)
             row = dict(op=case.op, case=case.name, implementation=name, dtype=case.dtype, mode=f"lower-{plat}")
             t0 = time.perf_counter()
             try:
+                call, arrays = registry.split_arrays(mod.IMPLEMENTATIONS[name], args, kwargs)
+                specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
                 with platform.assume(platform.HOPPER):
-                    export_for(mod.IMPLEMENTATIONS[name], args, kwargs, target_platform)
+                    jax.export.export(jax.jit(call), platforms=(target_platform,))(*specs)
                 row.update(ok=True, detail="")
             except NotImplementedError as e:
                 row.update(ok=None, detail=f"unavailable: {e}")
@@ -79,13 +82,6 @@ def lower_rows(case_list: list[cases_lib.Case], target_platform: str = "cuda") -
             row["seconds"] = round(time.perf_counter() - t0, 3)
             rows.append(row)
     return rows
-
-
-def export_for(fn, args: tuple, kwargs: dict, target_platform: str = "cuda"):
-    """`jax.export` of fn(*args, **kwargs) for `target_platform`, arrays abstract, the rest static."""
-    call, arrays = registry.split_arrays(fn, args, kwargs)
-    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
-    return jax.export.export(jax.jit(call), platforms=(target_platform,))(*specs)
 
 
 def read_calls(path: str) -> list[OpCall]:
@@ -99,14 +95,13 @@ def read_calls(path: str) -> list[OpCall]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table: op, case, implementation, max rel error, tolerance, ok, detail."""
     head = ("op", "case", "implementation", "max rel err", "tol", "ok", "s", "detail")
-    body = []
-    for r in rows:
-        err = r.get("max_rel_error")
-        err_s = "-" if err is None else ("inf" if math.isinf(err) else f"{err:.2e}")
-        ok = {True: "ok", False: "FAIL", None: "n/a"}[r.get("ok")]
-        tol = r.get("tolerance")
-        body.append((r["op"], r["case"], r["implementation"], err_s, "-" if tol is None else f"{tol:g}", ok,
-                     f"{r.get('seconds', 0):.1f}", r.get("detail", "")[:90]))
+
+    def cell(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    body = [(r["op"], r["case"], r["implementation"], cell(r.get("max_rel_error"), ".2e"),
+             cell(r.get("tolerance"), "g"), {True: "ok", False: "FAIL", None: "n/a"}[r.get("ok")],
+             f"{r.get('seconds', 0):.1f}", r.get("detail", "")[:90]) for r in rows]
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body]]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
@@ -147,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.save:
         with open(a.save, "w") as f:
             f.write(as_json + "\n")
+    failed = sum(r.get("ok") is False for r in rows)
     if a.json:
         print(as_json)
     else:
@@ -154,10 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernels_pallas selfcheck: {'lower ' + a.lower if a.lower else 'run'} on {target.device_kind}, "
               f"scale {scale}, {a.dtype}")
         print(format_table(rows))
-        failed = sum(r.get("ok") is False for r in rows)
         passed = sum(r.get("ok") is True for r in rows)
         print(f"{passed} ok, {failed} failed, {len(rows) - passed - failed} unavailable")
-    return 1 if any(r.get("ok") is False for r in rows) else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,9 +2,8 @@
 
 A kernel declares `TABLE = BlockTable(name, heuristic, entries)`; `TABLE.lookup(kind, shape_class, ...)`
 returns the entry for (device kind, shape class) when there is one, else `heuristic(...)`. Entries record
-where they came from (`source`): a figure measured by `bench/kernels.py --tune` on that device (with its date),
-or 'seed' for a starting point that has not been measured yet. `bench/kernels.py --tune` prints entries in the
-form the tables use, to paste after a run on a GPU.
+where they came from (`source`): 'seed' for a starting point not measured yet, or a figure measured on that
+device by `bench/kernels.py --tune`, which prints entries in this form to paste after a run on a GPU.
 """
 
 from __future__ import annotations
@@ -43,11 +42,3 @@ class BlockTable(Generic[C]):
         if entry is not None:
             return entry.config
         return self.heuristic(shape_class, **shape)
-
-
-def size_class(n: int, bounds: tuple[int, ...] = (256, 2048, 16384)) -> str:
-    """A coarse bucket name for a size: 'xs', 's', 'm', 'l' below each bound, 'xl' above."""
-    for name, bound in zip(("xs", "s", "m", "l"), bounds):
-        if n <= bound:
-            return name
-    return "xl"

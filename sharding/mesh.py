@@ -103,10 +103,8 @@ def problems(sizes: dict[str, int], infos: Sequence[Any] | None) -> list[str]:
         return []
     need = _must_divide(infos)
     out = []
-    for axis, (logical, words) in MUST_DIVIDE.items():
+    for axis, (_, words) in MUST_DIVIDE.items():
         size = sizes.get(axis, 1)
-        if size == 1:
-            continue
         if axis in need and need[axis][0] % size:
             n, where = need[axis]
             allowed = ", ".join(str(d) for d in divisors(n))
@@ -137,13 +135,19 @@ def _would_work(n_devices: int, infos: Sequence[Any] | None, limit: int = 6) -> 
     return f"meshes that would work on {n_devices} device(s): " + "; ".join(options[:limit]) + more
 
 
+def fewest_model_parallel(sizes: dict[str, int]) -> tuple[int, int]:
+    """Sort key of meshes that fit: the smallest model-parallel group (tp * ep) first, the rest of the devices
+    data parallel, since replicas scale throughput without collectives; ties go to more tp, which also splits
+    attention."""
+    return sizes["tp"] * sizes["ep"], -sizes["tp"]
+
+
 def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
                fits: Callable[[dict[str, int]], bool] | None = None) -> dict[str, int]:
     """The mesh `--mesh auto` picks over `n_devices`.
 
-    With `fits` (a memory test, see plan.py): the smallest model-parallel group (tp * ep) that fits, the rest of
-    the devices data parallel, since replicas scale throughput without collectives; ties go to more tp, which also
-    splits attention. Without `fits`: the most tensor parallelism the model allows, which needs the least memory.
+    With `fits` (a memory test, see plan.py): the first that fits in `fewest_model_parallel` order. Without
+    `fits`: the most tensor parallelism the model allows, which needs the least memory.
 
     Raises:
         MeshError: no mesh over these devices fits the model.
@@ -154,7 +158,7 @@ def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
                         + "; ".join(problems({"tp": n_devices}, infos)))
     if fits is None:
         return options[0]
-    for sizes in sorted(options, key=lambda s: (s["tp"] * s["ep"], -s["tp"])):
+    for sizes in sorted(options, key=fewest_model_parallel):
         if fits(sizes):
             return sizes
     return options[0]  # nothing fits: the caller's planner reports it with the least memory-hungry mesh
@@ -184,11 +188,7 @@ def make_mesh(spec: str | dict | None = None, devices: Sequence[Any] | None = No
     platform = devices[0].platform
     processes = len({getattr(d, "process_index", 0) for d in devices})
     multi_process = processes > 1
-    if spec == AUTO:
-        sizes = auto_sizes(len(devices), infos, fits)
-    else:
-        sizes = dict(spec) if isinstance(spec, dict) else parse_spec(spec)
-        sizes = {a: int(sizes.get(a, 1)) for a in AXES}
+    sizes = auto_sizes(len(devices), infos, fits) if spec == AUTO else mesh_sizes(spec)
     label = spec if isinstance(spec, str) else format_spec(sizes)
     needed = math.prod(sizes.values())
     if needed > len(devices):

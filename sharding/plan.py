@@ -27,7 +27,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-import numpy as np
+import jax
+import jax.numpy as jnp
 
 from day0jax.errors import Day0Error, OutOfMemoryPlan
 from sharding import mesh as mesh_lib
@@ -40,18 +41,11 @@ HEADROOM = 0.9
 
 
 @dataclass(frozen=True)
-class ParamShape:
-    path: str
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-
-
-@dataclass(frozen=True)
 class ModelShape:
     """What the planner needs to know about a model, all of it from shapes (no weights).
 
     Attributes:
-        params: every parameter's path, shape and logical axes.
+        params: every parameter (`day0jax.models.ParamInfo`: path, shape, logical axes).
         cache_layout: per layer (kv heads, key head dim, value head dim).
         hidden_size, num_heads, vocab_size: D, N (the most any layer has), V.
         ffn_per_token: F of the feed-forward a token passes through (for MoE: experts per token x expert F,
@@ -59,7 +53,7 @@ class ModelShape:
         context_length: the model's own context length.
     """
 
-    params: tuple[ParamShape, ...]
+    params: tuple[Any, ...]
     cache_layout: tuple[tuple[int, int, int], ...]
     hidden_size: int
     num_heads: int
@@ -76,12 +70,8 @@ class ModelShape:
             model: a `day0jax.models.base.CausalLM`.
             context_length: the model's context.
         """
-        from flax import nnx
+        from day0jax.models import param_infos
 
-        params = []
-        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            axes = tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))
-            params.append(ParamShape(".".join(map(str, path)), tuple(var.shape), axes))
         ffn: dict[Any, int] = {}
         heads = 0
         for layer, call in model.op_calls():
@@ -92,7 +82,7 @@ class ModelShape:
             elif call.op == "attention":
                 heads = max(heads, call["N"])
         V, D = model.model.embed_tokens.weight.shape
-        return cls(params=tuple(params), cache_layout=tuple(tuple(x) for x in model.cache_layout()),
+        return cls(params=tuple(param_infos(model)), cache_layout=tuple(tuple(x) for x in model.cache_layout()),
                    hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
                    context_length=int(context_length))
 
@@ -179,21 +169,15 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _itemsize(dtype: Any) -> int:
-    import jax.numpy as jnp
-
-    return np.dtype(jnp.dtype(dtype)).itemsize
-
-
 def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
     """Bytes of parameters one device holds."""
-    item = _itemsize(dtype)
+    item = jnp.dtype(dtype).itemsize
     return sum(math.prod(shard_shape(p.axes, p.shape, sizes)) * item for p in shape.params)
 
 
 def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any) -> int:
     """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer."""
-    item = _itemsize(dtype)
+    item = jnp.dtype(dtype).itemsize
     total = 0
     for kv_heads, k_dim, v_dim in shape.cache_layout:
         _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, kv_heads, 1), sizes)
@@ -206,7 +190,7 @@ def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int
     """Estimated peak temporary bytes on one device of a forward program: `rows` x `tokens` new tokens
     attending over `span` positions (the paged cache's gathered pages). Measured against XLA:CPU's own buffer
     assignment (tests/test_sharding.py): never below it, at most about 1.5 times it."""
-    item = _itemsize(dtype)
+    item = jnp.dtype(dtype).itemsize
     tp = sizes.get("tp", 1)
     b = shard_shape(("batch",), (rows,), sizes)[0]
     t = tokens
@@ -230,12 +214,6 @@ def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int
     return residual + max(qkv + gathered + scores, ffn) + copies + logits
 
 
-def sample_activation_bytes(shape: ModelShape, rows: int) -> int:
-    """Estimated peak temporary bytes of the sampler over `rows` rows (replicated): a few float32 [rows, V]
-    buffers (scaled and filtered logits, probabilities, noise, penalties)."""
-    return 6 * rows * shape.vocab_size * 4
-
-
 def activation_bytes(shape: ModelShape, sizes: dict[str, int], workload: Workload, dtype: Any
                      ) -> tuple[int, tuple[int, int, int]]:
     """The largest program's estimated activation bytes on one device, and that program's forward shape."""
@@ -244,7 +222,9 @@ def activation_bytes(shape: ModelShape, sizes: dict[str, int], workload: Workloa
         n = forward_activation_bytes(shape, sizes, rows, tokens, span, dtype, workload.weight_copy_rows)
         if n > best:
             best, largest = n, (rows, tokens, span)
-    return max(best, sample_activation_bytes(shape, workload.sampler_rows)), largest
+    # The sampler, replicated: float32 [rows, V] buffers (scaled and filtered logits, probabilities, noise, penalties).
+    sampler = 6 * workload.sampler_rows * shape.vocab_size * 4
+    return max(best, sampler), largest
 
 
 def device_memory(devices: Sequence[Any]) -> int | None:
@@ -253,8 +233,6 @@ def device_memory(devices: Sequence[Any]) -> int | None:
     Accelerators report `memory_stats()` (limit minus in use; the smallest over the devices). CPU devices share
     the host's memory, so each gets the host's available memory divided by the local devices in `devices`.
     """
-    import jax
-
     local = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()] or list(devices)
     free = []
     for d in local:
@@ -294,21 +272,19 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
     Returns:
         A `Plan`.
     """
-    import jax.numpy as jnp
-
     sizes = mesh_lib.mesh_sizes(mesh)
-    item = _itemsize(dtype)
+    dtype = jnp.dtype(dtype)
     notes = []
     if sizes["tp"] > 1 and not all(k % sizes["tp"] == 0 for k, _, _ in shape.cache_layout):
         notes.append(f"kv heads are fewer than tp={sizes['tp']} (or not divisible): the KV cache is replicated "
                      "across tensor-parallel ranks")
     activations, largest = activation_bytes(shape, sizes, workload, dtype)
     return Plan(mesh=mesh_lib.format_spec(sizes), sizes=sizes, devices=math.prod(sizes.values()),
-                dtype=str(jnp.dtype(dtype)), kv_slots=workload.kv_slots, max_num_seqs=workload.max_num_seqs,
+                dtype=str(dtype), kv_slots=workload.kv_slots, max_num_seqs=workload.max_num_seqs,
                 max_model_len=workload.max_model_len, largest_program=largest,
                 params_bytes=params_bytes(shape, sizes, dtype),
-                kv_cache_bytes=kv_cache_bytes(shape, sizes, workload.kv_slots, dtype),
-                activation_bytes=activations, model_bytes=sum(math.prod(p.shape) for p in shape.params) * item,
+                kv_cache_bytes=kv_cache_bytes(shape, sizes, workload.kv_slots, dtype), activation_bytes=activations,
+                model_bytes=sum(math.prod(p.shape) for p in shape.params) * dtype.itemsize,
                 available_bytes=available, notes=tuple(notes))
 
 
@@ -316,18 +292,15 @@ def largest_context(shape: ModelShape, mesh: Any, workload_for: Callable[[int], 
                     available: int, minimum: int = 64) -> int | None:
     """The largest power-of-two max_model_len (at most the model's context) whose workload fits on `mesh`, or
     None if not even `minimum`."""
-    best = None
-    context = minimum
+    best, context = None, minimum
     while context <= max(shape.context_length, minimum):
         try:
             workload = workload_for(context)
         except Day0Error:  # no layout at this length (a pool too small for it)
             break
-        if plan(shape, mesh, workload, dtype=dtype, available=available).fits:
-            best = context
-        else:
+        if not plan(shape, mesh, workload, dtype=dtype, available=available).fits:
             break
-        context *= 2
+        best, context = context, context * 2
     return best
 
 
@@ -348,20 +321,22 @@ def suggestions(p: Plan, shape: ModelShape, workload: Workload,
     n_devices = n_devices or p.devices
     hints = []
 
-    def fitting(n: int) -> list[Plan]:
-        plans = [plan(shape, s, workload, dtype=p.dtype, available=p.available_bytes)
-                 for s in mesh_lib.valid_sizes(n, shape.params)]
-        # Fewest model-parallel devices first: the rest serve as data-parallel replicas.
-        return sorted((q for q in plans if q.fits), key=lambda q: (q.sizes["tp"] * q.sizes["ep"], -q.sizes["tp"]))
+    def fitting(n: int) -> Plan | None:
+        """The plan over `n` devices that `--mesh auto` would pick, if one fits."""
+        for sizes in sorted(mesh_lib.valid_sizes(n, shape.params), key=mesh_lib.fewest_model_parallel):
+            q = plan(shape, sizes, workload, dtype=p.dtype, available=p.available_bytes)
+            if q.fits:
+                return q
+        return None
 
     here = fitting(n_devices)
     if here:
-        hints.append(f"--mesh {here[0].mesh} fits ({fmt_bytes(here[0].total_bytes)} per device)")
+        hints.append(f"--mesh {here.mesh} fits ({fmt_bytes(here.total_bytes)} per device)")
     else:
         for n in (2 * n_devices, 4 * n_devices, 8 * n_devices):
             more = fitting(n)
             if more:
-                hints.append(f"{n} devices of this size would fit it (--mesh {more[0].mesh})")
+                hints.append(f"{n} devices of this size would fit it (--mesh {more.mesh})")
                 break
     if workload_for is not None:
         context = largest_context(shape, p.sizes, workload_for, dtype=p.dtype, available=p.available_bytes)

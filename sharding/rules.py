@@ -4,8 +4,8 @@ Parameters declare logical names where they are made (`nnx.with_partitioning`); 
 Tensor parallelism (tp) splits query heads, kv heads, the MLP dimension (dense and per-expert) and the vocabulary;
 expert parallelism (ep) splits the experts axis of MoE weights; data parallelism (dp) splits the batch, and so
 does ep outside the experts (in a dense model, ep is more data parallelism). The engine's KV page pool is split
-like the kv heads only: its pages serve every row. Collectives are never written by hand: XLA's SPMD partitioner inserts them
-from these annotations.
+like the kv heads only: its pages serve every row. Collectives are never written by hand: XLA's SPMD partitioner
+inserts them from these annotations.
 
 A logical axis whose size its mesh axis does not divide stays replicated: kv heads fewer than tp (each tp rank
 then keeps all of them, which is what GQA needs), a vocabulary of odd size. That is correct, only less
@@ -18,6 +18,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # logical axis -> mesh axis, or several (split over their product), or None (replicated). Every logical name a
@@ -70,9 +71,7 @@ def partition_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: An
     used: set[str] = set()
     spec = []
     for name, size in zip(logical, shape):
-        target = rules.get(name) if name else None
-        axes = [a for a in ((target,) if isinstance(target, str) else target or ())
-                if sizes.get(a, 1) > 1 and a not in used]
+        axes = [a for a in _axes(rules.get(name) if name else None) if sizes.get(a, 1) > 1 and a not in used]
         while axes and size % math.prod(sizes[a] for a in axes):
             axes.pop()
         used.update(axes)
@@ -85,18 +84,24 @@ def named_sharding(logical: Sequence[str | None], shape: Sequence[int], mesh: Me
     return NamedSharding(mesh, partition_spec(logical, shape, mesh))
 
 
+def put(x: Any, mesh: Mesh, logical: Sequence[str | None] | None = None) -> jax.Array:
+    """A host array onto `mesh`, split by `logical` names (None: replicated). Built from each device's slice, so
+    it works when the mesh spans several processes too, each holding the same host value."""
+    x = np.asarray(x)
+    sharding = NamedSharding(mesh, PartitionSpec()) if logical is None else named_sharding(logical, x.shape, mesh)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def shard_shape(logical: Sequence[str | None], shape: Sequence[int], mesh: Any) -> tuple[int, ...]:
     """The shape of one device's piece of an array sharded by these logical names."""
     sizes = mesh if isinstance(mesh, dict) else dict(mesh.shape)
     spec = partition_spec(logical, shape, sizes)
-    return tuple(n // _split(a, sizes) for n, a in zip(shape, spec))
+    return tuple(n // math.prod(sizes[a] for a in _axes(entry)) for n, entry in zip(shape, spec))
 
 
-def _split(entry: str | tuple[str, ...] | None, sizes: dict[str, int]) -> int:
-    """How many pieces a PartitionSpec entry cuts its dimension into."""
-    if entry is None:
-        return 1
-    return math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A rules value or PartitionSpec entry (one mesh axis, several, or None) as a tuple of mesh axes."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def spec_table(infos: Iterable[Any], mesh: Any) -> dict[str, list[str | None]]:

@@ -41,7 +41,8 @@ def refs(tmp_path_factory):
     llama = dict(FAMILIES["llama"][1])
     gguf = root / "tiny.gguf"
     run_reference([
-        {"op": "tiny_hf", "family": "llama", "config": llama, "seed": 1, "dtype": "bfloat16", "out": str(root / "bf16")},
+        {"op": "tiny_hf", "family": "llama", "config": llama, "seed": 1, "dtype": "bfloat16",
+         "out": str(root / "bf16")},
         {"op": "fp8_hf", "config": dict(llama, intermediate_size=96), "seed": 2, "block": [48, 48],
          "out": str(root / "fp8")},
         {"op": "tiny_gguf", "config": GGUF_CONFIG, "types": GGUF_TYPES, "seed": 3, "out": str(gguf)},

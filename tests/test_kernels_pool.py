@@ -129,7 +129,8 @@ def test_built_inputs_are_random_and_every_query_sees_a_key():
 
 
 def test_block_tables_prefer_entries_then_heuristics():
-    table = tuning.BlockTable("k", lambda cls, *, n: ("heuristic", cls, n), {("h100", "big"): tuning.Entry("tuned", "seed")})
+    table = tuning.BlockTable("k", lambda cls, *, n: ("heuristic", cls, n),
+                              {("h100", "big"): tuning.Entry("tuned", "seed")})
     assert table.lookup("h100", "big", n=1) == "tuned"
     assert table.lookup("h200", "big", n=1) == ("heuristic", "big", 1)
     from kernels_pallas import platform

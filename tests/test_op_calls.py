@@ -60,7 +60,8 @@ def test_layers_report_what_they_run():
 
 def test_moe_and_latent_attention_calls():
     hf = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=2, topk_group=1,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=2,
+              topk_group=1,
               num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
               v_head_dim=8, first_k_dense_replace=1, max_position_embeddings=64, num_nextn_predict_layers=0)
     calls = models.abstract_model(models.config_from_hf(hf)).op_calls()

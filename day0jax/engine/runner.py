@@ -2,8 +2,9 @@
 
 One forward program serves decode steps (tokens [B, 1]) and prefill chunks (tokens [1, C]); it returns the
 logits of one chosen position per row, and each row's greedy token (so a batch that samples greedily needs no
-second program). Sampling is a separate small program, so the model programs do not multiply by sampling modes. Shapes come from the layout's buckets (batch sizes, chunk lengths, block-table
-widths); padding tokens and rows are routed to the trash page.
+second program). Sampling is a separate small program, so the model programs do not multiply by sampling modes.
+Shapes come from the layout's buckets (batch sizes, chunk lengths, block-table widths); padding tokens and rows
+are routed to the trash page.
 
 A decode row's input token may still be on the device: the sampler's output of the previous step, which the
 engine has not read yet. The forward program takes that output (`previous`, [max_rows]) and, per row, the index
@@ -33,7 +34,7 @@ from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache, new_pools
 from day0jax.engine.sampling import MODES, sample
 from day0jax.layers.linear import exact_float32
 from kernels_pallas import registry as kernel_registry
-from sharding.rules import KV_POOL, named_sharding
+from sharding.rules import KV_POOL, named_sharding, put
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +142,8 @@ class ModelRunner:
 
     # --- host side -------------------------------------------------------------------------------------------
     def _put(self, x):
-        x = np.asarray(x)
-        if self.mesh.size == 1:
-            return x  # jit's own transfer of host arrays is the cheapest path (it runs every step)
-        # Built from each device's slice, so a mesh spanning several processes works too.
-        return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
+        # On one device, jit's own transfer of host arrays is the cheapest path (it runs every step).
+        return np.asarray(x) if self.mesh.size == 1 else put(x, self.mesh)
 
     def forward(self, batch: Batch, previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Runs one forward call (writing its keys/values into the pools); returns, on device, the logits [B, V]

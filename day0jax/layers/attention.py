@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from day0jax.layers.linear import Linear
+from day0jax.layers.linear import Linear, param
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import Rope
 from kernels_pallas.attention import api as attention_op
@@ -62,16 +62,15 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qk_norm_over = qk_norm_over
-        self.sinks = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, ("heads",))(
-            rngs.params(), (N,), dtype)) if sinks else None
+        self.sinks = param(rngs, (N,), ("heads",), dtype, 0.0) if sinks else None
         self.rope = rope
         self.sliding_window, self.logit_softcap, self.scale = sliding_window, logit_softcap, scale
 
-    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: tuple[jax.Array, jax.Array] | None,
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict[Rope, tuple[jax.Array, jax.Array]],
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache).
 
-        `rope_tables`: {Rope: (cos, sin)} for every RoPE of the model (this layer takes its own), or one (cos, sin).
+        `rope_tables`: {Rope: (cos, sin)} for every RoPE of the model; this layer takes its own.
         """
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, N|K, H]
         if self.q_norm is not None:
@@ -81,7 +80,7 @@ class Attention(nnx.Module):
                 q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
                 k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
         if self.rope is not None:
-            cos, sin = rope_tables[self.rope] if isinstance(rope_tables, dict) else rope_tables
+            cos, sin = rope_tables[self.rope]
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         op_kwargs = dict(sliding_window=self.sliding_window, logit_softcap=self.logit_softcap, scale=self.scale)
         if self.sinks is not None:

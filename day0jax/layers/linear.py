@@ -20,8 +20,9 @@ from flax import nnx
 NARROW_ROWS = 64
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dtype, stddev: float,
-           **metadata) -> nnx.Param:
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dtype, stddev: float,
+          **metadata) -> nnx.Param:
+    """A parameter drawn from N(0, stddev^2) (zeros for biases: stddev 0), its dims named by logical `axes`."""
     init = nnx.with_partitioning(nnx.initializers.normal(stddev), tuple(axes), **metadata)
     return nnx.Param(init(rngs.params(), shape, dtype))
 
@@ -63,9 +64,9 @@ class Linear(nnx.Module):
         assert len(axes) == n_in + len(self.out_shape), (axes, in_shape, out_shape)
         kernel_axes = tuple(axes[n_in:]) + tuple(axes[:n_in])
         # `in_ndim` tells the converter and `project` where the input dims start.
-        self.kernel = _param(rngs, self.out_shape + self.in_shape, kernel_axes, dtype,
-                             1 / math.sqrt(math.prod(in_shape)), in_ndim=n_in)
-        self.bias = _param(rngs, self.out_shape, axes[n_in:], dtype, 0.0) if use_bias else None
+        self.kernel = param(rngs, self.out_shape + self.in_shape, kernel_axes, dtype,
+                            1 / math.sqrt(math.prod(in_shape)), in_ndim=n_in)
+        self.bias = param(rngs, self.out_shape, axes[n_in:], dtype, 0.0) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = project(x, self.kernel[...], len(self.in_shape))
@@ -76,7 +77,7 @@ class Embedding(nnx.Module):
     """Token embeddings [V, D]; `attend` reuses them as the output projection when embeddings are tied."""
 
     def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.weight = _param(rngs, (vocab_size, dim), ("vocab", "embed"), dtype, 1.0)
+        self.weight = param(rngs, (vocab_size, dim), ("vocab", "embed"), dtype, 1.0)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], tokens, axis=0)

@@ -72,7 +72,7 @@ class MLAttention(nnx.Module):
         latent, k_rope = self.kv_a_layernorm(kv[..., :R]), kv[..., None, R:]  # [B, T, R], [B, T, 1, P]
         if self.rope_interleave:
             q_rope, k_rope = self._deinterleave(q_rope), self._deinterleave(k_rope)
-        cos, sin = rope_tables[self.rope] if isinstance(rope_tables, dict) else rope_tables
+        cos, sin = rope_tables[self.rope]
         q_rope, k_rope = self.rope.apply(q_rope, cos, sin), self.rope.apply(k_rope, cos, sin)
 
         w = self.kv_b_proj.kernel[...]  # [N, C + U, R]

@@ -5,7 +5,8 @@ Tokens never meet experts they were not routed to: the (token, chosen expert) ro
 expert's rows go through its weights in one grouped matmul (`jax.lax.ragged_dot`'s contract), and the results
 are unsorted, weighted and summed per token. Work is proportional to tokens x top_k, not tokens x experts.
 
-Shapes (the letter legend of docs/architecture.md): M tokens (B*T flattened), D model, E experts, F expert hidden size, k experts per token.
+Shapes (the letter legend of docs/architecture.md): M tokens (B*T flattened), D model, E experts, F expert hidden
+size, k experts per token.
 """
 
 from __future__ import annotations
@@ -17,17 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from day0jax.layers.linear import Linear
+from day0jax.layers.linear import Linear, param
 from day0jax.layers.mlp import activation
 from kernels_pallas.calls import OpCall
 from kernels_pallas.moe import api as moe_op
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
-
-
-def _param(rngs: nnx.Rngs, shape, axes, dtype, stddev: float = 0.02) -> nnx.Param:
-    init = nnx.with_partitioning(nnx.initializers.normal(stddev), tuple(axes))
-    return nnx.Param(init(rngs.params(), shape, dtype))
 
 
 class Router(nnx.Module):
@@ -49,11 +45,9 @@ class Router(nnx.Module):
         assert routing in ROUTINGS, routing
         E = num_experts
         # HF's [experts, hidden] layout, like every Linear kernel.
-        self.kernel = nnx.Param(nnx.with_partitioning(nnx.initializers.normal(1 / math.sqrt(hidden_size)),
-                                                      (None, "embed"), in_ndim=1)(rngs.params(), (E, hidden_size),
-                                                                                   dtype))
-        self.bias = _param(rngs, (E,), (None,), dtype, 0.0) if use_bias else None
-        self.e_score_correction_bias = (_param(rngs, (E,), (None,), jnp.float32, 0.0)
+        self.kernel = param(rngs, (E, hidden_size), (None, "embed"), dtype, 1 / math.sqrt(hidden_size), in_ndim=1)
+        self.bias = param(rngs, (E,), (None,), dtype, 0.0) if use_bias else None
+        self.e_score_correction_bias = (param(rngs, (E,), (None,), jnp.float32, 0.0)
                                         if routing == "sigmoid_grouped" else None)
         self.routing, self.top_k, self.norm_topk_prob = routing, top_k, norm_topk_prob
         self.n_group, self.topk_group, self.scale = n_group, topk_group, routed_scaling_factor
@@ -115,13 +109,13 @@ class Experts(nnx.Module):
                  glu: Callable[[jax.Array, jax.Array], jax.Array], *, use_bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         E, D, F = num_experts, hidden_size, intermediate_size
-        self.gate_proj = _param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
-        self.up_proj = _param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
-        self.down_proj = _param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), dtype, 1 / math.sqrt(F))
+        self.gate_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
+        self.up_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
+        self.down_proj = param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), dtype, 1 / math.sqrt(F))
         if use_bias:
-            self.gate_proj_bias = _param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
-            self.up_proj_bias = _param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
-            self.down_proj_bias = _param(rngs, (E, D), ("experts", "embed"), dtype, 0.0)
+            self.gate_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
+            self.up_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
+            self.down_proj_bias = param(rngs, (E, D), ("experts", "embed"), dtype, 0.0)
         else:
             self.gate_proj_bias = self.up_proj_bias = self.down_proj_bias = None
         self.num_experts, self.glu = E, glu

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,7 +111,7 @@ class Rope:
             factor, max_pos = p["factor"], self.max_position_embeddings
             seq = jnp.maximum(seq_len, max_pos).astype(jnp.float32)
             dyn_base = base * ((factor * seq / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-            return 1.0 / (dyn_base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)), 1.0
+            return self._base_inv_freq(dyn_base), 1.0
         if kind == "llama3":
             return jnp.asarray(_llama3_inv_freq(p, dim)), 1.0
         if kind == "yarn":

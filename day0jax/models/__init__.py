@@ -1,9 +1,7 @@
 """Model families: `model_type` -> the module that implements it, and the helpers that build models.
 
-Each family module ends with `FAMILY = contract.Family(...)`: its model types, `Config` (fields = HF keys;
-`Config.from_hf(hf)` refuses undeclared keys that are not in `hf_config.IGNORED_KEYS`, and values the family does
-not implement), `Model`, the HF tensors it drops and, where its tensors do not follow HF's plain naming, its
-`hf_source`. `family(model_type)` returns that object; nothing else is read from a family module.
+Each family module ends with `FAMILY = contract.Family(...)` (what it holds is stated in `contract.py`);
+`family(model_type)` returns that object, and nothing else is read from a family module.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@ refusals, and the default mapping from Hugging Face tensor names to runtime para
 
 A family subclasses `CausalLM`, says how to build one layer (`make_layer`) and, only where it differs from HF's
 plain naming, how its parameters map to HF tensors (its `contract.Family.hf_source`). Its `Config` subclasses
-`HFConfig`: fields are HF keys with HF's defaults, holding exactly what config.json gave; what HF derives from
-them is a read-only property; `__post_init__` refuses every value the family does not implement.
+`HFConfig`.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ class HFConfig:
 
     Fields keep exactly what config.json gave (HF's default when absent) and are never rewritten. What HF derives
     from them is a property with its own name: `kv_heads` (K), `head_size` (H), `rope` (the normalized RoPE
-    dict); families add theirs (e.g. `layer_kinds`). These read the attention and RoPE keys every family
+    dict); families add theirs (e.g. `LayerTypes.layer_kinds`). These read the attention and RoPE keys every family
     declares (num_attention_heads, num_key_value_heads, head_dim, hidden_size, rope_parameters, rope_scaling,
     rope_theta, max_position_embeddings); a family whose HF config derives them otherwise overrides them.
     `__post_init__` only refuses, and reads the properties to do so (a bad RoPE or layer list fails at load).
@@ -76,9 +75,20 @@ class HFConfig:
                 value = hf.pop(alias)
                 hf.setdefault(field, value)
         config = config_lib.from_hf(cls, hf)
-        if strict:
-            refuse_unknown_keys(config, hf)
+        if strict and config.unknown_keys:
+            shown = ", ".join(f"{k}={hf.get(k)!r}" for k in config.unknown_keys)
+            raise UnsupportedArchitecture(
+                f"config key(s) not implemented by the {config.model_type} family: {shown}. They may change the "
+                "math, so day0jax refuses to run rather than give wrong numbers (`python -m day0jax.check` lists "
+                "every key)")
         return config
+
+    def __post_init__(self):
+        """The refusals of a Llama-like config: kv heads that do not group the query heads evenly, an unknown
+        `hidden_act`, a RoPE that is not implemented. Families with other keys extend or replace it."""
+        self._check_heads()
+        self._activation()
+        self._check_derived("rope")
 
     @property
     def kv_heads(self) -> int:
@@ -120,36 +130,48 @@ class HFConfig:
     def _activation(self, key: str = "hidden_act") -> None:
         activation(getattr(self, key), key)  # raises, naming the key, for an activation we do not have
 
-    def _checked_layer_kinds(self, default: Sequence[str], allowed=("full_attention", "sliding_attention")
-                             ) -> tuple[str, ...]:
-        """HF's `layer_types` (or the family's default pattern when it is None), checked: one known kind per
-        layer. What families' `layer_kinds` properties return.
-
-        Raises:
-            UnsupportedArchitecture: too few entries, or a kind that is not in `allowed`.
-        """
-        types = list(self.layer_types or default)
-        if len(types) < self.num_hidden_layers:
-            refuse("layer_types", types, f"has {len(types)} entries for num_hidden_layers={self.num_hidden_layers}")
-        for t in types:
-            if t not in allowed:
-                refuse("layer_types", t, f"is not implemented (known: {', '.join(allowed)})")
-        return tuple(types[:self.num_hidden_layers])
-
     def _refuse_if(self, key: str, bad: Callable[[Any], bool], why: str = "is not implemented") -> None:
         value = getattr(self, key)
         if bad(value):
             refuse(key, value, why)
 
 
-def refuse_unknown_keys(config: Any, hf: dict) -> None:
-    """Refuses keys the family's Config does not declare (after `IGNORED_KEYS`): their effect is unknown."""
-    unknown = list(getattr(config, "unknown_keys", ()))
-    if unknown:
-        shown = ", ".join(f"{k}={hf.get(k)!r}" for k in unknown)
-        raise UnsupportedArchitecture(
-            f"config key(s) not implemented by the {config.model_type} family: {shown}. They may change the math, "
-            "so day0jax refuses to run rather than give wrong numbers (`python -m day0jax.check` lists every key)")
+class LayerTypes:
+    """Mixin of configs with HF's `layer_types` and `sliding_window` keys: each layer's attention kind and window.
+
+    A family says which layers slide when `layer_types` is None (`slides_by_default`, HF's default pattern) and,
+    where HF applies the window only under a flag, overrides `window`.
+    """
+
+    def slides_by_default(self, index: int) -> bool:
+        """Whether layer `index` slides when `layer_types` is None."""
+        raise NotImplementedError
+
+    @property
+    def window(self) -> int | None:
+        """The window of the sliding layers: `sliding_window` (None: no window)."""
+        return self.sliding_window
+
+    @cached_property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind: `layer_types`, or HF's default pattern when it is None.
+
+        Raises:
+            UnsupportedArchitecture: too few entries, or a kind other than full and sliding attention.
+        """
+        L, allowed = self.num_hidden_layers, ("full_attention", "sliding_attention")
+        types = list(self.layer_types or ["sliding_attention" if self.slides_by_default(i) else "full_attention"
+                                          for i in range(L)])
+        if len(types) < L:
+            refuse("layer_types", types, f"has {len(types)} entries for num_hidden_layers={L}")
+        for t in types:
+            if t not in allowed:
+                refuse("layer_types", t, f"is not implemented (known: {', '.join(allowed)})")
+        return tuple(types[:L])
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: full attention)."""
+        return self.window if self.layer_kinds[index] == "sliding_attention" else None
 
 
 # --- modules ---------------------------------------------------------------------------------------------------
@@ -205,13 +227,13 @@ class CausalLM(nnx.Module):
             (D,), (config.vocab_size,), ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
     # --- hooks ---------------------------------------------------------------------------------------------
-    def make_rope(self) -> Rope | None:
+    def make_rope(self) -> Rope:
         c = self.config
         return Rope(c.rope, c.head_size, c.max_position_embeddings)
 
     def make_ropes(self) -> Sequence[Rope]:
         """Every RoPE some layer uses; each gets its cos/sin tables computed once per call."""
-        return [self.rope] if self.rope is not None else []
+        return [self.rope]
 
     def make_norm(self, dim: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         return RMSNorm(dim, self.config.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -270,16 +292,8 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 [..., V]."""
-        if self.lm_head is None:
-            out = self.model.embed_tokens.attend(hidden)
-        else:
-            out = self.lm_head(hidden)
+        out = self.model.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         return out.astype(jnp.float32)
-
-
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged when cap is None."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 # --- Hugging Face tensor mapping -----------------------------------------------------------------------------
@@ -312,17 +326,6 @@ def default_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source:
     return Source((path,), same, (shape,))
 
 
-def stacked_experts(names: Sequence[str], hf_shape: tuple[int, int]) -> Source:
-    """One runtime [E, in, out] expert weight from E per-expert HF Linear weights [out, in] (transposed, stacked)."""
-    return Source(tuple(names), lambda arrays, shape: np.stack([a.T for a in arrays]).reshape(shape),
-                  (tuple(hf_shape),) * len(names))
-
-
-def rows_of(name: str, hf_shape: tuple[int, ...], start: int, stop: int) -> Source:
-    """A runtime kernel from rows [start, stop) of a fused HF Linear weight (Phi-3's qkv_proj, gate_up_proj)."""
-    return Source((name,), lambda arrays, shape: arrays[0][start:stop].reshape(shape), (tuple(hf_shape),))
-
-
 def per_expert_source(path: str, shape: tuple[int, ...], prefix: Callable[[str], str] = lambda p: p,
                       names: dict[str, str] | None = None) -> Source | None:
     """`<p>.experts.gate_proj|up_proj|down_proj` [E, in, out] <- `<prefix(p)>.experts.<e>.<name>.weight` for each e.
@@ -336,4 +339,11 @@ def per_expert_source(path: str, shape: tuple[int, ...], prefix: Callable[[str],
         return None
     E, fan_in, fan_out = shape
     name = (names or {}).get(m[2], m[2])
-    return stacked_experts([f"{prefix(m[1])}.experts.{e}.{name}.weight" for e in range(E)], (fan_out, fan_in))
+    # Each HF weight [out, in] is transposed, then the E of them stacked.
+    return Source(tuple(f"{prefix(m[1])}.experts.{e}.{name}.weight" for e in range(E)),
+                  lambda arrays, shape: np.stack([a.T for a in arrays]).reshape(shape), ((fan_out, fan_in),) * E)
+
+
+def per_expert_hf_source(config: Any, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
+    """The `contract.Family.hf_source` of MoE checkpoints with HF's own names (Qwen-MoE, DeepSeek)."""
+    return per_expert_source(path, shape)

@@ -20,7 +20,7 @@ from day0jax.layers.mla import MLAttention
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, Source, per_expert_source, refuse
+from day0jax.models.base import HFConfig, per_expert_hf_source, refuse
 from day0jax.models.contract import Family
 
 
@@ -118,7 +118,7 @@ class Model(llama.LlamaLike):
         c = self.config
         D = c.hidden_size
         if index < c.first_k_dense_replace:
-            return GatedMLP(D, c.intermediate_size, c.hidden_act, dtype=dtype, rngs=rngs)
+            return super().make_mlp(index, dtype=dtype, rngs=rngs)
         shared = (GatedMLP(D, c.moe_intermediate_size * c.n_shared_experts, c.hidden_act, dtype=dtype, rngs=rngs)
                   if c.n_shared_experts else None)
         return MoE(Router(D, c.n_routed_experts, c.num_experts_per_tok, routing="sigmoid_grouped",
@@ -135,10 +135,6 @@ class Model(llama.LlamaLike):
         return [(1, d, d)] * c.num_hidden_layers
 
 
-def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
-    return per_expert_source(path, shape)
-
-
 def dropped(config: Config) -> dict[str, str]:
     """Released checkpoints store the multi-token-prediction layers after the last decoder layer."""
     L, n = config.num_hidden_layers, config.num_nextn_predict_layers
@@ -149,4 +145,4 @@ def dropped(config: Config) -> dict[str, str]:
 
 
 FAMILY = Family(model_types=("deepseek_v3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=dropped, hf_source=hf_source)
+                dropped_for=dropped, hf_source=per_expert_hf_source)

@@ -35,12 +35,8 @@ class Config(gemma2.Config):
         self._refuse_if("use_bidirectional_attention", bool, "(non-causal attention) is not implemented")
         self._check_derived("layer_kinds", "rope", "local_rope")
 
-    @cached_property
-    def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind: `layer_types`, by default every `sliding_window_pattern`-th layer full."""
-        p = self.sliding_window_pattern
-        return self._checked_layer_kinds(
-            ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(self.num_hidden_layers)])
+    def slides_by_default(self, index: int) -> bool:
+        return (index + 1) % self.sliding_window_pattern != 0  # every `sliding_window_pattern`-th layer is full
 
     @cached_property
     def rope(self) -> dict:
@@ -74,8 +70,7 @@ class Model(gemma2.Model):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
         local = c.layer_kinds[index] == "sliding_attention"
-        return dict(rope=self.local_rope if local else self.rope, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-                    sliding_window=c.layer_window(index), scale=c.query_pre_attn_scalar ** -0.5,
+        return dict(super().attention_kwargs(index), rope=self.local_rope if local else self.rope, logit_softcap=None,
                     qk_norm_eps=c.rms_norm_eps, qk_norm_offset=1.0)
 
 

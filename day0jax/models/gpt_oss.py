@@ -18,12 +18,12 @@ from flax import nnx
 
 from day0jax.layers.moe import Experts, MoE, Router, clamped_swiglu
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, Source
+from day0jax.models.base import HFConfig, LayerTypes, Source
 from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
-class Config(HFConfig):
+class Config(LayerTypes, HFConfig):
     ALIASES = {"num_experts": "num_local_experts", "experts_per_token": "num_experts_per_tok"}
     DEFAULT_THETA = 150000.0
     num_hidden_layers: int = 36
@@ -62,15 +62,8 @@ class Config(HFConfig):
             "original_max_position_embeddings": 4096}
         return self._rope(params)
 
-    @cached_property
-    def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind: `layer_types`, by default sliding and full alternating."""
-        return self._checked_layer_kinds(
-            ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)])
-
-    def layer_window(self, index: int) -> int | None:
-        """The sliding window of layer `index` (None: full attention)."""
-        return self.sliding_window if self.layer_kinds[index] == "sliding_attention" else None
+    def slides_by_default(self, index: int) -> bool:
+        return (index + 1) % 2 != 0  # sliding and full alternate
 
 
 class Model(llama.LlamaLike):

@@ -1,8 +1,7 @@
 """Llama (and every family that is Llama with other defaults): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
 HF reference: transformers/models/llama/modeling_llama.py. Tensor names are HF's; the default mapping in
-`base.py` covers them all. `LlamaLike` is the layer layout without Llama's own options (biases), the base of
-the families that change pieces of it.
+`base.py` covers them all.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ from day0jax.models.base import CausalLM, DecoderLayer, HFConfig
 from day0jax.models.contract import Family
 
 # HF buffers that RoPE models may save and that we recompute: every RoPE family drops them.
-ROPE_BUFFERS = {
-    r".*\.rotary_emb\.inv_freq$": "recomputed from the config",
-}
+ROPE_BUFFERS = {r".*\.rotary_emb\.inv_freq$": "recomputed from the config"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,11 +38,6 @@ class Config(HFConfig):
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     model_type: str = "llama"
-
-    def __post_init__(self):
-        self._check_heads()
-        self._activation()
-        self._check_derived("rope")
 
 
 class LlamaLike(CausalLM):

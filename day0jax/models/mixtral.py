@@ -42,11 +42,6 @@ class Config(HFConfig):
     router_jitter_noise: float = 0.0  # training-time noise only
     model_type: str = "mixtral"
 
-    def __post_init__(self):
-        self._check_heads()
-        self._activation()
-        self._check_derived("rope")
-
 
 class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:

@@ -35,11 +35,6 @@ class Config(HFConfig):
     attention_bias: bool = False
     model_type: str = "olmo2"
 
-    def __post_init__(self):
-        self._check_heads()
-        self._activation()
-        self._check_derived("rope")
-
 
 class Model(llama.LlamaLike):
     def attention_kwargs(self, index: int) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, Source, refuse, rows_of
+from day0jax.models.base import HFConfig, Source, refuse
 from day0jax.models.contract import Family
 
 
@@ -72,15 +72,15 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     """q/k/v_proj from row blocks of `qkv_proj.weight`, gate/up_proj from the halves of `gate_up_proj.weight`."""
     D, N, K, H, F = (config.hidden_size, config.num_attention_heads, config.kv_heads, config.head_size,
                      config.intermediate_size)
-    m = re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.kernel", path)
-    if m:
+    if m := re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.kernel", path):
+        fused, rows = f"{m[1]}.qkv_proj.weight", (N + 2 * K) * H
         start, stop = {"q": (0, N * H), "k": (N * H, (N + K) * H), "v": ((N + K) * H, (N + 2 * K) * H)}[m[2]]
-        return rows_of(f"{m[1]}.qkv_proj.weight", ((N + 2 * K) * H, D), start, stop)
-    m = re.fullmatch(r"(.*\.mlp)\.(gate|up)_proj\.kernel", path)
-    if m:
+    elif m := re.fullmatch(r"(.*\.mlp)\.(gate|up)_proj\.kernel", path):
+        fused, rows = f"{m[1]}.gate_up_proj.weight", 2 * F
         start, stop = (0, F) if m[2] == "gate" else (F, 2 * F)
-        return rows_of(f"{m[1]}.gate_up_proj.weight", (2 * F, D), start, stop)
-    return None
+    else:
+        return None
+    return Source((fused,), lambda arrays, shape: arrays[0][start:stop].reshape(shape), ((rows, D),))
 
 
 FAMILY = Family(model_types=("phi3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS, hf_source=hf_source)

@@ -7,15 +7,14 @@ is set, to the layers `layer_types` marks "sliding_attention" (by default those 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from day0jax.models import llama
-from day0jax.models.base import HFConfig
+from day0jax.models.base import HFConfig, LayerTypes
 from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
-class Config(HFConfig):
+class Config(LayerTypes, HFConfig):
     vocab_size: int = 151936
     hidden_size: int = 4096
     intermediate_size: int = 22016
@@ -37,25 +36,16 @@ class Config(HFConfig):
     model_type: str = "qwen2"
 
     def __post_init__(self):
-        self._check_heads()
-        self._activation()
-        self._check_derived("rope", "layer_kinds")
+        super().__post_init__()
+        self._check_derived("layer_kinds")
 
     @property
     def window(self) -> int | None:
-        """The sliding window HF uses: `sliding_window` when `use_sliding_window`, else None (no window)."""
+        """`sliding_window` when `use_sliding_window`, else None (no window), as HF."""
         return self.sliding_window if self.use_sliding_window else None
 
-    @cached_property
-    def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind: `layer_types`, by default sliding from `max_window_layers` on."""
-        return self._checked_layer_kinds(
-            ["sliding_attention" if self.window is not None and i >= self.max_window_layers else "full_attention"
-             for i in range(self.num_hidden_layers)])
-
-    def layer_window(self, index: int) -> int | None:
-        """The sliding window of layer `index` (None: full attention)."""
-        return self.window if self.layer_kinds[index] == "sliding_attention" else None
+    def slides_by_default(self, index: int) -> bool:
+        return self.window is not None and index >= self.max_window_layers
 
 
 class Model(llama.LlamaLike):

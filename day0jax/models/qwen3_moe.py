@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, Source, per_expert_source
+from day0jax.models.base import HFConfig, per_expert_hf_source
 from day0jax.models.contract import Family
 
 
@@ -45,11 +44,6 @@ class Config(HFConfig):
     mlp_only_layers: list | None = None
     model_type: str = "qwen3_moe"
 
-    def __post_init__(self):
-        self._check_heads()
-        self._activation()
-        self._check_derived("rope")
-
     @property
     def window(self) -> int | None:
         """The sliding window of every layer: `sliding_window` when `use_sliding_window`, else None (as HF)."""
@@ -70,16 +64,12 @@ class Model(llama.LlamaLike):
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
         if not c.is_sparse(index):
-            return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype=dtype, rngs=rngs)
+            return super().make_mlp(index, dtype=dtype, rngs=rngs)
         return MoE(Router(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, routing="softmax_topk",
                           norm_topk_prob=c.norm_topk_prob, dtype=dtype, rngs=rngs),
                    Experts(c.num_local_experts, c.hidden_size, c.moe_intermediate_size, swiglu(c.hidden_act),
                            dtype=dtype, rngs=rngs))
 
 
-def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
-    return per_expert_source(path, shape)
-
-
 FAMILY = Family(model_types=("qwen3_moe",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                hf_source=hf_source)
+                hf_source=per_expert_hf_source)

@@ -11,40 +11,30 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, refuse
+from day0jax.models.base import LayerTypes, refuse
 from day0jax.models.contract import Family
 
 
 @dataclass(frozen=True, eq=False)
-class Config(HFConfig):
+class Config(LayerTypes, llama.Config):
     DEFAULT_THETA = 2000000.0
     vocab_size: int = 128256
     hidden_size: int = 2048
-    intermediate_size: int = 11008
     num_hidden_layers: int = 36
     num_attention_heads: int = 16
     num_key_value_heads: int | None = 4
-    head_dim: int | None = None
-    hidden_act: str = "silu"
     max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    rope_theta: float | None = None
-    rope_scaling: dict | None = None
-    rope_parameters: dict | None = None
+    tie_word_embeddings: bool = True
     use_sliding_window: bool = False
     sliding_window: int | None = None
     no_rope_layers: list | None = None
     no_rope_layer_interval: int = 4
     layer_types: list | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = True
     model_type: str = "smollm3"
 
     def __post_init__(self):
-        self._check_heads()
-        self._activation()
-        self._check_derived("rope", "rope_layers", "layer_kinds")
+        super().__post_init__()
+        self._check_derived("rope_layers", "layer_kinds")
 
     @cached_property
     def rope_layers(self) -> tuple[bool, ...]:
@@ -61,25 +51,21 @@ class Config(HFConfig):
             refuse("no_rope_layers", rope_on, f"must hold a 0 or 1 for each of the {L} layers")
         return tuple(bool(v) for v in rope_on[:L])
 
-    @cached_property
-    def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind: `layer_types`, by default sliding for the NoPE layers when
-        `use_sliding_window` (and a window) is set."""
-        sliding = self.use_sliding_window and self.sliding_window is not None
-        return self._checked_layer_kinds(["sliding_attention" if sliding and not on else "full_attention"
-                                          for on in self.rope_layers])
+    @property
+    def window(self) -> int | None:
+        """`sliding_window` when `use_sliding_window`, else None (no window), as HF."""
+        return self.sliding_window if self.use_sliding_window else None
 
-    def layer_window(self, index: int) -> int | None:
-        """The sliding window of layer `index` (None: full attention)."""
-        sliding = self.use_sliding_window and self.layer_kinds[index] == "sliding_attention"
-        return self.sliding_window if sliding else None
+    def slides_by_default(self, index: int) -> bool:
+        """With a window, the NoPE layers slide."""
+        return self.window is not None and not self.rope_layers[index]
 
 
 class Model(llama.Model):
     def attention_kwargs(self, index: int) -> dict:
         c = self.config
-        return dict(rope=self.rope if c.rope_layers[index] else None, qkv_bias=c.attention_bias,
-                    o_bias=c.attention_bias, sliding_window=c.layer_window(index))
+        return dict(super().attention_kwargs(index), rope=self.rope if c.rope_layers[index] else None,
+                    sliding_window=c.layer_window(index))
 
 
 FAMILY = Family(model_types=("smollm3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

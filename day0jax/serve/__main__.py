@@ -45,11 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_engine(args, state) -> None:
-    """Loads the model, builds and warms up the engine (every program, from the caches where possible) and
-    wraps it for the server; updates `state.status`/`state.detail` as it goes and records `state.timeline`."""
+def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
+    """Loads the model, builds and warms up the engine (every program, from the caches where possible), starts
+    it on `loop` and makes the server ready; updates `state.status`/`state.detail` as it goes and records
+    `state.timeline`."""
     from day0jax.engine.async_engine import AsyncEngine
     from day0jax.startup.start import start_engine
+    from day0jax.startup.warmup import compile_totals
 
     def status(detail: str) -> None:
         if detail.startswith("compil"):
@@ -57,12 +59,18 @@ def load_engine(args, state) -> None:
         state.detail = detail
 
     started = start_engine(args, state.timeline, status, warm_up=not args.no_warmup)
-    model, engine = started.model, started.engine
+    model = started.model
     if model.tokenizer is None:
         raise SystemExit(f"{model.path} has no tokenizer.json: the server needs one to read text")
-    state.tokenizer, state.max_model_len = model.tokenizer, engine.max_model_len
-    state.engine = AsyncEngine(engine)
-    return model
+    state.tokenizer, state.max_model_len = model.tokenizer, started.engine.max_model_len
+    state.engine = AsyncEngine(started.engine)
+    state.engine.start(loop)
+    state.timeline.mark_ready()
+    state.compiles_at_ready = compile_totals()
+    state.status, state.detail = "ready", ""
+    log.debug("startup timeline:\n%s", state.timeline.table())
+    log.info("ready in %.1fs: serving %s on http://%s:%d", state.timeline.ready_at, state.model_name, args.host,
+             args.port)
 
 
 def main(argv=None) -> int:
@@ -76,7 +84,7 @@ def main(argv=None) -> int:
         from day0jax import logs
         from day0jax.serve.app import build_app
         from day0jax.serve.state import ServerState
-        from day0jax.startup.warmup import compile_totals, watch_compiles
+        from day0jax.startup.warmup import watch_compiles
     logs.setup(args.log_level)
     timeline.log_phases(log)
 
@@ -92,8 +100,6 @@ def main(argv=None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                     args.host)
-    exit_code = [0]
-    server_box: list[uvicorn.Server] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -101,19 +107,12 @@ def main(argv=None) -> int:
 
         def load():
             try:
-                load_engine(args, state)
-                state.engine.start(loop)
-                state.timeline.mark_ready()
-                state.compiles_at_ready = compile_totals()
-                state.status, state.detail = "ready", ""
-                log.debug("startup timeline:\n%s", state.timeline.table())
-                log.info("ready in %.1fs: serving %s on http://%s:%d", state.timeline.ready_at, state.model_name,
-                         args.host, args.port)
+                load_engine(args, state, loop)
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits non-zero
                 log.exception("loading failed")
                 state.status, state.detail = "failed", str(e)
-                exit_code[0] = 1
-                server_box[0].should_exit = True
+                server.exit_code = 1  # `server` is made below, before the lifespan runs
+                server.should_exit = True
 
         threading.Thread(target=load, name="day0jax-load", daemon=True).start()
         yield
@@ -124,6 +123,7 @@ def main(argv=None) -> int:
 
     class Server(uvicorn.Server):
         draining_since: float | None = None
+        exit_code = 0
 
         def handle_exit(self, sig, frame):
             # First signal: drain (new requests get 503) instead of uvicorn's immediate close; a second one
@@ -151,9 +151,8 @@ def main(argv=None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             timeout_graceful_shutdown=5, access_log=False)
     server = Server(config)
-    server_box.append(server)
     server.run()
-    return exit_code[0]
+    return server.exit_code
 
 
 if __name__ == "__main__":

@@ -54,13 +54,8 @@ def error_body(message: str, type_: str, param: str | None = None, code: Any = N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(e: APIError) -> JSONResponse:
-    """The JSON response for `e`: its status, its headers and the OpenAI error body."""
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
-
-
 async def _api_error(request: Request, e: APIError):
-    return error_response(e)
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
 async def _validation_error(request: Request, e: RequestValidationError):

@@ -2,7 +2,7 @@
 
 Counters and histograms are updated where things happen (the request handlers); the engine's gauges (queue,
 batch, KV pages, prefix cache) and the startup timeline (phases, compiled programs and where each came from,
-traces and compiles since ready) are read at scrape time by collectors, so they are never stale. One registry
+traces and compiles since ready) are read at scrape time by `collect`, so they are never stale. One registry
 per server, so tests can run several in one process.
 """
 
@@ -14,47 +14,60 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0)
 
+# Read from the engine's stats() at scrape time: (name, help, key).
+_ENGINE_GAUGES = [
+    ("day0jax_num_requests_waiting", "Sequences waiting to be scheduled (the queue depth).", "waiting"),
+    ("day0jax_num_requests_running", "Sequences in the running batch.", "running"),
+    ("day0jax_kv_blocks_used", "KV cache pages held by sequences.", "kv_blocks_used"),
+    ("day0jax_kv_blocks_free", "KV cache pages free (cached prefixes included).", "kv_blocks_free"),
+    ("day0jax_kv_blocks_total", "KV cache pages in the pool.", "kv_blocks_total"),
+]
+_ENGINE_COUNTERS = [
+    ("day0jax_prefix_cache_hits", "KV pages reused from the prefix cache.", "prefix_hit_blocks"),
+    ("day0jax_prefix_cache_queries", "KV pages looked up in the prefix cache.", "prefix_query_blocks"),
+    ("day0jax_prefix_cache_hit_tokens", "Prompt tokens not recomputed thanks to the prefix cache.",
+     "prefix_hit_tokens"),
+    ("day0jax_num_preemptions", "Sequences preempted for lack of KV pages.", "preemptions"),
+    ("day0jax_engine_steps", "Engine steps run.", "steps"),
+]
 
-class _EngineCollector:
+
+class Metrics:
+    """The server's registry and instruments; also the registry's collector of the scrape-time figures."""
+
     def __init__(self, state):
         self.state = state
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("day0jax_requests", "HTTP requests to /v1 routes by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("day0jax_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("day0jax_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("day0jax_request_success", "Finished sequences by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("day0jax_time_to_first_token_seconds", "Time from request to its first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("day0jax_inter_token_latency_seconds", "Time between a sequence's tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("day0jax_e2e_request_latency_seconds", "Time from request to its last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        r.register(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
     def collect(self):
+        """The figures read at scrape time (the registry calls this)."""
         engine = self.state.engine
         stats = engine.engine.stats() if engine is not None else {}
-        gauges = [
-            ("day0jax_num_requests_waiting", "Sequences waiting to be scheduled (the queue depth).", "waiting"),
-            ("day0jax_num_requests_running", "Sequences in the running batch.", "running"),
-            ("day0jax_kv_blocks_used", "KV cache pages held by sequences.", "kv_blocks_used"),
-            ("day0jax_kv_blocks_free", "KV cache pages free (cached prefixes included).", "kv_blocks_free"),
-            ("day0jax_kv_blocks_total", "KV cache pages in the pool.", "kv_blocks_total"),
-        ]
-        for name, doc, key in gauges:
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], stats.get(key, 0))
-            yield g
-        counters = [
-            ("day0jax_prefix_cache_hits", "KV pages reused from the prefix cache.", "prefix_hit_blocks"),
-            ("day0jax_prefix_cache_queries", "KV pages looked up in the prefix cache.", "prefix_query_blocks"),
-            ("day0jax_prefix_cache_hit_tokens", "Prompt tokens not recomputed thanks to the prefix cache.",
-             "prefix_hit_tokens"),
-            ("day0jax_num_preemptions", "Sequences preempted for lack of KV pages.", "preemptions"),
-            ("day0jax_engine_steps", "Engine steps run.", "steps"),
-        ]
-        for name, doc, key in counters:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], stats.get(key, 0))
-            yield c
+        for name, doc, key in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
+        for name, doc, key in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        if self.state.timeline is not None:
+            yield from self._startup()
 
-
-class _StartupCollector:
-    def __init__(self, state):
-        self.state = state
-
-    def collect(self):
+    def _startup(self):
         timeline = self.state.timeline
-        if timeline is None:
-            return
         phases = GaugeMetricFamily("day0jax_startup_phase_seconds",
                                    "Seconds of each startup phase; 'ready' is process start to ready.",
                                    labels=["phase"])
@@ -63,9 +76,8 @@ class _StartupCollector:
         yield phases
         restored = [p for p in timeline.phases if p.name == "restore parameters" and "bytes" in p.detail]
         if restored:
-            g = GaugeMetricFamily("day0jax_startup_restore_bytes", "Parameter bytes restored at startup.")
-            g.add_metric([], restored[-1].detail["bytes"])
-            yield g
+            yield GaugeMetricFamily("day0jax_startup_restore_bytes", "Parameter bytes restored at startup.",
+                                    value=restored[-1].detail["bytes"])
         per_program = GaugeMetricFamily("day0jax_startup_compile_seconds",
                                         "Seconds to make each program ready (lowering plus compiling or loading).",
                                         labels=["program", "shape", "cache", "source"])
@@ -88,28 +100,3 @@ class _StartupCollector:
             late.add_metric(["trace"], now["traces"] - at_ready["traces"])
             late.add_metric(["compile"], now["compiles"] - at_ready["compiles"])
             yield late
-
-
-class Metrics:
-    """The server's registry and instruments."""
-
-    def __init__(self, state):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("day0jax_requests", "HTTP requests to /v1 routes by endpoint and status code.",
-                                ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("day0jax_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter("day0jax_generation_tokens", "Tokens generated.", registry=r)
-        self.finished = Counter("day0jax_request_success", "Finished sequences by finish reason.",
-                                ["finish_reason"], registry=r)
-        self.ttft = Histogram("day0jax_time_to_first_token_seconds", "Time from request to its first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("day0jax_inter_token_latency_seconds", "Time between a sequence's tokens.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("day0jax_e2e_request_latency_seconds", "Time from request to its last token.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(state))
-        r.register(_StartupCollector(state))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

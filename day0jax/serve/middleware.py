@@ -31,18 +31,22 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state = self.state
-        if state.api_key and scope["path"].startswith("/v1"):
-            headers = dict(scope.get("headers") or [])
+        state, path = self.state, scope["path"]
+        headers = dict(scope.get("headers") or [])
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and path.startswith("/v1"):
+                state.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        if state.api_key and path.startswith("/v1"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                state.metrics.requests.labels(scope["path"], "401").inc()
                 resp = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer KEY')",
                                                "authentication_error", None, "invalid_api_key"), status_code=401)
-                return await resp(scope, receive, send)
+                return await resp(scope, receive, counting_send)
         limit = state.max_body_bytes
-        headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         too_big = JSONResponse(error_body(f"the request body exceeds {limit} bytes", "invalid_request_error",
                                           None, "request_too_large"), status_code=413)
@@ -59,11 +63,6 @@ class GuardMiddleware:
                 if received > limit:
                     raise _BodyTooLarge()
             return message
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start" and scope["path"].startswith("/v1"):
-                state.metrics.requests.labels(scope["path"], str(message["status"])).inc()
-            await send(message)
 
         try:
             await self.app(scope, limited_receive, counting_send)

@@ -121,13 +121,12 @@ def chunk(rid: str, model_name: str, c: Choice, detok: Detokenizer, chat: bool):
         return None  # nothing to say yet (held back); logprobs go out with the text they belong to
     c.sent_logprobs = len(c.logprobs)
     if chat:
-        lp = P.ChatLogprobs(content=chat_logprobs(new_lp, detok)) if new_lp else None
         return P.ChatCompletionChunk(id=rid, model=model_name, choices=[P.ChatChunkChoice(
-            index=c.index, delta=P.ChatDelta(content=text or None), logprobs=lp,
+            index=c.index, delta=P.ChatDelta(content=text or None), logprobs=chat_logprobs(new_lp, detok),
             finish_reason=finish_reason(c.finish_reason))])
-    lp = completion_logprobs(new_lp, detok, 0) if new_lp else None
     return P.CompletionResponse(id=rid, model=model_name, choices=[P.CompletionChoice(
-        index=c.index, text=text, logprobs=lp, finish_reason=finish_reason(c.finish_reason))])
+        index=c.index, text=text, logprobs=completion_logprobs(new_lp, detok),
+        finish_reason=finish_reason(c.finish_reason))])
 
 
 def final_response(rid: str, model_name: str, choices: list[Choice], usage: P.Usage, detok: Detokenizer,
@@ -146,28 +145,32 @@ def final_response(rid: str, model_name: str, choices: list[Choice], usage: P.Us
     """
     if chat:
         out = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                            logprobs=P.ChatLogprobs(content=chat_logprobs(c.logprobs, detok))
-                            if c.logprobs else None, finish_reason=finish_reason(c.finish_reason)) for c in choices]
+                            logprobs=chat_logprobs(c.logprobs, detok), finish_reason=finish_reason(c.finish_reason))
+               for c in choices]
         return P.ChatCompletionResponse(id=rid, model=model_name, choices=out, usage=usage)
     out = [P.CompletionChoice(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason),
-                              logprobs=completion_logprobs(c.logprobs, detok, 0) if c.logprobs else None)
-           for c in choices]
+                              logprobs=completion_logprobs(c.logprobs, detok)) for c in choices]
     return P.CompletionResponse(id=rid, model=model_name, choices=out, usage=usage)
 
 
-def chat_logprobs(entries, detok: Detokenizer) -> list[P.TokenLogprob]:
-    """Chat-style logprobs (one entry per token, with bytes and the top alternatives)."""
+def chat_logprobs(entries, detok: Detokenizer) -> P.ChatLogprobs | None:
+    """Chat-style logprobs (one entry per token, with bytes and the top alternatives), or None for no entries."""
+    if not entries:
+        return None
     out = []
     for token, lp, top in entries:
         text = detok.token(token)
         out.append(P.TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=[
             P.TopLogprob(token=detok.token(t), logprob=v, bytes=list(detok.token(t).encode())) for t, v in top]))
-    return out
+    return P.ChatLogprobs(content=out)
 
 
-def completion_logprobs(entries, detok: Detokenizer, offset: int) -> P.CompletionLogprobs:
-    """Completion-style logprobs (parallel lists of tokens, logprobs, top alternatives and text offsets)."""
+def completion_logprobs(entries, detok: Detokenizer) -> P.CompletionLogprobs | None:
+    """Completion-style logprobs (parallel lists: tokens, logprobs, top alternatives, text offsets), or None."""
+    if not entries:
+        return None
     out = P.CompletionLogprobs()
+    offset = 0
     for token, lp, top in entries:
         text = detok.token(token)
         out.text_offset.append(offset)

@@ -34,8 +34,7 @@ async def server_state(request: Request) -> ServerState:
 
 State = Annotated[ServerState, Depends(server_state)]
 
-_ERRORS = {400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse}, 429: {"model": P.ErrorResponse},
-           503: {"model": P.ErrorResponse}}
+_ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 429, 503)}
 
 
 @router.get("/health", responses={503: {"model": P.ErrorResponse}})
@@ -59,9 +58,7 @@ async def list_models(state: State):
 @router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=_ERRORS)
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, state: State):
     arrival = time.monotonic()
-    engine = ready(state)
-    check_queue(engine)
-    check_model(state, body.model)
+    engine = admit(state, body.model)
     check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in body.messages]
@@ -71,27 +68,20 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, stat
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - a template choking on odd messages is the request's problem
         raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    top = body.top_logprobs if body.top_logprobs is not None else 0
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = sampling_params(state, body, max_tokens, len(prompt), top if body.logprobs else None)
-    rid = P.new_id("chatcmpl")
-    return await serve_request(request, state, engine, rid, [prompt], params, stop_strings(body.stop), body, True,
-                               arrival)
+    params = sampling_params(state, body, body.max_completion_tokens or body.max_tokens, len(prompt),
+                             (body.top_logprobs or 0) if body.logprobs else None)
+    return await serve_request(request, state, engine, [prompt], params, stop_strings(body.stop), body, True, arrival)
 
 
 @router.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)
 async def completions(body: P.CompletionRequest, request: Request, state: State):
     arrival = time.monotonic()
-    engine = ready(state)
-    check_queue(engine)
-    check_model(state, body.model)
+    engine = admit(state, body.model)
     prompts = body.prompt
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
-    if not prompts:
-        raise APIError(400, "prompt must not be empty", param="prompt")
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     token_prompts = []
@@ -101,12 +91,11 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
             token_prompts.append(state.tokenizer.encode(p))
         else:
             token_prompts.append(list(p))
-    if any(not p for p in token_prompts):
+    if not token_prompts or any(not p for p in token_prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
     params = sampling_params(state, body, body.max_tokens or 16, max(map(len, token_prompts)), body.logprobs)
-    rid = P.new_id("cmpl")
-    return await serve_request(request, state, engine, rid, token_prompts, params, stop_strings(body.stop), body,
-                               False, arrival)
+    return await serve_request(request, state, engine, token_prompts, params, stop_strings(body.stop), body, False,
+                               arrival)
 
 
 # --- checks before any tokenizing ------------------------------------------------------------------------------
@@ -123,27 +112,27 @@ def ready(state: ServerState) -> AsyncEngine:
     return state.engine
 
 
-def check_queue(engine: AsyncEngine) -> None:
-    """Raises APIError 429 (with Retry-After) when the engine's waiting queue is full."""
+def admit(state: ServerState, model: str) -> AsyncEngine:
+    """The engine, for a generation request it may take: the server is ready, its queue has room, `model` is served.
+
+    Raises:
+        APIError: 503 as `ready` does, 429 (with Retry-After) when the waiting queue is full, 400 for another model.
+    """
+    engine = ready(state)
     e = engine.engine
     if e.num_waiting >= e.config.max_waiting:
         raise APIError(429, f"the server is at capacity ({e.num_waiting} requests queued); retry later",
                        "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-
-
-def check_model(state: ServerState, name: str) -> None:
-    """Raises APIError 400 unless `name` is the served model's id."""
-    if name != state.model_name:
-        raise APIError(400, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+    if model != state.model_name:
+        raise APIError(400, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+    return engine
 
 
 def check_chars(state: ServerState, n: int, param: str) -> None:
-    """Raises APIError 400 for a prompt text too long to be worth tokenizing.
-
-    Without `--max-prompt-chars`, the limit is 64 characters per context token: far above any text that fits.
-    """
-    limit = state.max_prompt_chars or state.max_model_len * 64
+    """Raises APIError 400 for a prompt text too long to be worth tokenizing: over 64 characters per context
+    token, far above any text that fits."""
+    limit = state.max_model_len * 64
     if n > limit:
         raise APIError(400, f"the {param} has {n} characters, more than this server accepts ({limit}; "
                        f"the model's context is {state.max_model_len} tokens)", param=param,

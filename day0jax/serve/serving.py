@@ -25,16 +25,14 @@ from day0jax.serve.state import ServerState
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def serve_request(request: Request, state: ServerState, engine: AsyncEngine, rid: str,
-                        prompts: list[list[int]], params: SamplingParams, stops: list[str], body, chat: bool,
-                        arrival: float):
+async def serve_request(request: Request, state: ServerState, engine: AsyncEngine, prompts: list[list[int]],
+                        params: SamplingParams, stops: list[str], body, chat: bool, arrival: float):
     """Runs a validated request on the engine and answers it.
 
     Args:
         request: the HTTP request (to notice a client that disconnects).
         state: the server state (model name, metrics, in-flight count).
         engine: the ready engine.
-        rid: the response id ("chatcmpl-..." or "cmpl-...").
         prompts: token ids of each prompt.
         params: the sampling parameters, shared by every prompt.
         stops: stop strings.
@@ -46,6 +44,7 @@ async def serve_request(request: Request, state: ServerState, engine: AsyncEngin
     Raises:
         APIError: 400 for parameters the engine refuses, 429 when its queue is full, 500 when it failed.
     """
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
     run = _Run(state, engine, rid, _submit(engine, rid, prompts, params), params.n, stops, chat, arrival)
     if not body.stream:
         return await run.complete(request)
@@ -61,15 +60,13 @@ def _submit(engine: AsyncEngine, rid: str, prompts: list[list[int]], params: Sam
         for i, prompt in enumerate(prompts):
             sub_id = f"{rid}-{i}"
             subs.append((sub_id, engine.submit(sub_id, prompt, params), len(prompt)))
-    except InvalidRequest as e:
+    except (InvalidRequest, QueueFull) as e:
         for sub_id, _, _ in subs:
             engine.release(sub_id, finished=False)
+        if isinstance(e, QueueFull):
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         raise APIError(400, str(e), param=e.param,
                        code="context_length_exceeded" if "context length" in str(e) else None) from None
-    except QueueFull as e:
-        for sub_id, _, _ in subs:
-            engine.release(sub_id, finished=False)
-        raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     return subs
 
 

@@ -18,14 +18,12 @@ class ServerState:
         status: "loading", "warming up", "ready", "draining" or "failed".
         api_key: when set, every /v1 route needs `Authorization: Bearer <key>`.
         max_body_bytes: larger request bodies get 413.
-        max_prompt_chars: longer prompt texts get 400 before tokenization.
         timeline: the startup timeline, exported on /metrics.
     """
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
-    max_prompt_chars: int | None = None
     status: str = "loading"
     detail: str = ""
     engine: AsyncEngine | None = None

@@ -31,6 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+import jaxlib
+from jax._src import compilation_cache as jax_cache
+from jax._src.compilation_cache_interface import CacheInterface
+
 log = logging.getLogger(__name__)
 
 ENTRY_MAGIC = b"day0jax-cache-entry-1\n"
@@ -140,9 +145,6 @@ def model_fingerprint(path: str | Path, dtype: str) -> str:
 
 def current_key(mesh: Any, model: str) -> CacheKey:
     """The key for this process's backend and devices (starts the backend)."""
-    import jax
-    import jaxlib
-
     device = jax.devices()[0]
     backend = device.client
     return CacheKey(jax=jax.__version__, jaxlib=jaxlib.__version__, platform=device.platform,
@@ -246,12 +248,6 @@ def unpack(raw: bytes) -> bytes:
 
 # --- JAX's cache on top of VerifiedFiles -----------------------------------------------------------------------
 
-def _cache_interface():
-    from jax._src.compilation_cache_interface import CacheInterface
-
-    return CacheInterface
-
-
 _thread = threading.local()
 
 
@@ -270,7 +266,7 @@ def last_key() -> str | None:
     return getattr(_thread, "last_key", None)
 
 
-class JaxCacheAdapter(_cache_interface()):
+class JaxCacheAdapter(CacheInterface):
     """JAX's `CacheInterface` (get/put of serialized executables by JAX's key) over `VerifiedFiles`.
 
     `put` always replaces: JAX calls it only after compiling, which happens when `get` found nothing or the
@@ -279,8 +275,7 @@ class JaxCacheAdapter(_cache_interface()):
 
     def __init__(self, files: VerifiedFiles):
         self.files = files
-        self._path = files.folder  # what JAX's log lines read
-        self.path = files.folder
+        self.path = self._path = files.folder  # as JAX's own file cache has them (its log lines read `_path`)
 
     def get(self, key: str) -> bytes | None:
         _thread.last_key = key
@@ -302,10 +297,6 @@ class CompileCache:
     folder: Path
     files: VerifiedFiles
     writable: bool
-
-    @property
-    def corrupt(self) -> list[str]:
-        return self.files.corrupt
 
 
 def enable(root: str | Path | None, key: CacheKey) -> CompileCache | None:
@@ -336,7 +327,7 @@ def enable(root: str | Path | None, key: CacheKey) -> CompileCache | None:
     files = VerifiedFiles(folder, writable)
     if writable:  # for people: what this folder is for
         atomic_write(folder / "key.json", json.dumps(asdict(key), indent=1, sort_keys=True).encode())
-    others = [d.name for d in _siblings(root, folder)]
+    others = _siblings(root, folder)
     if others:
         log.info("compile cache: %d other key folder(s) in %s (other jax versions, backends, meshes or models) are "
                  "not used", len(others), root)
@@ -359,9 +350,6 @@ def _siblings(root: Path, folder: Path) -> list[Path]:
 
 
 def _install(files: VerifiedFiles) -> None:
-    import jax
-    from jax._src import compilation_cache as jax_cache
-
     # No thresholds: every engine program is cached, however fast it compiled or small it is (-1 also stops
     # JAX from raising the size minimum for the file system).
     jax.config.update("jax_compilation_cache_dir", str(files.folder))
@@ -376,9 +364,6 @@ def _install(files: VerifiedFiles) -> None:
 
 def disable() -> None:
     """Turns JAX's persistent cache off again in this process (tests, and a CLI's --no-compile-cache)."""
-    import jax
-    from jax._src import compilation_cache as jax_cache
-
     with jax_cache._cache_initialized_mutex:
         jax_cache._cache = None
         jax_cache._cache_initialized = False

@@ -95,10 +95,6 @@ class ProgramStore:
         self.files = VerifiedFiles(folder, writable)
         self._prefix = "\n".join([source_fingerprint(), environment_fingerprint(), cache.key.digest()])
 
-    @property
-    def corrupt(self) -> list[str]:
-        return self.files.corrupt
-
     def entry_name(self, signature: str) -> str:
         return hashlib.sha256(f"{self._prefix}\n{signature}".encode()).hexdigest()[:40] + ".program"
 

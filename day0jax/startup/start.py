@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from day0jax import logs
-from day0jax.startup.timeline import CompileRecord, Timeline
+from day0jax.startup.timeline import CompileRecord, Timeline, count_sources
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,12 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
         started.records = engine.warm_up(progress, args.warmup_max_len or None, store=store,
                                          workers=args.compile_workers, timeline=timeline)
         info["programs"] = len(started.records)
-        for source in ("program-store", "xla-cache", "compiled"):
-            info[source] = sum(1 for r in started.records if r.source == source)
+        info.update(count_sources(started.records))
     layout = engine.layout
     skipped = len(layout.forward_shapes()) - len(layout.forward_shapes(args.warmup_max_len or None))
     if skipped:
         log.info("--warmup-max-len %d: %d forward programs compile on first use", args.warmup_max_len, skipped)
-    damaged = (cache.corrupt if cache else []) + (store.corrupt if store else [])
+    damaged = (cache.files.corrupt if cache else []) + (store.files.corrupt if store else [])
     if damaged:
         log.warning("compile cache: %d damaged entries were removed and rebuilt (%s)", len(damaged),
                     ", ".join(damaged[:5]) + (" ..." if len(damaged) > 5 else ""))

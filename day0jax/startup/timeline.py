@@ -134,8 +134,7 @@ class Timeline:
         return out
 
     def compile_counts(self) -> dict[str, int]:
-        """Programs per source (see SOURCES)."""
-        return {s: sum(1 for r in self.compiles if r.source == s) for s in SOURCES}
+        return count_sources(self.compiles)
 
     def table(self, programs: bool = True) -> str:
         """The timeline as aligned text: phases, then (with `programs`) one line per compiled program."""
@@ -156,11 +155,15 @@ def program_table(records: list[CompileRecord]) -> str:
     for r in records:
         lines.append(f"{r.program:<8} {r.shape:<30} {r.lower_seconds:8.2f} {r.compile_seconds:9.2f}  "
                      f"{r.cache:<5} {r.source}")
-    counts = {s: sum(1 for r in records if r.source == s) for s in SOURCES}
-    lines.append(f"{len(records)} programs: " + ", ".join(f"{n} {s}" for s, n in counts.items()) +
+    lines.append(f"{len(records)} programs: " + ", ".join(f"{n} {s}" for s, n in count_sources(records).items()) +
                  f"; {sum(r.lower_seconds for r in records):.1f}s lowering, "
                  f"{sum(r.compile_seconds for r in records):.1f}s compiling or loading (summed over threads)")
     return "\n".join(lines)
+
+
+def count_sources(records: list[CompileRecord]) -> dict[str, int]:
+    """Programs per source, in SOURCES order."""
+    return {s: sum(1 for r in records if r.source == s) for s in SOURCES}
 
 
 def phase_line(p: Phase) -> str:

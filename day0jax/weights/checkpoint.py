@@ -70,6 +70,25 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The inverse of `nest`: {'a': {'b': {'c': x}}} -> {'a.b.c': x}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def groups(manifest: dict[str, Any]) -> dict[int, list[str]]:
+    """The manifest's parameter names by the group that stores them, in group order."""
+    by_group: dict[int, list[str]] = {}
+    for name, p in manifest["params"].items():
+        by_group.setdefault(p["group"], []).append(name)
+    return dict(sorted(by_group.items()))
+
+
 def read_params(path: Path, names: list[str] | None = None) -> dict[str, Any]:
     """Parameters of a checkpoint as host numpy arrays in their stored dtype (for inspection and tests).
 
@@ -83,18 +102,13 @@ def read_params(path: Path, names: list[str] | None = None) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     manifest = read_manifest(path)
-    wanted = list(manifest["params"]) if names is None else names
-    missing = [n for n in wanted if n not in manifest["params"]]
+    missing = [n for n in names or [] if n not in manifest["params"]]
     if missing:
         raise CheckpointError(f"{path}: no parameter {missing[0]}")
+    wanted = set(manifest["params"] if names is None else names)
     out = {}
-    for group in sorted({manifest["params"][n]["group"] for n in wanted}):
-        tree = ocp.PyTreeCheckpointer().restore(Path(path) / group_dir(group))
-        for name in wanted:
-            if manifest["params"][name]["group"] != group:
-                continue
-            node = tree
-            for part in name.split("."):
-                node = node[part]
-            out[name] = np.asarray(node)
+    for group, in_group in groups(manifest).items():
+        if wanted.intersection(in_group):
+            stored = flatten(ocp.PyTreeCheckpointer().restore(Path(path) / group_dir(group)))
+            out.update({name: np.asarray(stored[name]) for name in in_group if name in wanted})
     return out

@@ -19,7 +19,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -101,7 +100,9 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)
     with timeline.phase("restore parameters") as info:
-        _check_manifest(path, manifest, infos)
+        problems = manifest_problems(manifest, infos.values())
+        if problems:
+            raise CheckpointError(f"{path}: {problems[0]}")
         with _large_buffers_back_to_the_os():
             arrays = _restore(path, manifest, infos, mesh, DTYPES[dtype])
         flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
@@ -115,7 +116,8 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
     with timeline.phase("kernel self-test", mode=kernels):
         report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
                                          mode=kernels, tp=mesh.shape.get("tp", 1))
-    generation = _read_json(path / "generation_config.json")
+    generation_file = path / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
     eos = generation.get("eos_token_id", hf.get("eos_token_id"))
     return Model(module, config, path=path, mesh=mesh, dtype=dtype,
                  eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
@@ -176,35 +178,39 @@ def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, 
     return inputs.layout, memory_plan, mesh
 
 
-def _check_manifest(path: Path, manifest: dict, infos: dict) -> None:
+def manifest_problems(manifest: dict, infos) -> list[str]:
+    """Why a checkpoint's parameters (its manifest) are not the model's: `load` refuses the first, `check` lists them.
+
+    Args:
+        manifest: the checkpoint's manifest (`checkpoint.read_manifest`).
+        infos: the model's parameters (`models.param_infos`).
+    Returns:
+        One line per missing parameter, shape mismatch and parameter the model does not know; empty when they match.
+    """
     params = manifest.get("params", {})
-    for name, info in infos.items():
-        if name not in params:
-            raise CheckpointError(f"{path}: parameter {name} is not in the checkpoint (converted by another "
-                                  "version of the model code?)")
-        if tuple(params[name]["shape"]) != info.shape:
-            raise CheckpointError(f"{path}: parameter {name} has shape {tuple(params[name]['shape'])} in the "
-                                  f"checkpoint, the model expects {info.shape}")
-    extra = sorted(set(params) - set(infos))
-    if extra:
-        raise CheckpointError(f"{path}: checkpoint parameter {extra[0]} is unknown to the model")
+    problems = []
+    for info in infos:
+        if info.path not in params:
+            problems.append(f"parameter {info.path} is not in the checkpoint (converted by another version of the "
+                            "model code?)")
+        elif tuple(params[info.path]["shape"]) != info.shape:
+            problems.append(f"parameter {info.path} has shape {tuple(params[info.path]['shape'])} in the checkpoint, "
+                            f"the model expects {info.shape}")
+    known = {info.path for info in infos}
+    return problems + [f"checkpoint parameter {name} is unknown to the model" for name in sorted(set(params) - known)]
 
 
 def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict[str, jax.Array]:
     import orbax.checkpoint as ocp
 
-    by_group: dict[int, list[str]] = {}
-    for name, p in manifest["params"].items():
-        by_group.setdefault(p["group"], []).append(name)
     # Bounded reads in flight: host memory while loading stays near the device shards' own size.
     # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding
     # does), and Orbax refuses a read larger than its limit, so the limit is at least the largest array.
-    largest = max(math.prod(p["shape"]) * np.dtype(_np_dtype(p["dtype"])).itemsize
-                  for p in manifest["params"].values())
+    largest = max(math.prod(p["shape"]) * jnp.dtype(p["dtype"]).itemsize for p in manifest["params"].values())
     limit_gb = max(READ_CONCURRENT_GB, (1.1 * largest + (1 << 20)) / 1e9)
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit_gb))
     out = {}
-    for group, names in sorted(by_group.items()):
+    for group, names in checkpoint.groups(manifest).items():
         targets, restore_args = {}, {}
         for name in names:
             info = infos[name]
@@ -217,11 +223,7 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
         except (FileNotFoundError, ValueError) as e:
             raise CheckpointError(f"{path / checkpoint.group_dir(group)}: cannot restore ({e}); "
                                   "run `python -m convert --verify` on the checkpoint") from None
-        for name in names:
-            node = tree
-            for part in name.split("."):
-                node = node[part]
-            out[name] = node
+        out.update(checkpoint.flatten(tree))
     return out
 
 
@@ -246,13 +248,3 @@ def _large_buffers_back_to_the_os():
         yield
     finally:
         mallopt(M_MMAP_THRESHOLD, 32 << 20)
-
-
-def _np_dtype(name: str):
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}

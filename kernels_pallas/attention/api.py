@@ -1,8 +1,7 @@
 """Attention as callers see it: picks a kernel from the candidates, falls back to the reference.
 
 Candidates on NVIDIA GPUs, in order: the Mosaic GPU FlashAttention-3 style kernel (Hopper; every variant of
-the contract), then cuDNN's flash attention (where its masks match), then the reference. `mosaic_gpu_interpret`
-runs the Mosaic GPU kernel in the interpreter on the CPU; tests and `selfcheck --interpret` name it explicitly.
+the contract), then cuDNN's flash attention (where its masks match), then the reference.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ IMPLEMENTATIONS = {
     "mosaic_gpu_interpret": functools.partial(pallas_mgpu.attention, interpret=True),
     "cudnn": xla_cudnn.attention,
 }
-# backend -> kernels to try, in order, before the reference.
 CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu", "cudnn")}
-# Implementations that are Pallas kernels: what `selfcheck --lower cuda` lowers (name -> its lowering target).
 PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 

@@ -1,6 +1,7 @@
 """The definition of correct attention, in plain jax.numpy. Also the fallback on every backend.
 
-Shapes (the letter legend of docs/architecture.md): q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K (GQA; K == 1 is MQA).
+Shapes (the letter legend of docs/architecture.md): q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K
+(GQA; K == 1 is MQA).
 Query t of row b sits at absolute position `q_positions[b, t]`; key s sits at position s. Key s is visible
 to that query when s < kv_lengths[b], s <= position (causal), and position - s < sliding_window.
 """

@@ -1,7 +1,6 @@
 """Grouped matmul as MoE layers see it: a Mosaic GPU kernel, XLA's native `ragged_dot`, the reference.
 
 Candidates: on NVIDIA GPUs the Mosaic GPU kernel (Hopper), then `jax.lax.ragged_dot`; on TPUs `ragged_dot`.
-`mosaic_gpu_interpret` runs the kernel in the interpreter on the CPU.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Paged decode attention as callers (the engine) see it: a kernel when one accepts the inputs, else the reference.
 
 The engine's decode attention over its page pool. Candidates on NVIDIA GPUs: the Mosaic GPU split-KV kernel
-(Hopper), then the reference. `mosaic_gpu_interpret` runs the kernel in the interpreter on the CPU.
+(Hopper), then the reference.
 """
 
 from __future__ import annotations

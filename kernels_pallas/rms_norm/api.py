@@ -1,7 +1,6 @@
 """RMSNorm as the layers see it: a kernel when one accepts the inputs, else the reference.
 
 Candidates on NVIDIA GPUs: the Mosaic GPU kernel (Hopper), then the reference (which XLA fuses well).
-`mosaic_gpu_interpret` runs the kernel in the interpreter on the CPU.
 """
 
 from __future__ import annotations
