@@ -2,12 +2,11 @@
 
     .venv/bin/python bench/convert.py [--gb 4] [--repeats 3] [--workdir /tmp/day0jax-bench-convert]
 
-Writes a Llama-shaped Hugging Face folder of random bf16 tensors (several shards with an index; the sizes are
-large enough that one layer is ~200 MB), then alternates, per repeat: a sequential read of the shard files
-(cold page cache where the OS allows dropping it, else warm for both), a sequential write of 1 GB ending in
-fdatasync (what the disk takes durably: the converter syncs its output before the final rename), and a conversion
-in a child process whose peak RSS is measured (os.wait4's rusage of that child). Prints medians: MB/s of all
-three, convert/read (goal >= 0.5), convert/write, and the converter's peak RSS (goal < 1.5 GB).
+Writes a Llama-shaped Hugging Face folder of random bf16 tensors (~1 GB shards with an index, ~200 MB a layer),
+then per repeat: a sequential read of the shards (page cache dropped where the OS allows, else warm for both), a
+sequential 1 GB write ending in fdatasync (the converter syncs its output before the final rename), and a
+conversion in a child process (peak RSS from os.wait4's rusage). Prints medians: MB/s of all three, convert/read
+(goal >= 0.5), convert/write, and the converter's peak RSS (goal < 1.5 GB).
 """
 
 from __future__ import annotations

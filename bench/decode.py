@@ -1,13 +1,12 @@
-"""Greedy decode tokens/s of `Model.generate` against transformers (and, with --baseline, an earlier day0jax),
-same SmolLM2 weights, float32, CPU.
+"""Greedy decode tokens/s of `Model.generate` against transformers (and an earlier day0jax with --baseline).
 
     .venv/bin/python bench/decode.py [--repeats 5] [--new-tokens 64] [--batches 1,8] [--baseline DIR]
 
-Every system runs as a worker process that stays loaded (bench/decode_worker.py for day0jax, this tree's and,
-with --baseline, the checkout of an earlier revision in DIR; bench/decode_reference.py in the reference venv for
-transformers). They take turns, batch by batch and repeat by repeat, after a warm-up of the same shapes. Decode
-rate = batch * (N - 1) / (time for N tokens - time for 1 token), so prompt processing is taken out the same way
-on every side, and all must produce the same greedy tokens (asserted). Prints a table of medians with ratios.
+Same SmolLM2 weights, float32, CPU. Each system is a worker process that stays loaded (bench/decode_worker.py for
+this tree and the --baseline checkout, bench/decode_reference.py in .venv-ref for transformers); they take turns,
+batch by batch and repeat by repeat, after a warm-up of the same shapes. Decode rate = batch * (N - 1) / (time for
+N tokens - time for 1 token), taking prompt processing out alike on every side; all must produce the same greedy
+tokens (asserted). Prints a table of medians with ratios.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ PROMPT = "Once upon a time, in a small village at the edge of a great forest, th
 
 
 class Worker:
-    """A worker process that keeps a model loaded and answers each JSON command line with one JSON line
-    (bench/decode_worker.py and bench/decode_reference.py here, bench/serve_reference.py for bench/serve.py)."""
+    """A worker process that keeps a model loaded and answers each JSON command line with one JSON line."""
 
     def __init__(self, cmd: list[str], env: dict):
         # -P keeps bench/ off the worker's path (transformers would import bench/kernels.py as `kernels`).

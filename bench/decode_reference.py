@@ -1,8 +1,7 @@
 """The transformers side of bench/decode.py: a worker in the reference venv that keeps the model loaded.
 
-Reads commands from stdin, one JSON per line: {"batch": B, "prompt": [ids], "new_tokens": N}; answers one JSON
-line per command with the seconds of a greedy `generate` of N tokens and of 1 token (so prefill can be taken
-out). Never imported by day0jax.
+One JSON a line: {"batch": B, "prompt": [ids], "new_tokens": N} in; {"full": s, "first": s, "tokens": [...]} out,
+the seconds of a greedy `generate` of N tokens and of 1 (so prefill can be taken out). Never imported by day0jax.
 """
 
 import json
@@ -14,8 +13,7 @@ import torch
 
 
 def main():
-    # The protocol owns the real stdout; anything libraries print goes to stderr instead.
-    reply = os.fdopen(os.dup(1), "w")
+    reply = os.fdopen(os.dup(1), "w")  # the protocol owns the real stdout; library output goes to stderr
     os.dup2(2, 1)
     gguf = sys.argv[1]
     torch.set_num_threads(os.cpu_count() or 1)

@@ -1,9 +1,8 @@
 """The day0jax side of bench/decode.py: a worker that keeps one checkpoint loaded and answers timing commands.
 
-It imports whichever `day0jax` comes first on its path, so bench/decode.py can run this tree and an earlier
-revision's checkout (`--baseline DIR`, put first on PYTHONPATH) side by side. Uses only what every revision has:
-`day0jax.load(path)` and `Model.generate(prompts, n, ignore_eos=True)`. Protocol as bench/decode_reference.py:
-{"batch": B, "prompt": [ids], "new_tokens": N} in, {"full": s, "first": s, "tokens": [...]} out, one JSON a line.
+It imports the first `day0jax` on PYTHONPATH, so it runs this tree or an earlier revision's (`--baseline DIR`),
+using only what every revision has: `day0jax.load(path)` and `Model.generate(prompts, n, ignore_eos=True)`.
+Protocol as bench/decode_reference.py's.
 """
 
 import json

@@ -3,26 +3,18 @@
     python bench/kernels.py [--json PATH] [--markdown] [--iters N] [--tune] [--only OP ...]
     python bench/kernels.py --cpu-smoke      # tiny shapes on the CPU: checks the script itself, times nothing real
 
-On the GPU, first the two ceilings are measured in this same run: streaming bandwidth (a large device-to-device
-read+write, y = x + 1 over 4 GiB of bf16, bytes read plus bytes written) and the bf16 matrix rate (an
-8192 x 8192 x 8192 product on random data, float32 accumulation). Then, for each op and shape (Llama-3-8B,
-Qwen3-30B-A3B and DeepSeek-V3 layers), every implementation that accepts the shape runs: output checked
-against the reference (max relative error), then timed.
+Ceilings, measured in the same run: streaming bandwidth (y = x + 1 over 4 GiB of bf16, bytes read plus written)
+and the bf16 matmul rate (8192^3 on random data, float32 accumulation). Every implementation that accepts a shape
+(Llama-3-8B, Qwen3-30B-A3B and DeepSeek-V3 layers) is checked against the reference, then timed: the median over
+`--iters` runs, after a warm-up, of the device time of every kernel it launches, from CUPTI hardware timestamps
+(else wall clock around block_until_ready, as the 'timer' column says). Inputs are random (never zeros) and larger
+than the 60 MB L2 wherever the op streams memory.
 
-Timing: device time of every kernel the op launches, read with CUPTI (`jax.experimental.mosaic.gpu.profiler`,
-hardware timestamps per kernel, no host clocks) over `--iters` runs after a warm-up (compile + 1 run); the
-median is reported. If CUPTI is unavailable the script falls back to wall clock around block_until_ready over
-the same runs, and says so in the 'timer' column. Inputs are random (never zeros) and larger than the 60 MB
-L2 wherever the op streams memory.
-
-Figures: prefill attention and MoE prefill in TFLOP/s (causal attention counts half the score matrix) as a
-fraction of the measured matmul rate; paged decode, MoE decode and RMSNorm in GB/s (minimum bytes: each input
-read once, each output written once) as a fraction of the measured copy bandwidth; the speed-up over the
-reference (XLA) and over cuDNN / ragged_dot where they exist. Targets (H100/H200): paged decode >= 60% of copy
-bandwidth, prefill attention >= 50% of the matmul rate, MoE grouped matmul >= 45%.
-
-`--tune` sweeps each Pallas kernel's block sizes on these shapes and prints table entries for the kernels'
-`TABLE`s (kernels_pallas/*/pallas_mgpu.py), to paste with the date.
+Figures: prefill attention and MoE prefill in TFLOP/s (causal attention counts half the score matrix) as a share of
+the matmul rate; paged decode, MoE decode and RMSNorm in GB/s (each input read once, each output written once) as a
+share of the copy bandwidth; speed-ups over the reference (XLA) and cuDNN / ragged_dot. Targets (H100/H200): paged
+decode >= 60% of copy bandwidth, prefill attention >= 50% of the matmul rate, MoE grouped matmul >= 45%. `--tune`
+sweeps each Pallas kernel's block sizes and prints entries for its `TABLE`, to paste.
 """
 
 from __future__ import annotations
@@ -54,9 +46,8 @@ TARGETS = {"attention": ("matmul", 0.50), "paged_attention": ("copy", 0.60), "mo
 
 @dataclasses.dataclass
 class Bench:
-    """One op on one shape: the case, and its work on the inputs actually built (lengths and group sizes are
-    drawn at random): work(args, kwargs) -> (useful FLOPs, minimum bytes). `compute_bound` picks the ceiling:
-    the matmul rate (FLOPs) or the copy bandwidth (bytes)."""
+    """One op on one shape. work(args, kwargs) -> (useful FLOPs, minimum bytes) of the inputs built (lengths and
+    group sizes are random); `compute_bound` picks the ceiling: the matmul rate (FLOPs) or the copy bandwidth."""
 
     op: str
     name: str
@@ -64,8 +55,6 @@ class Bench:
     work: Callable[[tuple, dict], tuple[float, float]]
     compute_bound: bool
 
-
-# --- what to run ---------------------------------------------------------------------------------------------
 
 def flagship_call(family: str, op: str):
     """The flagship's first op call of `op` (its global attention layers' for attention ops)."""
@@ -141,8 +130,6 @@ def benches(dtype: str, tiny: bool = False) -> list[Bench]:
     ]
 
 
-# --- timing --------------------------------------------------------------------------------------------------
-
 def jitted(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list]:
     """fn as a jitted function of its array arguments only (flags and sizes static)."""
     call, arrays = registry.split_arrays(fn, args, kwargs)
@@ -182,8 +169,6 @@ def ceilings(iters: int, tiny: bool) -> dict[str, float]:
     ms, _ = time_ms(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)), [a, b], iters)
     return {"copy": copy, "matmul": 2 * m ** 3 / (ms / 1e3)}
 
-
-# --- running -------------------------------------------------------------------------------------------------
 
 def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int) -> list[dict[str, Any]]:
     mod = registry.api(bench.op)

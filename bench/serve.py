@@ -2,14 +2,13 @@
 
     .venv/bin/python bench/serve.py [--streams 16] [--repeats 3] [--skip-reference] [--baseline DIR]
 
-day0jax side: the server (embedded SmolLM2-135M-Instruct, float32) on loopback, driven by N concurrent streaming
-clients with mixed prompt and output lengths (token-id prompts, greedy, EOS ignored so every request produces
-exactly its output length). Reported: tokens/s (generated tokens / wall time), time to first token and
-inter-token latency p50/p99; plus batch-1 and batch-8 decode tokens/s (streams of one fixed prompt).
-transformers side (bench/serve_reference.py, a worker in .venv-ref): the same N requests as one left-padded
-batch (`generate`, everyone runs to the longest output, only requested tokens count), and batch-1 / batch-8
-decode. With --baseline DIR, a second server runs from a checkout of an earlier revision, for before/after
-figures. The sides take turns run by run; each figure is the median of --repeats runs.
+The server (embedded SmolLM2-135M-Instruct, float32, on loopback) takes N concurrent streaming clients with mixed
+prompt and output lengths (token ids, greedy, EOS ignored so each request yields exactly its output length):
+tokens/s, time to first token and inter-token latency p50/p99, and batch-1 / batch-8 decode of one fixed prompt.
+transformers (bench/serve_reference.py in .venv-ref) runs the N requests as one left-padded `generate` batch
+(counting only requested tokens) and the same decodes. --baseline DIR adds a server from an earlier revision's
+checkout. The sides take turns run by run (never at once, so changes in the machine's load hit all alike); each
+figure is the median of --repeats runs.
 """
 
 from __future__ import annotations
@@ -120,14 +119,11 @@ def main():
                              str(default_gguf())], {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
     def measure(url):
-        """One run on the server at `url`: tokens/s of the mixed workload (its latencies under "mixed"), of
-        batch-1 and of batch-8 decode."""
         mixed = measure_mixed(url, NAME, requests)
         return dict(batch=mixed["tokens_per_s"], mixed=mixed,
                     **{f"d{b}": measure_decode(url, NAME, decode_prompt, args.decode_tokens, b) for b in (1, 8)})
 
     def measure_reference():
-        """The same figures from the transformers worker."""
         useful = sum(n for _, n in requests)
         batch = ref_worker.ask({"op": "batch", "prompts": [p for p, _ in requests],
                                 "outputs": [n for _, n in requests]})
@@ -148,8 +144,6 @@ def main():
         else None
     ours, base, ref = [], [], []
     try:
-        # The systems take turns, run by run (never at once), so a change in the machine's load between runs
-        # hits every side alike.
         for r in range(args.repeats):
             print(f"run {r + 1}/{args.repeats}", flush=True)
             ours.append(measure(server.url))

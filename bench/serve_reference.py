@@ -1,11 +1,10 @@
 """The transformers side of bench/serve.py: a worker in the reference venv that keeps the model loaded.
 
-argv: the GGUF path. Reads one JSON command per line on stdin and answers one JSON line on stdout:
-  {"op": "batch", "prompts": [[ids]...], "outputs": [n...]}: the requests as one left-padded `generate` batch
-      (everyone runs to the longest output); answers {"seconds"}.
-  {"op": "decode", "batch": B, "prompt": [ids], "tokens": N}: answers {"tokens_per_s"} of decode alone (a run
-      of N new tokens minus a run of 1, so prefill and the first token are taken out).
-Never imported by day0jax.
+argv: the GGUF path. One JSON command a line on stdin, one JSON answer a line on stdout:
+- {"op": "batch", "prompts": [[ids]...], "outputs": [n...]} -> {"seconds"} of one left-padded `generate` batch
+  (everyone runs to the longest output);
+- {"op": "decode", "batch": B, "prompt": [ids], "tokens": N} -> {"tokens_per_s"} of decode alone (N new tokens
+  minus a run of 1). Never imported by day0jax.
 """
 
 import json

@@ -2,12 +2,11 @@
 
     .venv/bin/python bench/startup.py [--runs 3] [--model PATH] [--dtype float32] [-- extra serve flags]
 
-Each run launches `python -m day0jax.serve` (default: the embedded SmolLM2-135M-Instruct in float32, the server's
-default engine flags, so every program of the default configuration is compiled before /health turns 200),
-waits for /health, sends one chat request (16 tokens, greedy) and reads the startup phases from /metrics. Cold
-runs start from an empty cache folder; each warm run reuses the folder the cold run before it filled. Cold and
-warm runs alternate so that background load affects both alike. Reported: the median over runs of the total and
-of each phase, the programs by source, and warm / cold (the goal is at most 0.3).
+Each run launches `python -m day0jax.serve` (default: the embedded SmolLM2-135M-Instruct, float32, default engine
+flags, so all default programs compile before /health turns 200), waits for /health, sends one chat request (16
+tokens, greedy) and reads the startup phases from /metrics. Cold runs start from an empty cache folder, each warm
+run reuses the one the cold run before it filled; they alternate so background load affects both alike. Reported:
+medians of the total and each phase, the programs by source, and warm / cold (goal: at most 0.3).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The conversion itself: map every runtime parameter to its source tensors, check everything, then stream.
-
-Strictness: before a byte is written, every runtime parameter must have its source
-tensors with the expected shapes, and every source tensor must be used or explicitly dropped by the family.
-"""
+"""The conversion: map every runtime parameter to its source tensors, check them all before writing, then stream."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ from day0jax.models.base import Source, default_source
 from day0jax.models.contract import Family
 
 CONVERTER_VERSION = "2"
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float16": np.dtype(np.float16)}
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,8 @@ class Summary:
 
 
 def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
-    """Runtime parameter path -> its Source, after checking names and shapes against the source.
+    """Runtime parameter path -> its Source, after checking names and shapes: every parameter must find its tensors
+    and every source tensor must be used or explicitly dropped by the family.
 
     Args:
         fam: the model's family (its `hf_source` and dropped tensors).
@@ -82,7 +78,7 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
 
 def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force: bool = False,
                        progress: bool = True) -> Summary:
-    """Converts a HF folder or GGUF file at `src` into a day0jax checkpoint at `dst`.
+    """Converts a HF folder or GGUF file at `src` into a day0jax checkpoint at `dst`; returns a printable `Summary`.
 
     Args:
         src: Hugging Face model folder or `.gguf` file.
@@ -90,8 +86,6 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         dtype: 'float32', 'bfloat16' or 'float16'; default: the source's own (float32 for GGUF).
         force: replace an existing dst.
         progress: show a progress bar over bytes on stderr.
-    Returns:
-        A Summary (printable).
     Raises:
         CheckpointError, UnsupportedArchitecture, ConfigError: before anything is written where possible.
     """
@@ -108,11 +102,10 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     plan = plan_sources(fam, config, infos, source)
     total_in = sum(source.tensor_nbytes(n) for src_ in plan.values() for n in src_.names)
 
-    # The writer saves each group on a side thread; once a group is on disk, the source pages it was read from
-    # are unmapped (release), so resident memory stays near two groups whatever the model's size.
+    # Once a group is on disk its source pages are released, so resident memory stays near two groups whatever the
+    # model's size; source hashes are computed on the side meanwhile (hashlib releases the GIL).
     with concurrent.futures.ThreadPoolExecutor(1) as hasher, \
             CheckpointWriter(Path(dst), force=force, on_saved=source.release) as writer:
-        # Source hashes are computed on the side while the tensors stream (hashlib releases the GIL).
         hashes = {p.name: hasher.submit(sha256_file, p) for p in source.source_files()}
         bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)

@@ -1,9 +1,8 @@
 """GGUF files (version 2 and 3): header validation, config from metadata, dequantized tensors under HF names.
 
-The header is checked by our own small parser first, so a bad magic, a truncated header, an unknown tensor type
-or tensor data past the end of the file is reported precisely; the `gguf` package then reads and dequantizes.
-llama.cpp permutes the rows of q/k projections for its interleaved RoPE; that permutation is undone here so
-the tensors match the Hugging Face (half-split) layout.
+Our own small parser checks the header first, so a bad magic, a truncated header, an unknown tensor type or data
+past the end of the file is reported precisely; the `gguf` package then reads and dequantizes. llama.cpp's q/k
+row permutation (for its interleaved RoPE) is undone to match Hugging Face's half-split layout.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ def validate_header(path: Path) -> None:
     """Parses and checks the header.
 
     Raises:
-        CheckpointError: bad magic, unsupported version, truncated header, unknown tensor type, or tensor data
-            that runs past the end of the file, naming the tensor where there is one.
+        CheckpointError: bad magic or version, truncated header, unknown tensor type, or data past the end of file.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:

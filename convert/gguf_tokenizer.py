@@ -1,9 +1,8 @@
 """Tokenizer files from GGUF metadata, built to tokenize exactly as transformers does for the same file.
 
-A GGUF carries its vocabulary, merges, token types and chat template as metadata (llama.cpp's key names). We
-rebuild a `tokenizers` tokenizer from them and write `tokenizer.json`, `tokenizer_config.json` and
-`generation_config.json`, so the converted checkpoint stands alone. Two vocabulary kinds are supported:
-`gpt2` (byte-level BPE) and `llama` (SentencePiece-style BPE with byte fallback).
+Rebuilt from the vocabulary, merges, token types and chat template in the metadata (llama.cpp's keys), so the
+converted checkpoint stands alone. Vocabularies: `gpt2` (byte-level BPE) and `llama` (SentencePiece-style BPE with
+byte fallback).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Hugging Face model folders: config.json, safetensors (single file or sharded with an index), tokenizer files.
 
-Only safetensors are read. A folder with just `pytorch_model.bin` is refused: unpickling runs arbitrary code.
-FP8 (e4m3) weights with block scales (`weight_scale_inv`, DeepSeek-V3 style) are dequantized here, so the rest
-of the converter sees ordinary float tensors under their usual names.
+Pickled weights (`pytorch_model.bin`) are refused: unpickling runs arbitrary code. FP8 weights with block scales
+(`weight_scale_inv`, DeepSeek-V3 style) are dequantized here, so the converter sees ordinary float tensors.
 """
 
 from __future__ import annotations
@@ -83,9 +82,7 @@ class HFSource:
 
     def read(self, name: str) -> np.ndarray:
         arr = self._where[name].read(name)
-        if arr.dtype in FP8:
-            return self._dequantize_fp8(name, arr)
-        return arr
+        return self._dequantize_fp8(name, arr) if arr.dtype in FP8 else arr
 
     def release(self) -> None:
         for f in self.files:

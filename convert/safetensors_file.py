@@ -1,8 +1,7 @@
 """A strict, memory-mapped safetensors reader.
 
-The header is validated before any tensor is touched (length, JSON, dtypes, offsets inside the file, no
-overlaps), so a truncated or corrupt file is reported by name instead of crashing somewhere later.
-Tensors are returned as read-only views of a memory map: reading one never loads the others.
+The header is validated before any tensor is touched (length, JSON, dtypes, offsets inside the file, no overlaps),
+so a truncated or corrupt file is reported by name, not as a crash later. Reading a tensor never loads the others.
 """
 
 from __future__ import annotations

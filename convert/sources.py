@@ -1,7 +1,6 @@
-"""What the converter reads from: a common interface over Hugging Face folders and GGUF files.
+"""What the converter reads from: one interface over Hugging Face folders and GGUF files.
 
-A source exposes the HF-style `config.json` dict, tensors under their Hugging Face names (so that one
-name mapping per family serves both kinds), the files it was read from, and how to write its tokenizer.
+Tensors go by their Hugging Face names, so one name mapping per family serves both kinds.
 """
 
 from __future__ import annotations
@@ -14,41 +13,22 @@ import numpy as np
 from convert.hf_source import HFSource
 from day0jax.errors import CheckpointError
 
+
 class Source(Protocol):
     kind: str  # "safetensors" or "gguf"
     path: Path
 
-    def hf_config(self) -> dict: ...
-
+    def hf_config(self) -> dict: ...  # the HF-style config.json dict
     def tensor_names(self) -> list[str]: ...
-
     def tensor_shape(self, name: str) -> tuple[int, ...]: ...
-
-    def tensor_nbytes(self, name: str) -> int:
-        """Bytes stored in the source (for progress and throughput)."""
-        ...
-
-    def read(self, name: str) -> np.ndarray:
-        """The tensor in HF layout, dequantized to a float dtype."""
-        ...
-
-    def default_dtype(self) -> str:
-        """The dtype the checkpoint gets when the user names none."""
-        ...
-
+    def tensor_nbytes(self, name: str) -> int: ...  # bytes stored in the source (for progress and throughput)
+    def read(self, name: str) -> np.ndarray: ...  # the tensor in HF layout, dequantized to a float dtype
+    def default_dtype(self) -> str: ...  # the checkpoint's dtype when the user names none
     def source_files(self) -> list[Path]: ...
-
-    def release(self) -> None:
-        """Unmaps the pages read so far from this process (the OS page cache keeps them).
-
-        Tensors are memory-mapped views; every page touched counts in the converter's resident memory until it is
-        released, so without this a conversion's RSS would grow to the size of the source.
-        """
-        ...
-
-    def write_tokenizer(self, dst: Path) -> list[str]:
-        """Writes tokenizer and generation files into dst; returns the names written."""
-        ...
+    # Unmaps the pages read so far (the OS page cache keeps them). Tensors are memory-mapped views: without this,
+    # every page touched stays resident and a conversion's RSS grows to the size of the source.
+    def release(self) -> None: ...
+    def write_tokenizer(self, dst: Path) -> list[str]: ...  # writes tokenizer and generation files; their names
 
 
 def open_source(path: Path) -> Source:

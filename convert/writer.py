@@ -1,8 +1,7 @@
 """Writes a checkpoint folder atomically, streaming parameters into Orbax groups of bounded size.
 
-Everything goes into a hidden temporary folder beside the destination, which is renamed into place only when
-complete (manifest last). A conversion killed at any point leaves no destination folder, only the temporary one,
-which the next conversion into the same place removes.
+Everything goes into a hidden temporary folder beside the destination, renamed into place once complete: a killed
+conversion leaves only the temporary folder, which the next conversion into the same place removes.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ class CheckpointWriter:
         self.params: dict[str, dict[str, Any]] = {}
         self.groups = 0
         self.bytes_written = 0
-        # A group is saved by Orbax on one side thread while the caller reads the next one (at most one in flight,
-        # so at most two groups are in memory), then hashed and fsynced on another. `on_saved` runs after each save.
+        # A group is saved on one side thread while the caller reads the next (at most one in flight, so at most two
+        # groups in memory), then hashed and fsynced on another.
         self.on_saved = on_saved
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="day0jax-save")
         self._saving: concurrent.futures.Future | None = None

@@ -1,15 +1,10 @@
 """`python -m day0jax.check PATH [--mesh SPEC] [--json]`: the day-0 readiness report.
 
-Says, before a single weight is read, whether a model will run and how: the family that implements it, every
-config.json key (used, ignored as harmless, or unknown and refused), the operators it needs with the
-implementation each takes on this backend (a kernel or the reference fallback, found by tracing the op on the
-model's shapes; the model reports its own op calls), the parameter count and bytes per dtype, whether the
-checkpoint's tensors map onto the model, and the memory per device (weights, the engine's KV page pool and the
-activations of its largest program) for the mesh and engine flags given: the plan `load` and `serve` make with
-the same flags.
-
-PATH is a Hugging Face folder (config.json and safetensors headers), a day0jax checkpoint folder (config.json and
-its manifest) or a GGUF file (its header and metadata; the tensor data is memory-mapped, never read).
+Says, before a weight is read, whether a model will run and how: its family, every config.json key (used, ignored
+as harmless, or unknown and refused), each operator and the implementation it takes on this backend (a kernel or
+the reference, found by tracing the op on the model's shapes), parameter count and bytes per dtype, whether the
+checkpoint's tensors map onto the model, and the memory per device: the plan `load` and `serve` make with the same
+mesh and engine flags. PATH is a Hugging Face folder, a day0jax checkpoint folder or a GGUF file (headers only).
 Exit status: 0 when the model will run, 2 when it will not, 1 on a usage error.
 """
 
@@ -54,8 +49,6 @@ class Report:
         return dataclasses.asdict(self)
 
 
-# --- reading the checkpoint (headers only) ---------------------------------------------------------------------
-
 def _open(path: Path, report: Report) -> tuple[dict, Any]:
     """(config.json dict, a tensor source or a manifest) without reading tensor data."""
     from convert.sources import open_source
@@ -93,14 +86,11 @@ def _checkpoint_tensors(source: Any) -> tuple[int, dict[str, int]]:
     return sum(n for n, _, _ in stored), dict(by_dtype)
 
 
-# --- the config ------------------------------------------------------------------------------------------------
-
 def _key_table(hf: dict, fam) -> list[dict]:
     fields = {f.name for f in dataclasses.fields(fam.config)}
     aliases = fam.config.ALIASES
     rows = []
     for key in sorted(hf):
-        value = hf[key]
         if key in fields:
             status, note = "used", ""
         elif key in aliases:
@@ -109,7 +99,7 @@ def _key_table(hf: dict, fam) -> list[dict]:
             status, note = "ignored", "does not change the forward pass"
         else:
             status, note = "unknown", "not implemented: refused, it may change the math"
-        rows.append({"key": key, "value": _short(value), "status": status, "note": note})
+        rows.append({"key": key, "value": _short(hf[key]), "status": status, "note": note})
     return rows
 
 
@@ -118,18 +108,13 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-# --- operators ---------------------------------------------------------------------------------------------------
-
 OP_TITLES = {"attention": "attention (cache-less forward)", "paged_attention": "paged attention (engine)",
              "moe": "moe grouped matmul", "rms_norm": "rms_norm", "mlp": "mlp", "rope": "rope"}
 
 
 def _implementation(call, dtype, tp: int) -> str:
-    """The implementation the op's dispatch would take for this call's shapes here, and why others declined.
-
-    Traces each candidate on the call's abstract inputs (`jax.eval_shape`: nothing runs), in the registry's
-    order for this backend.
-    """
+    """The implementation the op's dispatch takes for this call's shapes here, and why others declined (each
+    candidate traced on abstract inputs in the registry's order: nothing runs)."""
     from kernels_pallas import cases, registry
     from kernels_pallas.calls import PLAIN_OPS
 
@@ -165,8 +150,7 @@ def _layer_ranges(layers: list[int]) -> str:
 
 
 def _ops(op_calls, dtype, tp: int) -> list[dict]:
-    """One row per distinct op call (from the model's own `op_calls()`), with the layers that make it and the
-    implementation it takes."""
+    """One row per distinct op call, with the layers that make it and the implementation it takes."""
     rows: dict[object, dict] = {}
     for layer, call in op_calls:
         if call not in rows:
@@ -179,19 +163,15 @@ def _ops(op_calls, dtype, tp: int) -> list[dict]:
     return list(rows.values())
 
 
-# --- the report ------------------------------------------------------------------------------------------------
-
 def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None) -> Report:
-    """Builds the readiness report for `path` (see the module docstring). Never reads tensor data.
+    """Returns the readiness `Report` for `path` (`.supported`: whether the model will run); never reads tensor data.
 
     Args:
         path: HF folder, day0jax checkpoint folder or GGUF file.
-        mesh: SPEC such as 'tp=4' to plan memory for (it may ask for more devices than are visible), 'auto' (as
-            `load` chooses over the visible devices), or None for one device, as `load` and the server take it.
+        mesh: SPEC such as 'tp=4' (may name more devices than are visible), 'auto' (as `load` chooses) or None
+            for one device, as `load` and the server take it.
         engine: the `EngineConfig` to plan for (default `EngineConfig()`, as `load` and the server use).
         dtype: parameter and cache dtype (default: the runtime's default for this backend).
-    Returns:
-        A `Report`; `report.supported` is whether the model will run.
     """
     import jax
 
@@ -291,8 +271,6 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
     out["visible_devices"] = f"{len(devices)} {devices[0].platform}"
     return out
 
-
-# --- output ----------------------------------------------------------------------------------------------------
 
 def _table(rows: list[dict], cols: list[str]) -> str:
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}

@@ -1,7 +1,6 @@
 """Command-line flags shared by `day0jax.serve`, `day0jax.compile` and `day0jax.generate`.
 
-The engine's shape flags live here once, so `python -m day0jax.compile` given the same flags as the server
-compiles exactly the server's programs.
+The engine's shape flags live here once, so `compile` given the server's flags compiles exactly the server's programs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`python -m day0jax.compile`: fill the compilation cache ahead of time, then exit (a build step, a container image).
 
-It loads the model and builds the engine exactly as `python -m day0jax.serve` with the same flags does, compiles
-(or finds in the cache) every program the server would run, prints one line per program and the startup
-timeline, and exits 0. A server started later with the same model, mesh, flags and cache folder starts without
-compiling anything.
+It builds the engine exactly as `python -m day0jax.serve` given the same flags, compiles (or finds cached) every
+program the server would run and prints them and the startup timeline: a server started later with the same model,
+mesh, flags and cache folder compiles nothing.
 """
 
 from __future__ import annotations

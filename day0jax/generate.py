@@ -1,9 +1,7 @@
 """`python -m day0jax.generate`: generate text from a prompt with a converted checkpoint or the default model.
 
-Without `--model` it uses the embedded SmolLM2-135M-Instruct (converted on first use). `--chat` wraps the prompt
-as a user message with the checkpoint's chat template. Compiled programs are kept in the compilation cache
-(`--compile-cache`, default ~/.cache/day0jax/compile), so a second run compiles nothing. A log line says where
-the time went.
+Without `--model` it uses the embedded SmolLM2-135M-Instruct (converted on first use); `--chat` applies the
+checkpoint's chat template. Compiled programs are kept in the compilation cache, so a second run compiles nothing.
 """
 
 from __future__ import annotations

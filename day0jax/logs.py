@@ -1,8 +1,7 @@
 """What the command-line programs (serve, compile, generate) print while they work: the log and progress bars.
 
-At the default level, "info", the log is short: this project's messages and every library's warnings, but not
-the libraries' INFO lines (Orbax alone writes over a hundred while restoring parameters; jax, absl and uvicorn add
-more). "debug" shows everything, libraries included, each line with its logger's name.
+At "info" (the default) the log shows this project's messages and every library's warnings, not the libraries' INFO
+lines (Orbax alone writes over a hundred restoring parameters); "debug" shows all, each line with its logger's name.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ def add_argument(parser, default: str = "info") -> None:
 
 
 def setup(level: str = "info", stream: IO[str] | None = None) -> logging.Handler:
-    """Sends log records to `stream` at `level`, libraries' records below WARNING only at "debug".
-
-    Calling it again replaces the handler it installed before (other handlers are left alone).
+    """Sends log records to `stream` at `level`, libraries' records below WARNING only at "debug"; replaces the
+    handler an earlier call installed (other handlers are left alone).
 
     Args:
         level: one of LEVELS, any case.

@@ -1,8 +1,6 @@
-"""`Model`: a loaded checkpoint as users see it (`logits`, `generate`, `tokenizer`, `config`, `mesh`, `engine`).
+"""`Model`: a loaded checkpoint as users see it; `generate` runs on the server's engine (`day0jax.engine`).
 
-`generate` runs on the engine the server runs (`day0jax.engine`): the same scheduler, paged KV cache and
-sampler, so a request with the same parameters and seed gives the same tokens from either. `logits` is the one
-other path: a full forward pass without a cache.
+Equal prompts, parameters and seed give the same tokens from either; `logits` is the one other path: no KV cache.
 """
 
 from __future__ import annotations
@@ -31,11 +29,9 @@ class Model:
     Attributes:
         config: the family's config dataclass (fields are the HF config.json keys).
         tokenizer: the checkpoint's `Tokenizer`, or None when the checkpoint has no tokenizer.json.
-        mesh: the device mesh the parameters are sharded over.
-        module: the underlying Flax NNX module.
+        mesh, module: the device mesh the parameters are sharded over; the underlying Flax NNX module.
         engine_config: the engine's runtime choices (`generate` and the server run that engine).
-        context_length: the longest sequence (prompt + new tokens) accepted: the model's own, or less when the
-            engine config's `max_model_len` asks for less.
+        context_length: the longest prompt + new tokens accepted (the engine config's `max_model_len` may lower it).
         memory_plan: per-device memory plan made before loading (sharding/plan.py), for this engine config.
         kernel_report: which implementation each operator uses, from the startup self-test.
     """
@@ -66,7 +62,6 @@ class Model:
                                   eos_token_ids=self.eos_token_ids, config=self.engine_config)
         return self._engine
 
-    # --- the cache-less forward pass -------------------------------------------------------------------------
     def _forward_fn(self, params, tokens, seq_len):
         model = nnx.merge(self._graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -77,10 +72,8 @@ class Model:
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
-        """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V].
-
-        Shapes are padded to powers of two (the batch to a multiple of the data-parallel size, the length to at
-        least 16), so differing lengths share compiled programs.
+        """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V]. Shapes are padded to powers of two
+        (the batch to a multiple of dp x ep, the length to at least 16), so differing lengths share compiled programs.
 
         Raises:
             GenerationError: not a [B, T] array of token ids, or longer than the context.
@@ -97,15 +90,11 @@ class Model:
             out = self._forward(self._params, put(padded, self.mesh, ("batch", None)), put(np.int32(T), self.mesh))
         return np.asarray(out)[:B, :T]
 
-    # --- generation on the engine ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> list[list[int]]:
-        """Generates up to `max_new_tokens` for each prompt (a list of token ids); returns only the new tokens.
-
-        Each prompt is one engine request with these parameters and `seed`: the server answers a request with
-        the same prompt, parameters and seed with the same tokens. A row stops after EOS (unless `ignore_eos`)
-        or any of `stop_token_ids`; that token is the last returned.
+        """Generates up to `max_new_tokens` for each prompt (a list of token ids); returns only the new tokens. Each
+        prompt is one engine request, ending after EOS (unless `ignore_eos`) or any of `stop_token_ids` (returned last).
 
         Raises:
             GenerationError: invalid prompts or parameters, or a prompt too long for the context.
@@ -149,5 +138,4 @@ class Model:
 
 
 def _round_up_pow2(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum)."""
     return 1 << (max(n, minimum) - 1).bit_length()

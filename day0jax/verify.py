@@ -1,14 +1,10 @@
 """`python -m day0jax.verify CKPT --reference HF_FOLDER`: layer-by-layer precision against transformers.
 
-Runs the day0jax checkpoint and transformers (in its own Python, `--reference-python`, since the runtime never
-imports torch) on the same token ids and prints, per layer, the max and mean relative difference of the hidden
-states (transformers' `output_hidden_states`: the embeddings, each layer's output, the last after the final
-norm), then the logits' max relative difference, KL divergence (transformers' distribution as the truth) and
-top-1 agreement. Exits 1 when a figure is beyond its tolerance, 2 when it cannot run. This is how every new
-family and every optimization (a kernel, bf16) is checked: the first layer whose difference jumps is where the
-math departs.
-
-Relative differences are scaled per layer: max |ours - ref| / max |ref| and mean |ours - ref| / mean |ref|.
+Runs the checkpoint and transformers (in its own Python, `--reference-python`: the runtime never imports torch) on
+the same token ids and prints, per hidden state (embeddings, each layer's output, the last after the final norm),
+max |ours - ref| / max |ref| and mean |ours - ref| / mean |ref|, then the logits' max relative difference, KL
+divergence (transformers' distribution as the truth) and top-1 agreement. The first layer whose difference jumps
+is where the math departs. Exits 1 when a figure is beyond its tolerance, 2 when it cannot run.
 """
 
 from __future__ import annotations
@@ -200,7 +196,7 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
 def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | None = None,
            reference_python: str | None = None, dtype: str = "float32",
            tolerance: tuple[float, float, float] | None = None) -> Result:
-    """Compares a day0jax checkpoint with transformers on the same prompts (see the module docstring).
+    """Compares a checkpoint with transformers on the same prompts; returns a `Result` (`.passed`: within tolerance).
 
     Args:
         ckpt: day0jax checkpoint folder.  reference: the Hugging Face folder it was converted from.
@@ -208,8 +204,6 @@ def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | Non
         reference_python: the Python that has transformers and torch (default: `default_reference_python()`).
         dtype: day0jax's dtype; transformers always runs in float32.
         tolerance: (logits max rel, mean KL, min top-1 agreement); default per dtype (`TOLERANCES`).
-    Returns:
-        A `Result`; `.passed` says whether every figure is within tolerance.
     Raises:
         VerifyError, and the errors of `day0jax.load`.
     """

@@ -1,17 +1,12 @@
 """`OpCall`: one kind of call a model makes to an operator, with the static facts that fix its shapes.
 
-A model describes itself as the list of its layers' op calls (each layer reports its own: `op_calls()` on the
-model and layer classes of `day0jax`). That one description is what the readiness report lists, what the kernel
-self-test checks at load, and what `selfcheck` builds its cases from (`cases.cases_from_calls`); the flagship
-models' descriptions ship in `flagships.json`, written from the model code.
-
-Parameters by op (letters as elsewhere: N query heads, K kv heads, H key head dim, D hidden, E experts, F expert
-or MLP width, k experts per token):
+Layers report them in `op_calls()` (docs/adding_a_kernel.md). Parameters by op (N query heads, K kv heads, H key
+head dim, D hidden, E experts, F expert or MLP width, k experts per token):
 - attention, paged_attention: N, K, H, Hv (value head dim), scale (None: H ** -0.5), window, softcap, sinks
   (bool), latent (bool: multi-head latent attention in its absorbed form);
 - moe (the grouped matmul of routed experts): E, k, D, F, routing;
 - rms_norm: D, eps, offset (1.0 for Gemma-style 1 + w);
-- mlp, rope: plain jax.numpy, no kernel op; listed so the report shows every operator a layer runs.
+- mlp, rope (`PLAIN_OPS`): plain jax.numpy, no kernel; listed so the report shows every operator a layer runs.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Ops that are plain jax.numpy (no api.py, no kernels).
 PLAIN_OPS = ("mlp", "rope")
 
 

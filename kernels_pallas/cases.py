@@ -1,19 +1,13 @@
 """Test cases for every op, built from a model's op calls: what `selfcheck`, the startup self-test and the tests run.
 
-A model's op calls (`calls.OpCall`, reported by its layers) fix the shapes the kernels will see: head counts and
-head dims, GQA ratio, sliding window, soft-cap, sinks, multi-head latent attention, norm widths, experts and their
-width. `cases_from_calls` turns them into `Case`s; sequence lengths and batch sizes come from the scale:
-- 'full': serving-sized (prefill of 2048 tokens, 32 decode rows over 4096 cached tokens, 1024 MoE tokens);
-- 'startup': the model's real dims with short sequences, cheap enough to run at every load;
-- 'tiny': the family's features (GQA, window, soft-cap, sinks, head dim) with few heads, rows and experts and
-  a small hidden size, for the CPU interpreter in CI.
-`flagships()` holds the op calls of flagship models (`flagships.json`).
-
-Inputs are random normal (never zeros: zeros hide unwritten outputs and wrong indexing), drawn fresh per run
-unless a seed is given, and every query sees at least one key, so every output element is defined and compared.
-`TOLERANCE` is the largest accepted max|out - ref| / max|ref| per dtype: bf16 rounds to 2^-9 relative per
-element and kernels round P or partial sums differently from the reference; float32 on GPUs may go through
-TF32 matrix units (about 1e-3).
+The op calls fix the shapes; the scale fixes sequence lengths and batches: 'full' serving-sized, 'startup' the
+model's real dims with short sequences (cheap enough for every load), 'tiny' the family's features (GQA, window,
+soft-cap, sinks, head dim) with few heads, rows and experts and a small hidden size, for the CPU interpreter in CI.
+Inputs are random normal (never zeros: zeros hide unwritten outputs and wrong indexing), fresh per run unless a
+seed is given, and every query sees at least one key, so every output element is defined and compared.
+`TOLERANCE` is the largest accepted max|out - ref| / max|ref| per dtype: bf16 rounds to 2^-9 relative per element
+and kernels round P or partial sums differently from the reference; float32 on GPUs may go through TF32 matrix
+units (about 1e-3).
 """
 
 from __future__ import annotations
@@ -41,22 +35,16 @@ SCALES = ("full", "startup", "tiny")
 
 @dataclass(frozen=True)
 class Case:
-    """One call of one op: `build(seed)` makes (args, kwargs) with random arrays.
+    """One call of one op: `build(seed)` makes (args, kwargs) with random arrays."""
 
-    Attributes:
-        op: the op's registry name.  name: family and what the case exercises.  dtype: of the inputs.
-        spec: the static description the inputs are built from (shapes and flags).
-    """
-
-    op: str
-    name: str
-    dtype: str
-    spec: dict[str, Any] = field(hash=False)
+    op: str  # the op's registry name
+    name: str  # family and what the case exercises
+    dtype: str  # of the inputs
+    spec: dict[str, Any] = field(hash=False)  # the static description the inputs are built from (shapes and flags)
 
     def build(self, seed: int, *, abstract: bool = False) -> tuple[tuple, dict]:
-        """(args, kwargs) for the op, random from `seed`. `abstract`: the large float arrays as
-        `jax.ShapeDtypeStruct`s (for lowering serving-sized cases without allocating them); small integer
-        inputs stay concrete."""
+        """(args, kwargs) for the op, random from `seed`; `abstract`: float arrays as `jax.ShapeDtypeStruct`s (to
+        lower serving-sized cases without allocating them), small integer inputs still concrete."""
         return _BUILDERS[self.op](_Random(seed, abstract), jnp.dtype(self.dtype), **self.spec)
 
     @property
@@ -66,8 +54,6 @@ class Case:
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.spec.items() if v is not None)
 
-
-# --- op calls -> cases ------------------------------------------------------------------------------------
 
 def flagships() -> dict[str, list[OpCall]]:
     """Flagship name -> its op calls, from `flagships.json`."""
@@ -95,6 +81,8 @@ def cases_from_calls(calls: list[OpCall], dtype: str = "bfloat16", *, scale: str
         ops: restrict to these ops.
     Returns:
         Cases for attention, paged_attention, rms_norm and moe.
+    Raises:
+        ValueError: an unknown scale.
     """
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r} is not one of {SCALES}")
@@ -151,8 +139,6 @@ def _moe_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> li
 _CASES_OF = {"attention": _attention_cases, "paged_attention": _attention_cases, "rms_norm": _rms_norm_cases,
              "moe": _moe_cases}
 
-
-# --- input builders (one per op) -------------------------------------------------------------------------
 
 class _Random:
     """Inputs from one seed: NumPy for small arrays (nothing to compile, which dominates on a CPU), jax.random

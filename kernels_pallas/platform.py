@@ -1,10 +1,9 @@
-"""The device a kernel is traced for, and the checks every Pallas kernel makes before it accepts inputs.
+"""The device a kernel is traced for, and the check every Mosaic GPU kernel makes before it accepts inputs.
 
-A Mosaic GPU kernel needs an NVIDIA Hopper GPU (compute capability 9.0: wgmma, the TMA copy engine). Kernels
-ask `require_hopper` at trace time and raise `NotImplementedError` elsewhere, so the api falls back. Two
-explicit ways around that, both used by tests and `selfcheck` and never by an environment variable:
-`interpret=True` on a kernel runs it in the Mosaic GPU interpreter on the CPU; `assume(HOPPER)` makes kernels
-trace as if for an H100 so that `jax.export(..., platforms=("cuda",))` can lower them on a machine without one.
+Mosaic GPU kernels need a Hopper GPU (compute capability 9.0: wgmma, the TMA copy engine) and raise
+`NotImplementedError` elsewhere, so the api falls back. Two explicit ways around that, for tests and `selfcheck`
+(never an environment variable): `interpret=True` runs a kernel in the Mosaic GPU interpreter on the CPU;
+`assume(HOPPER)` traces as if for an H100, so `jax.export(..., platforms=("cuda",))` lowers kernels without one.
 """
 
 from __future__ import annotations
@@ -20,19 +19,12 @@ import jax
 
 @dataclass(frozen=True)
 class Target:
-    """What a kernel needs to know about the device it is traced for.
+    """What a kernel needs to know about the device it is traced for."""
 
-    Attributes:
-        platform: 'cuda', 'rocm', 'tpu', 'cpu', ...
-        device_kind: the device's own name, e.g. 'NVIDIA H100 80GB HBM3'.
-        compute_capability: '9.0' for Hopper; None off NVIDIA GPUs.
-        num_cores: streaming multiprocessors (or cores) per device; sizes persistent grids and split counts.
-    """
-
-    platform: str
-    device_kind: str
-    compute_capability: str | None
-    num_cores: int
+    platform: str  # 'cuda', 'rocm', 'tpu', 'cpu', ...
+    device_kind: str  # the device's own name, e.g. 'NVIDIA H100 80GB HBM3'
+    compute_capability: str | None  # '9.0' for Hopper; None off NVIDIA GPUs
+    num_cores: int  # streaming multiprocessors (or cores) per device: sizes persistent grids and split counts
 
     @property
     def is_hopper(self) -> bool:
@@ -95,8 +87,7 @@ def require_hopper(kernel: str, interpret: bool) -> Target:
 
 
 def interpret_params(interpret):
-    """The `interpret=` argument of `plgpu.kernel`: None (compile for the GPU), the interpreter's default
-    parameters for `True`, or the `plgpu.InterpretGPUParams` given (tests pass `detect_races=True`)."""
+    """`plgpu.kernel`'s `interpret=`: None (compile), default parameters for True, else the InterpretGPUParams given."""
     if not interpret:
         return None
     import jax.experimental.pallas.mosaic_gpu as plgpu

@@ -1,18 +1,9 @@
 """The candidate pool: each op's implementations and, per backend, the order in which to try them.
 
-Each op's `api.py` declares `IMPLEMENTATIONS` (name -> callable, including "reference"), `CANDIDATES`
-(backend -> names to try before the reference), `PALLAS` (the Pallas kernels, name -> the platform
-`selfcheck --lower` lowers them for) and `INTERPRET` (kernel -> its variant run in the interpreter on the CPU,
-which only tests and `selfcheck --interpret` name), and calls `dispatch`. With `implementation=None`, `dispatch`
-tries the backend's candidates in order (a kernel raises `NotImplementedError` for inputs it cannot take) and
-ends at the reference, which takes everything. A named implementation that cannot run raises
-`KernelUnavailable`: the caller asked for it explicitly. Dispatch happens at trace time, so under `jax.jit`
-it costs nothing per call.
-
-The process-wide `Policy` (set by `set_policy`, normally by the startup self-test when a model loads) can
-restrict the choice: mode 'reference' runs only references, and `disabled` lists kernels that disagreed with
-their reference on the model's shapes and must not be chosen again. It is read when a function is traced, so
-it applies to everything traced after it is set.
+Each op's `api.py` declares its pool (`IMPLEMENTATIONS`, `CANDIDATES`, `PALLAS`, `INTERPRET`; docs/adding_a_kernel.md)
+and calls `dispatch`: the candidates in order (a kernel declines inputs with `NotImplementedError`), then the
+reference, which takes everything. Dispatch and the process-wide `Policy` (normally set by the startup self-test)
+act at trace time: nothing per call under `jax.jit`, and a policy governs what is traced after it.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ log = logging.getLogger(__name__)
 
 REFERENCE = "reference"
 MODES = ("auto", "strict", "reference")
-# op name (as each api passes it to `dispatch`) -> the api module that declares its pool.
+# op name, as each api passes it to `dispatch` -> the api module that declares its pool.
 OPS = {
     "attention": "kernels_pallas.attention.api",
     "paged_attention": "kernels_pallas.paged_attention.api",
@@ -50,13 +41,9 @@ class KernelMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class Policy:
-    """How `dispatch` chooses when no implementation is named.
-
-    Attributes:
-        mode: 'auto' (candidates in order, then the reference), 'strict' (the same choice; the self-test turns
-            disagreement into an error) or 'reference' (only references).
-        disabled: (op, implementation) pairs never chosen automatically.
-    """
+    """How `dispatch` chooses when no implementation is named: `mode` 'auto' or 'strict' (the self-test raises on
+    disagreement) tries the candidates in order, 'reference' only references; `disabled` (op, implementation) pairs,
+    which disagreed with their reference, are never chosen."""
 
     mode: str = "auto"
     disabled: frozenset[tuple[str, str]] = field(default_factory=frozenset)
@@ -103,10 +90,7 @@ def api(op: str) -> ModuleType:
 
 def order(candidates: Mapping[str, Sequence[str]], backend: str | None = None, *, op: str | None = None,
           policy: Policy | None = None) -> tuple[str, ...]:
-    """The names `dispatch` tries on `backend` (default: JAX's default backend), the reference last.
-
-    With `op` given, the policy applies: mode 'reference' leaves only the reference, disabled kernels drop out.
-    """
+    """The names `dispatch` tries on `backend` (default: JAX's), reference last; with `op`, as `policy` allows."""
     backend = backend or jax.default_backend()
     names = tuple(candidates.get(backend, ()))
     if op is not None:
@@ -160,11 +144,8 @@ def accepts(op: str, implementation: str, *args: Any, **kwargs: Any) -> str | No
 
 
 def split_arrays(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], list]:
-    """fn(*args, **kwargs) as a function of the array leaves only, and those leaves.
-
-    Every other leaf (flags, window sizes, scales) stays the Python value the implementations branch on, so the
-    result can be jitted, exported or traced abstractly with the arrays as its only arguments.
-    """
+    """fn(*args, **kwargs) as a function of its array leaves only, and those leaves: other leaves (flags, windows,
+    scales) stay the Python values implementations branch on, so the result can be jitted, exported or traced."""
     leaves, tree = jax.tree.flatten((args, kwargs))
     is_array = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
 

@@ -1,18 +1,11 @@
 """`python -m kernels_pallas.selfcheck [--interpret] [--lower cuda] [--json]`: every candidate of every op on the
 supported families' shapes, compared with the reference.
 
-Modes:
-- default: each implementation of each op (kernels, cuDNN, `ragged_dot`) runs on each case (fresh random
-  inputs) and is compared with the reference: op x implementation x max relative error x ok. Implementations
-  that cannot take a case (no Hopper GPU here, a head dim a kernel lacks) are listed as unavailable, with why.
-- `--interpret`: also runs the Pallas kernels in the Mosaic GPU interpreter on the CPU (tiny shapes).
-- `--lower cuda`: lowers every Pallas kernel for CUDA with `jax.export` (serving-sized shapes, nothing runs),
-  tracing as if for an H100, and reports what fails: a GPU-less machine's check of the GPU build.
-Shapes come from flagship models' op calls (`cases.flagships()`: llama-3-8b, qwen3-30b-a3b and deepseek-v3 by
-default), or from any model's with `--calls FILE` (the JSON of `python -m day0jax.check PATH --json`, or a list
-of op calls): 'full' (serving sizes) on a GPU and for lowering, 'tiny' on the CPU. `--json` prints a list of
-rows with at least op, implementation, ok (true, false, or null for unavailable). The exit status is 1 if any
-row has ok false.
+By default every implementation (kernels, cuDNN, `ragged_dot`) runs on each case with fresh random inputs and is
+compared with the reference; those that cannot take a case (no Hopper GPU here, a head dim a kernel lacks) are
+listed as unavailable, with why. `--lower cuda` traces as if for an H100 and runs nothing: a GPU-less machine's
+check of the GPU build. `--json` rows have at least op, implementation, ok (true, false, or null for unavailable);
+the exit status is 1 if any row has ok false.
 """
 
 from __future__ import annotations
@@ -93,7 +86,7 @@ def read_calls(path: str) -> list[OpCall]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table: op, case, implementation, max rel error, tolerance, ok, detail."""
+    """The rows as a plain-text table."""
     head = ("op", "case", "implementation", "max rel err", "tol", "ok", "s", "detail")
 
     def cell(value, spec):

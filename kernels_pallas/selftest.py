@@ -1,13 +1,9 @@
-"""The startup self-test: before a model serves, every kernel it would use is checked on its own shapes.
+"""The startup self-test: before a model serves, each kernel `dispatch` would choose runs once on the model's own
+shapes (short sequences) and is compared with the reference.
 
-`startup(op_calls, dtype=..., mode=...)` builds the cases of the model's op calls (its head counts and dims,
-window, soft-cap, sinks, norm widths, experts; short sequences), finds for each the implementation `dispatch`
-would choose, runs it once and compares it with the reference. Then:
-- mode 'auto' (default): a kernel that disagrees (or fails to compile or run) is logged, disabled in the
-  process-wide policy, and the next candidate is checked the same way, down to the reference;
-- mode 'strict': disagreement raises `KernelMismatch`;
-- mode 'reference': no kernel runs; every op uses its reference.
-The resulting policy is installed with `registry.set_policy`, so it governs everything traced afterwards.
+Mode 'auto' (default) logs a kernel that disagrees (or fails to compile or run), disables it in the policy and
+checks the next candidate the same way, down to the reference; 'strict' raises `KernelMismatch` instead;
+'reference' runs no kernel. The policy is installed with `registry.set_policy`, governing all traced afterwards.
 Where the backend has no candidates (the CPU), nothing runs and every op reports 'reference'.
 """
 
@@ -30,19 +26,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Report:
-    """What the self-test chose and measured.
+    """What the self-test chose and measured."""
 
-    Attributes:
-        mode: the policy mode.
-        chosen: op -> the implementations chosen for its cases (usually one), e.g. {'attention': ['mosaic_gpu']}.
-        rows: one dict per check: op, case, implementation, max_rel_error, tolerance, ok, detail.
-        disabled: (op, implementation) pairs turned off because they disagreed.
-    """
-
-    mode: str
-    chosen: dict[str, list[str]] = field(default_factory=dict)
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    disabled: list[tuple[str, str]] = field(default_factory=list)
+    mode: str  # the policy mode
+    chosen: dict[str, list[str]] = field(default_factory=dict)  # op -> implementations chosen (usually one)
+    rows: list[dict[str, Any]] = field(default_factory=list)  # one `check` row per check
+    disabled: list[tuple[str, str]] = field(default_factory=list)  # (op, implementation) pairs that disagreed
 
     def summary(self) -> str:
         ops = " ".join(f"{op}={'+'.join(names)}" for op, names in sorted(self.chosen.items()))
@@ -64,8 +53,7 @@ def check(case: cases_lib.Case, implementation: str, args: tuple, kwargs: dict, 
         A row: op, case, implementation, dtype, max_rel_error, tolerance, ok, seconds, detail.
     """
     impls = registry.api(case.op).IMPLEMENTATIONS
-    row = dict(op=case.op, case=case.name, implementation=implementation, dtype=case.dtype,
-               tolerance=case.tolerance)
+    row = dict(op=case.op, case=case.name, implementation=implementation, dtype=case.dtype, tolerance=case.tolerance)
     t0 = time.perf_counter()
     try:
         out = run(impls[implementation], args, kwargs)

@@ -1,9 +1,7 @@
-"""Block-size tables: one per kernel, keyed by device kind and shape class, with a heuristic for the rest.
+"""Block-size tables: one per kernel, keyed by (device kind, shape class), with a heuristic for the rest.
 
-A kernel declares `TABLE = BlockTable(name, heuristic, entries)`; `TABLE.lookup(kind, shape_class, ...)`
-returns the entry for (device kind, shape class) when there is one, else `heuristic(...)`. Entries record
-where they came from (`source`): 'seed' for a starting point not measured yet, or a figure measured on that
-device by `bench/kernels.py --tune`, which prints entries in this form to paste after a run on a GPU.
+Entries record their `source`: 'seed' (a starting point not measured yet) or a figure measured on that device by
+`bench/kernels.py --tune`, which prints entries in this form to paste after a run on a GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ C = TypeVar("C")
 
 @dataclass(frozen=True)
 class Entry(Generic[C]):
-    """One tuned configuration and where it came from ('seed', or 'measured <date> <figure>')."""
+    """One configuration and its source: 'seed', or 'measured <date> <figure>'."""
 
     config: C
     source: str
@@ -24,17 +22,11 @@ class Entry(Generic[C]):
 
 @dataclass(frozen=True)
 class BlockTable(Generic[C]):
-    """Tuned configurations of one kernel.
+    """Tuned configurations of one kernel."""
 
-    Attributes:
-        kernel: the kernel's name, for messages.
-        heuristic: (shape_class, **shape) -> config, used when the table has no entry.
-        entries: (device kind, shape class) -> Entry.
-    """
-
-    kernel: str
-    heuristic: Callable[..., C]
-    entries: Mapping[tuple[str, str], Entry[C]] = field(default_factory=dict)
+    kernel: str  # the kernel's name, for messages
+    heuristic: Callable[..., C]  # (shape_class, **shape) -> config, used when the table has no entry
+    entries: Mapping[tuple[str, str], Entry[C]] = field(default_factory=dict)  # (device kind, shape class) -> Entry
 
     def lookup(self, kind: str, shape_class: str, **shape: Any) -> C:
         """The configuration for `shape_class` on device `kind`: the table's entry, else the heuristic."""

@@ -1,13 +1,10 @@
 """Multi-host start-up: JAX's distributed runtime, so one mesh spans the devices of several processes.
 
-Every process runs the same program with `--coordinator HOST:PORT --num-processes N --process-id I` (or the
-environment variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Process 0 hosts the
-coordinator at HOST:PORT. After `initialize`, `jax.devices()` lists every process's devices and a mesh over them
-(see mesh.py) is one program: XLA runs its collectives over NCCL between GPUs and over gloo between CPU processes.
-Each process loads only its devices' slices of the checkpoint, which must be readable by all of them at the same
-path (a shared file system, or a copy on each host).
-
-Without a coordinator (flag or environment), nothing starts: a single process, its local devices.
+Every process runs the same program with `--coordinator HOST:PORT --num-processes N --process-id I` (or
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); process 0 hosts the coordinator. Then `jax.devices()`
+lists every process's devices and a mesh over them is one program (collectives over NCCL between GPUs, gloo between
+CPU processes). Each process loads only its devices' slices of the checkpoint, which all must read at the same path
+(a shared file system, or a copy on each host). Without a coordinator nothing starts: one process, local devices.
 """
 
 from __future__ import annotations
@@ -85,10 +82,7 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                *, env: Mapping[str, str] | None = None, timeout_s: int = 300) -> Cluster | None:
-    """Starts JAX's distributed runtime when a coordinator is given (argument or environment).
-
-    Must run before anything touches a JAX device. On CPUs, collectives go over gloo (set here, before the
-    backend starts); on GPUs over NCCL, XLA's default.
+    """Starts JAX's distributed runtime when a coordinator is given; must run before anything touches a JAX device.
 
     Args:
         coordinator: HOST:PORT of process 0 (default: $JAX_COORDINATOR_ADDRESS).

@@ -1,15 +1,10 @@
-"""Device meshes from a SPEC string such as `dp=2,tp=4,ep=1` (data, tensor, expert parallelism), or chosen
-automatically for the visible devices.
+"""Device meshes from a SPEC such as `dp=2,tp=4,ep=1` (data, tensor, expert parallelism), or chosen automatically.
 
-The mesh always has the three axes, in the order (dp, ep, tp): tensor parallelism innermost, where devices are
-best connected (consecutive devices, on one host). The product of the sizes is the number of devices used:
-- with an explicit `devices` list, the product must equal its length;
-- in a single process, the mesh takes the first `product` visible devices (a product above the visible count
-  is refused);
-- with several processes (multi-host), the mesh must span every process's devices, so the product must equal
-  the global device count.
-A mesh must also fit the model: tp divides the attention heads and ep divides the experts. (In a dense model,
-ep splits only the batch, like dp; see rules.py.) Refusals say which meshes would work.
+Axes are always (dp, ep, tp): tensor parallelism innermost, where devices are best connected (consecutive, one
+host). The product of the sizes is the number of devices used: an explicit `devices` list's length; at most the
+visible devices in one process (it takes the first ones); every process's devices when multi-host. tp must divide
+the attention heads and ep the experts (in a dense model ep splits only the batch, like dp; see rules.py).
+Refusals say which meshes would work.
 """
 
 from __future__ import annotations
@@ -113,10 +108,8 @@ def problems(sizes: dict[str, int], infos: Sequence[Any] | None) -> list[str]:
 
 
 def valid_sizes(n_devices: int, infos: Sequence[Any] | None = None) -> list[dict[str, int]]:
-    """Every (dp, ep, tp) whose product is `n_devices` and that fits the model, most tensor parallel first.
-
-    For a model without experts only ep=1 is listed: there ep would only repeat what dp does.
-    """
+    """Every (dp, ep, tp) over `n_devices` that fits the model, most tensor parallel first; ep=1 only without
+    experts (there ep would only repeat what dp does)."""
     moe = infos is None or "ep" in _must_divide(infos)
     out = []
     for tp in reversed(divisors(n_devices)):
@@ -136,18 +129,15 @@ def _would_work(n_devices: int, infos: Sequence[Any] | None, limit: int = 6) -> 
 
 
 def fewest_model_parallel(sizes: dict[str, int]) -> tuple[int, int]:
-    """Sort key of meshes that fit: the smallest model-parallel group (tp * ep) first, the rest of the devices
-    data parallel, since replicas scale throughput without collectives; ties go to more tp, which also splits
-    attention."""
+    """Sort key: the smallest model-parallel group (tp * ep) first, the rest data parallel, since replicas scale
+    throughput without collectives; ties go to more tp, which also splits attention."""
     return sizes["tp"] * sizes["ep"], -sizes["tp"]
 
 
 def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
                fits: Callable[[dict[str, int]], bool] | None = None) -> dict[str, int]:
-    """The mesh `--mesh auto` picks over `n_devices`.
-
-    With `fits` (a memory test, see plan.py): the first that fits in `fewest_model_parallel` order. Without
-    `fits`: the most tensor parallelism the model allows, which needs the least memory.
+    """The mesh `--mesh auto` picks over `n_devices`: with `fits` (a memory test, see plan.py) the first that fits in
+    `fewest_model_parallel` order, else the most tensor parallelism the model allows (the least memory).
 
     Raises:
         MeshError: no mesh over these devices fits the model.
@@ -172,8 +162,8 @@ def make_mesh(spec: str | dict | None = None, devices: Sequence[Any] | None = No
     Args:
         spec: `dp=..,tp=..,ep=..`, a sizes dict, 'auto' (see `auto_sizes`), or None/"" for one device.
         devices: the devices to use, all of them (default: `jax.devices()`, every process's devices).
-        infos: the model's parameters (objects with `.path`, `.shape`, `.axes` logical names), to refuse meshes
-            that do not divide its heads or experts; None skips that check.
+        infos: the model's parameters (`.path`, `.shape`, `.axes`), to refuse meshes that do not divide its heads or
+            experts; None skips that check.
         fits: for 'auto', a memory test on candidate sizes.
     Returns:
         A `Mesh` with axes ('dp', 'ep', 'tp').

@@ -1,23 +1,8 @@
 """The memory planner: per-device bytes of a model served on a mesh, from shapes alone, before any weight is read.
 
-It plans what the engine allocates and runs, described by a `Workload` (made from the engine's layout by
-`day0jax`), per device:
-- parameters: every parameter's shard (its shape divided as `rules.partition_spec` splits it) at the load dtype;
-- KV cache: the engine's page pool, per layer: pages x page size x kv heads (split by tp when they divide) x
-  (key + value head dims);
-- activations: an estimate of the peak temporary memory of the largest program the engine runs: for a forward
-  program of B rows x T tokens attending over S positions, the residual stream plus the larger of attention
-  (q/k/v, the row's gathered pages, float32 scores and weights, which the reference attention materializes) and
-  the feed-forward (gate, up and their product; for MoE the routed experts' share per token), plus the last
-  position's logits; for the sampler, a few float32 [B, V] buffers.
-
-`plan()` gives the figures; `suggestions()` lists what would fit instead (a mesh, a shorter max_model_len, fewer
-sequences); `require_fit()` turns a plan that does not fit into an `OutOfMemoryPlan` that says so. `day0jax.load`,
-`python -m day0jax.check` and the server use them with the same workload for the same flags:
-
-    shape = ModelShape.from_model(abstract_model, context_length)
-    p = plan(shape, "tp=4", workload, dtype="bfloat16", available=device_memory(devices))
-    p.fits, p.summary(), p.to_dict(), suggestions(p, shape, workload_for, n_devices=len(devices))
+Per device, for what the engine allocates and runs (a `Workload`, from the engine's layout): each parameter's shard
+at the load dtype, the KV page pool, and an estimate of the largest program's peak activations. `plan()` gives the
+figures, `suggestions()` what would fit instead, `require_fit()` raises `OutOfMemoryPlan` with them.
 """
 
 from __future__ import annotations
@@ -42,32 +27,22 @@ HEADROOM = 0.9
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs to know about a model, all of it from shapes (no weights).
+    """What the planner needs to know about a model, all of it from shapes (no weights)."""
 
-    Attributes:
-        params: every parameter (`day0jax.models.ParamInfo`: path, shape, logical axes).
-        cache_layout: per layer (kv heads, key head dim, value head dim).
-        hidden_size, num_heads, vocab_size: D, N (the most any layer has), V.
-        ffn_per_token: F of the feed-forward a token passes through (for MoE: experts per token x expert F,
-            plus shared experts; the largest over the layers).
-        context_length: the model's own context length.
-    """
-
-    params: tuple[Any, ...]
-    cache_layout: tuple[tuple[int, int, int], ...]
-    hidden_size: int
-    num_heads: int
-    vocab_size: int
-    ffn_per_token: int
-    context_length: int
+    params: tuple[Any, ...]  # every parameter (`day0jax.models.ParamInfo`: path, shape, logical axes)
+    cache_layout: tuple[tuple[int, int, int], ...]  # per layer (kv heads, key head dim, value head dim)
+    hidden_size: int  # D
+    num_heads: int  # N, the most any layer has
+    vocab_size: int  # V
+    ffn_per_token: int  # F a token passes through, the most of any layer (MoE: k x expert F, plus shared experts)
+    context_length: int  # the model's own
 
     @classmethod
     def from_model(cls, model: Any, context_length: int) -> "ModelShape":
-        """From an nnx model (abstract, from `nnx.eval_shape`, or real): its parameters, `cache_layout()` and
-        `op_calls()` (the layers' own description of the operators they run).
+        """From a model's parameters, `cache_layout()` and `op_calls()`.
 
         Args:
-            model: a `day0jax.models.base.CausalLM`.
+            model: a `day0jax.models.base.CausalLM`, abstract (from `nnx.eval_shape`) or real.
             context_length: the model's context.
         """
         from day0jax.models import param_infos
@@ -89,52 +64,35 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Workload:
-    """What the engine allocates and runs, as far as memory goes (`day0jax.engine.config.EngineLayout`).
+    """What the engine allocates and runs, as far as memory goes (`day0jax.engine.config.EngineLayout`)."""
 
-    Attributes:
-        kv_slots: token slots per layer in the KV page pool (pages x page size, the trash page included).
-        forward_shapes: (rows, tokens, attended positions) of every forward program.
-        sampler_rows: the largest batch the sampler sees.
-        max_num_seqs, max_model_len: the engine's limits, for messages.
-        weight_copy_rows: forward programs of more token rows than this hold transposed copies of the largest
-            weights (XLA:CPU does, for its matrix products with many rows); None where the backend does not.
-    """
-
-    kv_slots: int
-    forward_shapes: tuple[tuple[int, int, int], ...]
-    sampler_rows: int
-    max_num_seqs: int
+    kv_slots: int  # token slots per layer in the KV page pool (pages x page size, the trash page included)
+    forward_shapes: tuple[tuple[int, int, int], ...]  # (rows, tokens, attended positions) of every forward program
+    sampler_rows: int  # the largest batch the sampler sees
+    max_num_seqs: int  # the engine's limits, for messages
     max_model_len: int
+    # Forward programs of more token rows than this hold transposed copies of the largest weights (XLA:CPU does, for
+    # its matrix products with many rows); None where the backend does not.
     weight_copy_rows: int | None = None
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Per-device memory of a model on a mesh; every figure in bytes.
+    """Per-device memory of a model on a mesh, planned for an engine workload; every figure in bytes."""
 
-    Attributes:
-        mesh: the mesh as a SPEC ('dp=2,tp=4'); sizes: its axis sizes; devices: their product.
-        dtype: parameter and cache dtype.
-        kv_slots, max_num_seqs, max_model_len: the engine workload planned for.
-        largest_program: (rows, tokens, attended positions) of the forward program with the most activations.
-        params_bytes, kv_cache_bytes, activation_bytes: per device (the largest share, where uneven).
-        model_bytes: all parameters, unsharded.
-        available_bytes: what one device may use (None: unknown, assumed to fit).
-    """
-
-    mesh: str
+    mesh: str  # as a SPEC, 'dp=2,tp=4'
     sizes: dict[str, int]
     devices: int
-    dtype: str
+    dtype: str  # of parameters and cache
     kv_slots: int
     max_num_seqs: int
     max_model_len: int
-    largest_program: tuple[int, int, int]
-    params_bytes: int
+    largest_program: tuple[int, int, int]  # (rows, tokens, attended positions) of the one with the most activations
+    params_bytes: int  # this and the next two: per device (the largest share, where uneven)
     kv_cache_bytes: int
     activation_bytes: int
-    model_bytes: int
-    available_bytes: int | None
+    model_bytes: int  # all parameters, unsharded
+    available_bytes: int | None  # what one device may use (None: unknown, assumed to fit)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -146,8 +104,7 @@ class Plan:
         return self.available_bytes is None or self.total_bytes <= self.available_bytes
 
     def summary(self) -> str:
-        """One line: 'tp=4: 1.23 GiB per device (params ..., KV cache ... for 8208 token slots, activations ...
-        for the largest program, 1 x 256 tokens over 8192 positions); 8.00 GiB available'."""
+        """One line for logs: the total per device, its parts, the largest program, the memory available."""
         avail = "available memory unknown" if self.available_bytes is None else \
             f"{fmt_bytes(self.available_bytes)} available"
         rows, tokens, span = self.largest_program
@@ -187,9 +144,10 @@ def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtyp
 
 def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int, tokens: int, span: int,
                              dtype: Any, weight_copy_rows: int | None = None) -> int:
-    """Estimated peak temporary bytes on one device of a forward program: `rows` x `tokens` new tokens
-    attending over `span` positions (the paged cache's gathered pages). Measured against XLA:CPU's own buffer
-    assignment (tests/test_sharding.py): never below it, at most about 1.5 times it."""
+    """Estimated peak temporary bytes on one device of a forward program: `rows` x `tokens` new tokens attending
+    over `span` positions. The residual stream plus the larger of attention (q/k/v, the gathered pages, the float32
+    scores the reference attention materializes) and the feed-forward, plus the last position's logits. Measured
+    against XLA:CPU's own buffer assignment (tests/test_sharding.py): never below it, at most about 1.5 times it."""
     item = jnp.dtype(dtype).itemsize
     tp = sizes.get("tp", 1)
     b = shard_shape(("batch",), (rows,), sizes)[0]
@@ -228,11 +186,8 @@ def activation_bytes(shape: ModelShape, sizes: dict[str, int], workload: Workloa
 
 
 def device_memory(devices: Sequence[Any]) -> int | None:
-    """Free bytes one of `devices` may use (this process's devices only), or None when it cannot be known.
-
-    Accelerators report `memory_stats()` (limit minus in use; the smallest over the devices). CPU devices share
-    the host's memory, so each gets the host's available memory divided by the local devices in `devices`.
-    """
+    """Free bytes one of this process's `devices` may use (after HEADROOM), or None when it cannot be known: the
+    smallest `memory_stats()` limit minus use, else (CPU devices) the host's available memory shared equally."""
     local = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()] or list(devices)
     free = []
     for d in local:
@@ -306,15 +261,14 @@ def largest_context(shape: ModelShape, mesh: Any, workload_for: Callable[[int], 
 
 def suggestions(p: Plan, shape: ModelShape, workload: Workload,
                 workload_for: Callable[[int], Workload] | None = None, *, n_devices: int | None = None) -> list[str]:
-    """What would fit when `p` does not: a mesh over the devices there are (or over more of them), a shorter
-    max_model_len, fewer sequences. Empty when `p` fits.
+    """What would fit when `p` does not (empty when it fits): a mesh over `n_devices` (else over 2, 4 or 8 times
+    as many devices of the same size), a shorter max_model_len, fewer sequences.
 
     Args:
-        p: the plan; workload: what it was made for.
-        shape: the model it was made for.
+        p: the plan.
+        shape, workload: what it was made for.
         workload_for: the engine's workload at another max_model_len (None: no context suggestion).
-        n_devices: devices available for a mesh (default: the plan's own count); meshes over these, then over 2,
-            4 and 8 times as many devices of the same size, are tried.
+        n_devices: devices available for a mesh (default: the plan's own count).
     """
     if p.fits:
         return []

@@ -1,15 +1,9 @@
 """Logical axis names to mesh axes: the one table that decides how parameters, caches and activations are split.
 
-Parameters declare logical names where they are made (`nnx.with_partitioning`); `RULES` maps them to mesh axes.
-Tensor parallelism (tp) splits query heads, kv heads, the MLP dimension (dense and per-expert) and the vocabulary;
-expert parallelism (ep) splits the experts axis of MoE weights; data parallelism (dp) splits the batch, and so
-does ep outside the experts (in a dense model, ep is more data parallelism). The engine's KV page pool is split
-like the kv heads only: its pages serve every row. Collectives are never written by hand: XLA's SPMD partitioner
-inserts them from these annotations.
-
-A logical axis whose size its mesh axis does not divide stays replicated: kv heads fewer than tp (each tp rank
-then keeps all of them, which is what GQA needs), a vocabulary of odd size. That is correct, only less
-memory-efficient; the heads and experts, which must divide, are checked by mesh.py.
+Parameters declare logical names where they are made (`nnx.with_partitioning`); collectives are never written by
+hand: XLA's SPMD partitioner inserts them from these annotations. A logical axis its mesh axis does not divide
+stays replicated (kv heads fewer than tp: each rank keeps them all, as GQA needs; an odd vocabulary): correct, only
+less memory-efficient. Heads and experts, which must divide, are checked by mesh.py.
 """
 
 from __future__ import annotations
@@ -21,12 +15,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# logical axis -> mesh axis, or several (split over their product), or None (replicated). Every logical name a
-# family uses must appear here (tests/test_sharding.py checks it), so a new name is a decision, not a silent
-# replication.
+# logical axis -> mesh axis, several (split over their product) or None (replicated). Every name a family uses must
+# be here (tests/test_sharding.py checks): a new name is a decision, not a silent replication.
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    # activations: the batch is split over ep too, so outside the MoE layers (and in dense models) the expert
-    # ranks work as data-parallel replicas instead of repeating each other's work.
+    # activations: the batch is split over ep too, so outside MoE layers (and in dense models) expert ranks work
+    # as data-parallel replicas instead of repeating each other's work.
     "batch": ("dp", "ep"),
     "seq": None,
     # attention
@@ -54,10 +47,8 @@ KV_POOL = (None, None, "kv_heads", None)
 
 def partition_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Any,
                    rules: dict[str, str | tuple[str, ...] | None] = RULES) -> PartitionSpec:
-    """The PartitionSpec for an array whose dimensions carry these logical names.
-
-    A dimension is split over its mesh axes (those of size > 1 that no earlier dimension of the array uses) when
-    their product divides it; otherwise over the longest leading run of them that does, or not at all.
+    """The PartitionSpec for an array whose dimensions carry these logical names: each dimension split over its mesh
+    axes of size > 1 that no earlier dimension uses, or the longest leading run of them that divides it, or none.
 
     Args:
         logical: one logical name (or None) per dimension.
@@ -115,11 +106,8 @@ def spec_table(infos: Iterable[Any], mesh: Any) -> dict[str, list[str | None]]:
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None] = ACTIVATION) -> jax.Array:
-    """Pins an activation's sharding by logical names, on the mesh set by `jax.set_mesh` (a no-op without one).
-
-    Called at block boundaries only: it keeps the residual stream split over dp and whole otherwise, so XLA
-    places each block's collectives (tp all-reduces after o_proj and down_proj) where the rules imply them.
-    """
+    """Pins an activation's sharding on the mesh set by `jax.set_mesh` (a no-op without one). Used at block
+    boundaries only, so XLA places each block's collectives (tp all-reduces after o_proj and down_proj) itself."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return x

@@ -1,9 +1,7 @@
-"""The engine on its own thread, with an asyncio face: `generate()` yields a request's `TokenEvent`s.
+"""The engine on its own thread, with an asyncio face for the server: `submit()` streams a request's `TokenEvent`s.
 
-The model step runs in a background thread (it holds the device and releases the GIL while XLA computes), so the
-event loop keeps accepting, validating and streaming. Events are handed to the loop in one thread-safe call per
-step. Leaving `generate()` early (a client that disconnected, a stop string found) aborts the request, which
-frees its KV pages at the engine's next step.
+The step runs on a background thread (XLA releases the GIL while it computes), so the event loop keeps accepting and
+streaming; events reach the loop in one thread-safe call per step.
 """
 
 from __future__ import annotations
@@ -56,12 +54,9 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
-    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams
-               ) -> AsyncIterator[TokenEvent]:
-        """Queues a request and returns the iterator of its events (until each of its `n` sequences finished).
-
-        Call `release(request_id)` when done with the iterator (early or not): it aborts the request if it is
-        still running. The iterator raises EngineDead if the engine failed while the request ran.
+    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Queues a request; returns the iterator of its events until each of its `n` sequences finished (it raises
+        EngineDead if the engine fails meanwhile). Call `release(request_id)` when done with it, early or not.
 
         Raises:
             InvalidRequest, QueueFull: from `Engine.add_request`, synchronously.

@@ -1,11 +1,8 @@
 """Host-side accounting of the paged KV cache: free pages, reference counts and the prefix cache.
 
-Pages are numbered 1..num_pages-1 (page 0 is the trash page of `paged_cache`). A page is either in use (its
-reference count is the number of sequences whose block table holds it) or free. A full page whose keys were
-computed gets a hash that chains over every token before it and its own; while in use or free, a later
-sequence whose prompt starts with the same tokens takes it instead of recomputing it (prefix reuse). Free pages
-form one least-recently-freed queue: allocation takes from the front and forgets the hash of the page it takes,
-so cached prefixes survive as long as there is room.
+A computed full page is hashed over every token up to its end, so a later prompt with those leading tokens takes it,
+in use or free, instead of recomputing it. Allocation takes the least recently freed page (forgetting its hash), so
+cached prefixes survive as long as there is room.
 """
 
 from __future__ import annotations
@@ -22,11 +19,8 @@ class OutOfPages(RuntimeError):
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """The hash of one full block given the hash of the block before it (None for the first).
-
-    A cryptographic hash, so that a client cannot craft a prompt whose blocks collide with another client's
-    cached prefix and read its keys.
-    """
+    """The hash of one full block given the hash of the block before it (None for the first). Cryptographic, so
+    that a client cannot craft a prompt whose blocks collide with another client's cached prefix and read its keys."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(b",".join(str(t).encode() for t in tokens))
@@ -45,7 +39,7 @@ class BlockPool:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.num_pages, self.page_size = num_pages, page_size
-        self.ref = [0] * num_pages
+        self.ref = [0] * num_pages  # per page: the sequences whose block table holds it
         self.hash_of: list[bytes | None] = [None] * num_pages
         self.cached: dict[bytes, int] = {}  # hash -> page
         # Free pages in eviction order; values unused (OrderedDict gives O(1) removal from the middle).
@@ -93,7 +87,7 @@ class BlockPool:
         return pages
 
     def take_cached(self, pages: Sequence[int], queried: int) -> None:
-        """Adds a reference to pages found by `lookup` (removing free ones from the free queue).
+        """Adds a reference to pages found by `lookup` (taking free ones off the free queue).
 
         Args:
             pages: what `lookup` returned.

@@ -1,7 +1,6 @@
-"""The engine's runtime choices (`EngineConfig`) and what they resolve to for one model (`EngineLayout`): the KV
-page pool and the shape buckets of every program. The memory planner sizes exactly this layout, so `check`,
-`load` and `serve` given the same flags plan what the engine then allocates.
-"""
+"""The engine's runtime choices (`EngineConfig`) and what they resolve to for one model (`EngineLayout`: the KV page
+pool and every program's shape buckets). The memory planner sizes exactly this layout, so `check`, `load` and `serve`
+given the same flags plan what the engine then allocates."""
 
 from __future__ import annotations
 
@@ -16,30 +15,21 @@ from sharding.plan import Workload
 class EngineConfig:
     """Runtime choices of the engine (not the model's config).
 
-    Attributes:
-        page_size: tokens per KV page.
-        max_model_len: longest prompt + output (default: the model's context).
-        max_num_seqs: most sequences running at once (the largest decode batch).
-        kv_cache_tokens: pool capacity in tokens (default: max(max_model_len, 512 per running sequence)).
-        batch_buckets: decode batch sizes compiled (default: powers of two up to max_num_seqs).
-        chunk_buckets: prefill chunk lengths compiled; the largest is also the prefill token budget per step.
-        min_width: the smallest block-table width of decode steps, in tokens. Decode widths double up to
-            `fine_width` (attention over the table is a large part of a CPU decode step, so tight buckets pay),
-            then grow 4x up to max_model_len. Prefill widths start at max(min_width, 256) and grow 4x.
-        max_waiting: most queued sequences; more are refused (the server answers 429).
-        prefix_caching: reuse cached full blocks across requests.
+    Decode block-table widths double from `min_width` tokens up to `fine_width` (attention over the table is a large
+    part of a CPU decode step, so tight buckets pay), then grow 4x up to max_model_len; prefill widths start at
+    max(min_width, 256) and grow 4x.
     """
 
-    page_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 16  # a CPU gains little past 16 rows; accelerators want more
-    kv_cache_tokens: int | None = None
-    batch_buckets: tuple[int, ...] | None = None
-    chunk_buckets: tuple[int, ...] = (32, 256)
+    page_size: int = 16  # tokens per KV page
+    max_model_len: int | None = None  # longest prompt + output (default: the model's context)
+    max_num_seqs: int = 16  # the largest decode batch; a CPU gains little past 16 rows, accelerators want more
+    kv_cache_tokens: int | None = None  # pool capacity (default: max(max_model_len, 512 per running sequence))
+    batch_buckets: tuple[int, ...] | None = None  # decode batch sizes (default: powers of two up to max_num_seqs)
+    chunk_buckets: tuple[int, ...] = (32, 256)  # prefill chunk lengths; the largest is the prefill budget per step
     min_width: int = 128
     fine_width: int = 1024
-    max_waiting: int = 256
-    prefix_caching: bool = True
+    max_waiting: int = 256  # most queued sequences; more are refused (the server answers 429)
+    prefix_caching: bool = True  # reuse cached full blocks across requests
 
     def layout(self, context_length: int) -> "EngineLayout":
         """What this config means for a model whose context is `context_length` tokens.
@@ -74,21 +64,14 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """An `EngineConfig` resolved for one model: what the engine allocates and compiles.
-
-    Attributes:
-        max_model_len: longest prompt + output.
-        page_size, num_pages: the KV pool (per layer), the trash page included.
-        batch_buckets: decode batch sizes; chunk_buckets: prefill chunk lengths (ascending).
-        decode_widths, prefill_widths: block-table widths in pages (ascending; the last covers max_model_len).
-    """
+    """An `EngineConfig` resolved for one model: what the engine allocates and compiles. Buckets ascend."""
 
     max_model_len: int
     page_size: int
-    num_pages: int
-    batch_buckets: tuple[int, ...]
-    chunk_buckets: tuple[int, ...]
-    decode_widths: tuple[int, ...]
+    num_pages: int  # per layer, the trash page included
+    batch_buckets: tuple[int, ...]  # decode batch sizes
+    chunk_buckets: tuple[int, ...]  # prefill chunk lengths
+    decode_widths: tuple[int, ...]  # both widths: block-table pages, the last covering max_model_len
     prefill_widths: tuple[int, ...]
 
     @property
@@ -131,7 +114,6 @@ def smallest_bucket(buckets: Sequence[int], n: int) -> int:
 
 
 def _widths(smallest: int, fine_until: int, largest: int) -> tuple[int, ...]:
-    """Block-table widths in pages: doubling below `fine_until`, then 4x, always ending at `largest`."""
     widths, w = [], max(1, min(smallest, largest))
     while w < largest:
         widths.append(w)

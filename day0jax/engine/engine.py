@@ -1,14 +1,9 @@
 """The engine: continuous batching over a paged KV cache, with chunked prefill and prefix reuse. Token ids only.
+`Model.generate`, `python -m day0jax.generate` and the server all run it: it is the one path from prompt to tokens.
 
-`add_request` queues a prompt with its `SamplingParams`; each `step()` applies queued commands, lets the
-scheduler admit and plan the step, runs the model on the device (one forward for the decode rows, one per
-prefill chunk, then the sampler), and returns the new tokens as `TokenEvent`s. It is the only path from
-prompt to tokens: `Model.generate`, `python -m day0jax.generate` and the server all run it.
-
-The host never waits for a step before dispatching the next: a step's sampled tokens stay on the device, the
-next step's forward reads them there, and the host reads them (and emits their events) while that next step
-runs. A sequence that ended on a stop token therefore computes one extra position, whose token is dropped.
-When the plan itself needs the tokens (a preemption, penalties), the step reads them first.
+The host never waits for a step before dispatching the next: sampled tokens stay on the device for the next forward and
+are read while it runs, so a sequence that ended on a stop token computes one extra position, whose token is dropped.
+When the plan needs the tokens (a preemption, penalties), the step reads them first.
 """
 
 from __future__ import annotations
@@ -39,8 +34,7 @@ class _Sampled:
 
 
 class Engine:
-    """Continuous-batching engine over a `ModelRunner`. Not thread-safe except `add_request`/`abort`, which
-    queue commands that the thread calling `step()` applies.
+    """Continuous batching over a `ModelRunner`; only `add_request`/`abort` are thread-safe (they queue commands).
 
     Args:
         module, mesh, dtype: the loaded model (see `day0jax.load`): nnx module, mesh, KV cache dtype.
@@ -62,12 +56,9 @@ class Engine:
         self._lock = threading.Lock()
         self._in_flight: list[_Sampled] = []
         self._sources: dict[SequenceState, tuple[_Sampled, int]] = {}  # where each in-flight token sits
-        # Counters for metrics (read from other threads; plain ints are safe to read).
-        self.prompt_tokens_computed = 0
-        self.generated_tokens = 0
-        self.num_steps = 0
+        # Metrics counters, read from other threads (plain ints are safe to read).
+        self.prompt_tokens_computed = self.generated_tokens = self.num_steps = 0
 
-    # --- warm-up ---------------------------------------------------------------------------------------------
     def programs(self, max_len: int | None = None) -> list:
         """Every program to compile before serving (`ModelRunner.all_programs`)."""
         return self.runner.all_programs(max_len)
@@ -78,11 +69,11 @@ class Engine:
 
         Args:
             progress: optional callable(done, total).
-            max_len: warm up only forward programs whose attention span is at most this many tokens (None: all);
-                the others compile on first use (a pause of seconds on that request).
-            store: a `day0jax.startup.program_store.ProgramStore`, to load programs without tracing (None: trace all).
+            max_len: warm up only forward programs attending over at most this many tokens (None: all); the others
+                compile on first use (a pause of seconds on that request).
+            store: a `ProgramStore`, to load programs without tracing (None: trace all).
             workers: compile threads (default: one per core).
-            timeline: a `day0jax.startup.timeline.Timeline` receiving one record per program.
+            timeline: a `Timeline` receiving one record per program.
         Returns:
             The `CompileRecord`s, one per program.
         """
@@ -91,7 +82,6 @@ class Engine:
         return compile_programs(self.runner, self.programs(max_len), store=store, workers=workers,
                                 timeline=timeline, progress=progress)
 
-    # --- requests (any thread) -------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + sum(1 for cmd in list(self._commands) if cmd[0] == "add")
@@ -100,8 +90,7 @@ class Engine:
         """Queues a prompt (token ids); its tokens come out of `step()` as `TokenEvent`s.
 
         Raises:
-            InvalidRequest: empty prompt, ids outside the vocabulary, prompt + max_tokens beyond max_model_len,
-                or parameters out of range.
+            InvalidRequest: empty prompt, ids outside the vocabulary, prompt + max_tokens > max_model_len, bad params.
             QueueFull: the waiting queue is full.
         """
         prompt = [int(t) for t in prompt]
@@ -128,10 +117,8 @@ class Engine:
         s = self.scheduler
         return bool(s.waiting or s.running or self._commands or self._in_flight)
 
-    # --- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Applies queued commands, schedules, dispatches the model and the sampler, then reads the previous
-        step's tokens; returns their events."""
+        """Applies commands, schedules and dispatches this step, then returns the previous step's tokens as events."""
         events: list[TokenEvent] = []
         self._apply_commands(events)
         self.scheduler.admit()
@@ -159,11 +146,8 @@ class Engine:
                     events.append(TokenEvent(seq.request_id, seq.index, None, ABORT))
 
     def _previous_tokens(self, decode: list[SequenceState]) -> jax.Array | None:
-        """The one sampler output holding the decode rows' in-flight input tokens (None when none is).
-
-        Raises:
-            NeedTokens: they sit in several outputs (a prefill just ended beside running decode rows).
-        """
+        """The one sampler output holding the decode rows' in-flight input tokens (None when none is); raises
+        NeedTokens when they sit in several (a prefill just ended beside running decode rows)."""
         outputs = {id(self._sources[s][0]): self._sources[s][0] for s in decode if s.in_flight}
         if len(outputs) > 1:
             raise NeedTokens("input tokens in several sampler outputs")
@@ -187,9 +171,8 @@ class Engine:
         return table
 
     def _run_decode(self, seqs: list[SequenceState], previous: jax.Array | None):
-        layout = self.layout
-        rows = smallest_bucket(layout.batch_buckets, len(seqs))
-        width = smallest_bucket(layout.decode_widths, max(s.num_computed // self.page_size + 1 for s in seqs))
+        rows = smallest_bucket(self.layout.batch_buckets, len(seqs))
+        width = smallest_bucket(self.layout.decode_widths, max(s.num_computed // self.page_size + 1 for s in seqs))
         batch = self.runner.empty_batch(rows, 1, width)
         for i, s in enumerate(seqs):
             if s.num_computed < len(s.tokens):
@@ -206,10 +189,9 @@ class Engine:
         return outputs
 
     def _run_prefill(self, seq: SequenceState, n: int):
-        layout = self.layout
-        chunk = smallest_bucket(layout.chunk_buckets, n)
+        chunk = smallest_bucket(self.layout.chunk_buckets, n)
         start = seq.num_computed
-        width = smallest_bucket(layout.prefill_widths, -(-(start + n) // self.page_size))
+        width = smallest_bucket(self.layout.prefill_widths, -(-(start + n) // self.page_size))
         batch = self.runner.empty_batch(1, chunk, width)
         batch.tokens[0, :n] = seq.tokens[start:start + n]
         batch.positions[0, :n] = np.arange(start, start + n)
@@ -222,10 +204,8 @@ class Engine:
         self.scheduler.register_blocks(seq)
         return outputs
 
-    # --- sampling and outputs --------------------------------------------------------------------------------
     def _sample(self, seqs: list[SequenceState], logits, greedy) -> _Sampled:
-        """Dispatches the sampler for the leading rows of `logits`, one per sequence (nothing is read yet); a
-        greedy batch without penalties or logprobs takes the forward's own greedy tokens instead."""
+        """Dispatches the sampler (reading nothing) for the leading rows of `logits`, one per sequence."""
         B, pad = logits.shape[0], logits.shape[0] - len(seqs)
         p = [s.params for s in seqs]
 
@@ -294,19 +274,14 @@ class Engine:
         self.generated_tokens += 1
         self.scheduler.register_blocks(seq)
         is_stop = token in seq.stops
-        finish = None
         # Only tokens read count here: the next one may already be on the device.
-        if is_stop:
-            finish = STOP
-        elif len(seq.tokens) - seq.prompt_len >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
-            finish = LENGTH
-        event = TokenEvent(seq.request_id, seq.index, token, finish, is_stop, logprob, top,
-                           num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.cached_tokens)
+        full = len(seq.tokens) - seq.prompt_len >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len
+        finish = STOP if is_stop else LENGTH if full else None
         if finish:
             self.scheduler.finish(seq)
-        return event
+        return TokenEvent(seq.request_id, seq.index, token, finish, is_stop, logprob, top,
+                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.cached_tokens)
 
-    # --- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Gauges and counters for metrics: queue, batch, pages, prefix cache, tokens."""
         s, pool = self.scheduler, self.scheduler.pool

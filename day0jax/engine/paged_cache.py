@@ -1,12 +1,8 @@
 """The paged KV cache as the model sees it: one layer's page pool plus the block tables of this step's rows.
 
-A pool holds `P` pages of `page_size` token slots, [P, page_size, K, H] for keys and for values (their head
-dims may differ: multi-head latent attention). Row b of a step owns the pages `block_tables[b, :]` in order, so
-its token at position p lives in page `block_tables[b, p // page_size]`, slot `p % page_size`.
-
-Page 0 is never handed to a sequence: it is the trash page. Padding tokens (past a row's real tokens, or whole
-padding rows) are given a position beyond the block table, which maps them to page 0, so their writes can never
-land in a page that holds live keys. Attention goes through the `kernels_pallas` paged attention op.
+Row b's token at position p lives in page `block_tables[b, p // page_size]`, slot `p % page_size`. Page 0, the trash
+page, is never handed to a sequence: padding tokens get a position beyond the block table, which maps them there, so
+their writes never land in a page holding live keys. Attention is the `kernels_pallas` paged attention op.
 """
 
 from __future__ import annotations
@@ -24,30 +20,20 @@ TRASH_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PagedKVCache:
-    """One layer's view of the paged cache during one jitted step (the `KVCache` protocol of layers/attention.py).
+    """One layer's view of the paged cache during one jitted step (the `KVCache` protocol of layers/attention.py)."""
 
-    Attributes:
-        k_pages: [P, page_size, K, Hk] key pool (donated to the step, updated in place).
-        v_pages: [P, page_size, K, Hv] value pool.
-        block_tables: [B, W] int32 page ids per row; entries past a row's pages hold TRASH_PAGE.
-        kv_lengths: [B] int32 valid cached tokens per row after this step's writes.
-    """
-
-    k_pages: jax.Array
-    v_pages: jax.Array
-    block_tables: jax.Array
-    kv_lengths: jax.Array
+    k_pages: jax.Array  # [P, page_size, K, Hk], donated to the step and updated in place
+    v_pages: jax.Array  # [P, page_size, K, Hv]; Hv may differ from Hk (multi-head latent attention)
+    block_tables: jax.Array  # [B, W] int32 page ids per row; entries past a row's pages hold TRASH_PAGE
+    kv_lengths: jax.Array  # [B] int32 valid cached tokens per row after this step's writes
 
     @property
     def page_size(self) -> int:
         return self.k_pages.shape[1]
 
     def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKVCache":
-        """Writes k [B, T, K, Hk] and v [B, T, K, Hv] at `positions` [B, T].
-
-        Positions whose block index falls outside the block table (how the engine marks padding) go to the
-        trash page.
-        """
+        """Writes k [B, T, K, Hk] and v [B, T, K, Hv] at `positions` [B, T]; positions beyond the block table (how
+        the engine marks padding) go to the trash page."""
         page = self.page_size
         blocks = positions // page
         pages = jnp.take_along_axis(self.block_tables, blocks, axis=1, mode="fill", fill_value=TRASH_PAGE)
@@ -68,17 +54,15 @@ def new_pools(layout: list[tuple[int, int, int]], num_pages: int, page_size: int
 
     Args:
         layout: per layer (kv heads, key head dim, value head dim).
-        num_pages: pages per layer, the trash page included.
-        page_size: token slots per page.
+        num_pages, page_size: pages per layer (the trash page included), token slots per page.
         dtype: cache dtype.
         sharding_for: optional callable (shape) -> sharding for a pool (kv heads split like the model's).
     Returns:
-        A list with one (k_pages, v_pages) pair per layer.
+        One (k_pages, v_pages) pair per layer.
     """
     pools = []
     for kv_heads, k_dim, v_dim in layout:
         k_shape, v_shape = (num_pages, page_size, kv_heads, k_dim), (num_pages, page_size, kv_heads, v_dim)
-        k_sharding = sharding_for(k_shape) if sharding_for else None
-        v_sharding = sharding_for(v_shape) if sharding_for else None
-        pools.append((jnp.zeros(k_shape, dtype, device=k_sharding), jnp.zeros(v_shape, dtype, device=v_sharding)))
+        pools.append(tuple(jnp.zeros(s, dtype, device=sharding_for(s) if sharding_for else None)
+                           for s in (k_shape, v_shape)))
     return pools

@@ -1,6 +1,4 @@
-"""What the engine is asked for and what it answers: sampling parameters, token events, and the state of each
-sequence while it runs. Token ids only; text belongs to the server.
-"""
+"""What the engine is asked and answers: sampling parameters, token events, per-sequence state. Token ids only."""
 
 from __future__ import annotations
 
@@ -28,12 +26,9 @@ class QueueFull(GenerationError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings (OpenAI / vLLM semantics).
-
-    top_k <= 0 disables top-k; logprobs None returns none, an int k returns the chosen token's log-probability
-    and the k most likely (k <= 20). `n` sequences share the prompt's cached pages. Sequence i of a request
-    draws from seed + i, so a request's tokens depend only on its prompt, parameters and seed.
-    """
+    """Per-request generation settings (OpenAI / vLLM semantics). top_k <= 0 is off; logprobs k returns the chosen
+    token's log-probability and the k (<= 20) most likely. The `n` sequences share the prompt's cached pages; sequence
+    i draws from seed + i, so a request's tokens depend only on its prompt, parameters and seed."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -94,13 +89,9 @@ class TokenEvent:
 
 @dataclass(eq=False)
 class SequenceState:
-    """One sequence while the engine holds it.
-
-    `tokens` are the prompt and the generated tokens the host has read; `in_flight` more were sampled on the
-    device and are read one step later (the engine dispatches the next step before reading them). Keys and
-    values exist for the first `num_computed` positions. A sequence with `pending == 1` extends by one token (a
-    decode row); more makes it a prefill row.
-    """
+    """One sequence while the engine holds it. `tokens`: the prompt and the generated tokens the host has read;
+    `in_flight` more are sampled on the device, read a step later. Keys and values exist for the first `num_computed`
+    positions. `pending == 1` makes it a decode row; more, a prefill row."""
 
     request_id: str
     index: int

@@ -1,20 +1,8 @@
 """The device side of the engine: the parameters, the paged KV pools and the two jitted programs (forward, sample).
 
-One forward program serves decode steps (tokens [B, 1]) and prefill chunks (tokens [1, C]); it returns the
-logits of one chosen position per row, and each row's greedy token (so a batch that samples greedily needs no
-second program). Sampling is a separate small program, so the model programs do not multiply by sampling modes.
-Shapes come from the layout's buckets (batch sizes, chunk lengths, block-table widths); padding tokens and rows
-are routed to the trash page.
-
-A decode row's input token may still be on the device: the sampler's output of the previous step, which the
-engine has not read yet. The forward program takes that output (`previous`, [max_rows]) and, per row, the index
-of the row's token in it (`token_source`, -1 for a token given by the host), so the next step can be dispatched
-before the last one's tokens reach the host.
-
-Every (program, bucket) is a `Program`. Before serving, `day0jax.startup.warmup.compile_programs` lowers,
-compiles (or loads) and `install`s each one; `forward` and `sample` then call the installed executables
-directly, so a warmed-up bucket never traces or compiles again. A bucket that was not warmed up goes through
-`jax.jit`.
+One forward program serves decode steps (tokens [B, 1]) and prefill chunks ([1, C]) and also returns each row's greedy
+token, so a greedy batch needs no second program; sampling is a separate small program, so the model programs do not
+multiply by sampling modes. Buckets that warm-up did not `install` go through `jax.jit`.
 """
 
 from __future__ import annotations
@@ -43,17 +31,11 @@ ROW_ARRAYS = ("seeds", "counters", "temperature", "top_k", "top_p", "min_p")
 
 @dataclass(frozen=True)
 class Program:
-    """One compiled program of the runner.
+    """One compiled program of the runner, for one bucket."""
 
-    Attributes:
-        name: "forward" (shape: rows, tokens, width in pages) or "sample" (shape: rows).
-        shape: the bucket.
-        mode, logprobs, penalized: the sampler's static variant (mode is one of sampling.MODES).
-    """
-
-    name: str
+    name: str  # "forward" (shape: rows, tokens, width in pages) or "sample" (shape: rows)
     shape: tuple[int, ...]
-    mode: str = ""
+    mode: str = ""  # with logprobs and penalized, the sampler's static variant (mode: one of sampling.MODES)
     logprobs: bool = False
     penalized: bool = False
 
@@ -84,17 +66,15 @@ class ModelRunner:
     """Holds the parameters, the KV page pools and the compiled programs.
 
     Args:
-        module: the nnx model (any family implementing the cache protocol and `cache_layout()`).
-        mesh: the mesh its parameters live on.
-        dtype: KV cache dtype.
+        module, mesh, dtype: the nnx model (any family with the cache protocol and `cache_layout()`), the mesh its
+            parameters live on, the KV cache dtype.
         layout: the engine's pool size and shape buckets.
     """
 
     def __init__(self, module: nnx.Module, mesh: Mesh, dtype, layout: EngineLayout):
-        graphdef, params = nnx.split(module)
+        self._graphdef, params = nnx.split(module)
         # Flat leaves: unflattening nnx Variables on every call costs about a millisecond of host time a step.
         self.params, self._params_def = jax.tree.flatten(params)
-        self._graphdef = graphdef
         self.mesh, self.layout, self.dtype = mesh, layout, dtype
         self.vocab_size = int(module.config.vocab_size)
         self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -116,7 +96,6 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in self.params)
 
-    # --- the two programs ------------------------------------------------------------------------------------
     def _forward_fn(self, params, pools, previous, tokens, positions, block_tables, kv_lengths, last_index,
                     token_source):
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
@@ -140,17 +119,14 @@ class ModelRunner:
         out["tokens"] = self._padded(out["tokens"])
         return out
 
-    # --- host side -------------------------------------------------------------------------------------------
     def _put(self, x):
         # On one device, jit's own transfer of host arrays is the cheapest path (it runs every step).
         return np.asarray(x) if self.mesh.size == 1 else put(x, self.mesh)
 
     def forward(self, batch: Batch, previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """Runs one forward call (writing its keys/values into the pools); returns, on device, the logits [B, V]
-        and each row's greedy token (padded to max_rows, as `sample`'s "tokens").
-
-        `previous`: a `sample` output's "tokens" that `batch.token_source` points into (None: no row does).
-        """
+        """Runs one forward call, writing its keys/values into the pools; `previous` is a `sample` output's "tokens"
+        that `batch.token_source` points into (None: no row does). Returns, on device, the logits [B, V] and each
+        row's greedy token (padded to max_rows, as `sample`'s "tokens")."""
         key = batch.tokens.shape + (batch.block_tables.shape[1],)
         program = self.programs.get(Program("forward", key))
         if program is None and key not in self.compiled:
@@ -188,10 +164,8 @@ class ModelRunner:
                      kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
                      token_source=np.full(rows, -1, np.int32))
 
-    # --- programs ahead of time (see day0jax/startup/warmup.py) -----------------------------------------------
     def all_programs(self, max_len: int | None = None) -> list[Program]:
-        """The forward program of each of the layout's shapes (with `max_len`, those attending over at most
-        that many tokens), then every sampler variant for every row count the sampler sees."""
+        """The forward programs of `layout.forward_shapes(max_len)`, then every sampler variant per row count."""
         return ([Program("forward", s) for s in self.layout.forward_shapes(max_len)] +
                 [Program("sample", (r,), mode, logprobs, penalized) for r in self.layout.sampler_batches()
                  for mode in MODES for logprobs in (False, True) for penalized in (False, True)])
@@ -206,11 +180,9 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((rows, V), jnp.float32, sharding=self._replicated)
             neutral = self.neutral_rows(rows)
             args = [self._put(neutral[k]) for k in ROW_ARRAYS]
-            pen = None
-            if program.penalized:
-                pen = tuple(self._put(x) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
-                                                   np.zeros(rows, np.float32), np.zeros(rows, np.float32),
-                                                   np.ones(rows, np.float32)))
+            pen = tuple(self._put(x) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
+                                               np.zeros(rows, np.float32), np.zeros(rows, np.float32),
+                                               np.ones(rows, np.float32))) if program.penalized else None
             return self._sample.lower(logits, *args, pen, mode=program.mode, logprobs=program.logprobs)
 
     def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:

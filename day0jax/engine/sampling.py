@@ -1,14 +1,10 @@
 """The one sampler: a token per row from logits, each row with its own parameters and seeded random stream.
 
-Order and semantics follow transformers' logits processors and vLLM: penalties, temperature, then min_p, top-k
-and top-p (the smallest set of tokens whose probability reaches top_p, at least one kept). Temperature 0 means
-greedy.
-
-Filtering a 50k-200k vocabulary costs more than a small model's whole decode step on a CPU, so the caller picks
-a static `mode` for the batch: "greedy" (argmax only), "random" (temperature only) or "filtered". Filtering
-bisects a threshold instead of sorting the vocabulary: a few dozen masked reductions over [B, V] cost a
-fraction of a sort on a CPU, and the kept set is the same (ties at the threshold are all kept, as a sort-based
-filter keeps them in rank order).
+In the order of transformers' logits processors and vLLM: penalties, temperature (0: greedy), then min_p, top-k and
+top-p (the smallest set reaching top_p, at least one kept). Filtering a 50k-200k vocabulary costs more than a small
+model's whole CPU decode step, so the caller picks a static `mode` per batch, and filtering bisects a threshold
+instead of sorting: a few dozen masked reductions over [B, V] cost a fraction of a sort on a CPU and keep the same set
+(ties at the threshold are all kept, as a sort-based filter keeps them in rank order).
 """
 
 from __future__ import annotations
@@ -91,12 +87,10 @@ def _mix32(x: jax.Array) -> jax.Array:
 
 
 def gumbel_noise(seeds: jax.Array, counters: jax.Array, V: int) -> jax.Array:
-    """Gumbel(0, 1) noise [B, V] that depends only on each row's (seed, counter) and the token index.
-
-    A counter-based integer hash rather than jax.random's threefry: per-row keys through vmap cost seconds of
-    compilation and milliseconds per step on a CPU, and sampling needs only well-mixed uniforms, not a
-    cryptographic stream. argmax(logits + noise) draws from softmax(logits) (the Gumbel-max trick).
-    """
+    """Gumbel(0, 1) noise [B, V] that depends only on each row's (seed, counter) and the token index, from a
+    counter-based integer hash: jax.random's per-row keys through vmap cost seconds of compilation and milliseconds
+    per step on a CPU, and sampling needs only well-mixed uniforms. argmax(logits + noise) samples softmax(logits)
+    (the Gumbel-max trick)."""
     row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(counters.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
     bits = _mix32(row[:, None] ^ (jnp.arange(V, dtype=jnp.uint32)[None, :] * jnp.uint32(0x27D4EB2F)))
     u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
@@ -104,8 +98,8 @@ def gumbel_noise(seeds: jax.Array, counters: jax.Array, V: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
-                top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None, *,
-                mode: str = "filtered", logprobs: bool = False) -> dict[str, jax.Array]:
+           top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None, *,
+           mode: str = "filtered", logprobs: bool = False) -> dict[str, jax.Array]:
     """Picks one token per row, each row with its own parameters and its own seeded random stream.
 
     Args:

@@ -1,11 +1,7 @@
 """Who runs in the next step: admission from the waiting queue, decode rows and prefill chunks, preemption.
 
-Sequences wait first-come first-served until pages are free and a batch row is; a prompt's leading full blocks
-found in the prefix cache are shared instead of recomputed. Each step extends every running sequence that has
-one token to compute (decode rows) and gives prefill chunks, up to a token budget, to those still reading their
-prompt. When a decode row needs a page and none is free, the most recently admitted sequence is preempted: its
-pages are released (their full blocks stay in the prefix cache) and it waits to be recomputed from its prompt
-plus what it already generated, which it keeps.
+A decode row that finds no free page preempts the most recently admitted sequence: its pages are released (full blocks
+stay cached) and it waits to be recomputed from its prompt plus what it generated, which it keeps.
 """
 
 from __future__ import annotations
@@ -52,12 +48,10 @@ class Scheduler:
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self.by_request: dict[str, list[SequenceState]] = {}
-        self.num_preemptions = 0
-        self.prefix_hit_tokens = 0
+        self.num_preemptions = self.prefix_hit_tokens = 0
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queues the request's `n` sequences (the later ones wait for the first to compute the prompt, then
-        find its blocks in the prefix cache)."""
+        """Queues the request's `n` sequences; the later ones wait for the first to cache the prompt's blocks."""
         now = time.monotonic()
         base_seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

@@ -1,9 +1,5 @@
-"""Multi-head attention with grouped KV heads (GQA/MQA), through the `kernels_pallas` attention op.
-
-Projections keep heads as their own axis (q_proj kernel [N, H, D], o_proj [D, N, H]) so tensor parallelism
-splits heads by name. With a cache, new keys and values are written first and the queries attend over the
-cache; without one (a full forward pass), the queries attend over this call's keys.
-"""
+"""Multi-head attention with grouped KV heads (GQA/MQA), through the `kernels_pallas` attention op. Projections
+keep heads as their own axis (q_proj kernel [N, H, D], o_proj [D, N, H]) so tensor parallelism splits them by name."""
 
 from __future__ import annotations
 
@@ -32,13 +28,12 @@ class Attention(nnx.Module):
     """Self-attention block: q/k/v projections, optional q/k RMSNorm, RoPE, attention, output projection.
 
     Args:
-        hidden_size: D.  num_heads: N.  num_kv_heads: K (divides N).  head_dim: H.
+        hidden_size, num_heads, num_kv_heads, head_dim: D, N, K (divides N), H.
         rope: the rotary embedding, or None for layers without positions (NoPE).
         qkv_bias / o_bias: biases on the input / output projections.
-        qk_norm_eps: if set, RMSNorm on q and k before RoPE: over each head's H dims (`qk_norm_over="head"`,
-            Qwen3, Gemma 3) or over all of a token's N*H (K*H) dims (`"all"`, OLMo 2).
-        qk_norm_offset: 1.0 for Gemma-style (1 + weight) norms.
-        sinks: learned per-head logits that join every softmax (gpt-oss); HF's `self_attn.sinks` [N].
+        qk_norm_eps: if set, RMSNorm on q and k before RoPE, over each head's H dims (`qk_norm_over="head"`: Qwen3,
+            Gemma 3) or a token's N*H (K*H) dims (`"all"`: OLMo 2); `qk_norm_offset=1.0` for (1 + weight) norms.
+        sinks: learned per-head logits that join every softmax (gpt-oss; HF's `self_attn.sinks` [N]).
         sliding_window / logit_softcap / scale: passed to the attention op.
     """
 
@@ -49,10 +44,9 @@ class Attention(nnx.Module):
                  scale: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
         self.q_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear((D,), (K, H), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype,
-                             rngs=rngs)
-        self.v_proj = Linear((D,), (K, H), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype,
-                             rngs=rngs)
+        kv_axes = ("embed", "kv_heads", "head_dim")
+        self.k_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype, rngs=rngs)
         if qk_norm_eps is not None:
             assert qk_norm_over in ("head", "all"), qk_norm_over
@@ -68,10 +62,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict[Rope, tuple[jax.Array, jax.Array]],
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
-        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache).
-
-        `rope_tables`: {Rope: (cos, sin)} for every RoPE of the model; this layer takes its own.
-        """
+        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache). `rope_tables`: {Rope: (cos, sin)} for
+        every RoPE of the model; this layer takes its own."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, N|K, H]
         if self.q_norm is not None:
             if self.qk_norm_over == "head":

@@ -1,8 +1,5 @@
-"""Decoder blocks whose norms sit elsewhere than Llama's pre-norms (which is `models.base.DecoderLayer`).
-
-HF's attribute names are kept, and they mean different things per family: in Gemma 2/3 and OLMo 2
-`post_attention_layernorm` normalizes the attention *output*, where in Llama it is the norm before the MLP.
-"""
+"""Decoder blocks whose norms sit elsewhere than Llama's pre-norms (`models.base.DecoderLayer`). HF names kept:
+here `post_attention_layernorm` normalizes the attention *output*, where in Llama it is the norm before the MLP."""
 
 from __future__ import annotations
 

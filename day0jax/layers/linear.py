@@ -1,9 +1,4 @@
-"""Linear maps and embeddings whose parameters carry logical axis names.
-
-A `Linear` kernel keeps Hugging Face's [out, in] order, with heads as their own axes: q_proj is [N, H, D],
-o_proj [D, N, H]. Conversion is then a reshape of the HF `weight`, and the kernel can be the left operand of
-the matmul, which is what makes decoding fast on the CPU (see `project`).
-"""
+"""Linear maps and embeddings whose parameters carry logical axis names."""
 
 from __future__ import annotations
 
@@ -30,10 +25,9 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dt
 def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     """x [..., *in] times kernel [*out, *in] -> [..., *out].
 
-    XLA:CPU multiplies a few rows by a large weight twice as fast when the weight is the left operand and the
-    result comes out as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against 65 ms); the
-    optimization barrier keeps XLA from folding the transpose back into the dot. Other backends, and prefill-sized
-    inputs, take the plain contraction.
+    XLA:CPU multiplies a few rows by a large weight twice as fast with the weight as left operand and the result
+    as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against 65 ms); the barrier keeps XLA from
+    folding the transpose back into the dot. Other backends, and prefill-sized inputs, take the plain contraction.
     """
     letters = string.ascii_lowercase
     o, i = letters[:kernel.ndim - in_ndim], letters[kernel.ndim - in_ndim:kernel.ndim]
@@ -53,8 +47,9 @@ def exact_float32(dtype):
 class Linear(nnx.Module):
     """y = x @ kernel.T (+ bias), contracting x's trailing `in_shape` dims into `out_shape`.
 
-    `axes` names the dimensions in the order in_shape + out_shape, as callers think of the map; the kernel itself
-    is stored out_shape + in_shape.
+    `axes` names the dims in_shape + out_shape, as callers think of the map; the kernel is stored out_shape +
+    in_shape, HF's [out, in] with heads as their own axes, so conversion is a reshape of HF's `weight` and the
+    kernel can be the matmul's left operand (fast CPU decoding, see `project`).
     """
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], axes: Sequence[str | None], *,

@@ -1,15 +1,9 @@
 """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections, RoPE on a decoupled slice.
 
-HF names kept: q_a_proj -> q_a_layernorm -> q_b_proj (or one q_proj when `q_lora_rank` is None),
-kv_a_proj_with_mqa -> (latent: kv_a_layernorm | shared rope key), kv_b_proj, o_proj.
-
-Computed in the "absorbed" form: kv_b_proj's key half is folded into the query (q_nope @ W_uk gives a query in
-latent space), so attention runs as multi-query attention over [normed latent ; roped key] (one kv head of
-kv_lora_rank + qk_rope_head_dim dims) and the value half W_uv is applied after attention. The cache therefore
-holds the latent, not per-head keys and values: for DeepSeek-V3, 576 numbers per token instead of 128 x 320.
-The scores are exactly q_nope . (W_uk latent) + q_rope . k_rope, HF's, reassociated.
-
-Legend: N heads, R kv_lora_rank, P qk_rope_head_dim, C qk_nope_head_dim, U v_head_dim.
+Absorbed form: kv_b_proj's key half W_uk is folded into the query, so attention is multi-query over
+[normed latent ; roped key] (one kv head of R + P dims) and the value half W_uv is applied after it. The cache
+holds the latent, not per-head keys and values (DeepSeek-V3: 576 numbers per token instead of 128 x 320); the
+scores are HF's q_nope . (W_uk latent) + q_rope . k_rope, reassociated. Letters: see `MLAttention`.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ class MLAttention(nnx.Module):
     """Args: hidden_size D; num_heads N; q_lora_rank (None: a plain q_proj); kv_lora_rank R; qk_nope_head_dim C;
     qk_rope_head_dim P; v_head_dim U; rope over P dims; rope_interleave: the checkpoint's rope dims are
     interleaved pairs (DeepSeek's layout); scale: the softmax scale (HF: (C + P) ** -0.5 times YaRN's mscale^2);
-    use_bias: HF's `attention_bias` on q_a_proj, kv_a_proj_with_mqa and o_proj.
+    eps: the latent norms' eps; use_bias: HF's `attention_bias` on q_a_proj, kv_a_proj_with_mqa and o_proj.
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
@@ -63,11 +57,8 @@ class MLAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache=None):
         """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache). The cache holds [B, S, 1, R + P]."""
         R, P, C, U = self.dims
-        if self.q_proj is not None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # [B, T, N, C + P]
-        q_nope, q_rope = q[..., :C], q[..., C:]
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q[..., :C], q[..., C:]  # q [B, T, N, C + P]
         kv = self.kv_a_proj_with_mqa(x)  # [B, T, R + P]
         latent, k_rope = self.kv_a_layernorm(kv[..., :R]), kv[..., None, R:]  # [B, T, R], [B, T, 1, P]
         if self.rope_interleave:

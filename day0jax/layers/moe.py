@@ -1,12 +1,6 @@
-"""Mixture-of-experts blocks: routers (softmax, top-k-then-softmax, DeepSeek's grouped sigmoid), stacked expert
-weights run through the `kernels_pallas` grouped matmul, and optional shared experts.
-
-Tokens never meet experts they were not routed to: the (token, chosen expert) rows are sorted by expert, each
-expert's rows go through its weights in one grouped matmul (`jax.lax.ragged_dot`'s contract), and the results
-are unsorted, weighted and summed per token. Work is proportional to tokens x top_k, not tokens x experts.
-
-Shapes (the letter legend of docs/architecture.md): M tokens (B*T flattened), D model, E experts, F expert hidden
-size, k experts per token.
+"""Mixture-of-experts blocks: routers, stacked expert weights run through the `kernels_pallas` grouped matmul
+(`jax.lax.ragged_dot`'s contract), and optional shared experts. Work is proportional to tokens x top_k, not
+tokens x experts. Shapes: M tokens (B*T flattened), D model, E experts, F expert hidden size, k experts per token.
 """
 
 from __future__ import annotations
@@ -27,15 +21,14 @@ ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 
 
 class Router(nnx.Module):
-    """Chooses k experts per token and their weights. Logits are computed in float32, as DeepSeek's router does.
+    """Chooses k experts per token and their weights, from float32 logits (as DeepSeek's router).
 
     Args:
-        routing: how scores become (weights, experts):
-            "softmax_topk": softmax over all experts, top k, renormalized when `norm_topk_prob` (Mixtral, Qwen MoE);
-            "topk_softmax": top k of the logits, softmax over those k (gpt-oss);
-            "sigmoid_grouped": sigmoid scores; experts chosen by score + `e_score_correction_bias` within the
-                `topk_group` best of `n_group` groups (a group's score: the sum of its top two); weights are the
-                plain scores, renormalized when `norm_topk_prob`, times `routed_scaling_factor` (DeepSeek-V3).
+        routing: "softmax_topk": softmax over all experts, top k, renormalized when `norm_topk_prob` (Mixtral, Qwen
+            MoE); "topk_softmax": softmax over the top k logits (gpt-oss); "sigmoid_grouped": experts chosen by
+            sigmoid score + `e_score_correction_bias` within the `topk_group` best of `n_group` groups (a group's
+            score: the sum of its top two), weighted by the plain scores, renormalized when `norm_topk_prob`, times
+            `routed_scaling_factor` (DeepSeek-V3).
         use_bias: a bias on the router logits (gpt-oss).
     """
 
@@ -89,7 +82,7 @@ def swiglu(act: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
 
 
 def clamped_swiglu(alpha: float, limit: float) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """gpt-oss: gate clamped above, up clamped both sides, (up + 1) * gate * sigmoid(alpha * gate)."""
+    """gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), with gate <= limit and |up| <= limit."""
     def glu(gate, up):
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
@@ -98,7 +91,7 @@ def clamped_swiglu(alpha: float, limit: float) -> Callable[[jax.Array, jax.Array
 
 
 class Experts(nnx.Module):
-    """E experts' weights stacked: gate_proj, up_proj [E, D, F], down_proj [E, F, D] (optional biases).
+    """E experts' weights stacked: gate_proj, up_proj [E, D, F], down_proj [E, F, D].
 
     Args:
         glu: (gate [.., F], up [.., F]) -> [.., F], e.g. `swiglu("silu")` or `clamped_swiglu(...)`.
@@ -112,16 +105,17 @@ class Experts(nnx.Module):
         self.gate_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
         self.up_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
         self.down_proj = param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), dtype, 1 / math.sqrt(F))
-        if use_bias:
-            self.gate_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
-            self.up_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0)
-            self.down_proj_bias = param(rngs, (E, D), ("experts", "embed"), dtype, 0.0)
-        else:
-            self.gate_proj_bias = self.up_proj_bias = self.down_proj_bias = None
+        self.gate_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0) if use_bias else None
+        self.up_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0) if use_bias else None
+        self.down_proj_bias = param(rngs, (E, D), ("experts", "embed"), dtype, 0.0) if use_bias else None
         self.num_experts, self.glu = E, glu
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """x [M, D], weights and expert ids [M, k] -> sum over k of weight * expert(x), [M, D]."""
+        """x [M, D], weights and expert ids [M, k] -> sum over k of weight * expert(x), [M, D].
+
+        Rows (token, choice) are sorted by expert, run through each expert's weights in one grouped matmul, then
+        weighted and summed back per token: tokens never meet experts they were not routed to.
+        """
         M, k = experts.shape
         flat = experts.reshape(-1)                   # [M*k], row r = (token r // k, its (r % k)-th choice)
         order = jnp.argsort(flat, stable=True)       # rows grouped by expert
@@ -146,8 +140,8 @@ class MoE(nnx.Module):
 
     Args:
         router / experts: the two parts; `router_name` is HF's name for the router ("gate" or "router").
-        shared: an MLP every token goes through as well (Qwen2-MoE's `shared_expert`, DeepSeek's
-            `shared_experts`: `shared_name`), or None.
+        shared: an MLP every token also goes through, named `shared_name` (Qwen2-MoE's `shared_expert`,
+            DeepSeek's `shared_experts`), or None.
         shared_gate: Linear D -> 1; the shared output is scaled by sigmoid(shared_gate(x)) (Qwen2-MoE).
     """
 
@@ -178,8 +172,6 @@ class MoE(nnx.Module):
         """The routed experts' grouped matmul, then the shared experts' own calls."""
         router = getattr(self, self.router_name)
         E, D, F = self.experts.gate_proj.shape
-        shared = None
-        if self.has_shared:
-            shared = self.shared_name + (" (gated)" if self.has_shared_gate else "")
+        shared = self.shared_name + (" (gated)" if self.has_shared_gate else "") if self.has_shared else None
         calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=router.routing, shared=shared)]
         return calls + (getattr(self, self.shared_name).op_calls() if self.has_shared else [])

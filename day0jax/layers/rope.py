@@ -1,9 +1,6 @@
-"""Rotary position embeddings with HF's half-split layout and its scaling variants.
-
-Supported `rope_type`s: default, linear, dynamic, yarn, llama3, longrope; the math follows transformers'
-`modeling_rope_utils.py`. `dynamic` and `longrope` depend on the longest position in the call, as in HF, so
-they are computed in-graph from `positions`. Anything else is refused by `rope_parameters` with the key named.
-"""
+"""Rotary position embeddings with HF's half-split layout and the scalings of transformers'
+`modeling_rope_utils.py` (`ROPE_TYPES`). `dynamic` and `longrope` depend on the longest position in the call, as
+in HF, so they are computed in-graph."""
 
 from __future__ import annotations
 
@@ -101,8 +98,7 @@ class Rope:
     def inv_freq_and_scale(self, seq_len: jax.Array) -> tuple[jax.Array, float | jax.Array]:
         """Inverse frequencies [rotary_dim/2] and the cos/sin scale, for calls whose longest position is seq_len-1."""
         p, dim = self.params, self.rotary_dim
-        base = float(p["rope_theta"])
-        kind = p["rope_type"]
+        base, kind = float(p["rope_theta"]), p["rope_type"]
         if kind == "default":
             return self._base_inv_freq(base), 1.0
         if kind == "linear":
@@ -130,11 +126,8 @@ class Rope:
         raise UnsupportedArchitecture(f"rope_type={kind!r}")
 
     def cos_sin(self, positions: jax.Array, seq_len: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """cos, sin of shape [B, T, rotary_dim] in float32 for integer positions [B, T].
-
-        `seq_len` is the length HF would see for this call (default: the largest position + 1); callers that pad
-        pass the real one, since `dynamic` and `longrope` depend on it.
-        """
+        """cos, sin [B, T, rotary_dim] float32 for integer positions [B, T]. `seq_len`: the length HF would see
+        (default: the largest position + 1); callers that pad pass the real one, for `dynamic` and `longrope`."""
         inv_freq, scale = self.inv_freq_and_scale(jnp.max(positions) + 1 if seq_len is None else seq_len)
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
         emb = jnp.concatenate([freqs, freqs], axis=-1)

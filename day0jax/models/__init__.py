@@ -1,8 +1,5 @@
-"""Model families: `model_type` -> the module that implements it, and the helpers that build models.
-
-Each family module ends with `FAMILY = contract.Family(...)` (what it holds is stated in `contract.py`);
-`family(model_type)` returns that object, and nothing else is read from a family module.
-"""
+"""Model families: `model_type` -> the module whose `FAMILY` (a `contract.Family`, the only thing read from it)
+implements it, and the helpers that build models."""
 
 from __future__ import annotations
 
@@ -20,24 +17,9 @@ from day0jax.errors import UnsupportedArchitecture
 if TYPE_CHECKING:  # the family modules import it; importing it here would load every layer up front
     from day0jax.models.contract import Family
 
-FAMILIES = {
-    "llama": "day0jax.models.llama",
-    "mistral": "day0jax.models.mistral",
-    "qwen2": "day0jax.models.qwen2",
-    "qwen3": "day0jax.models.qwen3",
-    "qwen2_moe": "day0jax.models.qwen2_moe",
-    "qwen3_moe": "day0jax.models.qwen3_moe",
-    "mixtral": "day0jax.models.mixtral",
-    "gemma": "day0jax.models.gemma",
-    "gemma2": "day0jax.models.gemma2",
-    "gemma3_text": "day0jax.models.gemma3_text",
-    "phi3": "day0jax.models.phi3",
-    "olmo2": "day0jax.models.olmo2",
-    "deepseek_v3": "day0jax.models.deepseek_v3",
-    "gpt_oss": "day0jax.models.gpt_oss",
-    "smollm3": "day0jax.models.smollm3",
-    "granite": "day0jax.models.granite",
-}
+FAMILIES = {name: f"day0jax.models.{name}" for name in (
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3",
+    "olmo2", "deepseek_v3", "gpt_oss", "smollm3", "granite")}
 
 
 def family(model_type: str) -> Family:
@@ -54,8 +36,7 @@ def family(model_type: str) -> Family:
 
 
 def closest(model_type: str) -> str:
-    """The supported family nearest `model_type`: the longest shared prefix first ('gemma3' -> 'gemma3_text',
-    'qwen3_mo' -> 'qwen3_moe'), then string similarity."""
+    """The supported family nearest `model_type`: longest shared prefix ('gemma3' -> 'gemma3_text'), then similarity."""
     def score(name):
         shared = len(os.path.commonprefix([name, model_type]))
         return shared, difflib.SequenceMatcher(None, model_type, name).ratio()

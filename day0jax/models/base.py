@@ -1,10 +1,5 @@
-"""What every decoder-only family shares: the embed -> layers -> norm -> head skeleton, the config base with its
-refusals, and the default mapping from Hugging Face tensor names to runtime parameters.
-
-A family subclasses `CausalLM`, says how to build one layer (`make_layer`) and, only where it differs from HF's
-plain naming, how its parameters map to HF tensors (its `contract.Family.hf_source`). Its `Config` subclasses
-`HFConfig`.
-"""
+"""What every decoder-only family shares: the config base and its refusals, the embed -> layers -> norm -> head
+skeleton (`CausalLM`), and the default mapping from HF tensor names to runtime parameters."""
 
 from __future__ import annotations
 
@@ -39,19 +34,11 @@ def refuse(key: str, value: Any, why: str = "is not implemented") -> NoReturn:
 
 @dataclass(frozen=True, eq=False)
 class HFConfig:
-    """Base of family configs: `from_hf` (with HF's key aliases), the values HF derives, and the helpers
-    `__post_init__`s use.
-
-    Fields keep exactly what config.json gave (HF's default when absent) and are never rewritten. What HF derives
-    from them is a property with its own name: `kv_heads` (K), `head_size` (H), `rope` (the normalized RoPE
-    dict); families add theirs (e.g. `LayerTypes.layer_kinds`). These read the attention and RoPE keys every family
-    declares (num_attention_heads, num_key_value_heads, head_dim, hidden_size, rope_parameters, rope_scaling,
-    rope_theta, max_position_embeddings); a family whose HF config derives them otherwise overrides them.
-    `__post_init__` only refuses, and reads the properties to do so (a bad RoPE or layer list fails at load).
-
-    Class attributes a family may set: `ALIASES` (old or alternative HF key -> the field it means, as HF's
-    `attribute_map`), `DEFAULT_THETA` (HF's `default_theta`).
-    """
+    """Base of family configs (conventions: docs/adding_a_family.md). Fields keep exactly what config.json gave;
+    what HF derives is a property (`kv_heads` K, `head_size` H, `rope`) read from the head, hidden_size, rope_* and
+    max_position_embeddings keys every family declares, overridden where HF derives it otherwise. `__post_init__`
+    only refuses, reading the properties so that a bad value fails at load. `ALIASES` is HF's `attribute_map` (old
+    key -> field), `DEFAULT_THETA` its `default_theta`."""
 
     ALIASES: ClassVar[dict[str, str]] = {}
     DEFAULT_THETA: ClassVar[float] = 10000.0
@@ -63,8 +50,7 @@ class HFConfig:
 
         Args:
             hf: the config.json dict.
-            strict: refuse keys the family does not declare and that are not known to be harmless
-                (`day0jax.weights.hf_config.IGNORED_KEYS`); `day0jax.check` passes False to report them instead.
+            strict: refuse keys neither declared nor in `weights.hf_config.IGNORED_KEYS` (`check` passes False).
         Raises:
             UnsupportedArchitecture: an unknown key (when strict) or a value the family does not implement.
             ConfigError: a required key is missing.
@@ -72,8 +58,7 @@ class HFConfig:
         hf = dict(hf)
         for alias, field in cls.ALIASES.items():
             if alias in hf:
-                value = hf.pop(alias)
-                hf.setdefault(field, value)
+                hf.setdefault(field, hf.pop(alias))
         config = config_lib.from_hf(cls, hf)
         if strict and config.unknown_keys:
             shown = ", ".join(f"{k}={hf.get(k)!r}" for k in config.unknown_keys)
@@ -84,25 +69,22 @@ class HFConfig:
         return config
 
     def __post_init__(self):
-        """The refusals of a Llama-like config: kv heads that do not group the query heads evenly, an unknown
-        `hidden_act`, a RoPE that is not implemented. Families with other keys extend or replace it."""
+        """Refuses uneven kv head groups, an unknown `hidden_act`, an unimplemented RoPE; families extend it."""
         self._check_heads()
         self._activation()
         self._check_derived("rope")
 
     @property
     def kv_heads(self) -> int:
-        """K: `num_key_value_heads`, or one kv head per query head when it is None (as HF)."""
         return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
 
     @property
     def head_size(self) -> int:
-        """H: `head_dim`, or hidden_size // num_attention_heads when it is None (as HF)."""
         return self.hidden_size // self.num_attention_heads if self.head_dim is None else self.head_dim
 
     @cached_property
     def rope(self) -> dict[str, Any]:
-        """The normalized RoPE dict (see `layers.rope.rope_parameters`) from this config's rope keys.
+        """The normalized RoPE dict (`layers.rope.rope_parameters`).
 
         Raises:
             UnsupportedArchitecture: a rope_type, or a key of it, that is not implemented.
@@ -110,19 +92,15 @@ class HFConfig:
         return self._rope()
 
     def _check_heads(self) -> None:
-        """Refuses kv heads that do not group the query heads evenly."""
         if self.num_attention_heads % self.kv_heads:
             refuse("num_key_value_heads", self.kv_heads,
                    f"does not divide num_attention_heads={self.num_attention_heads}")
 
     def _check_derived(self, *names: str) -> None:
-        """Computes the derived properties `names` now, so that their refusals come when the config is built."""
         for name in names:
             getattr(self, name)
 
     def _rope(self, params: dict | None = None, **kwargs) -> dict[str, Any]:
-        """The normalized RoPE dict from `params` (default: `rope_parameters`), `rope_scaling` and `rope_theta`;
-        `kwargs` go to `layers.rope.rope_parameters` (e.g. `partial_rotary_factor`)."""
         return rope_parameters(self.rope_parameters if params is None else params, self.rope_scaling,
                                self.rope_theta, default_theta=self.DEFAULT_THETA,
                                max_position_embeddings=self.max_position_embeddings, **kwargs)
@@ -137,11 +115,8 @@ class HFConfig:
 
 
 class LayerTypes:
-    """Mixin of configs with HF's `layer_types` and `sliding_window` keys: each layer's attention kind and window.
-
-    A family says which layers slide when `layer_types` is None (`slides_by_default`, HF's default pattern) and,
-    where HF applies the window only under a flag, overrides `window`.
-    """
+    """Mixin of configs with HF's `layer_types` and `sliding_window`: each layer's attention kind and window.
+    A family gives HF's default pattern (`slides_by_default`) and overrides `window` where HF gates it by a flag."""
 
     def slides_by_default(self, index: int) -> bool:
         """Whether layer `index` slides when `layer_types` is None."""
@@ -149,7 +124,6 @@ class LayerTypes:
 
     @property
     def window(self) -> int | None:
-        """The window of the sliding layers: `sliding_window` (None: no window)."""
         return self.sliding_window
 
     @cached_property
@@ -177,10 +151,8 @@ class LayerTypes:
 # --- modules ---------------------------------------------------------------------------------------------------
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). HF names kept.
-
-    `residual_multiplier` scales each block's output before the residual add (Granite); 1.0 elsewhere.
-    """
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)), each block's output times
+    `residual_multiplier` (Granite; 1.0 elsewhere). HF names kept."""
 
     def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, input_layernorm: RMSNorm,
                  post_attention_layernorm: RMSNorm, residual_multiplier: float = 1.0):
@@ -208,12 +180,8 @@ class Backbone(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Token ids -> hidden states (with an optional per-layer KV cache) -> float32 logits.
-
-    Subclasses set `config` fields and implement `make_layer`; the constructor does the rest. Hooks:
-    `make_rope` / `make_ropes` (families whose layers use different RoPEs return them all), `make_norm`,
-    `embed` (scaled embeddings), `logits` (soft-capping, scaling) and `cache_layout`.
-    """
+    """Token ids -> hidden states (with an optional per-layer KV cache) -> float32 logits. Subclasses implement
+    `make_layer`; hooks: `make_rope`/`make_ropes`, `make_norm`, `embed`, `logits`, `cache_layout`."""
 
     def __init__(self, config: Any, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
@@ -226,7 +194,6 @@ class CausalLM(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(
             (D,), (config.vocab_size,), ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
-    # --- hooks ---------------------------------------------------------------------------------------------
     def make_rope(self) -> Rope:
         c = self.config
         return Rope(c.rope, c.head_size, c.max_position_embeddings)
@@ -250,28 +217,21 @@ class CausalLM(nnx.Module):
         return self.model.embed_tokens(tokens)
 
     def op_calls(self) -> list[tuple[int | None, OpCall]]:
-        """Every op call the forward pass makes, as (layer index, call); the final norm's layer is None. This
-        is the model's one description of its operators: the readiness report, the kernel self-test and the
-        memory planner read it."""
+        """(layer index, call) for every op call of the forward pass (None: the final norm): the one description
+        of the model's operators that the readiness report, the kernel self-test and the memory planner read."""
         calls = [(i, call) for i, layer in enumerate(self.model.layers) for call in layer.op_calls()]
         return calls + [(None, call) for call in self.model.norm.op_calls()]
 
-    # --- forward -------------------------------------------------------------------------------------------
     def __call__(self, tokens: jax.Array, positions: jax.Array, caches: Sequence[Any] | None = None,
                  seq_len: jax.Array | None = None) -> tuple[jax.Array, list[Any] | None]:
-        """tokens, positions [B, T] int32 -> (final hidden states [B, T, D], updated caches or None).
-
-        `seq_len`: the unpadded length of the longest sequence, for RoPE variants that depend on it.
-        """
-        x, new_caches, _ = self._run(tokens, positions, caches, seq_len, collect=False)
-        return x, new_caches
+        """tokens, positions [B, T] int32 -> (final hidden states [B, T, D], updated caches or None). `seq_len`:
+        the unpadded length of the longest sequence, for RoPE variants that depend on it."""
+        return self._run(tokens, positions, caches, seq_len, collect=False)[:2]
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, seq_len: jax.Array | None = None
                       ) -> list[jax.Array]:
-        """The residual stream as transformers' `output_hidden_states=True` reports it, without a cache.
-
-        Returns L + 1 arrays [B, T, D]: the embeddings, the output of layers 1..L-1, and the final normed output.
-        """
+        """The residual stream as transformers' `output_hidden_states=True` reports it (no cache): L + 1 arrays
+        [B, T, D], the embeddings, the output of layers 1..L-1, and the final normed output."""
         x, _, hidden = self._run(tokens, positions, None, seq_len, collect=True)
         return hidden[:-1] + [x]
 
@@ -300,14 +260,11 @@ class CausalLM(nnx.Module):
 
 @dataclass(frozen=True)
 class Source:
-    """Where a runtime parameter comes from: HF tensors and how to make them one array of the runtime's shape.
-
-    `combine` receives the tensors (as numpy arrays, in `names` order) and the target shape.
-    """
+    """Where a runtime parameter comes from: HF tensors `names`, their required `shapes` (checked first), and
+    `combine(numpy arrays in names order, target shape)`, which makes them one array of the runtime's shape."""
 
     names: tuple[str, ...]
     combine: Callable[[list[np.ndarray], tuple[int, ...]], np.ndarray]
-    # What the source tensors' shapes must be, per name (checked before `combine`).
     shapes: tuple[tuple[int, ...], ...]
 
 
@@ -328,18 +285,15 @@ def default_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source:
 
 def per_expert_source(path: str, shape: tuple[int, ...], prefix: Callable[[str], str] = lambda p: p,
                       names: dict[str, str] | None = None) -> Source | None:
-    """`<p>.experts.gate_proj|up_proj|down_proj` [E, in, out] <- `<prefix(p)>.experts.<e>.<name>.weight` for each e.
-
-    What transformers' save_pretrained writes for Mixtral, Qwen-MoE and DeepSeek (one Linear per expert).
-    `names` renames the projections (Mixtral: w1, w3, w2); `prefix` renames the block (Mixtral:
-    `mlp` -> `block_sparse_moe`). None for paths that are not stacked expert weights.
-    """
+    """`<p>.experts.gate_proj|up_proj|down_proj` [E, in, out] <- each e's `<prefix(p)>.experts.<e>.<name>.weight`
+    [out, in], transposed and stacked: save_pretrained's one Linear per expert (Mixtral, Qwen-MoE, DeepSeek).
+    `names` renames the projections and `prefix` the block (Mixtral: w1/w3/w2, `block_sparse_moe`); None for
+    other paths."""
     m = re.fullmatch(r"(.*)\.experts\.(gate_proj|up_proj|down_proj)", path)
     if not m:
         return None
     E, fan_in, fan_out = shape
     name = (names or {}).get(m[2], m[2])
-    # Each HF weight [out, in] is transposed, then the E of them stacked.
     return Source(tuple(f"{prefix(m[1])}.experts.{e}.{name}.weight" for e in range(E)),
                   lambda arrays, shape: np.stack([a.T for a in arrays]).reshape(shape), ((fan_out, fan_in),) * E)
 

@@ -1,8 +1,5 @@
-"""What a model family hands the rest of day0jax: one `Family` object, the `FAMILY` of its module.
-
-The runtime, the converter and the readiness report read a family only through these attributes, so what a
-family must define (and what it may leave to a default) is stated here and nowhere else.
-"""
+"""What a model family hands the rest of day0jax: its module's `FAMILY`, the only way the runtime, the converter
+and the readiness report read it."""
 
 from __future__ import annotations
 
@@ -28,14 +25,12 @@ class Family:
 
     Attributes:
         model_types: the config.json `model_type`s it implements.
-        config: its config class, an `HFConfig` (fields are HF keys; `config.from_hf(hf)` builds one and refuses
-            what the family does not implement).
+        config: its `HFConfig` class (fields are HF keys; `from_hf(hf)` refuses what the family does not implement).
         model: its model class (usually a `base.CausalLM`), built as `model(config, dtype=..., rngs=...)`.
         dropped: regex -> why, for HF tensors deliberately not read (the converter refuses any other unused one).
         dropped_for: config -> more such regexes, for tensors dropped only under some configs (default: none).
         hf_source: (config, runtime path, runtime shape, parameter metadata) -> the `Source` of a parameter whose
-            HF tensors differ from the runtime's naming or layout, or None for `base.default_source` (the
-            default: None for every parameter).
+            HF naming or layout differs, or None for `base.default_source` (the default, for every parameter).
     """
 
     model_types: tuple[str, ...]

@@ -1,13 +1,6 @@
-"""DeepSeek-V3: multi-head latent attention (low-rank q and kv, decoupled RoPE) and MoE layers after the first
-`first_k_dense_replace` dense ones: sigmoid scores, expert choice biased by `e_score_correction_bias` within the
-best `topk_group` of `n_group` groups, weights renormalized and times `routed_scaling_factor`, plus shared experts.
-
-HF reference: transformers/models/deepseek_v3/modeling_deepseek_v3.py. The attention runs in the absorbed form
-(see `layers/mla.py`): the KV cache holds one latent of kv_lora_rank + qk_rope_head_dim per token. With YaRN
-RoPE the softmax scale gains mscale(factor, mscale_all_dim) ** 2, as in HF. The multi-token-prediction layers
-(`num_nextn_predict_layers`) serve speculative decoding only and are not part of the forward pass. HF builds
-q_a_layernorm and kv_a_layernorm with RMSNorm's default eps (1e-6), not `rms_norm_eps`; so do we.
-"""
+"""DeepSeek-V3: multi-head latent attention (`layers/mla.py`) and, after the first `first_k_dense_replace` dense
+layers, MoE layers with grouped sigmoid routing and shared experts.
+HF reference: transformers/models/deepseek_v3/modeling_deepseek_v3.py."""
 
 from __future__ import annotations
 
@@ -95,8 +88,7 @@ class Config(HFConfig):
 
     @property
     def softmax_scale(self) -> float:
-        """qk_head_size ** -0.5, times mscale(factor, mscale_all_dim) ** 2 when a scaled RoPE sets mscale_all_dim
-        (as HF)."""
+        """qk_head_size ** -0.5, times mscale(factor, mscale_all_dim) ** 2 when a scaled RoPE sets it (as HF)."""
         scale = self.qk_head_size ** -0.5
         r = self.rope
         if r["rope_type"] != "default" and r.get("mscale_all_dim"):
@@ -108,6 +100,7 @@ class Config(HFConfig):
 class Model(llama.LlamaLike):
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> MLAttention:
         c = self.config
+        # eps: HF builds q_a_layernorm and kv_a_layernorm with RMSNorm's default 1e-6, not rms_norm_eps.
         return MLAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
                            kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                            qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, rope=self.rope,
@@ -129,7 +122,7 @@ class Model(llama.LlamaLike):
                    shared=shared, shared_name="shared_experts")
 
     def cache_layout(self) -> list[tuple[int, int, int]]:
-        # One shared "head": the normed latent and the roped key; the value is the latent (see layers/mla.py).
+        # One shared "head": [normed latent ; roped key], also the value (see layers/mla.py).
         c = self.config
         d = c.kv_lora_rank + c.qk_rope_head_dim
         return [(1, d, d)] * c.num_hidden_layers

@@ -1,9 +1,6 @@
-"""Gemma: Llama's layout with embeddings scaled by sqrt(hidden_size), (1 + weight) RMSNorms, tanh-GELU gating,
-and tied embeddings.
-
-HF reference: transformers/models/gemma/modeling_gemma.py. The norm weights are stored as w - 1 (HF's layout,
-kept); `hidden_act="gelu"` in old configs means the tanh approximation, as HF's config maps it.
-"""
+"""Gemma: Llama's layout with embeddings scaled by sqrt(hidden_size), (1 + weight) RMSNorms (weights stored as
+w - 1, HF's layout), tanh-GELU gating, and tied embeddings.
+HF reference: transformers/models/gemma/modeling_gemma.py."""
 
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ class Config(HFConfig):
 
     @property
     def activation(self) -> str:
-        """The MLP's activation: `hidden_act`, where the legacy "gelu" means the tanh approximation (HF's
-        GemmaConfig rewrites it so)."""
+        """`hidden_act`, where the legacy "gelu" means the tanh approximation (HF's GemmaConfig rewrites it so)."""
         return "gelu_pytorch_tanh" if self.hidden_act == "gelu" else self.hidden_act
 
 

@@ -1,8 +1,6 @@
 """Gemma 2: Gemma with norms before and after both blocks, alternating sliding/global attention layers, the
 softmax scaled by `query_pre_attn_scalar` ** -0.5, and tanh soft-capping of attention scores and final logits.
-
-HF reference: transformers/models/gemma2/modeling_gemma2.py.
-"""
+HF reference: transformers/models/gemma2/modeling_gemma2.py."""
 
 from __future__ import annotations
 
@@ -42,7 +40,6 @@ class Config(LayerTypes, gemma.Config):
 
     @property
     def activation(self) -> str:
-        """`hidden_activation`, the one activation key HF's Gemma 2 reads."""
         return self.hidden_activation
 
     def slides_by_default(self, index: int) -> bool:

@@ -1,11 +1,7 @@
-"""Gemma 3 (text): Gemma 2's sandwich layers with RMSNorm on q and k instead of attention soft-capping, and a
-separate RoPE for the sliding-window ("local") layers.
-
-HF reference: transformers/models/gemma3/modeling_gemma3.py. RoPE comes per layer type: transformers 5 writes
-`rope_parameters = {"full_attention": {...}, "sliding_attention": {...}}`; older configs give `rope_theta`
-(+ `rope_scaling`) for the global layers and `rope_local_base_freq` for the local ones. HF's Gemma 3 does not
-apply `attn_logit_softcapping` (its attention is called without it); neither do we, to give the same numbers.
-"""
+"""Gemma 3 (text): Gemma 2's sandwich layers with RMSNorm on q and k instead of attention soft-capping (HF does
+not apply `attn_logit_softcapping` even when set; neither do we), and a separate RoPE for the sliding ("local")
+layers.
+HF reference: transformers/models/gemma3/modeling_gemma3.py."""
 
 from __future__ import annotations
 
@@ -45,11 +41,11 @@ class Config(gemma2.Config):
 
     @cached_property
     def local_rope(self) -> dict:
-        """The RoPE of the sliding-window ("local") layers."""
         return self._ropes()[1]
 
     def _ropes(self) -> tuple[dict, dict]:
-        """(global, local) normalized RoPE dicts, from either form of the config (see the module docstring)."""
+        # transformers 5 writes {"full_attention": {...}, "sliding_attention": {...}}; older configs give
+        # rope_theta (+ rope_scaling) for the global layers and rope_local_base_freq for the local ones.
         given = self.rope_parameters or {}
         if "full_attention" in given or "sliding_attention" in given:
             full, local = dict(given.get("full_attention") or {}), dict(given.get("sliding_attention") or {})

@@ -1,12 +1,8 @@
 """gpt-oss: attention with learned sinks and biases, alternating sliding/global layers, YaRN RoPE, and an MoE
-in every layer: top-k of the (biased) router logits, softmax over those k, experts with biases and a clamped
-SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit).
-
-HF reference: transformers/models/gpt_oss/modeling_gpt_oss.py. The checkpoint stores experts fused and not
-transposed: `experts.gate_up_proj` [E, D, 2F] with gate and up interleaved column by column (`::2`, `1::2`),
-`experts.down_proj` [E, F, D]; `hf_source` splits them. (OpenAI's MXFP4-packed release, `*_blocks`/`*_scales`,
-must be dequantized first, e.g. by loading it with transformers and saving it.)
-"""
+in every layer (softmax over the top k of biased router logits; experts with biases and a clamped SwiGLU).
+HF reference: transformers/models/gpt_oss/modeling_gpt_oss.py. Experts are stored fused and not transposed
+(`gate_up_proj` [E, D, 2F], `down_proj` [E, F, D]). OpenAI's MXFP4-packed release (`*_blocks`/`*_scales`) must
+be dequantized first, e.g. by loading it with transformers and saving it."""
 
 from __future__ import annotations
 
@@ -82,7 +78,7 @@ class Model(llama.LlamaLike):
 
 
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
-    """Splits the interleaved gate_up_proj (and its bias) into gate_proj and up_proj."""
+    """Splits gate_up_proj (and its bias), gate and up interleaved column by column, into gate_proj and up_proj."""
     m = re.fullmatch(r"(.*\.experts)\.(gate|up)_proj(_bias)?", path)
     if not m:
         return None

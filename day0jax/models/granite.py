@@ -1,9 +1,6 @@
-"""Granite: Llama with four scalar multipliers (IBM's muP-style parametrization).
-
-HF reference: transformers/models/granite/modeling_granite.py: embeddings times `embedding_multiplier`,
-attention scores times `attention_multiplier` (instead of head_dim ** -0.5), each block's output times
-`residual_multiplier` before the residual add, logits divided by `logits_scaling`.
-"""
+"""Granite: Llama with muP-style multipliers: embeddings times `embedding_multiplier`, attention scores times
+`attention_multiplier` (not head_dim ** -0.5), block outputs times `residual_multiplier`, logits / `logits_scaling`.
+HF reference: transformers/models/granite/modeling_granite.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Llama (and every family that is Llama with other defaults): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
-
-HF reference: transformers/models/llama/modeling_llama.py. Tensor names are HF's; the default mapping in
-`base.py` covers them all.
-"""
+"""Llama (and `LlamaLike`, the base of families that are Llama with other defaults): RMSNorm, RoPE, GQA, SwiGLU.
+HF reference: transformers/models/llama/modeling_llama.py (plain HF tensor names)."""
 
 from __future__ import annotations
 
@@ -41,16 +38,14 @@ class Config(HFConfig):
 
 
 class LlamaLike(CausalLM):
-    """Llama's layers reading only the keys every Llama-like config has (sizes, heads, `hidden_act`, RoPE, norm
-    eps); families override the pieces that differ (`attention_kwargs`, `mlp_kwargs`, `make_mlp`, ...)."""
+    """Llama's layers reading only the keys every Llama-like config has; families override what differs."""
 
     def attention_kwargs(self, index: int) -> dict:
-        """Keyword arguments of layer `index`'s `Attention` beyond the head shapes (here: RoPE only, so no
-        biases and full attention)."""
+        """Layer `index`'s `Attention` arguments beyond the head shapes (here: no biases, full attention)."""
         return dict(rope=self.rope)
 
     def mlp_kwargs(self, index: int) -> dict:
-        """Keyword arguments of layer `index`'s `GatedMLP` beyond its sizes and activation (here: none)."""
+        """Layer `index`'s `GatedMLP` arguments beyond its sizes and activation."""
         return {}
 
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> Attention:

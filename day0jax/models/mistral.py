@@ -1,8 +1,6 @@
-"""Mistral: Llama math plus a sliding attention window (`sliding_window`, None for full attention).
-
-HF reference: transformers/models/mistral/modeling_mistral.py. HF's MistralConfig defaults differ from Llama's
-(window 4096, 32k positions), so a config.json that omits them means these values.
-"""
+"""Mistral: Llama plus a sliding attention window (`sliding_window`, None for full attention).
+HF reference: transformers/models/mistral/modeling_mistral.py. MistralConfig's defaults (window 4096, 4096 * 32
+positions) differ from Llama's, and a config.json that omits them means these."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Mixtral: Mistral attention with a sparse MoE in every layer: softmax over `num_local_experts`, top
-`num_experts_per_tok`, renormalized; each expert a SwiGLU of `intermediate_size`.
-
-HF reference: transformers/models/mixtral/modeling_mixtral.py. Checkpoints name the block `block_sparse_moe`
-and the expert projections w1 (gate), w3 (up), w2 (down); the runtime uses transformers 5's `mlp.gate` and
-`mlp.experts.{gate,up,down}_proj`, and `hf_source` maps between them.
-"""
+"""Mixtral: Mistral attention with a renormalized softmax top-k MoE in every layer (experts of `intermediate_size`).
+HF reference: transformers/models/mixtral/modeling_mixtral.py. Checkpoints say `block_sparse_moe` and w1/w3/w2
+where the runtime has transformers 5's `mlp.gate` and `mlp.experts.{gate,up,down}_proj`: see `hf_source`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""OLMo 2: no pre-norms; RMSNorm on each block's output before the residual add, and RMSNorm on the whole q and
-k projections (all heads together, before RoPE).
-
-HF reference: transformers/models/olmo2/modeling_olmo2.py.
-"""
+"""OLMo 2: no pre-norms; RMSNorm on each block's output before the residual add, and on the whole q and k
+projections (all heads together, before RoPE).
+HF reference: transformers/models/olmo2/modeling_olmo2.py."""
 
 from __future__ import annotations
 

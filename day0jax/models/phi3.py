@@ -1,10 +1,7 @@
-"""Phi-3: Llama math with fused projections in the checkpoint (`qkv_proj`, `gate_up_proj`), partial rotary
-dims and LongRoPE ("su" in old configs).
-
-HF reference: transformers/models/phi3/modeling_phi3.py. The fused HF weights are split into q/k/v and gate/up
-on conversion (`hf_source`), so tensor parallelism splits heads and the MLP as it does for Llama.
-`original_max_position_embeddings` (top level) is the pretraining context LongRoPE switches at, as in HF.
-"""
+"""Phi-3: Llama math with partial rotary dims, LongRoPE (switching at the top-level
+`original_max_position_embeddings`, as HF), and fused `qkv_proj`, `gate_up_proj` in the checkpoint.
+HF reference: transformers/models/phi3/modeling_phi3.py. `hf_source` splits the fused weights on conversion, so
+tensor parallelism splits heads and the MLP as for Llama."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ class Config(HFConfig):
 
     @cached_property
     def rope(self) -> dict:
-        """The normalized RoPE dict, with HF's Phi-3 renames ("su" and "yarn" are LongRoPE) and LongRoPE's
-        switch at the top-level `original_max_position_embeddings`.
+        """The normalized RoPE dict, with HF's Phi-3 renames ("su" and "yarn" are LongRoPE).
 
         Raises:
             UnsupportedArchitecture: a rope_type Phi-3 does not have.

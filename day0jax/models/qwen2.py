@@ -1,8 +1,6 @@
-"""Qwen2: Llama with biases on q/k/v (always on, no config key) and optional sliding-window layers.
-
-HF reference: transformers/models/qwen2/modeling_qwen2.py. The window applies only when `use_sliding_window`
-is set, to the layers `layer_types` marks "sliding_attention" (by default those from `max_window_layers` on).
-"""
+"""Qwen2: Llama with q/k/v biases (always on, no config key) and optional sliding-window layers.
+HF reference: transformers/models/qwen2/modeling_qwen2.py. The window applies only under `use_sliding_window`, to
+the layers `layer_types` marks sliding (by default those from `max_window_layers` on)."""
 
 from __future__ import annotations
 
@@ -41,7 +39,6 @@ class Config(LayerTypes, HFConfig):
 
     @property
     def window(self) -> int | None:
-        """`sliding_window` when `use_sliding_window`, else None (no window), as HF."""
         return self.sliding_window if self.use_sliding_window else None
 
     def slides_by_default(self, index: int) -> bool:

@@ -1,10 +1,6 @@
-"""Qwen2-MoE: Qwen2 attention (q/k/v biases per `qkv_bias`) with sparse MoE MLPs: softmax routing over
-`num_experts`, top `num_experts_per_tok` (renormalized when `norm_topk_prob`), plus a shared expert every token
-uses, scaled by sigmoid(shared_expert_gate(x)).
-
-HF reference: transformers/models/qwen2_moe/modeling_qwen2_moe.py. A layer is sparse unless listed in
-`mlp_only_layers` or skipped by `decoder_sparse_step`; dense layers use `intermediate_size`.
-"""
+"""Qwen2-MoE: Qwen2 attention (q/k/v biases per `qkv_bias`) with softmax top-k MoE MLPs plus a shared expert
+scaled by sigmoid(shared_expert_gate(x)); dense layers (see `is_sparse`) use `intermediate_size`.
+HF reference: transformers/models/qwen2_moe/modeling_qwen2_moe.py."""
 
 from __future__ import annotations
 

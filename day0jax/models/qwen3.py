@@ -1,7 +1,5 @@
 """Qwen3: Qwen2's layer layout with RMSNorm on each head's q and k (before RoPE) and `attention_bias` (off).
-
-HF reference: transformers/models/qwen3/modeling_qwen3.py.
-"""
+HF reference: transformers/models/qwen3/modeling_qwen3.py."""
 
 from __future__ import annotations
 

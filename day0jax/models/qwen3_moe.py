@@ -1,8 +1,5 @@
 """Qwen3-MoE: Qwen3 attention (per-head q/k RMSNorm) with sparse MoE MLPs (softmax top-k, no shared expert).
-
-HF reference: transformers/models/qwen3_moe/modeling_qwen3_moe.py. transformers 5 writes `num_local_experts`
-for what older configs call `num_experts`; both are read. With `use_sliding_window`, every layer slides.
-"""
+HF reference: transformers/models/qwen3_moe/modeling_qwen3_moe.py."""
 
 from __future__ import annotations
 
@@ -46,7 +43,7 @@ class Config(HFConfig):
 
     @property
     def window(self) -> int | None:
-        """The sliding window of every layer: `sliding_window` when `use_sliding_window`, else None (as HF)."""
+        """The window of every layer, which HF applies only under `use_sliding_window`."""
         return self.sliding_window if self.use_sliding_window else None
 
     def is_sparse(self, index: int) -> bool:

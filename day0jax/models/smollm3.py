@@ -1,9 +1,6 @@
-"""SmolLM3: Llama with some layers that use no positions at all (NoPE), per `no_rope_layers`.
-
-HF reference: transformers/models/smollm3/modeling_smollm3.py. `no_rope_layers[i]` is 1 where layer i applies
-RoPE and 0 where it does not (by default every `no_rope_layer_interval`-th layer); with `use_sliding_window`,
-NoPE layers may be marked "sliding_attention" in `layer_types`.
-"""
+"""SmolLM3: Llama where the layers `no_rope_layers` marks 0 use no positions (NoPE); under `use_sliding_window`
+they are the ones that slide by default.
+HF reference: transformers/models/smollm3/modeling_smollm3.py."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ class Config(LayerTypes, llama.Config):
 
     @cached_property
     def rope_layers(self) -> tuple[bool, ...]:
-        """Whether each layer applies RoPE: `no_rope_layers` (1 = RoPE), by default all but every
-        `no_rope_layer_interval`-th layer.
+        """Whether each layer applies RoPE: `no_rope_layers`, by default all but every `no_rope_layer_interval`-th.
 
         Raises:
             UnsupportedArchitecture: not a 0 or 1 for each layer.
@@ -53,11 +49,9 @@ class Config(LayerTypes, llama.Config):
 
     @property
     def window(self) -> int | None:
-        """`sliding_window` when `use_sliding_window`, else None (no window), as HF."""
         return self.sliding_window if self.use_sliding_window else None
 
     def slides_by_default(self, index: int) -> bool:
-        """With a window, the NoPE layers slide."""
         return self.window is not None and not self.rope_layers[index]
 
 

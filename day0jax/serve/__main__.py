@@ -1,11 +1,9 @@
 """`python -m day0jax.serve`: load a checkpoint (the embedded default without --model), warm up, serve.
 
-The HTTP socket opens at once; /health answers 503 while the model loads and every program the engine can run
-is compiled or loaded from the compile cache (day0jax/startup/), 200 when ready. The log is short: one line per
-startup phase with its time, a progress bar while compiling, then the URL; `--log-level debug` adds the
-libraries' messages and the full startup timeline, which /metrics also exports. SIGTERM (or Ctrl-C) stops
-admitting (503), lets the requests in flight finish within `--shutdown-grace` seconds, aborts what is left, and
-exits 0.
+The socket opens at once: /health answers 503 while the model loads and every program compiles (or loads from
+the compile cache), 200 when ready. SIGTERM (or Ctrl-C) stops admitting (503), lets the requests in flight finish
+within `--shutdown-grace` seconds, aborts the rest and exits 0. `--log-level debug` adds the libraries' messages
+and the startup timeline (also on /metrics).
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
-    """Loads the model, builds and warms up the engine (every program, from the caches where possible), starts
-    it on `loop` and makes the server ready; updates `state.status`/`state.detail` as it goes and records
-    `state.timeline`."""
+    """Loads and warms up the engine, starts it on `loop` and marks the server ready, updating `state.status`,
+    `state.detail` and `state.timeline` as it goes."""
     from day0jax.engine.async_engine import AsyncEngine
     from day0jax.startup.start import start_engine
     from day0jax.startup.warmup import compile_totals
@@ -98,8 +95,7 @@ def main(argv=None) -> int:
     state = ServerState(model_name=name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
                         timeline=timeline)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_key:
-        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
-                    args.host)
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -1,10 +1,8 @@
-"""The OpenAI-compatible HTTP API over the engine, assembled: middleware, error handlers, routes.
+"""The OpenAI-compatible HTTP API over the engine: middleware, error handlers and routes, assembled.
 
-Errors always have the OpenAI body `{"error": {"message", "type", "param", "code"}}`: 400 for what the client
-sent, 401 without the API key, 413 for an oversized body, 429 (with Retry-After) when the queue is full, 503
-while loading, warming up or draining, 500 only for real faults. Where each piece lives: `state` (what the
-routes share), `middleware` (API key, body size), `errors`, `routes`, `serving` (one request on the engine) and
-`outputs` (tokens to OpenAI text, chunks and responses).
+Every error has the OpenAI body (see `errors`): 400 for what the client sent, 401 without the API key, 413 for an
+oversized body, 429 (with Retry-After) when the queue is full, 503 while loading, warming up or draining, 500 only
+for real faults.
 """
 
 from __future__ import annotations
@@ -18,13 +16,11 @@ from day0jax.serve.state import ServerState
 
 
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
-    """The FastAPI app serving `state`.
+    """Returns the FastAPI app serving `state`.
 
     Args:
         state: the server state; routes answer 503 until `state.status` is "ready".
         lifespan: FastAPI's lifespan context (the server loads the model in it).
-    Returns:
-        The app.
     """
     app = FastAPI(title="day0jax", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over the day0jax engine.")

@@ -1,7 +1,6 @@
-"""Errors in the OpenAI shape `{"error": {"message", "type", "param", "code"}}`, and the app's exception handlers.
+"""Errors in the OpenAI shape, and the app's exception handlers.
 
-400 for what the client sent (validation included), the HTTP status of routing errors (404, 405), 500 with only
-the exception's type for real faults (the traceback goes to the log).
+A real fault is a 500 naming only the exception's type; the traceback goes to the log.
 """
 
 from __future__ import annotations
@@ -41,15 +40,13 @@ class APIError(Exception):
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
-    """The OpenAI error body.
+    """Returns the OpenAI error body `{"error": {"message", "type", "param", "code"}}`.
 
     Args:
         message: the human-readable message.
         type_: the OpenAI error type.
         param: the request field at fault, or None.
         code: a machine-readable code, or None.
-    Returns:
-        `{"error": {"message", "type", "param", "code"}}`.
     """
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

@@ -1,8 +1,4 @@
-"""Start and stop `python -m day0jax.serve` as a subprocess on a free loopback port (tests and benchmarks).
-
-`ServerProcess` waits until /health answers 200 (or the process dies, with its log in the error) and stops the
-server with SIGTERM, which drains it.
-"""
+"""`python -m day0jax.serve` as a subprocess on a free loopback port, for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A server subprocess.
+    """A server subprocess; `terminate` sends SIGTERM, which drains it.
 
     Args:
         args: extra command-line arguments for `python -m day0jax.serve`.
@@ -33,8 +29,7 @@ class ServerProcess:
         cwd: the folder to run in, whose `day0jax` is the one served (default: this checkout).
     """
 
-    def __init__(self, args: list[str], env: dict | None = None, python: str | None = None,
-                 cwd: Path | None = None):
+    def __init__(self, args: list[str], env: dict | None = None, python: str | None = None, cwd: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="day0jax-serve-", suffix=".log", delete=False)

@@ -1,8 +1,6 @@
 """Prometheus metrics of the server: request and token counters, latency histograms, engine gauges, startup.
 
-Counters and histograms are updated where things happen (the request handlers); the engine's gauges (queue,
-batch, KV pages, prefix cache) and the startup timeline (phases, compiled programs and where each came from,
-traces and compiles since ready) are read at scrape time by `collect`, so they are never stale. One registry
+Engine gauges and the startup timeline are read at scrape time by `collect`, so they are never stale. One registry
 per server, so tests can run several in one process.
 """
 
@@ -11,8 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 # Read from the engine's stats() at scrape time: (name, help, key).
 _ENGINE_GAUGES = [

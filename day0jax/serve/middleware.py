@@ -1,7 +1,4 @@
-"""ASGI middleware that runs before any parsing: the API key (401) and the request body's size (413).
-
-It also counts every /v1 response by endpoint and status code, refusals included, for /metrics.
-"""
+"""ASGI middleware run before any parsing: API key (401), body size (413); counts /v1 responses, refusals included."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""From engine token events to OpenAI output: per-choice text, stop strings, streaming chunks, final responses.
+"""Engine token events to OpenAI output: per-choice text, stop strings, streaming chunks, final responses.
 
-The engine speaks token ids; here they become text. A choice's text is re-decoded from all its ids on each event
-(a token may complete a multi-byte character begun by the previous one), cut at the first stop string, and
-streamed only as far as it can no longer change: an unfinished UTF-8 character and a possible stop-string prefix
-are held back until the next token settles them.
+A choice's text is re-decoded from all its ids on each event (a token may complete a multi-byte character) and
+streamed only as far as it can no longer change (see `Choice.sendable`).
 """
 
 from __future__ import annotations
@@ -53,13 +51,12 @@ class Choice:
     last_token_at: float | None = None
 
     def add(self, event: TokenEvent, detok: Detokenizer) -> bool:
-        """Adds one engine event to the text and logprobs.
+        """Adds one engine event to the text and logprobs; returns True when a stop string ended the choice (the text
+        is cut before it).
 
         Args:
             event: the engine's event for this choice.
             detok: the request's detokenizer.
-        Returns:
-            True when a stop string ended the choice (the text is cut before it).
         """
         if event.token is not None and not event.stop_token:
             self.ids.append(event.token)
@@ -76,11 +73,8 @@ class Choice:
         return stopped
 
     def sendable(self) -> str:
-        """Takes the new text that is safe to stream: not an unfinished UTF-8 character or a possible stop prefix.
-
-        Returns:
-            The text after what was sent before (marked as sent now); everything left once the choice finished.
-        """
+        """Returns the new text safe to stream, marked as sent: all that is left once the choice finished, else holding
+        back an unfinished UTF-8 character or a possible stop-string prefix (the next token settles them)."""
         text = self.text
         end = len(text)
         if self.finish_reason is None:
@@ -104,21 +98,19 @@ def sse(model) -> str:
 
 
 def chunk(rid: str, model_name: str, c: Choice, detok: Detokenizer, chat: bool):
-    """The next streaming chunk of a choice, or None while there is nothing to send yet.
+    """Returns the next streaming chunk of a choice (`ChatCompletionChunk` or `CompletionResponse`), or None while
+    there is nothing to send yet.
 
     Args:
-        rid: the response id.
-        model_name: the `model` field.
+        rid, model_name: the response's `id` and `model`.
         c: the choice; its new text and logprobs are marked as sent.
         detok: the request's detokenizer.
         chat: a chat completion chunk (else a completion).
-    Returns:
-        A `ChatCompletionChunk` or `CompletionResponse`, or None.
     """
     text = c.sendable()
     new_lp = c.logprobs[c.sent_logprobs:]
     if not text and c.finish_reason is None:
-        return None  # nothing to say yet (held back); logprobs go out with the text they belong to
+        return None  # held back; logprobs go out with the text they belong to
     c.sent_logprobs = len(c.logprobs)
     if chat:
         return P.ChatCompletionChunk(id=rid, model=model_name, choices=[P.ChatChunkChoice(
@@ -129,19 +121,15 @@ def chunk(rid: str, model_name: str, c: Choice, detok: Detokenizer, chat: bool):
         finish_reason=finish_reason(c.finish_reason))])
 
 
-def final_response(rid: str, model_name: str, choices: list[Choice], usage: P.Usage, detok: Detokenizer,
-                   chat: bool):
-    """The whole (non-streamed) response once every choice finished.
+def final_response(rid: str, model_name: str, choices: list[Choice], usage: P.Usage, detok: Detokenizer, chat: bool):
+    """Returns the whole (non-streamed) `ChatCompletionResponse` or `CompletionResponse` once every choice finished.
 
     Args:
-        rid: the response id.
-        model_name: the `model` field.
+        rid, model_name: the response's `id` and `model`.
         choices: the request's choices, in index order.
         usage: the token counts.
         detok: the request's detokenizer.
         chat: a chat completion (else a completion).
-    Returns:
-        A `ChatCompletionResponse` or `CompletionResponse`.
     """
     if chat:
         out = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),

@@ -1,8 +1,6 @@
-"""The OpenAI API schema as pydantic models: requests (validated strictly) and responses.
+"""The OpenAI API schema as pydantic models: requests and responses.
 
-Requests are strict: a string where a number belongs is a 400, not silently converted. Fields the OpenAI API
-defines but this server does not implement are accepted only at their neutral value (see `unsupported`); vLLM's
-extensions (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) are accepted as vLLM accepts them.
+Requests are strict (a string where a number belongs is a 400, not converted); fields not declared are ignored.
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 64 - 1)
     user: str | None = None
-    # vLLM's extensions.
+    # vLLM's extensions, accepted as vLLM accepts them.
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)

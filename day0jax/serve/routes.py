@@ -1,9 +1,4 @@
-"""The HTTP routes: /health, /metrics, /v1/models, /v1/chat/completions and /v1/completions.
-
-Each route reads the server state from `request.app.state.server` (see `server_state`). The two generation
-routes check what they can before tokenizing (ready, queue room, model name, prompt length), turn the body into
-token ids and `SamplingParams`, and hand over to `serving.serve_request`.
-"""
+"""The HTTP routes: /health, /metrics, /v1/models, /v1/chat/completions and /v1/completions."""
 
 from __future__ import annotations
 
@@ -60,8 +55,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, stat
     arrival = time.monotonic()
     engine = admit(state, body.model)
     check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     try:
         prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except ChatTemplateError as e:
@@ -130,8 +124,7 @@ def admit(state: ServerState, model: str) -> AsyncEngine:
 
 
 def check_chars(state: ServerState, n: int, param: str) -> None:
-    """Raises APIError 400 for a prompt text too long to be worth tokenizing: over 64 characters per context
-    token, far above any text that fits."""
+    """Raises APIError 400 for a text over 64 characters per context token: far too long to be worth tokenizing."""
     limit = state.max_model_len * 64
     if n > limit:
         raise APIError(400, f"the {param} has {n} characters, more than this server accepts ({limit}; "
@@ -143,7 +136,7 @@ def check_chars(state: ServerState, n: int, param: str) -> None:
 
 def sampling_params(state: ServerState, body, max_tokens: int | None, prompt_len: int,
                     logprobs: int | None) -> SamplingParams:
-    """The engine's sampling parameters for a request body.
+    """Returns the engine's `SamplingParams` for a request body (the engine validates their ranges on submit).
 
     Args:
         state: the server state (the context length).
@@ -151,8 +144,6 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, prompt_len
         max_tokens: the tokens asked for; None: whatever the context leaves after the prompt (as vLLM does).
         prompt_len: tokens of the longest prompt.
         logprobs: top log-probabilities per token, or None for none.
-    Returns:
-        The `SamplingParams` (the engine validates their ranges when the request is submitted).
     """
     if max_tokens is None:
         max_tokens = max(1, state.max_model_len - prompt_len)

@@ -1,8 +1,7 @@
 """Serving one chat or completion request: submit it to the engine, follow its tokens, answer whole or streamed.
 
-A request becomes one engine request per prompt (each with the request's `n` sequences); choices are numbered
-prompt-major, as OpenAI numbers them. A failing request never touches the others. A client that hangs up stops
-its sequences: a stream's generator is closed, a non-streaming request is watched for the disconnect.
+One engine request per prompt (each with the request's `n` sequences); choices are numbered prompt-major, as
+OpenAI numbers them. A failing request never touches the others; a client that hangs up stops its sequences.
 """
 
 from __future__ import annotations
@@ -85,11 +84,7 @@ class _Run:
         state.in_flight += 1
 
     async def events(self) -> AsyncIterator[Choice]:
-        """Merges the sub-requests' events; yields each choice an event changed.
-
-        Raises:
-            EngineDead: the engine failed while the request ran.
-        """
+        """Merges the sub-requests' events, yielding each choice an event changed; EngineDead if the engine fails."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(k, stream):
@@ -161,11 +156,7 @@ class _Run:
             self.engine.abort(sub_id)
 
     async def complete(self, request: Request):
-        """Waits for every choice to finish; returns the whole response.
-
-        Raises:
-            APIError: 500 when the engine failed.
-        """
+        """Waits for every choice to finish; returns the whole response (APIError 500 when the engine failed)."""
         completed = False
         watcher = asyncio.create_task(self._abort_on_disconnect(request))
         try:

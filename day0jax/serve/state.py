@@ -11,27 +11,19 @@ from day0jax.serve.metrics import Metrics
 
 @dataclass
 class ServerState:
-    """What the routes need; `engine` and `tokenizer` appear once loading is done.
+    """What the routes need; `engine` and `tokenizer` appear once loading is done."""
 
-    Attributes:
-        model_name: the id clients must send as `model`.
-        status: "loading", "warming up", "ready", "draining" or "failed".
-        api_key: when set, every /v1 route needs `Authorization: Bearer <key>`.
-        max_body_bytes: larger request bodies get 413.
-        timeline: the startup timeline, exported on /metrics.
-    """
-
-    model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 4 << 20
-    status: str = "loading"
+    model_name: str  # the id clients must send as `model`
+    api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer <key>`
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    status: str = "loading"  # "loading", "warming up", "ready", "draining" or "failed"
     detail: str = ""
     engine: AsyncEngine | None = None
     tokenizer: Any = None
     max_model_len: int = 0
     metrics: Metrics | None = None
     in_flight: int = 0
-    timeline: Any = None  # day0jax.startup.timeline.Timeline of this start (phases and compiled programs)
+    timeline: Any = None  # day0jax.startup.timeline.Timeline of this start, exported on /metrics
     compiles_at_ready: dict[str, int] | None = None  # day0jax.startup.warmup.compile_totals() when it became ready
 
     def __post_init__(self):

@@ -1,19 +1,8 @@
 """The persistent compilation cache: JAX's, in a folder per (jax version, backend, mesh, model), with checked entries.
 
-`enable(root, key)` points JAX's persistent cache at `root/<key folder>` with thresholds that cache every
-program (no minimum compile time or size). The key folder's name covers the jax and jaxlib versions, the
-backend and device kind (and, on CPUs, the instruction set), the mesh, the device and process counts and the
-model's fingerprint, so a cache written by another version or for another mesh is never opened; JAX's own
-per-entry key (a hash of the program, the compile options and the backend version) sits inside it.
-
-Entries are written by `VerifiedFiles`: a header with the SHA-256 of the payload, written to a temporary file
-and renamed into place, so a reader never sees half an entry (several servers can share one folder, also over
-NFS) and a damaged one is detected. JAX 0.11.2 would otherwise hand it to the XLA loader: a truncated file fails
-cleanly, but one flipped byte in a compressed entry it cannot check (zstd frames carry no checksum) crashed the
-process with SIGSEGV or SIGABRT in our tests. A damaged entry is reported, removed and recompiled.
-
-An unusable folder (not creatable, or not writable and empty) is reported and the process goes on without a
-cache; an existing cache on a read-only file system is used read-only.
+Entries are `VerifiedFiles` (checksummed, atomically replaced), so servers can share a folder, also over NFS. JAX 0.11.2
+hands entries unchecked to the XLA loader, and one flipped byte in a compressed entry (zstd frames carry no checksum)
+crashed the process with SIGSEGV or SIGABRT in our tests; a damaged entry is now reported, removed and recompiled.
 """
 
 from __future__ import annotations
@@ -50,34 +39,20 @@ def default_root() -> Path:
     return cache_root() / "compile"
 
 
-# --- the key ---------------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class CacheKey:
-    """What a compiled program depends on beyond its own text; one cache folder per distinct key.
-
-    Attributes:
-        jax, jaxlib: versions.
-        platform: the backend ("cpu", "gpu", "tpu").
-        platform_version: the backend's own version string (CUDA and driver versions on GPUs).
-        device_kind: e.g. "NVIDIA H200" or "cpu".
-        host: on CPUs, a hash of the processor model and instruction-set flags (code built for one CPU may not
-            run on another); empty on accelerators.
-        mesh: the mesh spec, normalized ("dp=1,ep=1,tp=2", or "auto").
-        devices, processes: global device and process counts.
-        model: the model fingerprint (`model_fingerprint`).
-    """
+    """What a compiled program depends on beyond its own text; one cache folder per distinct key."""
 
     jax: str
     jaxlib: str
-    platform: str
-    platform_version: str
-    device_kind: str
-    host: str
-    mesh: str
-    devices: int
+    platform: str  # "cpu", "gpu", "tpu"
+    platform_version: str  # CUDA and driver versions on GPUs
+    device_kind: str  # e.g. "NVIDIA H200" or "cpu"
+    host: str  # CPUs: `host_fingerprint()` (code built for one CPU may not run on another); else empty
+    mesh: str  # `normalize_mesh`: "dp=1,ep=1,tp=2" or "auto"
+    devices: int  # global counts
     processes: int
-    model: str
+    model: str  # `model_fingerprint`
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
@@ -146,14 +121,11 @@ def model_fingerprint(path: str | Path, dtype: str) -> str:
 def current_key(mesh: Any, model: str) -> CacheKey:
     """The key for this process's backend and devices (starts the backend)."""
     device = jax.devices()[0]
-    backend = device.client
     return CacheKey(jax=jax.__version__, jaxlib=jaxlib.__version__, platform=device.platform,
-                    platform_version=str(getattr(backend, "platform_version", "")),
+                    platform_version=str(getattr(device.client, "platform_version", "")),
                     device_kind=str(device.device_kind), host=host_fingerprint() if device.platform == "cpu" else "",
                     mesh=normalize_mesh(mesh), devices=jax.device_count(), processes=jax.process_count(), model=model)
 
-
-# --- checked, atomic entries ------------------------------------------------------------------------------------
 
 class CorruptEntry(Exception):
     """A cache file whose header or checksum does not match its content."""
@@ -165,13 +137,11 @@ class VerifiedFiles:
     Args:
         folder: where the files live (created by the caller).
         writable: False for a cache on a read-only file system: `write` does nothing.
-    Attributes:
-        corrupt: names of entries found damaged (and removed) in this process.
     """
 
     def __init__(self, folder: Path, writable: bool = True):
         self.folder, self.writable = Path(folder), writable
-        self.corrupt: list[str] = []
+        self.corrupt: list[str] = []  # entries found damaged (and removed) in this process
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
@@ -192,8 +162,7 @@ class VerifiedFiles:
         except CorruptEntry as e:
             with self._lock:
                 self.corrupt.append(name)
-            log.warning("compile cache: entry %s is damaged (%s); removing it, the program is compiled again",
-                        path, e)
+            log.warning("compile cache: entry %s is damaged (%s); removing it, the program is compiled again", path, e)
             if self.writable:
                 with contextlib.suppress(OSError):
                     path.unlink()
@@ -210,8 +179,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     the whole new one, never a part. Failures are logged, not raised (a cache that cannot be written still works)."""
     tmp = path.parent / f".tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
     try:
-        # Mode 0o666 less the umask, as for any file the user writes (mkstemp's 0o600 would keep other accounts
-        # sharing the cache from reading it).
+        # 0o666 less the umask, like any user file: mkstemp's 0o600 would hide it from other accounts sharing the cache.
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             f.write(data)
             f.flush()
@@ -246,8 +214,6 @@ def unpack(raw: bytes) -> bytes:
     return payload
 
 
-# --- JAX's cache on top of VerifiedFiles -----------------------------------------------------------------------
-
 _thread = threading.local()
 
 
@@ -261,17 +227,14 @@ def reset_last_key() -> None:
 
 
 def last_key() -> str | None:
-    """The JAX cache key this thread last looked up or stored since `reset_last_key` (the program store refers
-    to a compiled program's entry by it)."""
+    """The JAX cache key this thread last looked up or stored since `reset_last_key` (for the program store)."""
     return getattr(_thread, "last_key", None)
 
 
 class JaxCacheAdapter(CacheInterface):
-    """JAX's `CacheInterface` (get/put of serialized executables by JAX's key) over `VerifiedFiles`.
-
-    `put` always replaces: JAX calls it only after compiling, which happens when `get` found nothing or the
-    executable it returned could not be loaded; either way the file on disk should be the new one.
-    """
+    """JAX's `CacheInterface` (get/put of serialized executables by JAX's key) over `VerifiedFiles`. `put` always
+    replaces: JAX calls it only after compiling, when `get` found nothing or returned an executable that would not
+    load; either way the new one belongs on disk."""
 
     def __init__(self, files: VerifiedFiles):
         self.files = files
@@ -300,15 +263,13 @@ class CompileCache:
 
 
 def enable(root: str | Path | None, key: CacheKey) -> CompileCache | None:
-    """Enables JAX's persistent compilation cache in `root/<key folder>`.
-
-    Call it before the programs to cache are compiled (compiles before it are not cached, nothing breaks).
+    """Enables JAX's persistent compilation cache in `root/<key folder>`; programs compiled before are not cached.
 
     Args:
         root: the cache root (default: `default_root()`).
         key: from `current_key`.
     Returns:
-        The `CompileCache`, or None when the folder cannot be used (a warning names it; nothing is cached).
+        The `CompileCache` (read-only on a read-only file system), or None: the folder is unusable (a warning says).
     """
     root = Path(root).expanduser() if root else default_root()
     folder = root / key.folder_name()

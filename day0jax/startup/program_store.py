@@ -1,20 +1,11 @@
 """The program store: how to rebuild each compiled engine program without tracing it, on the next start.
 
-JAX's persistent cache is keyed by the lowered program, so a hit there still pays for tracing and lowering: for
-SmolLM2 (30 unrolled layers) about 1.5 s a program on a CPU, twice what loading the executable costs, and for
-~100 programs the larger part of a warm start. The store keeps, per program, what JAX needs around the
-executable (argument and result trees, shardings, donation: the pickled metadata of
-`jax.experimental.serialize_executable`) plus the key of the executable's entry in JAX's cache, which holds the
-bytes the compiler produced. (Re-serializing an executable that was itself loaded from JAX's cache gives one
-that fails to run on XLA:CPU with "Function ... not found", so the store never copies executables.) An entry
-is keyed by everything the traced program depends on, known without tracing:
-- the source files of `day0jax`, `kernels_pallas` and `sharding` (any edit there invalidates every entry),
-- the versions of Python, jax, jaxlib, flax, numpy and ml_dtypes, XLA_FLAGS and JAX's tracing flags,
-- the compile cache key (backend, devices, mesh, model fingerprint: see compile_cache.py),
-- and the program's signature from its owner (argument shapes, dtypes and shardings, kernel choices).
-A program whose entry is missing, stale or unloadable is traced as usual (and may still hit JAX's cache).
-Entries are `VerifiedFiles` (checksummed, atomically replaced) in `<cache folder>/programs/`. Single-process
-meshes only: a multi-host start relies on JAX's cache, which coordinates its writers.
+A hit in JAX's persistent cache still pays for tracing and lowering: for SmolLM2 (30 unrolled layers) about 1.5 s a
+program on a CPU, twice the loading, most of a warm start of ~100 programs. The store keeps what JAX needs around each
+executable (`serialize_executable`'s pickled metadata) and the key of its entry in JAX's cache, never the executable
+(re-serializing one loaded from JAX's cache gives one that fails on XLA:CPU with "Function ... not found"). Entries
+are keyed by everything the traced program depends on, known without tracing; a missing, stale or unloadable one is
+traced as usual. Single-process meshes only: multi-host starts rely on JAX's cache, which coordinates its writers.
 """
 
 from __future__ import annotations

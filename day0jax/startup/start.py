@@ -1,8 +1,4 @@
-"""From command-line arguments to a warmed-up engine: the start sequence `serve` and `compile` share.
-
-Multi-host runtime, then the compilation cache (before anything compiles), the model (its phases recorded in
-the timeline), the engine, and every program compiled or loaded from the caches, then one smoke run.
-"""
+"""From command-line arguments to a warmed-up engine: the start sequence `serve` and `compile` share."""
 
 from __future__ import annotations
 
@@ -40,7 +36,7 @@ def resolve_model(args: argparse.Namespace, timeline: Timeline, status: Callable
 
 
 def enable_cache(args: argparse.Namespace, path: Path, dtype: str, timeline: Timeline):
-    """Enables the compile cache the flags ask for; returns it, or None (disabled or unusable)."""
+    """Enables the flags' compile cache (call it before anything compiles); returns it, or None (off or unusable)."""
     if getattr(args, "no_compile_cache", False):
         return None
     from day0jax.startup import compile_cache
@@ -94,7 +90,6 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     what = f"compiling {len(programs)} programs"
     status(what)
     with timeline.phase("compile") as info, logs.progress_bar(len(programs), what) as bar:
-
         def progress(done: int, total: int) -> None:
             bar.update(done - bar.n)
             status(f"compiled {done}/{total} programs")

@@ -1,10 +1,7 @@
 """The startup timeline: where the seconds between process start and "ready" went.
 
-Phases (reading the config, building the model, restoring parameters, the kernel self-test, building the
-engine, compiling, warm-up) are recorded as they happen, with details such as the bytes restored; every
-compiled program gets a `CompileRecord` (seconds, and whether it came from a cache). `log_phases` logs one short
-line per phase as it ends; `table()` is the full readable form (the server logs it at debug level, `compile`
-prints it); the server exports the same figures on /metrics.
+Phases (with details such as the bytes restored) and one `CompileRecord` per program; the server logs `table()` at
+debug level and exports the same figures on /metrics, `compile` prints it.
 """
 
 from __future__ import annotations
@@ -16,28 +13,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-# Where a compiled program came from. "program-store": a serialized executable of this exact program, loaded
-# without tracing; "xla-cache": traced, then found in JAX's persistent compilation cache; "compiled": built now.
+# "program-store": loaded without tracing; "xla-cache": traced, then found in JAX's persistent cache; "compiled": built.
 SOURCES = ("program-store", "xla-cache", "compiled")
 
 
 @dataclass(frozen=True)
 class CompileRecord:
-    """One program made ready before serving.
+    """One program made ready before serving."""
 
-    Attributes:
-        program: the program's name ("forward", "sample").
-        shape: its bucket, e.g. "16x1x64" (rows x tokens x pages) or "4 filtered+logprobs".
-        lower_seconds: tracing and lowering (0 when loaded from the program store).
-        compile_seconds: compiling, or loading from a cache.
-        source: one of SOURCES.
-    """
-
-    program: str
-    shape: str
-    lower_seconds: float
-    compile_seconds: float
-    source: str
+    program: str  # "forward" or "sample"
+    shape: str  # its bucket, e.g. "16x1x64" (rows x tokens x pages)
+    lower_seconds: float  # tracing and lowering (0 when loaded from the program store)
+    compile_seconds: float  # compiling, or loading from a cache
+    source: str  # one of SOURCES
 
     @property
     def seconds(self) -> float:
@@ -45,7 +33,6 @@ class CompileRecord:
 
     @property
     def cache(self) -> str:
-        """"hit" when a cache supplied the executable, else "miss"."""
         return "miss" if self.source == "compiled" else "hit"
 
 
@@ -58,10 +45,7 @@ class Phase:
 
 
 def process_start_time() -> float | None:
-    """Wall-clock time (epoch seconds) at which this process started, or None where it cannot be read.
-
-    Linux only (/proc): the 22nd field of /proc/self/stat is the start in clock ticks since boot.
-    """
+    """Epoch seconds at which this process started (field 22 of /proc/self/stat: ticks since boot), or None."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -77,8 +61,7 @@ class Timeline:
     """Phases and compiled programs of one start.
 
     Args:
-        origin: wall-clock time (epoch seconds) the timeline counts from; default: the process's start, so the
-            first phase ("python start") covers the interpreter and imports before the timeline existed.
+        origin: epoch seconds counted from (default: process start; then a "python start" phase covers the time before).
     """
 
     def __init__(self, origin: float | None = None):
@@ -92,7 +75,6 @@ class Timeline:
             self.phases.append(Phase("python start", 0.0, now - self.origin, {"what": "interpreter and imports"}))
 
     def now(self) -> float:
-        """Seconds since the origin."""
         return time.time() - self.origin
 
     @contextlib.contextmanager
@@ -109,7 +91,7 @@ class Timeline:
                 self._logger.info("%s", phase_line(phase))
 
     def log_phases(self, logger: logging.Logger) -> None:
-        """Logs each phase at INFO as it ends, one line (`phase_line`); the phases recorded so far first.
+        """Logs each phase at INFO as it ends (`phase_line`), the phases recorded so far first.
 
         Args:
             logger: where the lines go.
@@ -144,13 +126,12 @@ class Timeline:
         if self.ready_at is not None:
             lines.append(f"{'ready':<20} {self.ready_at:8.2f} {'':>8}  since process start")
         if programs and self.compiles:
-            lines.append("")
-            lines.append(program_table(self.compiles))
+            lines += ["", program_table(self.compiles)]
         return "\n".join(lines)
 
 
 def program_table(records: list[CompileRecord]) -> str:
-    """One line per program (program, shape, lower/compile seconds, cache hit or miss, source), then totals."""
+    """One line per program, then totals."""
     lines = [f"{'program':<8} {'shape':<30} {'lower s':>8} {'compile s':>9}  {'cache':<5} source"]
     for r in records:
         lines.append(f"{r.program:<8} {r.shape:<30} {r.lower_seconds:8.2f} {r.compile_seconds:9.2f}  "
@@ -167,7 +148,7 @@ def count_sources(records: list[CompileRecord]) -> dict[str, int]:
 
 
 def phase_line(p: Phase) -> str:
-    """One phase as a short log line: its name, seconds and details, e.g. "compile 5.73s (programs=27, ...)"."""
+    """One phase as a log line, e.g. "compile 5.73s (programs=27, ...)"."""
     detail = _detail(p)
     return f"{p.name} {p.seconds:.2f}s" + (f" ({detail})" if detail else "")
 
@@ -183,8 +164,6 @@ def _detail(p: Phase) -> str:
 
 
 class _NullTimeline(Timeline):
-    """Records nothing (for callers that do not keep a timeline)."""
-
     def __init__(self):
         super().__init__(origin=time.time())
 

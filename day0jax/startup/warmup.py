@@ -1,11 +1,8 @@
 """Compiling every program before serving: the program store first, then trace and compile, in parallel.
 
-For each program the main thread asks the program store (loads run in a thread pool); a program not found there
-is traced and lowered in the main thread (Python, holding the GIL) and compiled in the pool, where XLA runs
-without the GIL, so lowering the next program overlaps compiling the previous ones. Compiling goes through
-JAX's persistent cache: a hit there skips the compiler. A per-thread JAX monitoring listener tells the two apart
-(JAX 0.11.2 records "/jax/compilation_cache/cache_hits" in the thread that asked). Each program ends up
-installed in its owner (the engine's runner), which then runs it without any further tracing or compiling.
+A thread pool loads programs from the store; one not found there is traced and lowered in the main thread (Python,
+holding the GIL) and compiled in the pool (XLA releases the GIL), so lowering overlaps compiling. A per-thread JAX
+monitoring listener tells JAX cache hits from compiles (JAX 0.11.2 records the hit in the thread that asked).
 """
 
 from __future__ import annotations
@@ -31,11 +28,8 @@ class ProgramOwner(Protocol):
     """What `compile_programs` needs from the owner of the programs (the engine's `ModelRunner`)."""
 
     def lower(self, program: Any) -> jax.stages.Lowered: ...
-
     def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled: ...
-
     def install(self, program: Any, compiled: jax.stages.Compiled) -> None: ...
-
     def signature(self, program: Any) -> str: ...
 
 
@@ -43,8 +37,6 @@ def default_workers() -> int:
     """Compile threads: one per core (the main thread's lowering shares them), at most 8."""
     return max(1, min(8, os.cpu_count() or 1))
 
-
-# --- JAX monitoring: which thread saw a cache hit; how many compiles happened when -----------------------------
 
 _local = threading.local()
 _registered = False
@@ -80,8 +72,6 @@ def compile_totals() -> dict[str, int]:
     return dict(_totals)
 
 
-# --- the pipeline ----------------------------------------------------------------------------------------------
-
 def compile_programs(owner: ProgramOwner, programs: Sequence[Any], *, store: ProgramStore | None = None,
                      workers: int | None = None, timeline: Timeline | None = None,
                      progress: Callable[[int, int], None] | None = None) -> list[CompileRecord]:
@@ -106,8 +96,7 @@ def compile_programs(owner: ProgramOwner, programs: Sequence[Any], *, store: Pro
 
     def from_store(i: int):
         t0 = time.perf_counter()
-        compiled = store.load(owner.signature(programs[i]))
-        return compiled, time.perf_counter() - t0
+        return store.load(owner.signature(programs[i])), time.perf_counter() - t0
 
     def compile_one(i: int, lowered, lower_seconds: float):
         _local.events = []
@@ -152,10 +141,8 @@ def compile_programs(owner: ProgramOwner, programs: Sequence[Any], *, store: Pro
 
 
 def _collect(compiling: list[tuple[int, Future]], finish, block: bool) -> None:
-    """Installs the compiled programs that are done (all of them, waiting, with `block`)."""
     for item in list(compiling):
         i, future = item
         if block or future.done():
-            compiled, record = future.result()
-            finish(i, compiled, record)
+            finish(i, *future.result())
             compiling.remove(item)

@@ -1,13 +1,11 @@
-"""The day0jax checkpoint format, shared by the converter (writes it) and the loader (reads it).
+"""The day0jax checkpoint format, written by the converter and read by the loader. A checkpoint is a folder:
 
-A checkpoint is a folder:
-    config.json              the model's HF-style config (what the runtime builds the model from)
-    tokenizer.json, ...      tokenizer, chat template and generation config, as HF names them
-    day0jax.json             the manifest: format version, source, sha256 of sources and of written files,
-                             every parameter's name, shape, dtype and the group that holds it
-    params/NNNN/             parameters as Orbax PyTree checkpoints, in the runtime's names and layout,
-                             a few hundred MB each so the converter never holds the whole model in memory
-The manifest is written last: a folder without one is not a checkpoint.
+    config.json          the model's HF-style config (what the runtime builds the model from)
+    tokenizer.json, ...  tokenizer, chat template and generation config, as HF names them
+    day0jax.json         the manifest: format version, source, sha256 of sources and written files, and every
+                         parameter's name, shape, dtype and group; written last: without it, not a checkpoint
+    params/NNNN/         groups of parameters as Orbax PyTree checkpoints, in the runtime's names and layout, a
+                         few hundred MB each so the converter never holds the whole model in memory
 """
 
 from __future__ import annotations
@@ -90,13 +88,11 @@ def groups(manifest: dict[str, Any]) -> dict[int, list[str]]:
 
 
 def read_params(path: Path, names: list[str] | None = None) -> dict[str, Any]:
-    """Parameters of a checkpoint as host numpy arrays in their stored dtype (for inspection and tests).
+    """Returns a checkpoint's parameters as name -> host numpy array in its stored dtype (for inspection and tests).
 
     Args:
         path: checkpoint folder.
         names: dotted parameter names to read (default: all); only their groups are opened.
-    Returns:
-        name -> numpy array.
     """
     import numpy as np
     import orbax.checkpoint as ocp

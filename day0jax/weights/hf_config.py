@@ -1,7 +1,6 @@
 """Model configs: frozen dataclasses whose fields are the Hugging Face `config.json` keys, word for word.
 
-`from_hf` is the one generic constructor. Keys the dataclass does not declare are kept in `unknown_keys` so
-the readiness report can list them; keys known not to change the math are listed in `IGNORED_KEYS`.
+Undeclared keys are kept in `unknown_keys` so the readiness report can list them, unless in `IGNORED_KEYS`.
 """
 
 from __future__ import annotations
@@ -37,13 +36,11 @@ C = TypeVar("C")
 
 
 def from_hf(cls: type[C], hf: dict[str, Any]) -> C:
-    """Builds a config dataclass from a `config.json` dict.
+    """Returns a config dataclass built from a `config.json` dict, every undeclared, not-ignored key in `unknown_keys`.
 
     Args:
         cls: a frozen dataclass whose fields are HF keys (plus `unknown_keys`).
         hf: the parsed `config.json`.
-    Returns:
-        The config, with every undeclared, not-ignored key recorded in `unknown_keys`.
     Raises:
         ConfigError: a required field is missing.
     """

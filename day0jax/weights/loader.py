@@ -1,8 +1,7 @@
 """`day0jax.load`: a converted checkpoint -> a `Model`, with every parameter restored straight into its sharding.
 
-The model is first built abstractly (`nnx.eval_shape`: shapes and logical axes, no memory); the sharding rules
-turn logical axes into a `NamedSharding` per parameter; Orbax then reads each parameter directly into those
-shardings, so each device reads only its slice and the host never holds a replicated copy.
+The model is built abstractly (shapes and logical axes, no memory), the sharding rules give each parameter a
+`NamedSharding`, and Orbax reads into those: each device reads only its slice, the host holds no replicated copy.
 """
 
 from __future__ import annotations
@@ -51,27 +50,19 @@ def default_dtype() -> str:
 def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None,
          engine: EngineConfig | None = None, memory_budget: int | None = None, kernels: str = "auto",
          timeline: Timeline | None = None) -> Model:
-    """Loads a day0jax checkpoint.
-
-    Before any weight is read, the memory planner (sharding/plan.py) checks that the parameters, the engine's KV
-    page pool and the activations of its largest program fit on each device, for the engine `engine` describes
-    (the one `Model.generate` and the server run).
+    """Loads a day0jax checkpoint as a `Model`, after checking (sharding/plan.py, kept in `model.memory_plan`) that
+    the parameters, the engine's KV page pool and the activations of its largest program fit on each device.
 
     Args:
         path: checkpoint folder written by `python -m convert`.
         dtype: compute and parameter dtype ('float32', 'bfloat16', 'float16'); default per backend.
-        mesh: a `Mesh`, a SPEC string like 'tp=2', 'auto' (the smallest model-parallel group that fits, the rest
-            data parallel, over all devices), or None for one device.
-        engine: the engine's runtime choices (`EngineConfig`: max_model_len, max_num_seqs, KV pool size, shape
-            buckets); default `EngineConfig()`.
-        memory_budget: bytes one device may use; default: what the devices report free (on the CPU, the host's
-            available memory shared by the local devices).
+        mesh: a `Mesh`, a SPEC like 'tp=2', 'auto' (the smallest model-parallel group that fits, the rest data
+            parallel) or None for one device.
+        engine: the `EngineConfig` that `Model.generate` and the server run; default `EngineConfig()`.
+        memory_budget: bytes one device may use; default: free device memory (CPU: host memory, shared).
         kernels: 'auto' (kernels checked against their references on the model's shapes; one that disagrees is
             replaced by the next candidate), 'strict' (disagreement is an error) or 'reference' (no kernels).
-        timeline: a `day0jax.startup.timeline.Timeline` that records the phases (reading the config, building the
-            model, restoring parameters with their bytes, the kernel self-test).
-    Returns:
-        A `Model`; `model.memory_plan` holds the plan.
+        timeline: a `Timeline` recording the phases (config, build, restore with its bytes, kernel self-test).
     Raises:
         CheckpointError: not a checkpoint, newer format, or parameters that do not match the model.
         UnsupportedArchitecture: the model type or a config value is not implemented.
@@ -112,7 +103,6 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         info["parameters"] = sum(a.size for a in arrays.values())
     log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type, info["parameters"],
              describe(mesh), time.perf_counter() - t0)
-    # The startup self-test runs each chosen kernel on this model's op calls against its reference.
     with timeline.phase("kernel self-test", mode=kernels):
         report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
                                          mode=kernels, tp=mesh.shape.get("tp", 1))
@@ -127,8 +117,8 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
 
 @dataclasses.dataclass(frozen=True)
 class EnginePlanInputs:
-    """What the memory planner needs about a model served by an engine: the engine's layout for the model,
-    the model's shape, the workload, and the workload at another max_model_len (for suggestions)."""
+    """What the memory planner needs: the engine's layout, the model's shape, the workload, and the workload at
+    another max_model_len (for suggestions)."""
 
     layout: EngineLayout
     shape: plan_lib.ModelShape
@@ -203,9 +193,8 @@ def manifest_problems(manifest: dict, infos) -> list[str]:
 def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict[str, jax.Array]:
     import orbax.checkpoint as ocp
 
-    # Bounded reads in flight: host memory while loading stays near the device shards' own size.
-    # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding
-    # does), and Orbax refuses a read larger than its limit, so the limit is at least the largest array.
+    # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding does),
+    # and Orbax refuses a read larger than its limit, so the limit is at least the largest array.
     largest = max(math.prod(p["shape"]) * jnp.dtype(p["dtype"]).itemsize for p in manifest["params"].values())
     limit_gb = max(READ_CONCURRENT_GB, (1.1 * largest + (1 << 20)) / 1e9)
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit_gb))
@@ -229,13 +218,9 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
 
 @contextlib.contextmanager
 def _large_buffers_back_to_the_os():
-    """While restoring, blocks of 1 MiB or more are mapped on their own, so a freed read buffer goes back to the OS
-    at once instead of staying in the heap between parameters already placed (glibc's default raises its mmap
-    threshold to the largest block freed, up to 32 MiB, and the host's peak memory then grows with the reads).
-
-    Afterwards the threshold is left at 32 MiB, glibc's own ceiling, where its dynamic rule ends up anyway once
-    blocks that large have been freed. A no-op where the C library has no `mallopt` (not glibc).
-    """
+    """Maps blocks of 1 MiB or more on their own while restoring, so a freed read buffer goes back to the OS at once
+    (glibc raises its mmap threshold to the largest block freed, up to 32 MiB, and host peak memory grows with the
+    reads). Afterwards 32 MiB, where glibc's own rule ends up anyway. A no-op without glibc's `mallopt`."""
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt

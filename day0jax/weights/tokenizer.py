@@ -1,8 +1,6 @@
 """The checkpoint's tokenizer: `tokenizers` for text <-> ids, jinja2 for chat templates, as transformers does.
 
-Chat templates are rendered in a sandbox with the same environment transformers uses (trim_blocks,
-lstrip_blocks, `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`), with the special
-tokens as variables; the rendered text is encoded without adding special tokens.
+Chat templates render in a sandbox with transformers' environment (a `tojson` that does not escape HTML, ...).
 """
 
 from __future__ import annotations
@@ -94,8 +92,7 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat (special tokens come from the template, none are added)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
 

@@ -1,8 +1,5 @@
-"""Attention as callers see it: picks a kernel from the candidates, falls back to the reference.
-
-Candidates on NVIDIA GPUs, in order: the Mosaic GPU FlashAttention-3 style kernel (Hopper; every variant of
-the contract), then cuDNN's flash attention (where its masks match), then the reference.
-"""
+"""Attention as callers see it: the Mosaic GPU kernel (Hopper; every variant of the contract), then cuDNN's flash
+attention (where its masks match), then the reference."""
 
 from __future__ import annotations
 

@@ -1,26 +1,20 @@
 """Prefill attention as a Mosaic GPU (Hopper) kernel: FlashAttention-3 style, warp-specialized.
 
-One CUDA block per (batch row, tile of 2 * block_q queries, query head). Two compute warpgroups own block_q
-queries each; a third (memory) warpgroup streams key/value blocks through a ring of shared-memory slots with
-TMA copies. Each compute warpgroup runs Q K^T and P V on the tensor cores (wgmma) with the online softmax in
-between, in base 2 (scores pre-multiplied by log2(e)), ping-ponging with the other warpgroup on a schedule
-barrier so one's softmax overlaps the other's matmuls.
+One CUDA block per (batch row, tile of 2 * block_q queries, query head): two compute warpgroups of block_q queries
+and a memory warpgroup that streams key/value blocks by TMA through a ring of shared-memory slots. Each compute
+warpgroup runs Q K^T and P V on the tensor cores (wgmma) with a base-2 online softmax between (scores pre-scaled
+by log2 e), ping-ponging with the other on a schedule barrier so one's softmax overlaps the other's matmuls.
 
-Generality comes from data the wrapper computes in plain jnp, so the kernel needs no special cases:
-- which key blocks a query tile visits: [lo, hi) per (row, tile), from the tile's smallest and largest query
-  position, the causal limit, the window and the row's kv length (ragged batches, decode-like offsets and
-  sliding windows skip the blocks nobody sees);
-- whether a block needs the mask at all: blocks every query of a warpgroup sees fully skip the mask arithmetic;
-- per-query positions, so the mask is exact for any `q_positions`, not just 0..T-1.
-Sinks start the running max and sum at (sink, 1), which puts exp(sink) in the denominator with no value.
-Rows that see no key come out zero.
+The wrapper computes in jnp what spares the kernel special cases: the [lo, hi) key blocks each (row, tile) visits,
+from its query positions, the causal limit, the window and the kv length (ragged batches, decode-like offsets and
+windows skip blocks nobody sees); per-warpgroup position ranges, so blocks every query sees fully skip the mask;
+per-query positions, so the mask is exact for any `q_positions`. Sinks start the running max and sum at (sink, 1):
+exp(sink) joins the denominator with no value. Rows that see no key come out zero.
 
-Interpret mode (`interpret=True`) runs the same kernel in the Mosaic GPU interpreter on the CPU, with two
-differences forced by the interpreter of jax 0.11: it cannot take the wgmma left operand from registers nor
-accumulate into an existing accumulator (`run_state`), so there P goes through shared memory and P V is added
-to the running output instead of accumulated into it (the arithmetic is the same); and it runs one compute
-warpgroup instead of two, because each interpreted warpgroup holds a host thread of XLA:CPU's pool while it
-waits on a barrier, and three of them can starve a 2-core machine's pool (a deadlock seen here).
+Interpret mode differs in two ways forced by jax 0.11's interpreter: it takes no wgmma operand from registers and
+cannot accumulate into an existing accumulator (`run_state`), so P goes through shared memory and P V is added to
+the output (same arithmetic); and it runs one compute warpgroup, because each interpreted warpgroup holds a host
+thread of XLA:CPU's pool while it waits on a barrier, and three starve a 2-core machine's pool (a deadlock seen).
 """
 
 from __future__ import annotations
@@ -45,9 +39,8 @@ SMEM_BYTES = 220 * 1024  # what one block may take of the H100/H200's 227 KiB, w
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """block_q: queries per compute warpgroup (the tile is compute_wgs * block_q); block_kv: keys per pipeline
-    step; steps: key/value blocks in flight (pipeline depth); compute_wgs: compute warpgroups per block (2 on a
-    GPU: one's softmax overlaps the other's matmuls)."""
+    """block_q: queries per compute warpgroup (a tile is compute_wgs * block_q); block_kv: keys per pipeline step;
+    steps: key/value blocks in flight; compute_wgs: compute warpgroups per block (2 on a GPU, 1 interpreted)."""
 
     block_q: int = 64
     block_kv: int = 128
@@ -56,9 +49,8 @@ class Blocks:
 
 
 def online_softmax_step(s, m_i, l_i, acc):
-    """One block of the online softmax (base 2: scores are pre-scaled by log2 e): rescales the running sum `l_i`
-    and accumulator `acc` [rows, H] to the new row maxima; returns (p, m_new, l_i, acc) with p = 2^(s - m_new),
-    still to be multiplied by the block's values and added to acc."""
+    """One block of the base-2 online softmax: rescales the running sum `l_i` and accumulator `acc` [rows, H] to the
+    new row maxima; returns (p, m_new, l_i, acc), p = 2^(s - m_new) still to be multiplied by the block's values."""
     m_new = jnp.maximum(m_i, s.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -86,7 +78,6 @@ def shape_class(head_dim: int) -> str:
 
 
 def _check(q, k, v, sinks, blocks: Blocks, interpret: Any) -> None:
-    """Raises NotImplementedError for inputs this kernel does not take."""
     B, T, N, H = q.shape
     if k.ndim != 4 or v.shape != k.shape or k.shape[0] != B or k.shape[3] != H:
         raise NotImplementedError(f"needs k, v [B, S, K, {H}] of one shape; got {k.shape}, {v.shape}")
@@ -116,8 +107,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
 
     Args:
         q, k, v, q_positions, kv_lengths, causal, sliding_window, logit_softcap, sinks, scale: as in the reference.
-        interpret: run in the Mosaic GPU interpreter (CPU): True, or `plgpu.InterpretGPUParams` (tests set
-            detect_races=True); otherwise the target must be a Hopper GPU.
+        interpret: True or `plgpu.InterpretGPUParams` (tests: detect_races=True) to run in the CPU interpreter.
         blocks: block sizes; default from `TABLE` for the device and head dim.
     Returns:
         [B, T, N, H] in q's dtype; rows that see no key are zero.
@@ -128,9 +118,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     B, T, N, H = q.shape
     blocks = blocks or TABLE.lookup(target.kind, shape_class(H), head_dim=H)
     if interpret:
-        # The interpreter runs each warpgroup as a host thread whose callbacks share XLA:CPU's small thread pool;
-        # three blocked warpgroups can starve it on a 2-core machine (a deadlock, seen in CI-sized runs). One
-        # compute warpgroup keeps the same warp-specialized pipeline with two threads.
+        # One compute warpgroup: three interpreted ones can deadlock a 2-core machine (see the module docstring).
         blocks = dataclasses.replace(blocks, compute_wgs=1)
     _check(q, k, v, sinks, blocks, interpret)
     bq, bkv = blocks.block_q, blocks.block_kv
@@ -163,8 +151,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
 
 def key_block_range(q_positions, kv_len, *, tile: int, block_kv: int, num_blocks: int, causal: bool,
                     window: int | None):
-    """[lo, hi) key blocks each (row, query tile) must visit; at least one block, so the pipeline never runs
-    empty (a block nobody sees is fully masked and adds nothing)."""
+    """[lo, hi) key blocks each (row, query tile) must visit; at least one, so the pipeline never runs empty (a
+    block nobody sees is fully masked and adds nothing)."""
     B, Tp = q_positions.shape
     t = q_positions.reshape(B, Tp // tile, tile)
     first, last = t.min(-1), t.max(-1)

@@ -1,10 +1,4 @@
-"""The definition of correct attention, in plain jax.numpy. Also the fallback on every backend.
-
-Shapes (the letter legend of docs/architecture.md): q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K
-(GQA; K == 1 is MQA).
-Query t of row b sits at absolute position `q_positions[b, t]`; key s sits at position s. Key s is visible
-to that query when s < kv_lengths[b], s <= position (causal), and position - s < sliding_window.
-"""
+"""The definition of correct attention, in plain jax.numpy; also the fallback on every backend."""
 
 from __future__ import annotations
 
@@ -19,12 +13,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     """Scaled dot-product attention with the masks and variants LLM families use.
 
     Args:
-        q: [B, T, N, H] queries.
-        k: [B, S, K, H] keys; position of key s is s.
-        v: [B, S, K, H] values.
+        q: [B, T, N, H] queries (letters as in docs/architecture.md).
+        k: [B, S, K, H] keys, N a multiple of K (GQA; K == 1 is MQA); key s sits at position s.
+        v: [B, S, K, Hv] values.
         q_positions: [B, T] int, absolute position of each query.
-        kv_lengths: [B] int, number of valid keys per row (None: all S).
-        causal: hide keys after the query's position.
+        kv_lengths: [B] int, number of valid keys per row (None: all S); keys s >= kv_lengths[b] are hidden.
+        causal: hide keys after the query's position (s > q_positions[b, t]).
         sliding_window: if set, a query sees only the last `sliding_window` positions (itself included).
         logit_softcap: if set, scores become softcap * tanh(scores / softcap) (Gemma 2).
         sinks: [N] learned logits that join every softmax denominator and take no value (gpt-oss).

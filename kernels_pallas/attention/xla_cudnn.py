@@ -1,11 +1,9 @@
-"""cuDNN's fused flash attention, through `jax.nn.dot_product_attention(implementation="cudnn")`, as a candidate.
+"""cuDNN's flash attention, through `jax.nn.dot_product_attention(implementation="cudnn")`, as a candidate.
 
-jax exposes cuDNN's masks as top-left causal, padding (per-row kv lengths) and a left window, with no soft-cap
-and no sinks. Those masks equal the op's contract exactly when every query sits at position t (a prefill
-from position 0: the full forward pass and the engine's prefill) or when nothing depends on positions
-(non-causal, no window). Positions are data, known only at run time, so for causal attention the candidate
-checks them on the device and, when they are not 0..T-1 (decode-like calls), runs the reference instead
-(`lax.cond`: one branch executes). Inputs cuDNN cannot take at all raise `NotImplementedError` at trace time.
+jax exposes cuDNN's masks as top-left causal, per-row kv lengths and a left window, with no soft-cap or sinks. They
+equal the op's contract only when queries sit at positions 0..T-1 (prefill from 0) or nothing depends on positions
+(non-causal, no window). Positions are run-time data, so causal calls check them on the device and run the
+reference otherwise (`lax.cond`: one branch executes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Grouped matmul as MoE layers see it: a Mosaic GPU kernel, XLA's native `ragged_dot`, the reference.
-
-Candidates: on NVIDIA GPUs the Mosaic GPU kernel (Hopper), then `jax.lax.ragged_dot`; on TPUs `ragged_dot`.
-"""
+"""Grouped matmul as MoE layers see it: the Mosaic GPU kernel (Hopper), XLA's `ragged_dot`, the reference."""
 
 from __future__ import annotations
 
@@ -14,8 +11,7 @@ from kernels_pallas.moe import pallas_mgpu, reference
 
 
 def _xla_ragged_dot(lhs, rhs, group_sizes):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype("int32"), preferred_element_type="float32").astype(
-        lhs.dtype)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype("int32"), preferred_element_type="float32").astype(lhs.dtype)
 
 
 IMPLEMENTATIONS = {

@@ -1,17 +1,13 @@
 """Grouped matmul (the `ragged_dot` contract) as a Mosaic GPU (Hopper) kernel.
 
-Rows are sorted by group. The wrapper cuts them into `block_m`-row blocks and lists the (row block, group)
-pairs that overlap: a block inside one expert's rows is one pair, a block straddling k expert boundaries is
-k + 1 pairs, an empty group none. That list (at most cdiv(M, block_m) + G - 1 long, fixed at trace time) is
-the kernel's grid, times the `block_n`-column blocks of the output. Each CUDA block computes the full
-block_m x block_n tile of its pair, lhs rows x rhs[group], with a TMA/wgmma pipeline over the contraction, and
-stores it whole into its own slot of a [pairs, block_m, F] buffer: no partial-row stores, no atomics, no
-read-modify-write. A jnp gather then picks each row from the pair of its own group. Rows of other groups in a
-tile are computed and dropped; that waste is bounded by the boundary blocks (and in decode, where an expert
-has a handful of rows, the weights' bytes, not the arithmetic, are the cost).
-
-Pairs past the real count (fewer boundaries than the bound) exit at once. Interpret mode (`interpret=True`)
-runs the same kernel in the Mosaic GPU interpreter on the CPU.
+The wrapper cuts the group-sorted rows into `block_m`-row blocks and lists the (row block, group) pairs that
+overlap: one for a block inside one group, k + 1 for a block straddling k boundaries, none for an empty group. That
+list (at most cdiv(M, block_m) + G - 1 long, fixed at trace time; pairs past the real count exit at once), times
+the `block_n`-column blocks of the output, is the grid. Each CUDA block computes its pair's whole block_m x block_n
+tile, lhs rows x rhs[group], with a TMA/wgmma pipeline over the contraction, into its own slot of a
+[pairs, block_m, F] buffer: no partial-row stores, atomics or read-modify-write. A jnp gather then picks each row
+from its own group's pair. Rows of other groups in a tile are computed and dropped: waste bounded by the boundary
+blocks (and in decode, with a handful of rows per expert, the weights' bytes, not the arithmetic, are the cost).
 """
 
 from __future__ import annotations
@@ -107,9 +103,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     """The contract of `reference.grouped_matmul`, on a Hopper GPU (or in the interpreter).
 
     Args:
-        lhs: [M, D] rows sorted by group.  rhs: [G, D, F].  group_sizes: [G] int.
-        interpret: run in the Mosaic GPU interpreter (CPU): True, or `plgpu.InterpretGPUParams` (tests set
-            detect_races=True); otherwise the target must be a Hopper GPU.
+        lhs: [M, D] rows sorted by group.
+        rhs: [G, D, F].
+        group_sizes: [G] int.
+        interpret: True or `plgpu.InterpretGPUParams` (tests: detect_races=True) to run in the CPU interpreter.
         blocks: block sizes; default from `TABLE`.
     Returns:
         [M, F] in lhs's dtype, float32 accumulation; rows past sum(group_sizes) are zero.

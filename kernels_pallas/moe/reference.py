@@ -1,11 +1,9 @@
-"""The definition of a correct grouped matmul, in plain jax.numpy. Also the fallback on every backend.
+"""The definition of a correct grouped matmul, in plain jax.numpy; also the fallback on every backend.
 
-Contract (as `jax.lax.ragged_dot`): lhs [M, D] holds rows sorted by group; group g owns the next
-`group_sizes[g]` rows; out[m] = lhs[m] @ rhs[g(m)], with rhs [G, D, F]. Rows past sum(group_sizes) are zero.
-
-Each row gathers its own group's weight matrix, in chunks of rows so memory stays bounded. The work is
-proportional to the rows (tokens x chosen experts), never to every expert for every token, which a dense
-masked formulation (and XLA's generic `ragged_dot` expansion on the CPU) would cost.
+Contract (`jax.lax.ragged_dot`'s): lhs [M, D] rows sorted by group, group g owning the next group_sizes[g] rows;
+out[m] = lhs[m] @ rhs[g(m)], rhs [G, D, F]; rows past sum(group_sizes) are zero. Each row gathers its own group's
+weights, ROW_CHUNK rows at a time to bound memory: work grows with the rows (tokens x chosen experts), never with
+every expert for every token as in a dense masked form (or XLA's generic `ragged_dot` expansion on the CPU).
 """
 
 from __future__ import annotations

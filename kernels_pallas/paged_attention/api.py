@@ -1,8 +1,4 @@
-"""Paged decode attention as callers (the engine) see it: a kernel when one accepts the inputs, else the reference.
-
-The engine's decode attention over its page pool. Candidates on NVIDIA GPUs: the Mosaic GPU split-KV kernel
-(Hopper), then the reference.
-"""
+"""Paged decode attention as the engine sees it: the Mosaic GPU split-KV kernel (Hopper), else the reference."""
 
 from __future__ import annotations
 

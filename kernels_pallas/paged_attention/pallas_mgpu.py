@@ -1,20 +1,17 @@
 """Paged decode attention as a Mosaic GPU (Hopper) kernel: split-KV flash decoding over the page pool.
 
 Decode is a read of the KV cache, so the kernel is built around moving pages, not around arithmetic:
-- One CUDA block per (row b, split s, kv head, 64-query tile). The T new tokens x G query heads that share a
-  kv head form the tile's rows (64 is the smallest wgmma; most models need one tile), so each key/value page is
-  read once per kv head and tile, not once per query head.
-- Each block walks its share of the row's key blocks; a key block is `block_kv` tokens gathered from
-  block_kv / page_size pages by one TMA copy each, `steps` blocks in flight in a ring of shared-memory slots.
-- Splitting a row's keys over `splits` blocks keeps every SM busy when B x K is small (long contexts, few
-  rows); each split writes its partial output normalized by its own sum, with its running max and sum, and a
-  cheap jnp step combines the splits (and the sinks, which belong to no split) exactly.
-Which blocks a row visits, and how they are split, is computed in jnp from kv_lengths, q_positions and the
-window, so ragged batches and sliding windows read only the pages that matter.
-
-Interpret mode (`interpret=True`) runs the kernel in the Mosaic GPU interpreter on the CPU, with P staged in
-shared memory and P V added rather than accumulated (the interpreter of jax 0.11 supports neither a register
-wgmma operand nor `run_state`); the arithmetic is the same.
+- One CUDA block per (row b, split s, kv head, 64-row tile). A tile's rows are the T new tokens x G query heads
+  sharing a kv head (64 is the smallest wgmma; most models need one tile), so each page is read once per kv head
+  and tile, not once per query head.
+- A block walks its share of the row's key blocks: `block_kv` tokens gathered from block_kv / page_size pages by
+  one TMA copy each, `steps` blocks in flight in a ring of shared-memory slots.
+- Splitting a row's keys over `splits` blocks keeps every SM busy when B x K is small (long contexts, few rows);
+  each split writes its output normalized by its own sum, with its running max and sum, and a cheap jnp step
+  combines the splits (and the sinks, which belong to no split) exactly.
+The blocks a row visits and their splits are computed in jnp from kv_lengths, q_positions and the window, so ragged
+batches and sliding windows read only the pages that matter. Interpret mode stages P in shared memory and adds
+P V, as in attention/pallas_mgpu.py.
 """
 
 from __future__ import annotations
@@ -107,8 +104,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     Args:
         q, k_pages, v_pages, block_tables, kv_lengths, q_positions, sliding_window, logit_softcap, sinks, scale:
             as in the reference.
-        interpret: run in the Mosaic GPU interpreter (CPU): True, or `plgpu.InterpretGPUParams` (tests set
-            detect_races=True); otherwise the target must be a Hopper GPU.
+        interpret: True or `plgpu.InterpretGPUParams` (tests: detect_races=True) to run in the CPU interpreter.
         blocks: block sizes; default from `TABLE`.
         splits: force the number of splits per row (tests); default from the batch, heads and SM count.
     Returns:

@@ -1,10 +1,7 @@
-"""The definition of correct paged attention, in plain jax.numpy. Also the fallback on every backend.
+"""The definition of correct paged attention, in plain jax.numpy; also the fallback on every backend.
 
-The cache of one layer is a pool of pages: k_pages, v_pages [P, page_size, K, H]. Sequence b owns the pages
-`block_tables[b, :]` in order, so its token at position p lives in page block_tables[b, p // page_size] at
-slot p % page_size. Entries of a block table past the sequence's pages may hold any page index (they are masked
-by `kv_lengths`). Queries [B, T, N, H] sit at absolute positions `q_positions` [B, T]; each sees keys at
-positions < kv_lengths[b], causally, within the sliding window, as in `attention.reference`.
+Token p of sequence b lives in page block_tables[b, p // page_size] at slot p % page_size of one layer's pool.
+Table entries past a sequence's pages may hold any page index: `kv_lengths` masks them.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
                     kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
                     logit_softcap: float | None = None, sinks: jax.Array | None = None,
                     scale: float | None = None) -> jax.Array:
-    """Gathers each sequence's pages into a contiguous view and runs dense attention over it.
+    """Causal attention of q over each sequence's pages, as `attention.reference` over them gathered contiguously.
 
     Args:
         q: [B, T, N, H].

@@ -1,7 +1,4 @@
-"""RMSNorm as the layers see it: a kernel when one accepts the inputs, else the reference.
-
-Candidates on NVIDIA GPUs: the Mosaic GPU kernel (Hopper), then the reference (which XLA fuses well).
-"""
+"""RMSNorm as the layers see it: the Mosaic GPU kernel on Hopper, else the reference (which XLA fuses well)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """RMSNorm with the residual add fused, as a Mosaic GPU (Hopper) kernel.
 
-A memory-bound op: each CUDA block takes `block_rows` rows, loads each row straight from global memory into
-registers (16-byte vectors spread over the warpgroup's 128 lanes), adds the residual, reduces the sum of
-squares in float32 across the warpgroup, and writes the normalized row and the sum h = x + residual back.
-x and the residual are read once and the two outputs written once: the minimum traffic for the fused op.
-The arithmetic is the reference's, step for step (Llama-style: scale after casting back to the input dtype;
-Gemma-style offset: scale in float32), so the kernel agrees with it to the last bit but for the order of the
-float32 sum. Interpret mode (`interpret=True`) runs the same kernel in the Mosaic GPU interpreter on the CPU.
+A memory-bound op: each CUDA block loads `block_rows` rows straight from global memory into registers (16-byte
+vectors over the warpgroup's 128 lanes), adds the residual, reduces the float32 sum of squares across the
+warpgroup and writes the normalized row and h = x + residual: x and the residual read once, each output written
+once, the minimum traffic. The arithmetic is the reference's step for step, so the two agree to the last bit but
+for the order of the float32 sum.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0
 
     Args:
         x, weight, eps, offset, residual: as in the reference.
-        interpret: run in the Mosaic GPU interpreter (CPU): True, or `plgpu.InterpretGPUParams` (tests set
-            detect_races=True); otherwise the target must be a Hopper GPU.
+        interpret: True or `plgpu.InterpretGPUParams` (tests: detect_races=True) to run in the CPU interpreter.
         blocks: rows per block; default from `TABLE`.
     Returns:
         (normalized [..., D], h [..., D]) with the reference's dtypes.

@@ -1,7 +1,7 @@
-"""The definition of correct RMSNorm (Hugging Face's arithmetic), with an optional fused residual add.
+"""The definition of correct RMSNorm, with an optional fused residual add: transformers' arithmetic.
 
-Statistics in float32; Llama-style (offset 0) scales after casting back to the input dtype, Gemma-style
-(offset 1: the weight is stored as w - 1) scales in float32 before casting. Both as transformers computes them.
+Statistics in float32; Llama-style (offset 0) scales after casting back to the input dtype, Gemma-style (offset 1:
+the weight is stored as w - 1) scales in float32 before casting.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, offset: float = 0.0
         offset: 0 for weight * norm, 1 for (1 + weight) * norm.
         residual: optional [..., D] added to x first (the pre-norm block's skip connection).
     Returns:
-        (normalized [..., D] in x's dtype, h [..., D]).
+        (normalized [..., D] in x's dtype, promoted with weight's when offset is 0; h [..., D]).
     """
     h = x if residual is None else x + residual
     h32 = h.astype(jnp.float32)
