@@ -54,7 +54,12 @@ def current() -> Target:
     if assumed is not None:
         return assumed
     dev = jax.devices()[0]
-    platform = dev.platform if dev.platform != "gpu" else getattr(dev.client, "platform", "cuda")
+    platform = dev.platform
+    if platform == "gpu":  # jax may name NVIDIA and AMD GPUs alike 'gpu'; the client's version string tells them apart
+        client = dev.client
+        named = getattr(client, "platform", "gpu")
+        platform = named if named != "gpu" else (
+            "rocm" if "rocm" in str(getattr(client, "platform_version", "")).lower() else "cuda")
     cc = getattr(dev, "compute_capability", None)
     cores = getattr(dev, "core_count", None) or 1
     return Target(str(platform), str(getattr(dev, "device_kind", platform)), None if cc is None else str(cc),

@@ -20,8 +20,10 @@ IMPLEMENTATIONS = {
     "mosaic_gpu": pallas_mgpu.grouped_matmul,
     "mosaic_gpu_interpret": functools.partial(pallas_mgpu.grouped_matmul, interpret=True),
 }
-# On the CPU, XLA expands ragged_dot densely over all groups: the reference is cheaper there.
-CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu", "xla_ragged_dot"), "tpu": ("xla_ragged_dot",)}
+# On the CPU, XLA expands ragged_dot densely over all groups: the reference is cheaper there. The Mosaic GPU kernel
+# passes its tests' shapes but not selfcheck's serving-sized ones on an H200 (relative errors 0.2 to 0.7 at 128
+# experts): it is not chosen until it does; `implementation="mosaic_gpu"` still runs it.
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("xla_ragged_dot",), "tpu": ("xla_ragged_dot",)}
 PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
