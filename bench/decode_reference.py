@@ -15,12 +15,13 @@ import torch
 def main():
     reply = os.fdopen(os.dup(1), "w")  # the protocol owns the real stdout; library output goes to stderr
     os.dup2(2, 1)
-    gguf = sys.argv[1]
+    path = sys.argv[1]  # a GGUF file or a Hugging Face folder
     torch.set_num_threads(os.cpu_count() or 1)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32).eval()
+    kwargs = {} if os.path.isdir(path) else dict(gguf_file=os.path.basename(path))
+    model = AutoModelForCausalLM.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path),
+                                                 dtype=torch.float32, **kwargs).eval()
 
     def run(ids, n):
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from convert.convert import convert_checkpoint
 from convert.verify import verify_checkpoint
+from day0jax import logs
 from day0jax.errors import Day0Error
 
 
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    logs.setup("warning" if args.quiet else "info")
     try:
         if args.verify:
             problems = verify_checkpoint(args.verify)

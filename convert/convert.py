@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import re
 import sys
 import time
@@ -19,6 +20,8 @@ from day0jax import models
 from day0jax.errors import CheckpointError
 from day0jax.models.base import Source, default_source
 from day0jax.models.contract import Family
+
+log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = "2"
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
@@ -69,10 +72,17 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
     dropped = {**fam.dropped, **fam.dropped_for(config)}
     if config.tie_word_embeddings:
         dropped[r"lm_head\.weight"] = "tied to model.embed_tokens.weight"
+    counts: dict[str, int] = {}
     for name in available:
-        if name not in used and not any(re.fullmatch(p, name) for p in dropped):
+        if name in used:
+            continue
+        pattern = next((p for p in dropped if re.fullmatch(p, name)), None)
+        if pattern is None:
             raise CheckpointError(f"{source.path}: tensor {name!r} (shape {tuple(available[name])}) is not used by "
                                   f"the {config.model_type} runtime; refusing to drop weights silently")
+        counts[pattern] = counts.get(pattern, 0) + 1
+    for pattern, n in counts.items():
+        log.info("dropped %d tensor(s) matching %s: %s", n, pattern, dropped[pattern])
     return plan
 
 

@@ -40,6 +40,7 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     keys: list[dict] = dataclasses.field(default_factory=list)
     ops: list[dict] = dataclasses.field(default_factory=list)
+    layers: list[dict] = dataclasses.field(default_factory=list)  # token mixer kinds and what each caches
     op_calls: list[dict] = dataclasses.field(default_factory=list)  # the model's own description of its ops
     parameters: dict = dataclasses.field(default_factory=dict)
     memory: dict = dataclasses.field(default_factory=dict)
@@ -109,7 +110,9 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 OP_TITLES = {"attention": "attention (cache-less forward)", "paged_attention": "paged attention (engine)",
-             "moe": "moe grouped matmul", "rms_norm": "rms_norm", "mlp": "mlp", "rope": "rope"}
+             "moe": "moe grouped matmul", "rms_norm": "rms_norm", "mlp": "mlp", "rope": "rope",
+             "gated_delta_rule": "gated delta rule (linear attention)", "causal_conv1d": "causal conv1d",
+             "sparse_attention": "sparse attention (engine)"}
 
 
 def _implementation(call, dtype, tp: int) -> str:
@@ -163,6 +166,31 @@ def _ops(op_calls, dtype, tp: int) -> list[dict]:
     return list(rows.values())
 
 
+def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
+    """One row per kind of token mixer: its layers and what the engine keeps for each (KV per token, or a fixed
+    state per sequence)."""
+    from sharding.plan import StateLayer, fmt_bytes
+
+    attention = {layer: call for layer, call in op_calls if call.op in ("paged_attention", "sparse_attention")}
+    rows: dict[tuple[str, str], list[int]] = {}
+    for i, entry in enumerate(abstract.cache_layout()):
+        if isinstance(entry, StateLayer):
+            key = ("linear attention", f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
+        else:
+            call = attention.get(i)
+            window = call.get("window") if call is not None else None
+            if call is not None and call.op == "sparse_attention":
+                kind = f"sparse attention (top-{call['topk']} keys{'' if call['indexer'] else ', shared'})"
+            else:
+                kind = ("MLA" if call is not None and call.get("latent") else "sliding attention" if window
+                        else "full attention") + (f" (window {window})" if window else "")
+                if call is not None and call.get("chunk"):  # Llama 4's local layers
+                    kind = f"chunked attention (chunk {call['chunk']})"
+            key = (kind, f"KV {fmt_bytes(entry.token_elements * itemsize)} per token")
+        rows.setdefault(key, []).append(i)
+    return [{"kind": kind, "layers": _layer_ranges(layers), "cache": cache} for (kind, cache), layers in rows.items()]
+
+
 def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None) -> Report:
     """Returns the readiness `Report` for `path` (`.supported`: whether the model will run); never reads tensor data.
 
@@ -174,6 +202,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         dtype: parameter and cache dtype (default: the runtime's default for this backend).
     """
     import jax
+    import jax.numpy as jnp
 
     from day0jax import models
     from day0jax.engine.config import EngineConfig
@@ -214,6 +243,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     report.op_calls = [call.to_dict() for call in dict.fromkeys(call for _, call in op_calls)]
     tp = mesh_lib.parse_spec(mesh)["tp"] if mesh and mesh != "auto" else 1
     report.ops = _ops(op_calls, DTYPES[dtype], tp)
+    report.layers = _layers(abstract, op_calls, jnp.dtype(DTYPES[dtype]).itemsize)
     count, by_dtype = _checkpoint_tensors(source)
     report.parameters = {"model": sum(math.prod(i.shape) for i in infos), "checkpoint_elements": count,
                          "checkpoint_bytes_by_dtype": by_dtype, "runtime_dtype": dtype}
@@ -289,6 +319,8 @@ def render(report: Report) -> str:
     out += [f"  note: {n}" for n in report.notes]
     if report.keys:
         out += ["", "config.json keys:", _table(report.keys, ["key", "value", "status", "note"])]
+    if report.layers:
+        out += ["", "layers:", _table(report.layers, ["kind", "layers", "cache"])]
     if report.ops:
         out += ["", f"operators on {report.backend}:", _table(report.ops, ["op", "variant", "layers",
                                                                           "implementation"])]

@@ -3,10 +3,16 @@
 Layers report them in `op_calls()` (docs/adding_a_kernel.md). Parameters by op (N query heads, K kv heads, H key
 head dim, D hidden, E experts, F expert or MLP width, k experts per token):
 - attention, paged_attention: N, K, H, Hv (value head dim), scale (None: H ** -0.5), window, softcap, sinks
-  (bool), latent (bool: multi-head latent attention in its absorbed form);
+  (bool), latent (bool: multi-head latent attention in its absorbed form); chunk (chunked local attention: a query
+  sees its own chunk of positions; reported only where set);
 - moe (the grouped matmul of routed experts): E, k, D, F, routing;
 - rms_norm: D, eps, offset (1.0 for Gemma-style 1 + w);
-- mlp, rope (`PLAIN_OPS`): plain jax.numpy, no kernel; listed so the report shows every operator a layer runs.
+- gated_delta_rule (linear attention): Nk query/key heads, Nv value heads, Hk key and Hv value head dims, decay
+  ('head': one log decay per value head, Qwen3-Next; 'channel': one per key channel, Kimi Linear);
+- sparse_attention (indexed, DeepSeek-V3.2): N, K, H, Hv, scale, latent as attention; topk keys per query, I
+  indexer heads of Di dims, indexer (False: the layer reuses an earlier layer's top-k);
+- mlp, rope, causal_conv1d (`PLAIN_OPS`): plain jax.numpy, no kernel; listed so the report shows every operator a
+  layer runs. causal_conv1d: C channels, W kernel width.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PLAIN_OPS = ("mlp", "rope")
+PLAIN_OPS = ("mlp", "rope", "causal_conv1d")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class OpCall:
             parts = [f"{'MLA (absorbed): ' if p.get('latent') else ''}{kind} {N}q/{K}kv heads {head}"]
             if p.get("window") is not None:
                 parts.append(f"sliding window {p['window']}")
+            if p.get("chunk") is not None:
+                parts.append(f"chunked local attention {p['chunk']}")
             if p.get("softcap") is not None:
                 parts.append(f"score soft-cap {p['softcap']}")
             if p.get("sinks"):
@@ -64,8 +72,19 @@ class OpCall:
             return f"MoE {p['E']} experts x {p['F']}, top-{p['k']} {p['routing']}{shared}"
         if self.op == "rms_norm":
             return f"RMSNorm over {p['D']}, eps {p['eps']:g}{' (1 + w)' if p['offset'] else ''}"
+        if self.op == "gated_delta_rule":
+            Nk, Nv, Hk, Hv = p["Nk"], p["Nv"], p["Hk"], p["Hv"]
+            head = f"x {Hk}" if Hk == Hv else f"x {Hk} (values {Hv})"
+            decay = "per-channel decay" if p["decay"] == "channel" else "per-head decay"
+            return f"gated delta rule {Nk}qk/{Nv}v heads {head}, {decay}"
+        if self.op == "sparse_attention":
+            source = f"a {p['I']}-head indexer x {p['Di']}" if p.get("indexer") else "an earlier layer's indexer"
+            return (f"{'MLA (absorbed): ' if p.get('latent') else ''}{p['N']}q/{p['K']}kv heads x {p['H']} over the "
+                    f"top-{p['topk']} keys of {source}")
+        if self.op == "causal_conv1d":
+            return f"depthwise causal conv1d over {p['C']} channels, width {p['W']}, SiLU"
         if self.op == "mlp":
-            return f"gated MLP x {p['F']} ({p['act']})"
+            return f"{'gated ' if p.get('gated', True) else ''}MLP x {p['F']} ({p['act']})"
         if self.op == "rope":
             if p.get("kind") is None:
                 return "none (NoPE layer)"

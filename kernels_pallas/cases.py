@@ -28,8 +28,16 @@ TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 2e-3}
 
 # The flagship models' op calls, written from the model code (day0jax's tests check they still match it).
 FLAGSHIPS_FILE = Path(__file__).with_name("flagships.json")
-# What `selfcheck` runs by default: a dense GQA model, a fine-grained MoE, and MLA with a large MoE.
-DEFAULT_FLAGSHIPS = ("llama-3-8b", "qwen3-30b-a3b", "deepseek-v3")
+# Op calls of families whose model code is not in day0jax yet (so not in flagships.json), from their published
+# configs: they let `selfcheck` cover ops no flagship reaches. A family moves to flagships.json
+# (`tests/test_op_calls.py --update`) once its model reports its calls.
+PENDING_FAMILIES = {
+    "kimi-linear-48b-a3b": [OpCall.of("gated_delta_rule", Nk=32, Nv=32, Hk=128, Hv=128, decay="channel")],
+}
+# What `selfcheck` runs by default: a dense GQA model, a fine-grained MoE, MLA with a large MoE, sparse MLA, and
+# linear attention (gated delta rule, per-head and per-channel decay).
+DEFAULT_FLAGSHIPS = ("llama-3-8b", "qwen3-30b-a3b", "deepseek-v3", "deepseek-v3.2", "qwen3-next-80b-a3b",
+                     "kimi-linear-48b-a3b")
 SCALES = ("full", "startup", "tiny")
 
 
@@ -61,10 +69,15 @@ def flagships() -> dict[str, list[OpCall]]:
     return {name: [OpCall.from_dict(c) for c in entry["calls"]] for name, entry in data.items()}
 
 
+def families() -> dict[str, list[OpCall]]:
+    """`flagships()` and `PENDING_FAMILIES`: every family `flagship_cases` and `selfcheck --family` know."""
+    return {**flagships(), **PENDING_FAMILIES}
+
+
 def flagship_cases(names=DEFAULT_FLAGSHIPS, dtype: str = "bfloat16", *, scale: str = "full",
                    ops: tuple[str, ...] | None = None) -> list[Case]:
-    """`cases_from_calls` over flagship models."""
-    table = flagships()
+    """`cases_from_calls` over flagship (or pending) models."""
+    table = families()
     return [c for n in names for c in cases_from_calls(table[n], dtype, scale=scale, name=n, ops=ops)]
 
 
@@ -80,7 +93,7 @@ def cases_from_calls(calls: list[OpCall], dtype: str = "bfloat16", *, scale: str
         tp: tensor-parallel size; heads are split across it as the model's shards see them.
         ops: restrict to these ops.
     Returns:
-        Cases for attention, paged_attention, rms_norm and moe.
+        Cases for attention, paged_attention, rms_norm, moe and gated_delta_rule.
     Raises:
         ValueError: an unknown scale.
     """
@@ -107,6 +120,9 @@ def _attention_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int)
         window = None if window is None else min(window, 48)
     attn = dict(N=N, K=K, H=H, scale=call["scale"], softcap=call["softcap"], sinks=call["sinks"], window=window)
     suffix = " sliding" if window else ""
+    if call.get("chunk") is not None:  # chunked local attention: chunks shorter than the tiny sequences
+        attn["chunk"] = min(call["chunk"], 32) if scale == "tiny" else call["chunk"]
+        suffix += " chunked"
     if call.op == "paged_attention":
         paged = {"full": dict(B=32, T=1, page=16, max_len=4096), "startup": dict(B=4, T=1, page=16, max_len=512),
                  "tiny": dict(B=2, T=2, page=16, max_len=200)}[scale]
@@ -136,8 +152,35 @@ def _moe_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> li
             Case("moe", f"{prefix}down prefill", dtype, dict(M=prefill * k, G=G, D=F, F=D, k=k))]
 
 
+def _gated_delta_rule_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
+    Nk, Nv, Hk, Hv = call["Nk"], call["Nv"], call["Hk"], call["Hv"]
+    if tp > 1 and Nk % tp == 0 and Nv % tp == 0:
+        Nk, Nv = Nk // tp, Nv // tp
+    if scale == "tiny":  # the family's head dims and grouping with one key head
+        Nk, Nv = 1, min(Nv // Nk, 2)
+    # (label, B, T): a prefill continuing from a state (T not a multiple of the chunk: padding), and a decode step.
+    shapes = {"full": [("prefill", 2, 1000), ("decode", 32, 1)], "startup": [("prefill", 1, 200), ("decode", 4, 1)],
+              "tiny": [("prefill", 1, 80), ("decode", 2, 1)]}[scale]
+    return [Case("gated_delta_rule", f"{prefix}{label} {call['decay']} decay", dtype,
+                 dict(B=B, T=T, Nk=Nk, Nv=Nv, Hk=Hk, Hv=Hv, decay=call["decay"])) for label, B, T in shapes]
+
+
+def _sparse_attention_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
+    N, K, H, Hv, topk = call["N"], call["K"], call["H"], call["Hv"], call["topk"]
+    if tp > 1 and N % tp == 0:
+        N = N // tp
+    if scale == "tiny":
+        N, topk = min(N, 4), min(topk, 32)
+    # A decode step over a context longer than top-k: the gather path reads only the selected keys.
+    paged = {"full": dict(B=32, page=64, max_len=4 * topk), "startup": dict(B=4, page=16, max_len=2 * topk),
+             "tiny": dict(B=2, page=16, max_len=3 * topk)}[scale]
+    return [Case("sparse_attention", f"{prefix}decode top-{topk}", dtype,
+                 dict(N=N, K=K, H=H, Hv=Hv, topk=topk, scale=call["scale"], **paged))]
+
+
 _CASES_OF = {"attention": _attention_cases, "paged_attention": _attention_cases, "rms_norm": _rms_norm_cases,
-             "moe": _moe_cases}
+             "moe": _moe_cases, "gated_delta_rule": _gated_delta_rule_cases,
+             "sparse_attention": _sparse_attention_cases}
 
 
 class _Random:
@@ -162,7 +205,7 @@ class _Random:
         return self.rng.integers(low, high, size).astype(np.int32)
 
 
-def _attention(rnd: _Random, dtype, *, B, T, S, N, K, H, scale, window, softcap, sinks, offsets):
+def _attention(rnd: _Random, dtype, *, B, T, S, N, K, H, scale, window, softcap, sinks, offsets, chunk=None):
     q = rnd.normal((B, T, N, H), dtype)
     k = rnd.normal((B, S, K, H), dtype)
     v = rnd.normal((B, S, K, H), dtype)
@@ -175,10 +218,13 @@ def _attention(rnd: _Random, dtype, *, B, T, S, N, K, H, scale, window, softcap,
     kwargs = dict(q_positions=jnp.asarray(positions), kv_lengths=jnp.asarray(lengths), causal=True,
                   sliding_window=window, logit_softcap=softcap, scale=scale,
                   sinks=rnd.normal((N,), jnp.float32) if sinks else None)
+    if chunk is not None:
+        kwargs["chunk_size"] = chunk
     return (q, k, v), kwargs
 
 
-def _paged_attention(rnd: _Random, dtype, *, B, T, N, K, H, page, max_len, scale, window, softcap, sinks):
+def _paged_attention(rnd: _Random, dtype, *, B, T, N, K, H, page, max_len, scale, window, softcap, sinks,
+                     chunk=None):
     width = -(-max_len // page)
     pages = B * width + 1  # page 0 stays unused, as the engine's trash page
     lengths = rnd.integers(T, max_len + 1, (B,))
@@ -192,6 +238,8 @@ def _paged_attention(rnd: _Random, dtype, *, B, T, N, K, H, page, max_len, scale
             jnp.asarray(positions))
     kwargs = dict(sliding_window=window, logit_softcap=softcap, scale=scale,
                   sinks=rnd.normal((N,), jnp.float32) if sinks else None)
+    if chunk is not None:
+        kwargs["chunk_size"] = chunk
     return args, kwargs
 
 
@@ -215,7 +263,32 @@ def _rms_norm(rnd: _Random, dtype, *, M, D, eps, offset):
     return (x, weight), dict(eps=eps, offset=offset, residual=residual)
 
 
-_BUILDERS = {"attention": _attention, "paged_attention": _paged_attention, "moe": _moe, "rms_norm": _rms_norm}
+def _gated_delta_rule(rnd: _Random, dtype, *, B, T, Nk, Nv, Hk, Hv, decay):
+    q, k, v = rnd.normal((B, T, Nk, Hk), dtype), rnd.normal((B, T, Nk, Hk), dtype), rnd.normal((B, T, Nv, Hv), dtype)
+    g_shape = (B, T, Nv, Hk) if decay == "channel" else (B, T, Nv)
+    g, beta = rnd.normal(g_shape, jnp.float32), rnd.normal((B, T, Nv), dtype)
+    state = rnd.normal((B, Nv, Hk, Hv), jnp.float32, 0.1)
+    if not rnd.abstract:  # as the models make them: g = -softplus(.) <= 0 in float32, beta = sigmoid(.)
+        g, beta = -jax.nn.softplus(g), jax.nn.sigmoid(beta.astype(jnp.float32)).astype(dtype)
+    return (q, k, v, g, beta, state), {}
+
+
+def _sparse_attention(rnd: _Random, dtype, *, B, N, K, H, Hv, topk, page, max_len, scale):
+    width = -(-max_len // page)
+    pages = B * width + 1
+    lengths = rnd.integers(topk, max_len + 1, (B,))
+    lengths[0] = max_len
+    tables = rnd.rng.permutation(np.arange(1, pages, dtype=np.int32))[: B * width].reshape(B, width)
+    # Distinct visible positions per row, in a random order, as the indexer's top-k gives them.
+    indices = np.stack([rnd.rng.permutation(int(n))[:topk] for n in lengths]).astype(np.int32)[:, None, :]
+    args = (rnd.normal((B, 1, N, H), dtype), rnd.normal((pages, page, K, H), dtype),
+            rnd.normal((pages, page, K, Hv), dtype), jnp.asarray(tables), jnp.asarray(lengths),
+            jnp.asarray(lengths[:, None] - 1), jnp.asarray(indices))
+    return args, dict(scale=scale)
+
+
+_BUILDERS = {"attention": _attention, "paged_attention": _paged_attention, "moe": _moe, "rms_norm": _rms_norm,
+             "gated_delta_rule": _gated_delta_rule, "sparse_attention": _sparse_attention}
 
 
 def upcast(tree: Any) -> Any:

@@ -28,6 +28,8 @@ OPS = {
     "paged_attention": "kernels_pallas.paged_attention.api",
     "moe": "kernels_pallas.moe.api",
     "rms_norm": "kernels_pallas.rms_norm.api",
+    "gated_delta_rule": "kernels_pallas.gated_delta_rule.api",
+    "sparse_attention": "kernels_pallas.sparse_attention.api",
 }
 
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lower", choices=["cuda"], help="only lower the Pallas kernels for this platform")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--save", metavar="PATH", help="also write the rows as JSON to PATH")
-    p.add_argument("--family", action="append", choices=sorted(cases_lib.flagships()),
+    p.add_argument("--family", action="append", choices=sorted(cases_lib.families()),
                    help=f"flagship models whose shapes to use (repeatable; default "
                         f"{', '.join(cases_lib.DEFAULT_FLAGSHIPS)})")
     p.add_argument("--calls", metavar="FILE", help="a model's op calls instead: `python -m day0jax.check --json` "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +25,39 @@ GiB = 1 << 30
 HEADROOM = 0.9
 
 
+class KVLayer(NamedTuple):
+    """A layer that caches keys and values in the page pool, per token: K kv heads of key and value head dims, and
+    for indexed sparse attention the indexer's key (one head of `index_dim`, 0: none)."""
+
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    index_dim: int = 0
+
+    @property
+    def token_elements(self) -> int:
+        """Cached numbers per token (before any split over devices)."""
+        return self.kv_heads * (self.k_dim + self.v_dim) + self.index_dim
+
+
+@dataclass(frozen=True)
+class StateLayer:
+    """A layer that carries fixed-size float32 state per sequence (linear attention: its recurrent and convolution
+    states) instead of caching every token: each array's per-sequence shape and the logical axes that split it."""
+
+    arrays: tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return sum(math.prod(shape) for shape, _ in self.arrays) * 4
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs to know about a model, all of it from shapes (no weights)."""
 
     params: tuple[Any, ...]  # every parameter (`day0jax.models.ParamInfo`: path, shape, logical axes)
-    cache_layout: tuple[tuple[int, int, int], ...]  # per layer (kv heads, key head dim, value head dim)
+    cache_layout: tuple[KVLayer | StateLayer, ...]  # per layer, what it caches
     hidden_size: int  # D
     num_heads: int  # N, the most any layer has
     vocab_size: int  # V
@@ -54,12 +81,20 @@ class ModelShape:
                 ffn[layer] = ffn.get(layer, 0) + call["F"]
             elif call.op == "moe":
                 ffn[layer] = ffn.get(layer, 0) + call["k"] * call["F"]
-            elif call.op == "attention":
+            elif call.op in ("attention", "sparse_attention"):
                 heads = max(heads, call["N"])
         V, D = model.model.embed_tokens.weight.shape
-        return cls(params=tuple(param_infos(model)), cache_layout=tuple(tuple(x) for x in model.cache_layout()),
+        return cls(params=tuple(param_infos(model)), cache_layout=tuple(model.cache_layout()),
                    hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
                    context_length=int(context_length))
+
+    @property
+    def kv_layers(self) -> list[KVLayer]:
+        return [x for x in self.cache_layout if isinstance(x, KVLayer)]
+
+    @property
+    def state_layers(self) -> list[StateLayer]:
+        return [x for x in self.cache_layout if isinstance(x, StateLayer)]
 
 
 @dataclass(frozen=True)
@@ -74,6 +109,7 @@ class Workload:
     # Forward programs of more token rows than this hold transposed copies of the largest weights (XLA:CPU does, for
     # its matrix products with many rows); None where the backend does not.
     weight_copy_rows: int | None = None
+    state_slots: int = 0  # per-sequence state slots of linear-attention layers (the trash slot included)
 
 
 @dataclass(frozen=True)
@@ -94,10 +130,12 @@ class Plan:
     model_bytes: int  # all parameters, unsharded
     available_bytes: int | None  # what one device may use (None: unknown, assumed to fit)
     notes: tuple[str, ...] = field(default=())
+    state_bytes: int = 0  # per device: linear-attention state slots
+    state_slots: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.kv_cache_bytes + self.activation_bytes
+        return self.params_bytes + self.kv_cache_bytes + self.state_bytes + self.activation_bytes
 
     @property
     def fits(self) -> bool:
@@ -110,6 +148,8 @@ class Plan:
         rows, tokens, span = self.largest_program
         return (f"{self.mesh}: {fmt_bytes(self.total_bytes)} per device (params {fmt_bytes(self.params_bytes)}, "
                 f"KV cache {fmt_bytes(self.kv_cache_bytes)} for {self.kv_slots} token slots, "
+                + (f"recurrent state {fmt_bytes(self.state_bytes)} for {self.state_slots} sequence slots, "
+                   if self.state_bytes else "") +
                 f"activations {fmt_bytes(self.activation_bytes)} for the largest program, {rows} x {tokens} "
                 f"tokens over {span} positions; up to {self.max_num_seqs} sequences of {self.max_model_len} "
                 f"tokens); {avail}")
@@ -136,10 +176,16 @@ def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtyp
     """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer."""
     item = jnp.dtype(dtype).itemsize
     total = 0
-    for kv_heads, k_dim, v_dim in shape.cache_layout:
-        _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, kv_heads, 1), sizes)
-        total += kv_slots * k * (k_dim + v_dim) * item
+    for layer in shape.kv_layers:
+        _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
+        total += kv_slots * (k * (layer.k_dim + layer.v_dim) + layer.index_dim) * item
     return total
+
+
+def state_bytes(shape: ModelShape, sizes: dict[str, int], state_slots: int) -> int:
+    """Bytes of the linear-attention state slots one device holds (float32, split like their heads)."""
+    return sum(math.prod(shard_shape((None,) + axes, (state_slots,) + per_seq, sizes)) * 4
+               for layer in shape.state_layers for per_seq, axes in layer.arrays)
 
 
 def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int, tokens: int, span: int,
@@ -154,9 +200,9 @@ def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int
     t = tokens
     split = lambda n: n // tp if n % tp == 0 else n  # noqa: E731  (as the rules split, else replicated)
     n = split(shape.num_heads)
-    kv = split(max((k for k, _, _ in shape.cache_layout), default=0))
-    k_dim = max((kd for _, kd, _ in shape.cache_layout), default=0)
-    v_dim = max((vd for _, _, vd in shape.cache_layout), default=0)
+    kv = split(max((x.kv_heads for x in shape.kv_layers), default=0))
+    k_dim = max((x.k_dim for x in shape.kv_layers), default=0)
+    v_dim = max((x.v_dim for x in shape.kv_layers), default=0)
     residual = 2 * b * t * shape.hidden_size * item
     qkv = b * t * (n * k_dim + kv * (k_dim + v_dim) + n * v_dim) * item
     gathered = b * span * kv * (k_dim + v_dim) * item
@@ -230,7 +276,7 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
     sizes = mesh_lib.mesh_sizes(mesh)
     dtype = jnp.dtype(dtype)
     notes = []
-    if sizes["tp"] > 1 and not all(k % sizes["tp"] == 0 for k, _, _ in shape.cache_layout):
+    if sizes["tp"] > 1 and not all(x.kv_heads % sizes["tp"] == 0 for x in shape.kv_layers):
         notes.append(f"kv heads are fewer than tp={sizes['tp']} (or not divisible): the KV cache is replicated "
                      "across tensor-parallel ranks")
     activations, largest = activation_bytes(shape, sizes, workload, dtype)
@@ -240,7 +286,8 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
                 params_bytes=params_bytes(shape, sizes, dtype),
                 kv_cache_bytes=kv_cache_bytes(shape, sizes, workload.kv_slots, dtype), activation_bytes=activations,
                 model_bytes=sum(math.prod(p.shape) for p in shape.params) * dtype.itemsize,
-                available_bytes=available, notes=tuple(notes))
+                available_bytes=available, notes=tuple(notes),
+                state_bytes=state_bytes(shape, sizes, workload.state_slots), state_slots=workload.state_slots)
 
 
 def largest_context(shape: ModelShape, mesh: Any, workload_for: Callable[[int], Workload], *, dtype: Any,

@@ -83,6 +83,144 @@ FAMILIES = {
     "smollm3": ("smollm3", dict(TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8), True),
     "granite": ("granite", dict(TINY, embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.22,
                                 logits_scaling=8.0), True),
+    # q/k norms over all heads, half the head dims rotated (rotary_dim), biased sigmoid routing; MiniMax's own keys.
+    "minimax_m2": ("minimax_m2", dict(TINY, intermediate_size=32, head_dim=16, rotary_dim=8, num_local_experts=4,
+                                      num_experts_per_tok=2, use_qk_norm=True, qk_norm_type="per_layer",
+                                      scoring_func="sigmoid", use_routing_bias=True, shared_intermediate_size=0,
+                                      attn_type_list=[1, 1], num_mtp_modules=1), True),
+    # Every dim rotated, top-3 of 8 experts, tied embeddings.
+    "minimax_m2_full_rotary": ("minimax_m2", dict(TINY, intermediate_size=32, head_dim=16, num_local_experts=8,
+                                                  num_experts_per_tok=3, tie_word_embeddings=True,
+                                                  rope_theta=10000.0), True),
+    # 3 layers: one dense, two MoE with grouped routing (4 groups of 2, best 2), scaled weights, shared expert;
+    # q/k/v biases, per-head q/k norms, half the head dims rotated (HF's default).
+    "glm4_moe": ("glm4_moe", dict(TINY, num_hidden_layers=3, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                  routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True), True),
+    # MoE from layer 0, no biases or q/k norms, weights not renormalized, two shared experts, a quarter rotated.
+    "glm4_moe_plain": ("glm4_moe", dict(TINY, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, first_k_dense_replace=0, norm_topk_prob=False,
+                                        n_shared_experts=2, partial_rotary_factor=0.25, num_nextn_predict_layers=0),
+                       True),
+    # HF's default pattern over 4 layers (3 sliding, then full); YaRN on the full layer only, another theta on the
+    # sliding ones.
+    "olmo3": ("olmo3", dict(TINY, num_hidden_layers=4, sliding_window=8,
+                            rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                "rope_theta": 10000.0, "attention_factor": 1.2,
+                                                                "original_max_position_embeddings": 32},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+              True),
+    # layer_types given, biases on q/k/v/o, tied embeddings; the top-level rope_theta reaches the full layer only.
+    "olmo3_bias": ("olmo3", dict(TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                                 attention_bias=True, tie_word_embeddings=True, rope_theta=10000.0), True),
+    # q/k/v biases (HF's default), an o_proj bias of its own, MLP biases.
+    "seed_oss": ("seed_oss", dict(TINY, head_dim=16, attention_out_bias=True, mlp_bias=True), True),
+    # HF's default pattern over 4 layers: 3 sliding layers with RoPE, then a full-attention layer without positions.
+    "exaone4": ("exaone4", dict(TINY, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4,
+                                rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
+                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 16}), True),
+    # No window: every layer full attention with RoPE.
+    "exaone4_global": ("exaone4", dict(TINY, sliding_window=None, layer_types=["full_attention"] * 2,
+                                       tie_word_embeddings=True), True),
+    # Interleaved RoPE pairs; biases on every projection.
+    "ernie4_5": ("ernie4_5", dict(TINY, head_dim=16, use_bias=True, rope_theta=100.0, initializer_range=0.2), True),
+    "ernie4_5_tied": ("ernie4_5", dict(TINY, head_dim=32, num_key_value_heads=1, tie_word_embeddings=True), True),
+    # q/k norms after RoPE; "dynamic" RoPE with an alpha (a fixed stretch of the base); biases. Larger weights
+    # (initializer_range) sharpen attention so that the order of norm and RoPE shows in the logits.
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(TINY, head_dim=16, attention_bias=True, initializer_range=0.2,
+                                                  rope_parameters={"rope_type": "dynamic", "alpha": 50.0,
+                                                                   "factor": 1.0, "rope_theta": 100.0}), True),
+    # Interleaved RoPE on half the head dims (HF's default), fused gate/up, four norms a layer, q/k/v biases;
+    # larger weights so that RoPE's pairing shows in the logits.
+    "glm4": ("glm4", dict(TINY, head_dim=16, rope_theta=100.0, initializer_range=0.2), True),
+    # A quarter of the dims rotated, no biases, tied embeddings.
+    "glm4_quarter_rotary": ("glm4", dict(TINY, head_dim=16, partial_rotary_factor=0.25, attention_bias=False,
+                                         tie_word_embeddings=True), True),
+    # Ungated ReLU-squared MLP, YaRN; the second with biases everywhere and SiLU.
+    "arcee": ("arcee", dict(TINY, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                   "original_max_position_embeddings": 32}), True),
+    "arcee_bias_silu": ("arcee", dict(TINY, hidden_act="silu", attention_bias=True, mlp_bias=True, head_dim=32),
+                        True),
+    # Hybrid linear attention. Layer 0 Gated DeltaNet (2 key heads serving 4 value heads) with a dense MLP
+    # (mlp_only_layers), layer 1 gated full attention with partial RoPE and an MoE with a gated shared expert.
+    "qwen3_next": ("qwen3_next", dict(TINY, head_dim=16, full_attention_interval=2, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, mlp_only_layers=[0]), True),
+    # Separate linear-attention projections; key and value head dims differ.
+    "qwen3_5": ("qwen3_5_text", dict(TINY, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                     linear_value_head_dim=16), True),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict({k: v for k, v in TINY.items() if k != "intermediate_size"},
+                                             head_dim=16, full_attention_interval=2, linear_num_key_heads=2,
+                                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48), True),
+    # Layer 0: RoPE (interleaved pairs) with L2 q/k norms, attention in chunks of 8 positions, a dense MLP; layer 1:
+    # global without positions, queries scaled by a temperature that grows every 4 positions, and an MoE (sigmoid
+    # top-2 of 4 experts scaling the experts' inputs, a shared expert). Larger weights (initializer_range) so that
+    # the experts' nonlinearity and the pairing of RoPE dims show in the logits.
+    "llama4": ("llama4_text", dict(TINY, intermediate_size=32, intermediate_size_mlp=128, head_dim=16,
+                                   attention_chunk_size=8, no_rope_layer_interval=2, interleave_moe_layer_step=2,
+                                   num_local_experts=4, num_experts_per_tok=2, floor_scale=4, attn_scale=0.5,
+                                   initializer_range=0.2), True),
+    # Maverick-like: no q/k norms, biases, top-1 MoE in every layer; layers given (layer 0 global, layer 1 chunked
+    # with Llama 3 RoPE), tied embeddings.
+    "llama4_bias_top1": ("llama4_text", dict(TINY, intermediate_size=32, intermediate_size_mlp=128, head_dim=16,
+                                             attention_chunk_size=8, no_rope_layers=[0, 1], use_qk_norm=False,
+                                             attention_bias=True, num_local_experts=4, num_experts_per_tok=1,
+                                             floor_scale=2, attn_scale=0.3, tie_word_embeddings=True,
+                                             initializer_range=0.2,
+                                             rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                                              "rope_theta": 500000.0, "low_freq_factor": 1.0,
+                                                              "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 16}), True),
+    # 3 layers: a dense one (num_dense_layers), then MoE (sigmoid scores, top-2 of 8 chosen with the routing bias,
+    # weights times route_scale, a shared expert); sliding layers with RoPE around a full-attention layer without
+    # positions; per-head q/k norms, the output gate, four norms a layer.
+    "afmoe": ("afmoe", dict(TINY, num_hidden_layers=3, head_dim=16, global_attn_every_n_layers=2, sliding_window=8,
+                            num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            num_shared_experts=1, route_scale=2.5), True),
+    # muP input scaling, biases, tied embeddings; MoE from layer 0 with two shared experts; layer_types given.
+    "afmoe_mup": ("afmoe", dict(TINY, head_dim=16, layer_types=["full_attention", "sliding_attention"],
+                                sliding_window=8, mup_enabled=True, attention_bias=True, tie_word_embeddings=True,
+                                num_dense_layers=0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                num_shared_experts=2), True),
+    # 3 layers: one dense, two MoE with softmax scores routed in groups (4 groups of 2, best 2), scaled weights, a
+    # shared expert; YaRN whose mscale_all_dim scales the softmax, and a query temperature that grows every 8
+    # positions (llama_4_scaling_beta over original_max_position_embeddings). Larger weights (initializer_range)
+    # sharpen attention so that the softmax scale and the temperature show in the logits.
+    "mistral4": ("mistral4", dict(TINY, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
+                                  qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=12, n_group=4, topk_group=2,
+                                  first_k_dense_replace=1, routed_scaling_factor=2.0, initializer_range=0.1,
+                                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 100.0,
+                                                   "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+                                                   "llama_4_scaling_beta": 0.5}), True),
+    # HF's default rope_parameters; a plain q_proj, RoPE dims not interleaved, biases, tied embeddings, MoE from
+    # layer 0 with weights not renormalized and two shared experts.
+    "mistral4_plain_q": ("mistral4", dict(TINY, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=16,
+                                          qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                                          rope_interleave=False, norm_topk_prob=False, n_shared_experts=2,
+                                          attention_bias=True, tie_word_embeddings=True), True),
+    # Sparse attention: top-8 keys per query, so the longer prompts and the generated tokens attend over a subset.
+    # 16 indexer heads: with few, relu leaves several keys at exactly 0 and the top-k cut falls inside such ties,
+    # where any order is right but the choice differs from transformers'.
+    "deepseek_v32": ("deepseek_v32", dict(TINY, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
+                                          qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_group=2,
+                                          topk_group=1, first_k_dense_replace=1, n_shared_experts=1, index_topk=8,
+                                          index_head_dim=16, index_n_heads=16), True),
+    # GLM-5: the indexer rotates interleaved pairs; layer 2 is "shared" (index_topk_freq=2): no indexer of its own,
+    # it attends over the keys layer 1 picked.
+    "glm_moe_dsa": ("glm_moe_dsa", dict(TINY, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
+                                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                        first_k_dense_replace=1, n_shared_experts=1, index_topk=8, index_head_dim=16,
+                                        index_n_heads=16, index_topk_freq=2), True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

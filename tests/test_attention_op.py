@@ -12,7 +12,7 @@ from kernels_pallas import registry
 from kernels_pallas.attention import api, reference
 
 
-def naive(q, k, v, q_positions, kv_lengths, causal, window, softcap, sinks, scale):
+def naive(q, k, v, q_positions, kv_lengths, causal, window, softcap, sinks, scale, chunk=None):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     out = np.zeros_like(q)
@@ -25,7 +25,7 @@ def naive(q, k, v, q_positions, kv_lengths, causal, window, softcap, sinks, scal
                 if softcap:
                     scores = softcap * np.tanh(scores / softcap)
                 ok = np.array([s < kv_lengths[b] and (not causal or s <= p) and (window is None or p - s < window)
-                               for s in range(S)])
+                               and (chunk is None or s // chunk == p // chunk) for s in range(S)])
                 logits = np.where(ok, scores, -np.inf)
                 extra = [sinks[n]] if sinks is not None else []
                 m = max(logits.max(), *extra) if extra else logits.max()
@@ -52,6 +52,26 @@ def test_reference_matches_naive(N, K, window, softcap, use_sinks):
                               sinks=None if sinks is None else jnp.asarray(sinks))
     want = naive(q, k, v, q_positions, kv_lengths, True, window, softcap, sinks, H ** -0.5)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk,window,causal", [(3, None, True), (2, None, True), (4, 3, True), (3, None, False)])
+def test_reference_chunked_mask_matches_naive(chunk, window, causal):
+    """Chunked local attention: a query sees only the keys of its own chunk of positions; the queries here straddle
+    chunk boundaries, and the chunk mask combines with a window, GQA and ragged lengths."""
+    rng = np.random.default_rng(1)
+    B, T, S, N, K, H = 2, 4, 9, 4, 2, 8
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    q_positions = np.array([[2, 3, 4, 5], [5, 6, 7, 8]], np.int32)
+    kv_lengths = np.array([6, 9], np.int32)
+    got = reference.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), q_positions=jnp.asarray(q_positions),
+                              kv_lengths=jnp.asarray(kv_lengths), causal=causal, sliding_window=window,
+                              chunk_size=chunk)
+    want = naive(q, k, v, q_positions, kv_lengths, causal, window, None, None, H ** -0.5, chunk=chunk)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    unchunked = naive(q, k, v, q_positions, kv_lengths, causal, window, None, None, H ** -0.5)
+    assert np.abs(want - unchunked).max() > 1e-2  # the chunks cut something here
 
 
 def test_dispatch_falls_back_and_named_kernel_raises(monkeypatch):

@@ -90,6 +90,44 @@ def test_report_of_every_family_variant(tiny, converted):
     assert ckpt.memory["kv_cache_bytes"] == 3 * ckpt.memory["kv_slots"] * 2 * (16 + 8) * 4
 
 
+def test_hybrid_linear_attention_report(tiny):
+    """Qwen3-Next: which layers are linear attention and what they keep per sequence, their operators, and the
+    memory plan's state slots (split over tp like their heads)."""
+    report = check_lib.check(tiny["qwen3_next"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    # Layer 0: 2 key heads x 8 and 4 value heads x 8; conv states [3, 2+2+4 heads, 8], recurrent [4, 8, 8].
+    per_seq = (3 * (2 + 2 + 4) * 8 + 4 * 8 * 8) * 4
+    assert report.layers == [
+        {"kind": "linear attention", "layers": "0", "cache": f"state {per_seq / 1024:.2f} KiB per sequence"},
+        {"kind": "full attention", "layers": "1", "cache": "KV 256 B per token"}]
+    ops = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
+    assert "2qk/4v heads x 8" in ops[("gated delta rule (linear attention)", "0")]
+    assert "width 4" in ops[("causal conv1d", "0")]
+    m = report.memory
+    assert m["state_slots"] == 17 and m["state_bytes"] == 17 * per_seq and "recurrent state" in m["summary"]
+    assert check_lib.check(tiny["qwen3_next"]["hf"], mesh="tp=2").memory["state_bytes"] == 17 * per_seq // 2
+
+
+def test_sparse_attention_report(tiny):
+    """DeepSeek-V3.2: every layer sparse, its indexer's keys cached beside the latent (and planned), the engine's
+    paged decode on the gather path that reads only the selected keys."""
+    report = check_lib.check(tiny["deepseek_v32"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    per_token = 2 * (16 + 8) + 16  # latent + rope key, stored as key and value, and the indexer's key
+    assert report.layers == [{"kind": "sparse attention (top-8 keys)", "layers": "0-1",
+                              "cache": f"KV {per_token * 4} B per token"}]
+    row = next(r for r in report.ops if r["op"] == "sparse attention (engine)")
+    assert "top-8 keys of a 16-head indexer x 16" in row["variant"] and row["implementation"].startswith("gather")
+    assert report.memory["kv_cache_bytes"] == 2 * report.memory["kv_slots"] * per_token * 4
+    # GLM-5: the shared layer caches no indexer keys and says whose top-k it takes.
+    glm = check_lib.check(tiny["glm_moe_dsa"]["hf"], dtype="float32")
+    assert glm.supported, glm.reasons
+    assert [(r["kind"], r["layers"]) for r in glm.layers] == [("sparse attention (top-8 keys)", "0-1"),
+                                                              ("sparse attention (top-8 keys, shared)", "2")]
+    assert glm.memory["kv_cache_bytes"] == glm.memory["kv_slots"] * (3 * per_token - 16) * 4
+    assert any("an earlier layer's indexer" in r["variant"] for r in glm.ops)
+
+
 def test_mesh_spec_splits_memory(tiny):
     """A SPEC may ask for more devices than are visible: it is a plan. tp=2 halves the split weights."""
     one = check_lib.check(tiny["llama"]["hf"], mesh="tp=1").memory
@@ -143,8 +181,8 @@ def test_kernel_chosen_or_fallback(tiny, monkeypatch):
 
 @pytest.mark.parametrize("model_type", sorted(models.FAMILIES))
 def test_family_registry_matches_family_objects(model_type):
-    fam = models.family(model_type)
-    assert model_type in fam.model_types and fam.config().model_type == model_type
+    fam = models.family(model_type)  # the first model_type of a family is its config's default
+    assert model_type in fam.model_types and fam.config().model_type == fam.model_types[0]
 
 
 def test_config_fields_keep_config_json_values():
@@ -183,6 +221,12 @@ def test_unknown_model_type_names_closest(tmp_path, tiny):
     ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
     ("phi3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
     ("smollm3", {"no_rope_layers": [1, 2]}, "no_rope_layers"),
+    ("minimax_m2", {"attn_type_list": [0, 1]}, "attn_type_list"),
+    ("minimax_m2", {"shared_intermediate_size": 64}, "shared_intermediate_size=64"),
+    ("glm4_moe", {"n_group": 3}, "n_group=3"),
+    ("olmo3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters"),
+    ("exaone4", {"sliding_window_pattern": "LLLG", "layer_types": None}, "sliding_window_pattern='LLLG'"),
+    ("hunyuan_v1_dense", {"use_cla": True}, "use_cla=True"),
 ])
 def test_refused_config_values(name, changes, message, tiny, tmp_path):
     """Every math-changing value a family does not implement is refused by check, convert and load, by name."""

@@ -64,27 +64,31 @@ PROMPTS = [[1, 17, 42, 5, 99], [1] + [(7 * i + 3) % 250 + 3 for i in range(40)],
            [1] + [(13 * i + 11) % 250 + 3 for i in range(70)], [4, 4, 4, 4, 4, 4, 4, 4, 4]]
 
 
-@pytest.fixture(scope="module")
-def reference(module):
+def cache_less_greedy(module, prompts=PROMPTS, new_tokens=16, context=CONTEXT) -> list[list[int]]:
     """Greedy continuations by the cache-less forward pass: the whole sequence again for every token (padded
-    to the context, which causal attention makes harmless, so one program serves every length)."""
+    to the context, which causal layers make harmless, so one program serves every length)."""
     graphdef, params = nnx.split(module)
 
     @jax.jit
     def logits(tokens):
         model = nnx.merge(graphdef, params)
-        hidden, _ = model(tokens, jnp.arange(CONTEXT, dtype=jnp.int32)[None])
+        hidden, _ = model(tokens, jnp.arange(context, dtype=jnp.int32)[None])
         return model.logits(hidden)[0]
 
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         seq = list(prompt)
-        for _ in range(16):
-            padded = np.zeros((1, CONTEXT), np.int32)
+        for _ in range(new_tokens):
+            padded = np.zeros((1, context), np.int32)
             padded[0, :len(seq)] = seq
             seq.append(int(np.argmax(np.asarray(logits(padded))[len(seq) - 1])))
         out.append(seq[len(prompt):])
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(module):
+    return cache_less_greedy(module)
 
 
 def greedy(n=16):

@@ -25,7 +25,11 @@ CASES = {
                                         sinks=True, offsets=True),
     "mqa-headdim-256": dict(B=1, T=32, S=128, N=2, K=1, H=256, scale=None, window=None, softcap=None,
                             sinks=False, offsets=True),
+    # Chunked local attention (Llama 4): no kernel takes it yet; each must decline it, leaving it to the reference.
+    "gqa-chunked": dict(B=2, T=64, S=128, N=4, K=2, H=64, scale=None, window=None, softcap=None, sinks=False,
+                        offsets=True, chunk=32),
 }
+CHUNKED = {"gqa-chunked": "chunk"}
 
 
 class AttentionContract:
@@ -57,18 +61,20 @@ class TestReference(AttentionContract):
 @pytest.mark.usefixtures("interpreter_on_cpu")
 class TestMosaicGpuInterpret(AttentionContract):
     implementation = "mosaic_gpu_interpret"
+    declines = CHUNKED
 
 
 @needs_hopper
 class TestMosaicGpu(AttentionContract):
     implementation = "mosaic_gpu"
+    declines = CHUNKED
 
 
 @needs_nvidia_gpu
 class TestCudnn(AttentionContract):
     implementation = "cudnn"
     # jax's cuDNN attention has neither soft-cap nor sinks; head dim 256 needs Hopper or newer.
-    declines = {"ragged-window-softcap-sinks": "soft-cap nor sinks",
+    declines = {"ragged-window-softcap-sinks": "soft-cap nor sinks", **CHUNKED,
                 **({} if TARGET.is_hopper else {"mqa-headdim-256": "head dim"})}
 
 

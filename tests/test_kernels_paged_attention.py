@@ -60,6 +60,18 @@ def test_split_count_fills_the_chip_but_never_exceeds_the_blocks():
     assert pallas_mgpu.num_splits(batch=1, kv_heads=1, num_blocks=3, cores=132, max_splits=16) == 3
 
 
+def test_declines_chunked_attention_and_falls_back():
+    """Chunked local attention (Llama 4) is not in the kernel: it declines it by name, and the op runs the reference."""
+    args, kwargs = cases.Case("paged_attention", "chunked", "bfloat16", dict(CASES["gqa-decode-pages16"], chunk=32)
+                              ).build(0)
+    assert kwargs["chunk_size"] == 32
+    with pytest.raises(registry.KernelUnavailable, match="chunk"):
+        api.paged_attention(*args, **kwargs, implementation="mosaic_gpu_interpret")
+    got = selftest.run(api.paged_attention, args, kwargs)
+    want = selftest.run(reference.paged_attention, cases.upcast(args), kwargs)
+    assert cases.max_relative_error(got, want) <= cases.TOLERANCE["bfloat16"]
+
+
 def test_declines_mla_pools_and_falls_back():
     q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
     k_pages, v_pages = jnp.ones((3, 16, 1, 64), jnp.bfloat16), jnp.ones((3, 16, 1, 128), jnp.bfloat16)

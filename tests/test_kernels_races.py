@@ -14,6 +14,7 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from kernels_pallas import cases
 from kernels_pallas.attention import pallas_mgpu as attention
+from kernels_pallas.gated_delta_rule import pallas_mgpu as gdn
 from kernels_pallas.moe import pallas_mgpu as moe
 from kernels_pallas.paged_attention import pallas_mgpu as paged
 from kernels_pallas.rms_norm import pallas_mgpu as rms
@@ -45,6 +46,7 @@ SPECS = {
                                                     window=None, softcap=None, sinks=False), dict(splits=1)),
     "moe": (moe.grouped_matmul, dict(M=80, G=3, D=128, F=64, k=1), dict(blocks=moe.Blocks(64, 64, 64, 2))),
     "rms_norm": (rms.rms_norm, dict(M=8, D=256, eps=1e-6, offset=0.0), {}),
+    "gated_delta_rule": (gdn.gated_delta_rule, dict(B=1, T=150, Nk=1, Nv=1, Hk=64, Hv=64, decay="channel"), {}),
 }
 
 

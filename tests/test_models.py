@@ -117,3 +117,31 @@ def test_moe_runs_only_routed_rows(monkeypatch):
                                             * (x[0, m] @ ex.up_proj[experts[m, j]])) @ ex.down_proj[experts[m, j]]
                            for j in range(k)) for m in range(M)])
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+
+def test_llama4_multimodal_checkpoint_converts_as_its_language_model(tmp_path, caplog):
+    """A Llama 4 checkpoint with its vision tower and projector (`language_model.` before the text model's names):
+    the language model converts, the rest is dropped with a log line, and the logits equal transformers' on text."""
+    import logging
+
+    from conftest import run_reference
+    from convert.convert import convert_checkpoint
+
+    _, text, _ = FAMILIES["llama4"]
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                  vision_output_dim=64, image_size=32, patch_size=8, projector_input_dim=64, projector_output_dim=64)
+    hf = tmp_path / "hf"
+    run_reference([{"op": "tiny_hf", "family": "llama4", "config": dict(text_config=text, vision_config=vision),
+                    "seed": 0, "multimodal": True, "out": str(hf)},
+                   {"op": "run", "model": str(hf), "prompts": PROMPTS, "generate": 0,
+                    "out": str(tmp_path / "ref.npz")}], tmp_path)
+    with caplog.at_level(logging.INFO, logger="convert"):
+        convert_checkpoint(hf, tmp_path / "d0", progress=False)
+    assert "vision_model" in caplog.text and "multi_modal_projector" in caplog.text
+    assert "images are not supported yet" in caplog.text
+    model = day0jax.load(tmp_path / "d0", dtype="float32")
+    assert model.config.is_composite and model.config.layer_kinds == ("chunked_attention", "full_attention")
+    ref = np.load(tmp_path / "ref.npz")
+    for i, prompt in enumerate(PROMPTS):
+        ours, theirs = model.logits([prompt])[0], ref[f"logits_{i}"]
+        assert rel_err(ours, theirs) < RTOL, f"prompt {i}: relative error {rel_err(ours, theirs):.2e}"

@@ -84,6 +84,22 @@ def test_cases_come_from_the_calls():
     assert [c.spec["D"] for c in built if c.op == "rms_norm"] == [64]
 
 
+
+def test_chunked_attention_calls():
+    """Llama 4: the chunk of the RoPE layers' local attention reaches their op calls (and only theirs), the words of
+    the report and the kernel cases; the global layer has no RoPE and no chunk."""
+    from families import FAMILIES
+
+    model_type, config, _ = FAMILIES["llama4"]
+    calls = models.abstract_model(models.config_from_hf(dict(config, model_type=model_type))).op_calls()
+    paged = {layer: c for layer, c in calls if c.op == "paged_attention"}
+    assert paged[0]["chunk"] == 8 and paged[1].get("chunk") is None
+    assert "chunked local attention 8" in paged[0].describe() and "chunked" not in paged[1].describe()
+    assert [c.get("kind") for layer, c in calls if c.op == "rope"] == ["default", None]
+    built = cases.cases_from_calls([paged[0], paged[1]], "float32", scale="tiny")
+    assert [c.build(0)[1].get("chunk_size") for c in built] == [8, None]
+
+
 if __name__ == "__main__" and "--update" in sys.argv:
     table = json.loads(cases.FLAGSHIPS_FILE.read_text())
     for entry in table.values():

@@ -32,6 +32,27 @@ def test_paged_attention_equals_dense_over_gathered_pages():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_paged_chunked_attention_matches_brute_force_mask():
+    """Chunked local attention over pages (chunks of 3 positions, pages of 4 tokens: chunks straddle pages): each
+    query sees only the cached keys of its own chunk, up to itself."""
+    from test_attention_op import naive
+
+    rng = np.random.default_rng(2)
+    B, T, N, K, H, page, pages, chunk = 2, 2, 4, 2, 8, 4, 10, 3
+    lengths = np.array([7, 10], np.int32)
+    tables = np.array([[3, 7, 1], [9, 2, 5]], np.int32)
+    k_pages = rng.standard_normal((pages, page, K, H)).astype(np.float32)
+    v_pages = rng.standard_normal((pages, page, K, H)).astype(np.float32)
+    k = np.stack([np.concatenate([k_pages[p] for p in tables[b]]) for b in range(B)])
+    v = np.stack([np.concatenate([v_pages[p] for p in tables[b]]) for b in range(B)])
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    pos = np.stack([lengths - 2, lengths - 1], axis=1).astype(np.int32)  # [5, 6] and [8, 9]: across a chunk edge
+    got = paged.paged_attention(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(tables),
+                                jnp.asarray(lengths), jnp.asarray(pos), chunk_size=chunk)
+    want = naive(q, k, v, pos, lengths, True, None, None, None, H ** -0.5, chunk=chunk)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_matmul_equals_per_row_matmul():
     rng = np.random.default_rng(2)
     M, D, F, G = 37, 8, 6, 5

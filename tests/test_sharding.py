@@ -37,11 +37,18 @@ from families import FAMILIES as TEST_FAMILIES  # noqa: E402
 # (tp up to 8) is valid. Per family, further overrides (more experts, so ep=4 leaves two per rank).
 OVERRIDES = {
     "deepseek_v3": dict(num_key_value_heads=8),
+    "deepseek_v32": dict(num_key_value_heads=8),
+    "glm_moe_dsa": dict(num_key_value_heads=8),
+    "mistral4": dict(num_key_value_heads=8),
     "qwen3_moe": dict(num_experts=8),
+    # Linear-attention heads divisible by tp=8 too, so that their state splits on every mesh.
+    "qwen3_5_moe_text": dict(num_experts=8, linear_num_key_heads=8, linear_num_value_heads=8),
 }
-# The families the 8-device tests load and compare on every mesh: a dense, an MoE and an MLA model. Adding a
-# family is adding its model_type here.
-MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3"]
+# The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA and a hybrid
+# linear-attention model. Adding a family is adding its model_type here.
+MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text"]
+# One model_type per family module (a family may implement several: a multimodal one and its text model).
+FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 
 
 def sharding_config(model_type: str) -> dict:
@@ -192,7 +199,7 @@ def test_rules_split_heads_mlp_vocab_experts_and_batch():
 
 
 def test_every_logical_axis_of_every_family_is_in_the_rules():
-    for model_type in models.FAMILIES:
+    for model_type in FAMILY_TYPES:
         _, infos = abstract_infos(sharding_config(model_type))
         names = {a for i in infos for a in i.axes if a is not None}
         assert names <= set(rules.RULES), f"{model_type}: {sorted(names - set(rules.RULES))} not in sharding RULES"
@@ -219,9 +226,14 @@ def golden_table(model_type: str) -> dict:
         if bad:
             out["meshes"][spec] = {"refused": bad}
             continue
+        layout = module.cache_layout()
         kv = {f"{k}x{kd}x{vd}": list(rules.partition_spec(rules.KV_POOL, (64, 16, k, 1), sizes))
-              for k, kd, vd in sorted(set(module.cache_layout()))}
+              for k, kd, vd, _ in sorted({x for x in layout if isinstance(x, plan_lib.KVLayer)})}
         out["meshes"][spec] = {"params": _jsonable(rules.spec_table(infos, sizes)), "kv_cache": _jsonable(kv)}
+        state = {"x".join(map(str, shape)): list(rules.partition_spec((None,) + axes, (64,) + shape, sizes))
+                 for x in layout if isinstance(x, plan_lib.StateLayer) for shape, axes in x.arrays}
+        if state:  # linear-attention state slots [slots, *per-sequence shape]
+            out["meshes"][spec]["state"] = _jsonable(state)
     return out
 
 
@@ -244,7 +256,7 @@ def _jsonable(x):
     return json.loads(json.dumps(x))  # tuples (multi-axis entries) become lists, as in the file
 
 
-@pytest.mark.parametrize("model_type", sorted(models.FAMILIES))
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
 def test_golden_sharding(model_type):
     path = GOLDEN / f"{model_type}.json"
     assert path.is_file(), f"{path} is missing: run `.venv/bin/python tests/test_sharding.py --update-golden`"
@@ -445,6 +457,6 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--update-golden"]:
         sys.exit("usage: python tests/test_sharding.py --update-golden")
     GOLDEN.mkdir(exist_ok=True)
-    for mt in sorted(models.FAMILIES):
+    for mt in FAMILY_TYPES:
         (GOLDEN / f"{mt}.json").write_text(dump_golden(golden_table(mt)))
         print("wrote", GOLDEN / f"{mt}.json")

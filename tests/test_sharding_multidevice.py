@@ -35,7 +35,8 @@ NEW_TOKENS = 6
 # Generation (prefill + decode with the sharded KV cache) runs on the mesh that uses all three axes, and for llama
 # also on tp=8, the multi-host test's mesh.
 # (MLA's latent cache, one kv head replicated over tp, is exercised by deepseek_v3; qwen3_moe's is plain GQA.)
-GENERATE_ON = {"llama": ["tp=2,ep=2,dp=2", "tp=8"], "deepseek_v3": ["tp=2,ep=2,dp=2"]}
+GENERATE_ON = {"llama": ["tp=2,ep=2,dp=2", "tp=8"], "deepseek_v3": ["tp=2,ep=2,dp=2"],
+               "qwen3_5_moe_text": ["tp=2,ep=4"]}
 MULTIHOST_MESH = "tp=8"  # tensor parallelism across both processes: all-reduces cross the process boundary
 # RSS test model: ~470 MB float32, every dimension divisible by tp=8, its largest array (the embeddings) 7% of it,
 # about as in real models (Llama-3-8B: 6%).
@@ -70,18 +71,20 @@ def job_meshes(job: dict) -> dict:
             params = runner.params
             devices = list(model.mesh.devices.flat)
             plan = model.memory_plan
-            cache_arrays = jax.tree.leaves(runner.pools)
+            cache_arrays = jax.tree.leaves([p for p, state in zip(runner.pools, runner.stateful) if not state])
+            state_arrays = jax.tree.leaves([p for p, state in zip(runner.pools, runner.stateful) if state])
             entry = {
                 "rel_err": float(np.abs(logits - ref).max() / np.abs(ref).max()),
                 "param_bytes_per_device": [_device_bytes(params, d) for d in devices],
                 "kv_bytes_per_device": [_device_bytes(cache_arrays, d) for d in devices],
+                "state_bytes_per_device": [_device_bytes(state_arrays, d) for d in devices],
                 "model_bytes": sum(a.nbytes for a in params),
                 "plan": plan.to_dict(),
             }
             if spec in generate:
                 entry["tokens"] = model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
             res["meshes"][spec] = entry
-            del model, runner, cache_arrays, params
+            del model, runner, cache_arrays, state_arrays, params
         out[model_type] = res
     return out
 
@@ -217,6 +220,8 @@ def test_each_device_holds_its_share_as_planned(meshes, model_type, spec):
     for d, got in enumerate(entry["kv_bytes_per_device"]):
         want = entry["plan"]["kv_cache_bytes"]
         assert abs(got - want) <= PLAN_TOLERANCE * want, f"device {d}: KV cache {got}, planned {want}"
+    for d, got in enumerate(entry["state_bytes_per_device"]):  # linear-attention state, split like its heads
+        assert got == entry["plan"]["state_bytes"], f"device {d}: state {got}, planned {entry['plan']['state_bytes']}"
 
 
 @pytest.mark.parametrize("model_type", list(GENERATE_ON))

@@ -75,6 +75,11 @@ class EngineLayout:
     prefill_widths: tuple[int, ...]
 
     @property
+    def state_slots(self) -> int:
+        """Sequence slots of linear-attention state: one per running sequence, plus the trash slot."""
+        return self.batch_buckets[-1] + 1
+
+    @property
     def max_rows(self) -> int:
         """The largest batch any program sees (decode rows; a prefill chunk is one row)."""
         return self.batch_buckets[-1]
@@ -98,7 +103,8 @@ class EngineLayout:
         return Workload(kv_slots=self.num_pages * self.page_size,
                         forward_shapes=tuple((r, t, w * self.page_size) for r, t, w in self.forward_shapes()),
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
-                        weight_copy_rows=NARROW_ROWS if jax.default_backend() == "cpu" else None)
+                        weight_copy_rows=NARROW_ROWS if jax.default_backend() == "cpu" else None,
+                        state_slots=self.state_slots)
 
     def sampler_batches(self) -> list[int]:
         """Every row count the sampler sees: decode batch buckets, and 1 for a prefill's last token."""

@@ -9,6 +9,8 @@ When the plan needs the tokens (a preemption, penalties), the step reads them fi
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -23,6 +25,8 @@ from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueF
 from day0jax.engine.runner import ModelRunner
 from day0jax.engine.sampling import sampler_mode
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -47,9 +51,14 @@ class Engine:
 
     def __init__(self, module, mesh, dtype, *, context_length: int, eos_token_ids: Sequence[int] = (),
                  config: EngineConfig = EngineConfig()):
-        self.config, self.layout = config, config.layout(context_length)
+        self.layout = config.layout(context_length)
         self.max_model_len, self.page_size = self.layout.max_model_len, self.layout.page_size
         self.runner = ModelRunner(module, mesh, dtype, self.layout)
+        if self.runner.has_state and config.prefix_caching:
+            log.info("prefix caching is off: this model's linear-attention layers keep a state per sequence that "
+                     "cached KV pages cannot restore")
+            config = dataclasses.replace(config, prefix_caching=False)
+        self.config = config
         self.scheduler = Scheduler(config, self.layout, eos_token_ids)
         self.vocab_size = self.runner.vocab_size
         self._commands: collections.deque = collections.deque()
@@ -181,6 +190,7 @@ class Engine:
                 batch.token_source[i] = self._sources[s][1]
             batch.positions[i, 0] = s.num_computed
             batch.kv_lengths[i] = s.num_computed + 1
+            batch.state_slots[i] = s.slot
         batch.block_tables[:] = self._table(seqs, rows, width)
         outputs = self.runner.forward(batch, previous)
         for s in seqs:
@@ -197,6 +207,7 @@ class Engine:
         batch.positions[0, :n] = np.arange(start, start + n)
         batch.kv_lengths[0] = start + n
         batch.last_index[0] = n - 1
+        batch.state_slots[0] = seq.slot
         batch.block_tables[:] = self._table([seq], 1, width)
         outputs = self.runner.forward(batch)
         seq.num_computed += n

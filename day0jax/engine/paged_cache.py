@@ -7,12 +7,14 @@ their writes never land in a page holding live keys. Attention is the `kernels_p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas.paged_attention import api as paged_op
+from kernels_pallas.sparse_attention import api as sparse_op
 
 TRASH_PAGE = 0
 
@@ -26,43 +28,82 @@ class PagedKVCache:
     v_pages: jax.Array  # [P, page_size, K, Hv]; Hv may differ from Hk (multi-head latent attention)
     block_tables: jax.Array  # [B, W] int32 page ids per row; entries past a row's pages hold TRASH_PAGE
     kv_lengths: jax.Array  # [B] int32 valid cached tokens per row after this step's writes
+    index_pages: jax.Array | None = None  # [P, page_size, Di] the sparse-attention indexer's keys, if the layer has one
+
+    @classmethod
+    def from_pools(cls, pools: tuple, block_tables: jax.Array, kv_lengths: jax.Array) -> "PagedKVCache":
+        return cls(pools[0], pools[1], block_tables, kv_lengths, pools[2] if len(pools) > 2 else None)
+
+    @property
+    def pools(self) -> tuple:
+        """The arrays `from_pools` takes, updated."""
+        return (self.k_pages, self.v_pages) + (() if self.index_pages is None else (self.index_pages,))
 
     @property
     def page_size(self) -> int:
         return self.k_pages.shape[1]
 
+    def _slots(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # Positions beyond the block table (how the engine marks padding) map to the trash page.
+        pages = jnp.take_along_axis(self.block_tables, positions // self.page_size, axis=1, mode="fill",
+                                    fill_value=TRASH_PAGE)
+        return pages, positions % self.page_size
+
     def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKVCache":
-        """Writes k [B, T, K, Hk] and v [B, T, K, Hv] at `positions` [B, T]; positions beyond the block table (how
-        the engine marks padding) go to the trash page."""
-        page = self.page_size
-        blocks = positions // page
-        pages = jnp.take_along_axis(self.block_tables, blocks, axis=1, mode="fill", fill_value=TRASH_PAGE)
-        slots = positions % page
+        """Writes k [B, T, K, Hk] and v [B, T, K, Hv] at `positions` [B, T]."""
+        pages, slots = self._slots(positions)
         k_pages = self.k_pages.at[pages, slots].set(k.astype(self.k_pages.dtype), mode="drop")
         v_pages = self.v_pages.at[pages, slots].set(v.astype(self.v_pages.dtype), mode="drop")
-        return PagedKVCache(k_pages, v_pages, self.block_tables, self.kv_lengths)
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
     def attend(self, q: jax.Array, positions: jax.Array, **kwargs) -> jax.Array:
         """Queries [B, T, N, H] at `positions` attend causally over each row's first `kv_lengths` positions."""
         return paged_op.paged_attention(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
                                         positions, **kwargs)
 
+    def index_topk(self, k: jax.Array, q: jax.Array, weights: jax.Array, positions: jax.Array, *, topk: int,
+                   scale: float) -> tuple["PagedKVCache", jax.Array]:
+        """Writes the indexer keys k [B, T, Di] at `positions`, then picks each query's top-k cached positions
+        (`sparse_attention.index_topk` over the row's pages): (updated cache, indices [B, T, Kt])."""
+        pages, slots = self._slots(positions)
+        index_pages = self.index_pages.at[pages, slots].set(k.astype(self.index_pages.dtype), mode="drop")
+        keys = sparse_op.gather_pages(index_pages, self.block_tables)
+        indices = sparse_op.index_topk(q, keys, weights, topk=topk, scale=scale, q_positions=positions,
+                                       kv_lengths=self.kv_lengths)
+        return dataclasses.replace(self, index_pages=index_pages), indices
 
-def new_pools(layout: list[tuple[int, int, int]], num_pages: int, page_size: int, dtype,
-              sharding_for=None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed (k_pages, v_pages) per layer, shaped from the model's `cache_layout()`.
+    def attend_sparse(self, q: jax.Array, positions: jax.Array, indices: jax.Array, *, scale: float) -> jax.Array:
+        """Queries attend over their selected positions only (`indices` [B, T, Kt], from `index_topk`)."""
+        return sparse_op.paged_sparse_attention(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
+                                                positions, indices, scale=scale)
+
+
+def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dtype, mesh=None) -> list[tuple]:
+    """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
+    ([P, page_size, K, H] each, split like the kv heads), and for a `StateLayer` one float32 [S, *shape] pool per
+    state array (split like its heads).
 
     Args:
-        layout: per layer (kv heads, key head dim, value head dim).
+        layout: the model's `cache_layout()`.
         num_pages, page_size: pages per layer (the trash page included), token slots per page.
-        dtype: cache dtype.
-        sharding_for: optional callable (shape) -> sharding for a pool (kv heads split like the model's).
-    Returns:
-        One (k_pages, v_pages) pair per layer.
+        state_slots: sequence slots of state layers (the trash slot included).
+        dtype: KV cache dtype.
+        mesh: the mesh the pools live on (None: the default device).
     """
+    from sharding.plan import StateLayer
+    from sharding.rules import KV_POOL, named_sharding
+
+    def zeros(shape, axes, dt):
+        return jnp.zeros(shape, dt, device=None if mesh is None else named_sharding(axes, shape, mesh))
+
     pools = []
-    for kv_heads, k_dim, v_dim in layout:
-        k_shape, v_shape = (num_pages, page_size, kv_heads, k_dim), (num_pages, page_size, kv_heads, v_dim)
-        pools.append(tuple(jnp.zeros(s, dtype, device=sharding_for(s) if sharding_for else None)
-                           for s in (k_shape, v_shape)))
+    for entry in layout:
+        if isinstance(entry, StateLayer):
+            pools.append(tuple(zeros((state_slots,) + shape, (None,) + axes, jnp.float32)
+                               for shape, axes in entry.arrays))
+        else:
+            pool = [zeros((num_pages, page_size, entry.kv_heads, d), KV_POOL, dtype) for d in entry[1:3]]
+            if entry.index_dim:  # the indexer's keys: one head, never split
+                pool.append(zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype))
+            pools.append(tuple(pool))
     return pools

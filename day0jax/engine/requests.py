@@ -102,6 +102,7 @@ class SequenceState:
     arrival: float
     stops: frozenset
     pages: list[int] = field(default_factory=list)
+    slot: int = 0  # its linear-attention state slot while running (0: none)
     num_computed: int = 0
     num_hashed: int = 0  # leading full blocks registered in the prefix cache
     hashes: list[bytes] = field(default_factory=list)

@@ -20,9 +20,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from day0jax.engine.config import EngineLayout
 from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache, new_pools
 from day0jax.engine.sampling import MODES, sample
+from day0jax.engine.state_cache import TRASH_SLOT, StateCache
 from day0jax.layers.linear import exact_float32
 from kernels_pallas import registry as kernel_registry
-from sharding.rules import KV_POOL, named_sharding, put
+from sharding.plan import StateLayer
+from sharding.rules import put
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ class Program:
 
 @dataclass
 class Batch:
-    """One forward call, host side: [B, T] token ids and positions, [B, W] block tables, [B] lengths."""
+    """One forward call, host side: [B, T] token ids and positions, [B, W] block tables, [B] lengths and state
+    slots."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -57,9 +60,11 @@ class Batch:
     kv_lengths: np.ndarray
     last_index: np.ndarray  # [B] which of the T positions to return logits for
     token_source: np.ndarray  # [B] row of `previous` holding the row's input token, -1: `tokens` holds it
+    state_slots: np.ndarray  # [B] each row's slot in the linear-attention state pools (TRASH_SLOT: padding)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.tokens, self.positions, self.block_tables, self.kv_lengths, self.last_index, self.token_source
+        return (self.tokens, self.positions, self.block_tables, self.kv_lengths, self.last_index, self.token_source,
+                self.state_slots)
 
 
 class ModelRunner:
@@ -78,9 +83,9 @@ class ModelRunner:
         self.mesh, self.layout, self.dtype = mesh, layout, dtype
         self.vocab_size = int(module.config.vocab_size)
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        # Pools split like the model's kv heads; pages, slots and head dims are never split.
-        self.pools = new_pools(module.cache_layout(), layout.num_pages, layout.page_size, dtype,
-                               lambda shape: named_sharding(KV_POOL, shape, mesh))
+        cache_layout = module.cache_layout()
+        self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
+        self.pools = new_pools(cache_layout, layout.num_pages, layout.page_size, layout.state_slots, dtype, mesh)
         self._no_previous = self._put(np.zeros(layout.max_rows, np.int32))
         self._forward = jax.jit(self._forward_fn, donate_argnames=("pools",))
         self._sample = jax.jit(self._sample_fn, static_argnames=("mode", "logprobs"))
@@ -89,25 +94,38 @@ class ModelRunner:
         self._context: str | None = None  # see `signature`
 
     @property
+    def has_state(self) -> bool:
+        """Whether some layer keeps per-sequence state (linear attention) besides the paged KV cache."""
+        return any(self.stateful)
+
+    @property
     def pool_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.pools)
+        """Bytes of the KV page pools."""
+        return sum(x.nbytes for pools, state in zip(self.pools, self.stateful) if not state for x in pools)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention state pools."""
+        return sum(x.nbytes for pools, state in zip(self.pools, self.stateful) if state for x in pools)
 
     @property
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in self.params)
 
     def _forward_fn(self, params, pools, previous, tokens, positions, block_tables, kv_lengths, last_index,
-                    token_source):
+                    token_source, state_slots):
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
         tokens = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
-        caches = [PagedKVCache(k, v, block_tables, kv_lengths) for k, v in pools]
+        caches = [StateCache.for_rows(p, state_slots, positions, kv_lengths) if state
+                  else PagedKVCache.from_pools(p, block_tables, kv_lengths) for p, state in zip(pools, self.stateful)]
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         with exact_float32(self.dtype):
             hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths))
             logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last_index])
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
         logits = jax.lax.with_sharding_constraint(logits, self._replicated)
-        return logits, self._padded(jnp.argmax(logits, axis=-1)), [(c.k_pages, c.v_pages) for c in caches]
+        pools = [c.pools for c in caches]
+        return logits, self._padded(jnp.argmax(logits, axis=-1)), pools
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
         # To max_rows: the next forward reads its input tokens from here, whatever this batch's size.
@@ -162,7 +180,7 @@ class ModelRunner:
         return Batch(tokens=np.zeros((rows, tokens), np.int32), positions=np.full((rows, tokens), pad, np.int32),
                      block_tables=np.full((rows, width), TRASH_PAGE, np.int32),
                      kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
-                     token_source=np.full(rows, -1, np.int32))
+                     token_source=np.full(rows, -1, np.int32), state_slots=np.full(rows, TRASH_SLOT, np.int32))
 
     def all_programs(self, max_len: int | None = None) -> list[Program]:
         """The forward programs of `layout.forward_shapes(max_len)`, then every sampler variant per row count."""

@@ -45,6 +45,8 @@ class Scheduler:
         self.config, self.layout, self.page_size = config, layout, layout.page_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = BlockPool(layout.num_pages, layout.page_size)
+        # Linear-attention state slots, one per running sequence (slot 0 is the trash slot).
+        self.free_slots = list(range(layout.state_slots - 1, 0, -1))
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self.by_request: dict[str, list[SequenceState]] = {}
@@ -86,6 +88,7 @@ class Scheduler:
             self.waiting.popleft()
             self.pool.take_cached(hits, queried)
             seq.pages = list(hits) + [self.pool.allocate() for _ in range(needed)]
+            seq.slot = self.free_slots.pop()
             seq.num_computed, seq.num_hashed = len(hits) * page, len(hits)
             if seq.num_generated == 0:
                 seq.cached_tokens = len(hits) * page
@@ -138,6 +141,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.pool.release(seq.pages)
+        self._release_slot(seq)
         seq.pages, seq.num_computed, seq.num_hashed = [], 0, 0
         self.waiting.appendleft(seq)
 
@@ -147,11 +151,16 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.pool.release(seq.pages)
+            self._release_slot(seq)
             seq.pages = []
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if all(s.finished for s in self.by_request.get(seq.request_id, [])):
             self.by_request.pop(seq.request_id, None)
+
+    def _release_slot(self, seq: SequenceState) -> None:
+        self.free_slots.append(seq.slot)
+        seq.slot = 0
 
     def hashes(self, seq: SequenceState, upto_blocks: int) -> list[bytes]:
         """The prefix-cache hashes of the sequence's first `upto_blocks` full blocks (computed once)."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.layers.linear import Linear, param
-from day0jax.layers.norms import RMSNorm
+from day0jax.layers.norms import L2Norm, RMSNorm
 from day0jax.layers.rope import Rope
 from kernels_pallas.attention import api as attention_op
 from kernels_pallas.calls import OpCall
@@ -32,40 +32,61 @@ class Attention(nnx.Module):
         rope: the rotary embedding, or None for layers without positions (NoPE).
         qkv_bias / o_bias: biases on the input / output projections.
         qk_norm_eps: if set, RMSNorm on q and k before RoPE, over each head's H dims (`qk_norm_over="head"`: Qwen3,
-            Gemma 3) or a token's N*H (K*H) dims (`"all"`: OLMo 2); `qk_norm_offset=1.0` for (1 + weight) norms.
+            Gemma 3) or a token's N*H (K*H) dims (`"all"`: OLMo 2); `qk_norm_offset=1.0` for (1 + weight) norms;
+            `qk_norm_after_rope`: per head, on the rotated q and k instead (HunYuan).
         sinks: learned per-head logits that join every softmax (gpt-oss; HF's `self_attn.sinks` [N]).
+        output_gate: the output times sigmoid(gate), the gate [N, H] projected by q_proj beside each head's query
+            (Qwen3-Next, Qwen3.5: q_proj [N, 2H], query then gate per head).
+        gate_proj: the same sigmoid gate from a projection of its own, `gate_proj` [D -> N, H] (AFMoE).
         sliding_window / logit_softcap / scale: passed to the attention op.
+        qk_norm_weight: False for q/k norms without a weight (Llama 4's L2 norm; per head only).
+        chunk_size: chunked local attention, passed to the attention op (Llama 4's RoPE layers).
+        attn_temperature: (floor_scale, attn_scale): queries times 1 + attn_scale * log1p(floor((p + 1) /
+            floor_scale)) at absolute position p, after RoPE and norms (Llama 4's NoPE layers).
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope | None,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
-                 qk_norm_over: str = "head", qk_norm_offset: float = 0.0, sinks: bool = False,
+                 qk_norm_over: str = "head", qk_norm_offset: float = 0.0, qk_norm_after_rope: bool = False,
+                 sinks: bool = False, gate_proj: bool = False, output_gate: bool = False,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
-                 scale: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+                 scale: float | None = None, qk_norm_weight: bool = True, chunk_size: int | None = None,
+                 attn_temperature: tuple[float, float] | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
-        self.q_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear((D,), (N, 2 * H if output_gate else H), ("embed", "heads", "head_dim"),
+                             use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         kv_axes = ("embed", "kv_heads", "head_dim")
         self.k_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = (Linear((D,), (N, H), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+                          if gate_proj else None)
         if qk_norm_eps is not None:
-            assert qk_norm_over in ("head", "all"), qk_norm_over
+            assert qk_norm_over in ("head", "all") and not (qk_norm_after_rope and qk_norm_over == "all")
             q_dim, k_dim = (H, H) if qk_norm_over == "head" else (N * H, K * H)
-            self.q_norm = RMSNorm(q_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
-            self.k_norm = RMSNorm(k_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
+            if qk_norm_weight:
+                self.q_norm = RMSNorm(q_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
+                self.k_norm = RMSNorm(k_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
+            else:
+                assert qk_norm_over == "head" and not qk_norm_offset
+                self.q_norm, self.k_norm = L2Norm(H, qk_norm_eps), L2Norm(H, qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.qk_norm_over = qk_norm_over
+        self.qk_norm_over, self.output_gate, self.head_dim = qk_norm_over, output_gate, H
+        self.qk_norm_after_rope = qk_norm_after_rope
         self.sinks = param(rngs, (N,), ("heads",), dtype, 0.0) if sinks else None
         self.rope = rope
         self.sliding_window, self.logit_softcap, self.scale = sliding_window, logit_softcap, scale
+        self.chunk_size, self.attn_temperature = chunk_size, attn_temperature
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict[Rope, tuple[jax.Array, jax.Array]],
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache). `rope_tables`: {Rope: (cos, sin)} for
         every RoPE of the model; this layer takes its own."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, N|K, H]
-        if self.q_norm is not None:
+        if self.output_gate:
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
+        if self.q_norm is not None and not self.qk_norm_after_rope:
             if self.qk_norm_over == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
             else:  # over the whole projection, as OLMo 2 normalizes q_proj(x) before splitting heads
@@ -74,7 +95,16 @@ class Attention(nnx.Module):
         if self.rope is not None:
             cos, sin = rope_tables[self.rope]
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        if self.q_norm is not None and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.attn_temperature is not None:
+            floor_scale, attn_scale = self.attn_temperature
+            pos = positions.astype(jnp.float32)
+            factor = jnp.log1p(jnp.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0  # [B, T], as HF in float32
+            q = (q * factor[:, :, None, None]).astype(q.dtype)
         op_kwargs = dict(sliding_window=self.sliding_window, logit_softcap=self.logit_softcap, scale=self.scale)
+        if self.chunk_size is not None:
+            op_kwargs["chunk_size"] = self.chunk_size
         if self.sinks is not None:
             op_kwargs["sinks"] = self.sinks[...]
         if cache is None:
@@ -82,13 +112,19 @@ class Attention(nnx.Module):
         else:
             cache = cache.update(k, v, positions)
             out = cache.attend(q, positions, **op_kwargs)
+        if self.output_gate:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+        if self.gate_proj is not None:
+            out = out * jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32)).astype(out.dtype)
         return self.o_proj(out), cache
 
     def op_calls(self) -> list[OpCall]:
         """The attention op (cache-less forward) and the paged one (engine), q/k norms and RoPE."""
-        N, H = self.q_proj.out_shape
+        N, H = self.q_proj.out_shape[0], self.head_dim
         shape = dict(N=N, K=self.k_proj.out_shape[0], H=H, Hv=H, scale=self.scale, window=self.sliding_window,
                      softcap=self.logit_softcap, sinks=self.sinks is not None, latent=False)
+        if self.chunk_size is not None:  # only where set: other families' calls (and flagships.json) unchanged
+            shape["chunk"] = self.chunk_size
         calls = [OpCall.of("attention", **shape), OpCall.of("paged_attention", **shape)]
         if self.q_norm is not None:
             calls += self.q_norm.op_calls() + self.k_norm.op_calls()

@@ -23,12 +23,15 @@ class MLAttention(nnx.Module):
     """Args: hidden_size D; num_heads N; q_lora_rank (None: a plain q_proj); kv_lora_rank R; qk_nope_head_dim C;
     qk_rope_head_dim P; v_head_dim U; rope over P dims; rope_interleave: the checkpoint's rope dims are
     interleaved pairs (DeepSeek's layout); scale: the softmax scale (HF: (C + P) ** -0.5 times YaRN's mscale^2);
-    eps: the latent norms' eps; use_bias: HF's `attention_bias` on q_a_proj, kv_a_proj_with_mqa and o_proj.
+    eps: the latent norms' eps; use_bias: HF's `attention_bias` on q_a_proj, kv_a_proj_with_mqa and o_proj;
+    query_scaling: (beta, original_max_position_embeddings), queries times 1 + beta * log(1 + floor(p / original))
+    at absolute position p (Mistral 4's Llama-4-style attention temperature for long contexts).
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: Rope, rope_interleave: bool,
-                 scale: float, eps: float, use_bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 scale: float, eps: float, use_bias: bool = False, query_scaling: tuple[float, int] | None = None,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         D, N, R, P, C, U = hidden_size, num_heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
         if q_lora_rank is None:
             self.q_proj = Linear((D,), (N, C + P), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
@@ -46,6 +49,7 @@ class MLAttention(nnx.Module):
         self.kv_b_proj = Linear((R,), (N, C + U), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
         self.o_proj = Linear((N, U), (D,), ("heads", "head_dim", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.rope, self.rope_interleave, self.scale = rope, rope_interleave, scale
+        self.query_scaling = query_scaling
         self.dims = (R, P, C, U)
 
     @staticmethod
@@ -56,8 +60,25 @@ class MLAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache=None):
         """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache). The cache holds [B, S, 1, R + P]."""
+        query, key, _ = self.project(x, rope_tables)
+        if self.query_scaling is not None:
+            beta, original = self.query_scaling
+            factor = 1.0 + beta * jnp.log(1.0 + jnp.floor(positions.astype(jnp.float32) / original))  # [B, T]
+            query = query * factor[:, :, None, None].astype(query.dtype)
+        # The value is the latent: the key itself, whose rope part is sliced off the output below.
+        if cache is None:
+            out = attention_op.attention(query, key, key, q_positions=positions, scale=self.scale)
+        else:
+            cache = cache.update(key, key, positions)
+            out = cache.attend(query, positions, scale=self.scale)
+        return self.output(out), cache
+
+    def project(self, x: jax.Array, rope_tables) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """The absorbed query [B, T, N, R + P], the key [B, T, 1, R + P] (also the value), and the normed
+        low-rank query [B, T, q_lora_rank] (None without one) that a sparse-attention indexer reads."""
         R, P, C, U = self.dims
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_resid = None if self.q_proj is not None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(q_resid)
         q_nope, q_rope = q[..., :C], q[..., C:]  # q [B, T, N, C + P]
         kv = self.kv_a_proj_with_mqa(x)  # [B, T, R + P]
         latent, k_rope = self.kv_a_layernorm(kv[..., :R]), kv[..., None, R:]  # [B, T, R], [B, T, 1, P]
@@ -70,14 +91,13 @@ class MLAttention(nnx.Module):
         q_latent = jnp.einsum("btnc,ncr->btnr", q_nope, w[:, :C])
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, R + P]
         key = jnp.concatenate([latent[:, :, None, :], k_rope.astype(latent.dtype)], axis=-1)  # [B, T, 1, R + P]
-        # The value is the latent: the key itself, whose rope part is sliced off the output below.
-        if cache is None:
-            out = attention_op.attention(query, key, key, q_positions=positions, scale=self.scale)
-        else:
-            cache = cache.update(key, key, positions)
-            out = cache.attend(query, positions, scale=self.scale)
-        out = jnp.einsum("btnr,nur->btnu", out[..., :R], w[:, C:])  # [B, T, N, U]
-        return self.o_proj(out), cache
+        return query, key, q_resid
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """Attention's output over the latent [B, T, N, R + P] -> [B, T, D] (W_uv, then o_proj)."""
+        R, _, C, _ = self.dims
+        out = jnp.einsum("btnr,nur->btnu", out[..., :R], self.kv_b_proj.kernel[...][:, C:])  # [B, T, N, U]
+        return self.o_proj(out)
 
     def op_calls(self) -> list[OpCall]:
         """Multi-query attention over the latent (key = value = [latent ; rope key]), the norms and RoPE."""

@@ -19,6 +19,7 @@ ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
 }
 
 
@@ -34,18 +35,24 @@ def activation(name: str, key: str = "hidden_act"):
 
 
 class GatedMLP(nnx.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu."""
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu; with `gated=False`, down(act(up(x))) and no
+    gate_proj (Arcee)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, use_bias: bool = False,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 gated: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
         D, F = hidden_size, intermediate_size
-        self.gate_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = (Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+                          if gated else None)
         self.up_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear((F,), (D,), ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.act, self.act_name = activation(act), act
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
     def op_calls(self) -> list[OpCall]:
-        return [OpCall.of("mlp", D=self.down_proj.out_shape[0], F=self.gate_proj.out_shape[0], act=self.act_name)]
+        ungated = {} if self.gate_proj is not None else dict(gated=False)
+        return [OpCall.of("mlp", D=self.down_proj.out_shape[0], F=self.up_proj.out_shape[0], act=self.act_name,
+                          **ungated)]

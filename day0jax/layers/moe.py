@@ -17,7 +17,7 @@ from day0jax.layers.mlp import activation
 from kernels_pallas.calls import OpCall
 from kernels_pallas.moe import api as moe_op
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "topk_sigmoid", "softmax_grouped")
 
 
 class Router(nnx.Module):
@@ -28,7 +28,9 @@ class Router(nnx.Module):
             MoE); "topk_softmax": softmax over the top k logits (gpt-oss); "sigmoid_grouped": experts chosen by
             sigmoid score + `e_score_correction_bias` within the `topk_group` best of `n_group` groups (a group's
             score: the sum of its top two), weighted by the plain scores, renormalized when `norm_topk_prob`, times
-            `routed_scaling_factor` (DeepSeek-V3).
+            `routed_scaling_factor` (DeepSeek-V3); "topk_sigmoid": the top k logits, each through a sigmoid, not
+            renormalized (Llama 4); "softmax_grouped": as "sigmoid_grouped" with softmax scores and no score bias
+            (Mistral 4).
         use_bias: a bias on the router logits (gpt-oss).
     """
 
@@ -58,9 +60,12 @@ class Router(nnx.Module):
         elif self.routing == "topk_softmax":
             top, experts = jax.lax.top_k(logits, k)
             weights = jax.nn.softmax(top, axis=-1)
+        elif self.routing == "topk_sigmoid":
+            top, experts = jax.lax.top_k(logits, k)
+            weights = jax.nn.sigmoid(top)
         else:
-            scores = jax.nn.sigmoid(logits)
-            choice = scores + self.e_score_correction_bias[...]
+            scores = jax.nn.sigmoid(logits) if self.routing == "sigmoid_grouped" else jax.nn.softmax(logits, axis=-1)
+            choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias[...]
             M, E = choice.shape
             groups = choice.reshape(M, self.n_group, E // self.n_group)
             group_score = jax.lax.top_k(groups, 2)[0].sum(-1)  # [M, n_group]
@@ -96,11 +101,13 @@ class Experts(nnx.Module):
     Args:
         glu: (gate [.., F], up [.., F]) -> [.., F], e.g. `swiglu("silu")` or `clamped_swiglu(...)`.
         use_bias: per-expert biases gate_proj_bias, up_proj_bias [E, F] and down_proj_bias [E, D] (gpt-oss).
+        scale_inputs: each routing weight multiplies the token going into its expert, not what comes out (Llama 4;
+            the experts are not linear, so the two differ).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 glu: Callable[[jax.Array, jax.Array], jax.Array], *, use_bias: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 glu: Callable[[jax.Array, jax.Array], jax.Array], *, use_bias: bool = False,
+                 scale_inputs: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         E, D, F = num_experts, hidden_size, intermediate_size
         self.gate_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
         self.up_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
@@ -109,9 +116,11 @@ class Experts(nnx.Module):
         self.up_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0) if use_bias else None
         self.down_proj_bias = param(rngs, (E, D), ("experts", "embed"), dtype, 0.0) if use_bias else None
         self.num_experts, self.glu = E, glu
+        self.scale_inputs = scale_inputs
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """x [M, D], weights and expert ids [M, k] -> sum over k of weight * expert(x), [M, D].
+        """x [M, D], weights and expert ids [M, k] -> sum over k of weight * expert(x) (with `scale_inputs`:
+        expert(weight * x)), [M, D].
 
         Rows (token, choice) are sorted by expert, run through each expert's weights in one grouped matmul, then
         weighted and summed back per token: tokens never meet experts they were not routed to.
@@ -123,6 +132,9 @@ class Experts(nnx.Module):
         sorted_expert = flat[order]
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
         rows = x[token]                              # [M*k, D]
+        row_weights = weights.reshape(-1)[order][:, None]
+        if self.scale_inputs:
+            rows = rows * row_weights.astype(rows.dtype)
         gate = moe_op.grouped_matmul(rows, self.gate_proj[...], group_sizes)
         up = moe_op.grouped_matmul(rows, self.up_proj[...], group_sizes)
         if self.gate_proj_bias is not None:
@@ -131,7 +143,8 @@ class Experts(nnx.Module):
         out = moe_op.grouped_matmul(self.glu(gate, up), self.down_proj[...], group_sizes)  # [M*k, D]
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[...][sorted_expert]
-        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        if not self.scale_inputs:
+            out = out * row_weights.astype(out.dtype)
         return jnp.zeros_like(x).at[token].add(out)
 
 

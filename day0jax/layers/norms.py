@@ -10,6 +10,20 @@ from kernels_pallas.calls import OpCall
 from kernels_pallas.rms_norm import api as rms_norm_op
 
 
+class LayerNorm(nnx.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (torch.nn.LayerNorm), in float32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.weight = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("norm",))(rngs.params(), (dim,), dtype))
+        self.bias = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, ("norm",))(rngs.params(), (dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + self.eps)
+        return (h * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     """x / rms(x) * weight, or * (1 + weight) for Gemma-style norms (`offset=1.0`)."""
 
@@ -25,3 +39,16 @@ class RMSNorm(nnx.Module):
 
     def op_calls(self) -> list[OpCall]:
         return [OpCall.of("rms_norm", D=self.weight.shape[0], eps=self.eps, offset=self.offset)]
+
+
+class L2Norm(nnx.Module):
+    """x / rms(x) with no weight (Llama 4's q/k norm): the rms_norm op with a unit weight, so no parameter."""
+
+    def __init__(self, dim: int, eps: float):
+        self.dim, self.eps = dim, eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm_op.rms_norm(x, jnp.ones((self.dim,), x.dtype), eps=self.eps)[0]
+
+    def op_calls(self) -> list[OpCall]:
+        return [OpCall.of("rms_norm", D=self.dim, eps=self.eps, offset=0.0)]

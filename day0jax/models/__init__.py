@@ -19,7 +19,14 @@ if TYPE_CHECKING:  # the family modules import it; importing it here would load 
 
 FAMILIES = {name: f"day0jax.models.{name}" for name in (
     "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3",
-    "olmo2", "deepseek_v3", "gpt_oss", "smollm3", "granite")}
+    "olmo2", "deepseek_v3", "gpt_oss", "smollm3", "granite",
+    "minimax_m2", "glm4_moe", "olmo3", "seed_oss", "exaone4", "ernie4_5",
+    "hunyuan_v1_dense", "glm4", "arcee",
+    "afmoe", "mistral4",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")}
+# Model types a module implements besides its own name (the text model of a multimodal family).
+FAMILIES.update({"qwen3_5_text": "day0jax.models.qwen3_5", "qwen3_5_moe_text": "day0jax.models.qwen3_5_moe"})
+FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.models.llama4"})
 
 
 def family(model_type: str) -> Family:

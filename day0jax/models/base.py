@@ -22,6 +22,7 @@ from day0jax.layers.mlp import activation
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import Rope, rope_parameters
 from kernels_pallas.calls import OpCall
+from sharding.plan import KVLayer, StateLayer
 from sharding.rules import constrain
 
 
@@ -42,6 +43,8 @@ class HFConfig:
 
     ALIASES: ClassVar[dict[str, str]] = {}
     DEFAULT_THETA: ClassVar[float] = 10000.0
+    # Multimodal model_types whose config.json nests this family's keys in `text_config` (see `from_hf`).
+    COMPOSITE: ClassVar[tuple[str, ...]] = ()
     unknown_keys: tuple = dataclasses.field(default=(), kw_only=True)
 
     @classmethod
@@ -56,6 +59,13 @@ class HFConfig:
             ConfigError: a required key is missing.
         """
         hf = dict(hf)
+        if hf.get("model_type") in cls.COMPOSITE and isinstance(hf.get("text_config"), dict):
+            # The language model of a multimodal checkpoint: its own keys, under the outer model_type (what
+            # `is_composite` and the tensor names depend on). The other keys describe the vision side.
+            outer = hf
+            hf = dict(outer["text_config"], model_type=outer["model_type"])
+            if "tie_word_embeddings" in outer:
+                hf["tie_word_embeddings"] = outer["tie_word_embeddings"]
         for alias, field in cls.ALIASES.items():
             if alias in hf:
                 hf.setdefault(field, hf.pop(alias))
@@ -73,6 +83,11 @@ class HFConfig:
         self._check_heads()
         self._activation()
         self._check_derived("rope")
+
+    @property
+    def is_composite(self) -> bool:
+        """Whether this is the language model of a multimodal checkpoint (its tensors under `language_model`)."""
+        return self.model_type in self.COMPOSITE
 
     @property
     def kv_heads(self) -> int:
@@ -152,24 +167,31 @@ class LayerTypes:
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)), each block's output times
-    `residual_multiplier` (Granite; 1.0 elsewhere). HF names kept."""
+    `residual_multiplier` (Granite; 1.0 elsewhere). HF names kept: the token mixer is `self_attn`, or
+    `mixer_name` where HF names it otherwise (`linear_attn`)."""
 
     def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, input_layernorm: RMSNorm,
-                 post_attention_layernorm: RMSNorm, residual_multiplier: float = 1.0):
-        self.self_attn, self.mlp = self_attn, mlp
+                 post_attention_layernorm: RMSNorm, residual_multiplier: float = 1.0, *,
+                 mixer_name: str = "self_attn"):
+        setattr(self, mixer_name, self_attn)
+        self.mixer_name, self.mlp = mixer_name, mlp
         self.input_layernorm, self.post_attention_layernorm = input_layernorm, post_attention_layernorm
         self.residual_multiplier = residual_multiplier
 
+    @property
+    def mixer(self) -> nnx.Module:
+        return getattr(self, self.mixer_name)
+
     def __call__(self, x, positions, rope_tables, cache=None):
         m = self.residual_multiplier
-        h, cache = self.self_attn(self.input_layernorm(x), positions, rope_tables, cache)
+        h, cache = self.mixer(self.input_layernorm(x), positions, rope_tables, cache)
         x = x + (h if m == 1.0 else h * m)
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h if m == 1.0 else h * m), cache
 
     def op_calls(self) -> list[OpCall]:
         norms = self.input_layernorm.op_calls() + self.post_attention_layernorm.op_calls()
-        return self.self_attn.op_calls() + self.mlp.op_calls() + norms
+        return self.mixer.op_calls() + self.mlp.op_calls() + norms
 
 
 class Backbone(nnx.Module):
@@ -208,10 +230,11 @@ class CausalLM(nnx.Module):
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         raise NotImplementedError
 
-    def cache_layout(self) -> list[tuple[int, int, int]]:
-        """Per layer: (kv heads, key head dim, value head dim) of its KV cache; what caches are allocated from."""
+    def cache_layout(self) -> list[KVLayer | StateLayer]:
+        """Per layer, what the engine allocates for it: a `KVLayer` (paged keys and values) or a `StateLayer`
+        (fixed-size state per sequence)."""
         c = self.config
-        return [(c.kv_heads, c.head_size, c.head_size)] * c.num_hidden_layers
+        return [KVLayer(c.kv_heads, c.head_size, c.head_size)] * c.num_hidden_layers
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.model.embed_tokens(tokens)
@@ -241,8 +264,13 @@ class CausalLM(nnx.Module):
         rope_tables = {rope: rope.cos_sin(positions, seq_len) for rope in self.ropes}
         new_caches = [] if caches is not None else None
         hidden = [x] if collect else None
+        carry = None  # what a layer hands to those after it (`carries`: GLM-5's shared sparse-attention top-k)
         for i, layer in enumerate(self.model.layers):
-            x, cache = layer(x, positions, rope_tables, None if caches is None else caches[i])
+            cache = None if caches is None else caches[i]
+            if getattr(layer, "carries", False):
+                x, cache, carry = layer(x, positions, rope_tables, cache, carry)
+            else:
+                x, cache = layer(x, positions, rope_tables, cache)
             x = constrain(x)
             if caches is not None:
                 new_caches.append(cache)
@@ -281,6 +309,12 @@ def default_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source:
     if path.endswith(".bias"):
         return Source((path,), same, ((math.prod(shape),),))
     return Source((path,), same, (shape,))
+
+
+def in_language_model(src: Source) -> Source:
+    """`src` reading a multimodal checkpoint, whose language model sits under `model.language_model.`."""
+    names = tuple("model.language_model." + n[len("model."):] if n.startswith("model.") else n for n in src.names)
+    return Source(names, src.combine, src.shapes)
 
 
 def per_expert_source(path: str, shape: tuple[int, ...], prefix: Callable[[str], str] = lambda p: p,

@@ -15,6 +15,7 @@ from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, per_expert_hf_source, refuse
 from day0jax.models.contract import Family
+from sharding.plan import KVLayer
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +77,10 @@ class Config(HFConfig):
         self._refuse_if("topk_group", lambda v: not v or v > self.n_group, f"must be in 1..n_group={self.n_group}")
         self._check_derived("rope")
 
+    def is_sparse(self, index: int) -> bool:
+        """Whether layer `index` is an MoE: all after the first `first_k_dense_replace`."""
+        return index >= self.first_k_dense_replace
+
     @property
     def head_size(self) -> int:
         """The rotated part of each query/key head, `qk_rope_head_dim` (HF's `head_dim`): the RoPE's size."""
@@ -110,7 +115,7 @@ class Model(llama.LlamaLike):
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
         D = c.hidden_size
-        if index < c.first_k_dense_replace:
+        if not c.is_sparse(index):
             return super().make_mlp(index, dtype=dtype, rngs=rngs)
         shared = (GatedMLP(D, c.moe_intermediate_size * c.n_shared_experts, c.hidden_act, dtype=dtype, rngs=rngs)
                   if c.n_shared_experts else None)
@@ -121,11 +126,11 @@ class Model(llama.LlamaLike):
                            rngs=rngs),
                    shared=shared, shared_name="shared_experts")
 
-    def cache_layout(self) -> list[tuple[int, int, int]]:
+    def cache_layout(self) -> list[KVLayer]:
         # One shared "head": [normed latent ; roped key], also the value (see layers/mla.py).
         c = self.config
         d = c.kv_lora_rank + c.qk_rope_head_dim
-        return [(1, d, d)] * c.num_hidden_layers
+        return [KVLayer(1, d, d)] * c.num_hidden_layers
 
 
 def dropped(config: Config) -> dict[str, str]:

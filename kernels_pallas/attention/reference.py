@@ -9,7 +9,7 @@ import jax.numpy as jnp
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               kv_lengths: jax.Array | None = None, causal: bool = True, sliding_window: int | None = None,
               logit_softcap: float | None = None, sinks: jax.Array | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, chunk_size: int | None = None) -> jax.Array:
     """Scaled dot-product attention with the masks and variants LLM families use.
 
     Args:
@@ -23,6 +23,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         logit_softcap: if set, scores become softcap * tanh(scores / softcap) (Gemma 2).
         sinks: [N] learned logits that join every softmax denominator and take no value (gpt-oss).
         scale: score scale; default H ** -0.5.
+        chunk_size: if set, a query sees only keys in its own chunk of positions (key // chunk_size ==
+            position // chunk_size; with `causal`, [floor(p / chunk_size) * chunk_size, p]): Llama 4's local layers.
     Returns:
         [B, T, N, Hv] in q's dtype, Hv being v's head dim (H except in multi-head latent attention).
     """
@@ -44,6 +46,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         visible &= key_pos <= qpos
     if sliding_window is not None:
         visible &= qpos - key_pos < sliding_window
+    if chunk_size is not None:
+        visible &= key_pos // chunk_size == qpos // chunk_size
     # A finite floor (not -inf) keeps fully masked rows, such as batch padding, free of NaNs.
     scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
 

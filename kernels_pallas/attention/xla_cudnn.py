@@ -19,12 +19,14 @@ from kernels_pallas.attention import reference
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               kv_lengths: jax.Array | None = None, causal: bool = True, sliding_window: int | None = None,
               logit_softcap: float | None = None, sinks: jax.Array | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, chunk_size: int | None = None) -> jax.Array:
     """The contract of `reference.attention` through cuDNN where its masks match (see the module docstring).
 
     Raises:
-        NotImplementedError: not a CUDA target, soft-cap or sinks, or shapes / dtypes cuDNN does not take.
+        NotImplementedError: not a CUDA target, soft-cap, sinks or chunks, or shapes / dtypes cuDNN does not take.
     """
+    if chunk_size is not None:
+        raise NotImplementedError("jax's cuDNN attention has no chunked mask (chunk_size)")
     target = platform.current()
     if target.platform != "cuda":
         raise NotImplementedError(f"cuDNN attention needs an NVIDIA GPU; the target is {target.device_kind}")

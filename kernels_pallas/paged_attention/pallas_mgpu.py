@@ -98,12 +98,13 @@ def num_splits(batch: int, kv_heads: int, num_blocks: int, cores: int, max_split
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
                     logit_softcap: float | None = None, sinks: jax.Array | None = None, scale: float | None = None,
-                    interpret: Any = False, blocks: Blocks | None = None, splits: int | None = None) -> jax.Array:
+                    interpret: Any = False, blocks: Blocks | None = None, splits: int | None = None,
+                    chunk_size: int | None = None) -> jax.Array:
     """The contract of `reference.paged_attention`, on a Hopper GPU (or in the interpreter).
 
     Args:
         q, k_pages, v_pages, block_tables, kv_lengths, q_positions, sliding_window, logit_softcap, sinks, scale:
-            as in the reference.
+            as in the reference; chunk_size is not taken (the dispatcher falls back).
         interpret: True or `plgpu.InterpretGPUParams` (tests: detect_races=True) to run in the CPU interpreter.
         blocks: block sizes; default from `TABLE`.
         splits: force the number of splits per row (tests); default from the batch, heads and SM count.
@@ -112,6 +113,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     Raises:
         NotImplementedError: not a Hopper target, or inputs the kernel does not take.
     """
+    if chunk_size is not None:
+        raise NotImplementedError("chunked attention (chunk_size) is not implemented in this kernel")
     target = platform.require_hopper("paged_attention.mosaic_gpu", interpret)
     B, T, N, H = q.shape
     P, page, K, _ = k_pages.shape

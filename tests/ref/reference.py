@@ -4,7 +4,8 @@ The day0jax runtime never imports torch; tests call this script as a subprocess 
 read back the files it writes. One call per test session amortizes torch's import.
 
 Jobs (each a dict with "op"):
-  tiny_hf      {family, config, seed, out}: a tiny random model saved with save_pretrained (safetensors).
+  tiny_hf      {family, config, seed, out, multimodal?}: a tiny random model saved with save_pretrained
+               (safetensors); with multimodal, the image-text-to-text model (vision tower included).
   fp8_hf       {config, seed, out, block}: a tiny llama whose linear weights are FP8 e4m3 with block scales
                (`weight_scale_inv`), plus OUT.reference.safetensors holding the exact float32 dequantization.
   tiny_gguf    {config, seed, out, types}: a tiny llama GGUF with a SentencePiece-style BPE vocabulary and
@@ -16,6 +17,13 @@ Jobs (each a dict with "op"):
   tokenize     {model, texts, chats, out}: token ids of each text and of each chat with the chat template.
   hidden       {model, prompts, out, dtype?}: per prompt i, `hidden_{i}` [L+1, T, D] (output_hidden_states: the
                embeddings, each layer's output, the last one after the final norm) and `logits_{i}` [T, V], float32.
+  gdn          {inputs, out, family}: transformers' own torch functions of linear-attention layers on the arrays of
+               the INPUTS .npz (layouts as day0jax's: [B, T, heads, dim], conv x [B, T, C], weight [C, W], states
+               [B, heads, Hk, Hv] and [B, W - 1, C]); family 'qwen3_next' (per-head decay, q/k repeated to the
+               value heads) or 'kimi_linear' (per-channel decay). Writes to OUT, float32: from q, k, v, g, beta
+               [, state] `chunk_out`, `chunk_state`, `recurrent_out`, `recurrent_state`; from x, weight
+               `conv_out` (causal_conv1d_fn, SiLU); from x_step, conv_state, weight `step_out`, `step_state`
+               (causal_conv1d_update, SiLU).
 """
 
 import json
@@ -28,8 +36,20 @@ import torch
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
+def _causal_lm(config):
+    """AutoModelForCausalLM, first given the config's own `*ForCausalLM` class where transformers leaves the model
+    type out of that auto mapping (Mistral 4)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        own = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM")
+        AutoModelForCausalLM.register(type(config), own, exist_ok=True)
+    return AutoModelForCausalLM
+
+
 def _load(model, what="model"):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
     if model.endswith(".gguf"):
@@ -37,16 +57,18 @@ def _load(model, what="model"):
         model = os.path.dirname(model)
     if what == "tokenizer":
         return AutoTokenizer.from_pretrained(model, **kwargs)
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **kwargs)
+    auto = AutoModelForCausalLM if kwargs else _causal_lm(AutoConfig.from_pretrained(model))
+    m = auto.from_pretrained(model, dtype=torch.float32, **kwargs)
     return m.eval()
 
 
 def tiny_hf(job):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     torch.manual_seed(job.get("seed", 0))
     config = AutoConfig.for_model(job["family"], **job["config"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if job.get("multimodal") else _causal_lm(config)
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits norms to exactly 1 and biases to 0; random values test them for real
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias") or "sinks" in name:
@@ -54,6 +76,11 @@ def tiny_hf(job):
         for name, b in model.named_buffers():  # DeepSeek's routing bias is a buffer, zero at init
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
+        for name, p in model.named_parameters():  # AFMoE's routing bias is a parameter, its router zero at init
+            if name.endswith("expert_bias"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("router.gate.weight") and not p.any():
+                p.normal_(0.0, config.initializer_range)
     if job.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(job["out"])
@@ -237,16 +264,46 @@ def tokenize(job):
 
 
 def hidden(job):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     dtype = getattr(torch, job.get("dtype", "float32"))
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).eval()
+    model = _causal_lm(AutoConfig.from_pretrained(job["model"])).from_pretrained(job["model"], dtype=dtype).eval()
     result = {}
     with torch.no_grad():
         for i, prompt in enumerate(job["prompts"]):
             out = model(torch.tensor([prompt]), output_hidden_states=True)
             result[f"hidden_{i}"] = torch.stack([h[0] for h in out.hidden_states]).float().numpy()
             result[f"logits_{i}"] = out.logits[0].float().numpy()
+    np.savez(job["out"], **result)
+
+
+def gdn(job):
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{job['family']}.modeling_{job['family']}")
+    plain = lambda f: getattr(f, "__wrapped__", f)  # the torch code itself, not a hub or FLA kernel put in front
+    if job["family"] == "qwen3_next":
+        chunk, recurrent = mod.torch_chunk_gated_delta_rule, mod.torch_recurrent_gated_delta_rule
+    else:
+        chunk, recurrent = mod.chunk_kimi_delta_attention, mod.recurrent_kimi_delta_attention
+    x = {k: torch.from_numpy(v) for k, v in np.load(job["inputs"]).items()}
+    result = {}
+    with torch.no_grad():
+        if "q" in x:
+            args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+            state = x.get("state")
+            for name, fn in (("chunk", chunk), ("recurrent", recurrent)):
+                out, final = plain(fn)(*args, initial_state=None if state is None else state.clone(),
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+                result[f"{name}_out"], result[f"{name}_state"] = out.numpy(), final.numpy()
+        if "x" in x:  # transformers' convolutions take [B, C, T]
+            out = plain(mod.causal_conv1d_fn)(x["x"].transpose(1, 2), x["weight"], activation="silu")
+            result["conv_out"] = out.transpose(1, 2).numpy()
+        if "x_step" in x:
+            state = x["conv_state"].transpose(1, 2).contiguous()  # updated in place
+            out = plain(mod.causal_conv1d_update)(x["x_step"].transpose(1, 2), state, x["weight"],
+                                                  activation="silu")
+            result["step_out"], result["step_state"] = out.transpose(1, 2).numpy(), state.transpose(1, 2).numpy()
     np.savez(job["out"], **result)
 
 

@@ -1,0 +1,114 @@
+"""Decode tokens/s of a hybrid linear-attention model (Qwen3.5 layout) against transformers, and what its state
+costs per sequence against full attention at a long context.
+
+    .venv/bin/python bench/linear_attention.py [--repeats 5] [--new-tokens 64] [--batches 1,8] [--context 8192]
+
+The model is random but wide enough for the weights to dominate (hidden 1024, 8 layers: 6 Gated DeltaNet, 2 gated
+full attention, 16 value heads of 64), built by transformers in .venv-ref and converted; float32, CPU. Workers and
+timing as bench/decode.py (decode rate = batch * (N - 1) / (time for N - time for 1), alternated, after a warm-up
+of the same shapes); greedy tokens are compared and their agreement printed (random weights leave near-ties that
+float rounding may break differently). Then the planner's bytes per sequence at `--context` tokens: this model's
+state plus its full-attention layers' KV, against the same model with every layer full attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from decode import Worker  # noqa: E402
+
+CONFIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-6,
+              linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+              full_attention_interval=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+PROMPT = [1] + [(37 * i + 11) % 8000 + 3 for i in range(31)]
+
+
+def build(work: Path) -> tuple[Path, Path]:
+    """The HF folder (random weights, seed 0) and its day0jax conversion."""
+    from convert.convert import convert_checkpoint
+
+    hf, ckpt = work / "hf", work / "day0jax"
+    job = [{"op": "tiny_hf", "family": "qwen3_5_text", "config": CONFIG, "seed": 0, "out": str(hf)}]
+    (work / "jobs.json").write_text(json.dumps(job))
+    subprocess.run([str(ROOT / ".venv-ref/bin/python"), str(ROOT / "tests/ref/reference.py"),
+                    str(work / "jobs.json")], check=True, stdout=subprocess.DEVNULL)
+    convert_checkpoint(hf, ckpt, progress=False)
+    return hf, ckpt
+
+
+def bytes_per_sequence(ckpt: Path, context: int) -> tuple[int, int]:
+    """(this model, the same model with full attention everywhere): float32 bytes per sequence of `context`."""
+    from day0jax import models
+    from day0jax.weights import hf_config
+    from sharding.plan import ModelShape
+
+    config = models.config_from_hf(hf_config.read_config_json(ckpt / "config.json"))
+    shape = ModelShape.from_model(models.abstract_model(config), config.max_position_embeddings)
+    kv_token = sum(x.token_elements * 4 for x in shape.kv_layers)
+    hybrid = sum(x.bytes_per_sequence for x in shape.state_layers) + kv_token * context
+    full = config.num_hidden_layers * config.kv_heads * 2 * config.head_size * 4 * context
+    return hybrid, full
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--context", type=int, default=8192)
+    args = ap.parse_args()
+    batches, n = [int(b) for b in args.batches.split(",")], args.new_tokens
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, ckpt = build(Path(tmp))
+        python = str(ROOT / ".venv/bin/python")
+        workers = {"day0jax": Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],
+                                     {"PYTHONPATH": str(ROOT)}),
+                   "transformers": Worker([str(ROOT / ".venv-ref/bin/python"), "-P",
+                                           str(ROOT / "bench/decode_reference.py"), str(hf)],
+                                          {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})}
+        for batch in batches:  # warm-up: every program these shapes use
+            for w in workers.values():
+                w.ask({"batch": batch, "prompt": PROMPT, "new_tokens": n})
+        rates: dict[tuple[str, int], list[float]] = {}
+        agree: dict[int, list[float]] = {}
+        for _ in range(args.repeats):
+            for batch in batches:
+                tokens = {}
+                for name, w in workers.items():
+                    r = w.ask({"batch": batch, "prompt": PROMPT, "new_tokens": n})
+                    tokens[name] = r["tokens"]
+                    rates.setdefault((name, batch), []).append(batch * (n - 1) / (r["full"] - r["first"]))
+                ours, theirs = tokens["day0jax"], tokens["transformers"]
+                assert ours[0] == theirs[0], f"first greedy token differs: {ours[0]} vs {theirs[0]}"
+                same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+                agree.setdefault(batch, []).append(same / len(ours))
+        for w in workers.values():
+            w.close()
+        hybrid, full = bytes_per_sequence(ckpt, args.context)
+
+    print(f"\nGreedy decode, hybrid Qwen3.5 layout (hidden 1024, 6 linear + 2 full layers) float32, {n} new tokens, "
+          f"median of {args.repeats} (tokens/s)\n")
+    print("| batch | day0jax | transformers | day0jax / transformers | greedy tokens equal (leading share) |")
+    print("|---|---|---|---|---|")
+    for batch in batches:
+        a, b = (statistics.median(rates[(x, batch)]) for x in ("day0jax", "transformers"))
+        print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {min(agree[batch]):.2f} |")
+    mib = 1 << 20
+    print(f"\nPer sequence at {args.context} tokens (float32): {hybrid / mib:.1f} MiB (state + 2 full-attention "
+          f"layers' KV) against {full / mib:.1f} MiB with every layer full attention ({full / hybrid:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): projections, a short causal convolution over q/k/v, the
+gated delta rule through the `kernels_pallas` op, a gated RMSNorm and the output projection.
+
+Projections keep heads as their own axis (q/k [Nk, Hk], v/z [Nv, Hv]) and the convolution is one weight per
+projection, so tensor parallelism splits all of them, and the per-sequence state, by heads. Checkpoints that fuse
+the projections (`in_proj_qkvz`) are split at conversion by the family.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from day0jax.layers.linear import Linear, param
+from day0jax.layers.norms import RMSNorm
+from kernels_pallas.calls import OpCall
+from kernels_pallas.gated_delta_rule import api as gdr_op
+from sharding.plan import StateLayer
+
+
+class StateCache(Protocol):
+    """What the layer needs of the engine's per-sequence state (engine/state_cache.py)."""
+
+    valid: jax.Array
+
+    def read(self) -> tuple[jax.Array, ...]: ...
+
+    def write(self, states: tuple[jax.Array, ...]) -> "StateCache": ...
+
+    def token_mask(self, tokens: int) -> jax.Array: ...
+
+
+class GatedDeltaNet(nnx.Module):
+    """Linear attention with the gated delta rule.
+
+    Args:
+        hidden_size, num_k_heads, num_v_heads, k_head_dim, v_head_dim: D, Nk, Nv (a multiple of Nk), Hk, Hv.
+        conv_kernel: W, the causal convolution's width.
+        eps: the gated RMSNorm's epsilon.
+    """
+
+    def __init__(self, *, hidden_size: int, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
+                 conv_kernel: int, eps: float, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, Nk, Nv, Hk, Hv, W = hidden_size, num_k_heads, num_v_heads, k_head_dim, v_head_dim, conv_kernel
+        self.in_proj_q = Linear((D,), (Nk, Hk), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.in_proj_k = Linear((D,), (Nk, Hk), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.in_proj_v = Linear((D,), (Nv, Hv), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.in_proj_z = Linear((D,), (Nv, Hv), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear((D,), (Nv,), ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear((D,), (Nv,), ("embed", "heads"), dtype=dtype, rngs=rngs)
+        # Depthwise convolution weights [heads, head dim, W] (HF's conv1d.weight [channels, 1, W], split).
+        self.conv_q = param(rngs, (Nk, Hk, W), ("heads", "head_dim", None), dtype, 0.5)
+        self.conv_k = param(rngs, (Nk, Hk, W), ("heads", "head_dim", None), dtype, 0.5)
+        self.conv_v = param(rngs, (Nv, Hv, W), ("heads", "head_dim", None), dtype, 0.5)
+        self.dt_bias = param(rngs, (Nv,), ("heads",), dtype, 0.1)
+        self.A_log = param(rngs, (Nv,), ("heads",), dtype, 0.5)
+        self.norm = RMSNorm(Hv, eps, dtype=dtype, rngs=rngs)
+        self.out_proj = Linear((Nv, Hv), (D,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
+        self.shape = (Nk, Nv, Hk, Hv, W)
+
+    def state_layout(self) -> StateLayer:
+        """Per sequence: the last W-1 inputs of each convolution, and the [Nv, Hk, Hv] recurrent state."""
+        Nk, Nv, Hk, Hv, W = self.shape
+        heads = ("heads", None, None)
+        return StateLayer(((( W - 1, Nk, Hk), (None, "heads", None)), ((W - 1, Nk, Hk), (None, "heads", None)),
+                           ((W - 1, Nv, Hv), (None, "heads", None)), ((Nv, Hk, Hv), heads)))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict,
+                 cache: StateCache | None = None) -> tuple[jax.Array, StateCache | None]:
+        """x [B, T, D] -> ([B, T, D], the cache with each row's new state). `positions` and `rope_tables` are
+        unused: the recurrence itself carries order."""
+        B, T, _ = x.shape
+        Nk, Nv, Hk, Hv, W = self.shape
+        q, k, v = self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x)
+        # Decay in log space and the write strength, per value head and token.
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
+        if cache is None:
+            conv_states, recurrent, valid = (None, None, None), None, None
+        else:
+            *conv_states, recurrent = cache.read()
+            valid = cache.valid
+            # Padding tokens neither decay nor write the state.
+            mask = cache.token_mask(T)[..., None]
+            g, beta = jnp.where(mask, g, 0.0), jnp.where(mask, beta, 0.0)
+        mixed, new_conv = [], []
+        for y, weight, state in zip((q, k, v), (self.conv_q, self.conv_k, self.conv_v), conv_states):
+            heads, dim = y.shape[-2:]
+            flat_state = None if state is None else state.reshape(B, W - 1, heads * dim)
+            out, new_state = gdr_op.causal_conv1d(y.reshape(B, T, heads * dim), weight[...].reshape(heads * dim, W),
+                                                  flat_state, valid=valid)
+            mixed.append(out.reshape(B, T, heads, dim))
+            new_conv.append(new_state.reshape(B, W - 1, heads, dim))
+        out, recurrent = gdr_op.gated_delta_rule(*mixed, g, beta, recurrent)
+        z = self.in_proj_z(x)
+        out = self.norm(out.astype(x.dtype)) * jax.nn.silu(z.astype(jnp.float32)).astype(x.dtype)
+        if cache is not None:
+            cache = cache.write((*new_conv, recurrent))
+        return self.out_proj(out), cache
+
+    def op_calls(self) -> list[OpCall]:
+        Nk, Nv, Hk, Hv, W = self.shape
+        return ([OpCall.of("gated_delta_rule", Nk=Nk, Nv=Nv, Hk=Hk, Hv=Hv, decay="head"),
+                 OpCall.of("causal_conv1d", C=2 * Nk * Hk + Nv * Hv, W=W)] + self.norm.op_calls())

@@ -1,0 +1,2 @@
+"""Gated delta-rule linear attention (Qwen3-Next, Kimi Linear's per-channel variant) and its short causal
+convolution."""
