@@ -44,9 +44,9 @@ OVERRIDES = {
     # Linear-attention heads divisible by tp=8 too, so that their state splits on every mesh.
     "qwen3_5_moe_text": dict(num_experts=8, linear_num_key_heads=8, linear_num_value_heads=8),
 }
-# The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA and a hybrid
-# linear-attention model. Adding a family is adding its model_type here.
-MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text"]
+# The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA, a hybrid
+# linear-attention and a sparse-attention model. Adding a family is adding its model_type here.
+MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32"]
 # One model_type per family module (a family may implement several: a multimodal one and its text model).
 FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 
