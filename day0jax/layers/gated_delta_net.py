@@ -64,9 +64,9 @@ class GatedDeltaNet(nnx.Module):
     def state_layout(self) -> StateLayer:
         """Per sequence: the last W-1 inputs of each convolution, and the [Nv, Hk, Hv] recurrent state."""
         Nk, Nv, Hk, Hv, W = self.shape
-        heads = ("heads", None, None)
-        return StateLayer(((( W - 1, Nk, Hk), (None, "heads", None)), ((W - 1, Nk, Hk), (None, "heads", None)),
-                           ((W - 1, Nv, Hv), (None, "heads", None)), ((Nv, Hk, Hv), heads)))
+        conv = (None, "heads", None)  # [W - 1, heads, head dim]
+        return StateLayer((((W - 1, Nk, Hk), conv), ((W - 1, Nk, Hk), conv), ((W - 1, Nv, Hv), conv),
+                           ((Nv, Hk, Hv), ("heads", None, None))))
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict,
                  cache: StateCache | None = None) -> tuple[jax.Array, StateCache | None]:

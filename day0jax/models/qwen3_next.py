@@ -132,8 +132,8 @@ class Model(llama.LlamaLike):
 
     def cache_layout(self) -> list[KVLayer | StateLayer]:
         c = self.config
-        return [layer.mixer.state_layout() if kind == "linear_attention" else KVLayer(c.kv_heads, c.head_size,
-                                                                                    c.head_size)
+        full = KVLayer(c.kv_heads, c.head_size, c.head_size)
+        return [layer.mixer.state_layout() if kind == "linear_attention" else full
                 for kind, layer in zip(c.layer_kinds, self.model.layers)]
 
 
