@@ -165,6 +165,19 @@ class LayerTypes:
 
 # --- modules ---------------------------------------------------------------------------------------------------
 
+class LocalRope:
+    """Mixin of models whose sliding layers rotate with a RoPE of their own (the config's `local_rope` dict,
+    beside `rope` for the full-attention layers): Gemma 3, OLMo 3."""
+
+    def make_ropes(self) -> Sequence[Rope]:
+        c = self.config
+        self.local_rope = Rope(c.local_rope, c.head_size, c.max_position_embeddings)
+        return [self.rope, self.local_rope]
+
+    def layer_rope(self, index: int) -> Rope:
+        return self.local_rope if self.config.layer_kinds[index] == "sliding_attention" else self.rope
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)), each block's output times
     `residual_multiplier` (Granite; 1.0 elsewhere). HF names kept: the token mixer is `self_attn`, or
@@ -295,6 +308,10 @@ class Source:
     combine: Callable[[list[np.ndarray], tuple[int, ...]], np.ndarray]
     shapes: tuple[tuple[int, ...], ...]
 
+    def renamed(self, rename: Callable[[str], str]) -> "Source":
+        """The same tensors under other names (a multimodal checkpoint's prefix for its language model)."""
+        return Source(tuple(rename(n) for n in self.names), self.combine, self.shapes)
+
 
 def same(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
     return arrays[0].reshape(shape)
@@ -313,8 +330,15 @@ def default_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source:
 
 def in_language_model(src: Source) -> Source:
     """`src` reading a multimodal checkpoint, whose language model sits under `model.language_model.`."""
-    names = tuple("model.language_model." + n[len("model."):] if n.startswith("model.") else n for n in src.names)
-    return Source(names, src.combine, src.shapes)
+    return src.renamed(lambda n: "model.language_model." + n[len("model."):] if n.startswith("model.") else n)
+
+
+VISION_DROPPED = "the vision tower: images are not supported yet, this checkpoint runs as text only"
+
+
+def vision_dropped(config: Any, *patterns: str) -> dict[str, str]:
+    """A `Family.dropped_for` body: the vision tensors `patterns` of a multimodal checkpoint, dropped with why."""
+    return {p: VISION_DROPPED for p in patterns} if config.is_composite else {}
 
 
 def per_expert_source(path: str, shape: tuple[int, ...], prefix: Callable[[str], str] = lambda p: p,

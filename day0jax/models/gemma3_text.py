@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from day0jax.layers.rope import Rope, rope_parameters
+from day0jax.layers.rope import rope_parameters
 from day0jax.models import gemma2, llama
+from day0jax.models.base import LocalRope
 from day0jax.models.contract import Family
 
 
@@ -57,17 +58,10 @@ class Config(gemma2.Config):
         return rope_parameters(full, None, None, **kw), rope_parameters(local, None, None, **kw)
 
 
-class Model(gemma2.Model):
-    def make_ropes(self):
-        c = self.config
-        self.local_rope = Rope(c.local_rope, c.head_size, c.max_position_embeddings)
-        return [self.rope, self.local_rope]
-
+class Model(LocalRope, gemma2.Model):
     def attention_kwargs(self, index: int) -> dict:
-        c = self.config
-        local = c.layer_kinds[index] == "sliding_attention"
-        return dict(super().attention_kwargs(index), rope=self.local_rope if local else self.rope, logit_softcap=None,
-                    qk_norm_eps=c.rms_norm_eps, qk_norm_offset=1.0)
+        return dict(super().attention_kwargs(index), rope=self.layer_rope(index), logit_softcap=None,
+                    qk_norm_eps=self.config.rms_norm_eps, qk_norm_offset=1.0)
 
 
 FAMILY = Family(model_types=("gemma3_text",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

@@ -21,7 +21,7 @@ from flax import nnx
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, Source, default_source, refuse
+from day0jax.models.base import HFConfig, Source, default_source, refuse, vision_dropped
 from day0jax.models.contract import Family
 from day0jax.models.ernie4_5 import interleaved_to_halves
 
@@ -162,15 +162,12 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     else:
         src = interleaved_to_halves(config, hf_path, shape, metadata) or default_source(hf_path, shape, metadata)
     if config.is_composite:  # Llama4ForConditionalGeneration keeps the whole Llama4ForCausalLM as `language_model`
-        src = Source(tuple("language_model." + n for n in src.names), src.combine, src.shapes)
+        src = src.renamed(lambda n: "language_model." + n)
     return src
 
 
 def dropped_for(config: Config) -> dict[str, str]:
-    if not config.is_composite:
-        return {}
-    why = "the vision tower: images are not supported yet, this checkpoint runs as text only"
-    return {r"vision_model\..*": why, r"multi_modal_projector\..*": why}
+    return vision_dropped(config, r"vision_model\..*", r"multi_modal_projector\..*")
 
 
 FAMILY = Family(model_types=("llama4_text", "llama4"), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from day0jax.layers.rope import Rope, rope_parameters
+from day0jax.layers.rope import rope_parameters
 from day0jax.models import llama, olmo2
-from day0jax.models.base import LayerTypes, refuse
+from day0jax.models.base import LayerTypes, LocalRope, refuse
 from day0jax.models.contract import Family
 
 KINDS = ("full_attention", "sliding_attention")
@@ -56,17 +56,10 @@ class Config(LayerTypes, olmo2.Config):
         return rope_parameters(full, None, None, **kw), rope_parameters(local, None, None, **kw)
 
 
-class Model(olmo2.Model):
-    def make_ropes(self):
-        c = self.config
-        self.local_rope = Rope(c.local_rope, c.head_size, c.max_position_embeddings)
-        return [self.rope, self.local_rope]
-
+class Model(LocalRope, olmo2.Model):
     def attention_kwargs(self, index: int) -> dict:
-        c = self.config
-        local = c.layer_kinds[index] == "sliding_attention"
-        return dict(super().attention_kwargs(index), rope=self.local_rope if local else self.rope,
-                    sliding_window=c.layer_window(index))
+        return dict(super().attention_kwargs(index), rope=self.layer_rope(index),
+                    sliding_window=self.config.layer_window(index))
 
 
 FAMILY = Family(model_types=("olmo3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS)

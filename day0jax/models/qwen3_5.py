@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from day0jax.models import llama, qwen3_next
-from day0jax.models.base import HFConfig, Source, default_source, in_language_model, per_expert_source
+from day0jax.models import qwen3_next
+from day0jax.models.base import Source, default_source, in_language_model, per_expert_source, vision_dropped
 from day0jax.models.contract import Family
 
 # Interleaved multimodal RoPE: text positions are equal on its three axes, where it is exactly 1-D RoPE.
@@ -27,30 +27,12 @@ class Qwen35:
 
 
 @dataclass(frozen=True, eq=False)
-class Config(Qwen35, qwen3_next.Hybrid, HFConfig):
+class Config(Qwen35, qwen3_next.HybridConfig):
     vocab_size: int = 248320
     hidden_size: int = 4096
-    intermediate_size: int = 12288
     num_hidden_layers: int = 32
-    num_attention_heads: int = 16
     num_key_value_heads: int | None = 4
-    head_dim: int | None = 256
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    rope_theta: float | None = None
-    rope_scaling: dict | None = None
-    rope_parameters: dict | None = None
-    partial_rotary_factor: float = 0.25
-    attention_bias: bool = False
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    layer_types: list | None = None
-    full_attention_interval: int = 4
+    intermediate_size: int = 12288
     model_type: str = "qwen3_5_text"
 
     def is_sparse(self, index: int) -> bool:
@@ -76,12 +58,8 @@ def hf_source(config, path: str, shape: tuple[int, ...], metadata: dict) -> Sour
 
 
 def dropped_for(config) -> dict[str, str]:
-    if not config.is_composite:
-        return {}
-    return {r"model\.visual\..*": "the vision tower: images are not supported yet, this checkpoint runs as text only"}
+    return vision_dropped(config, r"model\.visual\..*")
 
 
-DROPPED = {**llama.ROPE_BUFFERS, r"mtp\..*": "multi-token prediction layers (used for speculation, not decoding)"}
-
-FAMILY = Family(model_types=("qwen3_5_text", "qwen3_5"), config=Config, model=qwen3_next.Model, dropped=DROPPED,
-                dropped_for=dropped_for, hf_source=hf_source)
+FAMILY = Family(model_types=("qwen3_5_text", "qwen3_5"), config=Config, model=qwen3_next.Model,
+                dropped=qwen3_next.DROPPED, dropped_for=dropped_for, hf_source=hf_source)

@@ -15,11 +15,8 @@ import numpy as np
 from flax import nnx
 
 from day0jax.layers.gated_delta_net import GatedDeltaNet
-from day0jax.layers.linear import Linear
-from day0jax.layers.mlp import GatedMLP
-from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.layers.norms import RMSNorm
-from day0jax.models import llama
+from day0jax.models import llama, qwen2_moe
 from day0jax.models.base import DecoderLayer, HFConfig, Source, per_expert_source, refuse
 from day0jax.models.contract import Family
 from sharding.plan import KVLayer, StateLayer
@@ -27,8 +24,33 @@ from sharding.plan import KVLayer, StateLayer
 LAYER_KINDS = ("linear_attention", "full_attention")
 
 
-class Hybrid:
-    """Mixin of the configs of these hybrid families: each layer's kind, partial RoPE, the linear-attention checks."""
+@dataclass(frozen=True, eq=False)
+class HybridConfig(HFConfig):
+    """The keys Qwen3-Next, Qwen3.5 and Qwen3.5-MoE share (with Qwen3-Next's defaults; each family restates those
+    HF gives other values), each layer's kind, partial RoPE and the linear-attention checks."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = 2
+    head_dim: int | None = 256
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: list | None = None
+    full_attention_interval: int = 4
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,30 +78,8 @@ class Hybrid:
 
 
 @dataclass(frozen=True, eq=False)
-class Config(Hybrid, HFConfig):
-    vocab_size: int = 151936
-    hidden_size: int = 2048
+class Config(HybridConfig):
     intermediate_size: int = 5632
-    num_hidden_layers: int = 48
-    num_attention_heads: int = 16
-    num_key_value_heads: int | None = 2
-    head_dim: int | None = 256
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    rope_theta: float | None = None
-    rope_scaling: dict | None = None
-    rope_parameters: dict | None = None
-    partial_rotary_factor: float = 0.25
-    attention_bias: bool = False
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    layer_types: list | None = None
-    full_attention_interval: int = 4
     decoder_sparse_step: int = 1
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
@@ -95,7 +95,9 @@ class Config(Hybrid, HFConfig):
                 and (index + 1) % self.decoder_sparse_step == 0)
 
 
-class Model(llama.LlamaLike):
+class Model(qwen2_moe.Model):
+    """Qwen2-MoE's MLPs (dense, or sparse with a gated shared expert, per the config's `is_sparse`)."""
+
     def make_norm(self, dim: int, *, dtype, rngs: nnx.Rngs) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, offset=1.0, dtype=dtype, rngs=rngs)
 
@@ -110,17 +112,6 @@ class Model(llama.LlamaLike):
                              num_v_heads=c.linear_num_value_heads, k_head_dim=c.linear_key_head_dim,
                              v_head_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim,
                              eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-
-    def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        c = self.config
-        D = c.hidden_size
-        if not c.is_sparse(index):
-            return super().make_mlp(index, dtype=dtype, rngs=rngs)
-        return MoE(Router(D, c.num_experts, c.num_experts_per_tok, routing="softmax_topk",
-                          norm_topk_prob=c.norm_topk_prob, dtype=dtype, rngs=rngs),
-                   Experts(c.num_experts, D, c.moe_intermediate_size, swiglu(c.hidden_act), dtype=dtype, rngs=rngs),
-                   shared=GatedMLP(D, c.shared_expert_intermediate_size, c.hidden_act, dtype=dtype, rngs=rngs),
-                   shared_gate=Linear((D,), (1,), ("embed", None), dtype=dtype, rngs=rngs))
 
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> DecoderLayer:
         if self.config.layer_kinds[index] == "full_attention":
@@ -186,7 +177,6 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     return per_expert_source(path, shape) or linear_attention_source(config, path, fused_projection_source)
 
 
-FAMILY = Family(model_types=("qwen3_next",), config=Config, model=Model,
-                dropped={**llama.ROPE_BUFFERS,
-                         r"mtp\..*": "multi-token prediction layers (used for speculation, not decoding)"},
-                hf_source=hf_source)
+DROPPED = {**llama.ROPE_BUFFERS, r"mtp\..*": "multi-token prediction layers (used for speculation, not decoding)"}
+
+FAMILY = Family(model_types=("qwen3_next",), config=Config, model=Model, dropped=DROPPED, hf_source=hf_source)
