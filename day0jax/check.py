@@ -169,13 +169,13 @@ def _ops(op_calls, dtype, tp: int) -> list[dict]:
 def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     """One row per kind of token mixer: its layers and what the engine keeps for each (KV per token, or a fixed
     state per sequence)."""
-    from sharding.plan import StateLayer, fmt_bytes
+    from sharding.plan import SharedKV, StateLayer, fmt_bytes
 
     attention = {layer: call for layer, call in op_calls if call.op in ("paged_attention", "sparse_attention")}
     rows: dict[tuple[str, str], list[int]] = {}
     for i, entry in enumerate(abstract.cache_layout()):
         if isinstance(entry, StateLayer):
-            key = ("linear attention", f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
+            key = (entry.kind, f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
         else:
             call = attention.get(i)
             window = call.get("window") if call is not None else None
@@ -186,7 +186,11 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
                         else "full attention") + (f" (window {window})" if window else "")
                 if call is not None and call.get("chunk"):  # Llama 4's local layers
                     kind = f"chunked attention (chunk {call['chunk']})"
-            key = (kind, f"KV {fmt_bytes(entry.token_elements * itemsize)} per token")
+            if isinstance(entry, SharedKV):
+                own = f"indexer keys {fmt_bytes(entry.index_dim * itemsize)} per token" if entry.index_dim else "none"
+                key = (kind, f"{own}: reads layer {entry.source}'s KV")
+            else:
+                key = (kind, f"KV {fmt_bytes(entry.token_elements * itemsize)} per token")
         rows.setdefault(key, []).append(i)
     return [{"kind": kind, "layers": _layer_ranges(layers), "cache": cache} for (kind, cache), layers in rows.items()]
 

@@ -12,7 +12,8 @@ head dim, D hidden, E experts, F expert or MLP width, k experts per token):
 - sparse_attention (indexed, DeepSeek-V3.2): N, K, H, Hv, scale, latent as attention; topk keys per query, I
   indexer heads of Di dims, indexer (False: the layer reuses an earlier layer's top-k);
 - mlp, rope, causal_conv1d (`PLAIN_OPS`): plain jax.numpy, no kernel; listed so the report shows every operator a
-  layer runs. causal_conv1d: C channels, W kernel width.
+  layer runs. causal_conv1d: C channels, W kernel width; act (reported only where it is not SiLU: None for LFM's
+  convolution, which has none).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class OpCall:
                 parts.append(f"score soft-cap {p['softcap']}")
             if p.get("sinks"):
                 parts.append("sinks")
+            if p.get("gate"):
+                parts.append(f"output gate ({p['gate']})")
             if p.get("scale") is not None:
                 parts.append(f"scale {p['scale']:.4g}")
             return ", ".join(parts)
@@ -82,7 +85,8 @@ class OpCall:
             return (f"{'MLA (absorbed): ' if p.get('latent') else ''}{p['N']}q/{p['K']}kv heads x {p['H']} over the "
                     f"top-{p['topk']} keys of {source}")
         if self.op == "causal_conv1d":
-            return f"depthwise causal conv1d over {p['C']} channels, width {p['W']}, SiLU"
+            act = "SiLU" if p.get("act", "silu") == "silu" else "no activation"
+            return f"depthwise causal conv1d over {p['C']} channels, width {p['W']}, {act}"
         if self.op == "mlp":
             return f"{'gated ' if p.get('gated', True) else ''}MLP x {p['F']} ({p['act']})"
         if self.op == "rope":

@@ -40,12 +40,23 @@ class KVLayer(NamedTuple):
         return self.kv_heads * (self.k_dim + self.v_dim) + self.index_dim
 
 
+class SharedKV(NamedTuple):
+    """A layer that attends over the keys and values another layer (`source`, earlier) cached: nothing of its own is
+    allocated (Gemma 4's KV sharing), except, with `index_dim`, its sparse-attention indexer's key per token (one
+    head of `index_dim`: Mistral Large 4's layers that read another's latent but pick their own top-k)."""
+
+    source: int
+    index_dim: int = 0
+
+
 @dataclass(frozen=True)
 class StateLayer:
     """A layer that carries fixed-size float32 state per sequence (linear attention: its recurrent and convolution
-    states) instead of caching every token: each array's per-sequence shape and the logical axes that split it."""
+    states) instead of caching every token: each array's per-sequence shape and the logical axes that split it, and
+    what kind of token mixer it is, for reports."""
 
     arrays: tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]
+    kind: str = "linear attention"
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -57,7 +68,7 @@ class ModelShape:
     """What the planner needs to know about a model, all of it from shapes (no weights)."""
 
     params: tuple[Any, ...]  # every parameter (`day0jax.models.ParamInfo`: path, shape, logical axes)
-    cache_layout: tuple[KVLayer | StateLayer, ...]  # per layer, what it caches
+    cache_layout: tuple[KVLayer | StateLayer | SharedKV, ...]  # per layer, what it caches
     hidden_size: int  # D
     num_heads: int  # N, the most any layer has
     vocab_size: int  # V
@@ -148,7 +159,7 @@ class Plan:
         rows, tokens, span = self.largest_program
         return (f"{self.mesh}: {fmt_bytes(self.total_bytes)} per device (params {fmt_bytes(self.params_bytes)}, "
                 f"KV cache {fmt_bytes(self.kv_cache_bytes)} for {self.kv_slots} token slots, "
-                + (f"recurrent state {fmt_bytes(self.state_bytes)} for {self.state_slots} sequence slots, "
+                + (f"per-sequence state {fmt_bytes(self.state_bytes)} for {self.state_slots} sequence slots, "
                    if self.state_bytes else "") +
                 f"activations {fmt_bytes(self.activation_bytes)} for the largest program, {rows} x {tokens} "
                 f"tokens over {span} positions; up to {self.max_num_seqs} sequences of {self.max_model_len} "
@@ -179,7 +190,8 @@ def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtyp
     for layer in shape.kv_layers:
         _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
         total += kv_slots * (k * (layer.k_dim + layer.v_dim) + layer.index_dim) * item
-    return total
+    shared_index = sum(x.index_dim for x in shape.cache_layout if isinstance(x, SharedKV))
+    return total + kv_slots * shared_index * item
 
 
 def state_bytes(shape: ModelShape, sizes: dict[str, int], state_slots: int) -> int:

@@ -51,6 +51,19 @@ FAMILIES = {
                                                                             "rope_theta": 1000000.0},
                                                          "sliding_attention": {"rope_type": "default",
                                                                                "rope_theta": 10000.0}}), True),
+    # Gemma 4, 4 layers sliding/global: the last two share the first two's keys and values (KV sharing) and have
+    # MLPs twice as wide; global layers of their own head shape (H 32, one kv head whose keys are also the values)
+    # rotated by proportional RoPE; per-layer inputs; the final soft-cap.
+    "gemma4": ("gemma4_text", dict(TINY, num_hidden_layers=4, head_dim=16, global_head_dim=32,
+                                   num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                                   use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                                   vocab_size_per_layer_input=256, final_logit_softcapping=3.0), True),
+    # Gemma 4's MoE layers (routed experts beside the dense MLP), no per-layer inputs, separate v_proj, untied.
+    "gemma4_moe": ("gemma4_text", dict(TINY, head_dim=16, global_head_dim=32, sliding_window=8,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                                       top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=False), True),
     "phi3": ("phi3", dict(TINY, partial_rotary_factor=0.5, sliding_window=8), True),
     "phi3_longrope": ("phi3", dict(TINY, max_position_embeddings=64, original_max_position_embeddings=16,
                                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
@@ -157,6 +170,34 @@ FAMILIES = {
                                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              shared_expert_intermediate_size=48), True),
+    # Kimi Linear, 3 layers: Kimi Delta Attention (2 heads x 16, a decay per key channel, the short convolution)
+    # around an MLA layer without RoPE; layer 0's MLP dense (first_k_dense_replace), then MoE: sigmoid scores with
+    # the score bias in 4 groups of 2 (best 2), top-2 scaled, a shared expert. Larger weights (initializer_range)
+    # so that the decay's and the output gate's low-rank projections move with the tokens.
+    "kimi_linear": ("kimi_linear", dict(TINY, num_hidden_layers=3, num_key_value_heads=4,
+                                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                        linear_num_heads=2, linear_head_dim=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                        qk_rope_head_dim=8, v_head_dim=12, num_experts=8, num_experts_per_token=2,
+                                        moe_intermediate_size=32, num_expert_group=4, topk_group=2,
+                                        first_k_dense_replace=1, routed_scaling_factor=2.0, initializer_range=0.1),
+                    True),
+    # LFM2, 3 layers: gated short convolutions (width 3, with biases: conv_bias) around a full-attention layer with
+    # per-head q/k norms; the MLPs sized by HF's rule (2/3 of 120, times 1.5, rounded up to a multiple of 32: 128).
+    "lfm2": ("lfm2", dict({k: v for k, v in TINY.items() if k != "rms_norm_eps"}, norm_eps=1e-5, num_hidden_layers=3,
+                          layer_types=["conv", "full_attention", "conv"], conv_bias=True, intermediate_size=120,
+                          block_ffn_dim_multiplier=1.5, block_multiple_of=32), True),
+    # LFM2-MoE, LFM2's 3 layers: layer 0's MLP dense (num_dense_layers), then sigmoid top-2 of 4 experts chosen with
+    # the routing bias, renormalized, times 2. Larger weights (initializer_range) so that the scores, not the bias
+    # alone, pick the experts.
+    "lfm2_moe": ("lfm2_moe", dict({k: v for k, v in TINY.items() if k != "rms_norm_eps"}, norm_eps=1e-5,
+                                  num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                                  num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  routed_scaling_factor=2.0, initializer_range=0.1), True),
+    # LFM3, 4 layers: short convolutions (width 7), a sliding layer (window 8, plain RoPE) and a full one
+    # (proportional RoPE over half of each head), both with the per-head sigmoid gate on their output; sandwich
+    # norms. Larger weights (initializer_range) so that the gates move with the tokens.
+    "lfm3": ("lfm3", dict(TINY, num_hidden_layers=4, head_dim=16, sliding_window=8, initializer_range=0.1,
+                          layer_types=["conv", "sliding_attention", "conv", "full_attention"]), True),
     # Layer 0: RoPE (interleaved pairs) with L2 q/k norms, attention in chunks of 8 positions, a dense MLP; layer 1:
     # global without positions, queries scaled by a temperature that grows every 4 positions, and an MoE (sigmoid
     # top-2 of 4 experts scaling the experts' inputs, a shared expert). Larger weights (initializer_range) so that
@@ -187,6 +228,27 @@ FAMILIES = {
                                 sliding_window=8, mup_enabled=True, attention_bias=True, tie_word_embeddings=True,
                                 num_dense_layers=0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 num_shared_experts=2), True),
+    # Laguna, 3 layers sliding/full/sliding: 4, 8 and 2 query heads over the same 2 kv heads; one softplus gate per
+    # head; HF's default RoPEs (the full layer rotates half of each head, theta 5e5); layer 0 dense, then MoE
+    # (sigmoid scores, top-2 of 8 chosen with the routing bias, renormalized, a shared expert). Larger weights
+    # (initializer_range) so that the gates and the router logits differ between heads and experts.
+    "laguna": ("laguna", dict(TINY, num_hidden_layers=3, head_dim=16, num_attention_heads_per_layer=[4, 8, 2],
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              sliding_window=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, initializer_range=0.1), True),
+    # A softplus gate per element; MoE in every layer (mlp_layer_types) with soft-capped router logits (tanh bends
+    # at this cap) and the routed scale; YaRN over half of each head on the full layer; biases, tied embeddings.
+    "laguna_element": ("laguna", dict(TINY, head_dim=16, num_attention_heads_per_layer=[2, 4], gating="per-element",
+                                      layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                                      mlp_layer_types=["sparse", "sparse"], num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                      moe_router_logit_softcapping=1.0, moe_routed_scaling_factor=2.5,
+                                      attention_bias=True, tie_word_embeddings=True, initializer_range=0.1,
+                                      rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0,
+                                                                          "factor": 4.0, "partial_rotary_factor": 0.5,
+                                                                          "original_max_position_embeddings": 32},
+                                                       "sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0}}), True),
     # 3 layers: one dense, two MoE with softmax scores routed in groups (4 groups of 2, best 2), scaled weights, a
     # shared expert; YaRN whose mscale_all_dim scales the softmax, and a query temperature that grows every 8
     # positions (llama_4_scaling_beta over original_max_position_embeddings). Larger weights (initializer_range)
@@ -221,6 +283,36 @@ FAMILIES = {
                                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
                                         first_k_dense_replace=1, n_shared_experts=1, index_topk=8, index_head_dim=16,
                                         index_n_heads=16, index_topk_freq=2), True),
+    # Mistral Large 4, 5 layers (rope / indexer / KV): 0 RoPE, own; 1 NoPE, own; 2 RoPE, its own latent but the top-k
+    # layer 1 picked ("shared"); 3 RoPE, layer 0's latent with an indexer of its own ("reuse_but_indexer"); 4 NoPE,
+    # layer 1's latent and layer 3's top-k (plain reuse). Layer 0 dense, then MoE (softmax scores in 4 groups of 2,
+    # best 2, scaled). HF's default YaRN, top-8 of 16 indexer heads (see deepseek_v32), a soft-cap that bends these
+    # logits; larger weights (initializer_range) so that the learned query scales and RoPE factors show.
+    "mistral_large4": ("mistral_large4_text", dict(TINY, num_hidden_layers=5, num_key_value_heads=4, kv_lora_rank=16,
+                                                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                                   n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   n_group=4, topk_group=2, routed_scaling_factor=2.0, index_topk=8,
+                                                   index_head_dim=16, index_n_heads=16, no_rope_layers=[1, 0, 1, 1, 0],
+                                                   kv_source_layers=[0, 1, 2, 0, 1],
+                                                   indexer_types=["full", "full", "shared", "full", "shared"],
+                                                   final_logit_softcapping=2.0, initializer_range=0.1), True),
+    # HF's derivations: every second layer NoPE (no_rope_layer_interval), layer 2 "shared" (index_topk_freq), no KV
+    # sharing, two dense layers (first_k_dense_replace); YaRN whose mscale_all_dim scales the softmax, biases on the
+    # latent and output projections, two shared experts, tied embeddings.
+    "mistral_large4_derived": ("mistral_large4_text", dict(TINY, num_hidden_layers=4, num_key_value_heads=4,
+                                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                                           v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32, n_shared_experts=2,
+                                                           first_k_dense_replace=2, index_topk=8, index_head_dim=16,
+                                                           index_n_heads=16, no_rope_layer_interval=2,
+                                                           index_topk_freq=2, attention_bias=True,
+                                                           tie_word_embeddings=True, final_logit_softcapping=3.0,
+                                                           initializer_range=0.1,
+                                                           rope_parameters={"rope_type": "yarn", "rope_theta": 100.0,
+                                                                            "factor": 4.0, "mscale": 1.0,
+                                                                            "mscale_all_dim": 0.5,
+                                                                            "original_max_position_embeddings": 8}),
+                               True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

@@ -104,8 +104,55 @@ def test_hybrid_linear_attention_report(tiny):
     assert "2qk/4v heads x 8" in ops[("gated delta rule (linear attention)", "0")]
     assert "width 4" in ops[("causal conv1d", "0")]
     m = report.memory
-    assert m["state_slots"] == 17 and m["state_bytes"] == 17 * per_seq and "recurrent state" in m["summary"]
+    assert m["state_slots"] == 17 and m["state_bytes"] == 17 * per_seq and "per-sequence state" in m["summary"]
     assert check_lib.check(tiny["qwen3_next"]["hf"], mesh="tp=2").memory["state_bytes"] == 17 * per_seq // 2
+
+
+def test_short_convolution_report(tiny, tmp_path):
+    """LFM2 and LFM3: the short-convolution layers keep their last W - 1 inputs per sequence and the plan counts
+    them, the attention layers KV per token (LFM3's sliding one with its window); Liquid's own config.json keys,
+    which restate others, are accepted."""
+    report = check_lib.check(tiny["lfm2"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    per_seq = 2 * 64 * 4  # [W - 1, D] float32
+    assert report.layers == [
+        {"kind": "short convolution", "layers": "0,2", "cache": f"state {per_seq} B per sequence"},
+        {"kind": "full attention", "layers": "1", "cache": "KV 256 B per token"}]
+    ops = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
+    assert ops[("causal conv1d", "0,2")] == "depthwise causal conv1d over 64 channels, width 3, no activation"
+    assert ops[("mlp", "0-2")] == "gated MLP x 128 (silu)"  # HF's sizing rule on intermediate_size 120
+    assert report.memory["state_bytes"] == report.memory["state_slots"] * 2 * per_seq
+    lfm3 = check_lib.check(tiny["lfm3"]["hf"], dtype="float32")
+    assert lfm3.supported, lfm3.reasons
+    assert lfm3.layers == [
+        {"kind": "short convolution", "layers": "0,2", "cache": f"state {6 * 64 * 4 / 1024:.2f} KiB per sequence"},
+        {"kind": "sliding attention (window 8)", "layers": "1", "cache": "KV 256 B per token"},
+        {"kind": "full attention", "layers": "3", "cache": "KV 256 B per token"}]
+    ops = {(r["op"], r["layers"]): r["variant"] for r in lfm3.ops}
+    assert ops[("rope", "1")].startswith("default (theta 10000") and ops[("rope", "3")].startswith("proportional")
+    legacy = variant(tiny["lfm2"]["hf"], tmp_path / "legacy", block_dim=64, conv_dim=64, conv_dim_out=64,
+                     num_heads=4, theta=1000000.0, block_norm_eps=1e-5, block_ff_dim=120, tie_embedding=True,
+                     block_use_swiglu=True, use_pos_enc=True, block_use_xavier_init=True, conv_use_xavier_init=True,
+                     block_mlp_init_scale=1.0, block_out_init_scale=1.0)
+    report = check_lib.check(legacy)
+    assert report.supported, report.reasons
+    assert {r["key"]: r["status"] for r in report.keys}["block_ff_dim"] == "used"
+
+
+def test_kimi_linear_report(tiny):
+    """Kimi Linear: its delta-attention layers are linear attention (decay per key channel) with their state, the
+    MLA layer between them caches the latent and has no RoPE."""
+    report = check_lib.check(tiny["kimi_linear"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    # Layers 0 and 2: 2 heads x 16 for q, k and v; conv states [3, 2+2+2 heads, 16], recurrent [2, 16, 16].
+    per_seq = (3 * (2 + 2 + 2) * 16 + 2 * 16 * 16) * 4
+    assert report.layers == [
+        {"kind": "linear attention", "layers": "0,2", "cache": f"state {per_seq / 1024:.2f} KiB per sequence"},
+        {"kind": "MLA", "layers": "1", "cache": f"KV {2 * (16 + 8) * 4} B per token"}]
+    ops = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
+    assert "2qk/2v heads x 16, per-channel decay" in ops[("gated delta rule (linear attention)", "0,2")]
+    assert ops[("rope", "1")] == "none (NoPE layer)"
+    assert "sigmoid_grouped" in ops[("moe grouped matmul", "1-2")] and ("mlp", "0") in ops
 
 
 def test_sparse_attention_report(tiny):
@@ -126,6 +173,52 @@ def test_sparse_attention_report(tiny):
                                                               ("sparse attention (top-8 keys, shared)", "2")]
     assert glm.memory["kv_cache_bytes"] == glm.memory["kv_slots"] * (3 * per_token - 16) * 4
     assert any("an earlier layer's indexer" in r["variant"] for r in glm.ops)
+
+
+def test_kv_sharing_report(tiny):
+    """Gemma 4: the layers that read an earlier layer's keys and values cache nothing and say whose they read; the
+    global layers' own head shape shows in their KV per token and operators, and the plan counts two layers' KV."""
+    report = check_lib.check(tiny["gemma4"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    sliding, full = 2 * 2 * 16 * 4, 1 * 2 * 32 * 4  # K x (key + value) x H x float32
+    assert report.layers == [
+        {"kind": "sliding attention (window 8)", "layers": "0", "cache": f"KV {sliding} B per token"},
+        {"kind": "full attention", "layers": "1", "cache": f"KV {full} B per token"},
+        {"kind": "sliding attention (window 8)", "layers": "2", "cache": "none: reads layer 0's KV"},
+        {"kind": "full attention", "layers": "3", "cache": "none: reads layer 1's KV"}]
+    ops = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
+    assert "4q/1kv heads x 32" in ops[("paged attention (engine)", "1,3")]
+    assert ops[("rope", "1,3")].startswith("proportional")
+    assert report.memory["kv_cache_bytes"] == report.memory["kv_slots"] * (sliding + full)
+
+
+def test_kv_sharing_with_indexer_report(tiny):
+    """Mistral Large 4: a layer that reads another's latent but has an indexer of its own caches that indexer's keys
+    only, one without caches nothing; NoPE layers cache no roped key and report no RoPE; the plan counts it all."""
+    report = check_lib.check(tiny["mistral_large4"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    rope, nope, index = 2 * (16 + 8) * 4, 2 * 16 * 4, 16 * 4  # latent (+ rope key) as key and value; indexer key
+    assert report.layers == [
+        {"kind": "sparse attention (top-8 keys)", "layers": "0", "cache": f"KV {rope + index} B per token"},
+        {"kind": "sparse attention (top-8 keys)", "layers": "1", "cache": f"KV {nope + index} B per token"},
+        {"kind": "sparse attention (top-8 keys, shared)", "layers": "2", "cache": f"KV {rope} B per token"},
+        {"kind": "sparse attention (top-8 keys)", "layers": "3",
+         "cache": f"indexer keys {index} B per token: reads layer 0's KV"},
+        {"kind": "sparse attention (top-8 keys, shared)", "layers": "4", "cache": "none: reads layer 1's KV"}]
+    ops = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
+    assert ops[("rope", "1,4")] == "none (NoPE layer)" and ops[("rope", "0,2-3")].startswith("yarn")
+    assert report.memory["kv_cache_bytes"] == report.memory["kv_slots"] * (2 * rope + nope + 3 * index)
+
+
+def test_mistral_large4_derives_layer_lists_as_transformers(tiny):
+    """Without the per-layer lists in config.json, the config derives what transformers wrote for the same keys
+    (no_rope_layer_interval 2, index_topk_freq 2, first_k_dense_replace 2, no KV sharing)."""
+    hf = json.loads((tiny["mistral_large4_derived"]["hf"] / "config.json").read_text())
+    lists = ("no_rope_layers", "indexer_types", "kv_source_layers", "mlp_layer_types", "layer_types")
+    config = models.config_from_hf(dict({k: v for k, v in hf.items() if k not in lists}, no_rope_layer_interval=2))
+    assert config.uses_rope == tuple(bool(v) for v in hf["no_rope_layers"]) == (True, False, True, False)
+    assert config.indexer_kinds == tuple(hf["indexer_types"]) and config.mlp_kinds == tuple(hf["mlp_layer_types"])
+    assert config.kv_sources == tuple(None if s == i else s for i, s in enumerate(hf["kv_source_layers"]))
 
 
 def test_mesh_spec_splits_memory(tiny):
@@ -227,6 +320,36 @@ def test_unknown_model_type_names_closest(tmp_path, tiny):
     ("olmo3", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters"),
     ("exaone4", {"sliding_window_pattern": "LLLG", "layer_types": None}, "sliding_window_pattern='LLLG'"),
     ("hunyuan_v1_dense", {"use_cla": True}, "use_cla=True"),
+    ("kimi_linear", {"mla_use_nope": False}, "mla_use_nope=False"),
+    ("kimi_linear", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+     "rope_scaling.rope_type='yarn'"),
+    ("gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+    ("gemma4", {"num_kv_shared_layers": 4}, "num_kv_shared_layers=4"),
+    ("gemma4", {"per_layer_config": {"1": {"head_dim": 32, "sliding_window": 4}}}, r"overrides \['sliding_window'\]"),
+    ("mistral_large4", {"kv_source_layers": [0, 0, 2, 0, 1]}, "makes layer 1 read the latent of layer 0, of the other "
+     "RoPE kind"),
+    ("mistral_large4", {"kv_source_layers": [0, 1, 2, 0, 2], "no_rope_layers": [1, 0, 1, 1, 1]},
+     "transformers hands layer 3 the latent of layer 2"),
+    ("mistral_large4", {"kv_source_layers": [0, 1, 2, 4, 1]}, "gives layer 3 the source 4"),
+    ("mistral_large4", {"no_rope_layers": [1, 0, 2, 1, 0]}, "no_rope_layers=2"),
+    ("mistral_large4", {"indexer_types": ["shared", "full", "shared", "full", "shared"]}, "indexer_types='shared'"),
+    ("mistral_large4", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                            "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
+    ("mistral_large4", {"layer_types": ["sliding_attention"] * 5}, "layer_types='sliding_attention'"),
+    ("mistral_large4", {"final_logit_softcapping": 0.0}, "final_logit_softcapping=0.0"),
+    ("laguna", {"moe_apply_router_weight_on_input": True}, "moe_apply_router_weight_on_input=True"),
+    ("laguna", {"gating": False}, "gating=False"),
+    ("laguna", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+     "has no entry for 'full_attention'"),
+    ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv"]}, "layer_types='sliding_attention'"),
+    ("lfm2", {"conv_dim": 32}, "conv_dim=32 differs from hidden_size=64"),
+    ("lfm2", {"block_use_swiglu": False}, "block_use_swiglu=False"),
+    ("lfm2", {"conv_L_cache": 1}, "conv_L_cache=1"),
+    ("lfm2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor=0.5"),
+    ("lfm2_moe", {"use_expert_bias": False}, "use_expert_bias=False"),
+    ("lfm3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "has keys outside"),
+    ("lfm3", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "no entry for the sliding_attention"),
 ])
 def test_refused_config_values(name, changes, message, tiny, tmp_path):
     """Every math-changing value a family does not implement is refused by check, convert and load, by name."""

@@ -240,3 +240,31 @@ def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_
               str(src / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"model\.layers\.{layers + 1}\.eh_proj\.weight.*is not used"):
         convert_checkpoint(src, tmp_path / "bad", progress=False)
+
+
+def test_kimi_linear_moonshot_layout_converts_to_the_same_model(tiny, tmp_path):
+    """Kimi Linear as Moonshot publishes it: the layer kinds and linear-attention sizes only in `linear_attn_config`
+    (1-indexed), the dense MLP under `mlp` (transformers' own save moves it under `block_sparse_moe`, with the MoE
+    layers), and Moonshot's keys transformers does not read. The same weights give transformers' logits."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny["kimi_linear"]["hf"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+        del cfg[key]
+    cfg.update(linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2], "num_heads": 2, "head_dim": 16,
+                                   "short_conv_kernel_size": 4},
+               head_dim=72, mla_use_nope=True, moe_router_activation_func="sigmoid", moe_layer_freq=1,
+               use_grouped_topk=True, num_nextn_predict_layers=0, rope_theta=10000.0, rope_scaling=None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "model.safetensors"))
+    dense = "model.layers.0.block_sparse_moe."
+    save_file({k.replace(dense, "model.layers.0.mlp.") if k.startswith(dense) else k: v for k, v in tensors.items()},
+              str(src / "model.safetensors"))
+    model = day0jax.load(convert_checkpoint(src, tmp_path / "d0", progress=False).dst, dtype="float32")
+    assert model.config.layer_kinds == ("linear_attention", "full_attention", "linear_attention")
+    assert model.config.mlp_kinds == ("dense", "sparse", "sparse") and model.config.kda_shape == (2, 16, 4)
+    for i, prompt in enumerate(PROMPTS):
+        ours, ref = model.logits([prompt])[0], tiny["kimi_linear"]["ref"][f"logits_{i}"]
+        assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max(), f"prompt {i}"

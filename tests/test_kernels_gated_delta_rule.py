@@ -161,6 +161,28 @@ def test_causal_conv1d_valid_keeps_padding_out_of_the_state():
     np.testing.assert_allclose(np.asarray(out2), np.asarray(full_out[:1, 2:]), rtol=1e-6, atol=1e-6)
 
 
+def test_causal_conv1d_bias_without_activation():
+    """LFM's form: a bias and no SiLU, against a NumPy loop over the definition; a prompt then decode steps, each
+    from the state the previous call left, give the whole sequence's outputs; SiLU is the only difference."""
+    B, T, C, W = 2, 7, 5, 3
+    x, w, state = conv_inputs(51, B, T, C, W)
+    bias = np.random.default_rng(52).standard_normal(C).astype(np.float32)
+    full = np.concatenate([state, x], axis=1)
+    want = np.stack([sum(full[:, t + j] * w[:, j] for j in range(W)) + bias for t in range(T)], axis=1)
+    out, new_state = reference.causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(state),
+                                             bias=jnp.asarray(bias), activation=None)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(new_state), full[:, -(W - 1):])
+    pieces, s = [], jnp.asarray(state)
+    for start, end in ((0, 4), (4, 5), (5, 6), (6, 7)):
+        o, s = reference.causal_conv1d(jnp.asarray(x[:, start:end]), jnp.asarray(w), s, bias=jnp.asarray(bias),
+                                       activation=None)
+        pieces.append(np.asarray(o))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), want, rtol=1e-6, atol=1e-6)
+    silu, _ = reference.causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(state), bias=jnp.asarray(bias))
+    np.testing.assert_allclose(np.asarray(silu), want / (1 + np.exp(-want)), rtol=1e-6, atol=1e-6)
+
+
 # --- against transformers -----------------------------------------------------------------------------------
 
 # name -> (family, B, T, Nk, Nv, Hk, Hv, per-channel decay, initial state)

@@ -81,7 +81,7 @@ def test_plan_counts_the_state_slots_the_engine_allocates(module):
     assert planned.state_slots == engine.layout.state_slots == 5
     assert planned.state_bytes == engine.runner.state_bytes == 2 * 5 * per_seq
     assert planned.kv_cache_bytes == engine.runner.pool_bytes  # one attention layer's pages
-    assert "recurrent state" in planned.summary()
+    assert "per-sequence state" in planned.summary()
 
 
 def test_multimodal_checkpoint_converts_as_its_language_model(tmp_path, caplog):

@@ -40,13 +40,17 @@ OVERRIDES = {
     "deepseek_v32": dict(num_key_value_heads=8),
     "glm_moe_dsa": dict(num_key_value_heads=8),
     "mistral4": dict(num_key_value_heads=8),
+    "mistral_large4_text": dict(num_key_value_heads=8),
     "qwen3_moe": dict(num_experts=8),
     # Linear-attention heads divisible by tp=8 too, so that their state splits on every mesh.
     "qwen3_5_moe_text": dict(num_experts=8, linear_num_key_heads=8, linear_num_value_heads=8),
+    "kimi_linear": dict(num_key_value_heads=8, linear_num_heads=8),
+    # Its own query heads per layer, each a multiple of 8 too.
+    "laguna": dict(num_attention_heads_per_layer=[8, 16, 8]),
 }
 # The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA, a hybrid
 # linear-attention and a sparse-attention model. Adding a family is adding its model_type here.
-MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32"]
+MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "gemma4_text"]
 # One model_type per family module (a family may implement several: a multimodal one and its text model).
 FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 
@@ -72,8 +76,8 @@ def abstract_infos(hf: dict):
 def synthetic_checkpoint(hf: dict, dst: Path, seed: int = 0) -> Path:
     """A day0jax checkpoint with random weights for `hf` (no tokenizer), written with the converter's writer.
 
-    Kernels are scaled by 1/sqrt(fan-in) and norm weights sit near 1, so activations stay O(1) through the
-    layers and logits are not dominated by rounding.
+    Kernels are scaled by 1/sqrt(fan-in) and norm weights and scales sit near 1, so activations stay O(1) through
+    the layers and logits are not dominated by rounding.
     """
     from convert.writer import CheckpointWriter
 
@@ -85,8 +89,8 @@ def synthetic_checkpoint(hf: dict, dst: Path, seed: int = 0) -> Path:
             noise = rng.standard_normal(shape, dtype=np.float32)
             if "in_ndim" in info.metadata:
                 array = noise / np.sqrt(math.prod(shape[len(shape) - info.metadata["in_ndim"]:]))
-            elif len(shape) == 1 and "norm" in info.path:
-                array = 1 + 0.1 * noise
+            elif len(shape) == 1 and ("norm" in info.path or "scal" in info.path.rsplit(".", 1)[-1]):
+                array = 1 + 0.1 * noise  # norms, and multiplicative scales (Gemma 4's layer_scalar)
             elif len(shape) == 1:
                 array = 0.1 * noise
             else:

@@ -24,24 +24,37 @@ TRASH_PAGE = 0
 class PagedKVCache:
     """One layer's view of the paged cache during one jitted step (the `KVCache` protocol of layers/attention.py)."""
 
-    k_pages: jax.Array  # [P, page_size, K, Hk], donated to the step and updated in place
-    v_pages: jax.Array  # [P, page_size, K, Hv]; Hv may differ from Hk (multi-head latent attention)
+    # k_pages, v_pages: None in the cache of a layer that reads another's (`with_kv_of`) and keeps only its indexer's
+    k_pages: jax.Array | None  # [P, page_size, K, Hk], donated to the step and updated in place
+    v_pages: jax.Array | None  # [P, page_size, K, Hv]; Hv may differ from Hk (multi-head latent attention)
     block_tables: jax.Array  # [B, W] int32 page ids per row; entries past a row's pages hold TRASH_PAGE
     kv_lengths: jax.Array  # [B] int32 valid cached tokens per row after this step's writes
     index_pages: jax.Array | None = None  # [P, page_size, Di] the sparse-attention indexer's keys, if the layer has one
 
     @classmethod
     def from_pools(cls, pools: tuple, block_tables: jax.Array, kv_lengths: jax.Array) -> "PagedKVCache":
+        """The cache over a layer's pools: (k, v), (k, v, index) or, for a `SharedKV` with an indexer, (index,)."""
+        if len(pools) == 1:
+            return cls(None, None, block_tables, kv_lengths, pools[0])
         return cls(pools[0], pools[1], block_tables, kv_lengths, pools[2] if len(pools) > 2 else None)
 
     @property
     def pools(self) -> tuple:
         """The arrays `from_pools` takes, updated."""
-        return (self.k_pages, self.v_pages) + (() if self.index_pages is None else (self.index_pages,))
+        return tuple(p for p in (self.k_pages, self.v_pages, self.index_pages) if p is not None)
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[1]
+        return (self.index_pages if self.k_pages is None else self.k_pages).shape[1]
+
+    def with_kv_of(self, source: "PagedKVCache") -> "PagedKVCache":
+        """This layer's indexer pages over `source`'s keys and values, updated this step (a layer that attends over
+        another's latent but picks its own top-k: Mistral Large 4's `reuse_but_indexer`)."""
+        return dataclasses.replace(self, k_pages=source.k_pages, v_pages=source.v_pages)
+
+    def without_kv(self) -> "PagedKVCache":
+        """What such a layer hands back as its own: its indexer pages (the source's pages are the source's)."""
+        return dataclasses.replace(self, k_pages=None, v_pages=None)
 
     def _slots(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         # Positions beyond the block table (how the engine marks padding) map to the trash page.
@@ -80,8 +93,8 @@ class PagedKVCache:
 
 def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dtype, mesh=None) -> list[tuple]:
     """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
-    ([P, page_size, K, H] each, split like the kv heads), and for a `StateLayer` one float32 [S, *shape] pool per
-    state array (split like its heads).
+    ([P, page_size, K, H] each, split like the kv heads), for a `StateLayer` one float32 [S, *shape] pool per
+    state array (split like its heads), and for a `SharedKV` layer only its indexer's keys, if it has an indexer.
 
     Args:
         layout: the model's `cache_layout()`.
@@ -90,7 +103,7 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
         dtype: KV cache dtype.
         mesh: the mesh the pools live on (None: the default device).
     """
-    from sharding.plan import StateLayer
+    from sharding.plan import SharedKV, StateLayer
     from sharding.rules import KV_POOL, named_sharding
 
     def zeros(shape, axes, dt):
@@ -98,7 +111,10 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
 
     pools = []
     for entry in layout:
-        if isinstance(entry, StateLayer):
+        if isinstance(entry, SharedKV):
+            pools.append((zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype),)
+                         if entry.index_dim else ())
+        elif isinstance(entry, StateLayer):
             pools.append(tuple(zeros((state_slots,) + shape, (None,) + axes, jnp.float32)
                                for shape, axes in entry.arrays))
         else:

@@ -116,15 +116,18 @@ class ModelRunner:
                     token_source, state_slots):
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
         tokens = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
+        # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
+        # hands it its source's.
         caches = [StateCache.for_rows(p, state_slots, positions, kv_lengths) if state
-                  else PagedKVCache.from_pools(p, block_tables, kv_lengths) for p, state in zip(pools, self.stateful)]
+                  else PagedKVCache.from_pools(p, block_tables, kv_lengths) if p else None
+                  for p, state in zip(pools, self.stateful)]
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         with exact_float32(self.dtype):
             hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths))
             logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last_index])
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
         logits = jax.lax.with_sharding_constraint(logits, self._replicated)
-        pools = [c.pools for c in caches]
+        pools = [() if c is None else c.pools for c in caches]
         return logits, self._padded(jnp.argmax(logits, axis=-1)), pools
 
     def _padded(self, tokens: jax.Array) -> jax.Array:

@@ -3,6 +3,7 @@ keep heads as their own axis (q_proj kernel [N, H, D], o_proj [D, N, H]) so tens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
@@ -24,6 +25,45 @@ class KVCache(Protocol):
     def attend(self, q: jax.Array, positions: jax.Array, **attention_kwargs: Any) -> jax.Array: ...
 
 
+class ContextKV:
+    """This call's keys and values as a `KVCache` with no cache behind them: a cache-less forward's way to hand one
+    layer's keys and values to the layers that attend over them too (Gemma 4's KV sharing)."""
+
+    def __init__(self, k: jax.Array | None = None, v: jax.Array | None = None):
+        self.k, self.v = k, v
+
+    def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "ContextKV":
+        return ContextKV(k, v)
+
+    def attend(self, q: jax.Array, positions: jax.Array, **attention_kwargs: Any) -> jax.Array:
+        return attention_op.attention(q, self.k, self.v, q_positions=positions, **attention_kwargs)
+
+
+@dataclass(frozen=True)
+class OutputGate:
+    """The attention output times fn(proj(x)), from a projection of the layer's input of its own, named as HF names
+    it: per element ([N, H]: AFMoE's sigmoid `gate_proj`) or one value per head ([N]: LFM3's sigmoid `g_proj`,
+    Laguna's softplus `g_proj`, either form)."""
+
+    name: str = "gate_proj"
+    per_head: bool = False
+    fn: str = "sigmoid"  # or "softplus"
+
+    def __post_init__(self):
+        assert self.fn in GATE_FNS, self.fn
+
+    def describe(self) -> str:
+        return f"{self.fn}{' per head' if self.per_head else ''}"
+
+    def __call__(self, out: jax.Array, proj: jax.Array) -> jax.Array:
+        """out [B, T, N, H], proj(x) [B, T, N] or [B, T, N, H] -> the gated output (the gate in float32, as HF)."""
+        gate = GATE_FNS[self.fn](proj.astype(jnp.float32)).astype(out.dtype)
+        return out * (gate[..., None] if self.per_head else gate)
+
+
+GATE_FNS = {"sigmoid": jax.nn.sigmoid, "softplus": jax.nn.softplus}
+
+
 class Attention(nnx.Module):
     """Self-attention block: q/k/v projections, optional q/k RMSNorm, RoPE, attention, output projection.
 
@@ -37,7 +77,7 @@ class Attention(nnx.Module):
         sinks: learned per-head logits that join every softmax (gpt-oss; HF's `self_attn.sinks` [N]).
         output_gate: the output times sigmoid(gate), the gate [N, H] projected by q_proj beside each head's query
             (Qwen3-Next, Qwen3.5: q_proj [N, 2H], query then gate per head).
-        gate_proj: the same sigmoid gate from a projection of its own, `gate_proj` [D -> N, H] (AFMoE).
+        gate: an `OutputGate` from a projection of its own (AFMoE, Laguna, LFM3).
         sliding_window / logit_softcap / scale: passed to the attention op.
         qk_norm_weight: False for q/k norms without a weight (Llama 4's L2 norm; per head only).
         chunk_size: chunked local attention, passed to the attention op (Llama 4's RoPE layers).
@@ -48,7 +88,7 @@ class Attention(nnx.Module):
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope | None,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
                  qk_norm_over: str = "head", qk_norm_offset: float = 0.0, qk_norm_after_rope: bool = False,
-                 sinks: bool = False, gate_proj: bool = False, output_gate: bool = False,
+                 sinks: bool = False, gate: OutputGate | None = None, output_gate: bool = False,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
                  scale: float | None = None, qk_norm_weight: bool = True, chunk_size: int | None = None,
                  attn_temperature: tuple[float, float] | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -59,8 +99,10 @@ class Attention(nnx.Module):
         self.k_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype, rngs=rngs)
-        self.gate_proj = (Linear((D,), (N, H), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
-                          if gate_proj else None)
+        if gate is not None:
+            shape, axes = ((N,), ("embed", "heads")) if gate.per_head else ((N, H), ("embed", "heads", "head_dim"))
+            setattr(self, gate.name, Linear((D,), shape, axes, dtype=dtype, rngs=rngs))
+        self.gate = gate
         if qk_norm_eps is not None:
             assert qk_norm_over in ("head", "all") and not (qk_norm_after_rope and qk_norm_over == "all")
             q_dim, k_dim = (H, H) if qk_norm_over == "head" else (N * H, K * H)
@@ -114,8 +156,8 @@ class Attention(nnx.Module):
             out = cache.attend(q, positions, **op_kwargs)
         if self.output_gate:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-        if self.gate_proj is not None:
-            out = out * jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32)).astype(out.dtype)
+        if self.gate is not None:
+            out = self.gate(out, getattr(self, self.gate.name)(x))
         return self.o_proj(out), cache
 
     def op_calls(self) -> list[OpCall]:
@@ -125,6 +167,8 @@ class Attention(nnx.Module):
                      softcap=self.logit_softcap, sinks=self.sinks is not None, latent=False)
         if self.chunk_size is not None:  # only where set: other families' calls (and flagships.json) unchanged
             shape["chunk"] = self.chunk_size
+        if self.gate is not None or self.output_gate:  # applied outside the op, shown in reports
+            shape["gate"] = self.gate.describe() if self.gate is not None else "sigmoid, from q_proj"
         calls = [OpCall.of("attention", **shape), OpCall.of("paged_attention", **shape)]
         if self.q_norm is not None:
             calls += self.q_norm.op_calls() + self.k_norm.op_calls()

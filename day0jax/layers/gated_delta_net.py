@@ -1,5 +1,6 @@
-"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): projections, a short causal convolution over q/k/v, the
-gated delta rule through the `kernels_pallas` op, a gated RMSNorm and the output projection.
+"""Delta-rule linear attention: Gated DeltaNet (Qwen3-Next, Qwen3.5) and Kimi Delta Attention (Kimi Linear, the
+same with one decay per key channel). Projections, a short causal convolution over q/k/v, the gated delta rule
+through the `kernels_pallas` op, a gated RMSNorm and the output projection.
 
 Projections keep heads as their own axis (q/k [Nk, Hk], v/z [Nv, Hv]) and the convolution is one weight per
 projection, so tensor parallelism splits all of them, and the per-sequence state, by heads. Checkpoints that fuse
@@ -33,7 +34,63 @@ class StateCache(Protocol):
     def token_mask(self, tokens: int) -> jax.Array: ...
 
 
-class GatedDeltaNet(nnx.Module):
+class DeltaRuleMixer(nnx.Module):
+    """What both delta-rule layers share: the per-sequence state and its layout, the convolutions over q/k/v and the
+    recurrence. Subclasses set `self.shape` = (Nk, Nv, Hk, Hv, W)."""
+
+    def state_layout(self) -> StateLayer:
+        """Per sequence: the last W-1 inputs of each convolution, and the [Nv, Hk, Hv] recurrent state."""
+        Nk, Nv, Hk, Hv, W = self.shape
+        conv = (None, "heads", None)  # [W - 1, heads, head dim]
+        return StateLayer((((W - 1, Nk, Hk), conv), ((W - 1, Nk, Hk), conv), ((W - 1, Nv, Hv), conv),
+                           ((Nv, Hk, Hv), ("heads", None, None))))
+
+    def convolve_and_recur(self, qkv: tuple[jax.Array, jax.Array, jax.Array], convs: tuple[jax.Array, ...],
+                           g: jax.Array, beta: jax.Array, cache: StateCache | None
+                           ) -> tuple[jax.Array, StateCache | None]:
+        """The convolutions, then the gated delta rule, from and into the cache's state.
+
+        Args:
+            qkv: q, k [B, T, Nk, Hk] and v [B, T, Nv, Hv], before their convolutions.
+            convs: their depthwise weights, each [heads, head dim, W].
+            g: log-space decay, [B, T, Nv] (per head) or [B, T, Nv, Hk] (per key channel), float32.
+            beta: [B, T, Nv] the delta rule's write strength, float32.
+            cache: the engine's state for these rows, or None (a cache-less forward from zeros).
+        Returns:
+            (out [B, T, Nv, Hv] in q's dtype, the cache with each row's new state, or None).
+        """
+        B, T = qkv[0].shape[:2]
+        W = self.shape[-1]
+        if cache is None:
+            conv_states, recurrent, valid = (None, None, None), None, None
+        else:
+            *conv_states, recurrent = cache.read()
+            valid = cache.valid
+            # Padding tokens neither decay nor write the state.
+            mask = cache.token_mask(T)
+            g = jnp.where(mask.reshape(mask.shape + (1,) * (g.ndim - 2)), g, 0.0)
+            beta = jnp.where(mask[..., None], beta, 0.0)
+        mixed, new_conv = [], []
+        for y, weight, state in zip(qkv, convs, conv_states):
+            heads, dim = y.shape[-2:]
+            flat_state = None if state is None else state.reshape(B, W - 1, heads * dim)
+            out, new_state = gdr_op.causal_conv1d(y.reshape(B, T, heads * dim), weight[...].reshape(heads * dim, W),
+                                                  flat_state, valid=valid)
+            mixed.append(out.reshape(B, T, heads, dim))
+            new_conv.append(new_state.reshape(B, W - 1, heads, dim))
+        out, recurrent = gdr_op.gated_delta_rule(*mixed, g, beta, recurrent)
+        if cache is not None:
+            cache = cache.write((*new_conv, recurrent))
+        return out, cache
+
+    def delta_rule_calls(self, decay: str) -> list[OpCall]:
+        """The recurrence's and the convolution's op calls; `decay` is 'head' or 'channel' (`kernels_pallas.calls`)."""
+        Nk, Nv, Hk, Hv, W = self.shape
+        return [OpCall.of("gated_delta_rule", Nk=Nk, Nv=Nv, Hk=Hk, Hv=Hv, decay=decay),
+                OpCall.of("causal_conv1d", C=2 * Nk * Hk + Nv * Hv, W=W)]
+
+
+class GatedDeltaNet(DeltaRuleMixer):
     """Linear attention with the gated delta rule.
 
     Args:
@@ -61,48 +118,69 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear((Nv, Hv), (D,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
         self.shape = (Nk, Nv, Hk, Hv, W)
 
-    def state_layout(self) -> StateLayer:
-        """Per sequence: the last W-1 inputs of each convolution, and the [Nv, Hk, Hv] recurrent state."""
-        Nk, Nv, Hk, Hv, W = self.shape
-        conv = (None, "heads", None)  # [W - 1, heads, head dim]
-        return StateLayer((((W - 1, Nk, Hk), conv), ((W - 1, Nk, Hk), conv), ((W - 1, Nv, Hv), conv),
-                           ((Nv, Hk, Hv), ("heads", None, None))))
-
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict,
                  cache: StateCache | None = None) -> tuple[jax.Array, StateCache | None]:
         """x [B, T, D] -> ([B, T, D], the cache with each row's new state). `positions` and `rope_tables` are
         unused: the recurrence itself carries order."""
-        B, T, _ = x.shape
-        Nk, Nv, Hk, Hv, W = self.shape
         q, k, v = self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x)
         # Decay in log space and the write strength, per value head and token.
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
-        if cache is None:
-            conv_states, recurrent, valid = (None, None, None), None, None
-        else:
-            *conv_states, recurrent = cache.read()
-            valid = cache.valid
-            # Padding tokens neither decay nor write the state.
-            mask = cache.token_mask(T)[..., None]
-            g, beta = jnp.where(mask, g, 0.0), jnp.where(mask, beta, 0.0)
-        mixed, new_conv = [], []
-        for y, weight, state in zip((q, k, v), (self.conv_q, self.conv_k, self.conv_v), conv_states):
-            heads, dim = y.shape[-2:]
-            flat_state = None if state is None else state.reshape(B, W - 1, heads * dim)
-            out, new_state = gdr_op.causal_conv1d(y.reshape(B, T, heads * dim), weight[...].reshape(heads * dim, W),
-                                                  flat_state, valid=valid)
-            mixed.append(out.reshape(B, T, heads, dim))
-            new_conv.append(new_state.reshape(B, W - 1, heads, dim))
-        out, recurrent = gdr_op.gated_delta_rule(*mixed, g, beta, recurrent)
+        out, cache = self.convolve_and_recur((q, k, v), (self.conv_q, self.conv_k, self.conv_v), g, beta, cache)
         z = self.in_proj_z(x)
         out = self.norm(out.astype(x.dtype)) * jax.nn.silu(z.astype(jnp.float32)).astype(x.dtype)
-        if cache is not None:
-            cache = cache.write((*new_conv, recurrent))
         return self.out_proj(out), cache
 
     def op_calls(self) -> list[OpCall]:
-        Nk, Nv, Hk, Hv, W = self.shape
-        return ([OpCall.of("gated_delta_rule", Nk=Nk, Nv=Nv, Hk=Hk, Hv=Hv, decay="head"),
-                 OpCall.of("causal_conv1d", C=2 * Nk * Hk + Nv * Hv, W=W)] + self.norm.op_calls())
+        return self.delta_rule_calls("head") + self.norm.op_calls()
+
+
+class KimiDeltaAttention(DeltaRuleMixer):
+    """Kimi Delta Attention (Kimi Linear): the gated delta rule with one decay per key channel, from low-rank
+    projections, and an output gate through a sigmoid; q, k and v have the same N heads of H dims. HF names kept.
+
+    Args:
+        hidden_size, num_heads, head_dim: D, N, H.
+        conv_kernel: W, the causal convolution's width.
+        eps: the gated RMSNorm's epsilon.
+    """
+
+    def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        D, N, H, W = hidden_size, num_heads, head_dim, conv_kernel
+        self.q_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        # Depthwise convolution weights [heads, head dim, W] (HF's q/k/v_conv1d.weight [N * H, 1, W]).
+        self.q_conv1d = param(rngs, (N, H, W), ("heads", "head_dim", None), dtype, 0.5)
+        self.k_conv1d = param(rngs, (N, H, W), ("heads", "head_dim", None), dtype, 0.5)
+        self.v_conv1d = param(rngs, (N, H, W), ("heads", "head_dim", None), dtype, 0.5)
+        # The decay's and the output gate's low-rank projections go through H dims shared by every head.
+        self.f_a_proj = Linear((D,), (H,), ("embed", None), dtype=dtype, rngs=rngs)
+        self.f_b_proj = Linear((H,), (N, H), (None, "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.dt_bias = param(rngs, (N, H), ("heads", "head_dim"), dtype, 0.1)
+        self.A_log = param(rngs, (N,), ("heads",), dtype, 0.5)
+        self.b_proj = Linear((D,), (N,), ("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.g_a_proj = Linear((D,), (H,), ("embed", None), dtype=dtype, rngs=rngs)
+        self.g_b_proj = Linear((H,), (N, H), (None, "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.o_norm = RMSNorm(H, eps, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
+        self.shape = (N, N, H, H, W)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict,
+                 cache: StateCache | None = None) -> tuple[jax.Array, StateCache | None]:
+        """x [B, T, D] -> ([B, T, D], the cache with each row's new state); `positions`, `rope_tables` unused."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # Log-space decay per head and key channel [B, T, N, H]: -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias).
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(
+            self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        out, cache = self.convolve_and_recur((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), g, beta,
+                                             cache)
+        gate = self.g_b_proj(self.g_a_proj(x))
+        out = self.o_norm(out).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return self.o_proj(out.astype(x.dtype)), cache
+
+    def op_calls(self) -> list[OpCall]:
+        return self.delta_rule_calls("channel") + self.o_norm.op_calls()

@@ -32,11 +32,13 @@ class Router(nnx.Module):
             renormalized (Llama 4); "softmax_grouped": as "sigmoid_grouped" with softmax scores and no score bias
             (Mistral 4).
         use_bias: a bias on the router logits (gpt-oss).
+        norm_eps: added to the sum of the grouped routings' weights when they are renormalized (LFM2-MoE: 1e-6).
+        logit_softcap: if set, the logits go through cap * tanh(logits / cap) before any scoring (Laguna).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, routing: str, norm_topk_prob: bool = False,
                  use_bias: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 norm_eps: float = 1e-20, logit_softcap: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         assert routing in ROUTINGS, routing
         E = num_experts
         # HF's [experts, hidden] layout, like every Linear kernel.
@@ -46,12 +48,16 @@ class Router(nnx.Module):
                                         if routing == "sigmoid_grouped" else None)
         self.routing, self.top_k, self.norm_topk_prob = routing, top_k, norm_topk_prob
         self.n_group, self.topk_group, self.scale = n_group, topk_group, routed_scaling_factor
+        self.norm_eps = norm_eps
+        self.logit_softcap = logit_softcap
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [M, D] -> (weights [M, k] float32, expert ids [M, k] int32)."""
         logits = jnp.einsum("md,ed->me", x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
         if self.bias is not None:
             logits = logits + self.bias[...].astype(jnp.float32)
+        if self.logit_softcap:
+            logits = jnp.tanh(logits / self.logit_softcap) * self.logit_softcap
         k = self.top_k
         if self.routing == "softmax_topk":
             weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
@@ -75,7 +81,7 @@ class Router(nnx.Module):
             _, experts = jax.lax.top_k(choice, k)
             weights = jnp.take_along_axis(scores, experts, axis=-1)
             if self.norm_topk_prob:
-                weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+                weights = weights / (weights.sum(-1, keepdims=True) + self.norm_eps)
             weights = weights * self.scale
         return weights, experts.astype(jnp.int32)
 

@@ -11,11 +11,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from day0jax.errors import UnsupportedArchitecture
 from kernels_pallas.calls import OpCall
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")
 
 # Keys each rope_type reads; any other key in rope_parameters changes math we do not implement.
 _KNOWN_KEYS = {
@@ -26,6 +27,7 @@ _KNOWN_KEYS = {
              "original_max_position_embeddings", "truncate"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "longrope": {"factor", "attention_factor", "long_factor", "short_factor", "original_max_position_embeddings"},
+    "proportional": {"factor"},
 }
 _COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
@@ -89,6 +91,8 @@ class Rope:
 
     @property
     def rotary_dim(self) -> int:
+        if self.params["rope_type"] == "proportional":  # rotates all H dims; its unrotated pairs have frequency 0
+            return self.head_dim
         return int(self.head_dim * self.params.get("partial_rotary_factor", 1.0))
 
     def _base_inv_freq(self, base) -> jax.Array:
@@ -113,6 +117,15 @@ class Rope:
         if kind == "yarn":
             inv_freq, scale = _yarn_inv_freq(p, dim, self.max_position_embeddings)
             return jnp.asarray(inv_freq), scale
+        if kind == "proportional":
+            # Gemma 4's global layers: the first `partial_rotary_factor` of each half's frequencies, spaced as for
+            # the whole head (exponents over H, not over the rotated part), the rest 0: the pairs (i, i + H/2) for
+            # i < that share rotate, the others pass through. Not the same dims as a partial rotary.
+            H = self.head_dim
+            angles = int(p.get("partial_rotary_factor", 1.0) * H // 2)
+            inv_freq = 1.0 / (base ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / H))
+            inv_freq = np.concatenate([inv_freq, np.zeros(H // 2 - angles, np.float32)]) / p.get("factor", 1.0)
+            return jnp.asarray(inv_freq), 1.0
         if kind == "longrope":
             orig = p["original_max_position_embeddings"]
             factor = p.get("factor") or self.max_position_embeddings / orig
@@ -125,10 +138,14 @@ class Rope:
             return jnp.where(seq_len > orig, jnp.asarray(long), jnp.asarray(short)), scale
         raise UnsupportedArchitecture(f"rope_type={kind!r}")
 
-    def cos_sin(self, positions: jax.Array, seq_len: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def cos_sin(self, positions: jax.Array, seq_len: jax.Array | None = None,
+                inv_freq_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """cos, sin [B, T, rotary_dim] float32 for integer positions [B, T]. `seq_len`: the length HF would see
-        (default: the largest position + 1); callers that pad pass the real one, for `dynamic` and `longrope`."""
+        (default: the largest position + 1); callers that pad pass the real one, for `dynamic` and `longrope`.
+        `inv_freq_scale`: [rotary_dim/2] factors on the inverse frequencies, learned ones (`LearnedRopeScale`)."""
         inv_freq, scale = self.inv_freq_and_scale(jnp.max(positions) + 1 if seq_len is None else seq_len)
+        if inv_freq_scale is not None:
+            inv_freq = inv_freq * inv_freq_scale.astype(jnp.float32)
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         return jnp.cos(emb) * scale, jnp.sin(emb) * scale
@@ -142,6 +159,20 @@ class Rope:
         rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
         out = x_rot * cos + rotated * sin
         return out if rot == x.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)
+
+
+class LearnedRopeScale(nnx.Module):
+    """LeRoPE (Mistral Large 4): a learned `alpha` per frequency, HF's `rotary_emb.alpha` [rotary_dim/2]; the
+    inverse frequencies are the RoPE type's own times exp(alpha), every other step of `rope` unchanged."""
+
+    def __init__(self, rope: Rope, *, dtype, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.zeros, (None,))
+        self.alpha = nnx.Param(init(rngs.params(), (rope.rotary_dim // 2,), dtype))
+
+    def cos_sin(self, rope: Rope, positions: jax.Array, seq_len: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+        """`rope.cos_sin` with the learned scaling (exp in float32, as HF keeps alpha)."""
+        return rope.cos_sin(positions, seq_len, inv_freq_scale=jnp.exp(self.alpha[...].astype(jnp.float32)))
 
 
 def _llama3_inv_freq(p: dict, dim: int) -> np.ndarray:

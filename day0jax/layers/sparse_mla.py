@@ -5,40 +5,61 @@ The indexer has its own small heads: queries from MLA's low-rank query (wq_b), o
 state (wk, then a LayerNorm), both with RoPE on their first P dims, and per-head weights (weights_proj); its score
 of a key is sum_i w_i * relu(q_i . k / sqrt(Di)). The engine caches its keys beside the latent
 (`PagedKVCache.index_topk`). A layer may instead reuse the top-k of the layer before it (GLM-5's shared layers,
-which have no indexer). Letters: see `MLAttention`; I indexer heads, Di their dims.
+which have no indexer), and attend over the latent another layer cached (Mistral Large 4's KV sharing: the layer
+gets a cache holding the source's latent pages and its own indexer pages). Letters: see `MLAttention`; I indexer
+heads, Di their dims.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.layers.linear import Linear
-from day0jax.layers.mla import MLAttention
+from day0jax.layers.mla import MLAttention, SoftmaxScaling
 from day0jax.layers.norms import LayerNorm
 from kernels_pallas.calls import OpCall
 from kernels_pallas.sparse_attention import api as sparse_op
 
 
 class Indexer(nnx.Module):
-    """The lightning indexer. Args: hidden_size D; q_lora_rank; n_heads I; head_dim Di; rope_dim P (the rotated
-    leading dims); rope_interleave: HF rotates interleaved pairs (GLM-5) rather than the half-split layout
-    (DeepSeek-V3.2)."""
+    """The lightning indexer. Args: hidden_size D; q_lora_rank (None: queries from the hidden state through a
+    LayerNorm of their own, `q_input_norm`: Mistral Large 4, whose attention has no low-rank query); n_heads I;
+    head_dim Di; rope_dim P (the rotated leading dims, when the layer has a RoPE); rope_interleave: HF rotates
+    interleaved pairs (GLM-5) rather than the half-split layout (DeepSeek-V3.2); softmax_scaling: queries times a
+    learned per-head `SoftmaxScaling` of the position (Mistral Large 4)."""
 
-    def __init__(self, *, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, rope_dim: int,
-                 rope_interleave: bool, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, *, hidden_size: int, q_lora_rank: int | None, n_heads: int, head_dim: int, rope_dim: int,
+                 rope_interleave: bool, softmax_scaling: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         D, I, Di = hidden_size, n_heads, head_dim
         # Small heads shared by every query head: kept whole on every tensor-parallel rank.
-        self.wq_b = Linear((q_lora_rank,), (I, Di), ("q_lora", None, None), dtype=dtype, rngs=rngs)
+        if q_lora_rank is None:
+            self.q_input_norm = LayerNorm(D, 1e-6, dtype=dtype, rngs=rngs)
+            self.wq_b = Linear((D,), (I, Di), ("embed", None, None), dtype=dtype, rngs=rngs)
+        else:
+            self.q_input_norm = None
+            self.wq_b = Linear((q_lora_rank,), (I, Di), ("q_lora", None, None), dtype=dtype, rngs=rngs)
         self.wk = Linear((D,), (Di,), ("embed", None), dtype=dtype, rngs=rngs)
         self.k_norm = LayerNorm(Di, 1e-6, dtype=dtype, rngs=rngs)
         self.weights_proj = Linear((D,), (I,), ("embed", None), dtype=dtype, rngs=rngs)
+        self.softmax_scaling = SoftmaxScaling(I, head_axis=None, dtype=dtype, rngs=rngs) if softmax_scaling else None
         self.rope_dim, self.rope_interleave = rope_dim, rope_interleave
 
-    def queries_keys(self, x: jax.Array, q_resid: jax.Array, rope, rope_tables) -> tuple[jax.Array, ...]:
-        """Index queries [B, T, I, Di], keys [B, T, Di] and head weights [B, T, I] (float32)."""
-        q, k = self.wq_b(q_resid), self.k_norm(self.wk(x))
+    def queries_keys(self, x: jax.Array, q_resid: jax.Array | None, rope, rope_tables,
+                     positions: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Index queries [B, T, I, Di], keys [B, T, Di] and head weights [B, T, I] (float32). `rope` None: nothing
+        rotated; `positions` [B, T]: for the softmax scaling."""
+        q = self.wq_b(q_resid if self.q_input_norm is None else self.q_input_norm(x))
+        k = self.k_norm(self.wk(x))
+        if self.softmax_scaling is not None:
+            q = self.softmax_scaling(q, positions)
+        I = q.shape[-2]
+        weights = self.weights_proj(x).astype(jnp.float32) * I ** -0.5
+        if rope is None:
+            return q, k, weights
         P = self.rope_dim
         q_rot, k_rot = q[..., :P], k[..., None, :P]
         if self.rope_interleave:  # q and k permuted alike: the scores, all they are used for, are unchanged
@@ -46,8 +67,6 @@ class Indexer(nnx.Module):
         cos, sin = rope_tables[rope]
         q = jnp.concatenate([rope.apply(q_rot, cos, sin), q[..., P:]], axis=-1)
         k = jnp.concatenate([rope.apply(k_rot, cos, sin)[:, :, 0], k[..., P:]], axis=-1)
-        I = q.shape[-2]
-        weights = self.weights_proj(x).astype(jnp.float32) * I ** -0.5
         return q, k, weights
 
     @property
@@ -57,7 +76,8 @@ class Indexer(nnx.Module):
 
 class SparseMLAttention(MLAttention):
     """MLA over the top-k keys of its `indexer`, or, without one, of the layer before it (GLM-5's shared layers);
-    `topk` keys per query; other arguments as `MLAttention` (with a low-rank query)."""
+    `topk` keys per query; other arguments as `MLAttention`. A layer that `reads_shared` needs a cache (a
+    `PagedKVCache` or a `ContextLatent`) holding its source's latent."""
 
     def __init__(self, *, indexer: Indexer | None, topk: int, **mla_kwargs):
         super().__init__(**mla_kwargs)
@@ -72,12 +92,13 @@ class SparseMLAttention(MLAttention):
         """As `__call__`, also taking the previous layer's top-k (for a layer without an indexer) and returning
         this layer's ([B, T, Kt] positions)."""
         query, key, q_resid = self.project(x, rope_tables)
-        if cache is not None:
+        query = self.scale_queries(query, positions)
+        if cache is not None and key is not None:
             cache = cache.update(key, key, positions)
         if self.indexer is None:
             indices = shared_topk
         else:
-            q, k, weights = self.indexer.queries_keys(x, q_resid, self.rope, rope_tables)
+            q, k, weights = self.indexer.queries_keys(x, q_resid, self.rope, rope_tables, positions)
             if cache is None:
                 indices = sparse_op.index_topk(q, k, weights, topk=self.topk, scale=self.indexer.scale,
                                                q_positions=positions)
@@ -96,5 +117,31 @@ class SparseMLAttention(MLAttention):
                          scale=self.scale, latent=True, topk=self.topk,
                          I=None if indexer is None else indexer.wq_b.out_shape[0],
                          Di=None if indexer is None else indexer.wk.out_shape[0], indexer=indexer is not None)
-        norms = self.q_a_layernorm.op_calls() + self.kv_a_layernorm.op_calls()
-        return [call, *norms, self.rope.op_call()]
+        return [call, *self.norm_and_rope_calls()]
+
+
+@dataclass(frozen=True)
+class ContextLatent:
+    """This call's latent keys as a cache with `PagedKVCache`'s sparse protocol and no cache behind them: a
+    cache-less forward's way to hand one layer's latent to the layers that attend over it too (Mistral Large 4's
+    KV sharing). `key` [B, S, 1, R + P], key s at position s; it is also the value."""
+
+    key: jax.Array | None = None
+
+    def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "ContextLatent":
+        return ContextLatent(k)
+
+    def index_topk(self, k: jax.Array, q: jax.Array, weights: jax.Array, positions: jax.Array, *, topk: int,
+                   scale: float) -> tuple["ContextLatent", jax.Array]:
+        """This call's indexer keys k [B, T, Di] scored by q: (self, indices [B, T, Kt])."""
+        return self, sparse_op.index_topk(q, k, weights, topk=topk, scale=scale, q_positions=positions)
+
+    def attend_sparse(self, q: jax.Array, positions: jax.Array, indices: jax.Array, *, scale: float) -> jax.Array:
+        return sparse_op.sparse_attention(q, self.key, self.key, indices, q_positions=positions, scale=scale)
+
+    def with_kv_of(self, source: "ContextLatent") -> "ContextLatent":
+        """This layer's view over `source`'s latent (see `PagedKVCache.with_kv_of`)."""
+        return ContextLatent(source.key)
+
+    def without_kv(self) -> "ContextLatent":
+        return ContextLatent()

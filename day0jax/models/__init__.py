@@ -22,11 +22,15 @@ FAMILIES = {name: f"day0jax.models.{name}" for name in (
     "olmo2", "deepseek_v3", "gpt_oss", "smollm3", "granite",
     "minimax_m2", "glm4_moe", "olmo3", "seed_oss", "exaone4", "ernie4_5",
     "hunyuan_v1_dense", "glm4", "arcee",
-    "afmoe", "mistral4",
-    "qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")}
+    "afmoe", "mistral4", "laguna",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
+    "lfm2", "lfm2_moe", "lfm3")}
 # Model types a module implements besides its own name (the text model of a multimodal family).
 FAMILIES.update({"qwen3_5_text": "day0jax.models.qwen3_5", "qwen3_5_moe_text": "day0jax.models.qwen3_5_moe"})
 FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.models.llama4"})
+FAMILIES.update({"gemma4": "day0jax.models.gemma4", "gemma4_text": "day0jax.models.gemma4"})
+FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
+                 "mistral_large4_text": "day0jax.models.mistral_large4"})
 
 
 def family(model_type: str) -> Family:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from day0jax.layers.attention import OutputGate
 from day0jax.layers.decoder import SandwichDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
@@ -81,7 +82,7 @@ class Model(llama.LlamaLike):
         local = c.layer_kinds[index] == "sliding_attention"
         # HF rotates q and k in the sliding ("local") layers only; the full-attention layers have no positions.
         return dict(rope=self.rope if local else None, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-                    qk_norm_eps=c.rms_norm_eps, gate_proj=True, sliding_window=c.layer_window(index))
+                    qk_norm_eps=c.rms_norm_eps, gate=OutputGate(), sliding_window=c.layer_window(index))
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config

@@ -274,10 +274,10 @@ class CausalLM(nnx.Module):
     def _run(self, tokens, positions, caches, seq_len, collect: bool):
         # The residual stream is pinned (batch over dp) at block boundaries only; XLA derives the rest.
         x = constrain(self.embed(tokens))
-        rope_tables = {rope: rope.cos_sin(positions, seq_len) for rope in self.ropes}
+        rope_tables = self.rope_tables(positions, seq_len)
         new_caches = [] if caches is not None else None
         hidden = [x] if collect else None
-        carry = None  # what a layer hands to those after it (`carries`: GLM-5's shared sparse-attention top-k)
+        carry = self.begin_carry(tokens, x)  # what a layer hands to those after it, for layers that `carries`
         for i, layer in enumerate(self.model.layers):
             cache = None if caches is None else caches[i]
             if getattr(layer, "carries", False):
@@ -290,6 +290,16 @@ class CausalLM(nnx.Module):
             if collect:
                 hidden.append(x)
         return self.model.norm(x), new_caches, hidden
+
+    def rope_tables(self, positions: jax.Array, seq_len: jax.Array | None) -> dict[Rope, tuple[jax.Array, jax.Array]]:
+        """{Rope: (cos, sin)} for every RoPE of `ropes`, computed once per call; Mistral Large 4 scales its
+        frequencies by learned parameters here."""
+        return {rope: rope.cos_sin(positions, seq_len) for rope in self.ropes}
+
+    def begin_carry(self, tokens: jax.Array, x: jax.Array) -> Any:
+        """What the first layer that `carries` receives (layers that do take and return a carry beside x and their
+        cache): None, for GLM-5's top-k that one layer picks for the next; Gemma 4 starts its per-layer inputs."""
+        return None
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 [..., V]."""
@@ -354,6 +364,21 @@ def per_expert_source(path: str, shape: tuple[int, ...], prefix: Callable[[str],
     name = (names or {}).get(m[2], m[2])
     return Source(tuple(f"{prefix(m[1])}.experts.{e}.{name}.weight" for e in range(E)),
                   lambda arrays, shape: np.stack([a.T for a in arrays]).reshape(shape), ((fan_out, fan_in),) * E)
+
+
+def fused_experts_source(path: str, shape: tuple[int, ...]) -> Source | None:
+    """`<p>.experts.gate_proj|up_proj|down_proj` from transformers 5's fused expert tensors: gate_proj and up_proj
+    [E, D, F] are the halves of `gate_up_proj` [E, 2F, D] transposed, down_proj [E, F, D] is `down_proj` [E, D, F]
+    transposed (Mistral 4, Gemma 4); None for other paths."""
+    m = re.fullmatch(r"(.*\.experts)\.(gate_proj|up_proj|down_proj)", path)
+    if not m:
+        return None
+    E, fan_in, fan_out = shape
+    if m[2] == "down_proj":
+        return Source((f"{m[1]}.down_proj",), lambda a, s: np.swapaxes(a[0], 1, 2).reshape(s), ((E, fan_out, fan_in),))
+    start = 0 if m[2] == "gate_proj" else fan_out
+    return Source((f"{m[1]}.gate_up_proj",), lambda a, s: np.swapaxes(a[0][:, start:start + fan_out], 1, 2).reshape(s),
+                  ((E, 2 * fan_out, fan_in),))
 
 
 def per_expert_hf_source(config: Any, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:

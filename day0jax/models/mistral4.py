@@ -10,11 +10,9 @@ this model in a multimodal `mistral3` config, which is not this family.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
 from flax import nnx
 
 from day0jax.layers.mla import MLAttention
@@ -22,7 +20,7 @@ from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.layers.rope import rope_parameters
 from day0jax.models import deepseek_v3, llama
-from day0jax.models.base import HFConfig, Source, refuse
+from day0jax.models.base import HFConfig, Source, fused_experts_source, refuse
 from day0jax.models.contract import Family
 
 # Keys of rope_parameters that are not RoPE: the query temperature's, and a copy of max_position_embeddings that
@@ -158,17 +156,8 @@ class Model(deepseek_v3.Model):
 
 
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
-    """The experts from HF's fused tensors: gate_proj and up_proj [E, D, F] are the two halves of `gate_up_proj`
-    [E, 2F, D] transposed, down_proj [E, F, D] is `down_proj` [E, D, F] transposed."""
-    m = re.fullmatch(r"(.*\.experts)\.(gate_proj|up_proj|down_proj)", path)
-    if not m:
-        return None
-    E, fan_in, fan_out = shape
-    if m[2] == "down_proj":
-        return Source((f"{m[1]}.down_proj",), lambda a, s: np.swapaxes(a[0], 1, 2).reshape(s), ((E, fan_out, fan_in),))
-    start = 0 if m[2] == "gate_proj" else fan_out
-    return Source((f"{m[1]}.gate_up_proj",), lambda a, s: np.swapaxes(a[0][:, start:start + fan_out], 1, 2).reshape(s),
-                  ((E, 2 * fan_out, fan_in),))
+    """The experts from HF's fused tensors (`base.fused_experts_source`)."""
+    return fused_experts_source(path, shape)
 
 
 FAMILY = Family(model_types=("mistral4",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS, hf_source=hf_source)

@@ -215,11 +215,13 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = None, *,
-                  valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Depthwise causal convolution over time, then SiLU: the short convolution in front of the gated delta rule.
+                  valid: jax.Array | None = None, bias: jax.Array | None = None,
+                  activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal convolution over time, then SiLU: the short convolution in front of the gated delta rule
+    (and, without the SiLU, LFM's short convolution, which its projections gate instead).
 
-    out[t] = silu(sum_j weight[:, j] * concat(state, x)[t + j]), in float32; the state holds the W - 1 inputs
-    before x, so a prompt split in pieces, or a decode step (T = 1), gives what the whole sequence gives.
+    out[t] = silu(sum_j weight[:, j] * concat(state, x)[t + j] + bias), in float32; the state holds the W - 1
+    inputs before x, so a prompt split in pieces, or a decode step (T = 1), gives what the whole sequence gives.
 
     Args:
         x: [B, T, C].
@@ -227,6 +229,8 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
         state: [B, W - 1, C], the previous W - 1 inputs, oldest first; None for zeros (a sequence start).
         valid: [B] int32, the number of real tokens in each row (None: all T); the inputs past it (padding at the
             end of a row) do not enter the new state.
+        bias: [C], added before the activation (the conv1d's own bias); None for none.
+        activation: "silu", or None for the plain convolution.
     Returns:
         (out [B, T, C] in x's dtype, new state [B, W - 1, C] in x's dtype: the last W - 1 inputs of
         state ++ x[:valid], per row).
@@ -236,6 +240,10 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
     B, T, C = x.shape
     if weight.ndim != 2 or weight.shape[0] != C:
         raise ValueError(f"weight {weight.shape} must be [{C}, W]")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias {bias.shape} must be [{C}]")
+    if activation not in ("silu", None):
+        raise ValueError(f"activation {activation!r} must be 'silu' or None")
     W = weight.shape[1]
     if state is None:
         state = jnp.zeros((B, W - 1, C), x.dtype)
@@ -244,7 +252,9 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None = Non
     full = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, W - 1 + T, C]
     w = weight.astype(jnp.float32)
     acc = sum(full[:, j:j + T].astype(jnp.float32) * w[:, j] for j in range(W))
-    out = jax.nn.silu(acc).astype(x.dtype)
+    if bias is not None:
+        acc = acc + bias.astype(jnp.float32)
+    out = (acc if activation is None else jax.nn.silu(acc)).astype(x.dtype)
     # The last W - 1 inputs among state ++ x[:valid] sit at full[valid : valid + W - 1].
     ends = jnp.full((B,), T, jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32)
     new_state = jax.vmap(lambda row, end: lax.dynamic_slice_in_dim(row, end, W - 1, axis=0))(full, ends)

@@ -5,7 +5,8 @@ read back the files it writes. One call per test session amortizes torch's impor
 
 Jobs (each a dict with "op"):
   tiny_hf      {family, config, seed, out, multimodal?}: a tiny random model saved with save_pretrained
-               (safetensors); with multimodal, the image-text-to-text model (vision tower included).
+               (safetensors); with multimodal, the image-text-to-text model (vision tower included); for a
+               text model that transformers runs only inside its multimodal one, see TEXT_IN_MULTIMODAL.
   fp8_hf       {config, seed, out, block}: a tiny llama whose linear weights are FP8 e4m3 with block scales
                (`weight_scale_inv`), plus OUT.reference.safetensors holding the exact float32 dequantization.
   tiny_gguf    {config, seed, out, types}: a tiny llama GGUF with a SentencePiece-style BPE vocabulary and
@@ -38,14 +39,47 @@ torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 def _causal_lm(config):
     """AutoModelForCausalLM, first given the config's own `*ForCausalLM` class where transformers leaves the model
-    type out of that auto mapping (Mistral 4)."""
+    type out of that auto mapping (Mistral 4); AutoModelForImageTextToText for a multimodal model that has no such
+    class (Mistral Large 4)."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if type(config) not in AutoModelForCausalLM._model_mapping:
-        own = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM")
+        own = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM", None)
+        if own is None:
+            return AutoModelForImageTextToText
         AutoModelForCausalLM.register(type(config), own, exist_ok=True)
     return AutoModelForCausalLM
+
+
+# Text models that transformers runs only inside their multimodal model (there is no `*ForCausalLM` for them): model
+# type -> (the multimodal model type, a one-layer vision tower that text never reaches, the vision tensors' name
+# prefixes). Their tiny checkpoint is the multimodal one saved without those tensors, under the text config; the
+# reference runs it in the multimodal model again.
+TEXT_IN_MULTIMODAL = {
+    "mistral_large4_text": ("mistral_large4", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                   num_attention_heads=2, head_dim=16, image_size=28, patch_size=14),
+                            ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.")),
+}
+
+
+def _multimodal_config(text_config):
+    from transformers import AutoConfig
+
+    outer, vision, _ = TEXT_IN_MULTIMODAL[text_config.model_type]
+    return AutoConfig.for_model(outer, text_config=text_config.to_dict(), vision_config=vision,
+                                tie_word_embeddings=text_config.tie_word_embeddings)
+
+
+def _keep_language_model(folder, text_config):
+    """The multimodal checkpoint saved in `folder` as its language model alone (TEXT_IN_MULTIMODAL)."""
+    from safetensors.torch import load_file, save_file
+
+    vision = TEXT_IN_MULTIMODAL[text_config.model_type][2]
+    for path in [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")]:
+        save_file({k: v for k, v in load_file(path).items() if not k.startswith(vision)}, path,
+                  metadata={"format": "pt"})
+    text_config.save_pretrained(folder)
 
 
 def _load(model, what="model"):
@@ -57,7 +91,14 @@ def _load(model, what="model"):
         model = os.path.dirname(model)
     if what == "tokenizer":
         return AutoTokenizer.from_pretrained(model, **kwargs)
-    auto = AutoModelForCausalLM if kwargs else _causal_lm(AutoConfig.from_pretrained(model))
+    config = None if kwargs else AutoConfig.from_pretrained(model)
+    if config is not None and config.model_type in TEXT_IN_MULTIMODAL:
+        from transformers import AutoModelForImageTextToText
+
+        kwargs["config"] = _multimodal_config(config)
+        auto = AutoModelForImageTextToText
+    else:
+        auto = AutoModelForCausalLM if kwargs else _causal_lm(config)
     m = auto.from_pretrained(model, dtype=torch.float32, **kwargs)
     return m.eval()
 
@@ -67,8 +108,9 @@ def tiny_hf(job):
 
     torch.manual_seed(job.get("seed", 0))
     config = AutoConfig.for_model(job["family"], **job["config"])
-    auto = AutoModelForImageTextToText if job.get("multimodal") else _causal_lm(config)
-    model = auto.from_config(config, dtype=torch.float32)
+    text_only = config.model_type in TEXT_IN_MULTIMODAL
+    auto = AutoModelForImageTextToText if job.get("multimodal") or text_only else _causal_lm(config)
+    model = auto.from_config(_multimodal_config(config) if text_only else config, dtype=torch.float32)
     with torch.no_grad():  # HF inits norms to exactly 1 and biases to 0; random values test them for real
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias") or "sinks" in name:
@@ -76,14 +118,30 @@ def tiny_hf(job):
         for name, b in model.named_buffers():  # DeepSeek's routing bias is a buffer, zero at init
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
-        for name, p in model.named_parameters():  # AFMoE's routing bias is a parameter, its router zero at init
-            if name.endswith("expert_bias"):
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, 1 at init
+                b.normal_(1.0, 0.1)
+            elif name.endswith("feed_forward.expert_bias"):  # LFM2-MoE's routing bias, zero at init
+                b.normal_(0.0, 0.1)
+        # AFMoE's and Laguna's routing biases are parameters, zero at init; AFMoE's router too.
+        for name, p in model.named_parameters():
+            if name.endswith(("expert_bias", "e_score_correction_bias")):
                 p.normal_(0.0, 0.1)
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router scales, 1 at init
+                p.normal_(1.0, 0.1)
             elif name.endswith("router.gate.weight") and not p.any():
                 p.normal_(0.0, config.initializer_range)
+            elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
+                p.normal_(0.0, 0.5)
+            # Mistral Large 4's per-head query scale scale * log(p + 1) + bias: scale 0 and bias 1 at init.
+            elif name.endswith("softmax_scaling.scale"):
+                p.normal_(0.0, 0.3)
+            elif name.endswith("softmax_scaling.bias"):
+                p.normal_(1.0, 0.2)
     if job.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(job["out"])
+    if text_only:
+        _keep_language_model(job["out"], config)
 
 
 def fp8_hf(job):
