@@ -289,7 +289,7 @@ async def _requests(url: str) -> list[httpx.Response]:
 
 def test_server_warms_up_every_program_and_exports_the_timeline(ckpt, filled):
     root, _, _ = filled
-    proc = ServerProcess(["--model", str(ckpt), "--compile-cache", str(root), *ENGINE_FLAGS])
+    proc = ServerProcess(["--model", str(ckpt), "--compile-cache", str(root), "--warmup", "all", *ENGINE_FLAGS])
     try:
         proc.wait_ready(600)
         responses = asyncio.run(_requests(proc.url))
@@ -313,8 +313,10 @@ def test_server_warms_up_every_program_and_exports_the_timeline(ckpt, filled):
         assert re.search(r'^day0jax_startup_compile_seconds\{cache="hit",program="forward",shape="2x1x16",'
                          r'source="program-store"\} ', metrics, re.M)  # labels in alphabetical order
         # Every request ran on warmed-up programs: nothing was traced or compiled after ready.
-        assert value("day0jax_compiles_after_ready_total", kind="trace") == 0
-        assert value("day0jax_compiles_after_ready_total", kind="compile") == 0
+        for path in ("request", "background"):
+            assert value("day0jax_compiles_after_ready_total", kind="trace", path=path) == 0
+            assert value("day0jax_compiles_after_ready_total", kind="compile", path=path) == 0
+        assert value("day0jax_programs_pending") == 0
         check_short_startup_log(proc.log_text(), proc.url)
     finally:
         assert proc.terminate() == 0, proc.log_text()[-3000:]

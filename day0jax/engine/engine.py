@@ -68,18 +68,22 @@ class Engine:
         # Metrics counters, read from other threads (plain ints are safe to read).
         self.prompt_tokens_computed = self.generated_tokens = self.num_steps = 0
 
-    def programs(self, max_len: int | None = None) -> list:
-        """Every program to compile before serving (`ModelRunner.all_programs`)."""
-        return self.runner.all_programs(max_len)
+    def programs(self, max_len: int | None = None, warmup: str = "all") -> list:
+        """The programs to compile before serving: every one (`ModelRunner.all_programs`, with `max_len` only the
+        forward programs attending over at most that many tokens), the ready set (`warmup="ready"`:
+        `ModelRunner.ready_programs`) or none."""
+        if warmup == "none":
+            return []
+        return self.runner.ready_programs() if warmup == "ready" else self.runner.all_programs(max_len)
 
     def warm_up(self, progress=None, max_len: int | None = None, *, store=None, workers: int | None = None,
-                timeline=None) -> list:
+                timeline=None, warmup: str = "all") -> list:
         """Compiles (or loads from the caches) the programs before traffic arrives, in parallel.
 
         Args:
             progress: optional callable(done, total).
-            max_len: warm up only forward programs attending over at most this many tokens (None: all); the others
-                compile on first use (a pause of seconds on that request).
+            max_len, warmup: which programs (`programs`); the others compile on first use (a pause of seconds on
+                that request) or in the background (`startup.warmup.BackgroundCompiler`).
             store: a `ProgramStore`, to load programs without tracing (None: trace all).
             workers: compile threads (default: one per core).
             timeline: a `Timeline` receiving one record per program.
@@ -88,8 +92,21 @@ class Engine:
         """
         from day0jax.startup.warmup import compile_programs
 
-        return compile_programs(self.runner, self.programs(max_len), store=store, workers=workers,
+        return compile_programs(self.runner, self.programs(max_len, warmup), store=store, workers=workers,
                                 timeline=timeline, progress=progress)
+
+    def compile_in_background(self, store=None):
+        """Starts compiling every program not installed yet on a background thread, most likely needed first; until
+        it is done, a step whose program is missing runs on a larger installed one or makes its own ready first
+        (never traced inline). Returns the `BackgroundCompiler`."""
+        from day0jax.startup.warmup import BackgroundCompiler
+
+        runner = self.runner
+        ready = [p for p in runner.all_programs() if runner.installed(p)]
+        compiler = BackgroundCompiler(runner, runner.background_programs(ready), store=store)
+        runner.ensure = compiler.ensure
+        compiler.start()
+        return compiler
 
     @property
     def num_waiting(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,10 @@ class ModelRunner:
         self._sample = jax.jit(self._sample_fn, static_argnames=("mode", "logprobs"))
         self.compiled: set[tuple[int, int, int]] = set()
         self.programs: dict[Program, jax.stages.Compiled] = {}  # installed by warm-up
+        # Set while programs are still compiling in the background (`startup.warmup.BackgroundCompiler.ensure`):
+        # a step whose program is not installed then runs on an installed larger one, or makes its own ready
+        # through this, instead of tracing it inline.
+        self.ensure: Callable[[Program], None] | None = None
         self._context: str | None = None  # see `signature`
 
     @property
@@ -150,6 +155,13 @@ class ModelRunner:
         row's greedy token (padded to max_rows, as `sample`'s "tokens")."""
         key = batch.tokens.shape + (batch.block_tables.shape[1],)
         program = self.programs.get(Program("forward", key))
+        if program is None and self.ensure is not None:
+            cover = self.covering(key)
+            if cover is None:
+                self.ensure(Program("forward", key))
+            else:
+                batch, key = self.padded(batch, cover), cover
+            program = self.programs[Program("forward", key)]
         if program is None and key not in self.compiled:
             log.info("compiling the forward program for batch %d x %d tokens, %d pages", *key)
             self.compiled.add(key)
@@ -166,7 +178,10 @@ class ModelRunner:
         `sampling.sample`. Returns device arrays ("tokens" padded to max_rows); `read` brings them to the host."""
         pen = None if penalties is None else tuple(self._put(x) for x in penalties)
         args = [self._put(rows[k]) for k in ROW_ARRAYS]
-        program = self.programs.get(Program("sample", (logits.shape[0],), mode, logprobs, penalties is not None))
+        wanted = Program("sample", (logits.shape[0],), mode, logprobs, penalties is not None)
+        if wanted not in self.programs and self.ensure is not None:
+            self.ensure(wanted)
+        program = self.programs.get(wanted)
         with jax.set_mesh(self.mesh):
             if program is not None:
                 return program(logits, *args, pen)
@@ -185,6 +200,50 @@ class ModelRunner:
                      kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
                      token_source=np.full(rows, -1, np.int32), state_slots=np.full(rows, TRASH_SLOT, np.int32))
 
+    def installed(self, program: Program) -> bool:
+        return program in self.programs
+
+    def covering(self, key: tuple[int, int, int]) -> tuple[int, int, int] | None:
+        """The smallest installed forward shape with at least `key`'s rows, tokens and pages, or None."""
+        # list(): one call under the GIL, while the background thread may be installing programs
+        shapes = [p.shape for p in list(self.programs)
+                  if p.name == "forward" and all(a >= b for a, b in zip(p.shape, key))]
+        return min(shapes, key=lambda s: (s[0] * s[1] * s[2], s), default=None)
+
+    def padded(self, batch: Batch, shape: tuple[int, int, int]) -> Batch:
+        """`batch` grown to `shape` with padding: rows and tokens that write to the trash page, and block-table
+        columns holding it (a running row's positions never reach them)."""
+        out = self.empty_batch(*shape)
+        B, T = batch.tokens.shape
+        out.tokens[:B, :T], out.positions[:B, :T] = batch.tokens, batch.positions
+        out.block_tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
+        for name in ("kv_lengths", "last_index", "token_source", "state_slots"):
+            getattr(out, name)[:B] = getattr(batch, name)
+        return out
+
+    def ready_programs(self) -> list[Program]:
+        """What a server compiles before it is ready (`--warmup ready`): decode at the smallest span for one row and
+        for the most rows (which covers every decode batch at that span, padded), each prefill chunk at the
+        smallest span, and the plain sampler variants (no logprobs, no penalties) for those row counts."""
+        L = self.layout
+        rows = sorted({L.batch_buckets[0], L.batch_buckets[-1]})
+        forward = ([Program("forward", (r, 1, L.decode_widths[0])) for r in rows] +
+                   [Program("forward", (1, c, L.prefill_widths[0])) for c in L.chunk_buckets])
+        sampler_rows = sorted(set(rows) | {1})
+        return forward + [Program("sample", (r,), mode) for r in sampler_rows for mode in MODES]
+
+    def background_programs(self, ready: list[Program], max_len: int | None = None) -> list[Program]:
+        """`all_programs(max_len)` not in `ready`, most likely needed first: plain sampler variants, then forward
+        programs by span (the short spans every request starts with), the most rows first, then the logprob and
+        penalty variants."""
+        def rank(p: Program):
+            if p.name == "sample":
+                extra = p.logprobs or p.penalized
+                return (2 if extra else 0, p.shape[0], p.logprobs, p.penalized, MODES.index(p.mode))
+            rows, tokens, width = p.shape
+            return (1, width, -rows, tokens)  # the most rows first: padded, they serve every smaller batch
+        return sorted((p for p in self.all_programs(max_len) if p not in ready), key=rank)
+
     def all_programs(self, max_len: int | None = None) -> list[Program]:
         """The forward programs of `layout.forward_shapes(max_len)`, then every sampler variant per row count."""
         return ([Program("forward", s) for s in self.layout.forward_shapes(max_len)] +
@@ -196,7 +255,10 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             if program.name == "forward":
                 inputs = [self._put(x) for x in self.empty_batch(*program.shape).arrays()]
-                return self._forward.lower(self.params, self.pools, self._no_previous, *inputs)
+                # The pools as shapes: while serving, the step running meanwhile may have donated these arrays.
+                pools = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                     self.pools)
+                return self._forward.lower(self.params, pools, self._no_previous, *inputs)
             rows, V = program.shape[0], self.vocab_size
             logits = jax.ShapeDtypeStruct((rows, V), jnp.float32, sharding=self._replicated)
             neutral = self.neutral_rows(rows)

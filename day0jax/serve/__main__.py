@@ -1,9 +1,10 @@
 """`python -m day0jax.serve`: load a checkpoint (the embedded default without --model), warm up, serve.
 
-The socket opens at once: /health answers 503 while the model loads and every program compiles (or loads from
-the compile cache), 200 when ready. SIGTERM (or Ctrl-C) stops admitting (503), lets the requests in flight finish
-within `--shutdown-grace` seconds, aborts the rest and exits 0. `--log-level debug` adds the libraries' messages
-and the startup timeline (also on /metrics).
+The socket opens at once: /health answers 503 while the model loads and the programs the first requests need compile
+(or load from the compile cache), 200 when ready; the other programs then compile in the background (`--warmup`).
+SIGTERM (or Ctrl-C) stops admitting (503), lets the requests in flight finish within `--shutdown-grace` seconds,
+aborts the rest and exits 0. `--log-level debug` adds the libraries' messages and the startup timeline (also on
+/metrics).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("DAY0JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DAY0JAX_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--no-warmup", action="store_true", help="compile programs on first use instead of at start")
+    p.add_argument("--warmup", choices=("ready", "all", "none"), default="ready",
+                   help="what to compile before /health turns 200: the few programs the first requests need "
+                        "('ready', the default), every program ('all': no compile after ready) or nothing; the "
+                        "rest compile in the background once serving")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     logs.add_argument(p)
     cli.add_compile_cache_arguments(p)
@@ -55,7 +59,7 @@ def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
             state.status = "warming up"
         state.detail = detail
 
-    started = start_engine(args, state.timeline, status, warm_up=not args.no_warmup)
+    started = start_engine(args, state.timeline, status, warmup=args.warmup)
     model = started.model
     if model.tokenizer is None:
         raise SystemExit(f"{model.path} has no tokenizer.json: the server needs one to read text")
@@ -63,11 +67,21 @@ def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
     state.engine = AsyncEngine(started.engine)
     state.engine.start(loop)
     state.timeline.mark_ready()
-    state.compiles_at_ready = compile_totals()
+    state.compiles_at_ready = {path: compile_totals(path) for path in ("background", "request")}
     state.status, state.detail = "ready", ""
     log.debug("startup timeline:\n%s", state.timeline.table())
     log.info("ready in %.1fs: serving %s on http://%s:%d", state.timeline.ready_at, state.model_name, args.host,
              args.port)
+    state.background = compiler = started.engine.compile_in_background(started.store)
+    if compiler.pending:
+        log.info("compiling %d more programs in the background", compiler.pending)
+
+        def report():
+            compiler.done.wait()
+            log.info("background compile done: %d programs in %.1fs (%d made ready on a request's path)",
+                     compiler.made["background"] + compiler.made["request"], compiler.seconds,
+                     compiler.made["request"])
+        threading.Thread(target=report, name="day0jax-background-report", daemon=True).start()
 
 
 def main(argv=None) -> int:
@@ -112,6 +126,8 @@ def main(argv=None) -> int:
 
         threading.Thread(target=load, name="day0jax-load", daemon=True).start()
         yield
+        if state.background is not None:
+            state.background.stop()
         if state.engine is not None:
             state.engine.stop()
 

@@ -90,10 +90,18 @@ class Metrics:
         if at_ready is not None:
             from day0jax.startup.warmup import compile_totals
 
-            now = compile_totals()
             late = CounterMetricFamily("day0jax_compiles_after_ready",
-                                       "JAX traces and XLA compilations since ready (each one stalls a request; "
-                                       "0 when warm-up covered every program).", labels=["kind"])
-            late.add_metric(["trace"], now["traces"] - at_ready["traces"])
-            late.add_metric(["compile"], now["compiles"] - at_ready["compiles"])
+                                       "JAX traces and XLA compilations since ready, by path: 'background' (the "
+                                       "programs left out of the ready set) or 'request' (on a request's path: each "
+                                       "one stalls it; 0 while requests fit the compiled programs).",
+                                       labels=["kind", "path"])
+            for path, before in at_ready.items():
+                now = compile_totals(path)
+                late.add_metric(["trace", path], now["traces"] - before["traces"])
+                late.add_metric(["compile", path], now["compiles"] - before["compiles"])
             yield late
+        compiler = self.state.background
+        if compiler is not None:
+            yield GaugeMetricFamily("day0jax_programs_pending",
+                                    "Programs still compiling in the background (a request needing one runs on a "
+                                    "larger compiled program, or waits for its own).", value=compiler.pending)

@@ -24,7 +24,9 @@ class ServerState:
     metrics: Metrics | None = None
     in_flight: int = 0
     timeline: Any = None  # day0jax.startup.timeline.Timeline of this start, exported on /metrics
-    compiles_at_ready: dict[str, int] | None = None  # day0jax.startup.warmup.compile_totals() when it became ready
+    # day0jax.startup.warmup.compile_totals() by path ("background", "request") when it became ready
+    compiles_at_ready: dict[str, dict[str, int]] | None = None
+    background: Any = None  # the engine's BackgroundCompiler once ready
 
     def __post_init__(self):
         self.metrics = Metrics(self)

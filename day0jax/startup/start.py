@@ -22,6 +22,7 @@ class Started:
     engine: Any
     cache: Any  # day0jax.startup.compile_cache.CompileCache or None
     records: list[CompileRecord] = field(default_factory=list)
+    store: Any = None  # the ProgramStore used, or None
 
 
 def resolve_model(args: argparse.Namespace, timeline: Timeline, status: Callable[[str], None]) -> Path:
@@ -49,15 +50,16 @@ def enable_cache(args: argparse.Namespace, path: Path, dtype: str, timeline: Tim
 
 
 def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[[str], None] = lambda s: None,
-                 warm_up: bool = True) -> Started:
-    """Loads the model and builds the engine the flags describe; with `warm_up`, compiles all its programs.
+                 warmup: str = "all") -> Started:
+    """Loads the model and builds the engine the flags describe, and compiles its programs: all of them, the ready
+    set or none (`warmup`, as `Engine.programs`).
 
     Args:
         args: parsed flags of `cli.add_model_arguments`, `add_compile_cache_arguments`, `add_engine_arguments`,
             `add_warmup_arguments` and `sharding.distributed.add_arguments`.
         timeline: receives the phases and one record per program.
         status: called with a short description as the start proceeds (the server's /health detail).
-        warm_up: compile the programs now (else on first use).
+        warmup: "all", "ready" or "none".
     Raises:
         Day0Error subclasses from loading (CheckpointError, MeshError, OutOfMemoryPlan, ...).
     """
@@ -79,14 +81,14 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     with timeline.phase("build engine", what="KV page pool"):
         engine = model.engine
     started = Started(model, engine, cache)
-    if not warm_up:
-        return started
-    store = None
     if cache is not None and jax.process_count() == 1:
         from day0jax.startup.program_store import ProgramStore
 
-        store = ProgramStore(cache)
-    programs = engine.programs(args.warmup_max_len or None)
+        started.store = ProgramStore(cache)
+    store = started.store
+    programs = engine.programs(args.warmup_max_len or None, warmup)
+    if not programs:
+        return started
     what = f"compiling {len(programs)} programs"
     status(what)
     with timeline.phase("compile") as info, logs.progress_bar(len(programs), what) as bar:
@@ -95,13 +97,13 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
             status(f"compiled {done}/{total} programs")
 
         started.records = engine.warm_up(progress, args.warmup_max_len or None, store=store,
-                                         workers=args.compile_workers, timeline=timeline)
+                                         workers=args.compile_workers, timeline=timeline, warmup=warmup)
         info["programs"] = len(started.records)
         info.update(count_sources(started.records))
     layout = engine.layout
     skipped = len(layout.forward_shapes()) - len(layout.forward_shapes(args.warmup_max_len or None))
-    if skipped:
-        log.info("--warmup-max-len %d: %d forward programs compile on first use", args.warmup_max_len, skipped)
+    if skipped and warmup == "all":
+        log.info("--warmup-max-len %d: %d forward programs compile later", args.warmup_max_len, skipped)
     damaged = (cache.files.corrupt if cache else []) + (store.files.corrupt if store else [])
     if damaged:
         log.warning("compile cache: %d damaged entries were removed and rebuilt (%s)", len(damaged),

@@ -42,6 +42,7 @@ _local = threading.local()
 _registered = False
 _register_lock = threading.Lock()
 _totals = {"traces": 0, "compiles": 0}
+_background = {"traces": 0, "compiles": 0}  # the part of _totals done by `BackgroundCompiler`'s thread
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -51,10 +52,11 @@ def _on_event(event: str, **kwargs) -> None:
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
-    if event == _TRACE:
-        _totals["traces"] += 1
-    elif event == _BACKEND_COMPILE:
-        _totals["compiles"] += 1
+    kind = "traces" if event == _TRACE else "compiles" if event == _BACKEND_COMPILE else None
+    if kind is not None:
+        _totals[kind] += 1
+        if getattr(_local, "background", False):
+            _background[kind] += 1
 
 
 def watch_compiles() -> None:
@@ -67,8 +69,14 @@ def watch_compiles() -> None:
             _registered = True
 
 
-def compile_totals() -> dict[str, int]:
-    """Process-wide counts since `watch_compiles`: functions traced ("traces") and XLA compilations ("compiles")."""
+def compile_totals(path: str = "all") -> dict[str, int]:
+    """Counts since `watch_compiles`: functions traced ("traces") and XLA compilations ("compiles"), all of them
+    (`path="all"`), those of `BackgroundCompiler`'s thread ("background") or the rest ("request": on the path of
+    whatever asked for the program)."""
+    if path == "background":
+        return dict(_background)
+    if path == "request":
+        return {k: _totals[k] - _background[k] for k in _totals}
     return dict(_totals)
 
 
@@ -146,3 +154,82 @@ def _collect(compiling: list[tuple[int, Future]], finish, block: bool) -> None:
         if block or future.done():
             finish(i, *future.result())
             compiling.remove(item)
+
+
+class BackgroundCompiler:
+    """Makes the programs left out of the ready set ready after the server is, one at a time on a daemon thread, in
+    the order given (most likely needed first). A step that needs one of them first calls `ensure`, which compiles
+    it on the step's path, or waits for it if the thread is on it; the thread skips what is already installed.
+
+    Args:
+        owner: as `compile_programs`' (the engine's `ModelRunner`), with `installed(program)`.
+        programs: the programs to make ready, in order.
+        store: the program store (None: always trace).
+    """
+
+    def __init__(self, owner: Any, programs: Sequence[Any], *, store: ProgramStore | None = None):
+        self.owner, self.store = owner, store
+        self.order = list(programs)
+        self._lock = threading.Lock()
+        self._busy: dict[Any, threading.Event] = {}
+        self.made = {"background": 0, "request": 0}  # programs made ready, by whose path
+        self.seconds = 0.0  # from `start` until the last program is ready
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.done = threading.Event()
+
+    @property
+    def pending(self) -> int:
+        """Programs not ready yet."""
+        return sum(not self.owner.installed(p) for p in self.order)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="day0jax-background-compile", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stops after the program being compiled (an exit during an XLA compile on another thread can crash the
+        interpreter's shutdown), waiting at most `timeout` seconds."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        _local.background = True
+        t0 = time.perf_counter()
+        try:
+            for program in self.order:
+                if self._stop.is_set():
+                    break
+                self._make(program, "background")
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self.done.set()
+
+    def ensure(self, program: Any) -> None:
+        """Makes `program` ready before returning: compiled here, or waited for if the background thread has it."""
+        self._make(program, "request")
+
+    def _make(self, program: Any, path: str) -> None:
+        with self._lock:
+            if self.owner.installed(program):
+                return
+            waiting = self._busy.get(program)
+            if waiting is None:
+                self._busy[program] = threading.Event()
+        if waiting is not None:
+            waiting.wait()
+            return
+        try:
+            compiled = self.store.load(self.owner.signature(program)) if self.store is not None else None
+            if compiled is None:
+                lowered = self.owner.lower(program)
+                compile_cache.reset_last_key()
+                compiled = self.owner.compile(lowered)
+                if self.store is not None:
+                    self.store.save(self.owner.signature(program), compiled, compile_cache.last_key())
+            self.owner.install(program, compiled)
+            self.made[path] += 1
+        finally:
+            with self._lock:
+                self._busy.pop(program).set()
