@@ -96,14 +96,14 @@ class Engine:
                                 timeline=timeline, progress=progress)
 
     def compile_in_background(self, store=None):
-        """Starts compiling every program not installed yet on a background thread, most likely needed first; until
-        it is done, a step whose program is missing runs on a larger installed one or makes its own ready first
-        (never traced inline). Returns the `BackgroundCompiler`."""
+        """Starts compiling every program not installed yet on a background thread, most likely needed first and
+        while no request is being served; until it is done, a step whose program is missing runs on a larger
+        installed one or makes its own ready first (never traced inline). Returns the `BackgroundCompiler`."""
         from day0jax.startup.warmup import BackgroundCompiler
 
         runner = self.runner
         ready = [p for p in runner.all_programs() if runner.installed(p)]
-        compiler = BackgroundCompiler(runner, runner.background_programs(ready), store=store)
+        compiler = BackgroundCompiler(runner, runner.background_programs(ready), store=store, busy=self.has_work)
         runner.ensure = compiler.ensure
         compiler.start()
         return compiler

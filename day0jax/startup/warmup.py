@@ -165,10 +165,14 @@ class BackgroundCompiler:
         owner: as `compile_programs`' (the engine's `ModelRunner`), with `installed(program)`.
         programs: the programs to make ready, in order.
         store: the program store (None: always trace).
+        busy: whether requests are being served; the thread starts its next program only when not, so that on a
+            machine with few cores the background work does not slow the traffic it prepares for (a step that
+            needs a program still makes it ready at once, through `ensure`).
     """
 
-    def __init__(self, owner: Any, programs: Sequence[Any], *, store: ProgramStore | None = None):
-        self.owner, self.store = owner, store
+    def __init__(self, owner: Any, programs: Sequence[Any], *, store: ProgramStore | None = None,
+                 busy: Callable[[], bool] = lambda: False):
+        self.owner, self.store, self.busy = owner, store, busy
         self.order = list(programs)
         self._lock = threading.Lock()
         self._busy: dict[Any, threading.Event] = {}
@@ -199,6 +203,8 @@ class BackgroundCompiler:
         t0 = time.perf_counter()
         try:
             for program in self.order:
+                while self.busy() and not self._stop.is_set():
+                    self._stop.wait(0.05)
                 if self._stop.is_set():
                     break
                 self._make(program, "background")
