@@ -125,6 +125,25 @@ def test_a_step_needing_a_program_the_background_is_compiling_waits_for_it():
     assert compiler.pending == 0
 
 
+def test_a_program_the_background_failed_to_compile_is_compiled_again_by_the_step_that_needs_it(caplog):
+    flaky = Program("forward", (1, 1, 8))
+    owner = FakeOwner(slow=None)
+    failures = [RuntimeError("out of memory while compiling")]
+    compile_once = owner.compile
+
+    def compile(p):
+        if failures:
+            raise failures.pop()
+        return compile_once(p)
+    owner.compile = compile
+    compiler = BackgroundCompiler(owner, [flaky])
+    compiler.start()
+    assert compiler.done.wait(60)
+    assert "background compile of forward 1x1x8 failed" in caplog.text and not owner.installed(flaky)
+    compiler.ensure(flaky)
+    assert owner.installed(flaky) and compiler.made == {"background": 0, "request": 1}
+
+
 def metric(text: str, name: str, **labels) -> float:
     sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
     m = re.search(rf"^{name}{{{sel}}} ([0-9.e+-]+)$" if labels else rf"^{name} ([0-9.e+-]+)$", text, re.M)

@@ -7,6 +7,7 @@ monitoring listener tells JAX cache hits from compiles (JAX 0.11.2 records the h
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ import jax
 from day0jax.startup import compile_cache
 from day0jax.startup.program_store import ProgramStore
 from day0jax.startup.timeline import CompileRecord, Timeline
+
+log = logging.getLogger(__name__)
 
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -175,7 +178,7 @@ class BackgroundCompiler:
         self.owner, self.store, self.busy = owner, store, busy
         self.order = list(programs)
         self._lock = threading.Lock()
-        self._busy: dict[Any, threading.Event] = {}
+        self._in_progress: dict[Any, threading.Event] = {}
         self.made = {"background": 0, "request": 0}  # programs made ready, by whose path
         self.seconds = 0.0  # from `start` until the last program is ready
         self._thread: threading.Thread | None = None
@@ -207,7 +210,10 @@ class BackgroundCompiler:
                     self._stop.wait(0.05)
                 if self._stop.is_set():
                     break
-                self._make(program, "background")
+                try:
+                    self._make(program, "background")
+                except Exception:  # noqa: BLE001 - a step that needs it compiles it again, and fails visibly
+                    log.exception("background compile of %s %s failed", program.name, program.label)
         finally:
             self.seconds = time.perf_counter() - t0
             self.done.set()
@@ -217,15 +223,15 @@ class BackgroundCompiler:
         self._make(program, "request")
 
     def _make(self, program: Any, path: str) -> None:
-        with self._lock:
-            if self.owner.installed(program):
-                return
-            waiting = self._busy.get(program)
-            if waiting is None:
-                self._busy[program] = threading.Event()
-        if waiting is not None:
+        while True:  # again after waiting: the other thread's compile may have failed
+            with self._lock:
+                if self.owner.installed(program):
+                    return
+                waiting = self._in_progress.get(program)
+                if waiting is None:
+                    self._in_progress[program] = threading.Event()
+                    break
             waiting.wait()
-            return
         try:
             compiled = self.store.load(self.owner.signature(program)) if self.store is not None else None
             if compiled is None:
@@ -238,4 +244,4 @@ class BackgroundCompiler:
             self.made[path] += 1
         finally:
             with self._lock:
-                self._busy.pop(program).set()
+                self._in_progress.pop(program).set()
