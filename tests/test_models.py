@@ -119,91 +119,55 @@ def test_moe_runs_only_routed_rows(monkeypatch):
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), rtol=1e-5, atol=1e-5)
 
 
-def test_llama4_multimodal_checkpoint_converts_as_its_language_model(tmp_path, caplog):
-    """A Llama 4 checkpoint with its vision tower and projector (`language_model.` before the text model's names):
-    the language model converts, the rest is dropped with a log line, and the logits equal transformers' on text."""
+# Multimodal checkpoints whose language model is a supported text family: (family, the text entry in FAMILIES,
+# tiny sub-configs of the other towers, what the converter's log must name as dropped, a check on the config).
+MULTIMODAL = {
+    # `language_model.` before the text model's names; a vision tower and projector.
+    "llama4": ("llama4", dict(vision_config=dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vision_output_dim=64,
+        image_size=32, patch_size=8, projector_input_dim=64, projector_output_dim=64)),
+        ("vision_model", "multi_modal_projector", "images are not supported yet"),
+        lambda c: c.layer_kinds == ("chunked_attention", "full_attention")),
+    # `model.language_model.`; vision and audio towers with their embedders.
+    "gemma4": ("gemma4", dict(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16),
+        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32,
+                          subsampling_conv_channels=[8, 4])),
+        ("vision_tower", "embed_vision", "audio_tower", "embed_audio", "images are not supported yet",
+         "audio is not supported"),
+        lambda c: c.kv_sources == (None, None, 0, 1)),
+    # Mistral's own tensor names, the language model's beside a Pixtral tower and its projector.
+    "mistral_large4": ("mistral_large4", dict(vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+        image_size=28, patch_size=14)),
+        ("vision_encoder", "patch_merger", "pre_mm_projector_norm", "vision_language_adapter",
+         "images are not supported yet"),
+        lambda c: c.kv_sources == (None, None, None, 0, 1)),
+}
+
+
+@pytest.mark.parametrize("family", list(MULTIMODAL))
+def test_multimodal_checkpoint_converts_as_its_language_model(family, tmp_path, caplog):
+    """A multimodal checkpoint: the language model's tensors convert, the other towers' are dropped with a log line
+    naming them, and the logits equal transformers' on text."""
     import logging
 
     from conftest import run_reference
     from convert.convert import convert_checkpoint
 
-    _, text, _ = FAMILIES["llama4"]
-    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                  vision_output_dim=64, image_size=32, patch_size=8, projector_input_dim=64, projector_output_dim=64)
+    entry, towers, dropped, check_config = MULTIMODAL[family]
     hf = tmp_path / "hf"
-    run_reference([{"op": "tiny_hf", "family": "llama4", "config": dict(text_config=text, vision_config=vision),
+    run_reference([{"op": "tiny_hf", "family": family, "config": dict(text_config=FAMILIES[entry][1], **towers),
                     "seed": 0, "multimodal": True, "out": str(hf)},
                    {"op": "run", "model": str(hf), "prompts": PROMPTS, "generate": 0,
                     "out": str(tmp_path / "ref.npz")}], tmp_path)
     with caplog.at_level(logging.INFO, logger="convert"):
         convert_checkpoint(hf, tmp_path / "d0", progress=False)
-    assert "vision_model" in caplog.text and "multi_modal_projector" in caplog.text
-    assert "images are not supported yet" in caplog.text
+    for text in dropped:
+        assert text in caplog.text, text
     model = day0jax.load(tmp_path / "d0", dtype="float32")
-    assert model.config.is_composite and model.config.layer_kinds == ("chunked_attention", "full_attention")
-    ref = np.load(tmp_path / "ref.npz")
-    for i, prompt in enumerate(PROMPTS):
-        ours, theirs = model.logits([prompt])[0], ref[f"logits_{i}"]
-        assert rel_err(ours, theirs) < RTOL, f"prompt {i}: relative error {rel_err(ours, theirs):.2e}"
-
-
-def test_gemma4_multimodal_checkpoint_converts_as_its_language_model(tmp_path, caplog):
-    """A Gemma 4 checkpoint with its vision and audio towers (`model.language_model.` before the text model's
-    names): the language model converts, both towers and their embedders are dropped with a log line each, and the
-    logits equal transformers' on text."""
-    import logging
-
-    from conftest import run_reference
-    from convert.convert import convert_checkpoint
-
-    _, text, _ = FAMILIES["gemma4"]
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=16)
-    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32,
-                 subsampling_conv_channels=[8, 4])
-    hf = tmp_path / "hf"
-    run_reference([{"op": "tiny_hf", "family": "gemma4", "config": dict(text_config=text, vision_config=vision,
-                                                                          audio_config=audio),
-                    "seed": 0, "multimodal": True, "out": str(hf)},
-                   {"op": "run", "model": str(hf), "prompts": PROMPTS, "generate": 0,
-                    "out": str(tmp_path / "ref.npz")}], tmp_path)
-    with caplog.at_level(logging.INFO, logger="convert"):
-        convert_checkpoint(hf, tmp_path / "d0", progress=False)
-    for tower in ("vision_tower", "embed_vision", "audio_tower", "embed_audio"):
-        assert tower in caplog.text, tower
-    assert "images are not supported yet" in caplog.text and "audio is not supported" in caplog.text
-    model = day0jax.load(tmp_path / "d0", dtype="float32")
-    assert model.config.is_composite and model.config.kv_sources == (None, None, 0, 1)
-    ref = np.load(tmp_path / "ref.npz")
-    for i, prompt in enumerate(PROMPTS):
-        ours, theirs = model.logits([prompt])[0], ref[f"logits_{i}"]
-        assert rel_err(ours, theirs) < RTOL, f"prompt {i}: relative error {rel_err(ours, theirs):.2e}"
-
-
-def test_mistral_large4_multimodal_checkpoint_converts_as_its_language_model(tmp_path, caplog):
-    """A Mistral Large 4 checkpoint with its Pixtral vision tower and projector (Mistral's tensor names, the language
-    model's beside them): the language model converts, the vision tensors are dropped with a log line, and the
-    logits equal transformers' on text."""
-    import logging
-
-    from conftest import run_reference
-    from convert.convert import convert_checkpoint
-
-    _, text, _ = FAMILIES["mistral_large4"]
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
-                  image_size=28, patch_size=14)
-    hf = tmp_path / "hf"
-    run_reference([{"op": "tiny_hf", "family": "mistral_large4", "config": dict(text_config=text, vision_config=vision),
-                    "seed": 0, "multimodal": True, "out": str(hf)},
-                   {"op": "run", "model": str(hf), "prompts": PROMPTS, "generate": 0,
-                    "out": str(tmp_path / "ref.npz")}], tmp_path)
-    with caplog.at_level(logging.INFO, logger="convert"):
-        convert_checkpoint(hf, tmp_path / "d0", progress=False)
-    for part in ("vision_encoder", "patch_merger", "pre_mm_projector_norm", "vision_language_adapter"):
-        assert part in caplog.text, part
-    assert "images are not supported yet" in caplog.text
-    model = day0jax.load(tmp_path / "d0", dtype="float32")
-    assert model.config.is_composite and model.config.kv_sources == (None, None, None, 0, 1)
+    assert model.config.is_composite and check_config(model.config)
     ref = np.load(tmp_path / "ref.npz")
     for i, prompt in enumerate(PROMPTS):
         ours, theirs = model.logits([prompt])[0], ref[f"logits_{i}"]
