@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +46,11 @@ def family(model_type: str) -> Family:
 
 
 def closest(model_type: str) -> str:
-    """The supported family nearest `model_type`: longest shared prefix ('gemma3' -> 'gemma3_text'), then similarity."""
+    """The supported family nearest `model_type`: one that extends it or that it extends ('gemma3' -> 'gemma3_text'),
+    then the most similar ('lama' -> 'llama', not 'laguna' for its longer shared prefix)."""
     def score(name):
-        shared = len(os.path.commonprefix([name, model_type]))
-        return shared, difflib.SequenceMatcher(None, model_type, name).ratio()
+        return (name.startswith(model_type), model_type.startswith(name),
+                difflib.SequenceMatcher(None, model_type, name).ratio())
     return max(FAMILIES, key=score)
 
 
