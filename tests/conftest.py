@@ -49,6 +49,18 @@ needs_hopper = pytest.mark.skipif(not TARGET.is_hopper, reason="compiled Mosaic 
                                   f"(compute capability 9.0); {_HERE}")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def drop_compiled_programs():
+    """After each test module, JAX's caches of compiled programs go: every XLA:CPU executable keeps memory maps of
+    its own, and the whole suite's programs at once pass the process's limit (vm.max_map_count, 65530 on the CI
+    machine), where XLA crashes instead of failing."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture
 def interpreter_on_cpu():
     """JAX's default device is the CPU for the test: the Mosaic GPU interpreter (`interpret=True`) simulates the GPU
