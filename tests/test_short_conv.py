@@ -5,18 +5,13 @@ state the engine allocates. transformers parity is in test_models.py; these reac
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from day0jax import models
-from day0jax.engine.config import EngineConfig
-from day0jax.engine.engine import Engine
 from sharding import plan as plan_lib
-from sharding.mesh import make_mesh
 from test_engine_paged import PROMPTS, cache_less_greedy, greedy, run
-
-CONTEXT = 128
+from test_linear_attention import CONTEXT, make_engine  # the same chunking, across the state's chunks
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=CONTEXT)
 CONFIGS = {
@@ -33,13 +28,6 @@ def module(request):
     cfg = models.config_from_hf(CONFIGS[request.param])
     with nnx.use_eager_sharding(False):
         return models.family(cfg.model_type).model(cfg, rngs=nnx.Rngs(0))
-
-
-def make_engine(module, **overrides) -> Engine:
-    # Chunks of 8 and 32: the 41- and 71-token prompts take several chunks, each carrying the state to the next.
-    config = dict(page_size=8, max_num_seqs=4, kv_cache_tokens=512, chunk_buckets=(8, 32), min_width=CONTEXT)
-    config.update(overrides)
-    return Engine(module, make_mesh(None), jnp.float32, context_length=CONTEXT, config=EngineConfig(**config))
 
 
 @pytest.fixture(scope="module")
