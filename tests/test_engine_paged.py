@@ -202,3 +202,32 @@ def test_penalty_formula():
     out = sampling.apply_penalties(logits, counts, seen, jnp.asarray([0.5]), jnp.asarray([0.25]), jnp.asarray([2.0]))
     # token 0: 2 - 0.25*2 - 0.5 = 1.0 -> /2; token 1: -1 - 0.25 - 0.5 = -1.75 -> *2; token 2: 0.5 seen -> /2.
     np.testing.assert_allclose(np.asarray(out), [[0.5, -3.5, 0.25, 1.0]], rtol=1e-6)
+
+
+def test_one_sampler_program_picks_each_mode_at_run_time():
+    """The folded sampler (mode and logprobs chosen on the device) gives what the static mode for the batch gives."""
+    rng = np.random.default_rng(1)
+    B, V = 4, 300
+    logits = jnp.asarray(rng.standard_normal((B, V)).astype(np.float32) * 2)
+    seeds, counters = jnp.arange(B, dtype=jnp.uint32) + 11, jnp.arange(B, dtype=jnp.int32)
+    folded = jax.jit(lambda *a: sampling.sample(*a[:7], None, a[7]))
+    batches = {"greedy": ([0.0] * 4, [0] * 4, [1.0] * 4),
+               "random": ([0.0, 0.8, 0.0, 1.3], [0] * 4, [1.0] * 4),
+               "filtered": ([0.0, 0.8, 0.7, 1.3], [0, 0, 5, 0], [1.0, 0.9, 1.0, 1.0])}
+    for mode, (temperature, top_k, top_p) in batches.items():
+        rows = (jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                jnp.asarray(top_p, jnp.float32), jnp.zeros(B, jnp.float32))
+        assert sampling.sampler_mode(*rows) == mode
+        assert int(sampling.mode_index(*rows)) == sampling.MODES.index(mode)
+        static = sampling.sample(logits, seeds, counters, *rows, None, True, mode=mode)
+        for want_logprobs in (True, False):
+            got = folded(logits, seeds, counters, *rows, jnp.asarray(want_logprobs))
+            np.testing.assert_array_equal(got["tokens"], static["tokens"], err_msg=mode)
+            for key in ("logprob", "top_ids", "top_logprobs"):
+                want = static[key] if want_logprobs else np.zeros_like(static[key])
+                np.testing.assert_allclose(got[key], want, rtol=1e-6, err_msg=f"{mode} {key}")
+    # The other modes really differ on these rows: the switch is not a no-op.
+    rows = (jnp.asarray([0.0, 0.8, 0.7, 1.3]), jnp.asarray([0, 0, 5, 0]), jnp.asarray([1.0, 0.9, 1.0, 1.0]),
+            jnp.zeros(B))
+    assert not np.array_equal(sampling.sample(logits, seeds, counters, *rows, mode="greedy")["tokens"],
+                              folded(logits, seeds, counters, *rows, jnp.asarray(False))["tokens"])

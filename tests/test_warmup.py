@@ -46,14 +46,12 @@ def test_ready_set_and_background_order(ckpt):
     runner = day0jax.load(ckpt, dtype="float32", engine=ENGINE).engine.runner
     ready = runner.ready_programs()
     assert [p.label for p in ready if p.name == "forward"] == ["1x1x8", "4x1x8", "1x32x16"]
-    assert {(p.shape[0], p.mode, p.logprobs, p.penalized) for p in ready if p.name == "sample"} == {
-        (r, mode, False, False) for r in (1, 4) for mode in ("greedy", "random", "filtered")}
+    assert [p.label for p in ready if p.name == "sample"] == ["1", "4"]
     rest = runner.background_programs(ready)
     assert set(rest) == set(runner.all_programs()) - set(ready) and len(rest) == len(set(rest))
-    kinds = [("plain sampler" if not (p.logprobs or p.penalized) else "sampler+extras") if p.name == "sample"
-             else "forward" for p in rest]
-    # Plain samplers (cheap) first, then forward programs, then the logprob and penalty variants.
-    assert kinds == sorted(kinds, key=["plain sampler", "forward", "sampler+extras"].index)
+    kinds = [("penalized sampler" if p.penalized else "sampler") if p.name == "sample" else "forward" for p in rest]
+    # Samplers (cheap) first, then forward programs, then the samplers taking penalty arrays.
+    assert kinds == sorted(kinds, key=["sampler", "forward", "penalized sampler"].index)
     forward = [p.shape for p in rest if p.name == "forward"]
     # By span; at each span the most rows first (padded, it serves every smaller batch).
     assert forward[:3] == [(2, 1, 8), (4, 1, 16), (2, 1, 16)]
@@ -108,7 +106,7 @@ class FakeOwner:
 
 
 def test_a_step_needing_a_program_the_background_is_compiling_waits_for_it():
-    first, slow, last = Program("forward", (1, 1, 8)), Program("forward", (4, 1, 8)), Program("sample", (1,), "random")
+    first, slow, last = Program("forward", (1, 1, 8)), Program("forward", (4, 1, 8)), Program("sample", (1,), True)
     owner = FakeOwner(slow)
     compiler = BackgroundCompiler(owner, [first, slow, last])
     compiler.start()
@@ -171,7 +169,7 @@ def test_serve_warmup_modes(ckpt, cache_root, warmup, reference):
             "model": "tiny-chat", "prompt": [1, 5, 9, 13], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         metrics = httpx.get(proc.url + "/metrics").text
-        ready_set = 3 + 2 * 3
+        ready_set = 3 + 2  # forward programs, then one sampler for 1 and for 4 rows
         made = sum(metric(metrics, "day0jax_startup_programs_total", cache=c, source=s)
                    for c, s in (("miss", "compiled"), ("hit", "xla-cache"), ("hit", "program-store")))
         assert made == (ready_set if warmup == "ready" else 0)

@@ -252,7 +252,7 @@ class Engine:
         if mode == "greedy" and penalties is None and not want_logprobs:
             sampled = _Sampled(seqs, {"tokens": greedy})
         else:
-            sampled = _Sampled(seqs, self.runner.sample(logits, rows, penalties, mode, want_logprobs))
+            sampled = _Sampled(seqs, self.runner.sample(logits, rows, penalties, want_logprobs))
         for i, s in enumerate(seqs):
             s.in_flight += 1
             self._sources[s] = (sampled, i)

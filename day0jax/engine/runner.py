@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from day0jax.engine.config import EngineLayout
 from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache, new_pools
-from day0jax.engine.sampling import MODES, sample
+from day0jax.engine.sampling import sample
 from day0jax.engine.state_cache import TRASH_SLOT, StateCache
 from day0jax.layers.linear import exact_float32
 from kernels_pallas import registry as kernel_registry
@@ -38,16 +38,13 @@ class Program:
 
     name: str  # "forward" (shape: rows, tokens, width in pages) or "sample" (shape: rows)
     shape: tuple[int, ...]
-    mode: str = ""  # with logprobs and penalized, the sampler's static variant (mode: one of sampling.MODES)
-    logprobs: bool = False
-    penalized: bool = False
+    penalized: bool = False  # a sampler taking the [B, V] penalty arrays (mode and logprobs are run-time choices)
 
     @property
     def label(self) -> str:
         if self.name == "forward":
             return "x".join(map(str, self.shape))
-        extras = "".join(f"+{x}" for x, on in (("logprobs", self.logprobs), ("penalties", self.penalized)) if on)
-        return f"{self.shape[0]} {self.mode}{extras}"
+        return f"{self.shape[0]}{'+penalties' if self.penalized else ''}"
 
 
 @dataclass
@@ -89,7 +86,7 @@ class ModelRunner:
         self.pools = new_pools(cache_layout, layout.num_pages, layout.page_size, layout.state_slots, dtype, mesh)
         self._no_previous = self._put(np.zeros(layout.max_rows, np.int32))
         self._forward = jax.jit(self._forward_fn, donate_argnames=("pools",))
-        self._sample = jax.jit(self._sample_fn, static_argnames=("mode", "logprobs"))
+        self._sample = jax.jit(self._sample_fn)
         self.compiled: set[tuple[int, int, int]] = set()
         self.programs: dict[Program, jax.stages.Compiled] = {}  # installed by warm-up
         # Set while programs are still compiling in the background (`startup.warmup.BackgroundCompiler.ensure`):
@@ -139,9 +136,9 @@ class ModelRunner:
         # To max_rows: the next forward reads its input tokens from here, whatever this batch's size.
         return jnp.zeros(self.layout.max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens.astype(jnp.int32))
 
-    def _sample_fn(self, logits, *rows, mode: str, logprobs: bool):
-        *arrays, penalties = rows
-        out = sample(logits, *arrays, penalties, mode=mode, logprobs=logprobs)
+    def _sample_fn(self, logits, *rows):
+        *arrays, penalties, logprobs = rows
+        out = sample(logits, *arrays, penalties, logprobs)
         out["tokens"] = self._padded(out["tokens"])
         return out
 
@@ -172,20 +169,18 @@ class ModelRunner:
             logits, greedy, self.pools = (program or self._forward)(self.params, self.pools, previous, *inputs)
         return logits, greedy
 
-    def sample(self, logits: jax.Array, rows: dict[str, np.ndarray], penalties: tuple | None, mode: str,
+    def sample(self, logits: jax.Array, rows: dict[str, np.ndarray], penalties: tuple | None,
                logprobs: bool) -> dict[str, jax.Array]:
         """Samples one token per row of `logits` without waiting for it: `rows` holds the per-row arrays of
-        `sampling.sample`. Returns device arrays ("tokens" padded to max_rows); `read` brings them to the host."""
+        `sampling.sample`. Returns device arrays ("tokens" padded to max_rows, and the logprob outputs, zeros unless
+        `logprobs`); `read` brings them to the host."""
         pen = None if penalties is None else tuple(self._put(x) for x in penalties)
-        args = [self._put(rows[k]) for k in ROW_ARRAYS]
-        wanted = Program("sample", (logits.shape[0],), mode, logprobs, penalties is not None)
+        args = [self._put(rows[k]) for k in ROW_ARRAYS] + [pen, self._put(np.bool_(logprobs))]
+        wanted = Program("sample", (logits.shape[0],), penalties is not None)
         if wanted not in self.programs and self.ensure is not None:
             self.ensure(wanted)
-        program = self.programs.get(wanted)
         with jax.set_mesh(self.mesh):
-            if program is not None:
-                return program(logits, *args, pen)
-            return self._sample(logits, *args, pen, mode=mode, logprobs=logprobs)
+            return self.programs.get(wanted, self._sample)(logits, *args)
 
     @staticmethod
     def read(out: dict[str, jax.Array]) -> dict[str, np.ndarray]:
@@ -224,31 +219,31 @@ class ModelRunner:
     def ready_programs(self) -> list[Program]:
         """What a server compiles before it is ready (`--warmup ready`): decode at the smallest span for one row and
         for the most rows (which covers every decode batch at that span, padded), each prefill chunk at the
-        smallest span, and the plain sampler variants (no logprobs, no penalties) for those row counts."""
+        smallest span, and the sampler without penalties for those row counts."""
         L = self.layout
         rows = sorted({L.batch_buckets[0], L.batch_buckets[-1]})
         forward = ([Program("forward", (r, 1, L.decode_widths[0])) for r in rows] +
                    [Program("forward", (1, c, L.prefill_widths[0])) for c in L.chunk_buckets])
         sampler_rows = sorted(set(rows) | {1})
-        return forward + [Program("sample", (r,), mode) for r in sampler_rows for mode in MODES]
+        return forward + [Program("sample", (r,)) for r in sampler_rows]
 
     def background_programs(self, ready: list[Program], max_len: int | None = None) -> list[Program]:
-        """`all_programs(max_len)` not in `ready`, most likely needed first: plain sampler variants, then forward
-        programs by span (the short spans every request starts with), the most rows first, then the logprob and
-        penalty variants."""
+        """`all_programs(max_len)` not in `ready`, most likely needed first: samplers without penalties, then forward
+        programs by span (the short spans every request starts with), the most rows first, then the samplers with
+        penalties."""
         def rank(p: Program):
             if p.name == "sample":
-                extra = p.logprobs or p.penalized
-                return (2 if extra else 0, p.shape[0], p.logprobs, p.penalized, MODES.index(p.mode))
+                return (2 if p.penalized else 0, p.shape[0])
             rows, tokens, width = p.shape
             return (1, width, -rows, tokens)  # the most rows first: padded, they serve every smaller batch
         return sorted((p for p in self.all_programs(max_len) if p not in ready), key=rank)
 
     def all_programs(self, max_len: int | None = None) -> list[Program]:
-        """The forward programs of `layout.forward_shapes(max_len)`, then every sampler variant per row count."""
+        """The forward programs of `layout.forward_shapes(max_len)`, then the samplers (with and without penalties)
+        per row count."""
         return ([Program("forward", s) for s in self.layout.forward_shapes(max_len)] +
-                [Program("sample", (r,), mode, logprobs, penalized) for r in self.layout.sampler_batches()
-                 for mode in MODES for logprobs in (False, True) for penalized in (False, True)])
+                [Program("sample", (r,), penalized) for r in self.layout.sampler_batches()
+                 for penalized in (False, True)])
 
     def lower(self, program: Program) -> jax.stages.Lowered:
         """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
@@ -266,7 +261,7 @@ class ModelRunner:
             pen = tuple(self._put(x) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
                                                np.zeros(rows, np.float32), np.zeros(rows, np.float32),
                                                np.ones(rows, np.float32))) if program.penalized else None
-            return self._sample.lower(logits, *args, pen, mode=program.mode, logprobs=program.logprobs)
+            return self._sample.lower(logits, *args, pen, self._put(np.bool_(False)))
 
     def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         """Compiles (or loads from JAX's persistent cache) a lowered program; safe to call from several threads."""
@@ -295,7 +290,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         rows = self.layout.batch_buckets[0]
         logits, _ = self.forward(self.empty_batch(rows, 1, self.layout.decode_widths[0]))
-        self.read(self.sample(logits, self.neutral_rows(rows), None, "greedy", False))
+        self.read(self.sample(logits, self.neutral_rows(rows), None, False))
         return time.perf_counter() - t0
 
     @staticmethod

@@ -2,9 +2,9 @@
 
 In the order of transformers' logits processors and vLLM: penalties, temperature (0: greedy), then min_p, top-k and
 top-p (the smallest set reaching top_p, at least one kept). Filtering a 50k-200k vocabulary costs more than a small
-model's whole CPU decode step, so the caller picks a static `mode` per batch, and filtering bisects a threshold
-instead of sorting: a few dozen masked reductions over [B, V] cost a fraction of a sort on a CPU and keep the same set
-(ties at the threshold are all kept, as a sort-based filter keeps them in rank order).
+model's whole CPU decode step, so a batch runs only the mode its rows need (chosen at run time), and filtering
+bisects a threshold instead of sorting: a few dozen masked reductions over [B, V] cost a fraction of a sort on a
+CPU and keep the same set (ties at the threshold are all kept, as a sort-based filter keeps them in rank order).
 """
 
 from __future__ import annotations
@@ -97,10 +97,21 @@ def gumbel_noise(seeds: jax.Array, counters: jax.Array, V: int) -> jax.Array:
     return -jnp.log(-jnp.log(u))
 
 
+def mode_index(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """`sampler_mode` on the device: the index in MODES of the cheapest mode that serves every row."""
+    sampled = temperature > 0
+    filtered = sampled & ((top_k > 0) | (top_p < 1.0) | (min_p > 0))
+    return jnp.where(jnp.any(filtered), 2, jnp.where(jnp.any(sampled), 1, 0)).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
-           top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None, *,
-           mode: str = "filtered", logprobs: bool = False) -> dict[str, jax.Array]:
+           top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None,
+           logprobs: bool | jax.Array = False, *, mode: str | None = None) -> dict[str, jax.Array]:
     """Picks one token per row, each row with its own parameters and its own seeded random stream.
+
+    One compiled program serves every batch: the mode and the log-probabilities are chosen at run time by
+    `lax.switch`/`lax.cond`, which run only the branch taken (a static variant per mode and logprobs flag cost 12
+    programs per row count and saved nothing measurable per step; see bench/sampler.py).
 
     Args:
         logits: [B, V] float32 model output.
@@ -108,8 +119,10 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
             depend only on its seed and position, never on which other requests share the batch).
         temperature: [B]; 0 is greedy.  top_k: [B] int, <= 0 is off.  top_p: [B], 1 is off.  min_p: [B], 0 is off.
         penalties: None, or (counts, seen, presence, frequency, repetition) as in `apply_penalties`.
-        mode: static, "greedy" | "random" | "filtered" (see `sampler_mode`).
-        logprobs: static; also return log-probabilities of the raw model distribution.
+        logprobs: also return log-probabilities of the raw model distribution: a Python bool, or a scalar bool
+            array decided at run time (the outputs are then always there, zeros when it is false).
+        mode: None (chosen per batch at run time, as `sampler_mode`), or a static "greedy" | "random" | "filtered"
+            that serves every row.
     Returns:
         {"tokens": [B] int32} and, with logprobs, "logprob" [B] (of the chosen token), "top_ids" and
         "top_logprobs" [B, TOP_LOGPROBS].
@@ -118,17 +131,34 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
     if penalties is not None:
         logits = apply_penalties(logits, *penalties)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if mode == "greedy":
-        tokens = greedy
+
+    def draw(filtered: bool):
+        def branch():
+            scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+            if filtered:
+                scaled = filter_logits(scaled, top_k, top_p, min_p)
+            drawn = jnp.argmax(scaled + gumbel_noise(seeds, counters, scaled.shape[-1]), axis=-1).astype(jnp.int32)
+            return jnp.where(temperature > 0, drawn, greedy)
+        return branch
+
+    branches = {"greedy": lambda: greedy, "random": draw(False), "filtered": draw(True)}
+    if mode is None:
+        tokens = jax.lax.switch(mode_index(temperature, top_k, top_p, min_p), [branches[m] for m in MODES])
     else:
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        if mode == "filtered":
-            scaled = filter_logits(scaled, top_k, top_p, min_p)
-        drawn = jnp.argmax(scaled + gumbel_noise(seeds, counters, scaled.shape[-1]), axis=-1).astype(jnp.int32)
-        tokens = jnp.where(temperature > 0, drawn, greedy)
+        tokens = branches[mode]()
     out = {"tokens": tokens}
-    if logprobs:
+    if logprobs is False:
+        return out
+
+    def with_logprobs():
         lp = jax.nn.log_softmax(raw, axis=-1)
-        out["logprob"] = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-        out["top_logprobs"], out["top_ids"] = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+        top_lp, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+    def without():
+        B, k = raw.shape[0], min(TOP_LOGPROBS, raw.shape[-1])
+        return jnp.zeros(B, jnp.float32), jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k), jnp.float32)
+
+    values = with_logprobs() if logprobs is True else jax.lax.cond(logprobs, with_logprobs, without)
+    out["logprob"], out["top_ids"], out["top_logprobs"] = values
     return out
