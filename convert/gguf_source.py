@@ -1,12 +1,14 @@
 """GGUF files (version 2 and 3): header validation, config from metadata, dequantized tensors under HF names.
 
-Our own small parser checks the header first, so a bad magic, a truncated header, an unknown tensor type or data
-past the end of the file is reported precisely; the `gguf` package then reads and dequantizes. llama.cpp's q/k
+Our own parser reads the header (the `gguf` package's reader takes seconds over a large vocabulary's metadata) and
+checks it, so a bad magic, a truncated or malformed header, an unknown tensor type or data past the end of the file
+is reported precisely, naming the key or tensor; the `gguf` package dequantizes. llama.cpp's q/k
 row permutation (for its interleaved RoPE) is undone to match Hugging Face's half-split layout.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import struct
@@ -23,88 +25,131 @@ from day0jax.errors import CheckpointError, UnsupportedArchitecture
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
                    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
-# --- header validation ---------------------------------------------------------------------------------------
+# --- header -------------------------------------------------------------------------------------------------
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRUCTS = {t: struct.Struct(f) for t, f in _SCALAR.items()}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+MAX_HEADER_BYTES = 256 << 20  # a vocabulary of a million tokens takes tens of MB
+MAX_ALIGNMENT = 1 << 16
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its GGUF name, dims (innermost first, as GGUF stores them), GGML type and where
+    its bytes are (from the start of the file)."""
+
+    name: str
+    dims: tuple[int, ...]
+    type_id: int
+    start: int
+    n_bytes: int
+
+    @property
+    def type_name(self) -> str:
+        return SUPPORTED_TYPES[self.type_id]
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.dims)
 
 
 class _Cursor:
     def __init__(self, path: Path, data: bytes):
         self.path, self.data, self.pos = path, data, 0
 
-    def take(self, fmt: str):
-        size = struct.calcsize(fmt)
+    def _need(self, size: int, what: str) -> None:
         if self.pos + size > len(self.data):
-            raise CheckpointError(f"{self.path}: GGUF header is truncated (needed {size} bytes at offset {self.pos}, "
-                                  f"file has {len(self.data)})")
-        value = struct.unpack_from(fmt, self.data, self.pos)
-        self.pos += size
-        return value[0] if len(value) == 1 else value
+            raise CheckpointError(f"{self.path}: GGUF header is truncated (needed {size} bytes for {what} at offset "
+                                  f"{self.pos}, the file has {len(self.data)})")
 
-    def string(self) -> str:
-        n = self.take("<Q")
-        if self.pos + n > len(self.data):
-            raise CheckpointError(f"{self.path}: GGUF header is truncated (a {n}-byte string at offset {self.pos})")
-        s = self.data[self.pos:self.pos + n]
+    def take(self, fmt: struct.Struct, what: str):
+        self._need(fmt.size, what)
+        value = fmt.unpack_from(self.data, self.pos)[0]
+        self.pos += fmt.size
+        return value
+
+    def string(self, what: str) -> str:
+        n = self.take(_U64, what)
+        self._need(n, what)
+        raw = self.data[self.pos:self.pos + n]
         self.pos += n
-        return s.decode("utf-8", errors="replace")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: GGUF {what} is not UTF-8 ({e})") from None
 
-    def value(self, type_id: int):
-        if type_id in _SCALAR:
-            return self.take(_SCALAR[type_id])
+    def value(self, type_id: int, what: str):
+        if type_id in _STRUCTS:
+            return self.take(_STRUCTS[type_id], what)
         if type_id == 8:
-            return self.string()
+            return self.string(what)
         if type_id == 9:
-            item_type, count = self.take("<I"), self.take("<Q")
-            if item_type in _SCALAR:  # skip fixed-size arrays without decoding them
-                size = struct.calcsize(_SCALAR[item_type]) * count
-                if self.pos + size > len(self.data):
-                    raise CheckpointError(f"{self.path}: GGUF header is truncated (array at offset {self.pos})")
+            item_type, count = self.take(_U32, what), self.take(_U64, what)
+            if item_type in _SCALAR:
+                size = _STRUCTS[item_type].size * count
+                self._need(size, what)
+                values = np.frombuffer(self.data, np.dtype(_SCALAR[item_type]), count, self.pos).tolist()
                 self.pos += size
-                return None
-            return [self.value(item_type) for _ in range(count)]
-        raise CheckpointError(f"{self.path}: GGUF metadata value type {type_id} at offset {self.pos} is unknown")
+                return values
+            if item_type == 8:
+                return [self.string(what) for _ in range(count)]
+            raise CheckpointError(f"{self.path}: GGUF {what} is an array of type {item_type}, which is not "
+                                  "supported (arrays of numbers and of strings are)")
+        raise CheckpointError(f"{self.path}: GGUF {what} has value type {type_id}, which is unknown")
 
 
-def validate_header(path: Path) -> None:
-    """Parses and checks the header.
+def read_header(path: Path) -> tuple[dict, list[GGUFTensor]]:
+    """Parses and checks a GGUF file's header: its metadata (arrays as lists) and its tensors.
 
     Raises:
-        CheckpointError: bad magic or version, truncated header, unknown tensor type, or data past the end of file.
+        CheckpointError: bad magic or version, truncated header, malformed metadata, unknown tensor type, or data
+            past the end of file; each names the file and the key or tensor.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
-        raw = f.read(min(size, 64 << 20))  # headers with large vocabularies take a few MB
+        raw = f.read(min(size, MAX_HEADER_BYTES))
     cur = _Cursor(path, raw)
     if raw[:4] != b"GGUF":
         raise CheckpointError(f"{path}: bad magic {raw[:4]!r}, expected b'GGUF' (not a GGUF file)")
     cur.pos = 4
-    version = cur.take("<I")
+    version = cur.take(_U32, "version")
     if version not in (2, 3):
         raise CheckpointError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-    n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
-    alignment = 32
-    for _ in range(n_kv):
-        key, type_id = cur.string(), cur.take("<I")
-        value = cur.value(type_id)
-        if key == "general.alignment":
-            alignment = int(value)
-    tensors = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.take("<I")
-        dims = tuple(cur.take("<Q") for _ in range(n_dims))
-        type_id, offset = cur.take("<I"), cur.take("<Q")
+    n_tensors, n_kv = cur.take(_U64, "tensor count"), cur.take(_U64, "metadata count")
+    meta = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key {i}")
+        meta[key] = cur.value(cur.take(_U32, f"metadata {key!r}"), f"metadata {key!r}")
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise CheckpointError(f"{path}: GGUF metadata 'general.alignment' is {alignment!r}; expected a power of two "
+                              f"up to {MAX_ALIGNMENT}")
+    entries = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor {i}'s name")
+        n_dims = cur.take(_U32, f"tensor {name!r}")
+        if n_dims > 8:
+            raise CheckpointError(f"{path}: GGUF tensor {name!r} has {n_dims} dimensions (at most 8 are valid)")
+        dims = tuple(cur.take(_U64, f"tensor {name!r}") for _ in range(n_dims))
+        type_id, offset = cur.take(_U32, f"tensor {name!r}"), cur.take(_U64, f"tensor {name!r}")
         if type_id not in SUPPORTED_TYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has GGML type {type_id}, which is unknown or not "
                                   f"supported (supported: {', '.join(SUPPORTED_TYPES.values())})")
-        tensors.append((name, dims, type_id, offset))  # offset: from the start of the data section
+        entries.append((name, dims, type_id, offset))  # offset: from the start of the data section
     data_start = -(-cur.pos // alignment) * alignment
-    for name, dims, type_id, offset in tensors:
+    tensors = []
+    for name, dims, type_id, offset in entries:
         block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
-        end = data_start + offset + int(np.prod(dims, dtype=np.int64)) * type_size // block
-        if end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} data ends at byte {end}, "
+        if not dims or dims[0] % block:
+            raise CheckpointError(f"{path}: tensor {name!r} has dims {dims}; its rows must be whole blocks of "
+                                  f"{block} for type {SUPPORTED_TYPES[type_id]}")
+        n_bytes = math.prod(dims) // block * type_size  # Python ints: huge dims cannot overflow
+        start = data_start + offset
+        if start + n_bytes > size:
+            raise CheckpointError(f"{path}: tensor {name!r} data ends at byte {start + n_bytes}, "
                                   f"past the end of the {size}-byte file (truncated)")
+        tensors.append(GGUFTensor(name, dims, type_id, start, n_bytes))
+    return meta, tensors
 
 
 # --- architectures -------------------------------------------------------------------------------------------
@@ -190,28 +235,21 @@ class GGUFSource:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        validate_header(self.path)
-        try:
-            self.reader = gguf.GGUFReader(self.path)
-        except (ValueError, KeyError, IndexError) as e:
-            raise CheckpointError(f"{self.path}: unreadable GGUF ({e})") from None
-        try:
-            self.meta = {k: _field_value(f) for k, f in self.reader.fields.items()}
-        except UnicodeDecodeError as e:
-            raise CheckpointError(f"{self.path}: GGUF metadata holds a string that is not UTF-8 ({e})") from None
+        self.meta, self.tensors = read_header(self.path)
         arch = self.meta.get("general.architecture")
         if arch not in ARCHS:
             raise UnsupportedArchitecture(f"{self.path}: GGUF architecture {arch!r} is not supported "
                                           f"(supported: {', '.join(sorted(ARCHS))})")
         self.arch = ARCHS[arch]
-        gguf_names = {t.name for t in self.reader.tensors}
+        gguf_names = {t.name for t in self.tensors}
         self.config = self.arch.config(self.meta, arch, gguf_names)
         self._fix = self.arch.fix(self.config)
-        self._tensors = {}  # HF name -> ReaderTensor
-        for t in self.reader.tensors:
+        self._tensors = {}  # HF name -> GGUFTensor
+        for t in self.tensors:
             hf = self._hf_name(t.name)
             if hf is not None:
                 self._tensors[hf] = t
+        self._map: np.memmap | None = None  # the file, mapped on the first read
 
     def _hf_name(self, gguf_name: str) -> str | None:
         for pattern, template in self.arch.names:
@@ -228,18 +266,21 @@ class GGUFSource:
         return list(self._tensors)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        return tuple(reversed(self._tensors[name].dims))
 
     def tensor_nbytes(self, name: str) -> int:
-        return int(self._tensors[name].n_bytes)
+        return self._tensors[name].n_bytes
 
     def read(self, name: str) -> np.ndarray:
         t = self._tensors[name]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.tensor_shape(name))
+        if self._map is None:
+            self._map = np.memmap(self.path, np.uint8, mode="r")
+        rows = self._map[t.start:t.start + t.n_bytes].reshape(math.prod(t.dims[1:]), -1)  # one GGUF row each
+        w = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(t.type_id)).reshape(self.tensor_shape(name))
         return self._fix(name, w)
 
     def release(self) -> None:
-        mapped = getattr(self.reader.data, "_mmap", None)  # gguf's reader maps the whole file with np.memmap
+        mapped = getattr(self._map, "_mmap", None)
         if mapped is not None:
             mapped.madvise(mmap.MADV_DONTNEED)
 
@@ -254,17 +295,3 @@ class GGUFSource:
         from convert.gguf_tokenizer import write_tokenizer
 
         return write_tokenizer(self.meta, self.config, dst)
-
-
-def _field_value(field):
-    """A reader field as a plain Python value (arrays of strings as lists)."""
-    types = field.types
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        if types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]].tolist()[0]

@@ -80,7 +80,7 @@ def _checkpoint_tensors(source: Any) -> tuple[int, dict[str, int]]:
     elif source.kind == "safetensors":
         stored = [(math.prod(t.shape), str(t.dtype), t.nbytes) for f in source.files for t in f.tensors.values()]
     else:  # GGUF: the GGML type names (F32, Q4_1, ...)
-        stored = [(t.n_elements, t.tensor_type.name, int(t.n_bytes)) for t in source.reader.tensors]
+        stored = [(t.n_elements, t.type_name, t.n_bytes) for t in source.tensors]
     by_dtype = Counter()
     for _, dtype, nbytes in stored:
         by_dtype[dtype] += nbytes

@@ -161,6 +161,41 @@ def test_gguf_unknown_tensor_type(tmp_path):
     convert_fails(f, tmp_path, CheckpointError, r"tensor 'output_norm\.weight' has GGML type 77, which is unknown")
 
 
+def gguf_with_metadata(path, key: str, value_type: int, payload: bytes):
+    """tiny_gguf's file with one more metadata entry, written raw (so it can be malformed)."""
+    data = bytearray(tiny_gguf(path).read_bytes())
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+    struct.pack_into("<Q", data, 16, n_kv + 1)
+    entry = struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", value_type) + payload
+    path.write_bytes(bytes(data[:24]) + entry + bytes(data[24:]))
+    return path
+
+
+@pytest.mark.parametrize("value_type,payload,message", [
+    (4, struct.pack("<I", 0), r"'general\.alignment' is 0; expected a power of two"),
+    (4, struct.pack("<I", 48), r"'general\.alignment' is 48; expected a power of two"),
+    (8, struct.pack("<Q", 3) + b"\xff\xfe\xfd", r"metadata 'general\.alignment' is not UTF-8"),
+    (9, struct.pack("<IQ", 9, 1), r"metadata 'general\.alignment' is an array of type 9, which is not supported"),
+    (9, struct.pack("<IQ", 4, 1 << 60), r"GGUF header is truncated .* for metadata 'general\.alignment'"),
+    (13, b"", r"metadata 'general\.alignment' has value type 13, which is unknown"),
+])
+def test_gguf_malformed_metadata_is_named(tmp_path, value_type, payload, message):
+    """Malformed metadata (a zero or odd alignment, invalid UTF-8, nested or huge arrays, unknown value types) is a
+    CheckpointError naming the file and the key, never a raw ZeroDivisionError, RecursionError or MemoryError."""
+    f = gguf_with_metadata(tmp_path / "m.gguf", "general.alignment", value_type, payload)
+    convert_fails(f, tmp_path, CheckpointError, r"m\.gguf: .*" + message)
+
+
+def test_gguf_overflowing_tensor_dims_are_named(tmp_path):
+    f = tiny_gguf(tmp_path / "m.gguf")
+    data = bytearray(f.read_bytes())
+    name = b"output_norm.weight"
+    at = data.index(name) + len(name) + 4  # the one dim (u64)
+    struct.pack_into("<Q", data, at, (1 << 64) - 32)
+    f.write_bytes(bytes(data))
+    convert_fails(f, tmp_path, CheckpointError, r"tensor 'output_norm\.weight' data ends at byte \d+, past the end")
+
+
 def test_source_that_does_not_exist(tmp_path):
     convert_fails(tmp_path / "nope", tmp_path, CheckpointError, r"nope: no such file or folder")
 
