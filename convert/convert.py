@@ -86,6 +86,46 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
     return plan
 
 
+def _plan(src: Path, dtype: str | None):
+    """The opened source, its HF config, the family's config, the runtime parameters, their sources and the output
+    dtype name, all checked before anything is written."""
+    source = open_source(src)
+    hf = source.hf_config()
+    fam = models.family(hf.get("model_type"))
+    config = fam.config.from_hf(hf)
+    dtype = dtype or source.default_dtype()
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    infos = models.param_infos(models.abstract_model(config))
+    return source, hf, config, infos, plan_sources(fam, config, infos, source), dtype
+
+
+def _output_config(source, hf: dict, dtype: str) -> dict:
+    out = dict(hf)
+    if source.kind == "gguf" or (hf.get("quantization_config") or {}).get("quant_method") == "fp8":
+        out.pop("quantization_config", None)  # weights are dequantized now
+    out["dtype"] = dtype
+    return out
+
+
+def planned_output(src: Path, dtype: str | None = None) -> tuple[dict, dict]:
+    """What converting `src` will write, from its headers alone (no tensor is read): the config.json, and the
+    manifest's fields that describe the parameters (`format_version`, `converter_version`, `model_type`, `params`
+    with each one's shape and dtype). Enough to build the model and name its compile cache while it converts.
+
+    Raises:
+        As `convert_checkpoint`, for a source it would refuse.
+    """
+    from day0jax.weights import checkpoint
+
+    source, hf, config, infos, _, dtype = _plan(Path(src), dtype)
+    stored = str(DTYPES[dtype])
+    manifest = {"format_version": checkpoint.FORMAT_VERSION, "converter_version": CONVERTER_VERSION,
+                "model_type": config.model_type,
+                "params": {info.path: {"shape": list(info.shape), "dtype": stored} for info in infos}}
+    return _output_config(source, hf, dtype), manifest
+
+
 def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force: bool = False,
                        progress: bool = True) -> Summary:
     """Converts a HF folder or GGUF file at `src` into a day0jax checkpoint at `dst`; returns a printable `Summary`.
@@ -100,16 +140,8 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         CheckpointError, UnsupportedArchitecture, ConfigError: before anything is written where possible.
     """
     start = time.perf_counter()
-    source = open_source(Path(src))
-    hf = source.hf_config()
-    fam = models.family(hf.get("model_type"))
-    config = fam.config.from_hf(hf)
-    dtype = dtype or source.default_dtype()
-    if dtype not in DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    source, hf, config, infos, plan, dtype = _plan(Path(src), dtype)
     out_dtype = DTYPES[dtype]
-    infos = models.param_infos(models.abstract_model(config))
-    plan = plan_sources(fam, config, infos, source)
     total_in = sum(source.tensor_nbytes(n) for src_ in plan.values() for n in src_.names)
 
     # Once a group is on disk its source pages are released, so resident memory stays near two groups whatever the
@@ -132,11 +164,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         writer.flush()
         bar.close()
         tokenizer_files = source.write_tokenizer(writer.tmp)
-        out_config = dict(hf)
-        if source.kind == "gguf" or (hf.get("quantization_config") or {}).get("quant_method") == "fp8":
-            out_config.pop("quantization_config", None)  # weights are dequantized now
-        out_config["dtype"] = dtype
-        writer.write_json("config.json", out_config)
+        writer.write_json("config.json", _output_config(source, hf, dtype))
         manifest = {
             "converter_version": CONVERTER_VERSION,
             "source": {"kind": source.kind, "path": str(Path(src).absolute()),

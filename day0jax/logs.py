@@ -81,17 +81,18 @@ class _ShortFormatter(logging.Formatter):
         return self._detailed.format(record)
 
 
-def progress_bar(total: int, description: str):
+def progress_bar(total: int, description: str, shown: bool = True):
     """A progress bar on standard error, shown while this project logs at INFO (a silent stand-in otherwise).
 
     Args:
         total: the number of steps.
         description: what is being done, e.g. "compiling 24 programs".
+        shown: False for a silent stand-in anyway (another bar is on the terminal meanwhile).
     Returns:
         A tqdm bar: use it as a context manager and call `update(n)`.
     """
     from tqdm import tqdm
 
-    shown = logging.getLogger(OWN_PACKAGES[0]).isEnabledFor(logging.INFO)
+    shown = shown and logging.getLogger(OWN_PACKAGES[0]).isEnabledFor(logging.INFO)
     return tqdm(total=total, desc=description, file=sys.stderr, disable=not shown, mininterval=0.5,
                 bar_format="{desc} |{bar:24}| {n_fmt}/{total_fmt} [{elapsed}]")

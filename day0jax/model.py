@@ -62,6 +62,12 @@ class Model:
                                   eos_token_ids=self.eos_token_ids, config=self.engine_config)
         return self._engine
 
+    def adopt_engine(self, engine) -> None:
+        """Makes `engine`, built on this model's abstract form before the weights were read (its programs possibly
+        compiled meanwhile), this model's engine, holding these weights."""
+        engine.attach(self.module, self.eos_token_ids)
+        self._engine = engine
+
     def _forward_fn(self, params, tokens, seq_len):
         model = nnx.merge(self._graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)

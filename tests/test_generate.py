@@ -105,10 +105,19 @@ def test_cli_generate_chat(smollm2):
     assert "prompt tokens" in proc.stderr and "tokens/s" in proc.stderr
 
 
-def test_default_model_converts_once(tmp_path):
+def test_default_model_converts_once_as_planned(tmp_path):
+    """Converted once and reused; what the converter planned from the GGUF header alone (the config and compile
+    cache a first start prepares while it converts) is what it wrote."""
+    from day0jax.startup.compile_cache import fingerprint, model_fingerprint
+    from day0jax.weights import default_model
     from day0jax.weights.default_model import default_checkpoint
 
+    assert not default_model.is_converted(tmp_path)
+    config, manifest = default_model.planned_output()
     first = default_checkpoint(tmp_path, progress=False)
+    assert first == default_model.checkpoint_dir(tmp_path) and default_model.is_converted(tmp_path)
+    assert json.loads((first / "config.json").read_text()) == config
+    assert model_fingerprint(first, "float32") == fingerprint(config, manifest, "float32")
     stamp = (first / "day0jax.json").stat().st_mtime_ns
     assert default_checkpoint(tmp_path, progress=False) == first
     assert (first / "day0jax.json").stat().st_mtime_ns == stamp  # reused, not converted again

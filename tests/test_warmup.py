@@ -8,6 +8,7 @@ one) or driven by events.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import threading
@@ -188,3 +189,32 @@ def model_tokens(ckpt, text: str) -> list[int]:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def test_first_use_converts_the_default_model_while_its_ready_set_compiles(tmp_path, monkeypatch, caplog):
+    """A first start (nothing converted yet) plans the default model's config from the GGUF header, compiles the
+    ready set on a side thread while the converter runs, then restores into the engine those programs were made
+    for: it answers with the embedded model's known greedy continuation."""
+    from day0jax.serve.__main__ import parse_args
+    from day0jax.startup import timeline as tl
+    from day0jax.startup.start import start_engine
+    from day0jax.weights import default_model
+
+    monkeypatch.setenv("DAY0JAX_CACHE", str(tmp_path))
+    args = parse_args(["--no-compile-cache", "--dtype", "float32", "--max-num-seqs", "2", "--chunk-sizes", "32",
+                       "--max-model-len", "256", "--min-width", "256"])
+    assert not default_model.is_converted()
+    timeline = tl.Timeline()
+    with caplog.at_level(logging.INFO, logger="day0jax"):
+        started = start_engine(args, timeline, warmup="ready")
+    assert default_model.is_converted()
+    ready = started.engine.runner.ready_programs()
+    assert f"compiling {len(ready)} programs meanwhile" in caplog.text
+    assert {"default model", "compile", "restore parameters"} <= {p.name for p in timeline.phases}
+    assert [(r.program, r.shape) for r in started.records] == [(p.name, p.label) for p in ready]
+    assert all(started.engine.runner.installed(p) for p in ready)
+    model = started.model
+    assert model.engine is started.engine
+    ids = model.tokenizer.encode("Once upon a time,")
+    text = model.tokenizer.decode(model.generate([ids], 8)[0])
+    assert text == " the city of Nova Haven was a thriving", text

@@ -68,6 +68,12 @@ class Engine:
         # Metrics counters, read from other threads (plain ints are safe to read).
         self.prompt_tokens_computed = self.generated_tokens = self.num_steps = 0
 
+    def attach(self, module, eos_token_ids: Sequence[int]) -> None:
+        """Gives an engine built on an abstract model (see `loader.Prepared.engine`) its restored weights and the
+        checkpoint's end-of-sequence tokens; the programs compiled meanwhile stay installed."""
+        self.runner.attach(module)
+        self.scheduler.eos_token_ids = frozenset(eos_token_ids)
+
     def programs(self, max_len: int | None = None, warmup: str = "all") -> list:
         """The programs to compile before serving: every one (`ModelRunner.all_programs`, with `max_len` only the
         forward programs attending over at most that many tokens), the ready set (`warmup="ready"`:

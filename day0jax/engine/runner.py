@@ -95,6 +95,22 @@ class ModelRunner:
         self.ensure: Callable[[Program], None] | None = None
         self._context: str | None = None  # see `signature`
 
+    def attach(self, module: nnx.Module) -> None:
+        """Replaces the parameters by `module`'s: the restored weights of the abstract model this runner was built
+        on, with the same shapes, dtypes and shardings (so every compiled program takes them).
+
+        Raises:
+            ValueError: a parameter differs in structure, shape, dtype or sharding.
+        """
+        params, treedef = jax.tree.flatten(nnx.split(module)[1])
+        if treedef != self._params_def:
+            raise ValueError("the restored model's parameters are not the ones the engine was built for")
+        for old, new in zip(self.params, params):
+            if (old.shape, old.dtype, old.sharding) != (new.shape, new.dtype, new.sharding):
+                raise ValueError(f"a restored parameter is {new.shape} {new.dtype} {new.sharding}; the engine's "
+                                 f"programs take {old.shape} {old.dtype} {old.sharding}")
+        self.params = params
+
     @property
     def has_state(self) -> bool:
         """Whether some layer keeps per-sequence state (linear attention) besides the paged KV cache."""
@@ -112,7 +128,7 @@ class ModelRunner:
 
     @property
     def param_bytes(self) -> int:
-        return sum(x.nbytes for x in self.params)
+        return sum(x.size * x.dtype.itemsize for x in self.params)  # also before `attach` (shapes only)
 
     def _forward_fn(self, params, pools, previous, tokens, positions, block_tables, kv_lengths, last_index,
                     token_source, state_slots):

@@ -107,6 +107,12 @@ def model_fingerprint(path: str | Path, dtype: str) -> str:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / 'config.json'}: cannot read ({e})") from None
+    return fingerprint(config, manifest, dtype)
+
+
+def fingerprint(config: dict, manifest: dict, dtype: str) -> str:
+    """`model_fingerprint` of a checkpoint with this config.json and manifest (for one being converted: the
+    converter's `planned_output`)."""
     payload = {
         "format_version": manifest.get("format_version"),
         "converter_version": manifest.get("converter_version"),

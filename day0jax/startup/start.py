@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from day0jax import logs
+from day0jax.errors import CheckpointError
 from day0jax.startup.timeline import CompileRecord, Timeline, count_sources
 
 log = logging.getLogger(__name__)
@@ -25,26 +26,35 @@ class Started:
     store: Any = None  # the ProgramStore used, or None
 
 
-def resolve_model(args: argparse.Namespace, timeline: Timeline, status: Callable[[str], None]) -> Path:
-    """--model, or the embedded default (converted on first use)."""
-    if args.model:
-        return Path(args.model)
-    from day0jax.weights.default_model import default_checkpoint
+def find_model(args: argparse.Namespace, dtype: str, timeline: Timeline):
+    """The checkpoint `--model` names (or the embedded default's), its config.json, its compile-cache fingerprint,
+    and on the default model's first use the conversion still to run (else None). The config and fingerprint of a
+    checkpoint still to be converted come from the converter's plan, from the GGUF header alone, so the programs
+    compile while it converts.
 
-    status("converting the default model (first use only)")
-    with timeline.phase("default model"):
-        return default_checkpoint()
+    Raises:
+        CheckpointError, ConfigError: not a readable checkpoint.
+    """
+    from day0jax.startup import compile_cache
+    from day0jax.weights import default_model, loader
+
+    if args.model or default_model.is_converted():
+        path, hf = loader.read_checkpoint_config(args.model or default_model.checkpoint_dir(), timeline)
+        return path, hf, compile_cache.model_fingerprint(path, dtype), None
+    hf, manifest = default_model.planned_output()
+    return (default_model.checkpoint_dir().absolute(), hf, compile_cache.fingerprint(hf, manifest, dtype),
+            default_model.default_checkpoint)
 
 
-def enable_cache(args: argparse.Namespace, path: Path, dtype: str, timeline: Timeline):
-    """Enables the flags' compile cache (call it before anything compiles); returns it, or None (off or unusable)."""
+def enable_cache(args: argparse.Namespace, fingerprint: str, timeline: Timeline):
+    """Enables the flags' compile cache (call it before anything compiles) for the model `fingerprint` names
+    (`compile_cache.model_fingerprint`); returns it, or None (off or unusable)."""
     if getattr(args, "no_compile_cache", False):
         return None
     from day0jax.startup import compile_cache
 
     with timeline.phase("compile cache") as info:
-        key = compile_cache.current_key(args.mesh, compile_cache.model_fingerprint(path, dtype))
-        cache = compile_cache.enable(args.compile_cache, key)
+        cache = compile_cache.enable(args.compile_cache, compile_cache.current_key(args.mesh, fingerprint))
         info["folder"] = str(cache.folder) if cache else "none"
     return cache
 
@@ -52,7 +62,8 @@ def enable_cache(args: argparse.Namespace, path: Path, dtype: str, timeline: Tim
 def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[[str], None] = lambda s: None,
                  warmup: str = "all") -> Started:
     """Loads the model and builds the engine the flags describe, and compiles its programs: all of them, the ready
-    set or none (`warmup`, as `Engine.programs`).
+    set or none (`warmup`, as `Engine.programs`). Programs depend on shapes only, so they compile (or load from the
+    program store) on a side thread while the weights are read.
 
     Args:
         args: parsed flags of `cli.add_model_arguments`, `add_compile_cache_arguments`, `add_engine_arguments`,
@@ -66,40 +77,40 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     with timeline.phase("imports", what="jax, flax, orbax, day0jax"):
         import jax
 
-        import day0jax
         from day0jax.cli import engine_config_from_args
-        from day0jax.weights.loader import default_dtype
+        from day0jax.weights import loader
         from sharding import distributed
 
     distributed.initialize_from_args(args)  # before anything touches a device
-    path = resolve_model(args, timeline, status)
-    dtype = args.dtype or default_dtype()
-    cache = enable_cache(args, path, dtype, timeline)
-    status(f"loading {path}")
-    model = day0jax.load(path, dtype=dtype, mesh=args.mesh, engine=engine_config_from_args(args),
-                         kernels=args.kernels, timeline=timeline)
+    dtype = args.dtype or loader.default_dtype()
+    path, hf, fingerprint, conversion = find_model(args, dtype, timeline)
+    cache = enable_cache(args, fingerprint, timeline)
+    prepared = loader.prepare(hf, dtype=dtype, mesh=args.mesh, engine=engine_config_from_args(args),
+                              kernels=args.kernels, timeline=timeline)
     with timeline.phase("build engine", what="KV page pool"):
-        engine = model.engine
-    started = Started(model, engine, cache)
+        engine = prepared.engine()
+    store = None
     if cache is not None and jax.process_count() == 1:
         from day0jax.startup.program_store import ProgramStore
 
-        started.store = ProgramStore(cache)
-    store = started.store
+        store = ProgramStore(cache)
     programs = engine.programs(args.warmup_max_len or None, warmup)
-    if not programs:
-        return started
-    what = f"compiling {len(programs)} programs"
-    status(what)
-    with timeline.phase("compile") as info, logs.progress_bar(len(programs), what) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.update(done - bar.n)
-            status(f"compiled {done}/{total} programs")
-
-        started.records = engine.warm_up(progress, args.warmup_max_len or None, store=store,
-                                         workers=args.compile_workers, timeline=timeline, warmup=warmup)
-        info["programs"] = len(started.records)
-        info.update(count_sources(started.records))
+    if conversion is None:
+        prepared.check_checkpoint(path)  # a checkpoint that cannot load fails now, not after the compile
+    with ThreadPoolExecutor(1, thread_name_prefix="day0jax-warm-up") as side:
+        # A conversion shows its own progress bar meanwhile: the compile's then only logs.
+        compiling = side.submit(_compile, engine, programs, args, timeline, status, store, warmup,
+                                show_bar=conversion is None)
+        if conversion is not None:
+            status("converting the default model (first use only)")
+            with timeline.phase("default model"):
+                conversion()
+            if loader.read_checkpoint_config(path)[1] != hf:
+                raise CheckpointError(f"{path}: the converter wrote another config.json than it planned")
+        status(f"loading {path}")
+        model = loader.restore(prepared, path, timeline=timeline)
+        records = compiling.result()
+    started = Started(model, engine, cache, records, store)
     layout = engine.layout
     skipped = len(layout.forward_shapes()) - len(layout.forward_shapes(args.warmup_max_len or None))
     if skipped and warmup == "all":
@@ -111,3 +122,24 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     with timeline.phase("warm-up", what="one decode step and sample on padding"):
         engine.runner.smoke_run()
     return started
+
+
+def _compile(engine, programs: list, args: argparse.Namespace, timeline: Timeline, status: Callable[[str], None],
+             store, warmup: str, show_bar: bool = True) -> list[CompileRecord]:
+    """`engine.warm_up` as the "compile" phase, with status lines and a progress bar (or a log line)."""
+    if not programs:
+        return []
+    what = f"compiling {len(programs)} programs"
+    status(what)
+    if not show_bar:
+        log.info("%s meanwhile", what)
+    with timeline.phase("compile") as info, logs.progress_bar(len(programs), what, shown=show_bar) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+            status(f"compiled {done}/{total} programs")
+
+        records = engine.warm_up(progress, args.warmup_max_len or None, store=store, workers=args.compile_workers,
+                                 timeline=timeline, warmup=warmup)
+        info["programs"] = len(records)
+        info.update(count_sources(records))
+    return records

