@@ -106,8 +106,9 @@ def report(cold: list[dict], warm: list[dict]) -> str:
     lines = ["| | cold (empty cache) | warm (filled cache) |", "| --- | ---: | ---: |"]
 
     def row(label, get, fmt="{:.1f} s"):
-        c, w = median(get(r) for r in cold), median(get(r) for r in warm)
-        lines.append(f"| {label} | {fmt.format(c)} | {fmt.format(w)} |")
+        c, w = (median(get(r) for r in runs) for runs in (cold, warm))
+        # A phase a run does not have (the first-use conversion when warm): a dash, not nan.
+        lines.append(f"| {label} | " + " | ".join("-" if v != v else fmt.format(v) for v in (c, w)) + " |")
 
     row("**process start to first completed chat request**", lambda r: r["first_request"])
     row("process start to /health 200", lambda r: r["ready"])
