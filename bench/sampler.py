@@ -59,10 +59,10 @@ def main() -> None:
     args = ap.parse_args()
 
     def folded(logits, seeds, counters, *rows_and_flag):
-        return sample(logits, seeds, counters, *rows_and_flag[:4], None, rows_and_flag[4])
+        return sample(logits, seeds, counters, *rows_and_flag[:4], None, None, rows_and_flag[4])
 
     def specialized(logits, seeds, counters, *rows, mode, logprobs):
-        return sample(logits, seeds, counters, *rows, None, logprobs, mode=mode)
+        return sample(logits, seeds, counters, *rows, None, None, logprobs, mode=mode)
 
     one = jax.jit(folded)
     static = jax.jit(specialized, static_argnames=("mode", "logprobs"))

@@ -6,6 +6,7 @@ Equal prompts, parameters and seed give the same tokens from either; `logits` is
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -45,6 +46,7 @@ class Model:
         self.engine_config, self.context_length = engine_config, context_length
         self.memory_plan, self.kernel_report = memory_plan, kernel_report
         self._engine = None
+        self._grammars, self._grammar_lock = None, threading.Lock()
         self._request_ids = itertools.count()
         self._graphdef, self._params = nnx.split(module)
         self._forward = jax.jit(self._forward_fn)
@@ -61,6 +63,23 @@ class Model:
             self._engine = Engine(self.module, self.mesh, jnp.dtype(self.dtype), context_length=self.context_length,
                                   eos_token_ids=self.eos_token_ids, config=self.engine_config)
         return self._engine
+
+    @property
+    def grammars(self):
+        """The `engine.grammar.GrammarCompiler` for this model's tokenizer (made on first use, about a second).
+
+        Raises:
+            GrammarError: the checkpoint has no tokenizer or names no end-of-sequence token.
+        """
+        with self._grammar_lock:
+            if self._grammars is None:
+                from day0jax.engine.grammar import GrammarCompiler, GrammarError
+
+                if self.tokenizer is None:
+                    raise GrammarError("structured output needs the checkpoint's tokenizer.json")
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), int(self.config.vocab_size),
+                                                 self.eos_token_ids)
+            return self._grammars
 
     def adopt_engine(self, engine) -> None:
         """Makes `engine`, built on this model's abstract form before the weights were read (its programs possibly
@@ -98,12 +117,18 @@ class Model:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> list[list[int]]:
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, *,
+                 json_schema: dict | bool | None = None, regex: str | None = None,
+                 choice: Sequence[str] | None = None, logit_bias: dict[int, float] | None = None) -> list[list[int]]:
         """Generates up to `max_new_tokens` for each prompt (a list of token ids); returns only the new tokens. Each
         prompt is one engine request, ending after EOS (unless `ignore_eos`) or any of `stop_token_ids` (returned last).
+        At most one of `json_schema` (output that validates against it; `{"type": "object"}` for any JSON object),
+        `regex` (output matching it) and `choice` (exactly one of these strings) constrains the output; `logit_bias`
+        adds a value in [-100, 100] to the logits of these token ids.
 
         Raises:
             GenerationError: invalid prompts or parameters, or a prompt too long for the context.
+            GrammarError: more than one constraint, or one that does not compile.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise GenerationError("prompts must be a non-empty list of non-empty token-id lists")
@@ -111,7 +136,8 @@ class Model:
             raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = SamplingParams(max_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
                                 top_k=int(top_k), seed=seed, stop_token_ids=tuple(stop_token_ids or ()),
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, grammar=self._grammar(json_schema, regex, choice),
+                                logit_bias=tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()))
         engine = self.engine
         ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
         out: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -141,6 +167,22 @@ class Model:
                 engine.step()
             raise
         return [out[rid] for rid in ids]
+
+
+    def _grammar(self, json_schema, regex, choice):
+        from day0jax.engine.grammar import GrammarError
+
+        given = [name for name, v in (("json_schema", json_schema), ("regex", regex), ("choice", choice))
+                 if v is not None]
+        if len(given) > 1:
+            raise GrammarError(f"at most one of json_schema, regex and choice, got {', '.join(given)}", given[1])
+        if json_schema is not None:
+            return self.grammars.json_schema(json_schema, "json_schema")
+        if regex is not None:
+            return self.grammars.regex(regex, "regex")
+        if choice is not None:
+            return self.grammars.choice(list(choice), "choice")
+        return None
 
 
 def _round_up_pow2(n: int, minimum: int) -> int:

@@ -52,7 +52,7 @@ def fake_engine(module, num_pages_tokens: int, max_num_seqs: int, seed: int) -> 
         forwards.append(batch)
         return np.zeros((batch.tokens.shape[0], 1)), random_tokens(batch.tokens.shape[0])
 
-    def sample(logits, rows, penalties, logprobs):
+    def sample(logits, rows, penalties, logprobs, guidance=None):
         return {"tokens": random_tokens(logits.shape[0])}
 
     engine.runner.forward, engine.runner.sample = forward, sample

@@ -210,7 +210,7 @@ def test_one_sampler_program_picks_each_mode_at_run_time():
     B, V = 4, 300
     logits = jnp.asarray(rng.standard_normal((B, V)).astype(np.float32) * 2)
     seeds, counters = jnp.arange(B, dtype=jnp.uint32) + 11, jnp.arange(B, dtype=jnp.int32)
-    folded = jax.jit(lambda *a: sampling.sample(*a[:7], None, a[7]))
+    folded = jax.jit(lambda *a: sampling.sample(*a[:7], None, None, a[7]))
     batches = {"greedy": ([0.0] * 4, [0] * 4, [1.0] * 4),
                "random": ([0.0, 0.8, 0.0, 1.3], [0] * 4, [1.0] * 4),
                "filtered": ([0.0, 0.8, 0.7, 1.3], [0, 0, 5, 0], [1.0, 0.9, 1.0, 1.0])}
@@ -219,7 +219,7 @@ def test_one_sampler_program_picks_each_mode_at_run_time():
                 jnp.asarray(top_p, jnp.float32), jnp.zeros(B, jnp.float32))
         assert sampling.sampler_mode(*rows) == mode
         assert int(sampling.mode_index(*rows)) == sampling.MODES.index(mode)
-        static = sampling.sample(logits, seeds, counters, *rows, None, True, mode=mode)
+        static = sampling.sample(logits, seeds, counters, *rows, None, None, True, mode=mode)
         for want_logprobs in (True, False):
             got = folded(logits, seeds, counters, *rows, jnp.asarray(want_logprobs))
             np.testing.assert_array_equal(got["tokens"], static["tokens"], err_msg=mode)

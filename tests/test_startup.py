@@ -2,7 +2,7 @@
 store, warm-up of every program before /health is 200, the startup timeline on /metrics, and the server's
 default log (short: one line per phase, a compile bar, the URL; no library INFO lines).
 
-One tiny model and one set of engine flags (7 programs: 3 forward shapes, 4 samplers), compiled once
+One tiny model and one set of engine flags (11 programs: 3 forward shapes, 8 samplers), compiled once
 by the first `day0jax.compile` run; the other processes start from that cache.
 """
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-chat"
 ENGINE_FLAGS = ["--max-num-seqs", "2", "--chunk-sizes", "32", "--max-model-len", "256", "--min-width", "256"]
 FORWARD_SHAPES = ["1x1x16", "2x1x16", "1x32x16"]  # decode rows 1 and 2 over 16 pages, one 32-token prefill chunk
-PROGRAMS = len(FORWARD_SHAPES) + 2 * 2  # sampler: rows {1, 2} x with or without penalties
+PROGRAMS = len(FORWARD_SHAPES) + 2 * 2 * 2  # sampler: rows {1, 2} x with or without penalties, guidance
 SUMMARY = re.compile(r"^(\d+) programs: (\d+) program-store, (\d+) xla-cache, (\d+) compiled;", re.M)
 
 
@@ -208,7 +208,7 @@ def test_compile_command_fills_the_cache_and_prints_every_program(filled):
     assert counts == {"program-store": 0, "xla-cache": 0, "compiled": PROGRAMS}
     for shape in FORWARD_SHAPES:
         assert re.search(rf"^forward\s+{shape}\s+[\d.]+\s+[\d.]+\s+miss\s+compiled$", proc.stdout, re.M), shape
-    assert re.search(r"^sample\s+2\+penalties\s", proc.stdout, re.M)
+    assert re.search(r"^sample\s+2\+penalties\+guidance\s", proc.stdout, re.M)
     for phase in ("read config", "build model", "restore parameters", "compile", "warm-up", "ready"):
         assert re.search(rf"^{phase}\s+[\d.]+", proc.stdout, re.M), phase
     folder = key_folder(root)

@@ -50,9 +50,10 @@ def test_ready_set_and_background_order(ckpt):
     assert [p.label for p in ready if p.name == "sample"] == ["1", "4"]
     rest = runner.background_programs(ready)
     assert set(rest) == set(runner.all_programs()) - set(ready) and len(rest) == len(set(rest))
-    kinds = [("penalized sampler" if p.penalized else "sampler") if p.name == "sample" else "forward" for p in rest]
-    # Samplers (cheap) first, then forward programs, then the samplers taking penalty arrays.
-    assert kinds == sorted(kinds, key=["sampler", "forward", "penalized sampler"].index)
+    kinds = [("sampler+extras" if p.penalized or p.guided else "sampler") if p.name == "sample" else "forward"
+             for p in rest]
+    # Plain samplers (cheap) first, then forward programs, then the samplers taking penalties or grammar masks.
+    assert kinds == sorted(kinds, key=["sampler", "forward", "sampler+extras"].index)
     forward = [p.shape for p in rest if p.name == "forward"]
     # By span; at each span the most rows first (padded, it serves every smaller batch).
     assert forward[:3] == [(2, 1, 8), (4, 1, 16), (2, 1, 16)]

@@ -253,12 +253,14 @@ class Engine:
                     top_p=col((q.top_p for q in p), np.float32, 1.0),
                     min_p=col((q.min_p for q in p), np.float32, 0.0))
         penalties = self._penalty_arrays(seqs, B) if any(q.penalized for q in p) else None
+        # The forward program is already dispatched: the grammar masks are computed while it runs.
+        guidance = self._guidance_arrays(seqs, B) if any(q.guided for q in p) else None
         mode = sampler_mode(rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"])
         want_logprobs = any(q.logprobs is not None for q in p)
-        if mode == "greedy" and penalties is None and not want_logprobs:
+        if mode == "greedy" and penalties is None and guidance is None and not want_logprobs:
             sampled = _Sampled(seqs, {"tokens": greedy})
         else:
-            sampled = _Sampled(seqs, self.runner.sample(logits, rows, penalties, want_logprobs))
+            sampled = _Sampled(seqs, self.runner.sample(logits, rows, penalties, want_logprobs, guidance))
         for i, s in enumerate(seqs):
             s.in_flight += 1
             self._sources[s] = (sampled, i)
@@ -280,6 +282,20 @@ class Engine:
             counts[i], seen[i] = seq.counts, seq.seen
             presence[i], frequency[i], repetition[i] = q.presence_penalty, q.frequency_penalty, q.repetition_penalty
         return counts, seen, presence, frequency, repetition
+
+    def _guidance_arrays(self, seqs: list[SequenceState], B: int):
+        """Each row's grammar mask (for the token its matcher is at) and logit biases, as `apply_guidance` takes
+        them."""
+        allowed, bias_ids, bias = self.runner.neutral_guidance(B)
+        for i, seq in enumerate(seqs):
+            q = seq.params
+            if q.grammar is not None:
+                if seq.matcher is None:
+                    seq.matcher = q.grammar.matcher()
+                seq.matcher.fill(allowed[i])
+            for j, (token, value) in enumerate(q.logit_bias):
+                bias_ids[i, j], bias[i, j] = token, value
+        return allowed, bias_ids, bias
 
     def _read_in_flight(self) -> list[TokenEvent]:
         """Reads every sampler output still on the device (waiting for it) and emits its tokens."""
@@ -311,6 +327,13 @@ class Engine:
         # Only tokens read count here: the next one may already be on the device.
         full = len(seq.tokens) - seq.prompt_len >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len
         finish = STOP if is_stop else LENGTH if full else None
+        if seq.matcher is not None and not is_stop:
+            if not seq.matcher.consume(token):
+                log.warning("request %s left its grammar at token %d (%s); stopping it", seq.request_id, token,
+                            seq.matcher.error)
+                finish = STOP
+            elif seq.matcher.done:  # the output is complete: only end-of-sequence could follow
+                finish = STOP
         if finish:
             self.scheduler.finish(seq)
         return TokenEvent(seq.request_id, seq.index, token, finish, is_stop, logprob, top,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from day0jax.errors import GenerationError
-from day0jax.engine.sampling import TOP_LOGPROBS
+from day0jax.engine.sampling import MAX_LOGIT_BIAS, TOP_LOGPROBS
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"
 
@@ -43,6 +44,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), at most MAX_LOGIT_BIAS
+    grammar: Any = None  # a `grammar.Grammar` the output must follow (None: free text)
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest naming the first parameter out of range."""
@@ -66,10 +69,25 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+                                 "logit_bias")
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids {bad} are outside the vocabulary [0, {vocab_size})",
+                                 "logit_bias")
+        bad = [v for _, v in self.logit_bias if not -100.0 <= v <= 100.0]
+        if bad:
+            raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {bad}", "logit_bias")
 
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def guided(self) -> bool:
+        """A grammar or logit biases: the sampler takes per-row masks and biases."""
+        return self.grammar is not None or bool(self.logit_bias)
 
 
 @dataclass
@@ -112,6 +130,7 @@ class SequenceState:
     in_flight: int = 0
     counts: np.ndarray | None = None  # penalties: generated-token counts
     seen: np.ndarray | None = None  # penalties: tokens in prompt or output
+    matcher: Any = None  # its place in `params.grammar` (a `grammar.Matcher`), made on its first sampling
 
     @property
     def length(self) -> int:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from day0jax.engine.config import EngineLayout
 from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache, new_pools
-from day0jax.engine.sampling import sample
+from day0jax.engine.sampling import MAX_LOGIT_BIAS, sample
 from day0jax.engine.state_cache import TRASH_SLOT, StateCache
 from day0jax.layers.linear import exact_float32
 from kernels_pallas import registry as kernel_registry
@@ -38,13 +38,17 @@ class Program:
 
     name: str  # "forward" (shape: rows, tokens, width in pages) or "sample" (shape: rows)
     shape: tuple[int, ...]
-    penalized: bool = False  # a sampler taking the [B, V] penalty arrays (mode and logprobs are run-time choices)
+    # Samplers only (mode and logprobs are run-time choices): taking the [B, V] penalty arrays, taking the grammar
+    # masks and logit biases.
+    penalized: bool = False
+    guided: bool = False
 
     @property
     def label(self) -> str:
         if self.name == "forward":
             return "x".join(map(str, self.shape))
-        return f"{self.shape[0]}{'+penalties' if self.penalized else ''}"
+        extras = "".join(f"+{x}" for x, on in (("penalties", self.penalized), ("guidance", self.guided)) if on)
+        return f"{self.shape[0]}{extras}"
 
 
 @dataclass
@@ -153,8 +157,8 @@ class ModelRunner:
         return jnp.zeros(self.layout.max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens.astype(jnp.int32))
 
     def _sample_fn(self, logits, *rows):
-        *arrays, penalties, logprobs = rows
-        out = sample(logits, *arrays, penalties, logprobs)
+        *arrays, penalties, guidance, logprobs = rows
+        out = sample(logits, *arrays, penalties, guidance, logprobs)
         out["tokens"] = self._padded(out["tokens"])
         return out
 
@@ -186,13 +190,13 @@ class ModelRunner:
         return logits, greedy
 
     def sample(self, logits: jax.Array, rows: dict[str, np.ndarray], penalties: tuple | None,
-               logprobs: bool) -> dict[str, jax.Array]:
+               logprobs: bool, guidance: tuple | None = None) -> dict[str, jax.Array]:
         """Samples one token per row of `logits` without waiting for it: `rows` holds the per-row arrays of
-        `sampling.sample`. Returns device arrays ("tokens" padded to max_rows, and the logprob outputs, zeros unless
-        `logprobs`); `read` brings them to the host."""
-        pen = None if penalties is None else tuple(self._put(x) for x in penalties)
-        args = [self._put(rows[k]) for k in ROW_ARRAYS] + [pen, self._put(np.bool_(logprobs))]
-        wanted = Program("sample", (logits.shape[0],), penalties is not None)
+        `sampling.sample`, `penalties` and `guidance` its optional host arrays. Returns device arrays ("tokens"
+        padded to max_rows, and the logprob outputs, zeros unless `logprobs`); `read` brings them to the host."""
+        pen, guide = (None if x is None else tuple(self._put(a) for a in x) for x in (penalties, guidance))
+        args = [self._put(rows[k]) for k in ROW_ARRAYS] + [pen, guide, self._put(np.bool_(logprobs))]
+        wanted = Program("sample", (logits.shape[0],), penalties is not None, guidance is not None)
         if wanted not in self.programs and self.ensure is not None:
             self.ensure(wanted)
         with jax.set_mesh(self.mesh):
@@ -235,7 +239,7 @@ class ModelRunner:
     def ready_programs(self) -> list[Program]:
         """What a server compiles before it is ready (`--warmup ready`): decode at the smallest span for one row and
         for the most rows (which covers every decode batch at that span, padded), each prefill chunk at the
-        smallest span, and the sampler without penalties for those row counts."""
+        smallest span, and the plain sampler (no penalties, no grammar) for those row counts."""
         L = self.layout
         rows = sorted({L.batch_buckets[0], L.batch_buckets[-1]})
         forward = ([Program("forward", (r, 1, L.decode_widths[0])) for r in rows] +
@@ -244,22 +248,22 @@ class ModelRunner:
         return forward + [Program("sample", (r,)) for r in sampler_rows]
 
     def background_programs(self, ready: list[Program], max_len: int | None = None) -> list[Program]:
-        """`all_programs(max_len)` not in `ready`, most likely needed first: samplers without penalties, then forward
-        programs by span (the short spans every request starts with), the most rows first, then the samplers with
-        penalties."""
+        """`all_programs(max_len)` not in `ready`, most likely needed first: plain samplers, then forward programs by
+        span (the short spans every request starts with), the most rows first, then the samplers with penalties or
+        guidance."""
         def rank(p: Program):
             if p.name == "sample":
-                return (2 if p.penalized else 0, p.shape[0])
+                return (2 if p.penalized or p.guided else 0, p.shape[0], p.penalized, p.guided)
             rows, tokens, width = p.shape
             return (1, width, -rows, tokens)  # the most rows first: padded, they serve every smaller batch
         return sorted((p for p in self.all_programs(max_len) if p not in ready), key=rank)
 
     def all_programs(self, max_len: int | None = None) -> list[Program]:
-        """The forward programs of `layout.forward_shapes(max_len)`, then the samplers (with and without penalties)
-        per row count."""
+        """The forward programs of `layout.forward_shapes(max_len)`, then the samplers (with and without penalties,
+        with and without guidance) per row count."""
         return ([Program("forward", s) for s in self.layout.forward_shapes(max_len)] +
-                [Program("sample", (r,), penalized) for r in self.layout.sampler_batches()
-                 for penalized in (False, True)])
+                [Program("sample", (r,), penalized, guided) for r in self.layout.sampler_batches()
+                 for penalized in (False, True) for guided in (False, True)])
 
     def lower(self, program: Program) -> jax.stages.Lowered:
         """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
@@ -277,7 +281,8 @@ class ModelRunner:
             pen = tuple(self._put(x) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
                                                np.zeros(rows, np.float32), np.zeros(rows, np.float32),
                                                np.ones(rows, np.float32))) if program.penalized else None
-            return self._sample.lower(logits, *args, pen, self._put(np.bool_(False)))
+            guide = tuple(self._put(x) for x in self.neutral_guidance(rows)) if program.guided else None
+            return self._sample.lower(logits, *args, pen, guide, self._put(np.bool_(False)))
 
     def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         """Compiles (or loads from JAX's persistent cache) a lowered program; safe to call from several threads."""
@@ -308,6 +313,11 @@ class ModelRunner:
         logits, _ = self.forward(self.empty_batch(rows, 1, self.layout.decode_widths[0]))
         self.read(self.sample(logits, self.neutral_rows(rows), None, False))
         return time.perf_counter() - t0
+
+    def neutral_guidance(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`sampling.apply_guidance`'s arrays allowing every token and biasing none."""
+        return (np.full((rows, -(-self.vocab_size // 32)), -1, np.int32), np.zeros((rows, MAX_LOGIT_BIAS), np.int32),
+                np.zeros((rows, MAX_LOGIT_BIAS), np.float32))
 
     @staticmethod
     def neutral_rows(rows: int) -> dict[str, np.ndarray]:

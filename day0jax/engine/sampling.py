@@ -1,10 +1,11 @@
 """The one sampler: a token per row from logits, each row with its own parameters and seeded random stream.
 
-In the order of transformers' logits processors and vLLM: penalties, temperature (0: greedy), then min_p, top-k and
-top-p (the smallest set reaching top_p, at least one kept). Filtering a 50k-200k vocabulary costs more than a small
-model's whole CPU decode step, so a batch runs only the mode its rows need (chosen at run time), and filtering
-bisects a threshold instead of sorting: a few dozen masked reductions over [B, V] cost a fraction of a sort on a
-CPU and keep the same set (ties at the threshold are all kept, as a sort-based filter keeps them in rank order).
+In the order of transformers' logits processors and vLLM: penalties, logit biases and the grammar's mask,
+temperature (0: greedy), then min_p, top-k and top-p (the smallest set reaching top_p, at least one kept).
+Filtering a 50k-200k vocabulary costs more than a small model's whole CPU decode step, so a batch runs only the
+mode its rows need (chosen at run time), and filtering bisects a threshold instead of sorting: a few dozen masked
+reductions over [B, V] cost a fraction of a sort on a CPU and keep the same set (ties at the threshold are all
+kept, as a sort-based filter keeps them in rank order).
 """
 
 from __future__ import annotations
@@ -64,6 +65,24 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, seen: jax.Array, prese
     return jnp.where(seen, penalized, logits)
 
 
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit); the sampler takes them as [B, 300]
+
+
+def apply_guidance(logits: jax.Array, allowed: jax.Array, bias_ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """Adds each row's logit biases, then masks (to -inf) the tokens its grammar does not allow.
+
+    Args:
+        logits: [B, V] float32.
+        allowed: [B, ceil(V / 32)] int32 bitmask, bit t % 32 of word t // 32 set when token t is allowed (all bits
+            set for a row without a grammar).
+        bias_ids, bias: [B, MAX_LOGIT_BIAS] token ids and the values added to their logits (0 where unused).
+    """
+    B, V = logits.shape
+    logits = logits.at[jnp.arange(B)[:, None], bias_ids].add(bias)
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(B, -1)[:, :V] != 0, logits, -jnp.inf)
+
+
 def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Masks (to -inf) what min_p, then top_k, then top_p exclude from temperature-scaled logits [B, V]."""
     probs = jax.nn.softmax(scaled, axis=-1)
@@ -106,7 +125,8 @@ def mode_index(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p
 
 def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
            top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None,
-           logprobs: bool | jax.Array = False, *, mode: str | None = None) -> dict[str, jax.Array]:
+           guidance: tuple | None = None, logprobs: bool | jax.Array = False, *,
+           mode: str | None = None) -> dict[str, jax.Array]:
     """Picks one token per row, each row with its own parameters and its own seeded random stream.
 
     One compiled program serves every batch: the mode and the log-probabilities are chosen at run time by
@@ -119,6 +139,7 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
             depend only on its seed and position, never on which other requests share the batch).
         temperature: [B]; 0 is greedy.  top_k: [B] int, <= 0 is off.  top_p: [B], 1 is off.  min_p: [B], 0 is off.
         penalties: None, or (counts, seen, presence, frequency, repetition) as in `apply_penalties`.
+        guidance: None, or (allowed, bias_ids, bias) as in `apply_guidance`: grammars and logit biases.
         logprobs: also return log-probabilities of the raw model distribution: a Python bool, or a scalar bool
             array decided at run time (the outputs are then always there, zeros when it is false).
         mode: None (chosen per batch at run time, as `sampler_mode`), or a static "greedy" | "random" | "filtered"
@@ -130,6 +151,8 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
     raw = logits
     if penalties is not None:
         logits = apply_penalties(logits, *penalties)
+    if guidance is not None:
+        logits = apply_guidance(logits, *guidance)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(filtered: bool):

@@ -108,8 +108,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.finished or seq.pending != 1 or seq not in self.running or self._exhausted(seq):
                 continue
-            if seq.in_flight and seq.params.penalized:
-                raise NeedTokens("penalties count the token still on the device")
+            if seq.in_flight and (seq.params.penalized or seq.params.grammar is not None):
+                raise NeedTokens("penalties count, and a grammar advances past, the token still on the device")
             # The token to write sits at position num_computed; it may need a new page.
             while seq.num_computed // page >= len(seq.pages):
                 try:

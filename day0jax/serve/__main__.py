@@ -63,7 +63,7 @@ def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
     model = started.model
     if model.tokenizer is None:
         raise SystemExit(f"{model.path} has no tokenizer.json: the server needs one to read text")
-    state.tokenizer, state.max_model_len = model.tokenizer, started.engine.max_model_len
+    state.tokenizer, state.max_model_len, state.model = model.tokenizer, started.engine.max_model_len, model
     state.engine = AsyncEngine(started.engine)
     state.engine.start(loop)
     state.timeline.mark_ready()

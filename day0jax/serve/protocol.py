@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +36,18 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -55,6 +67,12 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # Structured output: OpenAI's response_format and logit_bias (token id as a string -> bias), vLLM's guided_*.
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated
 
@@ -9,6 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from day0jax.engine.async_engine import AsyncEngine
+from day0jax.engine.grammar import GrammarError
 from day0jax.engine.requests import SamplingParams
 from day0jax.serve import protocol as P
 from day0jax.serve.errors import APIError
@@ -17,6 +19,7 @@ from day0jax.serve.state import ServerState
 from day0jax.weights.tokenizer import ChatTemplateError
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
+GRAMMAR_SECONDS = 10.0  # a response_format or guided_* that takes longer to compile is refused
 MAX_STOPS = 16
 
 router = APIRouter()
@@ -65,7 +68,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, stat
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     params = sampling_params(state, body, body.max_completion_tokens or body.max_tokens, len(prompt),
-                             (body.top_logprobs or 0) if body.logprobs else None)
+                             (body.top_logprobs or 0) if body.logprobs else None, await guidance(state, body))
     return await serve_request(request, state, engine, [prompt], params, stop_strings(body.stop), body, True, arrival)
 
 
@@ -87,7 +90,8 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
             token_prompts.append(list(p))
     if not token_prompts or any(not p for p in token_prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
-    params = sampling_params(state, body, body.max_tokens or 16, max(map(len, token_prompts)), body.logprobs)
+    params = sampling_params(state, body, body.max_tokens or 16, max(map(len, token_prompts)), body.logprobs,
+                             await guidance(state, body))
     return await serve_request(request, state, engine, token_prompts, params, stop_strings(body.stop), body, False,
                                arrival)
 
@@ -135,7 +139,7 @@ def check_chars(state: ServerState, n: int, param: str) -> None:
 # --- request fields to engine inputs ---------------------------------------------------------------------------
 
 def sampling_params(state: ServerState, body, max_tokens: int | None, prompt_len: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, grammar=None) -> SamplingParams:
     """Returns the engine's `SamplingParams` for a request body (the engine validates their ranges on submit).
 
     Args:
@@ -144,6 +148,9 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, prompt_len
         max_tokens: the tokens asked for; None: whatever the context leaves after the prompt (as vLLM does).
         prompt_len: tokens of the longest prompt.
         logprobs: top log-probabilities per token, or None for none.
+        grammar: the `Grammar` the output must follow (`guidance`), or None.
+    Raises:
+        APIError: 400 for a logit_bias key that is not a token id.
     """
     if max_tokens is None:
         max_tokens = max(1, state.max_model_len - prompt_len)
@@ -153,7 +160,65 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, prompt_len
         seed=None if body.seed is None else body.seed & 0xFFFFFFFF, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=logprobs,
-        n=body.n)
+        n=body.n, grammar=grammar, logit_bias=logit_bias(body.logit_bias))
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings) as (id, value) pairs; the engine checks ranges and vocabulary.
+
+    Raises:
+        APIError: 400 for a key that is not an integer.
+    """
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            out.append((int(key), float(value)))
+        except ValueError:
+            raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
+    return tuple(out)
+
+
+async def guidance(state: ServerState, body):
+    """The grammar a request's response_format, guided_json, guided_regex or guided_choice asks for (None: free
+    text), compiled off the event loop (cached by source; a first compile of a large schema can take a while).
+
+    Raises:
+        APIError: 400 for more than one of them, one that is invalid or unsupported (naming the keyword), one
+            that takes longer than GRAMMAR_SECONDS to compile, or a checkpoint that cannot do structured output.
+    """
+    fmt = body.response_format
+    asked = [name for name, on in (("response_format", fmt is not None and fmt.type != "text"),
+                                   ("guided_json", body.guided_json is not None),
+                                   ("guided_regex", body.guided_regex is not None),
+                                   ("guided_choice", body.guided_choice is not None)) if on]
+    if len(asked) > 1:
+        raise APIError(400, f"at most one of response_format, guided_json, guided_regex and guided_choice; got "
+                       f"{', '.join(asked)}", param=asked[1])
+    if not asked:
+        return None
+    if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+
+    def compile_it():
+        grammars = state.model.grammars
+        if asked[0] == "response_format":
+            if fmt.type == "json_object":
+                return grammars.json_object()
+            return grammars.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+        if asked[0] == "guided_json":
+            return grammars.json_schema(body.guided_json, "guided_json")
+        if asked[0] == "guided_regex":
+            return grammars.regex(body.guided_regex)
+        return grammars.choice(body.guided_choice)
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(compile_it), GRAMMAR_SECONDS)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param or asked[0]) from None
+    except asyncio.TimeoutError:
+        raise APIError(400, f"the {asked[0]} took longer than {GRAMMAR_SECONDS:.0f} s to compile; simplify it",
+                       param=asked[0]) from None
 
 
 def stop_strings(stop) -> list[str]:

@@ -20,6 +20,7 @@ class ServerState:
     detail: str = ""
     engine: AsyncEngine | None = None
     tokenizer: Any = None
+    model: Any = None  # the loaded `Model` (its grammar compiler, for structured output)
     max_model_len: int = 0
     metrics: Metrics | None = None
     in_flight: int = 0

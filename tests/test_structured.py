@@ -1,0 +1,219 @@
+"""Structured output on the real default model (SmolLM2-135M-Instruct): JSON schemas, any JSON object, regexes,
+choices and logit biases through `Model.generate` and through the server with the official `openai` client; the
+grammar's mask applied on the device inside the sampler, constrained and free requests sharing decode steps.
+
+Sampled outputs (temperature 1, 20 prompts per schema) must each parse and validate: a grammar that leaked one
+token would fail some seed. Bad schemas, regexes and combinations are 400s naming the field and keyword.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import httpx
+import jax.numpy as jnp
+import jsonschema_rs
+import numpy as np
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import day0jax  # noqa: E402
+from day0jax.engine import sampling  # noqa: E402
+from day0jax.engine.config import EngineConfig  # noqa: E402
+from day0jax.engine.grammar import GrammarError, unsupported_schema_keywords  # noqa: E402
+from day0jax.engine.requests import SamplingParams  # noqa: E402
+from day0jax.serve.launch import ServerProcess  # noqa: E402
+
+ENGINE = EngineConfig(max_num_seqs=16, chunk_buckets=(32, 128), max_model_len=512, min_width=512)
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "role": {"enum": ["admin", "user", "guest"]}}, "required": ["name", "age", "role"],
+    "additionalProperties": False}
+INVENTORY = {"type": "object", "properties": {
+    "items": {"type": "array", "minItems": 1, "maxItems": 3,
+              "items": {"type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+                                                         "count": {"type": "integer", "minimum": 1, "maximum": 99}},
+                        "required": ["sku", "count"], "additionalProperties": False}},
+    "in_stock": {"type": "boolean"}}, "required": ["items", "in_stock"], "additionalProperties": False}
+ANSWER = {"type": "object", "properties": {
+    "kind": {"const": "answer"},
+    "value": {"anyOf": [{"type": "number"}, {"type": "string", "maxLength": 8}, {"type": "null"}]}},
+    "required": ["kind", "value"], "additionalProperties": False}
+SCHEMAS = {"person": PERSON, "inventory": INVENTORY, "answer": ANSWER}
+SEEDS = 20
+
+
+@pytest.fixture(scope="module")
+def model(smollm2):
+    return day0jax.load(smollm2["ckpt_gguf"], dtype="float32", engine=ENGINE)
+
+
+def chat(model, text: str) -> list[int]:
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+# --- the pieces -------------------------------------------------------------------------------------------------
+
+def test_guidance_masks_and_biases_on_the_device():
+    logits = jnp.zeros((2, 70), jnp.float32)
+    allowed = np.zeros((2, 3), np.int32)
+    allowed[0, 0] = 1 << 5  # row 0: token 5 only
+    allowed[1, 2] = np.int32(-(1 << 31))  # row 1: token 2 * 32 + 31 = 95 is past the vocabulary: nothing allowed
+    allowed[1, 1] = np.int32(-(1 << 31) | 1 << 2)  # and tokens 34, 63 (bit 31: the sign bit)
+    ids, bias = np.zeros((2, sampling.MAX_LOGIT_BIAS), np.int32), np.zeros((2, sampling.MAX_LOGIT_BIAS), np.float32)
+    ids[1, :2], bias[1, :2] = [63, 7], [5.0, 50.0]
+    out = np.asarray(sampling.apply_guidance(logits, jnp.asarray(allowed), jnp.asarray(ids), jnp.asarray(bias)))
+    assert np.isfinite(out[0]).nonzero()[0].tolist() == [5]
+    assert np.isfinite(out[1]).nonzero()[0].tolist() == [34, 63] and out[1, 63] == 5.0 and out[1, 34] == 0.0
+
+
+def test_unsupported_schema_keywords_are_named_with_their_place():
+    schema = {"type": "object", "title": "t", "properties": {
+        "if": {"type": "string", "contentEncoding": "base64"},  # a property named like a keyword is a name
+        "x": {"anyOf": [{"type": "integer"}, {"not": {"type": "null"}}]}},
+        "dependentRequired": {"x": ["if"]}}
+    assert unsupported_schema_keywords(schema) == [
+        "'dependentRequired' at #", "'contentEncoding' at #/properties/if", "'not' at #/properties/x/anyOf/1"]
+    assert unsupported_schema_keywords(PERSON) == unsupported_schema_keywords(INVENTORY) == []
+
+
+# --- Model.generate ------------------------------------------------------------------------------------------------
+
+def test_schema_outputs_parse_and_validate_for_every_seed(model):
+    """SEEDS sampled records per schema (prompts differ by a record number, so the draws do), in one batch each."""
+    for name, schema in SCHEMAS.items():
+        prompts = [chat(model, f"Reply with JSON {name} record number {i}.") for i in range(SEEDS)]
+        outputs = model.generate(prompts, 96, temperature=1.0, seed=7, json_schema=schema)
+        texts = [model.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
+        for text in texts:
+            jsonschema_rs.validate(schema, json.loads(text))
+        assert len(set(texts)) > 1, texts  # sampling really varied the records
+
+
+def test_any_json_object_regex_and_choice(model):
+    ask = chat(model, "Give a JSON object with a name and an age.")
+    obj = json.loads(model.tokenizer.decode(model.generate([ask], 64, json_schema={"type": "object"})[0],
+                                            skip_special_tokens=True))
+    assert isinstance(obj, dict)
+    phone = model.generate([chat(model, "Give me a phone number.")] * 4, 16, temperature=1.0, seed=3,
+                           regex=r"\(\d{3}\) \d{3}-\d{4}")
+    for out in phone:
+        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", model.tokenizer.decode(out, skip_special_tokens=True))
+    options = ["red", "green", "blue", "ultraviolet"]
+    picks = model.generate([chat(model, "Pick a color.")] * 6, 8, temperature=1.5, seed=5, choice=options)
+    assert {model.tokenizer.decode(p, skip_special_tokens=True) for p in picks} <= set(options)
+
+
+def test_constrained_and_free_requests_share_steps_and_the_free_ones_are_unchanged(model):
+    story = model.tokenizer.encode("Once upon a time,")
+    alone = model.generate([story], 12, ignore_eos=True)[0]
+    engine = model.engine
+    engine.add_request("free", story, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    engine.add_request("guided", chat(model, "Yes or no?"), SamplingParams(
+        max_tokens=12, temperature=0.0, grammar=model.grammars.choice(["yes", "no"])))
+    out: dict[str, list[int]] = {"free": [], "guided": []}
+    batches = []
+    while engine.has_work():
+        for event in engine.step():
+            if event.token is not None:
+                out[event.request_id].append(event.token)
+        batches.append(len(engine.scheduler.running))
+    assert out["free"] == alone
+    assert model.tokenizer.decode(out["guided"], skip_special_tokens=True) in ("yes", "no")
+    assert max(batches) == 2  # both rows ran in the same steps
+
+
+def test_logit_bias_steers_and_forbids(model):
+    story = model.tokenizer.encode("Once upon a time,")
+    first = model.generate([story], 1)[0][0]
+    assert model.generate([story], 1, logit_bias={first: -100.0})[0][0] != first
+    target = model.tokenizer.encode(" dragon", add_special_tokens=False)[0]
+    assert model.generate([story], 1, logit_bias={target: 100.0})[0][0] == target
+
+
+def test_bad_constraints_are_grammar_errors(model):
+    story = model.tokenizer.encode("Hi")
+    with pytest.raises(GrammarError, match="'patternProperties'|not supported|'not' at #"):
+        model.generate([story], 4, json_schema={"type": "object", "not": {"type": "null"}})
+    with pytest.raises(GrammarError, match="at most one of json_schema, regex and choice"):
+        model.generate([story], 4, regex="a+", choice=["a"])
+    with pytest.raises(GrammarError, match="invalid regex"):
+        model.generate([story], 4, regex="(unclosed")
+
+
+# --- the server ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    proc = ServerProcess(["--model", str(smollm2["ckpt_gguf"]), "--dtype", "float32", "--max-num-seqs", "16",
+                          "--chunk-sizes", "32,128", "--max-model-len", "512", "--min-width", "512"])
+    try:
+        yield proc.wait_ready(900)
+    finally:
+        assert proc.terminate() == 0, proc.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_response_format_json_schema_plain_and_streamed(client):
+    name = model_name(client)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": "Reply with a JSON person record."}]
+    plain = client.chat.completions.create(model=name, messages=messages, max_tokens=96, temperature=0,
+                                           response_format=fmt)
+    assert plain.choices[0].finish_reason == "stop"
+    text = plain.choices[0].message.content
+    jsonschema_rs.validate(PERSON, json.loads(text))
+    chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=96, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    cut = client.chat.completions.create(model=name, messages=messages, max_tokens=3, temperature=0,
+                                         response_format=fmt)
+    assert cut.choices[0].finish_reason == "length"
+
+
+def test_json_object_guided_choice_and_regex_on_both_routes(client):
+    name = model_name(client)
+    obj = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "A cat, as JSON."}],
+                                         max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = client.completions.create(model=name, prompt="The best color is", max_tokens=8, temperature=1.0, n=4,
+                                     seed=1, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert {c.text for c in pick.choices} <= {"red", "green", "blue"}
+    year = client.completions.create(model=name, prompt="The moon landing was in", max_tokens=8, temperature=0,
+                                     extra_body={"guided_regex": r" (19|20)\d\d"})
+    assert re.fullmatch(r" (19|20)\d\d", year.choices[0].text)
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "contentEncoding": "base64"}}}}}},
+     "response_format.json_schema.schema", "'contentEncoding' at #/properties/a"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema",
+     "needs json_schema.schema"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "invalid regex"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "at most one of"),
+    ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
+    ({"logit_bias": {"dragon": 5}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"5": 500}}, "logit_bias", r"\[-100, 100\]"),
+])
+def test_bad_structured_requests_are_400s_naming_the_field(server, client, body, param, message):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name(client), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and re.search(message, error["message"]), error
