@@ -195,6 +195,15 @@ def test_gumbel_sampling_follows_softmax():
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.032)
 
 
+def test_gumbel_uniforms_stay_inside_zero_and_one():
+    """Every uint32 maps strictly inside (0, 1) in float32, so the noise is finite: an infinite draw would pick its
+    token whatever the logits, and meet a grammar's -inf as NaN."""
+    edges = jnp.asarray([0, 1, 511, 512, 2 ** 31, 2 ** 32 - 513, 2 ** 32 - 1], jnp.uint32)
+    u = np.asarray(sampling.uniform(edges))
+    assert (u > 0).all() and (u < 1).all() and u.dtype == np.float32
+    assert np.isfinite(-np.log(-np.log(u))).all()
+
+
 def test_penalty_formula():
     logits = jnp.asarray([[2.0, -1.0, 0.5, 1.0]])
     counts = jnp.asarray([[2.0, 1.0, 0.0, 0.0]])

@@ -112,8 +112,14 @@ def gumbel_noise(seeds: jax.Array, counters: jax.Array, V: int) -> jax.Array:
     (the Gumbel-max trick)."""
     row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(counters.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
     bits = _mix32(row[:, None] ^ (jnp.arange(V, dtype=jnp.uint32)[None, :] * jnp.uint32(0x27D4EB2F)))
-    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -jnp.log(-jnp.log(u))
+    return -jnp.log(-jnp.log(uniform(bits)))
+
+
+def uniform(bits: jax.Array) -> jax.Array:
+    """float32 in (0, 1), never 0 or 1, from uint32 bits: 23 of them. (With 24, the largest value, 1 - 2**-25,
+    rounds to 1.0 in float32, and its noise is +inf: once in 2**24 tokens, a draw ignored the logits, or met a
+    masked -inf and made NaN.)"""
+    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def mode_index(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
