@@ -18,15 +18,17 @@ CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size
               bos_token_id=1, eos_token_id=2, pad_token_id=2, dtype="float32")
 
 
-def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0) -> Path:
-    """Writes and converts the tiny model under `root`; returns the day0jax checkpoint folder."""
+def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0, chat_template: str | None = None,
+                               name: str = "tiny-chat") -> Path:
+    """Writes and converts the tiny model under `root` (with `chat_template` instead of SmolLM2's, if given);
+    returns the day0jax checkpoint folder."""
     from safetensors.numpy import save_file
 
     from convert import convert_checkpoint
     from day0jax.weights.default_model import default_checkpoint
 
     root = Path(root)
-    hf = root / "tiny-chat-hf"
+    hf = root / f"{name}-hf"
     hf.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
@@ -48,8 +50,10 @@ def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0)
     save_file(tensors, str(hf / "model.safetensors"))
     (hf / "config.json").write_text(json.dumps(config))
     source = default_checkpoint(progress=False)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, hf / name)
-    dst = root / "tiny-chat"
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / file, hf / file)
+    if chat_template is not None:
+        (hf / "chat_template.jinja").write_text(chat_template)
+    dst = root / name
     convert_checkpoint(hf, dst, progress=False)
     return dst

@@ -172,6 +172,10 @@ class GrammarCompiler:
         return self._compile("choice", json.dumps(list(options)), lambda: self._ll.LLMatcher.grammar_from_lark(lark),
                              param)
 
+    def lark(self, grammar: str, param: str) -> Grammar:
+        """Output in a Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON schema)."""
+        return self._compile("lark", grammar, lambda: self._ll.LLMatcher.grammar_from_lark(grammar), param)
+
     def _compile(self, kind: str, source: str, make, param: str) -> Grammar:
         key = (kind, source)
         with self._lock:

@@ -7,6 +7,7 @@ streamed only as far as it can no longer change (see `Choice.sendable`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from day0jax.engine.requests import ABORT, TokenEvent
 from day0jax.serve import protocol as P
@@ -19,13 +20,14 @@ class Detokenizer:
         tokenizer: the model's tokenizer (`decode(ids, skip_special_tokens=...)`).
     """
 
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
+    def __init__(self, tokenizer, keep_special: bool = False):
+        self.tok, self.keep_special = tokenizer, keep_special
         self._cache: dict[int, str] = {}
 
     def text(self, ids: list[int]) -> str:
-        """The text of a sequence of ids, special tokens left out."""
-        return self.tok.decode(ids, skip_special_tokens=True)
+        """The text of a sequence of ids, special tokens left out (unless `keep_special`: a tool-call marker such as
+        Mistral's [TOOL_CALLS] is one)."""
+        return self.tok.decode(ids, skip_special_tokens=not self.keep_special)
 
     def token(self, token_id: int) -> str:
         """The text of one token, special tokens included (as logprobs show them)."""
@@ -49,6 +51,9 @@ class Choice:
     generated: int = 0  # tokens generated (stop tokens included), for usage
     first_token_at: float | None = None
     last_token_at: float | None = None
+    tools: Any = None  # the tool-call syntax (`tools.ToolSyntax`) when the request offered tools
+    tool_names: frozenset = frozenset()
+    tool_calls: list = field(default_factory=list)  # parsed when the choice finished
 
     def add(self, event: TokenEvent, detok: Detokenizer) -> bool:
         """Adds one engine event to the text and logprobs; returns True when a stop string ended the choice (the text
@@ -82,9 +87,21 @@ class Choice:
                 end -= 1
             hold = max((len(s) - 1 for s in self.stops), default=0)
             end = max(self.sent, end - hold)
+            if self.tools is not None:  # a tool call's text is never streamed as content
+                end = max(self.sent, min(end, self.tools.hold_back(text)))
         new = text[self.sent:end]
         self.sent = end
         return new
+
+
+    def settle_tools(self) -> None:
+        """Once finished: the tool calls in the text become `tool_calls` (the text keeps the content before them)
+        and the finish reason "tool_calls"."""
+        if self.tools is None or self.finish_reason is None:
+            return
+        content, calls = self.tools.parse(self.text, self.tool_names)
+        if calls:  # streaming held the calls back: what was sent is a prefix of the content
+            self.text, self.tool_calls, self.finish_reason = content, calls, "tool_calls"
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -113,9 +130,11 @@ def chunk(rid: str, model_name: str, c: Choice, detok: Detokenizer, chat: bool):
         return None  # held back; logprobs go out with the text they belong to
     c.sent_logprobs = len(c.logprobs)
     if chat:
+        calls = [P.ToolCallDelta(index=i, id=t.id, type="function", function=P.FunctionCallDelta(
+            name=t.name, arguments=t.arguments)) for i, t in enumerate(c.tool_calls)] or None
         return P.ChatCompletionChunk(id=rid, model=model_name, choices=[P.ChatChunkChoice(
-            index=c.index, delta=P.ChatDelta(content=text or None), logprobs=chat_logprobs(new_lp, detok),
-            finish_reason=finish_reason(c.finish_reason))])
+            index=c.index, delta=P.ChatDelta(content=text or None, tool_calls=calls),
+            logprobs=chat_logprobs(new_lp, detok), finish_reason=finish_reason(c.finish_reason))])
     return P.CompletionResponse(id=rid, model=model_name, choices=[P.CompletionChoice(
         index=c.index, text=text, logprobs=completion_logprobs(new_lp, detok),
         finish_reason=finish_reason(c.finish_reason))])
@@ -132,9 +151,11 @@ def final_response(rid: str, model_name: str, choices: list[Choice], usage: P.Us
         chat: a chat completion (else a completion).
     """
     if chat:
-        out = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                            logprobs=chat_logprobs(c.logprobs, detok), finish_reason=finish_reason(c.finish_reason))
-               for c in choices]
+        out = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(
+            content=(c.text.strip() or None) if c.tool_calls else c.text,
+            tool_calls=[P.ToolCall(id=t.id, function=P.FunctionCall(name=t.name, arguments=t.arguments))
+                        for t in c.tool_calls] or None),
+            logprobs=chat_logprobs(c.logprobs, detok), finish_reason=finish_reason(c.finish_reason)) for c in choices]
         return P.ChatCompletionResponse(id=rid, model=model_name, choices=out, usage=usage)
     out = [P.CompletionChoice(index=c.index, text=c.text, finish_reason=finish_reason(c.finish_reason),
                               logprobs=completion_logprobs(c.logprobs, detok)) for c in choices]

@@ -25,7 +25,8 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def serve_request(request: Request, state: ServerState, engine: AsyncEngine, prompts: list[list[int]],
-                        params: SamplingParams, stops: list[str], body, chat: bool, arrival: float):
+                        params: SamplingParams, stops: list[str], body, chat: bool, arrival: float,
+                        tools: tuple | None = None):
     """Runs a validated request on the engine and answers it.
 
     Args:
@@ -38,13 +39,14 @@ async def serve_request(request: Request, state: ServerState, engine: AsyncEngin
         body: the request body (`stream`, `stream_options`).
         chat: a chat completion (else a completion).
         arrival: `time.monotonic()` when the request arrived (latency metrics count from there).
+        tools: (syntax, function names) when the request offered tools: calls in the output become `tool_calls`.
     Returns:
         The response model, or a `StreamingResponse` of server-sent events when `body.stream`.
     Raises:
         APIError: 400 for parameters the engine refuses, 429 when its queue is full, 500 when it failed.
     """
     rid = P.new_id("chatcmpl" if chat else "cmpl")
-    run = _Run(state, engine, rid, _submit(engine, rid, prompts, params), params.n, stops, chat, arrival)
+    run = _Run(state, engine, rid, _submit(engine, rid, prompts, params), params.n, stops, chat, arrival, tools)
     if not body.stream:
         return await run.complete(request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -73,13 +75,16 @@ class _Run:
     """A submitted request: its engine sub-requests, its choices, and the metrics they update."""
 
     def __init__(self, state: ServerState, engine: AsyncEngine, rid: str, subs: list[tuple[str, Any, int]], n: int,
-                 stops: list[str], chat: bool, arrival: float):
+                 stops: list[str], chat: bool, arrival: float, tools: tuple | None = None):
         self.state, self.engine, self.rid, self.subs, self.n = state, engine, rid, subs, n
         self.chat, self.arrival = chat, arrival
         self.prompt_tokens = sum(n_tokens for _, _, n_tokens in subs)
         state.metrics.prompt_tokens.inc(self.prompt_tokens)
         self.choices = [Choice(i * n + j, stops) for i in range(len(subs)) for j in range(n)]
-        self.detok = Detokenizer(state.tokenizer)
+        if tools is not None:
+            for c in self.choices:
+                c.tools, c.tool_names = tools[0], frozenset(tools[1])
+        self.detok = Detokenizer(state.tokenizer, keep_special=tools is not None)
         self.cached_tokens = 0
         state.in_flight += 1
 
@@ -135,6 +140,7 @@ class _Run:
         elif ev.finish_reason is not None:
             choice.finish_reason = ev.finish_reason
         if choice.finish_reason is not None:
+            choice.settle_tools()
             metrics.finished.labels(choice.finish_reason).inc()
             metrics.e2e.observe(now - self.arrival)
 
