@@ -27,7 +27,7 @@ from day0jax.engine import sampling  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
 from day0jax.engine.grammar import GrammarError, unsupported_schema_keywords  # noqa: E402
 from day0jax.engine.requests import SamplingParams  # noqa: E402
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from day0jax.serve.launch import serving  # noqa: E402
 
 ENGINE = EngineConfig(max_num_seqs=16, chunk_buckets=(32, 128), max_model_len=512, min_width=512)
 PERSON = {"type": "object", "properties": {
@@ -151,12 +151,9 @@ def test_bad_constraints_are_grammar_errors(model):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    proc = ServerProcess(["--model", str(smollm2["ckpt_gguf"]), "--dtype", "float32", "--max-num-seqs", "16",
-                          "--chunk-sizes", "32,128", "--max-model-len", "512", "--min-width", "512"])
-    try:
-        yield proc.wait_ready(900)
-    finally:
-        assert proc.terminate() == 0, proc.log_text()[-3000:]
+    with serving(["--model", str(smollm2["ckpt_gguf"]), "--dtype", "float32", "--max-num-seqs", "16",
+                 "--chunk-sizes", "32,128", "--max-model-len", "512", "--min-width", "512"]) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

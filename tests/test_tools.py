@@ -27,7 +27,7 @@ from day0jax.engine.grammar import GrammarError  # noqa: E402
 from day0jax.engine.requests import SamplingParams  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
 from day0jax.serve import tools as T  # noqa: E402
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from day0jax.serve.launch import serving  # noqa: E402
 
 # Chat templates written for these tests in each syntax's style (the shapes Qwen, Mistral and Llama 3 use).
 HERMES = """{%- if tools %}<|im_start|>system
@@ -168,12 +168,9 @@ def server(tmp_path_factory):
     # Room for the tool descriptions in the prompt.
     ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tools-serve"), dict(CONFIG, max_position_embeddings=512),
                                       chat_template=HERMES)
-    proc = ServerProcess(["--model", str(ckpt), "--max-num-seqs", "4", "--chunk-sizes", "128",
-                          "--max-model-len", "512", "--min-width", "512"])
-    try:
-        yield proc.wait_ready(900)
-    finally:
-        assert proc.terminate() == 0, proc.log_text()[-3000:]
+    with serving(["--model", str(ckpt), "--max-num-seqs", "4", "--chunk-sizes", "128",
+                 "--max-model-len", "512", "--min-width", "512"]) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -255,13 +252,9 @@ def test_bad_tool_requests_are_400s(server, body, param, message):
 
 def test_tools_for_a_template_without_tool_support_are_a_400(tmp_path):
     ckpt = write_tiny_chat_checkpoint(tmp_path)  # SmolLM2's template never reads `tools`
-    proc = ServerProcess(["--model", str(ckpt), "--max-num-seqs", "2", "--chunk-sizes", "128",
-                          "--max-model-len", "256", "--min-width", "256", "--warmup", "none"])
-    try:
-        url = proc.wait_ready(600).url
-        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+    with serving(["--model", str(ckpt), "--max-num-seqs", "2", "--chunk-sizes", "128", "--max-model-len", "256",
+                  "--min-width", "256", "--warmup", "none"], timeout=600) as proc:
+        r = httpx.post(proc.url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny-chat", "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
         assert "no tool support" in r.json()["error"]["message"]
-    finally:
-        assert proc.terminate() == 0, proc.log_text()[-3000:]

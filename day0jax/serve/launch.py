@@ -10,7 +10,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 def free_port() -> int:
@@ -80,3 +82,15 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+@contextmanager
+def serving(args: list[str], timeout: float = 900, **kwargs) -> Iterator[ServerProcess]:
+    """A ready server for the `with` block (arguments as `ServerProcess`'s); on leaving it, SIGTERM, and an
+    AssertionError carrying the log's end if the drain's exit code was not 0."""
+    proc = ServerProcess(args, **kwargs)
+    try:
+        yield proc.wait_ready(timeout)
+    finally:
+        code = proc.terminate()
+        assert code == 0, f"the server exited with {code}:\n{proc.log_text()[-3000:]}"
