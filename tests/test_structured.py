@@ -2,8 +2,9 @@
 choices and logit biases through `Model.generate` and through the server with the official `openai` client; the
 grammar's mask applied on the device inside the sampler, constrained and free requests sharing decode steps.
 
-Sampled outputs (temperature 1, 20 prompts per schema) must each parse and validate: a grammar that leaked one
-token would fail some seed. Bad schemas, regexes and combinations are 400s naming the field and keyword.
+Sampled outputs (temperature 1, 20 seeds per schema, through the server) must each parse and validate: a grammar
+that leaked one token would fail some seed. Bad schemas, regexes and combinations are 400s naming the field and
+keyword.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -85,15 +87,10 @@ def test_unsupported_schema_keywords_are_named_with_their_place():
 
 # --- Model.generate ------------------------------------------------------------------------------------------------
 
-def test_schema_outputs_parse_and_validate_for_every_seed(model):
-    """SEEDS sampled records per schema (prompts differ by a record number, so the draws do), in one batch each."""
-    for name, schema in SCHEMAS.items():
-        prompts = [chat(model, f"Reply with JSON {name} record number {i}.") for i in range(SEEDS)]
-        outputs = model.generate(prompts, 96, temperature=1.0, seed=7, json_schema=schema)
-        texts = [model.tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
-        for text in texts:
-            jsonschema_rs.validate(schema, json.loads(text))
-        assert len(set(texts)) > 1, texts  # sampling really varied the records
+def test_generate_takes_a_json_schema(model):
+    prompts = [chat(model, f"Reply with JSON person record number {i}.") for i in range(4)]
+    for out in model.generate(prompts, 96, temperature=1.0, seed=7, json_schema=PERSON):
+        jsonschema_rs.validate(PERSON, json.loads(model.tokenizer.decode(out, skip_special_tokens=True)))
 
 
 def test_any_json_object_regex_and_choice(model):
@@ -163,6 +160,29 @@ def client(server):
 
 def model_name(client) -> str:
     return client.models.list().data[0].id
+
+
+def test_schema_outputs_parse_and_validate_for_every_seed(client):
+    """SEEDS sampled completions per schema through the official client, sent at once (they share decode steps):
+    every one that stops parses and validates, and sampling really varied them."""
+    name = model_name(client)
+
+    def ask(job):
+        schema_name, seed = job
+        fmt = {"type": "json_schema", "json_schema": {"name": schema_name, "schema": SCHEMAS[schema_name]}}
+        r = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": f"Reply with a JSON {schema_name} record."}],
+            max_tokens=128, temperature=1.0, seed=seed, response_format=fmt)
+        return schema_name, r.choices[0]
+
+    with ThreadPoolExecutor(len(SCHEMAS) * SEEDS) as pool:
+        results = list(pool.map(ask, [(n, seed) for n in SCHEMAS for seed in range(SEEDS)]))
+    texts = {n: set() for n in SCHEMAS}
+    for schema_name, choice in results:
+        assert choice.finish_reason == "stop", choice
+        jsonschema_rs.validate(SCHEMAS[schema_name], json.loads(choice.message.content))
+        texts[schema_name].add(choice.message.content)
+    assert all(len(t) > 1 for t in texts.values()), texts
 
 
 def test_response_format_json_schema_plain_and_streamed(client):

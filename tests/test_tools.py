@@ -86,6 +86,9 @@ def test_syntax_is_read_from_the_template():
         T.syntax_of("{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(GrammarError, match="does not parse"):
         T.syntax_of("{% if tools %}<function_calls>{{ tools }}{% endif %}")
+    glm = "{% if tools %}<tool_call>{{ name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>{% endif %}"
+    with pytest.raises(GrammarError, match="GLM's <tool_call> with <arg_key>"):
+        T.syntax_of(glm)  # contains <tool_call>, but is not Hermes JSON
 
 
 @pytest.mark.parametrize("syntax,text,content,calls", [

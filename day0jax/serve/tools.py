@@ -131,6 +131,13 @@ SYNTAXES = {
 }
 
 
+# Tool-call syntaxes of released templates that are recognized but not parsed yet, by a mark in the template
+# (checked first: GLM's also contains "<tool_call>", with arguments as tag pairs instead of JSON).
+UNPARSED = {"<arg_key>": "GLM's <tool_call> with <arg_key>/<arg_value> pairs",
+            "tool▁calls▁begin": "DeepSeek's <｜tool▁calls▁begin｜> sections",
+            "<|tool_calls_section_begin|>": "Kimi's <|tool_calls_section_begin|> sections"}
+
+
 def syntax_of(template: str | None) -> ToolSyntax:
     """The tool-call syntax a chat template teaches.
 
@@ -139,6 +146,11 @@ def syntax_of(template: str | None) -> ToolSyntax:
     """
     if not template or not re.search(r"\btools\b", template):
         raise GrammarError("this model's chat template has no tool support (it never reads `tools`)", "tools")
+    for mark, what in UNPARSED.items():
+        if mark in template:
+            raise GrammarError(f"this model's chat template calls tools with {what}, which day0jax does not parse "
+                               "yet (it parses Hermes <tool_call> JSON, Llama 3 JSON and Mistral [TOOL_CALLS])",
+                               "tools")
     if "<tool_call>" in template:
         return SYNTAXES["hermes"]
     if "[TOOL_CALLS]" in template:
