@@ -144,6 +144,39 @@ def test_bad_constraints_are_grammar_errors(model):
         model.generate([story], 4, regex="(unclosed")
 
 
+def test_a_grammar_that_compiles_too_long_is_a_400_for_that_request(monkeypatch):
+    """The compile runs off the event loop with a deadline; here it is held until the deadline has passed."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from day0jax.serve import protocol as P
+    from day0jax.serve import routes
+    from day0jax.serve.errors import APIError
+
+    release = threading.Event()
+
+    class HeldCompiler:
+        def regex(self, pattern, param="guided_regex"):
+            release.wait(60)
+            raise GrammarError("released", param)
+
+    state = SimpleNamespace(model=SimpleNamespace(grammars=HeldCompiler()))
+    body = P.CompletionRequest(model="m", prompt="x", guided_regex="a+")
+    monkeypatch.setattr(routes, "GRAMMAR_SECONDS", 0.05)
+
+    async def request():
+        try:
+            return await routes.guidance(state, body)
+        finally:
+            release.set()  # lets the compile thread end, so the loop can close
+
+    with pytest.raises(APIError) as error:
+        asyncio.run(request())
+    assert error.value.status == 400 and error.value.param == "guided_regex"
+    assert "took longer than 0.05 s to compile" in error.value.message
+
+
 # --- the server ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -213,6 +246,10 @@ def test_json_object_guided_choice_and_regex_on_both_routes(client):
     year = client.completions.create(model=name, prompt="The moon landing was in", max_tokens=8, temperature=0,
                                      extra_body={"guided_regex": r" (19|20)\d\d"})
     assert re.fullmatch(r" (19|20)\d\d", year.choices[0].text)
+    record = client.completions.create(model=name, prompt="A person, as JSON:", max_tokens=96, temperature=0,
+                                       extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                           "name": "person", "schema": PERSON}}})
+    jsonschema_rs.validate(PERSON, json.loads(record.choices[0].text))
 
 
 @pytest.mark.parametrize("body,param,message", [

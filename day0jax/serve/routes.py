@@ -285,7 +285,7 @@ async def guidance(state: ServerState, body, tools: list[dict] | None = None,
     except GrammarError as e:
         raise APIError(400, str(e), param=e.param or asked[0]) from None
     except asyncio.TimeoutError:
-        raise APIError(400, f"the {asked[0]} took longer than {GRAMMAR_SECONDS:.0f} s to compile; simplify it",
+        raise APIError(400, f"the {asked[0]} took longer than {GRAMMAR_SECONDS:g} s to compile; simplify it",
                        param=asked[0]) from None
 
 
