@@ -170,6 +170,53 @@ def test_bad_input_matrix(server, name, body, status):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("route,body,param", [
+    ("chat/completions", '{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+     "messages[0].content"),
+    ("chat/completions", '{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], '
+                         '"stop": ["a", "\\udfff"]}', "stop[1]"),
+    ("completions", '{"model": "tiny-chat", "prompt": "x\\udc00y"}', "prompt"),
+])
+def test_lone_surrogates_are_400s_naming_the_field(server, route, body, param):
+    r = httpx.post(f"{server.url}/v1/{route}", content=body.encode(), timeout=60,
+                   headers={**headers(), "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "lone surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route,extra,status", [
+    ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}, 400),
+    ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, 400),
+    ("chat/completions", {"store": True}, 400),
+    ("chat/completions", {"store": False, "service_tier": "auto", "modalities": ["text"]}, 200),  # neutral values
+    ("completions", {"best_of": 3}, 400),
+    ("completions", {"suffix": " the end"}, 400),
+    ("completions", {"best_of": 1, "suffix": None, "some_vendor_field": 1}, 200),
+])
+def test_unimplemented_openai_fields_are_refused_unless_neutral(server, route, extra, status):
+    base = {"model": MODEL, "max_tokens": 2, **({"prompt": "x"} if route == "completions" else
+                                                 {"messages": [{"role": "user", "content": "x"}]})}
+    r = httpx.post(f"{server.url}/v1/{route}", json={**base, **extra}, headers=headers(), timeout=120)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == next(k for k in extra if k != "store" or extra[k])
+
+
+def test_more_sequences_than_the_queue_holds_is_a_400_not_a_429(server):
+    r = httpx.post(server.url + "/v1/completions", headers=headers(), timeout=60,
+                   json={"model": MODEL, "prompt": ["x"] * 32, "n": 16, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "512 sequences" in r.json()["error"]["message"]
+
+
+def test_metrics_labels_stay_bounded(server):
+    for i in range(5):
+        assert httpx.get(f"{server.url}/v1/probe-{i}", headers=headers()).status_code == 404
+    text = httpx.get(server.url + "/metrics").text
+    assert "probe-" not in text
+    assert re.search(r'day0jax_requests_total\{endpoint="other",status="404"\} [5-9]', text), text
+
+
 def test_context_overflow_names_both_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hello " * 100, max_tokens=200)
@@ -234,4 +281,20 @@ def test_schemathesis_finds_no_server_error(server):
 
         check()
     assert not failures, failures[:5]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_invalid_utf8_in_a_body_is_a_400(server):
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny-chat", "prompt": "x\xff\xfey"}',
+                   headers={**headers(), "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+def test_oversized_chunked_body_is_a_413(server):
+    def chunks():  # no Content-Length: sent with chunked transfer encoding
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+    r = httpx.post(server.url + "/v1/completions", headers={**headers(), "Content-Type": "application/json"},
+                   content=chunks(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     assert httpx.get(server.url + "/health").status_code == 200

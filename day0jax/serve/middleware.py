@@ -10,8 +10,9 @@ from day0jax.serve.errors import error_body
 from day0jax.serve.state import ServerState
 
 
-class _BodyTooLarge(Exception):
-    pass
+# The /v1 routes the metrics name; any other path counts as "other", so probing unknown paths cannot grow the
+# metrics without bound.
+ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
 
 
 class GuardMiddleware:
@@ -33,7 +34,7 @@ class GuardMiddleware:
 
         async def counting_send(message):
             if message["type"] == "http.response.start" and path.startswith("/v1"):
-                state.metrics.requests.labels(path, str(message["status"])).inc()
+                state.metrics.requests.labels(path if path in ROUTES else "other", str(message["status"])).inc()
             await send(message)
 
         if state.api_key and path.startswith("/v1"):
@@ -48,20 +49,22 @@ class GuardMiddleware:
         too_big = JSONResponse(error_body(f"the request body exceeds {limit} bytes", "invalid_request_error",
                                           None, "request_too_large"), status_code=413)
         if length is not None and length.isdigit() and int(length) > limit:
-            return await too_big(scope, receive, send)
-        received = 0
+            return await too_big(scope, receive, counting_send)
+        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            # Chunked: read it here, up to the limit (the app's body parser would turn an error raised from
+            # inside its reads into a 400), then hand the app the whole body.
+            body, more = b"", True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > limit:
+                    return await too_big(scope, receive, counting_send)
+            replay = [{"type": "http.request", "body": body, "more_body": False}]
 
-        async def limited_receive():
-            # A body sent without Content-Length (chunked) is counted as it arrives.
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited_receive, counting_send)
-        except _BodyTooLarge:
-            await too_big(scope, receive, counting_send)
+            async def replayed():
+                return replay.pop() if replay else await receive()
+            return await self.app(scope, replayed, counting_send)
+        await self.app(scope, receive, counting_send)

@@ -16,6 +16,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class _Request(_Strict):
+    # Undeclared fields are kept (model_extra) so that OpenAI fields this server does not implement are refused by
+    # name (UNIMPLEMENTED); other unknown fields are ignored, as OpenAI's own API and vLLM ignore them.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -61,7 +67,7 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -123,6 +129,20 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
+
+
+# OpenAI request fields the server does not implement, by request type, each with the test of its neutral value
+# (the value that asks for nothing the server does not do). Anything else in one of them is a 400 naming it.
+_NONE_OR = lambda *ok: lambda v, body: v in ok  # noqa: E731
+_CHAT_ONLY = {
+    "functions": _NONE_OR([]), "function_call": _NONE_OR("none"), "audio": _NONE_OR(),
+    "modalities": _NONE_OR(["text"]), "prediction": _NONE_OR(), "reasoning_effort": _NONE_OR(),
+    "web_search_options": _NONE_OR(), "store": _NONE_OR(False), "metadata": _NONE_OR({}),
+    "service_tier": _NONE_OR("auto", "default")}
+UNIMPLEMENTED = {
+    "ChatCompletionRequest": _CHAT_ONLY,
+    "CompletionRequest": {"suffix": _NONE_OR(""), "best_of": lambda v, body: v in (1, body.n)},
+}
 
 
 # --- responses -----------------------------------------------------------------------------------------------

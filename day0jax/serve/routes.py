@@ -58,8 +58,10 @@ async def list_models(state: State):
 @router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=_ERRORS)
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, state: State):
     arrival = time.monotonic()
+    check_request(body)
     engine = admit(state, body.model)
     check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
+    fits_queue(engine, body.n)
     tools, syntax = offered_tools(state, body)
     messages = [template_message(m) for m in body.messages]
     try:
@@ -81,6 +83,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, stat
 @router.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)
 async def completions(body: P.CompletionRequest, request: Request, state: State):
     arrival = time.monotonic()
+    check_request(body)
     engine = admit(state, body.model)
     prompts = body.prompt
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -96,6 +99,7 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
             token_prompts.append(list(p))
     if not token_prompts or any(not p for p in token_prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
+    fits_queue(engine, len(token_prompts) * body.n)
     params = sampling_params(state, body, body.max_tokens or 16, max(map(len, token_prompts)), body.logprobs,
                              await guidance(state, body))
     return await serve_request(request, state, engine, token_prompts, params, stop_strings(body.stop), body, False,
@@ -103,6 +107,39 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
 
 
 # --- checks before any tokenizing ------------------------------------------------------------------------------
+
+def check_request(body) -> None:
+    """Refuses what the server cannot serve as asked: an OpenAI field it does not implement, unless it carries its
+    neutral value (`protocol.UNIMPLEMENTED`), and text that is not valid Unicode (JSON lets a string hold a lone
+    surrogate, which no tokenizer can encode).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    for name, neutral in P.UNIMPLEMENTED.get(type(body).__name__, {}).items():
+        value = (body.model_extra or {}).get(name)
+        if value is not None and not neutral(value, body):
+            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+    _check_text(body, "")
+
+
+def _check_text(value, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path} is not valid Unicode text (it holds a lone surrogate)", param=path) from None
+    elif isinstance(value, P.BaseModel):
+        for name in type(value).model_fields:
+            _check_text(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_text(item, f"{path}.{key}")
+
 
 def ready(state: ServerState) -> AsyncEngine:
     """The engine, once the server is ready.
@@ -131,6 +168,15 @@ def admit(state: ServerState, model: str) -> AsyncEngine:
         raise APIError(400, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
     return engine
+
+
+def fits_queue(engine: AsyncEngine, sequences: int) -> None:
+    """Raises APIError 400 for a request of more sequences (prompts x n) than the waiting queue can ever hold: a
+    429 would tell its client to retry something that can never be served."""
+    limit = engine.engine.config.max_waiting
+    if sequences > limit:
+        raise APIError(400, f"the request asks for {sequences} sequences (prompts x n); this server queues at most "
+                       f"{limit}", param="n")
 
 
 def check_chars(state: ServerState, n: int, param: str) -> None:
