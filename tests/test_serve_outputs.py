@@ -40,3 +40,32 @@ def test_an_unfinished_utf8_character_is_held_back():
     choice = Choice(0, stops=[])
     sent, _ = feed(choice, "é🤗")  # 2 + 4 bytes
     assert sent == ["", "é", "", "", "", "🤗"]
+
+
+class ChunkTokenizer:
+    """Token i is `pieces[i]`, any bytes; an unfinished character's bytes decode as one U+FFFD each (as
+    byte-fallback tokenizers do), so the text can shrink when a token completes the character."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=False):
+        raw = b"".join(self.pieces[i] for i in ids)
+        for cut in range(len(raw), -1, -1):
+            try:
+                return raw[:cut].decode("utf-8") + "\ufffd" * (len(raw) - cut)
+            except UnicodeDecodeError:
+                continue
+
+
+def test_a_stop_string_in_the_token_that_completes_a_character_is_found():
+    """"€" is 3 bytes: after two of them the text ends in two U+FFFD; the next token brings the last byte and the
+    stop string at once, and the text grows by less than the token's characters."""
+    pieces = [b"ab", "€".encode()[:2], "€".encode()[2:] + b"X tail"]
+    choice = Choice(0, stops=["X"])
+    detok = Detokenizer(ChunkTokenizer(pieces))
+    stopped = False
+    for i in range(len(pieces)):
+        stopped = choice.add(TokenEvent("r", 0, i), detok)
+        assert "\ufffd" not in choice.sendable()
+    assert stopped and choice.text == "ab€"

@@ -68,10 +68,13 @@ class Choice:
         if event.token is not None and event.logprob is not None:
             self.logprobs.append((event.token, event.logprob, event.top_logprobs or []))
         full = detok.text(self.ids)
+        # Only the previous text's settled part is final: a trailing U+FFFD (an unfinished character) becomes
+        # fewer or other characters when the token completing it arrives.
+        settled = len(self.text.rstrip("\ufffd"))
         stopped = False
         for stop in self.stops:
-            # Search only where a new match can be: the previous text's tail plus the new characters.
-            pos = full.find(stop, max(0, len(self.text) - len(stop) + 1))
+            # Search only where a new match can be: the settled text's tail plus everything after it.
+            pos = full.find(stop, max(0, settled - len(stop) + 1))
             if pos != -1:
                 full, stopped = full[:pos], True
         self.text = full
