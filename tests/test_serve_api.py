@@ -52,7 +52,7 @@ def headers():
 
 
 def metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=headers()).text
     m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
@@ -212,7 +212,7 @@ def test_more_sequences_than_the_queue_holds_is_a_400_not_a_429(server):
 def test_metrics_labels_stay_bounded(server):
     for i in range(5):
         assert httpx.get(f"{server.url}/v1/probe-{i}", headers=headers()).status_code == 404
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=headers()).text
     assert "probe-" not in text
     assert re.search(r'day0jax_requests_total\{endpoint="other",status="404"\} [5-9]', text), text
 
@@ -231,6 +231,16 @@ def test_bad_params_name_the_parameter(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_with_a_key_every_route_but_health_needs_it(server):
+    for path in ("/metrics", "/openapi.json", "/docs", "/v1/models"):
+        r = httpx.get(server.url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(server.url + path, headers=headers()).status_code == 200, path
+    assert httpx.get(server.url + "/health").status_code == 200
+    # With a key, the Host header is not checked: the key is the protection.
+    assert httpx.get(server.url + "/v1/models", headers={**headers(), "Host": "example.com"}).status_code == 200
+
+
 def test_api_key_required(server):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
@@ -245,7 +255,7 @@ def test_oversized_body_is_refused(server):
 
 def test_metrics(server, client):
     client.completions.create(model=MODEL, prompt="metrics please", max_tokens=3)
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=headers()).text
     for name in ["day0jax_requests_total", "day0jax_prompt_tokens_total", "day0jax_generation_tokens_total",
                  "day0jax_time_to_first_token_seconds_bucket", "day0jax_inter_token_latency_seconds_bucket",
                  "day0jax_num_requests_waiting", "day0jax_num_requests_running", "day0jax_kv_blocks_used",
@@ -259,7 +269,7 @@ def test_schemathesis_finds_no_server_error(server):
     import schemathesis
     from hypothesis import HealthCheck, settings
 
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=headers())
     failures = []
     for op in schema.get_all_operations():
         operation = op.ok()

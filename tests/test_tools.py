@@ -261,3 +261,12 @@ def test_tools_for_a_template_without_tool_support_are_a_400(tmp_path):
             "model": "tiny-chat", "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
         assert "no tool support" in r.json()["error"]["message"]
+
+
+def test_without_a_key_only_loopback_and_bound_host_names_are_served(server):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name as Host."""
+    for host in ("localhost", "127.0.0.1", f"127.0.0.1:{server.port}", "[::1]:80", "LOCALHOST:1"):
+        assert httpx.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", ""):
+        r = httpx.get(server.url + "/v1/models", headers={"Host": host})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", host

@@ -32,7 +32,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("DAY0JAX_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DAY0JAX_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$DAY0JAX_API_KEY; prefer it or --api-key-file: a command line is visible to other users)")
+    p.add_argument("--api-key-file", type=Path, help="read the API key from this file (its first line)")
+    p.add_argument("--public-metrics", action="store_true", help="with an API key, serve /metrics without it")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--warmup", choices=("ready", "all", "none"), default="ready",
                    help="what to compile before /health turns 200: the few programs the first requests need "
@@ -106,8 +109,15 @@ def main(argv=None) -> int:
         from day0jax.weights.default_model import NAME
 
         name = Path(args.model).resolve().name if args.model else NAME
-    state = ServerState(model_name=name, api_key=args.api_key or None, max_body_bytes=args.max_body_bytes,
-                        timeline=timeline)
+    api_key = args.api_key or None
+    if args.api_key_file is not None:
+        try:
+            api_key = args.api_key_file.read_text().splitlines()[0].strip() or None
+        except (OSError, IndexError) as e:
+            log.error("--api-key-file %s: cannot read a key (%s)", args.api_key_file, e or "empty file")
+            return 2
+    state = ServerState(model_name=name, api_key=api_key, max_body_bytes=args.max_body_bytes, timeline=timeline,
+                        public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower())
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 

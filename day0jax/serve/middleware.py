@@ -1,4 +1,11 @@
-"""ASGI middleware run before any parsing: API key (401), body size (413); counts /v1 responses, refusals included."""
+"""ASGI middleware run before any parsing: Host header (403), API key (401), body size (413); counts /v1 responses,
+refusals included.
+
+Without an API key the server trusts whoever can reach it, so it accepts only requests addressed to a loopback
+name or to the address it is bound to: a web page on another site whose name an attacker points at 127.0.0.1 (DNS
+rebinding) sends its own name as Host and is refused. With a key, every route but /health needs it (/metrics too,
+unless --public-metrics).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ from fastapi.responses import JSONResponse
 from day0jax.serve.errors import error_body
 from day0jax.serve.state import ServerState
 
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 # The /v1 routes the metrics name; any other path counts as "other", so probing unknown paths cannot grow the
 # metrics without bound.
@@ -37,7 +46,14 @@ class GuardMiddleware:
                 state.metrics.requests.labels(path if path in ROUTES else "other", str(message["status"])).inc()
             await send(message)
 
-        if state.api_key and path.startswith("/v1"):
+        if not state.api_key and _host_name(headers.get(b"host", b"")) not in LOOPBACK_NAMES | {state.bound_host}:
+            resp = JSONResponse(error_body("this server answers only requests addressed to it by a loopback name or "
+                                           f"its address ({state.bound_host}); serve with an API key to accept "
+                                           "others", "invalid_request_error", None, "host_not_allowed"),
+                                status_code=403)
+            return await resp(scope, receive, counting_send)
+        public = path == "/health" or (path == "/metrics" and state.public_metrics)
+        if state.api_key and not public:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), state.api_key.encode()):
@@ -68,3 +84,11 @@ class GuardMiddleware:
                 return replay.pop() if replay else await receive()
             return await self.app(scope, replayed, counting_send)
         await self.app(scope, receive, counting_send)
+
+
+def _host_name(host: bytes) -> str:
+    """The name in a Host header, without the port ("[::1]:8000" -> "::1")."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text

@@ -14,7 +14,9 @@ class ServerState:
     """What the routes need; `engine` and `tokenizer` appear once loading is done."""
 
     model_name: str  # the id clients must send as `model`
-    api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer <key>`
+    public_metrics: bool = False  # with an API key: /metrics answers without it
+    bound_host: str = "127.0.0.1"  # without an API key, only this and loopback names are accepted as Host
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     status: str = "loading"  # "loading", "warming up", "ready", "draining" or "failed"
     detail: str = ""
