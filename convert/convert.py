@@ -86,6 +86,15 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
     return plan
 
 
+def _check_destination(src: Path, dst: Path) -> None:
+    """Refuses a destination that is the source, lies inside it or contains it (a --force would delete the source,
+    or the output would land among the files it is read from)."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or d.is_relative_to(s) or s.is_relative_to(d):
+        where = "is" if d == s else "is inside" if d.is_relative_to(s) else "contains"
+        raise CheckpointError(f"the destination {dst} {where} the source {src}; convert into another folder")
+
+
 def _plan(src: Path, dtype: str | None):
     """The opened source, its HF config, the family's config, the runtime parameters, their sources and the output
     dtype name, all checked before anything is written."""
@@ -140,6 +149,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         CheckpointError, UnsupportedArchitecture, ConfigError: before anything is written where possible.
     """
     start = time.perf_counter()
+    _check_destination(Path(src), Path(dst))
     source, hf, config, infos, plan, dtype = _plan(Path(src), dtype)
     out_dtype = DTYPES[dtype]
     total_in = sum(source.tensor_nbytes(n) for src_ in plan.values() for n in src_.names)

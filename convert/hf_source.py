@@ -27,7 +27,7 @@ class HFSource:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.config = read_config_json(self.path / "config.json")
+        self.config = read_config_json(self.inside(self.path / "config.json", "config.json"))
         self.files = self._open_shards()
         self._where: dict[str, SafetensorsFile] = {}
         for f in self.files:
@@ -43,14 +43,18 @@ class HFSource:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                weight_map = json.loads(self.inside(index, "model.safetensors.index.json").read_text())["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names (strings)")
             shard_names = sorted(set(weight_map.values()))
             for name in shard_names:
-                if not (self.path / name).is_file():
+                if Path(name).is_absolute() or not (self.path / name).is_file():
                     raise CheckpointError(f"{index}: names shard {name!r}, which is missing from {self.path}")
-            files = [SafetensorsFile(self.path / n) for n in shard_names]
+            files = [SafetensorsFile(self.inside(self.path / n, f"shard {n!r} named by the index"))
+                     for n in shard_names]
             listed = {t for f in files for t in f.tensors}
             missing = sorted(set(weight_map) - listed)
             if missing:
@@ -58,12 +62,25 @@ class HFSource:
             return files
         shards = sorted(self.path.glob("*.safetensors"))
         if shards:
-            return [SafetensorsFile(p) for p in shards]
+            return [SafetensorsFile(self.inside(p, p.name)) for p in shards]
         if any(self.path.glob("pytorch_model*.bin")) or any(self.path.glob("*.pt")) or any(self.path.glob("*.pth")):
             raise CheckpointError(f"{self.path}: holds only PyTorch pickle weights (pytorch_model*.bin); these are "
                                   "never unpickled because that can run arbitrary code. Convert them to safetensors "
                                   "first (e.g. with transformers' save_pretrained(safe_serialization=True)).")
         raise CheckpointError(f"{self.path}: no *.safetensors weights found")
+
+    def inside(self, path: Path, what: str) -> Path:
+        """`path`, once sure that it resolves (symlinks followed) inside the source folder: a checkpoint names
+        its own files, never others on the machine.
+
+        Raises:
+            CheckpointError: it resolves outside.
+        """
+        resolved, root = path.resolve(), self.path.resolve()
+        if not resolved.is_relative_to(root):
+            raise CheckpointError(f"{self.path}: {what} resolves to {resolved}, outside the source folder; refusing "
+                                  "to read it")
+        return path
 
     # --- Source interface ---------------------------------------------------------------------------------
     def hf_config(self) -> dict:
@@ -117,6 +134,6 @@ class HFSource:
         written = []
         for name in TOKENIZER_FILES:
             if (self.path / name).is_file():
-                shutil.copyfile(self.path / name, dst / name)
+                shutil.copyfile(self.inside(self.path / name, name), dst / name)
                 written.append(name)
         return written

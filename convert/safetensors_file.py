@@ -61,11 +61,14 @@ class SafetensorsFile:
             raw = f.read(header_len)
         try:
             header = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise CheckpointError(f"{self.path}: header is not JSON (not a safetensors file?)") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: header is not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
+            raise CheckpointError(f"{self.path}: header field __metadata__ must map strings to strings")
         self.tensors = {name: self._parse_entry(name, entry, 8 + header_len, size) for name, entry in header.items()}
         spans = sorted(self.tensors.values(), key=lambda t: (t.begin, t.end))
         for a, b in zip(spans, spans[1:]):
@@ -75,15 +78,25 @@ class SafetensorsFile:
         self._mmap = None
 
     def _parse_entry(self, name: str, entry, data_start: int, size: int) -> TensorInfo:
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed header entry: {entry!r}") from None
+        def bad(field: str, value) -> CheckpointError:
+            return CheckpointError(f"{self.path}: tensor {name!r} has an invalid {field} in its header: "
+                                   f"{str(value)[:200]}")
+
+        if not isinstance(entry, dict):
+            raise bad("entry", entry)
+        dtype_name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype_name, str):
+            raise bad("dtype", dtype_name)
         if dtype_name not in DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
         dtype = DTYPES[dtype_name]
-        if not all(isinstance(d, int) and d >= 0 for d in shape) or not (0 <= begin <= end):
-            raise CheckpointError(f"{self.path}: tensor {name!r} has invalid shape {shape} or offsets {begin}-{end}")
+        # type() and not isinstance: a JSON true is a Python bool, which is an int.
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad("shape", shape)
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets) \
+                or not 0 <= offsets[0] <= offsets[1]:
+            raise bad("data_offsets", offsets)
+        shape, (begin, end) = tuple(shape), offsets
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{self.path}: tensor {name!r} of shape {shape} {dtype_name} needs "
                                   f"{math.prod(shape) * dtype.itemsize} bytes but its offsets span {end - begin}")

@@ -1,7 +1,9 @@
 """Writes a checkpoint folder atomically, streaming parameters into Orbax groups of bounded size.
 
 Everything goes into a hidden temporary folder beside the destination, renamed into place once complete: a killed
-conversion leaves only the temporary folder, which the next conversion into the same place removes.
+conversion leaves only the temporary folder, which the next conversion into the same place removes. With --force
+the old output is renamed aside only once the new one is complete, and deleted after the new one is in place; a
+crash in between leaves it aside, and the next conversion puts it back (or deletes it, if the new one made it).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class CheckpointWriter:
 
     def __init__(self, dst: Path, *, force: bool = False, on_saved: Callable[[], None] | None = None):
         self.dst = Path(dst).absolute()
+        for old in self.dst.parent.glob(f".{self.dst.name}.old-*"):
+            if self.dst.exists():  # a replaced output that a crash kept from being deleted
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # a crash between the two renames of a --force: the old output is still the last complete one
+                os.rename(old, self.dst)
         if self.dst.exists() and not force:
             raise CheckpointError(f"{self.dst}: already exists; pass --force to replace it")
         self.dst.parent.mkdir(parents=True, exist_ok=True)

@@ -211,6 +211,86 @@ def test_failed_save_on_the_writer_thread_reaches_the_caller(hf, tmp_path, monke
     convert_fails(hf, tmp_path, OSError, "No space left")
 
 
+@pytest.mark.parametrize("entry,field", [
+    ({"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}, "dtype"),
+    ({"dtype": "F32", "shape": [[4]], "data_offsets": [0, 16]}, "shape"),
+    ({"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}, "shape"),
+    ({"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}, "shape"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}, "data_offsets"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 8, 16]}, "data_offsets"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}, "data_offsets"),
+    ({"dtype": "F32", "shape": [2 ** 62, 2 ** 62], "data_offsets": [0, 16]}, "needs"),
+    ("F32", "entry"),
+])
+def test_malformed_safetensors_header_fields_name_the_field(hf, tmp_path, entry, field):
+    """Wrong JSON types, nested arrays, booleans as sizes and overflowing shapes are CheckpointErrors naming file,
+    tensor and field; never a raw TypeError or OverflowError."""
+    write_safetensors(hf / "model.safetensors", {"a": entry}, bytes(16))
+    convert_fails(hf, tmp_path, CheckpointError, rf"model\.safetensors: tensor 'a' .*{field}")
+
+
+def test_deeply_nested_or_odd_metadata_headers(hf, tmp_path):
+    raw = b"[" * 100_000 + b"]" * 100_000  # json.loads raises RecursionError
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    convert_fails(hf, tmp_path, CheckpointError, r"model\.safetensors: header is not JSON")
+    write_safetensors(hf / "model.safetensors", {"__metadata__": {"format": 1}})
+    convert_fails(hf, tmp_path, CheckpointError, r"__metadata__ must map strings to strings")
+
+
+def test_index_paths_and_symlinks_must_stay_inside_the_source(hf, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(str(hf / "model.safetensors"), outside / "weights.safetensors")
+    names = list(__import__("safetensors").safe_open(str(outside / "weights.safetensors"), "np").keys())
+    index = hf / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {n: "../elsewhere/weights.safetensors" for n in names}}))
+    convert_fails(hf, tmp_path, CheckpointError, r"outside the source folder")
+    index.write_text(json.dumps({"weight_map": {n: str(outside / "weights.safetensors") for n in names}}))
+    convert_fails(hf, tmp_path, CheckpointError, r"missing from")  # absolute names are never taken
+    index.write_text(json.dumps({"weight_map": {names[0]: ["model.safetensors"]}}))
+    convert_fails(hf, tmp_path, CheckpointError, r"weight_map must map tensor names to shard file names")
+    index.unlink()
+    (hf / "model.safetensors").symlink_to(outside / "weights.safetensors")
+    convert_fails(hf, tmp_path, CheckpointError, r"model\.safetensors resolves to .*, outside the source folder")
+    (hf / "model.safetensors").unlink()
+    shutil.move(str(outside / "weights.safetensors"), hf / "model.safetensors")
+    secret = outside / "secret.txt"
+    secret.write_text("not for the checkpoint")
+    (hf / "tokenizer_config.json").unlink(missing_ok=True)
+    (hf / "tokenizer_config.json").symlink_to(secret)
+    convert_fails(hf, tmp_path, CheckpointError, r"tokenizer_config\.json resolves to .*secret\.txt, outside")
+
+
+def test_destination_inside_or_containing_the_source_is_refused(hf, tmp_path):
+    for dst, where in ((hf, "is"), (hf / "converted", "is inside"), (tmp_path, "contains")):
+        with pytest.raises(CheckpointError, match=f"the destination .* {where} the source"):
+            convert_checkpoint(hf, dst, progress=False, force=True)
+    assert (hf / "config.json").is_file() and (hf / "model.safetensors").is_file()
+
+
+def test_force_keeps_the_old_output_until_the_new_one_is_complete(hf, tmp_path, monkeypatch):
+    from convert import writer
+
+    dst = tmp_path / "dst"
+    convert_checkpoint(hf, dst, progress=False)
+    manifest = (dst / "day0jax.json").read_text()
+
+    class FullDisk:
+        def save(self, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(writer, "_checkpointer", FullDisk)
+        with pytest.raises(OSError):
+            convert_checkpoint(hf, dst, progress=False, force=True)
+    assert (dst / "day0jax.json").read_text() == manifest  # untouched
+    assert not list(tmp_path.glob(".dst.tmp-*")) and not list(tmp_path.glob(".dst.old-*"))
+    # A crash between a --force's two renames leaves the old output aside: the next conversion puts it back.
+    dst.rename(tmp_path / ".dst.old-1234abcd")
+    with pytest.raises(CheckpointError, match="already exists"):
+        convert_checkpoint(hf, dst, progress=False)
+    assert (dst / "day0jax.json").read_text() == manifest and not list(tmp_path.glob(".dst.old-*"))
+
+
 def test_release_unmaps_the_pages_a_read_touched(tmp_path):
     """Tensors are views of a memory map; `release` must drop their pages from the process, or a conversion's
     resident memory grows to the size of the source."""
