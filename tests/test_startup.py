@@ -159,6 +159,38 @@ def test_unusable_cache_folder_is_reported_and_a_read_only_one_is_used_read_only
         compile_cache.disable()
 
 
+def test_a_cache_folder_another_user_could_write_is_not_used(tmp_path, caplog, monkeypatch):
+    """Programs are loaded (unpickled, executed) from the cache: it must be this user's alone, created 0700."""
+    import stat
+
+    from day0jax.startup.program_store import ProgramStore
+
+    key = compile_cache.current_key(None, "model")
+    root = tmp_path / "cache"
+    try:
+        cache = compile_cache.enable(root, key)
+        assert cache is not None
+        assert [stat.S_IMODE(p.stat().st_mode) for p in (root, cache.folder)] == [0o700, 0o700]
+        store = ProgramStore(cache)
+        assert store.trusted and stat.S_IMODE((cache.folder / "programs").stat().st_mode) == 0o700
+        (cache.folder / "programs").chmod(0o777)
+        with caplog.at_level(logging.WARNING):
+            store = ProgramStore(cache)
+        assert not store.trusted and store.load("anything") is None and "other users may write" in caplog.text
+    finally:
+        compile_cache.disable()
+    for path, harm in ((root, lambda: root.chmod(0o775)), (cache.folder, lambda: cache.folder.chmod(0o757)),
+                       (root, lambda: monkeypatch.setattr(compile_cache.os, "getuid", lambda: 4242))):
+        harm()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="day0jax.startup.compile_cache"):
+            assert compile_cache.enable(root, key) is None
+        assert f"not using {path}" in caplog.text and "as trusted as code" in caplog.text
+        root.chmod(0o700)
+        cache.folder.chmod(0o700)
+        monkeypatch.undo()
+
+
 def test_compile_watch_counts_traces_and_compiles():
     watch_compiles()
     before = compile_totals()

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import platform
 import secrets
 import tempfile
@@ -281,7 +282,16 @@ def enable(root: str | Path | None, key: CacheKey) -> CompileCache | None:
     folder = root / key.folder_name()
     writable = True
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        for path in (root, folder):
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.mkdir(mode=0o700, exist_ok=True)
+        for path in (root, folder):
+            problem = untrusted(path)
+            if problem:
+                log.warning("compile cache: not using %s: %s. A compile cache is as trusted as code (JAX and the "
+                            "program store load executables from it); starting without one", path, problem)
+                return None
         _probe_write(folder)
     except OSError as e:
         if folder.is_dir() and os.access(folder, os.R_OK | os.X_OK) and any(folder.iterdir()):
@@ -301,6 +311,17 @@ def enable(root: str | Path | None, key: CacheKey) -> CompileCache | None:
     _install(files)
     log.info("compile cache: %s%s", folder, "" if writable else " (read-only)")
     return CompileCache(key, folder, files, writable)
+
+
+def untrusted(path: Path) -> str | None:
+    """Why another user could have put what is in `path` there (None: they could not): it belongs to someone else,
+    or its group or others may write to it."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"it belongs to user id {st.st_uid}, not to this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"its group or other users may write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def _probe_write(folder: Path) -> None:

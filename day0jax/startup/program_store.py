@@ -25,7 +25,7 @@ import jax
 from jax.experimental import serialize_executable
 
 from day0jax.startup import compile_cache
-from day0jax.startup.compile_cache import CompileCache, VerifiedFiles
+from day0jax.startup.compile_cache import CompileCache, VerifiedFiles, untrusted
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,15 @@ class ProgramStore:
         writable = cache.writable
         if writable:
             try:
-                folder.mkdir(exist_ok=True)
+                folder.mkdir(mode=0o700, exist_ok=True)
             except OSError as e:
                 log.warning("program store: cannot create %s (%s); programs will be traced on every start", folder, e)
                 writable = False
+        self.trusted = True
+        problem = untrusted(folder) if folder.is_dir() else None
+        if problem:  # its entries are unpickled: never from a folder someone else could write
+            log.warning("program store: not using %s: %s; programs will be traced on every start", folder, problem)
+            self.trusted = writable = False
         self.cache = cache
         self.files = VerifiedFiles(folder, writable)
         self._prefix = "\n".join([source_fingerprint(), environment_fingerprint(), cache.key.digest()])
@@ -91,6 +96,8 @@ class ProgramStore:
 
     def load(self, signature: str) -> jax.stages.Compiled | None:
         """The program saved under `signature`, or None: missing, or not loadable (reported, then traced)."""
+        if not self.trusted:
+            return None
         name = self.entry_name(signature)
         payload = self.files.read(name)
         if payload is None:
