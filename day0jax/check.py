@@ -21,7 +21,7 @@ from typing import Any
 
 from day0jax.weights import hf_config as config_lib
 from day0jax import cli
-from day0jax.errors import Day0Error
+from day0jax.errors import CheckpointError, Day0Error
 from sharding import mesh as mesh_lib
 
 RUNS, WONT_RUN = 0, 2
@@ -63,9 +63,33 @@ def _open(path: Path, report: Report) -> tuple[dict, Any]:
         report.source = "config.json only"
         report.notes.append("no weights next to config.json: the checkpoint's tensors were not checked")
         return config_lib.read_config_json(path / "config.json"), None
-    source = open_source(path)  # safetensors: headers parsed; GGUF: header validated, data memory-mapped
+    try:
+        source = open_source(path)  # safetensors: headers parsed; GGUF: header validated, data memory-mapped
+    except CheckpointError as e:
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise
+        # One unreadable shard must not hide the rest of the report: go on from config.json and what is readable.
+        report.reasons.append(f"unreadable weights: {e}")
+        report.source = "safetensors, partly unreadable"
+        return config_lib.read_config_json(path / "config.json"), _ReadableShards(path)
     report.source = source.kind
     return source.hf_config(), source
+
+
+class _ReadableShards:
+    """The safetensors files of a folder whose headers parse (for the parameter count when another one does not)."""
+
+    kind = "safetensors"
+
+    def __init__(self, path: Path):
+        from convert.safetensors_file import SafetensorsFile
+
+        self.files = []
+        for f in sorted(path.glob("*.safetensors")):
+            try:
+                self.files.append(SafetensorsFile(f))
+            except (CheckpointError, OSError):
+                continue
 
 
 def _checkpoint_tensors(source: Any) -> tuple[int, dict[str, int]]:
@@ -259,7 +283,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
 
 def _mapping_problems(fam, config, infos, source) -> list[str]:
     """Whether every runtime parameter finds its tensor (right shape) and every tensor is used, from headers."""
-    if source is None:
+    if source is None or isinstance(source, _ReadableShards):  # (an unreadable shard is reported already)
         return []
     if isinstance(source, dict):
         from day0jax.weights.loader import manifest_problems

@@ -383,6 +383,38 @@ def test_checkpoint_that_does_not_match(tiny, tmp_path):
                                           for r in report.reasons), report.reasons
 
 
+def test_an_unreadable_shard_does_not_hide_the_report(tiny, tmp_path):
+    """A truncated or missing shard is listed as a problem (exit 2), and the family, the parameters the readable
+    headers hold, the operators and the memory plan are still reported."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny["llama"]["hf"]
+    folder = tmp_path / "sharded"
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, str(folder / file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: file for file, part in halves.items() for n in part}}))
+    readable = sum(tensors[n].size for n in halves["model-00001-of-00002.safetensors"])
+    broken = folder / "model-00002-of-00002.safetensors"
+    broken.write_bytes(broken.read_bytes()[:100])
+    for damage in ("truncated", "missing"):
+        if damage == "missing":
+            broken.unlink()
+        report = check_lib.check(folder)
+        assert not report.supported and report.family == "day0jax.models.llama", report.reasons
+        assert any(r.startswith("unreadable weights:") and "model-00002-of-00002.safetensors" in r
+                   for r in report.reasons), report.reasons
+        assert report.parameters["checkpoint_elements"] == readable and report.parameters["model"] > readable
+        assert report.ops and report.memory["kv_cache_bytes"] > 0 and report.memory["summary"], report.memory
+        out = subprocess.run([sys.executable, "-m", "day0jax.check", str(folder)], capture_output=True, text=True,
+                             cwd=ROOT) if damage == "missing" else None
+    assert out.returncode == 2 and "unreadable weights" in out.stdout and "memory per device" in out.stdout
+
+
 def test_cli_exit_codes_and_json(tiny, tmp_path):
     """`python -m day0jax.check` exits 0 for a model that will run and 2 for one that will not."""
     py = sys.executable
