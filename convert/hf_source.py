@@ -70,14 +70,18 @@ class HFSource:
         raise CheckpointError(f"{self.path}: no *.safetensors weights found")
 
     def inside(self, path: Path, what: str) -> Path:
-        """`path`, once sure that it resolves (symlinks followed) inside the source folder: a checkpoint names
-        its own files, never others on the machine.
+        """`path`, once sure that it resolves (symlinks followed) inside the source folder, or for a snapshot of
+        the Hugging Face hub cache (`<repo>/snapshots/<revision>/`) inside that repository's `blobs/`, where its
+        symlinks point: a checkpoint names its own files, never others on the machine.
 
         Raises:
             CheckpointError: it resolves outside.
         """
         resolved, root = path.resolve(), self.path.resolve()
-        if not resolved.is_relative_to(root):
+        allowed = [root]
+        if self.path.absolute().parent.name == "snapshots":
+            allowed.append((self.path.absolute().parent.parent / "blobs").resolve())
+        if not any(resolved.is_relative_to(r) for r in allowed):
             raise CheckpointError(f"{self.path}: {what} resolves to {resolved}, outside the source folder; refusing "
                                   "to read it")
         return path

@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def variant(src: Path, dst: Path, **changes) -> Path:
-    """A copy of HF folder `src` (weights symlinked) whose config.json has `changes` (None deletes a key)."""
+    """A copy of HF folder `src` (weights hard-linked) whose config.json has `changes` (None deletes a key)."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.name != "config.json":
-            (dst / f.name).symlink_to(f)
+            (dst / f.name).hardlink_to(f)
     cfg = json.loads((src / "config.json").read_text())
     for k, v in changes.items():
         if v is None:

@@ -3,6 +3,7 @@
 import json
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,6 +260,20 @@ def test_index_paths_and_symlinks_must_stay_inside_the_source(hf, tmp_path):
     (hf / "tokenizer_config.json").unlink(missing_ok=True)
     (hf / "tokenizer_config.json").symlink_to(secret)
     convert_fails(hf, tmp_path, CheckpointError, r"tokenizer_config\.json resolves to .*secret\.txt, outside")
+
+
+def test_a_hub_cache_snapshot_whose_files_link_into_blobs_converts(hf, tmp_path):
+    """The Hugging Face hub cache keeps files in <repo>/blobs/ and links them from <repo>/snapshots/<revision>/."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in hf.iterdir():
+        blob = repo / "blobs" / f"blob-{f.name}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    dst = convert_checkpoint(snapshot, tmp_path / "dst", progress=False).dst
+    assert (dst / "day0jax.json").is_file()
 
 
 def test_destination_inside_or_containing_the_source_is_refused(hf, tmp_path):
