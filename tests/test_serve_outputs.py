@@ -69,3 +69,32 @@ def test_a_stop_string_in_the_token_that_completes_a_character_is_found():
         stopped = choice.add(TokenEvent("r", 0, i), detok)
         assert "\ufffd" not in choice.sendable()
     assert stopped and choice.text == "ab€"
+
+
+def test_incremental_text_equals_a_full_decode_at_linear_cost():
+    """With SmolLM2's byte-level tokenizer, over random ids (multi-byte characters split across tokens included):
+    the text built token by token is the whole output's decode, and decoding it touched O(n) tokens, not O(n^2)."""
+    import numpy as np
+
+    from day0jax.weights.default_model import default_checkpoint
+    from day0jax.weights.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_checkpoint(progress=False))
+
+    class Counting:
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=False):
+            Counting.decoded += len(ids)
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    rng = np.random.default_rng(0)
+    texts = ["naïve café, 日本語 and 🤗 emoji", "plain words " * 20]
+    for ids in [tok.encode(t, add_special_tokens=False) for t in texts] + \
+            [rng.integers(0, tok.vocab_size, 300).tolist() for _ in range(5)]:
+        choice, detok = Choice(0, stops=[]), Detokenizer(Counting())
+        Counting.decoded = 0
+        for t in ids:
+            choice.add(TokenEvent("r", 0, int(t)), detok)
+        assert choice.text == tok.decode(ids, skip_special_tokens=True)
+        assert Counting.decoded <= 16 * len(ids), Counting.decoded

@@ -1,7 +1,7 @@
 """Engine token events to OpenAI output: per-choice text, stop strings, streaming chunks, final responses.
 
-A choice's text is re-decoded from all its ids on each event (a token may complete a multi-byte character) and
-streamed only as far as it can no longer change (see `Choice.sendable`).
+A choice's text is decoded incrementally (each token with a few before it as context; a token may complete a
+multi-byte character) and streamed only as far as it can no longer change (see `Choice.sendable`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class Choice:
     tools: Any = None  # the tool-call syntax (`tools.ToolSyntax`) when the request offered tools
     tool_names: frozenset = frozenset()
     tool_calls: list = field(default_factory=list)  # parsed when the choice finished
+    _settled: str = ""  # text of finished characters
+    _prefix: int = 0  # ids[_prefix:_read] decode to the end of _settled (the context for the next tokens)
+    _read: int = 0
 
     def add(self, event: TokenEvent, detok: Detokenizer) -> bool:
         """Adds one engine event to the text and logprobs; returns True when a stop string ended the choice (the text
@@ -63,21 +66,27 @@ class Choice:
             event: the engine's event for this choice.
             detok: the request's detokenizer.
         """
-        if event.token is not None and not event.stop_token:
-            self.ids.append(event.token)
         if event.token is not None and event.logprob is not None:
             self.logprobs.append((event.token, event.logprob, event.top_logprobs or []))
-        full = detok.text(self.ids)
-        # Only the previous text's settled part is final: a trailing U+FFFD (an unfinished character) becomes
-        # fewer or other characters when the token completing it arrives.
-        settled = len(self.text.rstrip("\ufffd"))
+        settled = len(self._settled)
+        if event.token is not None and not event.stop_token:
+            self.ids.append(event.token)
+            # Incremental: decode only the tokens since the last settled text, with the chunk before them as
+            # context (a tokenizer may render a token differently at the start of a text), so a long output costs
+            # linear time. Text ending in U+FFFD is an unfinished character: it settles with a later token.
+            before = detok.text(self.ids[self._prefix:self._read])
+            now = detok.text(self.ids[self._prefix:])
+            new = now[len(before):] if len(now) > len(before) else ""
+            if new and not now.endswith("\ufffd"):
+                self._settled += new
+                self._prefix, self._read, new = self._read, len(self.ids), ""
+            self.text = self._settled + new
         stopped = False
         for stop in self.stops:
             # Search only where a new match can be: the settled text's tail plus everything after it.
-            pos = full.find(stop, max(0, settled - len(stop) + 1))
+            pos = self.text.find(stop, max(0, settled - len(stop) + 1))
             if pos != -1:
-                full, stopped = full[:pos], True
-        self.text = full
+                self.text, stopped = self.text[:pos], True
         return stopped
 
     def sendable(self) -> str:

@@ -65,8 +65,9 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, stat
     tools, syntax = offered_tools(state, body)
     messages = [template_message(m) for m in body.messages]
     try:
-        prompt = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     **({"tools": tools} if tools else {}))
+        # Off the event loop: a long chat takes milliseconds to render and tokenize, which other streams would wait.
+        prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - a template choking on odd messages is the request's problem
@@ -90,13 +91,13 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
         prompts = [prompts]
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
-    token_prompts = []
     for p in prompts:
         if isinstance(p, str):
             check_chars(state, len(p), "prompt")
-            token_prompts.append(state.tokenizer.encode(p))
-        else:
-            token_prompts.append(list(p))
+
+    def tokenize():
+        return [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    token_prompts = await asyncio.to_thread(tokenize)  # off the event loop, as the chat template
     if not token_prompts or any(not p for p in token_prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
     fits_queue(engine, len(token_prompts) * body.n)
