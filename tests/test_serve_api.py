@@ -112,6 +112,48 @@ def test_32_concurrent_requests(client):
     assert all(reason in ("stop", "length") and n >= 1 for reason, n in results)
 
 
+def test_a_storm_of_bad_requests_leaves_good_streams_untouched(server, client):
+    """Greedy streams running while bad requests (malformed, out of range, lone surrogates, unimplemented fields,
+    too many sequences) keep arriving: every good stream gets exactly the text it gets alone, every bad request a
+    4xx in OpenAI's shape, and nothing is a 5xx."""
+    prompts = [f"Tell me about item {i}" for i in range(4)]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0, extra_body={
+        "ignore_eos": True}).choices[0].text for p in prompts]
+    bad = [b'{"model": "tiny-chat", "prompt": ', b'{"model": "tiny-chat", "prompt": "x", "top_p": 7}',
+           b'{"model": "tiny-chat", "prompt": "x\\ud800"}', b'{"model": "tiny-chat", "prompt": "x", "best_of": 4}',
+           b'{"model": "tiny-chat", "prompt": ["x", "y"], "n": 200}', b'{"model": "tiny-chat", "prompt": [999999]}',
+           b'{"model": "tiny-chat", "prompt": "x", "logit_bias": {"-3": 1}}',
+           b'{"model": "tiny-chat", "prompt": "x", "guided_regex": "("}']
+
+    async def good(http, p):
+        body = {"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+        text = ""
+        async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def storm(http):
+        codes = []
+        for round_ in range(6):
+            for body in bad:
+                r = await http.post(server.url + "/v1/completions", content=body,
+                                    headers={"Content-Type": "application/json"})
+                codes.append(r.status_code)
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+        return codes
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, headers=headers()) as http:
+            return await asyncio.gather(*(good(http, p) for p in prompts), storm(http))
+
+    *texts, codes = asyncio.run(main())
+    assert texts == alone
+    assert all(400 <= c < 500 for c in codes), codes
+
+
 def test_disconnecting_streams_free_their_blocks(server):
     baseline = metric(server, "day0jax_kv_blocks_used")
 
@@ -265,17 +307,24 @@ def test_metrics(server, client):
     assert metric(server, "day0jax_prefix_cache_hits_total") > 0  # the chat test reused its prompt
 
 
-def test_schemathesis_finds_no_server_error(server):
+@pytest.mark.parametrize("mode,with_key", [("positive", True), ("negative", True), ("positive", False)])
+def test_schemathesis_finds_no_server_error(server, mode, with_key):
+    """Fuzzing every route from the OpenAPI schema, with valid and with invalid data, with and without the key:
+    no 5xx, every error in OpenAI's shape. Seeded and bounded, so it is the same run every time."""
     import schemathesis
-    from hypothesis import HealthCheck, settings
+    from hypothesis import HealthCheck, seed, settings
 
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=headers())
     failures = []
     for op in schema.get_all_operations():
         operation = op.ok()
-        strategy = operation.as_strategy()
+        if mode == "negative" and operation.method.upper() != "POST":
+            continue  # a GET route without parameters has no invalid input to generate
+        strategy = operation.as_strategy(schemathesis.GenerationMode(mode))
 
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @seed(1234)
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)
         @__import__("hypothesis").given(case=strategy)
         def check(case):
             if isinstance(case.body, dict):  # keep generated requests short: this is about validation
@@ -285,9 +334,15 @@ def test_schemathesis_finds_no_server_error(server):
                 if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
                     case.body["n"] = 2
                 case.body["stream"] = False
-            response = case.call(headers=headers(), timeout=120)
+            response = case.call(headers=headers() if with_key else {}, timeout=120)
             if response.status_code >= 500:
                 failures.append((operation.label, case.body, response.status_code, response.text[:300]))
+            elif response.status_code >= 400:
+                error = response.json().get("error")
+                if not (isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)):
+                    failures.append((operation.label, case.body, response.status_code, "not OpenAI's error shape"))
+            if not with_key and response.status_code != 401 and operation.path != "/health":
+                failures.append((operation.label, case.body, response.status_code, "answered without the key"))
 
         check()
     assert not failures, failures[:5]

@@ -19,7 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineDead(RuntimeError):
-    """The engine's step raised; the server answers 500 for the requests that were in flight."""
+    """A request's steps fail (the server answers 500 for it alone), or the engine could not recover."""
+
+
+MAX_FAILED_STEPS = 3  # consecutive failed steps (each recovered from) before the engine is declared dead
 
 
 class AsyncEngine:
@@ -38,6 +41,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.dead: str | None = None  # why the engine stopped serving, once it could not recover
+        self._failed_steps = 0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -61,6 +66,8 @@ class AsyncEngine:
         Raises:
             InvalidRequest, QueueFull: from `Engine.add_request`, synchronously.
         """
+        if self.dead is not None:
+            raise EngineDead(f"the engine stopped serving: {self.dead}")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
@@ -108,17 +115,21 @@ class AsyncEngine:
             t0 = time.perf_counter()
             try:
                 events = self.engine.step()
-            except Exception as e:  # a real fault: fail the requests in flight, keep serving the next ones
-                log.exception("engine step failed")
-                failed = {rid: [e] for rid in list(self._queues)}
-                for rid in failed:
-                    self.engine.abort(rid)
+                self._failed_steps = 0
+            except Exception as e:  # a real fault: end only the requests it happens on, keep the others
+                log.exception("engine step failed; looking for the request it fails on")
+                self._failed_steps += 1
                 try:
-                    self.engine.step()  # applies the aborts, frees the pages
-                except Exception:
-                    log.exception("engine could not recover")
-                self._loop.call_soon_threadsafe(self._deliver, failed)
-                continue
+                    if self._failed_steps > MAX_FAILED_STEPS:
+                        raise RuntimeError(f"{self._failed_steps} steps in a row failed, the last with "
+                                           f"{type(e).__name__}: {e}") from e
+                    events, failed = self.engine.recover()
+                except Exception as fatal:  # noqa: BLE001 - nothing left to blame: stop serving, say so
+                    log.exception("the engine cannot recover; refusing new requests")
+                    self.dead = f"{type(fatal).__name__}: {fatal}"
+                    self._loop.call_soon_threadsafe(self._deliver, {rid: [fatal] for rid in list(self._queues)})
+                    return
+                self._loop.call_soon_threadsafe(self._deliver, {rid: [e] for rid in failed})
             if self.on_step is not None:
                 self.on_step(events, time.perf_counter() - t0)
             if events:

@@ -65,6 +65,7 @@ class Engine:
         self._lock = threading.Lock()
         self._in_flight: list[_Sampled] = []
         self._sources: dict[SequenceState, tuple[_Sampled, int]] = {}  # where each in-flight token sits
+        self._undelivered: list[TokenEvent] = []  # events of a step that then failed, for `recover` to return
         # Metrics counters, read from other threads (plain ints are safe to read).
         self.prompt_tokens_computed = self.generated_tokens = self.num_steps = 0
 
@@ -149,21 +150,84 @@ class Engine:
         s = self.scheduler
         return bool(s.waiting or s.running or self._commands or self._in_flight)
 
-    def step(self) -> list[TokenEvent]:
-        """Applies commands, schedules and dispatches this step, then returns the previous step's tokens as events."""
+    def step(self, apply_commands: bool = True) -> list[TokenEvent]:
+        """Applies commands (unless told not to), schedules and dispatches this step, then returns the previous
+        step's tokens as events."""
         events: list[TokenEvent] = []
-        self._apply_commands(events)
-        self.scheduler.admit()
         try:
-            work = self.scheduler.schedule()
-            previous = self._previous_tokens(work.decode)
-        except NeedTokens:
-            events += self._read_in_flight()
-            work, previous = self.scheduler.schedule(), None
-        sampled = self._run(work, previous)
-        events += self._read_in_flight()  # the previous step's programs ran before this step's
+            if apply_commands:
+                self._apply_commands(events)
+            self.scheduler.admit()
+            try:
+                work = self.scheduler.schedule()
+                previous = self._previous_tokens(work.decode)
+            except NeedTokens:
+                events += self._read_in_flight()
+                work, previous = self.scheduler.schedule(), None
+            sampled = self._run(work, previous)
+            events += self._read_in_flight()  # the previous step's programs ran before this step's
+        except BaseException:
+            self._undelivered += events  # what happened before the failure still reaches its requests
+            raise
         self._in_flight = sampled
         return events
+
+    def recover(self) -> tuple[list[TokenEvent], list[str]]:
+        """After `step()` raised: finds the requests a step fails on and ends them, keeping every other one.
+
+        Every sequence is preempted, keeping the tokens read so far (it recomputes its cache and goes on as it
+        would have: the same seed and position give the same draws, so tokens sampled but never read come out
+        again). Then each request steps alone, the others held back (new requests and aborts wait too), until it
+        has a new token or ends; a request whose step raises again is ended. Requests that pass stay running.
+
+        Returns:
+            The events of the recovery (tokens of the requests that passed) and the ids of the requests ended.
+        Raises:
+            Whatever a step raises with no request left to blame (the engine cannot recover).
+        """
+        events, self._undelivered = self._undelivered, []
+        try:
+            events += self._read_in_flight()  # tokens sampled before the failure, if they can still be read
+        except Exception:  # noqa: BLE001 - lost with the device's state; recomputing brings them back
+            log.warning("tokens of the failed step's predecessor could not be read; they will be recomputed")
+        self._in_flight, self._sources = [], {}
+        s = self.scheduler
+        for seq in reversed(list(s.running)):  # preempt puts each at the front of the queue: keep their order
+            seq.in_flight = 0
+            s.preempt(seq)
+        for seq in s.waiting:
+            seq.in_flight = 0
+        suspects = list(dict.fromkeys(seq.request_id for seq in s.waiting))
+        failed = []
+        for rid in suspects:
+            mine = [q for q in s.waiting if q.request_id == rid]
+            held = [q for q in s.waiting if q.request_id != rid]
+            if not mine:
+                continue
+            s.waiting = collections.deque(mine)
+            # Enough steps to prefill it in the smallest chunks and sample once, more than it can need.
+            limit = 4 + max(len(q.tokens) for q in mine) // self.layout.chunk_buckets[0] + len(mine)
+            try:
+                generated = min(q.num_generated for q in mine)
+                for _ in range(limit):
+                    if all(q.finished for q in mine) or min(q.num_generated for q in mine) > generated:
+                        break
+                    events += self.step(apply_commands=False)
+                events += self._read_in_flight()
+                self._in_flight = []
+            except Exception:  # noqa: BLE001 - this request makes steps fail: it alone is ended
+                log.exception("request %s makes the engine step fail; ending it", rid)
+                failed.append(rid)
+                self._in_flight, self._sources = [], {}
+                for q in s.by_request.get(rid, list(mine)):
+                    if not q.finished:
+                        s.finish(q)
+                for q in list(s.running):  # the others that passed: recompute, as after the first failure
+                    q.in_flight = 0
+                    s.preempt(q)
+            finally:
+                s.waiting.extend(held)
+        return events, failed
 
     def _apply_commands(self, events: list[TokenEvent]) -> None:
         while self._commands:

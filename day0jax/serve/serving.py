@@ -61,9 +61,11 @@ def _submit(engine: AsyncEngine, rid: str, prompts: list[list[int]], params: Sam
         for i, prompt in enumerate(prompts):
             sub_id = f"{rid}-{i}"
             subs.append((sub_id, engine.submit(sub_id, prompt, params), len(prompt)))
-    except (InvalidRequest, QueueFull) as e:
+    except (InvalidRequest, QueueFull, EngineDead) as e:
         for sub_id, _, _ in subs:
             engine.release(sub_id, finished=False)
+        if isinstance(e, EngineDead):
+            raise APIError(503, str(e), "service_unavailable") from None
         if isinstance(e, QueueFull):
             raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         raise APIError(400, str(e), param=e.param,
