@@ -267,7 +267,8 @@ def test_context_overflow_names_both_numbers(client):
 
 
 def test_bad_params_name_the_parameter(server):
-    for field, value in [("max_tokens", -1), ("temperature", "hot"), ("top_p", 0), ("n", 100)]:
+    for field, value in [("max_tokens", -1), ("temperature", "hot"), ("top_p", 0), ("n", 100), ("top_k", 10 ** 12),
+                         ("stop_token_ids", [2 ** 40])]:
         r = httpx.post(server.url + "/v1/completions", headers=headers(),
                        json={"model": MODEL, "prompt": "x", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
