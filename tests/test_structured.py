@@ -151,7 +151,7 @@ def test_a_grammar_that_compiles_too_long_is_a_400_for_that_request(monkeypatch)
     from types import SimpleNamespace
 
     from day0jax.serve import protocol as P
-    from day0jax.serve import routes
+    from day0jax.serve import constraints
     from day0jax.serve.errors import APIError
 
     release = threading.Event()
@@ -163,11 +163,11 @@ def test_a_grammar_that_compiles_too_long_is_a_400_for_that_request(monkeypatch)
 
     state = SimpleNamespace(model=SimpleNamespace(grammars=HeldCompiler()))
     body = P.CompletionRequest(model="m", prompt="x", guided_regex="a+")
-    monkeypatch.setattr(routes, "GRAMMAR_SECONDS", 0.05)
+    monkeypatch.setattr(constraints, "GRAMMAR_SECONDS", 0.05)
 
     async def request():
         try:
-            return await routes.guidance(state, body)
+            return await constraints.guidance(state, body)
         finally:
             release.set()  # lets the compile thread end, so the loop can close
 
