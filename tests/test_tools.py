@@ -78,10 +78,22 @@ def check_call(name: str, arguments: str) -> None:
 
 # --- syntaxes and parsers -----------------------------------------------------------------------------------------
 
+DEEPSEEK_V3 = """{% for m in messages %}{% if m.tool_calls %}<｜tool▁calls▁begin｜>{% for t in m.tool_calls %}\
+<｜tool▁call▁begin｜>{{ t.type }}<｜tool▁sep｜>{{ t.function.name }}\n```json\n{{ t.function.arguments | tojson }}\n```\
+<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>{% else %}{{ m.content }}{% endif %}{% endfor %}{{ tools }}"""
+DEEPSEEK_V31 = DEEPSEEK_V3.replace("{{ t.type }}<｜tool▁sep｜>{{ t.function.name }}\n```json\n", "{{ t.function.name }}"
+                                   "<｜tool▁sep｜>").replace("\n```\\\n", "")
+KIMI = """{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}\
+<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>"""
+
+
 def test_syntax_is_read_from_the_template():
     assert T.syntax_of(HERMES).name == "hermes"
     assert T.syntax_of(MISTRAL).name == "mistral"
     assert T.syntax_of(LLAMA3).name == "llama3_json"
+    assert "```json" in DEEPSEEK_V3 and "```json" not in DEEPSEEK_V31
+    assert T.syntax_of(DEEPSEEK_V3).name == "deepseek_v3" and T.syntax_of(DEEPSEEK_V31).name == "deepseek_v31"
+    assert T.syntax_of(KIMI).name == "kimi_k2"
     with pytest.raises(GrammarError, match="no tool support"):
         T.syntax_of("{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(GrammarError, match="does not parse"):
@@ -102,6 +114,17 @@ def test_syntax_is_read_from_the_template():
     ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC+9"}}', "<|python_tag|>",
      [("get_time", {"zone": "UTC+9"})]),
     ("llama3_json", 'The answer is {"name": "get_time"}.', None, []),  # JSON inside prose is not a call
+    ("deepseek_v3", 'Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+     '{"city": "Oslo", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time'
+     '\n```json\n{"zone": "UTC+1"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Checking.",
+     [("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "UTC+1"})]),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "UTC-3"}'
+     '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "", [("get_time", {"zone": "UTC-3"})]),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": ', None, []),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>'
+     '{"zone": "UTC+2"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
+     '{"city": "Rome", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>', "",
+     [("get_time", {"zone": "UTC+2"}), ("get_weather", {"city": "Rome", "unit": "celsius"})]),
 ])
 def test_parsers(syntax, text, content, calls):
     got_content, got = T.SYNTAXES[syntax].parse(text, set(PARAMETERS))
@@ -127,7 +150,7 @@ def tiny(tmp_path_factory):
                         engine=EngineConfig(max_num_seqs=4, chunk_buckets=(128,), max_model_len=256, min_width=256))
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "mistral", "llama3_json"])
+@pytest.mark.parametrize("syntax", ["hermes", "mistral", "llama3_json", "deepseek_v3", "deepseek_v31", "kimi_k2"])
 @pytest.mark.parametrize("only", [None, "get_time"])
 def test_forced_calls_parse_and_validate_in_every_syntax(tiny, syntax, only):
     s = T.SYNTAXES[syntax]

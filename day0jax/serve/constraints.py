@@ -122,7 +122,7 @@ async def guidance(state: ServerState, body, tools: list[dict] | None = None,
                 raise GrammarError(f"the parameters of {tool['function']['name']!r} use what structured output does "
                                    f"not support: {', '.join(bad)}", f"tools[{i}].function.parameters")
         only = choice.function.name if isinstance(choice, P.NamedToolChoice) else None
-        special = {syntax.marker: state.tokenizer.token_id(syntax.marker)} if syntax.marker else {}
+        special = {t: state.tokenizer.token_id(t) for t in syntax.specials}
         return grammars.lark(syntax.grammar(tools, only, {k: v for k, v in special.items() if v is not None},
                                             body.parallel_tool_calls), "tool_choice")
 

@@ -1,12 +1,13 @@
 """Tool calling: which tool-call syntax a chat template teaches its model, parsing that syntax out of the output, and
 the grammar that forces a call (tool_choice "required" or a named function) with arguments that validate.
 
-Three syntaxes cover the supported families' templates:
+The syntaxes of the supported families' templates:
 - "hermes": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, once per call (Qwen 2.5/3, SmolLM3,
   Hermes, and templates written after them);
 - "llama3_json": one JSON object `{"name": ..., "parameters": {...}}` as the whole answer, optionally after
   `<|python_tag|>` (Llama 3.1-3.3);
-- "mistral": `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (Mistral's v3 templates).
+- "mistral": `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (Mistral's v3 templates);
+- "deepseek_v3", "deepseek_v31", "kimi_k2": sections of special tokens around each call's name and JSON arguments.
 A template that mentions tools in another syntax is refused by name rather than served with calls left in the text.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from day0jax.engine.grammar import JSON_FORMAT, GrammarError
 
 _DECODER = json.JSONDecoder()
+_SPECIAL = re.compile(r"<｜[^｜]*｜>|<\|[^|]*\|>")  # DeepSeek's <｜...｜> and the <|...|> of most others
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,12 @@ class ToolSyntax:
     name: str
     marker: str
     arguments_key: str
+
+    @property
+    def specials(self) -> tuple[str, ...]:
+        """The syntax's fixed strings that a tokenizer may hold as special tokens (a grammar must match those as
+        the token, not as text)."""
+        return (self.marker,) if self.marker else ()
 
     def parse(self, text: str, known: set[str]) -> tuple[str, list[ToolCall]]:
         """The content before the calls (unstripped) and the calls, from a finished output; no calls when the text
@@ -124,18 +132,104 @@ class ToolSyntax:
         return f"start: %json {body}\n"
 
 
+@dataclass(frozen=True)
+class SectionSyntax(ToolSyntax):
+    """Calls inside a section of special tokens, each call `begin` + `before` + name + `after` + JSON arguments +
+    `end` (the arguments alone, not wrapped with the name): DeepSeek V3 and V3.1, Kimi K2.
+
+    `after` may hold "{i}", the call's index in the section (Kimi numbers its calls)."""
+
+    section_end: str = ""
+    begin: str = ""
+    before: str = ""
+    after: str = ""
+    end: str = ""
+    separator: str = ""
+
+    @property
+    def specials(self) -> tuple[str, ...]:
+        parts = (self.marker, self.section_end, self.begin, self.before, self.after, self.end)
+        return tuple(dict.fromkeys(t for part in parts for t in _SPECIAL.findall(part)))
+
+    def _pattern(self) -> re.Pattern:
+        after = re.escape(self.after).replace(re.escape("{i}"), r"\d+")
+        return re.compile(re.escape(self.begin) + r"\s*" + re.escape(self.before) + r"(?P<name>[A-Za-z0-9_.-]+)"
+                          + after + r"\s*(?P<args>\{.*?\})\s*" + re.escape(self.end), re.S)
+
+    def parse(self, text: str, known: set[str]) -> tuple[str, list[ToolCall]]:
+        start = text.find(self.marker)
+        if start < 0:
+            return text, []
+        section = text[start + len(self.marker):]
+        if self.section_end in section:
+            section = section[:section.index(self.section_end)]
+        calls, covered = [], 0
+        for m in self._pattern().finditer(section):
+            if section[covered:m.start()].strip() or m.group("name") not in known:
+                return text, []
+            try:
+                args = json.loads(m.group("args"))
+            except ValueError:
+                return text, []
+            if not isinstance(args, dict):
+                return text, []
+            calls.append(ToolCall.new(m.group("name"), args))
+            covered = m.end()
+        if not calls or section[covered:].strip():
+            return text, []
+        return text[:start], calls
+
+    def grammar(self, tools: list[dict], only: str | None, special_ids: dict[str, int], parallel: bool = True) -> str:
+        def lit(part: str) -> str:
+            """`part` as Lark items: its special tokens as tokens (`<[id]>`), "{i}" as digits, the rest as text."""
+            items = []
+            for piece in re.split(r"(\{i\}|" + _SPECIAL.pattern + ")", part):
+                if piece == "{i}":
+                    items.append("/[0-9]{1,3}/")  # bounded: a model must not be able to write digits forever
+                elif piece in special_ids:
+                    items.append(f"<[{special_ids[piece]}]>")
+                elif piece:
+                    items.append(json.dumps(piece))
+            return " ".join(items)
+
+        rules, names = [], []
+        for k, t in enumerate(t for t in tools if only is None or t["function"]["name"] == only):
+            fn = t["function"]
+            body = json.dumps({**(fn.get("parameters") or {"type": "object"}), "x-guidance": JSON_FORMAT})
+            items = [lit(p) for p in (self.begin, self.before) if p] + [json.dumps(fn["name"])]
+            items += [lit(self.after)] if self.after else []
+            rules.append(f"call{k}: {' '.join(items)} args{k} {lit(self.end)}\nargs{k}: %json {body}")
+            names.append(f"call{k}")
+        more = f" ({json.dumps(self.separator)} call)*" if parallel and self.separator else " call*" if parallel \
+            else ""
+        return (f"start: {lit(self.marker)} call{more} {lit(self.section_end)}\ncall: {' | '.join(names)}\n"
+                + "\n".join(rules) + "\n")
+
+
 SYNTAXES = {
     "hermes": ToolSyntax("hermes", "<tool_call>", "arguments"),
     "mistral": ToolSyntax("mistral", "[TOOL_CALLS]", "arguments"),
     "llama3_json": ToolSyntax("llama3_json", "", "parameters"),
+    # <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>
+    "deepseek_v3": SectionSyntax("deepseek_v3", "<｜tool▁calls▁begin｜>", "arguments", "<｜tool▁calls▁end｜>",
+                                 "<｜tool▁call▁begin｜>", "function<｜tool▁sep｜>", "\n```json\n",
+                                 "\n```<｜tool▁call▁end｜>", "\n"),
+    # <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>
+    "deepseek_v31": SectionSyntax("deepseek_v31", "<｜tool▁calls▁begin｜>", "arguments", "<｜tool▁calls▁end｜>",
+                                  "<｜tool▁call▁begin｜>", "", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+    # <|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>ARGS<|tool_call_end|>
+    "kimi_k2": SectionSyntax("kimi_k2", "<|tool_calls_section_begin|>", "arguments", "<|tool_calls_section_end|>",
+                             "<|tool_call_begin|>", "functions.", ":{i}<|tool_call_argument_begin|>",
+                             "<|tool_call_end|>"),
 }
 
 
 # Tool-call syntaxes of released templates that are recognized but not parsed yet, by a mark in the template
 # (checked first: GLM's also contains "<tool_call>", with arguments as tag pairs instead of JSON).
 UNPARSED = {"<arg_key>": "GLM's <tool_call> with <arg_key>/<arg_value> pairs",
-            "tool▁calls▁begin": "DeepSeek's <｜tool▁calls▁begin｜> sections",
-            "<|tool_calls_section_begin|>": "Kimi's <|tool_calls_section_begin|> sections"}
+            "｜DSML｜": "DeepSeek V3.2's DSML <｜DSML｜invoke> calls",
+            "<|tool_call_start|>": "LFM2's pythonic <|tool_call_start|>[f(x=1)] calls"}
+PARSED = "Hermes <tool_call> JSON, Llama 3 JSON, Mistral [TOOL_CALLS], DeepSeek V3/V3.1 and Kimi K2 sections"
 
 
 def syntax_of(template: str | None) -> ToolSyntax:
@@ -149,16 +243,19 @@ def syntax_of(template: str | None) -> ToolSyntax:
     for mark, what in UNPARSED.items():
         if mark in template:
             raise GrammarError(f"this model's chat template calls tools with {what}, which day0jax does not parse "
-                               "yet (it parses Hermes <tool_call> JSON, Llama 3 JSON and Mistral [TOOL_CALLS])",
-                               "tools")
+                               f"yet (it parses {PARSED})", "tools")
+    if "tool▁calls▁begin" in template:  # V3 wraps the arguments in a json code block, V3.1 writes them bare
+        return SYNTAXES["deepseek_v3" if "```json" in template else "deepseek_v31"]
+    if "<|tool_calls_section_begin|>" in template:
+        return SYNTAXES["kimi_k2"]
     if "<tool_call>" in template:
         return SYNTAXES["hermes"]
     if "[TOOL_CALLS]" in template:
         return SYNTAXES["mistral"]
     if "<|python_tag|>" in template or "ipython" in template:
         return SYNTAXES["llama3_json"]
-    raise GrammarError("this model's chat template calls tools in a syntax day0jax does not parse (it parses "
-                       "Hermes <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])", "tools")
+    raise GrammarError(f"this model's chat template calls tools in a syntax day0jax does not parse (it parses "
+                       f"{PARSED})", "tools")
 
 
 def _json_start(text: str) -> int:
