@@ -107,10 +107,6 @@ class Matcher:
         return self._m.is_stopped()
 
     @property
-    def accepting(self) -> bool:
-        return self._m.is_accepting()
-
-    @property
     def error(self) -> str:
         return self._m.get_error()
 

@@ -36,8 +36,7 @@ _ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 429, 503)}
 
 @router.get("/health", responses={503: {"model": P.ErrorResponse}})
 async def health(state: State):
-    if state.status == "ready" and state.engine is not None and state.engine.dead is not None:
-        state.status, state.detail = "failed", f"the engine stopped serving: {state.engine.dead}"
+    _note_dead_engine(state)
     if state.status == "ready":
         return {"status": "ok"}
     return JSONResponse({"status": state.status, "detail": state.detail}, status_code=503)
@@ -147,12 +146,17 @@ def ready(state: ServerState) -> AsyncEngine:
     Raises:
         APIError: 503 with Retry-After while loading, warming up, draining or failed.
     """
-    if state.engine is not None and state.engine.dead is not None:
-        state.status, state.detail = "failed", f"the engine stopped serving: {state.engine.dead}"
+    _note_dead_engine(state)
     if state.status != "ready" or state.engine is None:
         what = {"draining": "the server is shutting down"}.get(state.status, f"the model is {state.status}")
         raise APIError(503, f"{what}; retry later", "service_unavailable", headers={"Retry-After": "5"})
     return state.engine
+
+
+def _note_dead_engine(state: ServerState) -> None:
+    """A ready server whose engine stopped serving (it could not recover from failed steps) is "failed"."""
+    if state.status == "ready" and state.engine is not None and state.engine.dead is not None:
+        state.status, state.detail = "failed", f"the engine stopped serving: {state.engine.dead}"
 
 
 def admit(state: ServerState, model: str) -> AsyncEngine:

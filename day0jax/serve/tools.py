@@ -121,12 +121,11 @@ class ToolSyntax:
             "required": ["name", self.arguments_key], "additionalProperties": False} for t in calls]
         # The same JSON layout as response_format's (no free whitespace to pad with), set inside the schema.
         body = json.dumps({**({"anyOf": variants} if len(variants) > 1 else variants[0]), "x-guidance": JSON_FORMAT})
+        marker = _lark_text(self.marker, special_ids)
         if self.name == "hermes":
-            marker = f"<[{special_ids[self.marker]}]>" if self.marker in special_ids else json.dumps(self.marker)
             return (f'start: call{"+" if parallel else ""}\ncall: {marker} "\\n" body "\\n</tool_call>" "\\n"?\n'
                     f'body: %json {body}\n')
         if self.name == "mistral":
-            marker = f"<[{special_ids[self.marker]}]>" if self.marker in special_ids else json.dumps(self.marker)
             more = '(", " body)*' if parallel else ""
             return f'start: {marker} "[" body {more} "]"\nbody: %json {body}\n'
         return f"start: %json {body}\n"
@@ -180,29 +179,19 @@ class SectionSyntax(ToolSyntax):
         return text[:start], calls
 
     def grammar(self, tools: list[dict], only: str | None, special_ids: dict[str, int], parallel: bool = True) -> str:
-        def lit(part: str) -> str:
-            """`part` as Lark items: its special tokens as tokens (`<[id]>`), "{i}" as digits, the rest as text."""
-            items = []
-            for piece in re.split(r"(\{i\}|" + _SPECIAL.pattern + ")", part):
-                if piece == "{i}":
-                    items.append("/[0-9]{1,3}/")  # bounded: a model must not be able to write digits forever
-                elif piece in special_ids:
-                    items.append(f"<[{special_ids[piece]}]>")
-                elif piece:
-                    items.append(json.dumps(piece))
-            return " ".join(items)
-
         rules, names = [], []
         for k, t in enumerate(t for t in tools if only is None or t["function"]["name"] == only):
             fn = t["function"]
             body = json.dumps({**(fn.get("parameters") or {"type": "object"}), "x-guidance": JSON_FORMAT})
-            items = [lit(p) for p in (self.begin, self.before) if p] + [json.dumps(fn["name"])]
-            items += [lit(self.after)] if self.after else []
-            rules.append(f"call{k}: {' '.join(items)} args{k} {lit(self.end)}\nargs{k}: %json {body}")
+            items = [_lark_text(p, special_ids) for p in (self.begin, self.before) if p] + [json.dumps(fn["name"])]
+            items += [_lark_text(self.after, special_ids)] if self.after else []
+            rules.append(f"call{k}: {' '.join(items)} args{k} {_lark_text(self.end, special_ids)}\n"
+                         f"args{k}: %json {body}")
             names.append(f"call{k}")
         more = f" ({json.dumps(self.separator)} call)*" if parallel and self.separator else " call*" if parallel \
             else ""
-        return (f"start: {lit(self.marker)} call{more} {lit(self.section_end)}\ncall: {' | '.join(names)}\n"
+        return (f"start: {_lark_text(self.marker, special_ids)} call{more} {_lark_text(self.section_end, special_ids)}"
+                f"\ncall: {' | '.join(names)}\n"
                 + "\n".join(rules) + "\n")
 
 
@@ -256,6 +245,21 @@ def syntax_of(template: str | None) -> ToolSyntax:
         return SYNTAXES["llama3_json"]
     raise GrammarError(f"this model's chat template calls tools in a syntax day0jax does not parse (it parses "
                        f"{PARSED})", "tools")
+
+
+def _lark_text(part: str, special_ids: dict[str, int]) -> str:
+    """`part` as Lark items: its special tokens that the tokenizer holds (`special_ids`) as those tokens
+    (`<[id]>`), "{i}" as a call index of up to three digits (bounded: a model must not write digits forever), the
+    rest as text."""
+    items = []
+    for piece in re.split(r"(\{i\}|" + _SPECIAL.pattern + ")", part):
+        if piece == "{i}":
+            items.append("/[0-9]{1,3}/")
+        elif piece in special_ids:
+            items.append(f"<[{special_ids[piece]}]>")
+        elif piece:
+            items.append(json.dumps(piece))
+    return " ".join(items)
 
 
 def _json_start(text: str) -> int:

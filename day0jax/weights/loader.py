@@ -98,13 +98,14 @@ class Prepared:
     compiles programs (they depend on shapes and shardings only) while `restore` reads the weights.
 
     Attributes:
-        config, dtype: the family's config and the compute dtype name.
+        hf, config, dtype: the config.json it was prepared from, the family's config, the compute dtype name.
         abstract: the model built abstractly (shapes, no memory).
         infos: the model's parameters by path (`models.ParamInfo`).
         layout, memory_plan, mesh: the engine's layout, the memory plan for it, the device mesh.
         engine_config, kernel_report: the engine's runtime choices; the startup kernel self-test's report.
     """
 
+    hf: dict
     config: object
     dtype: str
     abstract: nnx.Module
@@ -172,7 +173,7 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
     with timeline.phase("kernel self-test", mode=kernels):
         report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
                                          mode=kernels, tp=mesh.shape.get("tp", 1))
-    return Prepared(config, dtype, abstract, infos, layout, memory_plan, mesh, engine, report)
+    return Prepared(hf, config, dtype, abstract, infos, layout, memory_plan, mesh, engine, report)
 
 
 def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None = None) -> Model:
@@ -200,8 +201,7 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
              describe(mesh), time.perf_counter() - t0)
     generation_file = path / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-    hf = read_config_json(path / "config.json")
-    eos = generation.get("eos_token_id", hf.get("eos_token_id"))
+    eos = generation.get("eos_token_id", prepared.hf.get("eos_token_id"))
     model = Model(module, config, path=path, mesh=mesh, dtype=dtype,
                   eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
                   engine_config=prepared.engine_config, context_length=prepared.layout.max_model_len,
