@@ -67,8 +67,16 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "pattern": "^UTC[+-][0-9]{1,2}$"}},
     "required": ["zone"], "additionalProperties": False}}}
+# Typed parameters, optional ones between required ones: what the XML-like, pythonic and Gemma 4 syntaxes write
+# differently from JSON.
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "properties": {
+        "hour": {"type": "integer", "minimum": 0, "maximum": 23}, "label": {"type": "string", "maxLength": 12},
+        "repeat": {"type": "boolean"},
+        "days": {"type": "array", "items": {"enum": ["mon", "tue", "wed"]}, "minItems": 1, "maxItems": 3}},
+    "required": ["hour", "days"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS + [ALARM]}
 
 
 def check_call(name: str, arguments: str) -> None:
@@ -78,6 +86,32 @@ def check_call(name: str, arguments: str) -> None:
 
 # --- syntaxes and parsers -----------------------------------------------------------------------------------------
 
+# Qwen3.5's shape: XML-like tags per argument, strings bare.
+QWEN35 = """{%- if tools %}<|im_start|>system
+<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>
+Call functions like this: <tool_call>
+<function=f>
+<parameter=x>
+1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+<function={{ call.function.name }}>
+{% for k, v in call.function.arguments.items() %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>
+{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 DEEPSEEK_V3 = """{% for m in messages %}{% if m.tool_calls %}<｜tool▁calls▁begin｜>{% for t in m.tool_calls %}\
 <｜tool▁call▁begin｜>{{ t.type }}<｜tool▁sep｜>{{ t.function.name }}\n```json\n{{ t.function.arguments | tojson }}\n```\
 <｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>{% else %}{{ m.content }}{% endif %}{% endfor %}{{ tools }}"""
@@ -89,6 +123,7 @@ KIMI = """{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}{{ too
 
 def test_syntax_is_read_from_the_template():
     assert T.syntax_of(HERMES).name == "hermes"
+    assert T.syntax_of(QWEN35).name == "qwen3_coder"
     assert T.syntax_of(MISTRAL).name == "mistral"
     assert T.syntax_of(LLAMA3).name == "llama3_json"
     assert "```json" in DEEPSEEK_V3 and "```json" not in DEEPSEEK_V31
@@ -99,11 +134,17 @@ def test_syntax_is_read_from_the_template():
     with pytest.raises(GrammarError, match="does not parse"):
         T.syntax_of("{% if tools %}<function_calls>{{ tools }}{% endif %}")
     glm = "{% if tools %}<tool_call>{{ name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>{% endif %}"
-    with pytest.raises(GrammarError, match="GLM's <tool_call> with <arg_key>"):
-        T.syntax_of(glm)  # contains <tool_call>, but is not Hermes JSON
+    assert T.syntax_of(glm).name == "glm47"  # contains <tool_call>, but is not Hermes JSON
+    assert T.syntax_of(glm.replace("</arg_key><arg_value>", "</arg_key>\n<arg_value>")).name == "glm45"
+    for mark, name in [("<function=", "qwen3_coder"), ("<seed:tool_call>", "seed_oss"), ("｜DSML｜", "deepseek_v32"),
+                       ("<minimax:tool_call>", "minimax_m2"), ("<|tool_call_start|>", "lfm2"),
+                       ("<|tool_call>", "gemma4"), ("[TOOL_CALLS]{{ name }}[ARGS]", "mistral_args")]:
+        assert T.syntax_of("{% if tools %}<tool_call>" + mark + "{% endif %}").name == name, mark
+    with pytest.raises(GrammarError, match="harmony"):
+        T.syntax_of("{% if tools %}<|start|>assistant to=functions.{{ name }}{% endif %}")
 
 
-@pytest.mark.parametrize("syntax,text,content,calls", [
+PARSE_CASES = [
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
      '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC+1"}}\n</tool_call>',
      "Let me check.\n", [("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"zone": "UTC+1"})]),
@@ -125,9 +166,48 @@ def test_syntax_is_read_from_the_template():
      '{"zone": "UTC+2"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
      '{"city": "Rome", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>', "",
      [("get_time", {"zone": "UTC+2"}), ("get_weather", {"city": "Rome", "unit": "celsius"})]),
-])
+    ("qwen3_coder", 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n'
+     '<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=set_alarm>\n'
+     '<parameter=hour>\n7\n</parameter>\n<parameter=days>\n["mon", "tue"]\n</parameter>\n<parameter=label>\n42\n'
+     '</parameter>\n</function>\n</tool_call>', "Checking.\n",
+     [("get_weather", {"city": "Oslo", "unit": "celsius"}),
+      ("set_alarm", {"hour": 7, "days": ["mon", "tue"], "label": "42"})]),  # a string parameter stays a string
+    ("qwen3_coder", '<tool_call>\n<function=get_time>\nzone=UTC\n</function>\n</tool_call>', None, []),  # no tags
+    ("qwen3_coder", '<tool_call>\n<function=rm>\n<parameter=path>\n/\n</parameter>\n</function>\n</tool_call>', None,
+     []),
+    ("seed_oss", '<seed:tool_call>\n<function=get_time>\n<parameter=zone>UTC-5</parameter>\n</function>\n'
+     '</seed:tool_call>', "", [("get_time", {"zone": "UTC-5"})]),
+    ("glm45", 'Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n'
+     '<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>', "Sure.\n",
+     [("get_weather", {"city": "Rome", "unit": "celsius"})]),
+    ("glm47", '<tool_call>set_alarm<arg_key>hour</arg_key><arg_value>6</arg_value><arg_key>repeat</arg_key>'
+     '<arg_value>true</arg_value><arg_key>days</arg_key><arg_value>["wed"]</arg_value></tool_call>', "",
+     [("set_alarm", {"hour": 6, "repeat": True, "days": ["wed"]})]),
+    ("minimax_m2", 'Ok<minimax:tool_call>\n<invoke name="get_time">\n<parameter name="zone">UTC+2</parameter>\n'
+     '</invoke>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n<parameter name="unit">'
+     'celsius</parameter>\n</invoke>\n</minimax:tool_call>', "Ok",
+     [("get_time", {"zone": "UTC+2"}), ("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("deepseek_v32", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="set_alarm">\n<｜DSML｜parameter name="hour" '
+     'string="false">9</｜DSML｜parameter>\n<｜DSML｜parameter name="label" string="true">true</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="days" string="false">["mon"]</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+     '</｜DSML｜function_calls>', "", [("set_alarm", {"hour": 9, "label": "true", "days": ["mon"]})]),
+    ("lfm2", '<|tool_call_start|>[get_time(zone="UTC+3"), set_alarm(hour=5, repeat=True, days=[\'tue\'])]'
+     '<|tool_call_end|>', "", [("get_time", {"zone": "UTC+3"}), ("set_alarm", {"hour": 5, "repeat": True,
+                                                                                "days": ["tue"]})]),
+    ("lfm2", '<|tool_call_start|>[get_time("UTC")]<|tool_call_end|>', None, []),  # positional: not a call
+    ("lfm2", '<|tool_call_start|>[get_time(zone=os.getcwd())]<|tool_call_end|>', None, []),  # not a literal
+    ("gemma4", '<|tool_call>call:set_alarm{hour:8,label:<|"|>a, b: {c}<|"|>,days:[<|"|>mon<|"|>]}<tool_call|>'
+     '<|tool_call>call:get_time{zone:<|"|>UTC+0<|"|>}<tool_call|>', "",
+     [("set_alarm", {"hour": 8, "label": "a, b: {c}", "days": ["mon"]}), ("get_time", {"zone": "UTC+0"})]),
+    ("gemma4", '<|tool_call>call:get_time{zone:<|"|>UTC+0}<tool_call|>', None, []),  # unterminated string
+    ("mistral_args", '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC-1"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", '
+     '"unit": "celsius"}', "", [("get_time", {"zone": "UTC-1"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+]
+
+
+@pytest.mark.parametrize("syntax,text,content,calls", PARSE_CASES)
 def test_parsers(syntax, text, content, calls):
-    got_content, got = T.SYNTAXES[syntax].parse(text, set(PARAMETERS))
+    got_content, got = T.SYNTAXES[syntax].parse(text, PARAMETERS)
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     assert got_content == (text if content is None else content)
     assert all(c.id.startswith("call_") for c in got) and len({c.id for c in got}) == len(got)
@@ -150,33 +230,63 @@ def tiny(tmp_path_factory):
                         engine=EngineConfig(max_num_seqs=4, chunk_buckets=(128,), max_model_len=256, min_width=256))
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "mistral", "llama3_json", "deepseek_v3", "deepseek_v31", "kimi_k2"])
-@pytest.mark.parametrize("only", [None, "get_time"])
+_SAMPLED: dict = {}
+
+
+def sample_calls(tiny, syntax: str, only: str | None) -> list[str]:
+    """Four texts sampled (temperature 1) under the grammar forcing one call in `syntax` (of `only`, or any of
+    TOOLS and ALARM); each finished with "stop". Kept per (syntax, only): the reference comparison reads them too."""
+    if (syntax, only) not in _SAMPLED:
+        # One call: a random model given the choice of another call or the end might go on until max_tokens.
+        source = T.SYNTAXES[syntax].grammar(TOOLS + [ALARM], only, {}, parallel=False)
+        params = SamplingParams(max_tokens=240, temperature=1.0, seed=11, n=4,
+                                grammar=tiny.grammars.lark(source, "tool_choice"))
+        tiny.engine.add_request("call", tiny.tokenizer.encode("Call a tool."), params)
+        ids: dict[int, list[int]] = {}
+        finish = {}
+        while tiny.engine.has_work():
+            for ev in tiny.engine.step():
+                if ev.token is not None and not ev.stop_token:
+                    ids.setdefault(ev.index, []).append(ev.token)
+                if ev.finish_reason:
+                    finish[ev.index] = ev.finish_reason
+        texts = [tiny.tokenizer.decode(t) for _, t in sorted(ids.items())]
+        assert set(finish.values()) == {"stop"}, (finish, texts)
+        _SAMPLED[syntax, only] = texts
+    return _SAMPLED[syntax, only]
+
+
+@pytest.mark.parametrize("syntax", list(T.SYNTAXES))
+@pytest.mark.parametrize("only", [None, "set_alarm"])
 def test_forced_calls_parse_and_validate_in_every_syntax(tiny, syntax, only):
-    s = T.SYNTAXES[syntax]
-    # One call: a random model given the choice of another call or the end might go on until max_tokens.
-    grammar = tiny.grammars.lark(s.grammar(TOOLS, only, {}, parallel=False), "tool_choice")
-    prompt = tiny.tokenizer.encode("Call a tool.")
-    params = SamplingParams(max_tokens=160, temperature=1.0, seed=11, n=4, grammar=grammar)
-    engine, texts = tiny.engine, {}
-    engine.add_request("call", prompt, params)
-    ids: dict[int, list[int]] = {}
-    finish = {}
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.token is not None and not ev.stop_token:
-                ids.setdefault(ev.index, []).append(ev.token)
-            if ev.finish_reason:
-                finish[ev.index] = ev.finish_reason
-    texts = {i: tiny.tokenizer.decode(t) for i, t in ids.items()}
-    assert set(finish.values()) == {"stop"}, (finish, texts)
-    for text in texts.values():
-        content, calls = s.parse(text, set(PARAMETERS))
+    for text in sample_calls(tiny, syntax, only):
+        content, calls = T.SYNTAXES[syntax].parse(text, PARAMETERS)
         assert calls and not content.strip(), text
         assert len(calls) == 1
         for call in calls:
             check_call(call.name, call.arguments)
             assert only is None or call.name == only
+
+
+def test_parsers_match_transformers_response_parser(tiny, tmp_path):
+    """Qwen3.5's <function=...> calls and Gemma 4's calls read as transformers' response parser reads them: the
+    well-formed hand-written cases above and the texts sampled under the forcing grammars (transformers raises on
+    malformed calls, where day0jax leaves the text as content)."""
+    from conftest import run_reference
+
+    cases = [(syntax, text) for syntax, text, _, calls in PARSE_CASES if syntax in ("qwen3_coder", "gemma4") and calls]
+    cases += [(syntax, text) for syntax in ("qwen3_coder", "gemma4") for only in (None, "set_alarm")
+              for text in sample_calls(tiny, syntax, only)]
+    family = {"qwen3_coder": "qwen3_5", "gemma4": "gemma4"}
+    tools = [t["function"] for t in TOOLS + [ALARM]]
+    out = tmp_path / "parsed.json"
+    run_reference([{"op": "parse_tools", "out": str(out), "cases": [
+        {"family": family[syntax], "text": text, "tools": [{"type": "function", "function": f} for f in tools]}
+        for syntax, text in cases]}], tmp_path)
+    for (syntax, text), ref in zip(cases, json.loads(out.read_text())):
+        content, calls = T.SYNTAXES[syntax].parse(text, PARAMETERS)
+        assert [[c.name, json.loads(c.arguments)] for c in calls] == ref["calls"], text
+        assert content.strip() == (ref["content"] or "").strip(), text
 
 
 def test_parallel_calls_grammar_allows_several():
@@ -185,6 +295,39 @@ def test_parallel_calls_grammar_allows_several():
     assert hermes.grammar(TOOLS, None, {}, parallel=False).startswith("start: call\n")
     assert '(", " body)*' in mistral.grammar(TOOLS, None, {}) and "*" not in mistral.grammar(TOOLS, None, {}, False)
     assert mistral.grammar(TOOLS, None, {"[TOOL_CALLS]": 9}).startswith("start: <[9]>")  # the special token
+
+
+@pytest.mark.parametrize("syntax", list(T.SYNTAXES))
+def test_every_grammar_compiles_parallel_and_with_special_tokens(tiny, syntax):
+    s = T.SYNTAXES[syntax]
+    tiny.grammars.lark(s.grammar(TOOLS + [ALARM], None, {}, parallel=True), "tool_choice")
+    # The syntax's special strings, as a tokenizer holding them as tokens would have them (the tiny one does not:
+    # ids of ordinary tokens stand in, so the grammar compiles but is not sampled).
+    special = {t: 100 + i for i, t in enumerate(s.specials)}
+    source = s.grammar(TOOLS + [ALARM], "set_alarm", special)
+    assert not s.marker or source.startswith("start: ") and f"<[{special[s.marker]}]>" in source, source
+    tiny.grammars.lark(source, "tool_choice")
+
+
+def test_grammars_refuse_what_a_syntax_cannot_force():
+    dated = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"]}}}
+    with pytest.raises(GrammarError, match="book.day: string format 'date'"):
+        T.SYNTAXES["qwen3_coder"].grammar([dated], None, {})
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {}}, "required": ["x"]}}}
+    with pytest.raises(GrammarError, match="f.x: a parameter without a type"):
+        T.SYNTAXES["gemma4"].grammar([untyped], None, {})
+    assert "%json" in T.SYNTAXES["hermes"].grammar([dated], None, {})  # JSON syntaxes hold formats as JSON does
+
+
+def test_optional_parameters_around_required_ones():
+    """Lark sequences with optional items: separators only between the items present."""
+    from day0jax.serve.tools.base import sequence
+
+    assert sequence(["a", "b", "c"], [False, True, False], ", ") == '(a ", ")? b (", " c)?'
+    assert sequence(["a", "b"], [False, False], ",") == '(a ("," b)? | b)?'
+    assert sequence([], [], ",") == ""
 
 
 # --- the server ---------------------------------------------------------------------------------------------------
@@ -200,8 +343,23 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def hermes_client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def qwen35_client(tmp_path_factory):
+    ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tools-qwen35"),
+                                      dict(CONFIG, max_position_embeddings=512), chat_template=QWEN35)
+    with serving(["--model", str(ckpt), "--max-num-seqs", "4", "--chunk-sizes", "128",
+                 "--max-model-len", "512", "--min-width", "512"]) as proc:
+        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(params=["hermes", "qwen35"])
+def client(request):
+    """The server with a Hermes-style template, and with a Qwen3.5-style one (XML-like tags, not JSON)."""
+    return request.getfixturevalue(f"{request.param}_client")
 
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]

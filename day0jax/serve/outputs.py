@@ -52,7 +52,7 @@ class Choice:
     first_token_at: float | None = None
     last_token_at: float | None = None
     tools: Any = None  # the tool-call syntax (`tools.ToolSyntax`) when the request offered tools
-    tool_names: frozenset = frozenset()
+    tool_params: dict = field(default_factory=dict)  # each offered function's parameters, by name
     tool_calls: list = field(default_factory=list)  # parsed when the choice finished
     _settled: str = ""  # text of finished characters
     _prefix: int = 0  # ids[_prefix:_read] decode to the end of _settled (the context for the next tokens)
@@ -111,7 +111,7 @@ class Choice:
         and the finish reason "tool_calls"."""
         if self.tools is None or self.finish_reason is None:
             return
-        content, calls = self.tools.parse(self.text, self.tool_names)
+        content, calls = self.tools.parse(self.text, self.tool_params)
         if calls:  # streaming held the calls back: what was sent is a prefix of the content
             self.text, self.tool_calls, self.finish_reason = content, calls, "tool_calls"
 

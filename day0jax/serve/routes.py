@@ -76,7 +76,8 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, stat
                              (body.top_logprobs or 0) if body.logprobs else None,
                              await guidance(state, body, tools, syntax))
     return await serve_request(request, state, engine, [prompt], params, stop_strings(body.stop), body, True, arrival,
-                               (syntax, [t["function"]["name"] for t in tools]) if tools else None)
+                               (syntax, {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools})
+                               if tools else None)
 
 
 @router.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)

@@ -85,7 +85,7 @@ class _Run:
         self.choices = [Choice(i * n + j, stops) for i in range(len(subs)) for j in range(n)]
         if tools is not None:
             for c in self.choices:
-                c.tools, c.tool_names = tools[0], frozenset(tools[1])
+                c.tools, c.tool_params = tools
         self.detok = Detokenizer(state.tokenizer, keep_special=tools is not None)
         self.cached_tokens = 0
         state.in_flight += 1

@@ -25,6 +25,9 @@ Jobs (each a dict with "op"):
                [, state] `chunk_out`, `chunk_state`, `recurrent_out`, `recurrent_state`; from x, weight
                `conv_out` (causal_conv1d_fn, SiLU); from x_step, conv_state, weight `step_out`, `step_state`
                (causal_conv1d_update, SiLU).
+  parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
+               of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
+               {content, calls: [[name, arguments]]}.
 """
 
 import json
@@ -363,6 +366,23 @@ def gdn(job):
                                                   activation="silu")
             result["step_out"], result["step_state"] = out.transpose(1, 2).numpy(), state.transpose(1, 2).numpy()
     np.savez(job["out"], **result)
+
+
+def parse_tools(job):
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+    from transformers.utils.chat_parsing.response_parser import parse_response
+
+    templates = {family: t for families, t in _RESPONSE_TEMPLATE_FALLBACKS.items() for family in families}
+    out = []
+    for case in job["cases"]:
+        template = templates[case["family"]]
+        anchor = template["start_anchor"]
+        message = parse_response(case["text"], template, prefix=anchor if isinstance(anchor, str) else anchor[0],
+                                 tools=case["tools"])
+        out.append({"content": message.get("content", ""),
+                    "calls": [[c["function"]["name"], c["function"]["arguments"]]
+                              for c in message.get("tool_calls") or []]})
+    json.dump(out, open(job["out"], "w"))
 
 
 def main():
