@@ -36,6 +36,15 @@ RECORD = {"type": "object", "properties": {
                 "required": ["city", "zip"]}}, "required": ["name", "age", "address"]}
 
 
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": props, "required": list(props)[:2], "additionalProperties": False}}}
+    for name, props in [
+    ("get_weather", {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}),
+    ("get_time", {"zone": {"type": "string", "pattern": "^UTC[+-][0-9]{1,2}$"}}),
+    ("set_alarm", {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "days": {
+        "type": "array", "items": {"enum": ["mon", "tue"]}, "maxItems": 2}, "repeat": {"type": "boolean"}})]]
+
+
 def decode_rate(model, prompts, n: int, repeats: int, **constraint) -> float:
     def timed(tokens: int) -> float:
         t0 = time.perf_counter()
@@ -69,6 +78,36 @@ def mask_times(model, schema: dict, tokens: list[int]) -> dict[str, float]:
             m.consume(t)
         best = min(best, (time.perf_counter() - t0) / len(tokens))
     return {"compile_s": compile_s, "us_per_token": best * 1e6}
+
+
+def tool_grammar_times(model, syntax) -> dict[str, float]:
+    """Compile seconds of `syntax`'s forcing grammar over TOOLS, and microseconds per token (fill a mask, advance) on
+    a uniform random walk through it, best of 5 walks."""
+    from day0jax.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(model.tokenizer.to_json(), int(model.config.vocab_size), model.eos_token_ids)
+    t0 = time.perf_counter()
+    grammar = compiler.lark(syntax.grammar(TOOLS, None, {}, parallel=False), "tool_choice")
+    compile_s = time.perf_counter() - t0
+    row = np.zeros(compiler.words, np.int32)
+    rng = np.random.default_rng(0)
+    best, n = float("inf"), 0
+    for _ in range(5):
+        m, n, spent = grammar.matcher(), 0, 0.0
+        while not m.done and n < 1000:
+            t0 = time.perf_counter()
+            m.fill(row)
+            spent += time.perf_counter() - t0
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+            choices = [t for t in allowed if t not in model.eos_token_ids] or list(allowed)
+            t = int(rng.choice(choices))
+            t0 = time.perf_counter()
+            m.consume(t)
+            spent += time.perf_counter() - t0
+            n += 1
+        assert m.done, f"{syntax.name}: no complete call after {n} tokens"
+        best = min(best, spent / n)
+    return {"compile_s": compile_s, "us_per_token": best * 1e6, "tokens": n}
 
 
 def outlines_times(model, schema: dict, tokens: list[int]) -> dict[str, float] | None:
@@ -150,6 +189,15 @@ def main() -> None:
     else:
         note = "" if oc["replayed"] == len(tokens) else f" (first {oc['replayed']} tokens)"
         print(f"| outlines-core | {oc['compile_s'] * 1e3:.1f} | {oc['us_per_token']:.1f}{note} |")
+
+    from day0jax.serve.tools import SYNTAXES
+
+    print("\ntool-call grammars (tool_choice required, three functions), llguidance:")
+    print("| syntax | compile (ms) | mask + advance (us/token) | tokens walked |")
+    print("|---|---:|---:|---:|")
+    for name, syntax in SYNTAXES.items():
+        t = tool_grammar_times(model, syntax)
+        print(f"| {name} | {t['compile_s'] * 1e3:.1f} | {t['us_per_token']:.1f} | {t['tokens']} |")
 
 
 if __name__ == "__main__":

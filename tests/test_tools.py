@@ -321,6 +321,19 @@ def test_grammars_refuse_what_a_syntax_cannot_force():
     assert "%json" in T.SYNTAXES["hermes"].grammar([dated], None, {})  # JSON syntaxes hold formats as JSON does
 
 
+def test_gemma4_nested_arrays_and_objects(tiny):
+    grid = {"name": "grid", "parameters": {"type": "object", "properties": {
+        "rows": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}},
+        "origin": {"type": "object", "properties": {"x": {"type": "number"}, "label": {"type": "string"}},
+                   "required": ["x"]}}, "required": ["rows", "origin"]}}
+    source = T.SYNTAXES["gemma4"].grammar([{"type": "function", "function": grid}], None, {})
+    assert "item0:" in source and "item1:" in source  # one rule per array level
+    tiny.grammars.lark(source, "tool_choice")
+    text = '<|tool_call>call:grid{rows:[[1,2],[3]],origin:{x:-0.5,label:<|"|>a "b"<|"|>}}<tool_call|>'
+    _, calls = T.SYNTAXES["gemma4"].parse(text, {"grid": grid["parameters"]})
+    assert json.loads(calls[0].arguments) == {"rows": [[1, 2], [3]], "origin": {"x": -0.5, "label": 'a "b"'}}
+
+
 def test_optional_parameters_around_required_ones():
     """Lark sequences with optional items: separators only between the items present."""
     from day0jax.serve.tools.base import sequence

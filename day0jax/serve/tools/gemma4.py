@@ -106,11 +106,12 @@ class Gemma4Syntax(ToolSyntax):
             if kind == "object":
                 props = schema.get("properties") or {}
                 required = set(schema.get("required") or [])
-                items = [f'"{k}:" {value(p, f"{where}.{k}")}' for k, p in props.items()]
+                items = [f'{json.dumps(k + ":")} {value(p, f"{where}.{k}")}' for k, p in props.items()]
                 return f'"{{" {sequence(items, [k in required for k in props], ",")} "}}"'
             if kind == "array":
-                name = f"item{len(rules)}"
-                rules.append(f"{name}: {value(schema.get('items', {}), where + '[]')}")
+                item = value(schema.get("items", {}), where + "[]")
+                name = f"item{len(rules)}"  # named after the item's own rules: nested arrays get their own
+                rules.append(f"{name}: {item}")
                 low, high = schema.get("minItems", 0), schema.get("maxItems")
                 more = f'("," {name}){{{max(low - 1, 0)},{"" if high is None else max(high - 1, 0)}}}'
                 body = f"{name} {more}" if high != 0 else ""
