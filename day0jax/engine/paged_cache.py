@@ -62,6 +62,7 @@ class PagedKVCache:
                                     fill_value=TRASH_PAGE)
         return pages, positions % self.page_size
 
+    @jax.named_scope("cache_write")
     def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKVCache":
         """Writes k [B, T, K, Hk] and v [B, T, K, Hv] at `positions` [B, T]."""
         pages, slots = self._slots(positions)

@@ -150,7 +150,9 @@ class ModelRunner:
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
         logits = jax.lax.with_sharding_constraint(logits, self._replicated)
         pools = [() if c is None else c.pools for c in caches]
-        return logits, self._padded(jnp.argmax(logits, axis=-1)), pools
+        with jax.named_scope("sampling"):
+            greedy = self._padded(jnp.argmax(logits, axis=-1))
+        return logits, greedy, pools
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
         # To max_rows: the next forward reads its input tokens from here, whatever this batch's size.

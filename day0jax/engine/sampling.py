@@ -129,6 +129,7 @@ def mode_index(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p
     return jnp.where(jnp.any(filtered), 2, jnp.where(jnp.any(sampled), 1, 0)).astype(jnp.int32)
 
 
+@jax.named_scope("sampling")
 def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
            top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, penalties: tuple | None = None,
            guidance: tuple | None = None, logprobs: bool | jax.Array = False, *,

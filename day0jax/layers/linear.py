@@ -63,6 +63,7 @@ class Linear(nnx.Module):
                             1 / math.sqrt(math.prod(in_shape)), in_ndim=n_in)
         self.bias = param(rngs, self.out_shape, axes[n_in:], dtype, 0.0) if use_bias else None
 
+    @jax.named_scope("projection")
     def __call__(self, x: jax.Array) -> jax.Array:
         y = project(x, self.kernel[...], len(self.in_shape))
         return y if self.bias is None else y + self.bias[...]

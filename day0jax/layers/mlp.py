@@ -47,6 +47,7 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear((F,), (D,), ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.act, self.act_name = activation(act), act
 
+    @jax.named_scope("mlp")
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))

@@ -175,6 +175,7 @@ class MoE(nnx.Module):
             self.shared_expert_gate = shared_gate
         self.has_shared, self.has_shared_gate = shared is not None, shared_gate is not None
 
+    @jax.named_scope("mlp")
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])

@@ -18,6 +18,7 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, ("norm",))(rngs.params(), (dim,), dtype))
         self.eps = eps
 
+    @jax.named_scope("norm")
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + self.eps)
@@ -32,6 +33,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(init(rngs.params(), (dim,), dtype))
         self.eps, self.offset = eps, offset
 
+    @jax.named_scope("norm")
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         """norm(x), or (norm(x + residual), x + residual) when a residual is given (the fused form)."""
         normed, h = rms_norm_op.rms_norm(x, self.weight[...], eps=self.eps, offset=self.offset, residual=residual)
@@ -47,6 +49,7 @@ class L2Norm(nnx.Module):
     def __init__(self, dim: int, eps: float):
         self.dim, self.eps = dim, eps
 
+    @jax.named_scope("norm")
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm_op.rms_norm(x, jnp.ones((self.dim,), x.dtype), eps=self.eps)[0]
 

@@ -150,6 +150,7 @@ class Rope:
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
+    @jax.named_scope("rope")
     def apply(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """Rotates the first rotary_dim dims of x [B, T, heads, H] (HF's rotate_half layout)."""
         rot = self.rotary_dim

@@ -301,6 +301,7 @@ class CausalLM(nnx.Module):
         cache): None, for GLM-5's top-k that one layer picks for the next; Gemma 4 starts its per-layer inputs."""
         return None
 
+    @jax.named_scope("vocab")
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 [..., V]."""
         out = self.model.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)

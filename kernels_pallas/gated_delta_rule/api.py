@@ -25,6 +25,7 @@ PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
 
+@jax.named_scope("attention")
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                      state: jax.Array | None = None, *, scale: float | None = None, l2_normalize: bool = True,
                      implementation: str | None = None) -> tuple[jax.Array, jax.Array]:

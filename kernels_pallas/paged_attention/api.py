@@ -19,6 +19,7 @@ PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
 
+@jax.named_scope("attention")
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
                     logit_softcap: float | None = None, sinks: jax.Array | None = None, scale: float | None = None,

@@ -19,6 +19,7 @@ PALLAS: dict[str, str] = {}
 INTERPRET: dict[str, str] = {}
 
 
+@jax.named_scope("attention")
 def paged_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                            kv_lengths: jax.Array, q_positions: jax.Array, indices: jax.Array, *,
                            scale: float | None = None, implementation: str | None = None) -> jax.Array:
