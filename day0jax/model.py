@@ -6,6 +6,7 @@ Equal prompts, parameters and seed give the same tokens from either; `logits` is
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,6 +23,8 @@ from day0jax.errors import GenerationError
 from day0jax.layers.linear import exact_float32
 from day0jax.weights.tokenizer import Tokenizer
 from sharding.rules import constrain, put
+
+log = logging.getLogger(__name__)
 
 
 class Model:
@@ -87,6 +90,26 @@ class Model:
         engine.attach(self.module, self.eos_token_ids)
         self._engine = engine
 
+    def _compile_for(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        """Compiles (or loads from the compilation cache), in parallel and before the first token, every program
+        this call can take that is not ready yet: no generation stalls midway when its span reaches a new bucket."""
+        from day0jax.startup.warmup import compile_programs
+
+        engine = self.engine
+        runner = engine.runner
+        longest = max(len(p) for p in prompts)
+        if longest + params.max_tokens > engine.max_model_len:
+            return  # the engine refuses the request, naming the limit
+        programs = engine.programs_for(
+            len(prompts) * params.n, longest, longest + params.max_tokens,
+            sampled=params.temperature > 0 or params.penalized or params.guided or params.logprobs is not None,
+            penalized=params.penalized, guided=params.guided)
+        missing = [p for p in programs if not runner.installed(p)
+                   and not (p.name == "forward" and p.shape in runner.compiled)]
+        if missing:
+            log.info("compiling %d programs before the first token", len(missing))
+            compile_programs(runner, missing)
+
     def _forward_fn(self, params, tokens, seq_len):
         model = nnx.merge(self._graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -139,6 +162,7 @@ class Model:
                                 ignore_eos=ignore_eos, grammar=self._grammar(json_schema, regex, choice),
                                 logit_bias=tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()))
         engine = self.engine
+        self._compile_for(prompts, params)
         ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
         out: dict[str, list[int]] = {rid: [] for rid in ids}
         queued, running = list(zip(ids, prompts)), set()

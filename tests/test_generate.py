@@ -26,6 +26,26 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
     assert a == b and a != c
 
 
+def test_generate_makes_every_program_ready_before_the_first_token(converted):
+    """A generation whose span crosses several width buckets runs only programs made ready before its first token
+    (none traced on first use midway, as `ModelRunner.compiled` would record), the same tokens as before; the
+    second call needs nothing new."""
+    from day0jax.engine.config import EngineConfig
+
+    m = day0jax.load(converted["llama"], dtype="float32",
+                     engine=EngineConfig(max_num_seqs=2, min_width=16, chunk_buckets=(16,), max_model_len=96))
+    runner = m.engine.runner
+    prompts = [p[:6] for p in PROMPTS[:2]]
+    out = m.generate(prompts, 60, ignore_eos=True)  # 66 tokens: spans of 1, 2, 4 and 6 pages of 16
+    assert runner.compiled == set()
+    widths = {p.shape[2] for p in runner.programs if p.name == "forward" and p.shape[1] == 1}
+    assert widths >= {1, 2, 4, 6} and not any(p.name == "sample" for p in runner.programs)  # greedy: no sampler
+    ready = set(runner.programs)
+    assert m.generate(prompts, 60, ignore_eos=True) == out and set(runner.programs) == ready
+    m.generate(prompts[:1], 4, temperature=1.0, seed=1)  # sampling: the sampler too, before the first token
+    assert any(p.name == "sample" for p in runner.programs) and runner.compiled == set()
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(model):
     greedy = model.generate(PROMPTS, 8, ignore_eos=True)
     assert model.generate(PROMPTS, 8, temperature=1.5, top_k=1, seed=3, ignore_eos=True) == greedy

@@ -22,7 +22,7 @@ from day0jax.engine.config import EngineConfig, smallest_bucket
 from day0jax.engine.paged_cache import TRASH_PAGE
 from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueFull, SamplingParams,
                                      SequenceState, TokenEvent)
-from day0jax.engine.runner import ModelRunner
+from day0jax.engine.runner import ModelRunner, Program
 from day0jax.engine.sampling import sampler_mode
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
 
@@ -82,6 +82,28 @@ class Engine:
         if warmup == "none":
             return []
         return self.runner.ready_programs() if warmup == "ready" else self.runner.all_programs(max_len)
+
+    def programs_for(self, rows: int, longest_prompt: int, max_len: int, *, sampled: bool, penalized: bool,
+                     guided: bool) -> list:
+        """The programs `rows` sequences can take whose prompts are at most `longest_prompt` tokens and which end by
+        `max_len`: decode for each batch bucket up to `rows`' and each span width up to `max_len`, prefill for each
+        chunk up to the longest prompt's, and (`sampled`: some row samples, takes penalties, a grammar or logprobs)
+        the sampler per row count."""
+        layout = self.layout
+
+        def up_to(buckets, n):  # the buckets up to the one that covers n
+            return [b for b in buckets if b <= smallest_bucket(buckets, n)]
+
+        pages = -(-max_len // layout.page_size)
+        prompt_pages = -(-longest_prompt // layout.page_size)
+        top = min(rows, layout.max_rows)
+        forward = [Program("forward", (r, 1, w)) for w in up_to(layout.decode_widths, pages)
+                   for r in up_to(layout.batch_buckets, top)]
+        forward += [Program("forward", (1, c, w)) for w in up_to(layout.prefill_widths, prompt_pages)
+                    for c in up_to(layout.chunk_buckets, longest_prompt)]
+        samplers = [Program("sample", (r,), penalized, guided) for r in layout.sampler_batches()
+                    if r <= smallest_bucket(layout.batch_buckets, top)]
+        return forward + (samplers if sampled else [])
 
     def warm_up(self, progress=None, max_len: int | None = None, *, store=None, workers: int | None = None,
                 timeline=None, warmup: str = "all") -> list:
