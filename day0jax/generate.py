@@ -45,16 +45,21 @@ def main(argv: list[str] | None = None) -> int:
         import day0jax
         from day0jax.weights.default_model import default_checkpoint
         from day0jax.weights.loader import default_dtype
+        import jax
+
         from day0jax.startup.compile_cache import model_fingerprint
+        from day0jax.startup.program_store import ProgramStore
         from day0jax.startup.start import enable_cache
         from day0jax.startup.timeline import null
 
         path = Path(args.model) if args.model else default_checkpoint()
         dtype = args.dtype or default_dtype()
         # Before the first compile; warns and goes on if unusable.
-        enable_cache(args, model_fingerprint(path, dtype), null())
+        cache = enable_cache(args, model_fingerprint(path, dtype), null())
         model = day0jax.load(path, dtype=dtype, mesh=args.mesh, engine=cli.engine_config_from_args(args),
                              kernels=args.kernels)
+        if cache is not None and jax.process_count() == 1:  # a warm second run traces nothing either
+            model.program_store = ProgramStore(cache)
         t_load = time.perf_counter()
         if model.tokenizer is None:
             raise day0jax.errors.CheckpointError(f"{path}: no tokenizer.json, so text prompts cannot be encoded")

@@ -5,9 +5,11 @@ Equal prompts, parameters and seed give the same tokens from either; `logits` is
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,6 +40,8 @@ class Model:
         context_length: the longest prompt + new tokens accepted (the engine config's `max_model_len` may lower it).
         memory_plan: per-device memory plan made before loading (sharding/plan.py), for this engine config.
         kernel_report: which implementation each operator uses, from the startup self-test.
+        program_store: a `startup.program_store.ProgramStore` that `generate` loads compiled programs from and saves
+            them to (None: programs are traced, then compiled or read from JAX's compilation cache if enabled).
     """
 
     def __init__(self, module: nnx.Module, config: Any, *, path: Path, mesh: Mesh, dtype: str,
@@ -49,6 +53,7 @@ class Model:
         self.engine_config, self.context_length = engine_config, context_length
         self.memory_plan, self.kernel_report = memory_plan, kernel_report
         self._engine = None
+        self.program_store = None
         self._grammars, self._grammar_lock = None, threading.Lock()
         self._request_ids = itertools.count()
         self._graphdef, self._params = nnx.split(module)
@@ -107,8 +112,11 @@ class Model:
         missing = [p for p in programs if not runner.installed(p)
                    and not (p.name == "forward" and p.shape in runner.compiled)]
         if missing:
-            log.info("compiling %d programs before the first token", len(missing))
-            compile_programs(runner, missing)
+            t0 = time.perf_counter()
+            records = compile_programs(runner, missing, store=self.program_store)
+            sources = collections.Counter(r.source for r in records)
+            log.info("%d programs ready before the first token in %.1fs (%s)", len(records), time.perf_counter() - t0,
+                     ", ".join(f"{n} {how}" for how, n in sorted(sources.items())))
 
     def _forward_fn(self, params, tokens, seq_len):
         model = nnx.merge(self._graphdef, params)

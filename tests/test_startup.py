@@ -296,6 +296,19 @@ def test_damaged_entries_are_reported_rebuilt_and_startup_goes_on(ckpt, filled, 
     assert counts == {"program-store": PROGRAMS, "xla-cache": 0, "compiled": 0} and " is damaged" not in proc.stderr
 
 
+def test_generate_cli_with_a_warm_cache_traces_nothing(ckpt, tmp_path):
+    """`day0jax.generate` makes its programs ready before the first token; a second process with the same cache
+    takes every one from the program store (no tracing, no compiling) and gives the same text."""
+    args = ("--model", str(ckpt), "--prompt", "Hello", "--max-tokens", "5", "--compile-cache", str(tmp_path),
+            "--log-level", "info", *ENGINE_FLAGS)
+    ready = re.compile(r"(\d+) programs ready before the first token in [0-9.]+s \((.*)\)")
+    cold, warm = run_cli("day0jax.generate", *args), run_cli("day0jax.generate", *args)
+    (n, sources), = ready.findall(cold.stderr)
+    assert int(n) >= 2 and "program-store" not in sources, cold.stderr[-3000:]
+    assert ready.findall(warm.stderr) == [(n, f"{n} program-store")], warm.stderr[-3000:]
+    assert warm.stdout == cold.stdout
+
+
 def test_unwritable_cache_folder_is_reported_and_generation_goes_on(ckpt, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("a file where the cache folder's parent should be")
