@@ -1,13 +1,18 @@
-"""Greedy decode tokens/s of `Model.generate` against transformers (and an earlier day0jax with --baseline).
+"""Greedy decode tokens/s of `Model.generate` against transformers, llama.cpp (--llama-cpp) and an earlier day0jax
+(--baseline); time to first token for long prompts (--prefill).
 
     .venv/bin/python bench/decode.py [--repeats 5] [--new-tokens 64] [--batches 1,8] [--baseline DIR]
+                                     [--llama-cpp] [--prefill 128,512,2048]
 
 Same SmolLM2 weights, float32, CPU. Each system is a worker process that stays loaded (bench/decode_worker.py for
 this tree and the --baseline checkout, bench/decode_reference.py in .venv-ref for transformers); they take turns,
 batch by batch and repeat by repeat in a rotating order, after a warm-up of the same shapes. Decode rate =
 batch * (N - 1) / (time for N tokens - time for 1 token), taking prompt processing out alike on every side; all
-must produce the same greedy tokens (asserted). Prints a table of medians with ratios. Two workers of identical
-code have measured 4-6% apart on a 2-core VM: smaller differences are not resolved.
+must produce the same greedy tokens (asserted; llama.cpp, at batch 1 only, sums in another order, so its agreement is
+reported instead). `--llama-cpp` builds llama-cpp-python into .venv-ref if it is missing and runs it on an F32
+GGUF written from the default model's GGUF (bench/decode_llamacpp.py). `--prefill` times a one-token generation
+of random prompts of those lengths (a new prompt each time: no prefix cache helps). Prints tables of medians. Two
+workers of identical code have measured 4-6% apart on a 2-core VM: smaller differences are not resolved.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -45,12 +51,45 @@ class Worker:
         self.proc.wait()
 
 
+def f32_gguf() -> Path:
+    """Where the F32 GGUF of the default model lives (written by the llama.cpp worker on first use); installs
+    llama-cpp-python (built from source for this CPU) into .venv-ref if it is missing."""
+    from day0jax.weights.default_model import cache_root
+
+    ref = str(ROOT / ".venv-ref/bin/python")
+    if subprocess.run([ref, "-c", "import llama_cpp"], capture_output=True).returncode != 0:
+        print("building llama-cpp-python 0.3.36 into .venv-ref (a few minutes)", file=sys.stderr, flush=True)
+        subprocess.run([ref, "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python",
+                        "llama-cpp-python==0.3.36"], check=True,
+                       env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"})
+    folder = cache_root() / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "SmolLM2-135M-Instruct.F32.gguf"
+
+
+def prefill_times(workers: dict, lengths: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    """Median seconds to the first token per prompt length and system; each timed prompt is new (random ids)."""
+    rng = random.Random(0)
+    times: dict[int, dict[str, list[float]]] = {}
+    for length in lengths:
+        for repeat in range(repeats + 1):  # the first round warms up (compiles) and is not counted
+            order = list(workers)[repeat % len(workers):] + list(workers)[:repeat % len(workers)]
+            prompt = [rng.randrange(1000, 40000) for _ in range(length)]
+            for name in order:
+                r = workers[name].ask({"batch": 1, "prompt": prompt, "new_tokens": 1})
+                if repeat:
+                    times.setdefault(length, {}).setdefault(name, []).append(r["full"])
+    return {length: {name: statistics.median(t) for name, t in per.items()} for length, per in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--baseline", metavar="DIR", help="a checkout of an earlier day0jax revision to run beside")
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp (F32 GGUF) as a reference at batch 1")
+    ap.add_argument("--prefill", default="", help="prompt lengths to time the first token of, e.g. 128,512,2048")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -69,33 +108,56 @@ def main() -> None:
     workers["transformers"] = Worker([str(ROOT / ".venv-ref/bin/python"), "-P",
                                       str(ROOT / "bench/decode_reference.py"), str(default_gguf())],
                                      {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if args.llama_cpp:
+        workers["llama.cpp"] = Worker([str(ROOT / ".venv-ref/bin/python"), "-P", str(ROOT / "bench/decode_llamacpp.py"),
+                                       str(default_gguf()), str(f32_gguf())], {})
     n = args.new_tokens
+
+    def takes(name: str, batch: int) -> bool:
+        return name != "llama.cpp" or batch == 1
+
     for batch in batches:  # warm-up: every program and kernel these shapes use
-        for w in workers.values():
-            w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
+        for name, w in workers.items():
+            if takes(name, batch):
+                w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
     rates: dict[tuple[str, int], list[float]] = {}
+    agree = None  # how many of llama.cpp's tokens equal day0jax's
     for repeat in range(args.repeats):
         # The order rotates: with a fixed one, identical code measured 6% apart by its place in the turn.
         order = list(workers)[repeat % len(workers):] + list(workers)[:repeat % len(workers)]
         for batch in batches:
             tokens = {}
-            for name in order:
+            for name in (x for x in order if takes(x, batch)):
                 r = workers[name].ask({"batch": batch, "prompt": prompt, "new_tokens": n})
                 tokens[name] = r["tokens"]
                 rates.setdefault((name, batch), []).append(batch * (n - 1) / (r["full"] - r["first"]))
+            llama = tokens.pop("llama.cpp", None)
             assert len({tuple(t) for t in tokens.values()}) == 1, f"greedy tokens differ: {tokens}"
+            if llama is not None:
+                agree = next((i for i, (a, b) in enumerate(zip(llama, tokens["day0jax"])) if a != b), len(llama))
+    prefill = prefill_times(workers, [int(x) for x in args.prefill.split(",") if x], args.repeats)
     for w in workers.values():
         w.close()
 
     names = list(workers)
     print(f"\nGreedy decode, SmolLM2-135M float32, {n} new tokens, median of {args.repeats} (tokens/s)\n")
-    ratios = [("day0jax", "transformers")] + ([("day0jax", "baseline")] if args.baseline else [])
+    ratios = [("day0jax", other) for other in ("transformers", "llama.cpp", "baseline") if other in workers]
     print("| batch | " + " | ".join(names) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
     print("|---" * (1 + len(names) + len(ratios)) + "|")
     for batch in batches:
-        med = {name: statistics.median(rates[(name, batch)]) for name in names}
-        print(f"| {batch} | " + " | ".join(f"{med[x]:.1f}" for x in names) + " | "
-              + " | ".join(f"{med[a] / med[b]:.2f}x" for a, b in ratios) + " |")
+        med = {name: statistics.median(rates[(name, batch)]) if (name, batch) in rates else None for name in names}
+        print(f"| {batch} | " + " | ".join("-" if med[x] is None else f"{med[x]:.1f}" for x in names) + " | "
+              + " | ".join("-" if med[b] is None else f"{med[a] / med[b]:.2f}x" for a, b in ratios) + " |")
+    if agree is not None:
+        print(f"\nllama.cpp's greedy tokens equal day0jax's for the first {agree} of {n}")
+    if prefill:
+        print(f"\nTime to first token, batch 1, random prompts, median of {args.repeats} (ms)\n")
+        print("| prompt tokens | " + " | ".join(names) + " | "
+              + " | ".join(f"{b} / {a}" for a, b in ratios) + " |")
+        print("|---" * (1 + len(names) + len(ratios)) + "|")
+        for length, med in prefill.items():
+            print(f"| {length} | " + " | ".join(f"{med[x] * 1e3:.0f}" for x in names) + " | "
+                  + " | ".join(f"{med[b] / med[a]:.2f}x" for a, b in ratios) + " |")
 
 
 if __name__ == "__main__":
