@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         distributed.initialize_from_args(args)  # before anything touches a device; no-op without a coordinator
+        import jax
+
         import day0jax
         from day0jax.weights.default_model import default_checkpoint
         from day0jax.weights.loader import default_dtype
-        import jax
-
         from day0jax.startup.compile_cache import model_fingerprint
         from day0jax.startup.program_store import ProgramStore
         from day0jax.startup.start import enable_cache
