@@ -107,8 +107,7 @@ class Model:
             return  # the engine refuses the request, naming the limit
         programs = engine.programs_for(
             len(prompts) * params.n, longest, longest + params.max_tokens,
-            sampled=params.temperature > 0 or params.penalized or params.guided or params.logprobs is not None,
-            penalized=params.penalized, guided=params.guided)
+            sampled=params.sampled, penalized=params.penalized, guided=params.guided)
         missing = [p for p in programs if not runner.installed(p)
                    and not (p.name == "forward" and p.shape in runner.compiled)]
         if missing:

@@ -23,7 +23,6 @@ from day0jax.engine.paged_cache import TRASH_PAGE
 from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueFull, SamplingParams,
                                      SequenceState, TokenEvent)
 from day0jax.engine.runner import ModelRunner, Program
-from day0jax.engine.sampling import sampler_mode
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
 
 log = logging.getLogger(__name__)
@@ -341,11 +340,10 @@ class Engine:
         penalties = self._penalty_arrays(seqs, B) if any(q.penalized for q in p) else None
         # The forward program is already dispatched: the grammar masks are computed while it runs.
         guidance = self._guidance_arrays(seqs, B) if any(q.guided for q in p) else None
-        mode = sampler_mode(rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"])
-        want_logprobs = any(q.logprobs is not None for q in p)
-        if mode == "greedy" and penalties is None and guidance is None and not want_logprobs:
+        if not any(q.sampled for q in p):
             sampled = _Sampled(seqs, {"tokens": greedy})
         else:
+            want_logprobs = any(q.logprobs is not None for q in p)
             sampled = _Sampled(seqs, self.runner.sample(logits, rows, penalties, want_logprobs, guidance))
         for i, s in enumerate(seqs):
             s.in_flight += 1

@@ -89,6 +89,12 @@ class SamplingParams:
         """A grammar or logit biases: the sampler takes per-row masks and biases."""
         return self.grammar is not None or bool(self.logit_bias)
 
+    @property
+    def sampled(self) -> bool:
+        """Whether the row needs the sampler program (it samples, takes penalties, a grammar or biases, or wants
+        logprobs); a step none of whose rows does takes the forward program's greedy tokens."""
+        return self.temperature > 0 or self.penalized or self.guided or self.logprobs is not None
+
 
 @dataclass
 class TokenEvent:
