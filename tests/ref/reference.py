@@ -133,6 +133,8 @@ def tiny_hf(job):
                 p.normal_(1.0, 0.1)
             elif name.endswith("router.gate.weight") and not p.any():
                 p.normal_(0.0, config.initializer_range)
+            elif name.endswith("mm_input_projection_weight"):  # Gemma 3's image projection, 0 at init
+                p.normal_(0.0, 0.2)
             elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
                 p.normal_(0.0, 0.5)
             # Mistral Large 4's per-head query scale scale * log(p + 1) + bias: scale 0 and bias 1 at init.
@@ -385,10 +387,25 @@ def parse_tools(job):
     json.dump(out, open(job["out"], "w"))
 
 
+def _op(name):
+    """The job function `name`: defined here, or in one of the vision modules beside this script."""
+    if name in globals():
+        return globals()[name]
+    import ref_multimodal
+    import ref_preprocess
+    import ref_vision
+
+    for module in (ref_multimodal, ref_preprocess, ref_vision):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise KeyError(f"unknown reference job {name!r}")
+
+
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     jobs = json.load(open(sys.argv[1]))
     for job in jobs:
-        globals()[job["op"]](job)
+        _op(job["op"])(job)
         print(f"done {job['op']} -> {job.get('out')}", flush=True)
 
 

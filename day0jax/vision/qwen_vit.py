@@ -1,0 +1,409 @@
+"""The Qwen3-VL vision tower (`Qwen3VLVisionModel`, reused without DeepStack by Qwen3.5): pixel patches -> merged
+image embeddings for the language model, plus DeepStack features from chosen blocks.
+
+Parameter paths are HF's names inside `model.visual` (`patch_embed.proj`, `pos_embed`, `blocks.N.attn.qkv`,
+`merger.linear_fc1`, `deepstack_merger_list.N.norm`...), so conversion is renaming (see `hf_source`). Everything
+that depends on the images' grids (position-table interpolation, rotary angles, which patches attend to which) is
+computed on the host from the static grids, so a program is traced per distinct grid tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from day0jax.errors import UnsupportedArchitecture
+from day0jax.layers.linear import Linear, exact_float32, param
+from day0jax.layers.mlp import activation
+from day0jax.layers.norms import LayerNorm
+from day0jax.models.base import Source, refuse, same
+from day0jax.weights import hf_config as config_lib
+from kernels_pallas.calls import OpCall
+
+Grid = tuple[int, int, int]  # (t, h, w): frames and patch rows and columns of one image or video
+
+# `model_type` of the vision config: Qwen3-VL's towers have DeepStack mergers, Qwen3.5's do not (its HF tower has
+# no `deepstack_merger_list` and ignores `deepstack_visual_indexes`).
+DEEPSTACK_TYPES = ("qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe", "qwen3_vl_moe_vision")
+PLAIN_TYPES = ("qwen3_5", "qwen3_5_vision", "qwen3_5_moe", "qwen3_5_moe_vision")
+# Every LayerNorm of the tower, as HF builds them.
+NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True, eq=False)
+class VisionConfig:
+    """HF's `Qwen3VLVisionConfig` (a `vision_config` dict): its keys as fields, its defaults as defaults.
+
+    `rope_theta` is the legacy top-level spelling that HF moves into `rope_parameters`.
+    """
+
+    ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}  # HF's attribute_map
+
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: Sequence[int] = (8, 16, 24)
+    initializer_range: float = 0.02
+    rope_parameters: dict | None = None
+    rope_theta: float | None = None
+    model_type: str = "qwen3_vl_vision"
+    unknown_keys: tuple = dataclasses.field(default=(), kw_only=True)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "VisionConfig":
+        """The config for a `vision_config` dict.
+
+        Args:
+            hf: the dict, as config.json nests it.
+        Returns:
+            The config.
+        Raises:
+            UnsupportedArchitecture: a key that is not implemented (it may change the math), naming it, or a value
+                the tower does not implement.
+        """
+        hf = dict(hf)
+        for alias, field in cls.ALIASES.items():
+            if alias in hf:
+                hf.setdefault(field, hf.pop(alias))
+        config = config_lib.from_hf(cls, hf)
+        if config.unknown_keys:
+            shown = ", ".join(f"{k}={hf[k]!r}" for k in config.unknown_keys)
+            raise UnsupportedArchitecture(f"vision_config key(s) not implemented by the Qwen3-VL vision tower: "
+                                          f"{shown}. They may change the math, so day0jax refuses to run them")
+        return config
+
+    def __post_init__(self):
+        """Refuses what the tower does not implement, naming the key."""
+        if self.model_type not in DEEPSTACK_TYPES + PLAIN_TYPES:
+            refuse("vision_config.model_type", self.model_type,
+                   f"is not a Qwen3-VL vision tower (known: {', '.join(DEEPSTACK_TYPES + PLAIN_TYPES)})")
+        activation(self.hidden_act, "vision_config.hidden_act")
+        for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+                    "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings"):
+            value = getattr(self, key)
+            # HF types patch sizes as int or pair, but its Conv3d kernel takes only an int here.
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                refuse(f"vision_config.{key}", value, "must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            refuse("vision_config.num_heads", self.num_heads, f"does not divide hidden_size={self.hidden_size}")
+        if self.head_dim % 4:
+            # The 2-D rotary splits each head into h and w halves of cos/sin pairs.
+            refuse("vision_config.hidden_size", self.hidden_size,
+                   f"gives a head dim of {self.head_dim}, not a multiple of 4 as the 2-D rotary needs")
+        rope = self.rope_parameters or {}
+        if rope.get("rope_type", "axial") != "axial":
+            refuse("vision_config.rope_parameters.rope_type", rope["rope_type"], "is not implemented (only 'axial')")
+        layers = self.deepstack_layers
+        if len(set(layers)) != len(layers) or any(not 0 <= i < self.depth for i in layers):
+            refuse("vision_config.deepstack_visual_indexes", self.deepstack_visual_indexes,
+                   f"must name distinct blocks in [0, depth={self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def theta(self) -> float:
+        """The rotary base: `rope_parameters.rope_theta`, else the legacy `rope_theta`, else HF's 10000."""
+        theta = (self.rope_parameters or {}).get("rope_theta", self.rope_theta)
+        return 10000.0 if theta is None else float(theta)
+
+    @property
+    def deepstack_layers(self) -> tuple[int, ...]:
+        """The blocks whose outputs feed a DeepStack merger, in `deepstack_visual_indexes` order (none in Qwen3.5)."""
+        return () if self.model_type in PLAIN_TYPES else tuple(int(i) for i in self.deepstack_visual_indexes)
+
+    @property
+    def grid_side(self) -> int:
+        """The learned position table is a grid_side x grid_side grid (HF: int(sqrt(num_position_embeddings)))."""
+        return int(self.num_position_embeddings ** 0.5)
+
+    @property
+    def patch_dim(self) -> int:
+        """The length of one flattened pixel patch: in_channels * temporal_patch_size * patch_size**2."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
+# --- what the grids fix: computed on the host, once per grid tuple ---------------------------------------------
+
+def check_grids(grids: Sequence[Sequence[int]], merge: int) -> tuple[Grid, ...]:
+    """`grids` as a hashable tuple of (t, h, w) Python ints.
+
+    Raises:
+        ValueError: a grid that is not three positive ints, or whose h or w the merge size does not divide.
+    """
+    out = []
+    for g in grids:
+        g = tuple(int(v) for v in g)
+        if len(g) != 3 or min(g) < 1 or g[1] % merge or g[2] % merge:
+            raise ValueError(f"image grid {g}: expected (t, h, w), positive, h and w multiples of the spatial "
+                             f"merge size {merge}")
+        out.append(g)
+    return tuple(out)
+
+
+def patch_rows_cols(grid: Grid, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each patch's (row, col) in its frame, in the order the image processor emits patches: frame by frame, then
+    merge x merge blocks in raster order, then raster order inside a block (the order the merger groups)."""
+    t, h, w = grid
+    within = np.arange(t * h * w) % (h * w)
+    in_col, in_row = within % merge, (within // merge) % merge
+    block = within // (merge * merge)
+    return (block // (w // merge)) * merge + in_row, (block % (w // merge)) * merge + in_col
+
+
+def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear, align_corners=True taps into a `side`-long axis for target positions `index` of `size`, in
+    float32 with HF's operation order (its weights are then equal to the last bit)."""
+    src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    floor = np.floor(src)
+    offsets = np.arange(2)
+    taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
+    distance = np.abs((src - floor)[:, None] - offsets.astype(np.float32))
+    return taps, np.maximum(np.float32(1) - distance, np.float32(0))
+
+
+@lru_cache(maxsize=64)
+def interpolation_taps(grids: tuple[Grid, ...], side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the side x side position table and their weights that resample it bilinearly to each image's grid
+    (transformers' `get_vision_interpolation_indices_and_weights`, align_corners=True).
+
+    Returns:
+        indices int32 [P, 4] and weights float32 [P, 4], one row per patch in processor order.
+    """
+    indices, weights = [], []
+    for grid in grids:
+        rows, cols = patch_rows_cols(grid, merge)
+        h_taps, h_weights = _axis_taps(rows, grid[1], side)
+        w_taps, w_weights = _axis_taps(cols, grid[2], side)
+        indices.append((h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4))
+        weights.append((h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4))
+    return np.concatenate(indices).astype(np.int32), np.concatenate(weights)
+
+
+@lru_cache(maxsize=64)
+def rotary_positions(grids: tuple[Grid, ...], merge: int) -> np.ndarray:
+    """Each patch's (row, col), the two coordinates the 2-D rotary turns by (transformers' `get_vision_position_ids`).
+
+    Returns:
+        int32 [P, 2].
+    """
+    return np.concatenate([np.stack(patch_rows_cols(g, merge), -1) for g in grids]).astype(np.int32)
+
+
+def frame_segments(grids: tuple[Grid, ...]) -> list[tuple[int, int, int]]:
+    """The attention segments, as (start patch, frames, patches per frame) per image: a patch attends to the
+    patches of its own frame only (transformers' `cu_seqlens`: one segment per frame)."""
+    out, start = [], 0
+    for t, h, w in grids:
+        out.append((start, t, h * w))
+        start += t * h * w
+    return out
+
+
+def rotary_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [P, head_dim]: the first quarter of the frequencies turns by the row, the second by the column,
+    and the two halves repeat (HF's rotate_half layout)."""
+    spatial = head_dim // 2
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial))
+    freqs = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [P, 2, H/4]
+    freqs = freqs.reshape(freqs.shape[0], -1)  # row frequencies, then column ones
+    freqs = jnp.concatenate([freqs, freqs], -1)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [P, N, H] turned by the per-patch angles, in float32 as HF does, back in x's dtype."""
+    h = x.astype(jnp.float32)
+    x1, x2 = jnp.split(h, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], -1)
+    return (h * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+# --- modules ---------------------------------------------------------------------------------------------------
+
+class PatchEmbed(nnx.Module):
+    """HF's Conv3d with stride equal to its kernel, which is one matmul per patch: `proj.kernel` is the Conv3d
+    weight as it is, [D, C, T, p, p], contracting a patch's (C, T, p, p)."""
+
+    def __init__(self, config: VisionConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.shape = (c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+        self.proj = Linear(self.shape, (c.hidden_size,), (None, None, None, None, "embed"), use_bias=True,
+                           dtype=dtype, rngs=rngs)
+
+    def __call__(self, patches: jax.Array) -> jax.Array:
+        return self.proj(patches.reshape(-1, *self.shape).astype(self.proj.kernel.dtype))
+
+
+class PositionTable(nnx.Module):
+    """HF's `pos_embed` (an nn.Embedding): the learned side x side position grid, `weight` [side**2, D]."""
+
+    def __init__(self, num: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = param(rngs, (num, dim), (None, "embed"), dtype, 1.0)
+
+    def __call__(self, indices: np.ndarray, weights: np.ndarray) -> jax.Array:
+        """sum_k weights[:, k] * weight[indices[:, k]], in float32 (HF's weights are float32) -> [P, D]."""
+        rows = jnp.take(self.weight[...].astype(jnp.float32), jnp.asarray(indices), axis=0)  # [P, 4, D]
+        return (rows * jnp.asarray(weights)[:, :, None]).sum(1)
+
+
+class VisionAttention(nnx.Module):
+    """Bidirectional multi-head attention inside each frame, with the 2-D rotary on q and k. `qkv` [3, N, H, D]
+    is HF's fused [3D, D] weight, q, k, v stacked in that order."""
+
+    def __init__(self, config: VisionConfig, *, dtype, rngs: nnx.Rngs):
+        D, N, H = config.hidden_size, config.num_heads, config.head_dim
+        self.qkv = Linear((D,), (3, N, H), ("embed", None, "heads", "head_dim"), use_bias=True, dtype=dtype,
+                          rngs=rngs)
+        self.proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), use_bias=True, dtype=dtype, rngs=rngs)
+        self.scale = H ** -0.5
+
+    @jax.named_scope("vision_attention")
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segments: Sequence[tuple[int, int, int]]) -> jax.Array:
+        qkv = self.qkv(x)  # [P, 3, N, H]
+        q, k, v = rotate(qkv[:, 0], cos, sin), rotate(qkv[:, 1], cos, sin), qkv[:, 2]
+        outs = []
+        # One batched attention per image over its frames: memory is per frame, never [P, P].
+        for start, frames, n in segments:
+            qi, ki, vi = (a[start:start + frames * n].reshape(frames, n, *a.shape[1:]) for a in (q, k, v))
+            scores = jnp.einsum("fqnh,fknh->fnqk", qi, ki, preferred_element_type=jnp.float32) * self.scale
+            probs = jax.nn.softmax(scores, axis=-1).astype(vi.dtype)
+            outs.append(jnp.einsum("fnqk,fknh->fqnh", probs, vi).reshape(frames * n, *v.shape[1:]))
+        return self.proj(jnp.concatenate(outs) if len(outs) > 1 else outs[0])
+
+
+class VisionMLP(nnx.Module):
+    """linear_fc2(act(linear_fc1(x))), with biases."""
+
+    def __init__(self, config: VisionConfig, *, dtype, rngs: nnx.Rngs):
+        D, F = config.hidden_size, config.intermediate_size
+        self.linear_fc1 = Linear((D,), (F,), ("embed", "mlp"), use_bias=True, dtype=dtype, rngs=rngs)
+        self.linear_fc2 = Linear((F,), (D,), ("mlp", "embed"), use_bias=True, dtype=dtype, rngs=rngs)
+        self.act = activation(config.hidden_act, "vision_config.hidden_act")
+
+    @jax.named_scope("vision_mlp")
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nnx.Module):
+    """Pre-norm residual block: x + attn(norm1(x)), then x + mlp(norm2(x)), LayerNorms."""
+
+    def __init__(self, config: VisionConfig, *, dtype, rngs: nnx.Rngs):
+        D = config.hidden_size
+        self.norm1 = LayerNorm(D, NORM_EPS, dtype=dtype, rngs=rngs)
+        self.norm2 = LayerNorm(D, NORM_EPS, dtype=dtype, rngs=rngs)
+        self.attn = VisionAttention(config, dtype=dtype, rngs=rngs)
+        self.mlp = VisionMLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nnx.Module):
+    """merge x merge neighbouring patches (consecutive in processor order) -> one token of out_hidden_size:
+    LayerNorm per patch before the concatenation (the final merger) or over the concatenation (`postshuffle`,
+    the DeepStack mergers), then linear_fc1, exact GELU (HF's nn.GELU, whatever hidden_act says), linear_fc2."""
+
+    def __init__(self, config: VisionConfig, postshuffle: bool, *, dtype, rngs: nnx.Rngs):
+        D, M = config.hidden_size, config.hidden_size * config.spatial_merge_size ** 2
+        self.merged, self.postshuffle = M, postshuffle
+        self.norm = LayerNorm(M if postshuffle else D, NORM_EPS, dtype=dtype, rngs=rngs)
+        self.linear_fc1 = Linear((M,), (M,), (None, "mlp"), use_bias=True, dtype=dtype, rngs=rngs)
+        self.linear_fc2 = Linear((M,), (config.out_hidden_size,), ("mlp", "embed"), use_bias=True, dtype=dtype,
+                                 rngs=rngs)
+
+    @jax.named_scope("patch_merger")
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.norm(x.reshape(-1, self.merged)) if self.postshuffle else self.norm(x).reshape(-1, self.merged)
+        return self.linear_fc2(jax.nn.gelu(self.linear_fc1(x), approximate=False))
+
+
+class VisionModel(nnx.Module):
+    """HF's `Qwen3VLVisionModel` (`model.visual`): patches -> (merged embeddings, DeepStack features)."""
+
+    def __init__(self, config: VisionConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config, self.dtype = config, dtype
+        self.patch_embed = PatchEmbed(config, dtype=dtype, rngs=rngs)
+        self.pos_embed = PositionTable(config.num_position_embeddings, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([VisionBlock(config, dtype=dtype, rngs=rngs) for _ in range(config.depth)])
+        self.merger = PatchMerger(config, postshuffle=False, dtype=dtype, rngs=rngs)
+        self.deepstack_merger_list = nnx.List([PatchMerger(config, postshuffle=True, dtype=dtype, rngs=rngs)
+                                               for _ in config.deepstack_layers])
+
+    def __call__(self, patches: jax.Array, grids: Sequence[Sequence[int]]) -> tuple[jax.Array, list[jax.Array]]:
+        """The tower on a batch of images packed along the patch axis.
+
+        Args:
+            patches: float [P, in_channels * temporal_patch_size * patch_size**2], transformers' `pixel_values`
+                (each patch flattened as (C, T, p, p); images one after another, in merge-block order).
+            grids: one (t, h, w) per image, Python ints (`image_grid_thw`); static: one program per grid tuple.
+        Returns:
+            (embeds [P // merge**2, out_hidden_size], deepstack: one [P // merge**2, out_hidden_size] per DeepStack
+            block, in block order), in the model's dtype.
+        Raises:
+            ValueError: a malformed grid, or grids that do not add up to P patches.
+        """
+        c = self.config
+        merge = c.spatial_merge_size
+        grids = check_grids(grids, merge)
+        total = sum(t * h * w for t, h, w in grids)
+        if patches.ndim != 2 or patches.shape != (total, c.patch_dim):
+            raise ValueError(f"patches of shape {tuple(patches.shape)} for grids {grids}: expected "
+                             f"({total}, {c.patch_dim})")
+        with exact_float32(self.dtype):
+            x = self.patch_embed(patches)
+            x = x + self.pos_embed(*interpolation_taps(grids, c.grid_side, merge)).astype(x.dtype)
+            cos, sin = rotary_tables(rotary_positions(grids, merge), c.head_dim, c.theta)
+            segments = frame_segments(grids)
+            layers, deepstack = c.deepstack_layers, []
+            for i, block in enumerate(self.blocks):
+                x = block(x, cos, sin, segments)
+                # HF's order: by block, each block's merger the one at its place in deepstack_visual_indexes.
+                if i in layers:
+                    deepstack.append(self.deepstack_merger_list[layers.index(i)](x))
+            return self.merger(x), deepstack
+
+    def op_calls(self) -> list[OpCall]:
+        """The operators the tower runs, all plain jax.numpy: the blocks' MLP, the mergers' MLP and the 2-D rotary
+        (attention is an in-frame einsum here, not the kernel op)."""
+        c = self.config
+        M = c.hidden_size * c.spatial_merge_size ** 2
+        return [OpCall.of("mlp", D=c.hidden_size, F=c.intermediate_size, act=c.hidden_act, gated=False),
+                OpCall.of("mlp", D=M, F=M, act="gelu", gated=False),
+                OpCall.of("rope", kind="axial_2d", theta=c.theta, factor=None, rotary_dim=c.head_dim,
+                          head_dim=c.head_dim)]
+
+
+def hf_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
+    """The HF tensor of a tower parameter where `models.base.default_source` does not find it: the patch
+    embedding's kernel is the Conv3d weight [D, C, T, p, p] unchanged (the default expects a 2-D [out, in]).
+
+    Args:
+        path: the parameter's path inside the tower, as nnx reports it ("patch_embed.proj.kernel").
+        shape: its shape.
+        metadata: its metadata (unused).
+    Returns:
+        The Source, names relative to the tower's prefix, or None for the default mapping.
+    """
+    if path == "patch_embed.proj.kernel":
+        return Source(("patch_embed.proj.weight",), same, (tuple(shape),))
+    return None

@@ -1,0 +1,52 @@
+"""Reference jobs for vision-language models as a whole: transformers' image-text-to-text models on token ids and
+preprocessed pixels.
+
+  vl_run  {model, inputs, generate?, out}: INPUTS is an .npz with, per case i, `tokens_{i}` [T] (placeholders
+          expanded) and `pixels_{i}` [I, ...] (the image processor's pixel_values; absent for text only), and for
+          Qwen-VL models `grid_{i}` [I, 3]. Writes, float32, `logits_{i}` [T, V], `features_{i}` (the projected image
+          features, concatenated over the images) and, with `generate`, `generated_{i}`: greedy continuations.
+"""
+
+import numpy as np
+import torch
+
+
+def _inputs(model, data, i):
+    ids = torch.tensor(data[f"tokens_{i}"][None].astype(np.int64))
+    kwargs = {}
+    if f"pixels_{i}" in data:
+        kwargs["pixel_values"] = torch.tensor(data[f"pixels_{i}"])
+        if f"grid_{i}" in data:
+            kwargs["image_grid_thw"] = torch.tensor(data[f"grid_{i}"].astype(np.int64))
+        if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
+            kwargs["token_type_ids"] = (ids == model.config.image_token_id).long()
+    return ids, kwargs
+
+
+def _features(model, kwargs):
+    args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw")}
+    out = model.model.get_image_features(**args)
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    if isinstance(feats, (list, tuple)):
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    return feats.reshape(-1, feats.shape[-1]).float().numpy()
+
+
+def vl_run(job):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(job["model"], dtype=torch.float32).eval()
+    data = np.load(job["inputs"])
+    n = len([k for k in data.files if k.startswith("tokens_")])
+    result = {}
+    with torch.no_grad():
+        for i in range(n):
+            ids, kwargs = _inputs(model, data, i)
+            result[f"logits_{i}"] = model(input_ids=ids, **kwargs).logits[0].float().numpy()
+            if kwargs:
+                result[f"features_{i}"] = _features(model, kwargs)
+            if job.get("generate"):
+                out = model.generate(input_ids=ids, **kwargs, max_new_tokens=job["generate"], do_sample=False,
+                                     min_new_tokens=0, eos_token_id=None, pad_token_id=0)
+                result[f"generated_{i}"] = out[0, ids.shape[1]:].numpy()
+    np.savez(job["out"], **result)

@@ -1,0 +1,385 @@
+"""Image loading and preprocessing against transformers' PIL-backend image processors (reference venv).
+
+Every processor type runs on odd, very wide, very tall, tiny and too-elongated images, in every colour mode, on
+arrays and on PNG, JPEG, WebP and GIF data URLs. Pixel values must equal transformers' exactly: both sides run the
+same PIL resize on the same uint8 pixels, then the same float64/float32 numpy steps. One reference subprocess
+serves the whole module.
+"""
+
+import base64
+import io
+import json
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import run_reference
+from day0jax.errors import ConfigError, UnsupportedArchitecture
+from day0jax.vision.images import ImageError, load_image
+from day0jax.vision.processors import image_processor
+
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+HALF = [0.5, 0.5, 0.5]
+PAS = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8)  # the other two: Gemma3Processor's (4 crops, 1.2)
+
+
+def spec(layout, config, options=None, model_processor=None, files_only=False):
+    """A processor under test: its config saved as `layout` ("preprocessor": flat preprocessor_config.json,
+    "processor": nested in processor_config.json as transformers 5 saves it), the options given to
+    `image_processor` (the reference's call keywords), the transformers processor whose image keywords apply, and
+    whether it takes only the PIL images opened from files (not arrays and data URLs, which load_image makes RGB)."""
+    return dict(layout=layout, config=config, options=options or {}, model_processor=model_processor,
+                files_only=files_only)
+
+
+PROCESSORS = {
+    "clip": spec("preprocessor", dict(image_processor_type="CLIPImageProcessor", size={"shortest_edge": 32},
+                                      crop_size={"height": 32, "width": 32}, do_center_crop=True, resample=3,
+                                      rescale_factor=0.00392156862745098, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+                                      processor_class="LlavaProcessor")),
+    # Old-style ints, LANCZOS, a feature-extractor name instead of a type.
+    "clip_legacy": spec("preprocessor", dict(feature_extractor_type="CLIPFeatureExtractor", size=30, crop_size=28,
+                                             resample=1)),
+    # A crop larger than the resized image (zero padding), then padding to pad_size.
+    "clip_pad": spec("processor", dict(image_processor_type="CLIPImageProcessorFast", size={"shortest_edge": 24},
+                                       crop_size={"height": 30, "width": 36}, do_pad=True,
+                                       pad_size={"height": 33, "width": 40}, resample=2)),
+    "clip_bounds": spec("preprocessor", dict(image_processor_type="CLIPImageProcessor", do_center_crop=False,
+                                             size={"shortest_edge": 20, "longest_edge": 40}, resample=4)),
+    # Normalizing the uint8 values themselves (rescale off by a null), NEAREST.
+    "clip_maxhw": spec("preprocessor", dict(image_processor_type="CLIPImageProcessor", do_center_crop=False,
+                                            size={"max_height": 30, "max_width": 40}, resample=0, do_rescale=None,
+                                            image_mean=[120.0, 110.0, 100.0], image_std=[60.0, 50.0, 70.0])),
+    "siglip": spec("processor", dict(image_processor_type="SiglipImageProcessor", size={"height": 28, "width": 28},
+                                     resample=3, image_mean=HALF, image_std=HALF)),
+    # do_convert_rgb null: no RGB conversion, so transformers refuses every mode but RGB (and so do we).
+    "siglip_no_rgb": spec("preprocessor", dict(image_processor_type="SiglipImageProcessor", do_convert_rgb=None,
+                                               size={"height": 20, "width": 20}), files_only=True),
+    "llava": spec("preprocessor", dict(image_processor_type="LlavaImageProcessor", do_pad=True,
+                                       size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30})),
+    # As google/gemma-3-*-it saves it: nulls that Gemma3Processor's image keywords fill.
+    "gemma3": spec("processor", dict(image_processor_type="Gemma3ImageProcessor", size={"height": 32, "width": 32},
+                                     resample=2, image_mean=HALF, image_std=HALF, do_convert_rgb=None,
+                                     do_pan_and_scan=None, pan_and_scan_max_num_crops=None, image_seq_length=256,
+                                     pan_and_scan_min_crop_size=None, pan_and_scan_min_ratio_to_activate=None),
+                   model_processor="Gemma3Processor"),
+    "gemma3_pas": spec("preprocessor", dict(image_processor_type="Gemma3ImageProcessor",
+                                            size={"height": 24, "width": 24}), PAS, "Gemma3Processor"),
+    # Pan and scan in the config only: Gemma3Processor's own do_pan_and_scan=False comes over it.
+    "gemma3_config_pas": spec("preprocessor", dict(image_processor_type="Gemma3ImageProcessor",
+                                                   size={"height": 24, "width": 24}, **PAS),
+                              model_processor="Gemma3Processor"),
+    "qwen2_vl": spec("preprocessor", dict(image_processor_type="Qwen2VLImageProcessor", min_pixels=3136,
+                                          max_pixels=12544, patch_size=14, temporal_patch_size=2, merge_size=2,
+                                          image_mean=CLIP_MEAN, image_std=CLIP_STD)),
+    "qwen3_vl": spec("processor", dict(image_processor_type="Qwen2VLImageProcessorFast",
+                                       size={"shortest_edge": 2048, "longest_edge": 16384}, patch_size=16,
+                                       temporal_patch_size=2, merge_size=2, image_mean=HALF, image_std=HALF)),
+    # A call-time pixel budget over the config's.
+    "qwen3_vl_budget": spec("processor", dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16,
+                                              size={"shortest_edge": 2048, "longest_edge": 16384}),
+                            dict(size={"shortest_edge": 1024, "longest_edge": 4096})),
+}
+SIZES = {"odd": (37, 53), "wide": (23, 400), "tall": (400, 23), "tiny": (5, 7), "extreme": (2, 450)}  # (H, W)
+# mode -> (the mode PIL opens the saved file in, whether it carries transparency)
+MODES = {"RGB": ("RGB", False), "RGBA": ("RGBA", True), "L": ("L", False), "LA": ("LA", True), "P": ("P", False),
+         "P_transparency": ("P", True), "RGB_transparency": ("RGB", True), "I;16": ("I;16", False),
+         "1": ("1", False), "CMYK": ("CMYK", False)}
+ENCODED = ["png_rgba", "jpeg", "webp_rgba", "webp", "gif", "gif_transparent", "jpeg_exif"]
+OPAQUE = {"jpeg", "webp", "gif", "jpeg_exif"}  # where transformers' load_image (alpha dropped) sees the same pixels
+KEY = (10, 200, 30)  # RGB_transparency's transparent colour
+
+
+def pixels(h, w, channels, seed):
+    """Smooth waves plus noise: resampling filters give visibly different results on it."""
+    y, x = np.mgrid[0:h, 0:w]
+    waves = np.stack([np.sin(x / (3 + c) + y / (5 + 2 * c)) * 100 + 128 for c in range(channels)], -1)
+    noise = np.random.default_rng(seed).integers(-40, 41, (h, w, channels))
+    return np.clip(waves + noise, 0, 255).astype(np.uint8)
+
+
+def alpha(h, w, seed):
+    """Fully transparent top third, opaque bottom third, every level in between."""
+    a = np.random.default_rng(seed + 1).integers(0, 256, (h, w)).astype(np.uint8)
+    a[: h // 3], a[h - h // 3:] = 0, 255
+    return a
+
+
+def save_mode_image(mode, h, w, seed, path):
+    rgb = pixels(h, w, 3, seed)
+    image, kwargs = Image.fromarray(rgb), {}
+    if mode == "RGBA":
+        image = Image.fromarray(np.dstack([rgb, alpha(h, w, seed)]))
+    elif mode == "LA":
+        image = Image.merge("LA", (image.convert("L"), Image.fromarray(alpha(h, w, seed))))
+    elif mode in ("L", "1", "CMYK"):
+        image = image.convert(mode)
+    elif mode == "P":
+        image = image.quantize(16)
+    elif mode == "P_transparency":
+        image, kwargs = image.quantize(16), {"transparency": 3}
+    elif mode == "RGB_transparency":
+        rgb[::3, ::2] = KEY
+        image, kwargs = Image.fromarray(rgb), {"transparency": KEY}
+    elif mode == "I;16":
+        image = Image.fromarray(rgb[..., 0].astype(np.uint16) + rgb[..., 1] // 3)  # values past 255 clip in RGB
+    image.save(path, "TIFF" if mode == "CMYK" else "PNG", **kwargs)
+
+
+def encode(name, seed):
+    h, w = SIZES["odd"]
+    rgb, buf = pixels(h, w, 3, seed), io.BytesIO()
+    rgba = np.dstack([rgb, alpha(h, w, seed)])
+    if name == "png_rgba":
+        Image.fromarray(rgba).save(buf, "PNG")
+    elif name == "jpeg":
+        Image.fromarray(rgb).save(buf, "JPEG", quality=90)
+    elif name == "webp_rgba":
+        Image.fromarray(rgba).save(buf, "WEBP", lossless=True)
+    elif name == "webp":
+        Image.fromarray(rgb).save(buf, "WEBP", quality=80)
+    elif name == "gif":
+        frames = [Image.fromarray(pixels(h, w, 3, seed + k)).quantize(32) for k in range(2)]
+        frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    elif name == "gif_transparent":
+        Image.fromarray(rgb).quantize(32).save(buf, "GIF", transparency=5)
+    elif name == "jpeg_exif":
+        exif = Image.Exif()
+        exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to show upright
+        Image.fromarray(rgb).save(buf, "JPEG", quality=90, exif=exif)
+    return buf.getvalue()
+
+
+def mode_path(root, size, mode):
+    return root / f"{size}_{mode.replace(';', '')}.{'tif' if mode == 'CMYK' else 'png'}"
+
+
+def data_url(data, kind="png"):
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The images, the processors' folders, and transformers' outputs: cases[name] lists (label, ours, ref index),
+    `ours` a callable giving our input for that case."""
+    root = tmp_path_factory.mktemp("vision_preprocess")
+    images = []  # (label, our input as a zero-argument callable, reference image path, reference reads an array)
+    files = []  # the labels of PIL images opened from files
+    for seed, (size, (h, w)) in enumerate(SIZES.items()):
+        for mode in MODES if size == "odd" else ["RGB", "RGBA"]:
+            path = mode_path(root, size, mode)
+            save_mode_image(mode, h, w, seed, path)
+            images.append((f"{mode} {size}", lambda p=path: Image.open(p), path, False))
+            files.append(f"{mode} {size}")
+    h, w = SIZES["odd"]
+    for name, ours in [("rgb", pixels(h, w, 3, 7)), ("gray", pixels(h, w, 1, 8)[..., 0]),
+                       ("rgba", np.dstack([pixels(h, w, 3, 9), alpha(h, w, 9)]))]:
+        path = root / f"array_{name}.npy"
+        np.save(path, ours[..., None] if ours.ndim == 2 else ours)  # transformers takes no HxW array; HxWx1 it does
+        images.append((f"array {name}", lambda a=ours: load_image(a), path, True))
+    for seed, name in enumerate(ENCODED):
+        path = root / f"encoded_{name}"
+        path.write_bytes(encode(name, 20 + seed))
+        if name != "jpeg_exif":  # processors take the file as opened, without EXIF rotation
+            images.append((f"data URL {name}", lambda p=path: load_image(data_url(p.read_bytes())), path, False))
+    jobs, cases = [], {}
+    for name, p in PROCESSORS.items():
+        folder = root / name
+        folder.mkdir()
+        config = {"processor_class": "P", "image_processor": p["config"]} if p["layout"] == "processor" else p["config"]
+        (folder / f"{p['layout']}_config.json").write_text(json.dumps(config))
+        cases[name] = []
+        for label, ours, path, array in images:
+            if p["files_only"] and label not in files:
+                continue
+            cases[name].append((label, ours, len(jobs)))
+            jobs.append({"processor": str(folder), "image": str(path), "array": array, "kwargs": p["options"],
+                         "model_processor": p["model_processor"]})
+    run_reference([{"op": "image_processor_outputs", "cases": jobs, "out": str(root / "outputs.npz")},
+                   {"op": "image_loads", "images": [str(root / f"encoded_{n}") for n in ENCODED],
+                    "out": str(root / "loads.npz")}], root)
+    return {"root": root, "cases": cases, "out": dict(np.load(root / "outputs.npz")),
+            "loads": dict(np.load(root / "loads.npz"))}
+
+
+def refused(name, label):
+    """Whether transformers refuses the case: Qwen-VL's aspect ratio above 200, a resize to 0 pixels, or a colour
+    mode other than RGB where RGB conversion is off."""
+    if name == "siglip_no_rgb":
+        return not label.startswith(("RGB ", "RGB_transparency "))
+    return label.endswith("extreme") and (name.startswith("qwen") or name in ("clip_bounds", "clip_maxhw"))
+
+
+@pytest.mark.parametrize("name", list(PROCESSORS))
+def test_processor_matches_transformers(name, ref):
+    processor = image_processor(ref["root"] / name, **PROCESSORS[name]["options"])
+    out, crops = ref["out"], 0
+    for label, ours, i in ref["cases"][name]:
+        assert (f"error_{i}" in out) == refused(name, label), f"{name} {label}: {out.get(f'error_{i}')}"
+        if refused(name, label):
+            with pytest.raises(ImageError):
+                processor.preprocess(ours())
+            continue
+        got = processor.preprocess(ours())
+        expected = out[f"pixel_values_{i}"]
+        values = got.pixel_values if got.grid_thw is not None or got.pixel_values.ndim == 4 else got.pixel_values[None]
+        assert values.dtype == np.float32, f"{name} {label}"
+        assert values.shape == expected.shape, f"{name} {label}"
+        # Exact: the same PIL resize of the same uint8 pixels, then the same float64 -> float32 numpy steps.
+        np.testing.assert_array_equal(values, expected, err_msg=f"{name} {label}")
+        if f"grid_thw_{i}" in out:
+            assert got.grid_thw == tuple(out[f"grid_thw_{i}"].tolist()), f"{name} {label}"
+            assert processor.grid_thw(*ours().size[::-1]) == got.grid_thw, f"{name} {label}"
+        else:
+            assert got.grid_thw is None
+        assert got.num_crops == int(out.get(f"num_crops_{i}", 0)), f"{name} {label}"
+        crops += got.num_crops
+    assert (crops > 0) == (name == "gemma3_pas")  # the long images get crops there, so their math is exercised
+
+
+def test_colour_modes_are_what_they_claim(ref):
+    """The saved test images open in the modes (and with the transparency) the cases are named after."""
+    for mode, (opened, transparent) in MODES.items():
+        image = Image.open(mode_path(ref["root"], "odd", mode))
+        assert image.mode == opened, mode
+        assert ("A" in image.getbands() or "transparency" in image.info) == transparent, mode
+
+
+def test_load_image_converts_like_the_processors(ref):
+    """Every mode loads into the RGB pixels the processors compute from it (alpha composited onto white)."""
+    clip = image_processor(ref["root"] / "clip")
+    for mode in MODES:
+        image = Image.open(mode_path(ref["root"], "odd", mode))
+        loaded = load_image(image)
+        assert loaded.mode == "RGB" and loaded.size == image.size
+        np.testing.assert_array_equal(clip.preprocess(loaded).pixel_values, clip.preprocess(image).pixel_values)
+    keyed = np.array(load_image(Image.open(mode_path(ref["root"], "odd", "RGB_transparency"))))
+    assert (keyed[::3, ::2] == 255).all()  # the transparent colour became white
+
+
+def test_data_urls_decode_like_transformers(ref):
+    loads = ref["loads"]
+    for i, name in enumerate(ENCODED):
+        data = (ref["root"] / f"encoded_{name}").read_bytes()
+        ours = np.array(load_image(data_url(data, "webp" if "webp" in name else "png")))
+        if name == "jpeg_exif":  # upright, as transformers' load_image turns it
+            assert ours.shape[:2] == SIZES["odd"][::-1]
+        else:
+            np.testing.assert_array_equal(ours, loads[f"converted_{i}"], err_msg=name)
+        if name in OPAQUE:
+            np.testing.assert_array_equal(ours, loads[f"loaded_{i}"], err_msg=name)
+        np.testing.assert_array_equal(np.array(load_image(data)), ours)  # the same bytes, given as bytes
+    gif = (ref["root"] / "encoded_gif").read_bytes()
+    frames = Image.open(io.BytesIO(gif))
+    assert frames.n_frames == 2
+    frames.seek(1)
+    assert not np.array_equal(np.array(frames.convert("RGB")), np.array(load_image(data_url(gif))))  # the first
+
+
+def test_file_urls_only_inside_the_allowed_folder(tmp_path):
+    media, outside = tmp_path / "media", tmp_path / "outside"
+    media.mkdir(), outside.mkdir()
+    png = encode("png_rgba", 1)
+    (media / "a cat.png").write_bytes(png)
+    (outside / "secret.png").write_bytes(png)
+    os.symlink(outside / "secret.png", media / "link.png")
+    expected = np.array(load_image(png))
+    url = (media / "a cat.png").as_uri()  # file:///.../a%20cat.png
+    np.testing.assert_array_equal(np.array(load_image(url, allowed_media_dir=media)), expected)
+    np.testing.assert_array_equal(np.array(load_image(f"file://localhost{media}/a%20cat.png",
+                                                      allowed_media_dir=str(media))), expected)
+    for source, message in [((outside / "secret.png").as_uri(), "outside the allowed media folder"),
+                            (f"file://{media}/../outside/secret.png", "outside the allowed media folder"),
+                            ((media / "link.png").as_uri(), "outside the allowed media folder"),
+                            ((media / "missing.png").as_uri(), "no such file"),
+                            (f"file://otherhost{media}/a%20cat.png", "local file")]:
+        with pytest.raises(ImageError, match=message):
+            load_image(source, allowed_media_dir=media)
+    with pytest.raises(ImageError, match="no media folder is allowed"):
+        load_image(url)
+
+
+def _png_header_only(width, height):
+    """A PNG that claims width x height pixels and holds none: a decompression bomb's header."""
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("source, message", [
+    ("data:image/png;base64,!!not*base64", "bad base64"),
+    ("http://example.com/cat.png", "never fetches"),
+    ("HTTPS://example.com/cat.png", "never fetches"),
+    ("ftp://example.com/cat.png", "unsupported URL scheme 'ftp'"),
+    ("/etc/passwd", "not an image URL"),
+    ("data:text/plain;base64,aGVsbG8=", "data:image/"),
+    ("data:image/png,%89PNG", "base64-encoded"),
+    ("data:image/png;base64,", "no data"),
+    (data_url(b"definitely not an image"), "cannot decode"),
+    (data_url(encode("png_rgba", 0)[:60]), "cannot decode"),  # truncated
+    (data_url(_png_header_only(8_000, 8_000)), "above the limit of 50000000"),  # refused before decoding
+    (data_url(_png_header_only(100_000, 100_000)), "decompression bomb"),  # PIL's own check comes first here
+    (np.zeros((4, 5, 3), np.float32), "must be uint8"),
+    (np.zeros((4, 5, 2), np.uint8), "got shape"),
+    (np.zeros((1, 4, 5, 3), np.uint8), "got shape"),
+    (np.zeros((0, 5, 3), np.uint8), "empty image"),
+    (12345, "unsupported image source of type int"),
+], ids=lambda v: None if isinstance(v, str) and len(v) < 40 else "")
+def test_load_image_errors(source, message):
+    with pytest.raises(ImageError, match=message):
+        load_image(source)
+
+
+def test_unsupported_formats_and_size_limit():
+    bmp = io.BytesIO()
+    Image.fromarray(pixels(6, 7, 3, 0)).save(bmp, "BMP")
+    with pytest.raises(ImageError, match="PNG, JPEG, WebP, GIF"):
+        load_image(data_url(bmp.getvalue(), "bmp"))
+    png = encode("png_rgba", 0)
+    for source in (png, Image.open(io.BytesIO(png)), pixels(37, 53, 3, 0)):
+        with pytest.raises(ImageError, match="37x53|53x37"):
+            load_image(source, max_pixels=1000)
+        assert load_image(source, max_pixels=37 * 53).size == (53, 37)
+    assert issubclass(ImageError, ValueError)
+    unpadded = data_url(png).rstrip("=")  # some encoders leave the padding out
+    np.testing.assert_array_equal(np.array(load_image(unpadded[:40] + "\n" + unpadded[40:])),
+                                  np.array(load_image(png)))
+
+
+def test_processor_configs(tmp_path):
+    with pytest.raises(UnsupportedArchitecture, match="PixtralImageProcessor"):
+        image_processor({"image_processor_type": "PixtralImageProcessor"})
+    with pytest.raises(ConfigError, match="no image processor config"):
+        image_processor(tmp_path)
+    with pytest.raises(ConfigError, match="names no image_processor_type"):
+        image_processor({"size": 224})
+    for bad in [{"size": {"longest_edge": 30}}, {"size": {"height": 30}}, {"size": "big"},
+                {"resample": 9}, {"image_mean": [0.5, 0.5]}]:
+        with pytest.raises(ConfigError):
+            image_processor({"image_processor_type": "CLIPImageProcessorPil", **bad})
+    with pytest.raises(ConfigError, match="rescale_factor"):  # a null is None, not the default
+        image_processor({"image_processor_type": "CLIPImageProcessor", "rescale_factor": None})
+    with pytest.raises(ConfigError, match="do_magic"):
+        image_processor({"image_processor_type": "CLIPImageProcessor"}, do_magic=True)
+    with pytest.raises(ConfigError, match="longest_edge"):
+        image_processor({"image_processor_type": "Qwen2VLImageProcessor", "size": {"shortest_edge": 10}})
+    # processor_config.json's "image_processor" comes first; without it, preprocessor_config.json.
+    (tmp_path / "preprocessor_config.json").write_text('{"image_processor_type": "SiglipImageProcessor"}')
+    (tmp_path / "processor_config.json").write_text('{"processor_class": "X"}')
+    assert type(image_processor(tmp_path)).__name__ == "SiglipImageProcessor"
+    (tmp_path / "processor_config.json").write_text('{"image_processor": {"image_processor_type": '
+                                                    '"Gemma3ImageProcessorFast", "size": {"height": 8, "width": 8}}}')
+    gemma = image_processor(tmp_path)
+    assert type(gemma).__name__ == "Gemma3ImageProcessor" and gemma.size == {"height": 8, "width": 8}
+    (tmp_path / "processor_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        image_processor(tmp_path)
+    no_rgb = image_processor({"image_processor_type": "SiglipImageProcessor", "do_convert_rgb": False})
+    with pytest.raises(ImageError, match="do_convert_rgb"):
+        no_rgb.preprocess(Image.new("RGBA", (4, 4)))
+    assert no_rgb.preprocess(Image.new("RGB", (4, 4))).pixel_values.shape == (3, 224, 224)
