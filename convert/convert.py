@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from convert.sources import open_source
+from convert.sources import RenamedSource, open_source
 from convert.writer import CheckpointWriter, sha256_file
 from day0jax import models
 from day0jax.errors import CheckpointError
@@ -102,6 +102,8 @@ def _plan(src: Path, dtype: str | None):
     hf = source.hf_config()
     fam = models.family(hf.get("model_type"))
     config = fam.config.from_hf(hf)
+    if fam.renames:
+        source = RenamedSource(source, fam.renames)
     dtype = dtype or source.default_dtype()
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")

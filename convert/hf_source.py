@@ -18,7 +18,9 @@ from day0jax.weights.hf_config import read_config_json
 from day0jax.errors import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "generation_config.json")
+                   "chat_template.json", "generation_config.json",
+                   # a vision-language checkpoint's image preprocessing: the converted folder stands alone
+                   "preprocessor_config.json", "processor_config.json")
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 

@@ -5,8 +5,9 @@ Tensors go by their Hugging Face names, so one name mapping per family serves bo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -49,3 +50,33 @@ def open_source(path: Path) -> Source:
             return GGUFSource(path)
         raise CheckpointError(f"{path}: not a Hugging Face model folder or a GGUF file")
     raise CheckpointError(f"{path}: no such file or folder")
+
+
+class RenamedSource:
+    """`source` with its tensors under other names: each name through the first (regex, replacement) of `renames`
+    that matches it (a family's older checkpoint layout read under the current names)."""
+
+    def __init__(self, source: Source, renames: Sequence[tuple[str, str]]):
+        self._source = source
+        self._original: dict[str, str] = {}
+        for name in source.tensor_names():
+            new = next((re.sub(p, r, name, count=1) for p, r in renames if re.search(p, name)), name)
+            if new in self._original:
+                raise CheckpointError(f"{source.path}: tensors {self._original[new]!r} and {name!r} are the same "
+                                      f"tensor {new!r} in two checkpoint layouts; keep one")
+            self._original[new] = name
+
+    def __getattr__(self, name: str):
+        return getattr(self._source, name)
+
+    def tensor_names(self) -> list[str]:
+        return list(self._original)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._source.tensor_shape(self._original[name])
+
+    def tensor_nbytes(self, name: str) -> int:
+        return self._source.tensor_nbytes(self._original[name])
+
+    def read(self, name: str) -> np.ndarray:
+        return self._source.read(self._original[name])

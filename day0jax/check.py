@@ -43,6 +43,7 @@ class Report:
     layers: list[dict] = dataclasses.field(default_factory=list)  # token mixer kinds and what each caches
     op_calls: list[dict] = dataclasses.field(default_factory=list)  # the model's own description of its ops
     parameters: dict = dataclasses.field(default_factory=dict)
+    vision: dict = dataclasses.field(default_factory=dict)  # a vision-language model's tower and image tokens
     memory: dict = dataclasses.field(default_factory=dict)
     backend: str = ""
 
@@ -112,8 +113,27 @@ def _checkpoint_tensors(source: Any) -> tuple[int, dict[str, int]]:
 
 
 def _key_table(hf: dict, fam) -> list[dict]:
-    fields = {f.name for f in dataclasses.fields(fam.config)}
-    aliases = fam.config.ALIASES
+    """One row per config.json key; a vision-language config's `text_config` and `vision_config` key by key."""
+    rows = _keys(hf, fam.config)
+    nested = getattr(fam.config, "VISION_CONFIG", None)
+    if nested is not None:
+        from day0jax import models
+
+        text = hf.get("text_config") or {}
+        try:
+            text_config = models.family(text.get("model_type", fam.config.DEFAULT_TEXT_TYPE)).config
+        except Day0Error:
+            text_config = None  # refused with its reason by the config
+        for name, cls, sub in (("text_config", text_config, text), ("vision_config", nested,
+                                                                    hf.get("vision_config") or {})):
+            if cls is not None and isinstance(sub, dict):
+                rows += _keys(sub, cls, f"{name}.")
+    return rows
+
+
+def _keys(hf: dict, cls, prefix: str = "") -> list[dict]:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    aliases = getattr(cls, "ALIASES", {})
     rows = []
     for key in sorted(hf):
         if key in fields:
@@ -124,7 +144,7 @@ def _key_table(hf: dict, fam) -> list[dict]:
             status, note = "ignored", "does not change the forward pass"
         else:
             status, note = "unknown", "not implemented: refused, it may change the math"
-        rows.append({"key": key, "value": _short(hf[key]), "status": status, "note": note})
+        rows.append({"key": prefix + key, "value": _short(hf[key]), "status": status, "note": note})
     return rows
 
 
@@ -185,8 +205,9 @@ def _ops(op_calls, dtype, tp: int) -> list[dict]:
                           "implementation": _implementation(call, dtype, tp)}
         rows[call]["layers"].append("final" if layer is None else layer)
     for row in rows.values():
-        numbered = sorted({n for n in row["layers"] if n != "final"})
-        row["layers"] = ",".join(filter(None, [_layer_ranges(numbered), "final" * ("final" in row["layers"])]))
+        numbered = sorted({n for n in row["layers"] if isinstance(n, int)})
+        named = list(dict.fromkeys(n for n in row["layers"] if not isinstance(n, int)))  # "final", "vision"
+        row["layers"] = ",".join(filter(None, [_layer_ranges(numbered)] + named))
     return list(rows.values())
 
 
@@ -275,10 +296,27 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     count, by_dtype = _checkpoint_tensors(source)
     report.parameters = {"model": sum(math.prod(i.shape) for i in infos), "checkpoint_elements": count,
                          "checkpoint_bytes_by_dtype": by_dtype, "runtime_dtype": dtype}
+    report.vision = _vision(abstract, infos, jnp.dtype(DTYPES[dtype]).itemsize)
     report.reasons += _mapping_problems(fam, config, infos, source)
     report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report)
     report.supported = not report.reasons
     return report
+
+
+def _vision(abstract, infos, itemsize: int) -> dict:
+    """A vision-language model's images: its tower, the tokens and preprocessed shape of one image, and the vision
+    side's parameters (everything outside the language model)."""
+    spec = getattr(abstract, "vision_spec", None)
+    if spec is None:
+        return {}
+    v = abstract.config.vision
+    count = sum(math.prod(i.shape) for i in infos if not i.path.startswith("language_model."))
+    tower = f"{v.model_type} ({getattr(v, 'num_hidden_layers', getattr(v, 'depth', '?'))} layers x {v.hidden_size})"
+    return {"tower": tower, "tokens_per_image": spec.tokens_per_image,
+            "pixels": None if spec.pixel_shape is None else list(spec.pixel_shape), "merge": spec.merge,
+            "multimodal_rope": spec.mrope is not None, "deepstack_layers": spec.deepstack,
+            "image_tokens_attend_both_ways": spec.bidirectional, "parameters": count,
+            "parameter_bytes": count * itemsize}
 
 
 def _mapping_problems(fam, config, infos, source) -> list[str]:
@@ -290,9 +328,10 @@ def _mapping_problems(fam, config, infos, source) -> list[str]:
 
         return manifest_problems(source, infos)[:5]
     from convert.convert import plan_sources
+    from convert.sources import RenamedSource
 
     try:
-        plan_sources(fam, config, infos, source)
+        plan_sources(fam, config, infos, RenamedSource(source, fam.renames) if fam.renames else source)
     except Day0Error as e:
         return [str(e)]
     return []
@@ -357,6 +396,19 @@ def render(report: Report) -> str:
         out += ["", f"parameters: {p['model']:,} in the model ({p['model'] / 1e6:.2f}M), "
                     f"{p['checkpoint_elements']:,} elements stored; runtime dtype {p['runtime_dtype']}"]
         out += [f"  {k}: {fmt_bytes(v)}" for k, v in sorted(p["checkpoint_bytes_by_dtype"].items())]
+    if report.vision:
+        v = report.vision
+        if v["pixels"] is None:
+            size = f"images of any size, a token per {v['merge']}x{v['merge']} patches"
+        else:
+            size = f"{v['tokens_per_image']} tokens per image, pixels {'x'.join(map(str, v['pixels']))}"
+        extras = [text for text, on in (("an image's tokens attend to each other both ways",
+                                         v["image_tokens_attend_both_ways"]),
+                                        ("3-D multimodal RoPE", v["multimodal_rope"]),
+                                        (f"DeepStack into {v['deepstack_layers']} layers", v["deepstack_layers"]))
+                  if on]
+        out += ["", f"images: {v['tower']} tower, {size}" + "".join(f"; {x}" for x in extras) +
+                f"; {v['parameters']:,} vision parameters ({fmt_bytes(v['parameter_bytes'])})"]
     if report.memory:
         m = report.memory
         out += ["", f"memory per device ({m['visible_devices']} device(s) visible): {m['summary']}"]

@@ -58,6 +58,11 @@ class Model:
         self._request_ids = itertools.count()
         self._graphdef, self._params = nnx.split(module)
         self._forward = jax.jit(self._forward_fn)
+        # A vision-language model's image placeholders and shapes (None: text only), its preprocessing (read from
+        # the checkpoint's processor files on first use) and its image encoder.
+        self.vision = getattr(module, "vision_spec", None)
+        self._image_processor = None
+        self._encode = jax.jit(self._encode_fn, static_argnames=("grids",))
         self._replicated = NamedSharding(mesh, PartitionSpec())
         # Batches are split over dp and ep (sharding/rules.py): padded batch sizes are multiples of both.
         self._batch_multiple = mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)
@@ -117,21 +122,156 @@ class Model:
             log.info("%d programs ready before the first token in %.1fs (%s)", len(records), time.perf_counter() - t0,
                      ", ".join(f"{n} {how}" for how, n in sorted(sources.items())))
 
-    def _forward_fn(self, params, tokens, seq_len):
+    def _forward_fn(self, params, tokens, seq_len, image=None):
         model = nnx.merge(self._graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         with exact_float32(self.dtype):
-            hidden, _ = model(tokens, positions, seq_len=seq_len)
+            hidden, _ = model(tokens, positions, seq_len=seq_len, **(image or {}))
             logits = model.logits(constrain(hidden))
         # Replicated: every process of a multi-host mesh can read all of it.
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
-    def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
-        """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V]. Shapes are padded to powers of two
-        (the batch to a multiple of dp x ep, the length to at least 16), so differing lengths share compiled programs.
+    def _encode_fn(self, params, pixels, grids=()):
+        model = nnx.merge(self._graphdef, params)
+        with exact_float32(self.dtype):
+            return model.encode_images(pixels, grids)
+
+    @property
+    def image_processor(self):
+        """The checkpoint's image preprocessing (`vision.processors`), read from its processor files on first use.
 
         Raises:
-            GenerationError: not a [B, T] array of token ids, or longer than the context.
+            GenerationError: a text-only model, or a checkpoint without preprocessor_config.json.
+        """
+        if self.vision is None:
+            raise GenerationError(f"this {self.config.model_type} model takes no images")
+        if self._image_processor is None:
+            from day0jax.vision.processors import image_processor
+
+            files = [self.path / n for n in ("preprocessor_config.json", "processor_config.json")]
+            if not any(f.is_file() for f in files):
+                raise GenerationError(f"{self.path} has no preprocessor_config.json: images cannot be preprocessed "
+                                      "(convert the checkpoint again from a folder that has it)")
+            self._image_processor = image_processor(self.path)
+        return self._image_processor
+
+    def image_inputs(self, images: Sequence[Any]):
+        """One row's images (PIL images or uint8 HxWx3 arrays, in order), preprocessed for the vision tower: an
+        `engine.requests.ImageInputs` (pixels, tokens per image, grids), as `generate` and the server hand it over.
+
+        Raises:
+            ImageError: an image that cannot be read; GenerationError: a text-only model.
+        """
+        from day0jax.engine.requests import ImageInputs
+        from day0jax.vision.images import load_image
+
+        processor = self.image_processor
+        return ImageInputs(*self.vision.pack([processor.preprocess(load_image(im)) for im in images]))
+
+    def encode(self, inputs) -> tuple[np.ndarray, np.ndarray | None]:
+        """`ImageInputs` through the vision tower and projector: (features [n, D], DeepStack features [k, n, D] or
+        None), float32; kept on `inputs` (`.features`, `.deepstack`)."""
+        if inputs.features is None:
+            with jax.set_mesh(self.mesh):
+                features, deepstack = self._encode(self._params, put(inputs.pixels, self.mesh),
+                                                   grids=inputs.grids or ())
+            inputs.features = np.asarray(features, np.float32)
+            inputs.deepstack = None if deepstack is None else np.asarray(deepstack, np.float32)
+        return inputs.features, inputs.deepstack
+
+    def image_features(self, images: Sequence[Any]) -> np.ndarray:
+        """One row's images through the vision tower and projector: [n, D] float32, one per image token."""
+        if not images:
+            return np.zeros((0, self.vision.dim), np.float32)
+        return self.encode(self.image_inputs(images))[0]
+
+    def _check_placeholders(self, tokens: Sequence[int], inputs, row: int) -> None:
+        v = self.vision
+        n = 0 if inputs is None else len(inputs)
+        if v is None:
+            if n:
+                raise GenerationError(f"this {self.config.model_type} model takes no images")
+            return
+        found = sum(int(t) == v.image_token_id for t in tokens)
+        needed = 0 if inputs is None else sum(inputs.counts)
+        if found != needed:
+            raise GenerationError(f"row {row} has {found} image placeholder tokens (id {v.image_token_id}) for {n} "
+                                  f"image(s) that take {needed}; expand each image's placeholder (`Model.prepare` "
+                                  "does)")
+
+    def _row_inputs(self, images: Sequence[Sequence[Any]] | None, rows: int) -> list:
+        """Per row, its `ImageInputs` (None: no images).
+
+        Raises:
+            GenerationError: a row count that differs, or images for a text-only model.
+        """
+        if images is None:
+            return [None] * rows
+        if len(images) != rows:
+            raise GenerationError(f"images has {len(images)} rows for {rows} rows of token ids")
+        if self.vision is None and any(images):
+            raise GenerationError(f"this {self.config.model_type} model takes no images")
+        return [self.image_inputs(row) if row else None for row in images]
+
+    def expand_images(self, text: str, images: Sequence[Any]):
+        """A rendered chat `text` with each image's placeholder expanded to its tokens, and the images'
+        `ImageInputs` (the server and `prepare` share this).
+
+        Raises:
+            GenerationError: a text-only model, or a template that does not show each image once.
+            ImageError: an image that cannot be read.
+        """
+        inputs = self.image_inputs(images)
+        return self.module.expand_image_placeholders(text, inputs.counts, self.tokenizer), inputs
+
+    def prepare(self, messages: Sequence[dict], *, allowed_media_dir: str | Path | None = None
+                ) -> tuple[list[int], list[Any]]:
+        """OpenAI-style chat messages -> (token ids, images): rendered with the chat template, each image's
+        placeholder expanded to its tokens. Content parts may be `{"type": "text", "text": ...}`,
+        `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}` or `{"type": "image", "image":
+        PIL image | uint8 array}`; `file://` URLs only inside `allowed_media_dir`.
+
+        Raises:
+            GenerationError: no tokenizer, images for a text-only model, or a template that shows no image.
+            ImageError: an image that cannot be read.
+            ChatTemplateError: the template fails.
+        """
+        from day0jax.models.vision_language import chat_images
+
+        if self.tokenizer is None:
+            raise GenerationError(f"{self.path} has no tokenizer.json")
+        rendered, images = chat_images(messages, allowed_media_dir)
+        if images and self.vision is None:
+            raise GenerationError(f"this {self.config.model_type} model takes no images")
+        text = self.tokenizer.render_chat(rendered)
+        if images:
+            text = self.expand_images(text, images)[0]
+        return self.tokenizer.encode(text, add_special_tokens=False), images
+
+    def image_arrays(self, tokens: np.ndarray, rows: Sequence[Any]) -> dict[str, jax.Array]:
+        """A cache-less forward's image inputs for padded `tokens` [B, T] and each row's `ImageInputs` (or None),
+        encoded, laid out and put on the mesh (`logits`, `day0jax.verify`)."""
+        from day0jax.models.vision_language import place_features
+
+        for inputs in rows:
+            if inputs is not None:
+                self.encode(inputs)
+        arrays = place_features(tokens, self.vision, list(rows) + [None] * (len(tokens) - len(rows)))
+        def logical(k, x):  # rows split like the tokens; deepstack [k, B, T, D] has them second
+            names = ["batch"] + [None] * (x.ndim - 1)
+            return names[1:2] + names[:1] + names[2:] if k == "deepstack" else names
+        return {k: put(x, self.mesh, logical(k, x)) for k, x in arrays.items()}
+
+    def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
+               images: Sequence[Sequence[Any]] | None = None) -> np.ndarray:
+        """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V]. Shapes are padded to powers of two
+        (the batch to a multiple of dp x ep, the length to at least 16), so differing lengths share compiled programs.
+        `images`: a vision-language model's images, one list per row (PIL images or uint8 HxWx3 arrays, in order of
+        appearance), the rows' placeholders already expanded.
+
+        Raises:
+            GenerationError: not a [B, T] array of token ids, longer than the context, or placeholders that do not
+                match the images.
         """
         tokens = np.asarray(token_ids, dtype=np.int32)
         if tokens.ndim != 2 or tokens.shape[1] < 1:
@@ -141,20 +281,30 @@ class Model:
             raise GenerationError(f"{T} tokens exceed the model's context of {self.context_length}")
         padded = np.zeros((_round_up_pow2(B, self._batch_multiple), _round_up_pow2(T, 16)), np.int32)
         padded[:B, :T] = tokens
+        image = None
+        if self.vision is not None or images is not None:
+            rows = self._row_inputs(images, B)
+            for b in range(B):
+                self._check_placeholders(tokens[b], rows[b], b)
+            image = self.image_arrays(padded, rows) if self.vision is not None else None
         with jax.set_mesh(self.mesh):
-            out = self._forward(self._params, put(padded, self.mesh, ("batch", None)), put(np.int32(T), self.mesh))
+            out = self._forward(self._params, put(padded, self.mesh, ("batch", None)), put(np.int32(T), self.mesh),
+                                image)
         return np.asarray(out)[:B, :T]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, *,
                  json_schema: dict | bool | None = None, regex: str | None = None,
-                 choice: Sequence[str] | None = None, logit_bias: dict[int, float] | None = None) -> list[list[int]]:
+                 choice: Sequence[str] | None = None, logit_bias: dict[int, float] | None = None,
+                 images: Sequence[Sequence[Any]] | None = None) -> list[list[int]]:
         """Generates up to `max_new_tokens` for each prompt (a list of token ids); returns only the new tokens. Each
         prompt is one engine request, ending after EOS (unless `ignore_eos`) or any of `stop_token_ids` (returned last).
         At most one of `json_schema` (output that validates against it; `{"type": "object"}` for any JSON object),
         `regex` (output matching it) and `choice` (exactly one of these strings) constrains the output; `logit_bias`
-        adds a value in [-100, 100] to the logits of these token ids.
+        adds a value in [-100, 100] to the logits of these token ids. `images`: a vision-language model's images, one
+        list per prompt (PIL images or uint8 HxWx3 arrays, in order of appearance), the prompts' placeholders already
+        expanded (see `prepare`).
 
         Raises:
             GenerationError: invalid prompts or parameters, or a prompt too long for the context.
@@ -168,17 +318,20 @@ class Model:
                                 top_k=int(top_k), seed=seed, stop_token_ids=tuple(stop_token_ids or ()),
                                 ignore_eos=ignore_eos, grammar=self._grammar(json_schema, regex, choice),
                                 logit_bias=tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()))
+        inputs = self._row_inputs(images, len(prompts))
+        for b, (prompt, row) in enumerate(zip(prompts, inputs)):
+            self._check_placeholders(prompt, row, b)
         engine = self.engine
         self._compile_for(prompts, params)
         ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
         out: dict[str, list[int]] = {rid: [] for rid in ids}
-        queued, running = list(zip(ids, prompts)), set()
+        queued, running = list(zip(ids, prompts, inputs)), set()
         try:
             while queued or running:
                 while queued:  # as many as the queue takes; the rest once some have finished
-                    rid, prompt = queued[0]
+                    rid, prompt, row_images = queued[0]
                     try:
-                        engine.add_request(rid, prompt, params)
+                        engine.add_request(rid, prompt, params, images=row_images)
                     except QueueFull:
                         if not running:
                             raise

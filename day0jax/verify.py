@@ -5,6 +5,11 @@ the same token ids and prints, per hidden state (embeddings, each layer's output
 max |ours - ref| / max |ref| and mean |ours - ref| / mean |ref|, then the logits' max relative difference, KL
 divergence (transformers' distribution as the truth) and top-1 agreement. The first layer whose difference jumps
 is where the math departs. Exits 1 when a figure is beyond its tolerance, 2 when it cannot run.
+
+A vision-language checkpoint is run on prompts that hold an image each (`--images`, or two built-in synthetic ones):
+the report first compares the preprocessed pixels with transformers' image processor, then the vision tower's hidden
+states layer by layer and the projected image features (transformers gets day0jax's pixels, so each stage is
+compared on the same inputs), then the language model as above.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ REFERENCE_SCRIPT = ROOT / "tests" / "ref" / "reference.py"
 DEFAULT_TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land"]
 # Default tolerances per day0jax dtype (transformers runs in float32): (logits max rel, mean KL, top-1 agreement).
 TOLERANCES = {"float32": (1e-3, 1e-5, 1.0), "bfloat16": (5e-2, 1e-2, 0.9), "float16": (2e-2, 5e-3, 0.95)}
+# Preprocessing is transformers' PIL backend step for step: float32 rounding only.
+PIXEL_TOLERANCE = 1e-6
 
 
 class VerifyError(Day0Error):
@@ -44,7 +51,7 @@ class LayerDiff:
 
 @dataclass
 class Result:
-    layers: list[LayerDiff]
+    layers: list[LayerDiff]  # the language model's hidden states; `vision`: pixels, tower layers, image features
     logits_max_rel: float
     kl_mean: float
     kl_max: float
@@ -52,6 +59,7 @@ class Result:
     tokens: int
     tolerance: dict
     failures: list[str] = field(default_factory=list)
+    vision: list[LayerDiff] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -112,13 +120,31 @@ def run_reference(hf_folder: Path, prompts: list[list[int]], python: str, dtype:
     Raises:
         VerifyError: the reference script or Python is missing, or the job failed.
     """
+    return _reference_job({"op": "hidden", "model": str(Path(hf_folder).absolute()), "prompts": prompts,
+                           "dtype": dtype}, hf_folder, python, timeout)
+
+
+def run_reference_vision(hf_folder: Path, prompts: list[list[int]], images: list[list[np.ndarray]],
+                         ours: dict[str, np.ndarray], python: str, timeout: int = 3600) -> dict[str, np.ndarray]:
+    """transformers' pixels (its own image processor), tower hidden states and image features (on day0jax's
+    pixels), hidden states and logits per prompt (the `vl_hidden` job of tests/ref/ref_multimodal.py)."""
+    with tempfile.TemporaryDirectory(prefix="day0jax-verify-") as tmp:
+        inputs = Path(tmp) / "inputs.npz"
+        arrays = {f"tokens_{i}": np.asarray(p, np.int32) for i, p in enumerate(prompts)}
+        arrays.update({k: v for k, v in ours.items() if k.startswith(("pixels_", "grid_"))})
+        arrays.update({f"image_{i}_{k}": im for i, row in enumerate(images) for k, im in enumerate(row)})
+        np.savez(inputs, **arrays)
+        return _reference_job({"op": "vl_hidden", "model": str(Path(hf_folder).absolute()), "inputs": str(inputs)},
+                              hf_folder, python, timeout)
+
+
+def _reference_job(job: dict, hf_folder: Path, python: str, timeout: int) -> dict[str, np.ndarray]:
     if not REFERENCE_SCRIPT.is_file():
         raise VerifyError(f"{REFERENCE_SCRIPT} is missing: verify needs the project's reference script")
     with tempfile.TemporaryDirectory(prefix="day0jax-verify-") as tmp:
         out = Path(tmp) / "reference.npz"
         spec = Path(tmp) / "jobs.json"
-        spec.write_text(json.dumps([{"op": "hidden", "model": str(Path(hf_folder).absolute()), "prompts": prompts,
-                                     "dtype": dtype, "out": str(out)}]))
+        spec.write_text(json.dumps([dict(job, out=str(out))]))
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         try:
             proc = subprocess.run([python, str(REFERENCE_SCRIPT), str(spec)], capture_output=True, text=True,
@@ -128,6 +154,39 @@ def run_reference(hf_folder: Path, prompts: list[list[int]], python: str, dtype:
         if proc.returncode:
             raise VerifyError(f"transformers ({python}) failed on {hf_folder}:\n{proc.stderr[-3000:]}")
         return dict(np.load(out))
+
+
+def synthetic_images() -> list[np.ndarray]:
+    """Two images that need no file: a colour gradient (300 x 200) and seeded noise over a checkerboard (97 x 131),
+    of sizes that every processor resizes."""
+    y, x = np.mgrid[0:200, 0:300]
+    gradient = np.stack([x * 255 // 299, y * 255 // 199, (x + y) * 255 // 498], -1).astype(np.uint8)
+    rng = np.random.default_rng(0)
+    board = ((np.indices((131, 97)).sum(0) // 8) % 2 * 160)[..., None] + rng.integers(0, 96, (131, 97, 3))
+    return [gradient, board.astype(np.uint8)]
+
+
+def read_images(paths: Sequence[str | Path]) -> list[np.ndarray]:
+    """The image files as uint8 RGB arrays.
+
+    Raises:
+        VerifyError: a file that cannot be read or decoded.
+    """
+    from day0jax.vision.images import ImageError, load_image
+
+    out = []
+    for p in paths:
+        try:
+            out.append(np.asarray(load_image(Path(p).read_bytes())))
+        except (OSError, ImageError) as e:
+            raise VerifyError(f"--images {p}: {e}") from None
+    return out
+
+
+def with_images(model, prompts: list[list[int]], images: list[np.ndarray]) -> list[list[int]]:
+    """Each prompt with one image's placeholder tokens after its first token (images taken in turn)."""
+    v = model.vision
+    return [p[:1] + [v.image_token_id] * v.tokens_per_image + p[1:] for p in prompts]
 
 
 def run_day0jax(model, prompts: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -152,6 +211,65 @@ def run_day0jax(model, prompts: list[list[int]]) -> tuple[list[np.ndarray], list
         hiddens.append(np.asarray(hidden(params, jnp.asarray([p], jnp.int32)))[:, 0])
         logits.append(model.logits([p])[0])
     return hiddens, logits
+
+
+def run_day0jax_vision(model, prompts: list[list[int]], images: list[list[np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per prompt i and its images: `pixels_{i}` (and `grid_{i}` for towers of any image size), `vision_{i}`
+    [L+1, I, P, Dv] (the tower's hidden states, as far as the model computes them; towers of one image size),
+    `features_{i}`, `hidden_{i}` [L+1, T, D] and `logits_{i}`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from day0jax.layers.linear import exact_float32
+
+    graphdef, params = nnx.split(model.module)
+
+    @jax.jit
+    def tower(params, pixels):
+        with exact_float32(model.dtype):
+            states = nnx.merge(graphdef, params).vision_hidden_states(pixels)
+        return jnp.stack(states).astype(jnp.float32)
+
+    @jax.jit
+    def hidden(params, tokens, image):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        with exact_float32(model.dtype):
+            states = nnx.merge(graphdef, params).hidden_states(tokens, positions, **image)
+        return jnp.stack(states).astype(jnp.float32)
+
+    out = {}
+    for i, (p, imgs) in enumerate(zip(prompts, images)):
+        inputs = model.image_inputs(imgs)
+        features, _ = model.encode(inputs)
+        tokens = np.asarray([p], np.int32)
+        with jax.set_mesh(model.mesh):
+            states = hidden(params, tokens, model.image_arrays(tokens, [inputs]))
+        out.update({f"pixels_{i}": inputs.pixels, f"features_{i}": features,
+                    f"logits_{i}": model.logits([p], images=[imgs])[0], f"hidden_{i}": np.asarray(states)[:, 0]})
+        if inputs.grids is not None:
+            out[f"grid_{i}"] = np.asarray(inputs.grids, np.int64)
+        else:
+            out[f"vision_{i}"] = np.asarray(tower(params, inputs.pixels))
+    return out
+
+
+def compare_vision(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray], n: int) -> list[LayerDiff]:
+    """Rows for the pixels, each tower hidden state day0jax computes, and the image features, over `n` prompts."""
+    def diff(index: int, name: str, key: str, take=lambda a: a) -> LayerDiff:
+        o = [take(ours[f"{key}_{i}"]) for i in range(n)]
+        r = [take(ref[f"{key}_{i}"]).reshape(np.shape(x)) for i, x in zip(range(n), o)]
+        d = np.concatenate([np.abs(a - b).ravel() for a, b in zip(o, r)])
+        a = np.concatenate([np.abs(b).ravel() for b in r])
+        return LayerDiff(index, name, float(d.max() / max(a.max(), 1e-30)), float(d.mean() / max(a.mean(), 1e-30)))
+
+    rows = [diff(-1, "pixels (preprocessing)", "pixels")]
+    # Layers past the deepest one read are not computed; towers of any image size report their output only.
+    depth = ours["vision_0"].shape[0] if "vision_0" in ours else 0
+    for j in range(depth):
+        rows.append(diff(j, "vision embeddings" if j == 0 else f"vision layer {j}", "vision", lambda a, j=j: a[j]))
+    rows.append(diff(depth, "image features (projector)", "features"))
+    return rows
 
 
 def compare(ours_hidden: Sequence[np.ndarray], ours_logits: Sequence[np.ndarray], ref: dict[str, np.ndarray],
@@ -195,7 +313,7 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
 
 def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | None = None,
            reference_python: str | None = None, dtype: str = "float32",
-           tolerance: tuple[float, float, float] | None = None) -> Result:
+           tolerance: tuple[float, float, float] | None = None, images: Sequence[str | Path] = ()) -> Result:
     """Compares a checkpoint with transformers on the same prompts; returns a `Result` (`.passed`: within tolerance).
 
     Args:
@@ -203,7 +321,10 @@ def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | Non
         prompts: prompts file (default: a few built-in texts, or random ids without a tokenizer).
         reference_python: the Python that has transformers and torch (default: `default_reference_python()`).
         dtype: day0jax's dtype; transformers always runs in float32.
-        tolerance: (logits max rel, mean KL, min top-1 agreement); default per dtype (`TOLERANCES`).
+        tolerance: (logits max rel, mean KL, min top-1 agreement); default per dtype (`TOLERANCES`); image
+            features are held to the logits' max relative difference, pixels to float32 equality (1e-6).
+        images: image files for a vision-language checkpoint (default: `synthetic_images()`), one per prompt in
+            turn.
     Raises:
         VerifyError, and the errors of `day0jax.load`.
     """
@@ -211,14 +332,39 @@ def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | Non
 
     model = day0jax.load(Path(ckpt).absolute(), dtype=dtype)  # orbax wants absolute paths
     token_prompts = read_prompts(Path(prompts) if prompts else None, model.tokenizer, model.config.vocab_size)
-    ref = run_reference(Path(reference), token_prompts, reference_python or default_reference_python())
-    hiddens, logits = run_day0jax(model, token_prompts)
-    return compare(hiddens, logits, ref, tolerance or TOLERANCES[dtype])
+    python = reference_python or default_reference_python()
+    tolerance = tolerance or TOLERANCES[dtype]
+    if model.vision is None:
+        if images:
+            raise VerifyError(f"--images: this {model.config.model_type} checkpoint takes no images")
+        ref = run_reference(Path(reference), token_prompts, python)
+        hiddens, logits = run_day0jax(model, token_prompts)
+        return compare(hiddens, logits, ref, tolerance)
+    pool = read_images(images) if images else synthetic_images()
+    rows = [[pool[i % len(pool)]] for i in range(len(token_prompts))]
+    token_prompts = with_images(model, token_prompts, pool)
+    ours = run_day0jax_vision(model, token_prompts, rows)
+    ref = run_reference_vision(Path(reference), token_prompts, rows, ours, python)
+    n = len(token_prompts)
+    result = compare([ours[f"hidden_{i}"] for i in range(n)], [ours[f"logits_{i}"] for i in range(n)], ref,
+                     tolerance)
+    result.vision = compare_vision(ours, ref, n)
+    pixels, features = result.vision[0], result.vision[-1]
+    if pixels.max_rel > PIXEL_TOLERANCE:
+        result.failures.append(f"pixels differ from transformers' image processor by {pixels.max_rel:.3e} "
+                               f"(max relative) > {PIXEL_TOLERANCE:.0e}")
+    if features.max_rel > tolerance[0]:
+        result.failures.append(f"image features max relative difference {features.max_rel:.3e} > {tolerance[0]:.1e}")
+    return result
 
 
 def render(result: Result) -> str:
-    rows = [f"{'layer':>5}  {'hidden state':<24}  {'max rel diff':>12}  {'mean rel diff':>13}"]
-    rows += [f"{d.layer:>5}  {d.name:<24}  {d.max_rel:>12.3e}  {d.mean_rel:>13.3e}" for d in result.layers]
+    rows = []
+    if result.vision:
+        rows += [f"{'':>5}  {'images':<26}  {'max rel diff':>12}  {'mean rel diff':>13}"]
+        rows += [f"{'':>5}  {d.name:<26}  {d.max_rel:>12.3e}  {d.mean_rel:>13.3e}" for d in result.vision] + [""]
+    rows += [f"{'layer':>5}  {'hidden state':<26}  {'max rel diff':>12}  {'mean rel diff':>13}"]
+    rows += [f"{d.layer:>5}  {d.name:<26}  {d.max_rel:>12.3e}  {d.mean_rel:>13.3e}" for d in result.layers]
     t = result.tolerance
     rows += ["", f"logits over {result.tokens} tokens: max rel diff {result.logits_max_rel:.3e} "
                  f"(tolerance {t['logits_max_rel']:.1e}), KL mean {result.kl_mean:.3e} (tolerance "
@@ -240,13 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=None, help="logits max relative difference allowed")
     parser.add_argument("--max-kl", type=float, default=None, help="mean KL divergence allowed")
     parser.add_argument("--min-top1", type=float, default=None, help="top-1 agreement required (0..1)")
+    parser.add_argument("--images", nargs="+", default=(), help="image files for a vision-language checkpoint, one "
+                        "per prompt in turn (default: two synthetic images)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     given = (args.tolerance, args.max_kl, args.min_top1)
     tolerance = tuple(default if value is None else value for value, default in zip(given, TOLERANCES[args.dtype]))
     try:
         result = verify(args.ckpt, args.reference, prompts=args.prompts, reference_python=args.reference_python,
-                        dtype=args.dtype, tolerance=tolerance)
+                        dtype=args.dtype, tolerance=tolerance, images=args.images)
     except Day0Error as e:
         print(f"day0jax verify: {e}", file=sys.stderr)
         return 2

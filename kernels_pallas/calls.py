@@ -11,9 +11,10 @@ head dim, D hidden, E experts, F expert or MLP width, k experts per token):
   ('head': one log decay per value head, Qwen3-Next; 'channel': one per key channel, Kimi Linear);
 - sparse_attention (indexed, DeepSeek-V3.2): N, K, H, Hv, scale, latent as attention; topk keys per query, I
   indexer heads of Di dims, indexer (False: the layer reuses an earlier layer's top-k);
-- mlp, rope, causal_conv1d (`PLAIN_OPS`): plain jax.numpy, no kernel; listed so the report shows every operator a
-  layer runs. causal_conv1d: C channels, W kernel width; act (reported only where it is not SiLU: None for LFM's
-  convolution, which has none).
+- mlp, rope, causal_conv1d, vision_attention (`PLAIN_OPS`): plain jax.numpy, no kernel; listed so the report shows
+  every operator a layer runs. causal_conv1d: C channels, W kernel width; act (reported only where it is not SiLU:
+  None for LFM's convolution, which has none). vision_attention: a vision tower's bidirectional attention, N heads x
+  H over T tokens per image (None: as many as the image has patches).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PLAIN_OPS = ("mlp", "rope", "causal_conv1d")
+PLAIN_OPS = ("mlp", "rope", "causal_conv1d", "vision_attention")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class OpCall:
         if self.op == "causal_conv1d":
             act = "SiLU" if p.get("act", "silu") == "silu" else "no activation"
             return f"depthwise causal conv1d over {p['C']} channels, width {p['W']}, {act}"
+        if self.op == "vision_attention":
+            return f"bidirectional MHA {p['N']} heads x {p['H']} over {p['T']} tokens per image"
         if self.op == "mlp":
             return f"{'gated ' if p.get('gated', True) else ''}MLP x {p['F']} ({p['act']})"
         if self.op == "rope":

@@ -94,7 +94,8 @@ class ModelShape:
                 ffn[layer] = ffn.get(layer, 0) + call["k"] * call["F"]
             elif call.op in ("attention", "sparse_attention"):
                 heads = max(heads, call["N"])
-        V, D = model.model.embed_tokens.weight.shape
+        # A vision-language model's language model holds the embeddings.
+        V, D = getattr(model, "language_model", model).model.embed_tokens.weight.shape
         return cls(params=tuple(param_infos(model)), cache_layout=tuple(model.cache_layout()),
                    hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
                    context_length=int(context_length))

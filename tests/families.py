@@ -5,6 +5,8 @@ variants whose frequencies depend on the longest sequence in the call (HF's `dyn
 padded batch legitimately differs from one-prompt-at-a-time; those are compared prompt by prompt.
 """
 
+from dataclasses import dataclass
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
             pad_token_id=0)
@@ -319,3 +321,78 @@ FAMILIES = {
 PROMPTS = [[1, 17, 42, 5, 99], [1] + [(7 * i + 3) % 250 + 3 for i in range(16)],
            [1] + [(13 * i + 11) % 250 + 3 for i in range(19)]]
 GENERATE = 12
+
+
+# --- vision-language families (tests/test_multimodal.py): tiny towers over tiny language models ------------------
+
+IMAGE_TOKEN = 250  # the image placeholder id of every tiny vision-language config
+CLIP_TOWER = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=16)
+SIGLIP_TOWER = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, image_size=32, patch_size=8)
+CLIP_PROCESSOR = dict(image_processor_type="CLIPImageProcessor", do_resize=True, size={"shortest_edge": 28},
+                      resample=3, do_center_crop=True, crop_size={"height": 28, "width": 28}, do_rescale=True,
+                      rescale_factor=1 / 255, do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
+                      image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True)
+SIGLIP_PROCESSOR = dict(image_processor_type="SiglipImageProcessor", do_resize=True, size={"height": 32, "width": 32},
+                        resample=3, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+GEMMA3_PROCESSOR = dict(image_processor_type="Gemma3ImageProcessor", do_resize=True, size={"height": 32, "width": 32},
+                        resample=2, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], do_convert_rgb=True,
+                        do_pan_and_scan=False)
+BOI, EOI = 248, 249  # Gemma 3's begin- and end-of-image tokens around the image tokens (Qwen-VL: vision start, end)
+# Qwen-VL: 4-pixel patches merged 2x2, images resized to 8-pixel multiples between 16 and 48 pixels square.
+QWEN_VL_PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=4, temporal_patch_size=2,
+                         merge_size=2, size={"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
+                         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+QWEN_VL_TOWER = dict(model_type="qwen3_vl_vision", depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                     patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+                     num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+
+
+@dataclass(frozen=True)
+class VLCase:
+    model_type: str
+    config: dict
+    processor: dict
+    per_image: int | None  # tokens per image; None: as many as its merged patches (`image_tokens`)
+    around: tuple[list[int], list[int]] = ([], [])  # tokens before and after each image's tokens
+
+
+MULTIMODAL = {
+    # CLIP, the second-to-last layer's patches (class token dropped), a Llama language model.
+    "llava": VLCase("llava", dict(text_config=dict(TINY, model_type="llama"), vision_config=CLIP_TOWER,
+                                  image_token_index=IMAGE_TOKEN), CLIP_PROCESSOR, 4),
+    # SigLIP, two layers' hidden states concatenated, every token kept, no projector biases; a Qwen2 language model
+    # with a sliding-window layer.
+    "llava_siglip_qwen2": VLCase("llava", dict(
+        text_config=dict(TINY, model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        vision_config=SIGLIP_TOWER, image_token_index=IMAGE_TOKEN, vision_feature_layer=[-1, 1],
+        vision_feature_select_strategy="full", multimodal_projector_bias=False,
+        projector_hidden_act="gelu_pytorch_tanh"), SIGLIP_PROCESSOR, 16),
+    # SigLIP's 16 patches pooled to 4 tokens; a sliding layer (window 8, shorter than the prompts) and a full one.
+    "gemma3": VLCase("gemma3", dict(
+        text_config=dict(TINY, model_type="gemma3_text", head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=SIGLIP_TOWER, mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN, boi_token_index=BOI,
+        eoi_token_index=EOI), GEMMA3_PROCESSOR, 4, ([BOI], [EOI])),
+    # Images of their own size; 3-D RoPE positions in sections of 2, 3, 3 frequencies; DeepStack into layers 0-1.
+    "qwen3_vl": VLCase("qwen3_vl", dict(
+        text_config=dict(TINY, model_type="qwen3_vl_text", num_hidden_layers=3, head_dim=16,
+                         max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=QWEN_VL_TOWER, image_token_id=IMAGE_TOKEN, video_token_id=251, vision_start_token_id=BOI,
+        vision_end_token_id=EOI), QWEN_VL_PROCESSOR, None, ([BOI], [EOI])),
+}
+
+
+def image_tokens(case: VLCase, image) -> int:
+    """The number of placeholder tokens `image` (uint8 HxWx3) takes in `case`'s model."""
+    if case.per_image is not None:
+        return case.per_image
+    from day0jax.vision.processors import image_processor
+
+    t, h, w = image_processor(case.processor).preprocess(image).grid_thw
+    return t * h * w // 4  # 2x2 merge

@@ -297,8 +297,8 @@ def test_unknown_model_type_names_closest(tmp_path, tiny):
     cfg = json.loads((tiny["qwen3_moe"]["hf"] / "config.json").read_text())
     report = check_lib.check(config_only(tmp_path / "c", dict(cfg, model_type="qwen3_mo")))
     assert not report.supported and "closest supported family is 'qwen3_moe'" in report.reasons[0]
-    with pytest.raises(UnsupportedArchitecture, match="'gemma3'.*closest supported family is 'gemma3_text'"):
-        models.family("gemma3")
+    with pytest.raises(UnsupportedArchitecture, match="'gemma3n'.*closest supported family is 'gemma3'"):
+        models.family("gemma3n")
 
 
 @pytest.mark.parametrize("name,changes,message", [

@@ -31,7 +31,7 @@ GOLDEN = ROOT / "tests" / "golden_sharding"
 MESHES = ["tp=2,dp=4", "tp=2,ep=4", "tp=2,ep=2,dp=2", "tp=8"]  # tp inside, combined with dp, ep or both
 
 sys.path.insert(0, str(ROOT / "tests"))
-from families import FAMILIES as TEST_FAMILIES  # noqa: E402
+from families import FAMILIES as TEST_FAMILIES, MULTIMODAL  # noqa: E402
 
 # Sharding test configs: each family's first config in tests/families.py with 8 query heads, so every mesh above
 # (tp up to 8) is valid. Per family, further overrides (more experts, so ep=4 leaves two per rank).
@@ -50,7 +50,8 @@ OVERRIDES = {
 }
 # The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA, a hybrid
 # linear-attention and a sparse-attention model. Adding a family is adding its model_type here.
-MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "gemma4_text"]
+MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "gemma4_text",
+                         "gemma3", "qwen3_vl"]
 # One model_type per family module (a family may implement several: a multimodal one and its text model).
 FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 
@@ -64,6 +65,12 @@ def sharding_config(model_type: str) -> dict:
     for mt, config, _ in TEST_FAMILIES.values():
         if mt == model_type:
             return dict(config, model_type=model_type, num_attention_heads=8, **OVERRIDES.get(model_type, {}))
+    for case in MULTIMODAL.values():  # a vision-language family: its language model gets the 8 heads
+        if case.model_type == model_type:
+            return dict(case.config, model_type=model_type,
+                        text_config=dict(case.config["text_config"], num_attention_heads=8))
+        if case.config["text_config"]["model_type"] == model_type:  # a text model only multimodal ones test
+            return dict(case.config["text_config"], num_attention_heads=8)
     raise KeyError(f"tests/families.py has no config for model_type {model_type!r}")
 
 
@@ -73,8 +80,9 @@ def abstract_infos(hf: dict):
     return module, models.param_infos(module)
 
 
-def synthetic_checkpoint(hf: dict, dst: Path, seed: int = 0) -> Path:
-    """A day0jax checkpoint with random weights for `hf` (no tokenizer), written with the converter's writer.
+def synthetic_checkpoint(hf: dict, dst: Path, seed: int = 0, processor: dict | None = None) -> Path:
+    """A day0jax checkpoint with random weights for `hf` (no tokenizer), written with the converter's writer; with
+    `processor`, a vision-language model's preprocessor_config.json.
 
     Kernels are scaled by 1/sqrt(fan-in) and norm weights and scales sit near 1, so activations stay O(1) through
     the layers and logits are not dominated by rounding.
@@ -97,6 +105,8 @@ def synthetic_checkpoint(hf: dict, dst: Path, seed: int = 0) -> Path:
                 array = noise / np.sqrt(shape[-1])
             writer.add(info.path, array.astype(np.float32))
         writer.write_json("config.json", hf)
+        if processor is not None:
+            writer.write_json("preprocessor_config.json", processor)
         writer.commit({"model_type": config.model_type, "dtype": "float32", "source": {"kind": "synthetic"}})
     return Path(dst)
 

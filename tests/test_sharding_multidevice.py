@@ -36,7 +36,8 @@ NEW_TOKENS = 6
 # also on tp=8, the multi-host test's mesh.
 # (MLA's latent cache, one kv head replicated over tp, is exercised by deepseek_v3; qwen3_moe's is plain GQA.)
 GENERATE_ON = {"llama": ["tp=2,ep=2,dp=2", "tp=8"], "deepseek_v3": ["tp=2,ep=2,dp=2"],
-               "qwen3_5_moe_text": ["tp=2,ep=4"], "deepseek_v32": ["tp=2,ep=2,dp=2"], "gemma4_text": ["tp=2,dp=4"]}
+               "qwen3_5_moe_text": ["tp=2,ep=4"], "deepseek_v32": ["tp=2,ep=2,dp=2"], "gemma4_text": ["tp=2,dp=4"],
+               "gemma3": ["tp=2,dp=4"], "qwen3_vl": ["tp=2,ep=2,dp=2"]}
 MULTIHOST_MESH = "tp=8"  # tensor parallelism across both processes: all-reduces cross the process boundary
 # RSS test model: ~470 MB float32, every dimension divisible by tp=8, its largest array (the embeddings) 7% of it,
 # about as in real models (Llama-3-8B: 6%).
@@ -48,6 +49,19 @@ BIG = dict(model_type="llama", vocab_size=8192, hidden_size=1024, intermediate_s
 
 def _device_bytes(arrays, device) -> int:
     return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == device)
+
+
+def image_batch(model) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """A vision-language model's 4 rows of equal length: one image, two images, and text only twice."""
+    rng = np.random.default_rng(0)
+    images = [[rng.integers(0, 256, (40, 30, 3), dtype=np.uint8)],
+              [rng.integers(0, 256, (21, 50, 3), dtype=np.uint8), rng.integers(0, 256, (33, 33, 3), dtype=np.uint8)],
+              [], []]
+    image = [[model.vision.image_token_id] * n for n in model.image_inputs(images[0] + images[1]).counts]
+    rows = [[1, 17] + image[0] + [5, 9], [1] + image[1] + [3] + image[2], [1, 2, 3], [1, 200, 7, 8]]
+    width = max(map(len, rows))
+    tokens = np.array([r + [3] * (width - len(r)) for r in rows], np.int32)
+    return tokens, images
 
 
 def job_meshes(job: dict) -> dict:
@@ -63,6 +77,12 @@ def job_meshes(job: dict) -> dict:
         generate = job["generate_on"].get(model_type, [])
         res = {"one_device": {"tokens": one.generate(PROMPTS, NEW_TOKENS, ignore_eos=True) if generate else None},
                "meshes": {}}
+        if one.vision is not None:  # the vision tower and projector on the mesh too, through logits and the engine
+            image_tokens, images = image_batch(one)
+            image_ref = one.logits(image_tokens, images=images)
+            if generate:
+                res["one_device"]["image_tokens"] = one.generate(image_tokens.tolist(), NEW_TOKENS, ignore_eos=True,
+                                                                 images=images)
         del one
         for spec in job["meshes"]:
             model = day0jax.load(ckpt, mesh=spec)
@@ -83,6 +103,12 @@ def job_meshes(job: dict) -> dict:
             }
             if spec in generate:
                 entry["tokens"] = model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
+            if model.vision is not None:
+                got = model.logits(image_tokens, images=images)
+                entry["image_rel_err"] = float(np.abs(got - image_ref).max() / np.abs(image_ref).max())
+                if spec in generate:
+                    entry["image_tokens"] = model.generate(image_tokens.tolist(), NEW_TOKENS, ignore_eos=True,
+                                                           images=images)
             res["meshes"][spec] = entry
             del model, runner, cache_arrays, state_arrays, params
         out[model_type] = res
@@ -182,8 +208,12 @@ def wait_job(proc: subprocess.Popen, workdir: Path, name: str, timeout: int = 90
 def checkpoints(tmp_path_factory):
     from test_sharding import MULTI_DEVICE_FAMILIES, sharding_config, synthetic_checkpoint
 
+    from families import MULTIMODAL
+
+    processors = {case.model_type: case.processor for case in MULTIMODAL.values()}
     root = tmp_path_factory.mktemp("sharded")
-    return {mt: str(synthetic_checkpoint(sharding_config(mt), root / mt)) for mt in MULTI_DEVICE_FAMILIES}
+    return {mt: str(synthetic_checkpoint(sharding_config(mt), root / mt, processor=processors.get(mt)))
+            for mt in MULTI_DEVICE_FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +234,11 @@ def _cases():
 
 @pytest.mark.parametrize("model_type, spec", _cases())
 def test_same_logits_on_every_mesh(meshes, model_type, spec):
-    err = meshes[model_type]["meshes"][spec]["rel_err"]
+    entry = meshes[model_type]["meshes"][spec]
+    err = entry["rel_err"]
     assert err <= RTOL, f"{model_type} on {spec}: relative logits error {err:.2e}"
+    if "image_rel_err" in entry:  # a vision-language model: with images, the tower split like the text model
+        assert entry["image_rel_err"] <= RTOL, f"{model_type} on {spec} with images: {entry['image_rel_err']:.2e}"
 
 
 @pytest.mark.parametrize("model_type, spec", _cases())
@@ -230,6 +263,10 @@ def test_same_tokens_on_meshes(meshes, model_type):
     assert all(len(t) == NEW_TOKENS for t in ref)
     for spec in GENERATE_ON[model_type]:
         assert meshes[model_type]["meshes"][spec]["tokens"] == ref, f"{model_type} on {spec}"
+    if "image_tokens" in meshes[model_type]["one_device"]:
+        for spec in GENERATE_ON[model_type]:
+            want = meshes[model_type]["one_device"]["image_tokens"]
+            assert meshes[model_type]["meshes"][spec]["image_tokens"] == want, f"{model_type} on {spec} with images"
 
 
 def test_multihost_two_processes_generate_like_one(checkpoints, meshes, tmp_path):

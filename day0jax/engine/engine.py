@@ -20,8 +20,8 @@ import numpy as np
 
 from day0jax.engine.config import EngineConfig, smallest_bucket
 from day0jax.engine.paged_cache import TRASH_PAGE
-from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueFull, SamplingParams,
-                                     SequenceState, TokenEvent)
+from day0jax.engine.requests import (ABORT, LENGTH, STOP, ImageInputs, InvalidRequest, QueueFull,
+                                     SamplingParams, SequenceState, TokenEvent)
 from day0jax.engine.runner import ModelRunner, Program
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
 
@@ -140,11 +140,14 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + sum(1 for cmd in list(self._commands) if cmd[0] == "add")
 
-    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Queues a prompt (token ids); its tokens come out of `step()` as `TokenEvent`s.
+    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                    images: ImageInputs | None = None) -> None:
+        """Queues a prompt (token ids); its tokens come out of `step()` as `TokenEvent`s. A vision-language model's
+        prompt holds each image's placeholder tokens already expanded, and `images` the preprocessed images.
 
         Raises:
-            InvalidRequest: empty prompt, ids outside the vocabulary, prompt + max_tokens > max_model_len, bad params.
+            InvalidRequest: empty prompt, ids outside the vocabulary, prompt + max_tokens > max_model_len, bad params,
+                images the model cannot take or whose count does not match the placeholders.
             QueueFull: the waiting queue is full.
         """
         prompt = [int(t) for t in prompt]
@@ -157,10 +160,37 @@ class Engine:
             raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                                  f"{len(prompt)} tokens and {params.max_tokens} more were asked for "
                                  f"({len(prompt) + params.max_tokens} in total)", "max_tokens")
+        self._check_images(prompt, images)
         with self._lock:
             if self.num_waiting + params.n > self.config.max_waiting:
                 raise QueueFull(f"the queue is full ({self.config.max_waiting} waiting)")
-            self._commands.append(("add", request_id, prompt, params))
+            self._commands.append(("add", request_id, prompt, params, images))
+
+    def _check_images(self, prompt: list[int], images: ImageInputs | None) -> None:
+        vision = self.runner.vision
+        if vision is None:
+            if images is not None and len(images):
+                raise InvalidRequest("this model takes no images", "images")
+            return
+        placeholders = sum(t == vision.image_token_id for t in prompt)
+        given = 0 if images is None else len(images)
+        needed = 0 if images is None else sum(images.counts)
+        if placeholders != needed:
+            raise InvalidRequest(f"the prompt has {placeholders} image placeholder tokens (id {vision.image_token_id})"
+                                 f" and its {given} image(s) take {needed}; expand each image's placeholder as "
+                                 "`Model.prepare` does", "images")
+        if given and vision.pixel_shape is not None and images.pixels.shape[1:] != vision.pixel_shape:
+            raise InvalidRequest(f"images are preprocessed to {vision.pixel_shape}, got {images.pixels.shape[1:]}",
+                                 "images")
+        if given and vision.mrope is not None:
+            images.rope_positions, images.rope_delta = vision.mrope(prompt, images.grids)
+        if given and vision.bidirectional:
+            images.spans = token_runs(prompt, vision.image_token_id)
+            longest, chunk = max(e - s for s, e in images.spans), self.layout.chunk_buckets[-1]
+            if longest > chunk:
+                raise InvalidRequest(f"this model's image tokens attend to each other, so one image's {longest} "
+                                     f"tokens are prefilled in one chunk, and the engine's largest chunk is {chunk} "
+                                     "(EngineConfig.chunk_buckets)", "images")
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stops a request (or only its sequence `index`); its pages are freed at the next step, and each
@@ -297,6 +327,8 @@ class Engine:
             else:  # sampled last step, not read yet
                 batch.token_source[i] = self._sources[s][1]
             batch.positions[i, 0] = s.num_computed
+            if batch.rope_positions is not None:  # past the prompt: the index plus the images' offset
+                batch.rope_positions[i, 0] = s.num_computed + (s.images.rope_delta if s.images is not None else 0)
             batch.kv_lengths[i] = s.num_computed + 1
             batch.state_slots[i] = s.slot
         batch.block_tables[:] = self._table(seqs, rows, width)
@@ -313,15 +345,48 @@ class Engine:
         batch = self.runner.empty_batch(1, chunk, width)
         batch.tokens[0, :n] = seq.tokens[start:start + n]
         batch.positions[0, :n] = np.arange(start, start + n)
+        if batch.rope_positions is not None:
+            batch.rope_positions[0, :n] = self._rope_positions(seq, start, n)
         batch.kv_lengths[0] = start + n
         batch.last_index[0] = n - 1
         batch.state_slots[0] = seq.slot
         batch.block_tables[:] = self._table([seq], 1, width)
+        if seq.images is not None:
+            self._place_image_features(seq, batch, start, n)
         outputs = self.runner.forward(batch)
         seq.num_computed += n
         self.prompt_tokens_computed += n
         self.scheduler.register_blocks(seq)
         return outputs
+
+    @staticmethod
+    def _rope_positions(seq: SequenceState, start: int, n: int) -> np.ndarray:
+        """Multimodal RoPE positions [n, 3] of the sequence's tokens [start, start + n): the prompt's from its
+        images' layout, the rest (generated, or all of a text-only prompt) the index plus the images' offset."""
+        index = np.arange(start, start + n)
+        images = seq.images
+        if images is None or images.rope_positions is None:
+            return np.repeat(index[:, None], 3, axis=1)
+        out = np.repeat((index + images.rope_delta)[:, None], 3, axis=1)
+        inside = index < len(images.rope_positions)
+        out[inside] = images.rope_positions[index[inside]]
+        return out
+
+    def _place_image_features(self, seq: SequenceState, batch, start: int, n: int) -> None:
+        """Fills the chunk's image features (and DeepStack features): the sequence's image tokens in
+        [start, start + n) take theirs in order (encoded once, on its first chunk)."""
+        images = seq.images
+        if images.features is None:
+            images.features, images.deepstack = self.runner.encode_images(images)
+        image_token = self.runner.vision.image_token_id
+        is_image = np.asarray(seq.tokens[:seq.prompt_len], np.int32) == image_token
+        first = int(is_image[:start].sum())  # features before this chunk
+        mask = is_image[start:start + n]
+        where = np.flatnonzero(mask)
+        batch.image_mask[0, :len(mask)] = mask
+        batch.image_features[0, where] = images.features[first:first + len(where)]
+        if images.deepstack is not None:
+            batch.deepstack[:, 0, where] = images.deepstack[:, first:first + len(where)]
 
     def _sample(self, seqs: list[SequenceState], logits, greedy) -> _Sampled:
         """Dispatches the sampler (reading nothing) for the leading rows of `logits`, one per sequence."""
@@ -432,3 +497,14 @@ class Engine:
                     preemptions=s.num_preemptions, prompt_tokens_computed=self.prompt_tokens_computed,
                     generated_tokens=self.generated_tokens, steps=self.num_steps)
 
+
+def token_runs(tokens: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """[(start, end)] of each maximal run of `token` in `tokens` (end exclusive)."""
+    runs, start = [], None
+    for i, t in enumerate(list(tokens) + [None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

@@ -30,6 +30,9 @@ class PagedKVCache:
     block_tables: jax.Array  # [B, W] int32 page ids per row; entries past a row's pages hold TRASH_PAGE
     kv_lengths: jax.Array  # [B] int32 valid cached tokens per row after this step's writes
     index_pages: jax.Array | None = None  # [P, page_size, Di] the sparse-attention indexer's keys, if the layer has one
+    # [B, T] the last position each query sees (attention op's `visible_until`): set by vision-language models whose
+    # image tokens attend to each other both ways; None: causal.
+    visible_until: jax.Array | None = None
 
     @classmethod
     def from_pools(cls, pools: tuple, block_tables: jax.Array, kv_lengths: jax.Array) -> "PagedKVCache":
@@ -72,6 +75,8 @@ class PagedKVCache:
 
     def attend(self, q: jax.Array, positions: jax.Array, **kwargs) -> jax.Array:
         """Queries [B, T, N, H] at `positions` attend causally over each row's first `kv_lengths` positions."""
+        if self.visible_until is not None:
+            kwargs["visible_until"] = self.visible_until
         return paged_op.paged_attention(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
                                         positions, **kwargs)
 

@@ -63,10 +63,18 @@ class Batch:
     last_index: np.ndarray  # [B] which of the T positions to return logits for
     token_source: np.ndarray  # [B] row of `previous` holding the row's input token, -1: `tokens` holds it
     state_slots: np.ndarray  # [B] each row's slot in the linear-attention state pools (TRASH_SLOT: padding)
+    # Vision-language models only: [B, T, D] image features, put in place of the embeddings where [B, T] is set;
+    # [B, T, 3] multimodal RoPE positions and [k, B, T, D] DeepStack features where the model has them.
+    image_features: np.ndarray | None = None
+    image_mask: np.ndarray | None = None
+    rope_positions: np.ndarray | None = None
+    deepstack: np.ndarray | None = None
 
     def arrays(self) -> tuple[np.ndarray, ...]:
+        image = tuple(x for x in (self.image_features, self.image_mask, self.rope_positions, self.deepstack)
+                      if x is not None)
         return (self.tokens, self.positions, self.block_tables, self.kv_lengths, self.last_index, self.token_source,
-                self.state_slots)
+                self.state_slots) + image
 
 
 class ModelRunner:
@@ -89,6 +97,10 @@ class ModelRunner:
         self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
         self.pools = new_pools(cache_layout, layout.num_pages, layout.page_size, layout.state_slots, dtype, mesh)
         self._no_previous = self._put(np.zeros(layout.max_rows, np.int32))
+        # A vision-language model's: its programs take image features, and it encodes images (one program per
+        # image count).
+        self.vision = getattr(module, "vision_spec", None)
+        self._encode = jax.jit(self._encode_fn, static_argnames=("grids",))
         self._forward = jax.jit(self._forward_fn, donate_argnames=("pools",))
         self._sample = jax.jit(self._sample_fn)
         self.compiled: set[tuple[int, int, int]] = set()
@@ -134,8 +146,21 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in self.params)  # also before `attach` (shapes only)
 
+    def _encode_fn(self, params, pixels, grids=()):
+        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
+        with exact_float32(self.dtype):
+            return model.encode_images(pixels, grids)
+
+    def encode_images(self, images) -> tuple[np.ndarray, np.ndarray | None]:
+        """A request's `ImageInputs` -> (features [n, D], DeepStack features [k, n, D] or None), float32 on the
+        host (one program per image count, or per grid tuple for towers that take images of any size)."""
+        with jax.set_mesh(self.mesh):
+            features, deepstack = self._encode(self.params, self._put(images.pixels), grids=images.grids or ())
+        return (np.asarray(features, np.float32),
+                None if deepstack is None else np.asarray(deepstack, np.float32))
+
     def _forward_fn(self, params, pools, previous, tokens, positions, block_tables, kv_lengths, last_index,
-                    token_source, state_slots):
+                    token_source, state_slots, *image):
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
         tokens = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
         # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
@@ -145,7 +170,8 @@ class ModelRunner:
                   for p, state in zip(pools, self.stateful)]
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         with exact_float32(self.dtype):
-            hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths))
+            image_inputs = self._image_inputs(image)
+            hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths), **image_inputs)
             logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last_index])
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
         logits = jax.lax.with_sharding_constraint(logits, self._replicated)
@@ -153,6 +179,14 @@ class ModelRunner:
         with jax.named_scope("sampling"):
             greedy = self._padded(jnp.argmax(logits, axis=-1))
         return logits, greedy, pools
+
+    def _image_inputs(self, image: tuple) -> dict:
+        """The model's image arguments from the forward's trailing inputs (see `Batch.arrays`)."""
+        if not image:
+            return {}
+        names = ["image_features", "image_mask"] + ["rope_positions"] * (self.vision.mrope is not None) + \
+            ["deepstack"] * bool(self.vision.deepstack)
+        return dict(zip(names, image))
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
         # To max_rows: the next forward reads its input tokens from here, whatever this batch's size.
@@ -212,10 +246,16 @@ class ModelRunner:
     def empty_batch(self, rows: int, tokens: int, width: int) -> Batch:
         """A batch of padding only: every token goes to the trash page."""
         pad = width * self.layout.page_size  # beyond every block table: the trash page
+        v = self.vision
+        image = {} if v is None else dict(
+            image_features=np.zeros((rows, tokens, v.dim), np.float32), image_mask=np.zeros((rows, tokens), bool),
+            rope_positions=np.full((rows, tokens, 3), pad, np.int32) if v.mrope is not None else None,
+            deepstack=np.zeros((v.deepstack, rows, tokens, v.dim), np.float32) if v.deepstack else None)
         return Batch(tokens=np.zeros((rows, tokens), np.int32), positions=np.full((rows, tokens), pad, np.int32),
                      block_tables=np.full((rows, width), TRASH_PAGE, np.int32),
                      kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
-                     token_source=np.full(rows, -1, np.int32), state_slots=np.full(rows, TRASH_SLOT, np.int32))
+                     token_source=np.full(rows, -1, np.int32), state_slots=np.full(rows, TRASH_SLOT, np.int32),
+                     **image)
 
     def installed(self, program: Program) -> bool:
         return program in self.programs
@@ -236,6 +276,12 @@ class ModelRunner:
         out.block_tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
         for name in ("kv_lengths", "last_index", "token_source", "state_slots"):
             getattr(out, name)[:B] = getattr(batch, name)
+        if batch.image_features is not None:
+            out.image_features[:B, :T], out.image_mask[:B, :T] = batch.image_features, batch.image_mask
+        if batch.rope_positions is not None:
+            out.rope_positions[:B, :T] = batch.rope_positions
+        if batch.deepstack is not None:
+            out.deepstack[:, :B, :T] = batch.deepstack
         return out
 
     def ready_programs(self) -> list[Program]:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from day0jax.engine.block_pool import BlockPool, OutOfPages, block_hash
 from day0jax.engine.config import EngineConfig, EngineLayout
-from day0jax.engine.requests import SamplingParams, SequenceState
+from day0jax.engine.requests import ImageInputs, SamplingParams, SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ class Scheduler:
         self.by_request: dict[str, list[SequenceState]] = {}
         self.num_preemptions = self.prefix_hit_tokens = 0
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, images: ImageInputs | None = None
+            ) -> None:
         """Queues the request's `n` sequences; the later ones wait for the first to cache the prompt's blocks."""
         now = time.monotonic()
         base_seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -60,7 +61,7 @@ class Scheduler:
         seqs = []
         for i in range(params.n):
             seq = SequenceState(request_id, i, list(prompt), len(prompt), params, (base_seed + i) & 0xFFFFFFFF,
-                                now, stops)
+                                now, stops, images=images)
             seq.wait_for = seqs[0] if seqs else None
             seqs.append(seq)
             self.waiting.append(seq)
@@ -128,8 +129,11 @@ class Scheduler:
         for seq in self.running:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
-                prefill.append((seq, n))
-                budget -= n
+                if seq.images is not None and seq.images.spans:
+                    n = whole_spans(seq.num_computed, n, seq.images.spans)
+                if n:
+                    prefill.append((seq, n))
+                    budget -= n
         return Work(decode, prefill)
 
     def _exhausted(self, seq: SequenceState) -> bool:
@@ -166,7 +170,8 @@ class Scheduler:
         """The prefix-cache hashes of the sequence's first `upto_blocks` full blocks (computed once)."""
         while len(seq.hashes) < upto_blocks:
             i = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else None
+            # A sequence with images starts its chain from their digest: its blocks never match another's.
+            parent = seq.hashes[-1] if seq.hashes else seq.images.digest if seq.images is not None else None
             seq.hashes.append(block_hash(parent, seq.tokens[i * self.page_size:(i + 1) * self.page_size]))
         return seq.hashes[:upto_blocks]
 
@@ -179,3 +184,14 @@ class Scheduler:
             for i, h in enumerate(self.hashes(seq, full)[seq.num_hashed:], start=seq.num_hashed):
                 self.pool.register(seq.pages[i], h)
             seq.num_hashed = full
+
+
+def whole_spans(start: int, n: int, spans: list[tuple[int, int]]) -> int:
+    """A chunk of at most `n` tokens from `start` that ends inside none of `spans` ([start, end) runs a chunk must
+    hold whole): `n`, or shortened to end where the span it would cut begins; 0 when that leaves nothing (the chunk
+    starts inside a span whose rest it cannot hold: it waits for a step with more budget)."""
+    end = start + n
+    for s, e in spans:
+        if s < end < e:
+            return max(s - start, 0)
+    return n

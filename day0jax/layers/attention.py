@@ -29,13 +29,15 @@ class ContextKV:
     """This call's keys and values as a `KVCache` with no cache behind them: a cache-less forward's way to hand one
     layer's keys and values to the layers that attend over them too (Gemma 4's KV sharing)."""
 
-    def __init__(self, k: jax.Array | None = None, v: jax.Array | None = None):
-        self.k, self.v = k, v
+    def __init__(self, k: jax.Array | None = None, v: jax.Array | None = None, visible_until: jax.Array | None = None):
+        self.k, self.v, self.visible_until = k, v, visible_until  # visible_until: as in `PagedKVCache`
 
     def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "ContextKV":
-        return ContextKV(k, v)
+        return ContextKV(k, v, self.visible_until)
 
     def attend(self, q: jax.Array, positions: jax.Array, **attention_kwargs: Any) -> jax.Array:
+        if self.visible_until is not None:
+            attention_kwargs["visible_until"] = self.visible_until
         return attention_op.attention(q, self.k, self.v, q_positions=positions, **attention_kwargs)
 
 

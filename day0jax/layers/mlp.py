@@ -18,6 +18,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP's vision towers
     "relu": jax.nn.relu,
     "relu2": lambda x: jnp.square(jax.nn.relu(x)),
 }

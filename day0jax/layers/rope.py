@@ -162,6 +162,50 @@ class Rope:
         return out if rot == x.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)
 
 
+@dataclass(frozen=True)
+class MRope(Rope):
+    """Multimodal RoPE (Qwen-VL): positions [B, T, 3] (temporal, height, width) turn separate parts of the
+    frequencies. `sections` counts the frequencies of each axis; `interleaved` (Qwen3-VL, Qwen3.5) takes them in turn
+    (t, h, w, t, h, w, ..., the tail temporal), else in blocks (Qwen2-VL, Qwen2.5-VL). Positions [B, T] (all three
+    equal: text) give 1-D RoPE."""
+
+    sections: tuple[int, ...] = (24, 20, 20)
+    interleaved: bool = True
+
+    def __hash__(self):
+        return id(self)
+
+    def cos_sin(self, positions: jax.Array, seq_len: jax.Array | None = None,
+                inv_freq_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        if positions.ndim == 2:
+            return super().cos_sin(positions, seq_len, inv_freq_scale)
+        inv_freq, scale = self.inv_freq_and_scale(jnp.max(positions) + 1 if seq_len is None else seq_len)
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, 3, rotary_dim/2]
+        freqs = jnp.take_along_axis(freqs, jnp.asarray(self.axis_of_frequency())[None, None, None, :], axis=2)[:, :, 0]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+    def axis_of_frequency(self) -> np.ndarray:
+        """[rotary_dim/2] the position axis (0 t, 1 h, 2 w) each frequency turns by (HF's recomposition)."""
+        n = self.rotary_dim // 2
+        axis = np.zeros(n, np.int32)
+        if self.interleaved:
+            for a in (1, 2):
+                axis[a:self.sections[a] * 3:3] = a
+        else:
+            start = 0
+            for a, size in enumerate(self.sections):
+                axis[start:start + size] = a
+                start += size
+        return axis
+
+    def op_call(self) -> OpCall:
+        p = self.params
+        return OpCall.of("rope", kind=f"mrope{'-interleaved' if self.interleaved else ''} {list(self.sections)}",
+                         theta=float(p["rope_theta"]), factor=p.get("factor"), rotary_dim=self.rotary_dim,
+                         head_dim=self.head_dim)
+
+
 class LearnedRopeScale(nnx.Module):
     """LeRoPE (Mistral Large 4): a learned `alpha` per frequency, HF's `rotary_emb.alpha` [rotary_dim/2]; the
     inverse frequencies are the RoPE type's own times exp(alpha), every other step of `rope` unchanged."""

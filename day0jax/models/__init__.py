@@ -23,7 +23,7 @@ FAMILIES = {name: f"day0jax.models.{name}" for name in (
     "hunyuan_v1_dense", "glm4", "arcee",
     "afmoe", "mistral4", "laguna",
     "qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
-    "lfm2", "lfm2_moe", "lfm3")}
+    "lfm2", "lfm2_moe", "lfm3", "llava", "gemma3", "qwen3_vl", "qwen3_vl_text")}
 # Model types a module implements besides its own name (the text model of a multimodal family).
 FAMILIES.update({"qwen3_5_text": "day0jax.models.qwen3_5", "qwen3_5_moe_text": "day0jax.models.qwen3_5_moe"})
 FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.models.llama4"})

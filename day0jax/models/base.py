@@ -66,17 +66,7 @@ class HFConfig:
             hf = dict(outer["text_config"], model_type=outer["model_type"])
             if "tie_word_embeddings" in outer:
                 hf["tie_word_embeddings"] = outer["tie_word_embeddings"]
-        for alias, field in cls.ALIASES.items():
-            if alias in hf:
-                hf.setdefault(field, hf.pop(alias))
-        config = config_lib.from_hf(cls, hf)
-        if strict and config.unknown_keys:
-            shown = ", ".join(f"{k}={hf.get(k)!r}" for k in config.unknown_keys)
-            raise UnsupportedArchitecture(
-                f"config key(s) not implemented by the {config.model_type} family: {shown}. They may change the "
-                "math, so day0jax refuses to run rather than give wrong numbers (`python -m day0jax.check` lists "
-                "every key)")
-        return config
+        return build_config(cls, hf, strict)
 
     def __post_init__(self):
         """Refuses uneven kv head groups, an unknown `hidden_act`, an unimplemented RoPE; families extend it."""
@@ -127,6 +117,27 @@ class HFConfig:
         value = getattr(self, key)
         if bad(value):
             refuse(key, value, why)
+
+
+def build_config(cls, hf: dict, strict: bool):
+    """`cls` (a config dataclass with `ALIASES`) from config.json's keys, HF's old key names read as their fields.
+
+    Raises:
+        UnsupportedArchitecture: an unknown key (when strict), or a value the family does not implement.
+        ConfigError: a required key is missing.
+    """
+    hf = dict(hf)
+    for alias, field in cls.ALIASES.items():
+        if alias in hf:
+            hf.setdefault(field, hf.pop(alias))
+    config = config_lib.from_hf(cls, hf)
+    if strict and config.unknown_keys:
+        shown = ", ".join(f"{k}={hf.get(k)!r}" for k in config.unknown_keys)
+        raise UnsupportedArchitecture(
+            f"config key(s) not implemented by the {config.model_type} family: {shown}. They may change the "
+            "math, so day0jax refuses to run rather than give wrong numbers (`python -m day0jax.check` lists "
+            "every key)")
+    return config
 
 
 class LayerTypes:
@@ -259,22 +270,28 @@ class CausalLM(nnx.Module):
         return calls + [(None, call) for call in self.model.norm.op_calls()]
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, caches: Sequence[Any] | None = None,
-                 seq_len: jax.Array | None = None) -> tuple[jax.Array, list[Any] | None]:
+                 seq_len: jax.Array | None = None, **inputs: Any) -> tuple[jax.Array, list[Any] | None]:
         """tokens, positions [B, T] int32 -> (final hidden states [B, T, D], updated caches or None). `seq_len`:
-        the unpadded length of the longest sequence, for RoPE variants that depend on it."""
-        return self._run(tokens, positions, caches, seq_len, collect=False)[:2]
+        the unpadded length of the longest sequence, for RoPE variants that depend on it. `inputs` (vision-language
+        models): `embeds` [B, T, D] in place of `embed(tokens)`, image features merged in; `rope_positions`
+        [B, T, 3] for multimodal RoPE in place of `positions` (the cache and the masks keep those);
+        `injections`: [B, T, D] arrays added to the residual stream after the first layers, one each (DeepStack)."""
+        return self._run(tokens, positions, caches, seq_len, collect=False, **inputs)[:2]
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, seq_len: jax.Array | None = None
-                      ) -> list[jax.Array]:
-        """The residual stream as transformers' `output_hidden_states=True` reports it (no cache): L + 1 arrays
-        [B, T, D], the embeddings, the output of layers 1..L-1, and the final normed output."""
-        x, _, hidden = self._run(tokens, positions, None, seq_len, collect=True)
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, seq_len: jax.Array | None = None,
+                      caches: Sequence[Any] | None = None, **inputs: Any) -> list[jax.Array]:
+        """The residual stream as transformers' `output_hidden_states=True` reports it (no KV cache; `caches` only
+        hands each layer this call's keys and values with a mask of its own, as `ContextKV`s): L + 1 arrays
+        [B, T, D], the embeddings, the output of layers 1..L-1, and the final normed output. `inputs`: as in
+        `__call__`."""
+        x, _, hidden = self._run(tokens, positions, caches, seq_len, collect=True, **inputs)
         return hidden[:-1] + [x]
 
-    def _run(self, tokens, positions, caches, seq_len, collect: bool):
+    def _run(self, tokens, positions, caches, seq_len, collect: bool, embeds=None, rope_positions=None,
+             injections=()):
         # The residual stream is pinned (batch over dp) at block boundaries only; XLA derives the rest.
-        x = constrain(self.embed(tokens))
-        rope_tables = self.rope_tables(positions, seq_len)
+        x = constrain(self.embed(tokens) if embeds is None else embeds)
+        rope_tables = self.rope_tables(positions if rope_positions is None else rope_positions, seq_len)
         new_caches = [] if caches is not None else None
         hidden = [x] if collect else None
         carry = self.begin_carry(tokens, x)  # what a layer hands to those after it, for layers that `carries`
@@ -284,6 +301,8 @@ class CausalLM(nnx.Module):
                 x, cache, carry = layer(x, positions, rope_tables, cache, carry)
             else:
                 x, cache = layer(x, positions, rope_tables, cache)
+            if i < len(injections):
+                x = x + injections[i].astype(x.dtype)
             x = constrain(x)
             if caches is not None:
                 new_caches.append(cache)

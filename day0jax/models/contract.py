@@ -31,6 +31,8 @@ class Family:
         dropped_for: config -> more such regexes, for tensors dropped only under some configs (default: none).
         hf_source: (config, runtime path, runtime shape, parameter metadata) -> the `Source` of a parameter whose
             HF naming or layout differs, or None for `base.default_source` (the default, for every parameter).
+        renames: (regex, replacement) pairs that turn the tensor names of older checkpoints of the family into the
+            names `hf_source` reads (HF's `_checkpoint_conversion_mapping`), applied where they match.
     """
 
     model_types: tuple[str, ...]
@@ -39,3 +41,4 @@ class Family:
     dropped: Mapping[str, str]
     dropped_for: Callable[[Any], Mapping[str, str]] = no_config_dependent_drops
     hf_source: Callable[[Any, str, tuple[int, ...], dict], Source | None] = plain_hf_names
+    renames: tuple[tuple[str, str], ...] = ()

@@ -201,7 +201,9 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
              describe(mesh), time.perf_counter() - t0)
     generation_file = path / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-    eos = generation.get("eos_token_id", prepared.hf.get("eos_token_id"))
+    # A vision-language config.json may name it only in its language model's text_config.
+    eos = generation.get("eos_token_id", prepared.hf.get("eos_token_id",
+                                                         (prepared.hf.get("text_config") or {}).get("eos_token_id")))
     model = Model(module, config, path=path, mesh=mesh, dtype=dtype,
                   eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
                   engine_config=prepared.engine_config, context_length=prepared.layout.max_model_len,

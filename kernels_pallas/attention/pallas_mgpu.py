@@ -102,12 +102,13 @@ def _check(q, k, v, sinks, blocks: Blocks, interpret: Any) -> None:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               kv_lengths: jax.Array | None = None, causal: bool = True, sliding_window: int | None = None,
               logit_softcap: float | None = None, sinks: jax.Array | None = None, scale: float | None = None,
-              interpret: Any = False, blocks: Blocks | None = None, chunk_size: int | None = None) -> jax.Array:
+              interpret: Any = False, blocks: Blocks | None = None, chunk_size: int | None = None,
+              visible_until: jax.Array | None = None) -> jax.Array:
     """The contract of `reference.attention`, on a Hopper GPU (or in the interpreter).
 
     Args:
         q, k, v, q_positions, kv_lengths, causal, sliding_window, logit_softcap, sinks, scale: as in the reference;
-            chunk_size is not taken (the dispatcher falls back).
+            chunk_size and visible_until are not taken (the dispatcher falls back).
         interpret: True or `plgpu.InterpretGPUParams` (tests: detect_races=True) to run in the CPU interpreter.
         blocks: block sizes; default from `TABLE` for the device and head dim.
     Returns:
@@ -117,6 +118,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     """
     if chunk_size is not None:
         raise NotImplementedError("chunked attention (chunk_size) is not implemented in this kernel")
+    if visible_until is not None:
+        raise NotImplementedError("bidirectional spans (visible_until) are not implemented in this kernel")
     target = platform.require_hopper("attention.mosaic_gpu", interpret)
     B, T, N, H = q.shape
     blocks = blocks or TABLE.lookup(target.kind, shape_class(H), head_dim=H)

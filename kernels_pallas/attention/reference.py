@@ -9,7 +9,8 @@ import jax.numpy as jnp
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               kv_lengths: jax.Array | None = None, causal: bool = True, sliding_window: int | None = None,
               logit_softcap: float | None = None, sinks: jax.Array | None = None,
-              scale: float | None = None, chunk_size: int | None = None) -> jax.Array:
+              scale: float | None = None, chunk_size: int | None = None,
+              visible_until: jax.Array | None = None) -> jax.Array:
     """Scaled dot-product attention with the masks and variants LLM families use.
 
     Args:
@@ -25,6 +26,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         scale: score scale; default H ** -0.5.
         chunk_size: if set, a query sees only keys in its own chunk of positions (key // chunk_size ==
             position // chunk_size; with `causal`, [floor(p / chunk_size) * chunk_size, p]): Llama 4's local layers.
+        visible_until: [B, T] int, with `causal`: the last position each query sees, at least its own (later keys of
+            a span that attends bidirectionally, Gemma 3's image tokens); the window still counts from the query.
     Returns:
         [B, T, N, Hv] in q's dtype, Hv being v's head dim (H except in multi-head latent attention).
     """
@@ -43,7 +46,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     if kv_lengths is not None:
         visible &= key_pos < kv_lengths[:, None, None]
     if causal:
-        visible &= key_pos <= qpos
+        visible &= key_pos <= (qpos if visible_until is None else visible_until[:, :, None])
     if sliding_window is not None:
         visible &= qpos - key_pos < sliding_window
     if chunk_size is not None:

@@ -19,7 +19,8 @@ from kernels_pallas.attention import reference
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               kv_lengths: jax.Array | None = None, causal: bool = True, sliding_window: int | None = None,
               logit_softcap: float | None = None, sinks: jax.Array | None = None,
-              scale: float | None = None, chunk_size: int | None = None) -> jax.Array:
+              scale: float | None = None, chunk_size: int | None = None,
+              visible_until: jax.Array | None = None) -> jax.Array:
     """The contract of `reference.attention` through cuDNN where its masks match (see the module docstring).
 
     Raises:
@@ -27,6 +28,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     """
     if chunk_size is not None:
         raise NotImplementedError("jax's cuDNN attention has no chunked mask (chunk_size)")
+    if visible_until is not None:
+        raise NotImplementedError("jax's cuDNN attention has no mask for bidirectional spans (visible_until)")
     target = platform.current()
     if target.platform != "cuda":
         raise NotImplementedError(f"cuDNN attention needs an NVIDIA GPU; the target is {target.device_kind}")

@@ -23,7 +23,8 @@ INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
                     logit_softcap: float | None = None, sinks: jax.Array | None = None, scale: float | None = None,
-                    chunk_size: int | None = None, implementation: str | None = None) -> jax.Array:
+                    chunk_size: int | None = None, visible_until: jax.Array | None = None,
+                    implementation: str | None = None) -> jax.Array:
     """See `reference.paged_attention`; `implementation` forces one candidate by name.
 
     Raises:
@@ -32,4 +33,5 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     return registry.dispatch("paged_attention", IMPLEMENTATIONS, CANDIDATES, implementation, q, k_pages, v_pages,
                              block_tables, kv_lengths, q_positions, sliding_window=sliding_window,
                              logit_softcap=logit_softcap, sinks=sinks, scale=scale,
-                             **({} if chunk_size is None else dict(chunk_size=chunk_size)))
+                             **({} if chunk_size is None else dict(chunk_size=chunk_size)),
+                             **({} if visible_until is None else dict(visible_until=visible_until)))

@@ -99,12 +99,12 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
                     kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
                     logit_softcap: float | None = None, sinks: jax.Array | None = None, scale: float | None = None,
                     interpret: Any = False, blocks: Blocks | None = None, splits: int | None = None,
-                    chunk_size: int | None = None) -> jax.Array:
+                    chunk_size: int | None = None, visible_until: jax.Array | None = None) -> jax.Array:
     """The contract of `reference.paged_attention`, on a Hopper GPU (or in the interpreter).
 
     Args:
         q, k_pages, v_pages, block_tables, kv_lengths, q_positions, sliding_window, logit_softcap, sinks, scale:
-            as in the reference; chunk_size is not taken (the dispatcher falls back).
+            as in the reference; chunk_size and visible_until are not taken (the dispatcher falls back).
         interpret: True or `plgpu.InterpretGPUParams` (tests: detect_races=True) to run in the CPU interpreter.
         blocks: block sizes; default from `TABLE`.
         splits: force the number of splits per row (tests); default from the batch, heads and SM count.
@@ -115,6 +115,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     """
     if chunk_size is not None:
         raise NotImplementedError("chunked attention (chunk_size) is not implemented in this kernel")
+    if visible_until is not None:
+        raise NotImplementedError("bidirectional spans (visible_until) are not implemented in this kernel")
     target = platform.require_hopper("paged_attention.mosaic_gpu", interpret)
     B, T, N, H = q.shape
     P, page, K, _ = k_pages.shape

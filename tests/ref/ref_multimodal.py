@@ -5,6 +5,7 @@ preprocessed pixels.
           expanded) and `pixels_{i}` [I, ...] (the image processor's pixel_values; absent for text only), and for
           Qwen-VL models `grid_{i}` [I, 3]. Writes, float32, `logits_{i}` [T, V], `features_{i}` (the projected image
           features, concatenated over the images) and, with `generate`, `generated_{i}`: greedy continuations.
+  vl_hidden  {model, inputs, out}: what `day0jax.verify` compares (see the function).
 """
 
 import numpy as np
@@ -16,8 +17,9 @@ def _inputs(model, data, i):
     kwargs = {}
     if f"pixels_{i}" in data:
         kwargs["pixel_values"] = torch.tensor(data[f"pixels_{i}"])
-        if f"grid_{i}" in data:
+        if f"grid_{i}" in data:  # Qwen-VL: the grids, and which tokens are images (for multimodal RoPE)
             kwargs["image_grid_thw"] = torch.tensor(data[f"grid_{i}"].astype(np.int64))
+            kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
             kwargs["token_type_ids"] = (ids == model.config.image_token_id).long()
     return ids, kwargs
@@ -49,4 +51,32 @@ def vl_run(job):
                 out = model.generate(input_ids=ids, **kwargs, max_new_tokens=job["generate"], do_sample=False,
                                      min_new_tokens=0, eos_token_id=None, pad_token_id=0)
                 result[f"generated_{i}"] = out[0, ids.shape[1]:].numpy()
+    np.savez(job["out"], **result)
+
+
+def vl_hidden(job):
+    """{model, inputs, out}: INPUTS as for `vl_run`, plus `image_{i}_{k}` (the uint8 images, HxWx3). Writes per
+    case i: `pixels_{i}` (transformers' own image processor, PIL backend, on the images), `vision_{i}` [L+1, I, P, Dv]
+    (the tower's hidden states on the given pixels), `features_{i}`, `hidden_{i}` [L+1, T, D] and `logits_{i}`."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(job["model"], dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(job["model"], backend="pil")
+    data = np.load(job["inputs"])
+    n = len([k for k in data.files if k.startswith("tokens_")])
+    result = {}
+    with torch.no_grad():
+        for i in range(n):
+            ids, kwargs = _inputs(model, data, i)
+            images = [data[k] for k in sorted(k for k in data.files if k.startswith(f"image_{i}_"))]
+            if images:
+                result[f"pixels_{i}"] = np.concatenate([processor(im, return_tensors="np")["pixel_values"]
+                                                        for im in images])
+                if hasattr(model.model, "vision_tower"):  # towers of one image size: every hidden state
+                    tower = model.model.vision_tower(pixel_values=kwargs["pixel_values"], output_hidden_states=True)
+                    result[f"vision_{i}"] = torch.stack(tower.hidden_states).float().numpy()
+                result[f"features_{i}"] = _features(model, kwargs)
+            out = model(input_ids=ids, **kwargs, output_hidden_states=True)
+            result[f"hidden_{i}"] = torch.stack([h[0] for h in out.hidden_states]).float().numpy()
+            result[f"logits_{i}"] = out.logits[0].float().numpy()
     np.savez(job["out"], **result)
