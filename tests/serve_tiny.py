@@ -1,4 +1,5 @@
-"""A tiny random Llama with the real SmolLM2 tokenizer and chat template, for fast server tests.
+"""A tiny random Llama with the real SmolLM2 tokenizer and chat template, for fast server tests, and a tiny
+LLaVA around it for images.
 
 Written as a Hugging Face folder (config.json, model.safetensors, tokenizer files) with numpy only, then
 converted like any checkpoint. The tokenizer comes from the embedded default model (converted on first use).
@@ -31,13 +32,27 @@ def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0,
     hf = root / f"{name}-hf"
     hf.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    N, K = config["num_attention_heads"], config["num_key_value_heads"]
-    H = D // N
 
     def w(*shape, scale=None):
         return (rng.standard_normal(shape) * (scale or shape[-1] ** -0.5)).astype(np.float32)
 
+    save_file(_llama_tensors(config, w), str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps(config))
+    source = default_checkpoint(progress=False)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / file, hf / file)
+    if chat_template is not None:
+        (hf / "chat_template.jinja").write_text(chat_template)
+    dst = root / name
+    convert_checkpoint(hf, dst, progress=False)
+    return dst
+
+
+def _llama_tensors(config: dict, w) -> dict[str, np.ndarray]:
+    """A Llama's HF tensors (`model.*`, embeddings tied), random from `w(*shape, scale=None)`, norms at one."""
+    D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    N, K = config["num_attention_heads"], config["num_key_value_heads"]
+    H = D // N
     tensors = {"model.embed_tokens.weight": w(V, D, scale=1.0), "model.norm.weight": np.ones(D, np.float32)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -47,13 +62,100 @@ def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0,
             p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D), p + "mlp.down_proj.weight": w(D, F),
             p + "input_layernorm.weight": np.ones(D, np.float32),
             p + "post_attention_layernorm.weight": np.ones(D, np.float32)})
-    save_file(tensors, str(hf / "model.safetensors"))
-    (hf / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+# --- a tiny LLaVA: a CLIP tower and a projector in front of the tiny Llama ----------------------------------------
+
+IMAGE_TOKEN = "<image>"
+VISION_TOWER = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, image_size=28, patch_size=14)
+CLIP_PROCESSOR = dict(image_processor_type="CLIPImageProcessor", do_resize=True, size={"shortest_edge": 28},
+                      resample=3, do_center_crop=True, crop_size={"height": 28, "width": 28}, do_rescale=True,
+                      rescale_factor=1 / 255, do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
+                      image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True)
+# SmolLM2's <|im_start|> format with image parts as "<image>", and Hermes-style tools (so that requests with both
+# images and tools render through one template).
+VISION_TEMPLATE = """{%- if tools %}<|im_start|>system
+Call functions like this: <tool_call>
+{"name": "f", "arguments": {}}
+</tool_call>
+<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools><|im_end|>
+{% endif %}{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.content is string %}{{ message.content }}{% elif message.content %}{% for part in message.content %}
+{%- if part.type == "image" %}<image>{% elif part.type == "text" %}{{ part.text }}{% endif %}{% endfor %}{% endif %}
+<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def write_tiny_vision_checkpoint(root: Path, text_config: dict = CONFIG, vision_config: dict = VISION_TOWER,
+                                 seed: int = 0, name: str = "tiny-vision") -> Path:
+    """Writes and converts a tiny random LLaVA under `root`: a CLIP tower (the second-to-last layer's patches, 4
+    per 28x28 image), a projector and the tiny Llama, with SmolLM2's tokenizer plus an "<image>" special token (the
+    image placeholder), a chat template that shows image parts as "<image>", and CLIP's image preprocessing.
+
+    Returns:
+        The day0jax checkpoint folder.
+    """
+    from safetensors.numpy import save_file
+
+    from convert import convert_checkpoint
+    from day0jax.weights.default_model import default_checkpoint
+
+    root = Path(root)
+    hf = root / f"{name}-hf"
+    hf.mkdir(parents=True, exist_ok=True)
     source = default_checkpoint(progress=False)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / file, hf / file)
-    if chat_template is not None:
-        (hf / "chat_template.jinja").write_text(chat_template)
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    image_id = 1 + max(max(tokenizer["model"]["vocab"].values()), max(t["id"] for t in tokenizer["added_tokens"]))
+    tokenizer["added_tokens"].append({"id": image_id, "content": IMAGE_TOKEN, "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    (hf / "tokenizer.json").write_text(json.dumps(tokenizer))
+    shutil.copy(source / "tokenizer_config.json", hf / "tokenizer_config.json")
+    (hf / "chat_template.jinja").write_text(VISION_TEMPLATE)
+    (hf / "preprocessor_config.json").write_text(json.dumps(CLIP_PROCESSOR))
+
+    text = dict(text_config, vocab_size=image_id + 1)
+    rng = np.random.default_rng(seed)
+    D, Dv, Fv = text["hidden_size"], vision_config["hidden_size"], vision_config["intermediate_size"]
+    P, S = vision_config["patch_size"], vision_config["image_size"]
+
+    def w(*shape, scale=None):
+        return (rng.standard_normal(shape) * (scale or shape[-1] ** -0.5)).astype(np.float32)
+
+    tensors = {"language_model." + k: v for k, v in _llama_tensors(text, w).items()}
+    v = "vision_tower.vision_model."
+    # The projector's output is scaled up so that image features weigh like token embeddings (scale 1): the tiny
+    # model's output then depends on its images.
+    tensors.update({
+        v + "embeddings.patch_embedding.weight": w(Dv, 3, P, P, scale=(3 * P * P) ** -0.5),
+        v + "embeddings.class_embedding": w(Dv, scale=1.0),
+        v + "embeddings.position_embedding.weight": w((S // P) ** 2 + 1, Dv, scale=1.0),
+        "multi_modal_projector.linear_1.weight": w(D, Dv), "multi_modal_projector.linear_1.bias": w(D, scale=0.1),
+        "multi_modal_projector.linear_2.weight": w(D, D, scale=4 * D ** -0.5),
+        "multi_modal_projector.linear_2.bias": w(D, scale=0.1)})
+    norms = ["pre_layrnorm", "post_layernorm"]
+    for i in range(vision_config["num_hidden_layers"]):
+        p = f"encoder.layers.{i}."
+        norms += [p + "layer_norm1", p + "layer_norm2"]
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            tensors[f"{v}{p}self_attn.{proj}.weight"] = w(Dv, Dv)
+            tensors[f"{v}{p}self_attn.{proj}.bias"] = w(Dv, scale=0.1)
+        tensors.update({v + p + "mlp.fc1.weight": w(Fv, Dv), v + p + "mlp.fc1.bias": w(Fv, scale=0.1),
+                        v + p + "mlp.fc2.weight": w(Dv, Fv), v + p + "mlp.fc2.bias": w(Dv, scale=0.1)})
+    for norm in norms:
+        tensors[f"{v}{norm}.weight"] = np.ones(Dv, np.float32)
+        tensors[f"{v}{norm}.bias"] = np.zeros(Dv, np.float32)
+    save_file(tensors, str(hf / "model.safetensors"))
+    config = dict(model_type="llava", architectures=["LlavaForConditionalGeneration"], text_config=text,
+                  vision_config=vision_config, image_token_index=image_id, vision_feature_layer=-2,
+                  vision_feature_select_strategy="default", projector_hidden_act="gelu",
+                  tie_word_embeddings=text["tie_word_embeddings"])
+    (hf / "config.json").write_text(json.dumps(config))
+    # As LLaVA checkpoints name their end-of-sequence token: in generation_config.json, not the outer config.
+    (hf / "generation_config.json").write_text(json.dumps({k: text[k] for k in ("bos_token_id", "eos_token_id",
+                                                                                "pad_token_id")}))
     dst = root / name
     convert_checkpoint(hf, dst, progress=False)
     return dst

@@ -13,7 +13,7 @@ import time
 from typing import AsyncIterator, Sequence
 
 from day0jax.engine.engine import Engine
-from day0jax.engine.requests import SamplingParams, TokenEvent
+from day0jax.engine.requests import ImageInputs, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,20 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
-    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+               images: ImageInputs | None = None) -> AsyncIterator[TokenEvent]:
         """Queues a request; returns the iterator of its events until each of its `n` sequences finished (it raises
         EngineDead if the engine fails meanwhile). Call `release(request_id)` when done with it, early or not.
 
+        Args:
+            request_id: unique among the requests in flight.
+            prompt: token ids (a vision-language model's image placeholders expanded).
+            params: the sampling parameters.
+            images: the prompt's preprocessed images, shared by its `n` sequences (None: no images).
+        Returns:
+            The async iterator of the request's `TokenEvent`s.
         Raises:
+            EngineDead: the engine stopped serving.
             InvalidRequest, QueueFull: from `Engine.add_request`, synchronously.
         """
         if self.dead is not None:
@@ -71,7 +80,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, images=images)
         except BaseException:
             self._queues.pop(request_id, None)
             raise

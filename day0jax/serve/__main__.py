@@ -37,6 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key-file", type=Path, help="read the API key from this file (its first line)")
     p.add_argument("--public-metrics", action="store_true", help="with an API key, serve /metrics without it")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--allowed-media-dir", type=Path, metavar="DIR",
+                   help="vision-language models: the one folder whose files `file://` image URLs may name (default: "
+                        "none, file:// URLs are refused); images otherwise come inline as data:image/...;base64 "
+                        "URLs, and http(s) URLs are always refused (the server never fetches)")
+    p.add_argument("--max-images-per-request", type=int, default=8, metavar="N",
+                   help="vision-language models: the most images one chat request may hold (default 8)")
     p.add_argument("--warmup", choices=("ready", "all", "none"), default="ready",
                    help="what to compile before /health turns 200: the few programs the first requests need "
                         "('ready', the default), every program ('all': no compile after ready) or nothing; the "
@@ -116,8 +122,18 @@ def main(argv=None) -> int:
         except (OSError, IndexError) as e:
             log.error("--api-key-file %s: cannot read a key (%s)", args.api_key_file, e or "empty file")
             return 2
+    media_dir = None
+    if args.allowed_media_dir is not None:
+        if not args.allowed_media_dir.is_dir():
+            log.error("--allowed-media-dir %s: not a folder", args.allowed_media_dir)
+            return 2
+        media_dir = str(args.allowed_media_dir.resolve())
+    if args.max_images_per_request < 0:
+        log.error("--max-images-per-request must be >= 0, got %d", args.max_images_per_request)
+        return 2
     state = ServerState(model_name=name, api_key=api_key, max_body_bytes=args.max_body_bytes, timeline=timeline,
-                        public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower())
+                        public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower(),
+                        allowed_media_dir=media_dir, max_images_per_request=args.max_images_per_request)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from day0jax.engine.grammar import GrammarError, unsupported_schema_keywords
 from day0jax.serve import protocol as P
@@ -30,10 +31,23 @@ def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def template_message(m: P.ChatMessage) -> dict:
+def template_message(m: P.ChatMessage, images: dict[int, Any] | None = None) -> dict:
     """A chat message as chat templates take it (as transformers passes them): an assistant's tool-call arguments
-    as objects, not JSON text."""
-    out = {"role": m.role, "content": m.text()}
+    as objects, not JSON text.
+
+    Args:
+        m: the request's message.
+        images: the decoded images of the message's image parts, by index in its content. When given, the content
+            stays a list of parts (text parts, and `{"type": "image", "image": ...}` parts, which
+            `models.vision_language.chat_images` turns into what templates expect); else it is the text alone.
+    Returns:
+        The message as a dict.
+    """
+    content: Any = m.text()
+    if images:
+        content = [{"type": "image", "image": images[j]} if isinstance(part, P.ImagePart) else
+                   {"type": "text", "text": part.text} for j, part in enumerate(m.content)]
+    out = {"role": m.role, "content": content}
     if m.name:
         out["name"] = m.name
     if m.tool_calls:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +31,20 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data:image/...;base64 URL, or file:// inside the server's --allowed-media-dir
+    # Accepted for OpenAI's clients; each family preprocesses images at its own fixed resolution.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # a JSON object
@@ -44,15 +58,22 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
+        """The message's text: its text parts joined (image parts left out)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """The message's image parts with their indices in `content`."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
 
 class JsonSchemaFormat(_Strict):

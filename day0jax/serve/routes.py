@@ -12,11 +12,11 @@ from fastapi.responses import JSONResponse, Response
 from day0jax.engine.async_engine import AsyncEngine
 from day0jax.engine.requests import SamplingParams
 from day0jax.serve import protocol as P
-from day0jax.serve.constraints import guidance, logit_bias, offered_tools, template_message
+from day0jax.serve.chat_prompt import chat_prompt
+from day0jax.serve.constraints import guidance, logit_bias, offered_tools
 from day0jax.serve.errors import APIError
 from day0jax.serve.serving import serve_request
 from day0jax.serve.state import ServerState
-from day0jax.weights.tokenizer import ChatTemplateError
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_STOPS = 16
@@ -61,23 +61,15 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, stat
     check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
     fits_queue(engine, body.n)
     tools, syntax = offered_tools(state, body)
-    messages = [template_message(m) for m in body.messages]
-    try:
-        # Off the event loop: a long chat takes milliseconds to render and tokenize, which other streams would wait.
-        prompt = await asyncio.to_thread(state.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                         **({"tools": tools} if tools else {}))
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from None
-    except Exception as e:  # noqa: BLE001 - a template choking on odd messages is the request's problem
-        raise APIError(400, f"the chat template could not render these messages: {e}", param="messages") from None
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    prompt, images = await chat_prompt(state, body, tools)
     params = sampling_params(state, body, body.max_completion_tokens or body.max_tokens, len(prompt),
                              (body.top_logprobs or 0) if body.logprobs else None,
                              await guidance(state, body, tools, syntax))
     return await serve_request(request, state, engine, [prompt], params, stop_strings(body.stop), body, True, arrival,
                                (syntax, {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools})
-                               if tools else None)
+                               if tools else None, images=[images] if images is not None else None)
 
 
 @router.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from day0jax.engine.async_engine import AsyncEngine, EngineDead
-from day0jax.engine.requests import InvalidRequest, QueueFull, SamplingParams
+from day0jax.engine.requests import ImageInputs, InvalidRequest, QueueFull, SamplingParams
 from day0jax.serve import protocol as P
 from day0jax.serve.errors import APIError, error_body
 from day0jax.serve.outputs import Choice, Detokenizer, chunk, final_response, sse
@@ -26,7 +26,7 @@ _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def serve_request(request: Request, state: ServerState, engine: AsyncEngine, prompts: list[list[int]],
                         params: SamplingParams, stops: list[str], body, chat: bool, arrival: float,
-                        tools: tuple | None = None):
+                        tools: tuple | None = None, images: list[ImageInputs | None] | None = None):
     """Runs a validated request on the engine and answers it.
 
     Args:
@@ -40,27 +40,29 @@ async def serve_request(request: Request, state: ServerState, engine: AsyncEngin
         chat: a chat completion (else a completion).
         arrival: `time.monotonic()` when the request arrived (latency metrics count from there).
         tools: (syntax, function names) when the request offered tools: calls in the output become `tool_calls`.
+        images: per prompt, its preprocessed images (each shared by the prompt's `n` sequences), or None.
     Returns:
         The response model, or a `StreamingResponse` of server-sent events when `body.stream`.
     Raises:
         APIError: 400 for parameters the engine refuses, 429 when its queue is full, 500 when it failed.
     """
     rid = P.new_id("chatcmpl" if chat else "cmpl")
-    run = _Run(state, engine, rid, _submit(engine, rid, prompts, params), params.n, stops, chat, arrival, tools)
+    run = _Run(state, engine, rid, _submit(engine, rid, prompts, params, images), params.n, stops, chat, arrival, tools)
     if not body.stream:
         return await run.complete(request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(run.stream(include_usage), media_type="text/event-stream", headers=_STREAM_HEADERS)
 
 
-def _submit(engine: AsyncEngine, rid: str, prompts: list[list[int]], params: SamplingParams
-            ) -> list[tuple[str, AsyncIterator, int]]:
-    """Submits one engine request per prompt; returns (id, event stream, prompt tokens) of each, or none at all."""
+def _submit(engine: AsyncEngine, rid: str, prompts: list[list[int]], params: SamplingParams,
+            images: list[ImageInputs | None] | None = None) -> list[tuple[str, AsyncIterator, int]]:
+    """Submits one engine request per prompt (with its images, if any); returns (id, event stream, prompt tokens)
+    of each, or none at all."""
     subs = []
     try:
         for i, prompt in enumerate(prompts):
             sub_id = f"{rid}-{i}"
-            subs.append((sub_id, engine.submit(sub_id, prompt, params), len(prompt)))
+            subs.append((sub_id, engine.submit(sub_id, prompt, params, images[i] if images else None), len(prompt)))
     except (InvalidRequest, QueueFull, EngineDead) as e:
         for sub_id, _, _ in subs:
             engine.release(sub_id, finished=False)

@@ -18,6 +18,8 @@ class ServerState:
     public_metrics: bool = False  # with an API key: /metrics answers without it
     bound_host: str = "127.0.0.1"  # without an API key, only this and loopback names are accepted as Host
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    allowed_media_dir: str | None = None  # the one folder `file://` image URLs may name (None: refused)
+    max_images_per_request: int = 8  # each image is decoded, preprocessed and encoded: a bound on one request's work
     status: str = "loading"  # "loading", "warming up", "ready", "draining" or "failed"
     detail: str = ""
     engine: AsyncEngine | None = None

@@ -1,0 +1,252 @@
+"""Images in chat requests: `image_url` content parts served by a live server (a tiny random LLaVA: CLIP tower,
+projector, the tiny Llama with SmolLM2's tokenizer plus an "<image>" token) through the official `openai` client.
+
+The server's tokens are compared with `Model.generate` on the same checkpoint in this process, fed with
+`Model.prepare` of the same messages: equal tokens mean the server rendered, expanded, decoded and preprocessed the
+images as the model's own path does, and handed them to the engine. The random model's greedy output depends on the
+image (checked), so a server that dropped or swapped images would fail. Then the 400s, each naming its parameter,
+while a good request runs beside them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_tiny import write_tiny_chat_checkpoint, write_tiny_vision_checkpoint  # noqa: E402
+
+import day0jax  # noqa: E402
+from day0jax.serve import protocol as P  # noqa: E402
+from day0jax.serve.chat_prompt import chat_prompt  # noqa: E402
+from day0jax.serve.errors import APIError  # noqa: E402
+from day0jax.serve.launch import serving  # noqa: E402
+from day0jax.serve.state import ServerState  # noqa: E402
+
+MODEL = "tiny-vision"
+MAX_IMAGES = 3
+NEW_TOKENS = 8
+TOP = 5  # top log-probabilities compared
+LOGPROB_TOL = 1e-3  # the engine's paged, chunked prefill against a full forward pass, both float32
+FLAGS = ["--dtype", "float32", "--max-num-seqs", "4", "--chunk-sizes", "128", "--max-model-len", "256",
+         "--min-width", "256"]
+
+
+def image(seed: int) -> np.ndarray:
+    """A random uint8 RGB image of an odd size (the preprocessing resizes and crops it to 28x28)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (int(rng.integers(20, 60)), int(rng.integers(20, 60)), 3), dtype=np.uint8)
+
+
+def png(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(array: np.ndarray) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(array)).decode()
+
+
+def image_part(url: str, detail: str | None = None) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
+
+
+def chat(*parts) -> list[dict]:
+    """A system message, then one user message of these content parts (strings are text parts)."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """The tiny LLaVA: loaded here (the reference), and served with a media folder holding one PNG."""
+    root = tmp_path_factory.mktemp("serve-vision")
+    ckpt = write_tiny_vision_checkpoint(root)
+    media = root / "media"
+    media.mkdir()
+    (media / "a.png").write_bytes(png(image(0)))
+    (root / "outside.png").write_bytes(png(image(0)))
+    model = day0jax.load(ckpt, dtype="float32")
+    with serving(["--model", str(ckpt), "--allowed-media-dir", str(media), "--max-images-per-request",
+                  str(MAX_IMAGES), *FLAGS]) as proc:
+        yield dict(model=model, server=proc, root=root, media=media,
+                   client=openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120))
+
+
+def reference(model, messages: list[dict]) -> tuple[list[int], list[int], np.ndarray]:
+    """(prompt ids, greedy new tokens, log-probabilities of the first new token [V]) of `messages` by the model's own
+    path (`prepare`, then `generate`, and `logits`: a full forward pass)."""
+    ids, images = model.prepare(messages)
+    logits = model.logits([ids], images=[images])[0, -1].astype(np.float64)
+    logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    return ids, model.generate([ids], NEW_TOKENS, ignore_eos=True, images=[images])[0], logprobs
+
+
+def served(client, messages: list[dict], stream: bool = False):
+    """(token texts, text, usage, the first token's top log-probabilities {token text: logprob}) of a greedy
+    request; streamed, with usage, when `stream`."""
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=NEW_TOKENS, temperature=0, logprobs=True,
+                  top_logprobs=TOP, extra_body={"ignore_eos": True})
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        content = r.choices[0].logprobs.content
+        text, usage = r.choices[0].message.content, r.usage
+    else:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        text, usage = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+    return [t.token for t in content], text, usage, {t.token: t.logprob for t in content[0].top_logprobs}
+
+
+def check_served(vision, messages: list[dict]) -> tuple[list[int], np.ndarray]:
+    """Asserts the server's tokens, plain and streamed, are the model's, and its first token's top log-probabilities
+    those of a full forward pass; returns (the tokens, the first token's log-probabilities)."""
+    model = vision["model"]
+    ids, want, logprobs = reference(model, messages)
+    tok = model.tokenizer
+    top = np.argsort(-logprobs)[:TOP]
+    for stream in (False, True):
+        tokens, text, usage, first = served(vision["client"], messages, stream)
+        assert tokens == [tok.decode([t]) for t in want], f"stream={stream}"
+        assert text == tok.decode(want, skip_special_tokens=True)
+        assert usage.prompt_tokens == len(ids) and usage.completion_tokens == len(want) == NEW_TOKENS
+        assert sorted(first) == sorted(tok.decode([int(t)]) for t in top)
+        for t in top:
+            assert abs(first[tok.decode([int(t)])] - logprobs[t]) < LOGPROB_TOL, f"stream={stream}"
+    return want, logprobs
+
+
+def test_one_image_with_text_gives_the_models_tokens(vision):
+    model = vision["model"]
+    ids, _ = model.prepare(chat("What is in this picture?", image_part(data_url(image(0)))))
+    # The prompt holds the expanded placeholder: usage counts those tokens.
+    assert ids.count(model.vision.image_token_id) == model.vision.tokens_per_image == 4
+    _, first = check_served(vision, chat("What is in this picture?", image_part(data_url(image(0)), "auto")))
+    # Another image, same text: other log-probabilities (far beyond the tolerance), so the image reaches the model.
+    _, other = check_served(vision, chat("What is in this picture?", image_part(data_url(image(3)), "high")))
+    assert np.abs(first - other).max() > 100 * LOGPROB_TOL
+
+
+def test_two_images_in_one_message(vision):
+    a, b = image_part(data_url(image(0)), "low"), image_part(data_url(image(3)))
+    _, logprobs = check_served(vision, chat("Compare", a, "with", b, "please."))
+    # Swapped, the images give other log-probabilities (far beyond the tolerance): the server keeps their order.
+    _, _, swapped = reference(vision["model"], chat("Compare", b, "with", a, "please."))
+    assert np.abs(logprobs - swapped).max() > 100 * LOGPROB_TOL
+
+
+def test_file_url_inside_the_allowed_folder(vision):
+    via_file = served(vision["client"], chat("What is this?", image_part((vision["media"] / "a.png").as_uri())))
+    via_data = served(vision["client"], chat("What is this?", image_part(data_url(image(0)))))
+    assert via_file[0] == via_data[0] and via_file[2].prompt_tokens == via_data[2].prompt_tokens
+    assert via_file[3] == pytest.approx(via_data[3], abs=LOGPROB_TOL)
+
+
+def test_images_and_tools_render_through_one_template(vision):
+    """The template gets `tools=` beside the image parts: the prompt is the tool-aware rendering with the image
+    expanded, and a forced call comes back as a tool call."""
+    model = vision["model"]
+    tools = [{"type": "function", "function": {"name": "describe", "parameters": {
+        "type": "object", "properties": {"what": {"type": "string", "maxLength": 12}}, "required": ["what"],
+        "additionalProperties": False}}}]
+    messages = chat("Describe it.", image_part(data_url(image(0))))
+    state = ServerState(model_name=MODEL, tokenizer=model.tokenizer, model=model)
+    body = P.ChatCompletionRequest.model_validate({"model": MODEL, "messages": messages, "tools": tools})
+    ids, images = asyncio.run(chat_prompt(state, body, tools))
+    text = model.tokenizer.render_chat([messages[0], {"role": "user", "content": [
+        {"type": "text", "text": "Describe it."}, {"type": "image"}]}], tools=tools)
+    expanded, inputs = model.expand_images(text, [image(0)])
+    assert ids == model.tokenizer.encode(expanded, add_special_tokens=False) and "describe" in text
+    assert np.array_equal(images.pixels, inputs.pixels)
+    r = vision["client"].chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                                 max_tokens=60, temperature=1.0, seed=0, parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    assert r.choices[0].message.tool_calls[0].function.name == "describe"
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def bad_requests(vision) -> list[tuple[list[dict], str, str]]:
+    """(messages, the param the 400 names, a piece of its message)."""
+    outside = (vision["root"] / "outside.png").as_uri()
+    good = image_part(data_url(image(0)))
+    return [
+        (chat("x", image_part("data:image/png;base64,@@not base64@@")), "messages[1].content[1].image_url",
+         "bad base64"),
+        (chat("x", image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())),
+         "messages[1].content[1].image_url", "cannot decode"),
+        (chat(image_part("https://example.com/cat.png"), "x"), "messages[1].content[0].image_url", "never fetches"),
+        (chat("x", good, image_part(outside)), "messages[1].content[2].image_url", "outside the allowed media"),
+        (chat("x", image_part((vision["media"] / "missing.png").as_uri())), "messages[1].content[1].image_url",
+         "no such file"),
+        (chat("x", *[good] * (MAX_IMAGES + 1)), "messages", f"at most {MAX_IMAGES}"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [good]}],
+         "messages[1].content[0]", "user messages only"),
+        # The placeholder spelled out in text, with or without images: never an image without its pixels.
+        (chat("look: <image>"), "messages", "image placeholder"),
+        (chat("look: <image>", good), "messages", "image placeholder"),
+    ]
+
+
+def post(url: str, messages: list[dict], **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": messages, "max_tokens": 4, **extra})
+
+
+def test_bad_images_are_400s_naming_the_part(vision):
+    for messages, param, message in bad_requests(vision):
+        r = post(vision["server"].url, messages)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and message in error["message"], error
+        assert error["type"] == "invalid_request_error"
+    # The official client raises them as BadRequestError; a detail OpenAI does not define is refused by the schema.
+    with pytest.raises(openai.BadRequestError):
+        vision["client"].chat.completions.create(model=MODEL, messages=chat(image_part("http://x/a.png")),
+                                                 max_tokens=4)
+    assert post(vision["server"].url, chat(image_part(data_url(image(0)), "ultra"))).status_code == 400
+
+
+def test_file_urls_without_an_allowed_folder_are_refused(vision):
+    model = vision["model"]
+    state = ServerState(model_name=MODEL, tokenizer=model.tokenizer, model=model)  # no --allowed-media-dir
+    body = P.ChatCompletionRequest.model_validate({"model": MODEL, "messages": chat(
+        "x", image_part((vision["media"] / "a.png").as_uri()))})
+    with pytest.raises(APIError) as e:
+        asyncio.run(chat_prompt(state, body, None))
+    assert e.value.status == 400 and e.value.param == "messages[1].content[1].image_url"
+    assert "--allowed-media-dir" in e.value.message
+
+
+def test_bad_images_leave_a_concurrent_request_untouched(vision):
+    messages = chat("What is in this picture?", image_part(data_url(image(0))))
+    _, want, _ = reference(vision["model"], messages)
+    tok = vision["model"].tokenizer
+    bad = bad_requests(vision) * 3
+    with ThreadPoolExecutor(8) as pool:
+        good = [pool.submit(served, vision["client"], messages, stream=i % 2 == 1) for i in range(4)]
+        codes = list(pool.map(lambda b: post(vision["server"].url, b[0]).status_code, bad))
+        results = [g.result() for g in good]
+    assert codes == [400] * len(bad)
+    assert all(tokens == [tok.decode([t]) for t in want] for tokens, _, _, _ in results)
+
+
+def test_a_text_only_model_refuses_images(tmp_path):
+    ckpt = write_tiny_chat_checkpoint(tmp_path)
+    with serving(["--model", str(ckpt), *FLAGS, "--warmup", "none"], timeout=600) as proc:
+        r = post(proc.url, chat("x", image_part(data_url(image(0)))), model="tiny-chat")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "takes no images" in r.json()["error"]["message"]
+        # Text parts alone still work.
+        r = post(proc.url, chat("Say hi."), model="tiny-chat")
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
