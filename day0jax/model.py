@@ -62,7 +62,7 @@ class Model:
         # the checkpoint's processor files on first use) and its image encoder.
         self.vision = getattr(module, "vision_spec", None)
         self._image_processor = None
-        self._encode = jax.jit(self._encode_fn, static_argnames=("grids",))
+        self._encode = jax.jit(self._encode_fn)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         # Batches are split over dp and ep (sharding/rules.py): padded batch sizes are multiples of both.
         self._batch_multiple = mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)
@@ -100,9 +100,10 @@ class Model:
         engine.attach(self.module, self.eos_token_ids)
         self._engine = engine
 
-    def _compile_for(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+    def _compile_for(self, prompts: Sequence[Sequence[int]], params: SamplingParams, images: Sequence = ()) -> None:
         """Compiles (or loads from the compilation cache), in parallel and before the first token, every program
-        this call can take that is not ready yet: no generation stalls midway when its span reaches a new bucket."""
+        this call can take that is not ready yet: no generation stalls midway when its span reaches a new bucket;
+        with `images` (the rows' `ImageInputs` or None), the vision tower's for their shape buckets."""
         from day0jax.startup.warmup import compile_programs
 
         engine = self.engine
@@ -113,6 +114,10 @@ class Model:
         programs = engine.programs_for(
             len(prompts) * params.n, longest, longest + params.max_tokens,
             sampled=params.sampled, penalized=params.penalized, guided=params.guided)
+        from day0jax.engine.runner import Program
+
+        programs += list(dict.fromkeys(Program("encode", key) for inputs in images if inputs is not None
+                                       for key, _, _ in self.vision.encoder_calls(inputs.pixels, inputs.grids)))
         missing = [p for p in programs if not runner.installed(p)
                    and not (p.name == "forward" and p.shape in runner.compiled)]
         if missing:
@@ -131,10 +136,10 @@ class Model:
         # Replicated: every process of a multi-host mesh can read all of it.
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
-    def _encode_fn(self, params, pixels, grids=()):
+    def _encode_fn(self, params, *inputs):
         model = nnx.merge(self._graphdef, params)
         with exact_float32(self.dtype):
-            return model.encode_images(pixels, grids)
+            return model.encode_images(*inputs)
 
     @property
     def image_processor(self):
@@ -171,12 +176,13 @@ class Model:
     def encode(self, inputs) -> tuple[np.ndarray, np.ndarray | None]:
         """`ImageInputs` through the vision tower and projector: (features [n, D], DeepStack features [k, n, D] or
         None), float32; kept on `inputs` (`.features`, `.deepstack`)."""
-        if inputs.features is None:
+        from day0jax.models.vision_language import encode_host
+
+        def run(key, arrays):
             with jax.set_mesh(self.mesh):
-                features, deepstack = self._encode(self._params, put(inputs.pixels, self.mesh),
-                                                   grids=inputs.grids or ())
-            inputs.features = np.asarray(features, np.float32)
-            inputs.deepstack = None if deepstack is None else np.asarray(deepstack, np.float32)
+                return self._encode(self._params, *[put(a, self.mesh) for a in arrays])
+        if inputs.features is None:
+            inputs.features, inputs.deepstack = encode_host(self.vision, inputs.pixels, inputs.grids, run)
         return inputs.features, inputs.deepstack
 
     def image_features(self, images: Sequence[Any]) -> np.ndarray:
@@ -322,7 +328,7 @@ class Model:
         for b, (prompt, row) in enumerate(zip(prompts, inputs)):
             self._check_placeholders(prompt, row, b)
         engine = self.engine
-        self._compile_for(prompts, params)
+        self._compile_for(prompts, params, inputs)
         ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
         out: dict[str, list[int]] = {rid: [] for rid in ids}
         queued, running = list(zip(ids, prompts, inputs)), set()

@@ -20,7 +20,7 @@ from day0jax.errors import GenerationError
 from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_tokens
 
 RTOL = 1e-3
-NEW_TOKENS = 8
+NEW_TOKENS = 16
 
 def images(seed: int, count: int) -> list[np.ndarray]:
     """`count` random uint8 RGB images of odd, differing sizes."""
@@ -293,3 +293,29 @@ def test_placeholders_expand_as_each_family_processor_does():
     assert built["llava"].expand_image_placeholders("<img>\nhi", [4], tok) == "<img>" * 4 + "\nhi"
     with pytest.raises(GenerationError, match="rendered 1 image placeholder"):
         built["qwen3_vl"].expand_image_placeholders("<img>", [2, 3], tok)
+
+
+def test_warm_up_makes_the_tower_ready_for_every_image_size(family):
+    """The server's ready set holds the tower's programs (one, or one per patch-count bucket for images of their own
+    size); once they are installed, images of several sizes encode without tracing anything."""
+    from day0jax.engine.runner import Program
+    from day0jax.startup.warmup import compile_programs
+
+    name, model, ref = family
+    runner = model.engine.runner
+    encode = runner.encode_programs()
+    assert encode and set(encode) <= set(runner.ready_programs()) and set(encode) <= set(runner.all_programs())
+    compile_programs(runner, [p for p in encode if not runner.installed(p)])
+    traced = set(runner.compiled)
+    shapes = [(20, 30), (57, 41), (40, 40)]
+    rng = np.random.default_rng(5)
+    pictures = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
+    case = VL_FAMILIES[name]
+    prompts = [[1, 2] + placeholders(case, p) + [3] for p in pictures]
+    needed = set()
+    for p in pictures:
+        inputs = model.image_inputs([p])
+        needed |= {key for key, _, _ in model.vision.encoder_calls(inputs.pixels, inputs.grids)}
+    assert {Program("encode", key) for key in needed} <= set(encode)  # every size within a warmed-up bucket
+    assert model.generate(prompts, 2, ignore_eos=True, images=[[p] for p in pictures])
+    assert not [k for k in runner.compiled - traced if k[0] == "encode"], runner.compiled - traced

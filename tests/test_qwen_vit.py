@@ -116,7 +116,7 @@ def test_each_grid_dependence_is_checked(tower, ref, monkeypatch, broken):
         monkeypatch.setattr(qwen_vit, "rotary_positions", lambda grids, m: positions)
     else:  # every patch attends to every other, across images and frames
         P = sum(t * h * w for t, h, w in GRIDS)
-        monkeypatch.setattr(qwen_vit, "frame_segments", lambda grids: [(0, 1, P)])
+        monkeypatch.setattr(qwen_vit, "frame_segments", lambda grids: np.zeros(P, np.int32))
     errs = errors(tower, ref[1])
     assert errs[0] > 100 * RTOL, (broken, errs)
 

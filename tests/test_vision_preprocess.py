@@ -320,7 +320,7 @@ def _png_header_only(width, height):
     ("data:text/plain;base64,aGVsbG8=", "data:image/"),
     ("data:image/png,%89PNG", "base64-encoded"),
     ("data:image/png;base64,", "no data"),
-    (data_url(b"definitely not an image"), "cannot decode"),
+    (data_url(b"definitely not an image"), "cannot identify the image"),
     (data_url(encode("png_rgba", 0)[:60]), "cannot decode"),  # truncated
     (data_url(_png_header_only(8_000, 8_000)), "above the limit of 50000000"),  # refused before decoding
     (data_url(_png_header_only(100_000, 100_000)), "decompression bomb"),  # PIL's own check comes first here
@@ -338,7 +338,7 @@ def test_load_image_errors(source, message):
 def test_unsupported_formats_and_size_limit():
     bmp = io.BytesIO()
     Image.fromarray(pixels(6, 7, 3, 0)).save(bmp, "BMP")
-    with pytest.raises(ImageError, match="PNG, JPEG, WebP, GIF"):
+    with pytest.raises(ImageError, match="PNG, JPEG, WebP or GIF"):
         load_image(data_url(bmp.getvalue(), "bmp"))
     png = encode("png_rgba", 0)
     for source in (png, Image.open(io.BytesIO(png)), pixels(37, 53, 3, 0)):

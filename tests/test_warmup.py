@@ -65,7 +65,8 @@ def test_missing_programs_run_padded_on_larger_ones_or_compile_on_the_step(ckpt,
     padded, and compile nothing; longer ones compile exactly the program no compiled one covers, on their own path.
     The tokens equal those of inline-traced programs."""
     model = day0jax.load(ckpt, dtype="float32", engine=ENGINE)
-    model._compile_for = lambda prompts, params: None  # the server's path: nothing made ready ahead of the steps
+    # The server's path: nothing made ready ahead of the steps.
+    model._compile_for = lambda prompts, params, images=(): None
     runner = model.engine.runner
     compile_programs(runner, runner.ready_programs())
     compiler = BackgroundCompiler(runner, [])  # never started: the steps' own path is the only one

@@ -36,7 +36,9 @@ ROW_ARRAYS = ("seeds", "counters", "temperature", "top_k", "top_p", "min_p")
 class Program:
     """One compiled program of the runner, for one bucket."""
 
-    name: str  # "forward" (shape: rows, tokens, width in pages) or "sample" (shape: rows)
+    # "forward" (shape: rows, tokens, width in pages), "sample" (shape: rows) or "encode" (a vision tower's call on
+    # one image: shape () for towers of one image size, (patches,) padded for those of any size)
+    name: str
     shape: tuple[int, ...]
     # Samplers only (mode and logprobs are run-time choices): taking the [B, V] penalty arrays, taking the grammar
     # masks and logit biases.
@@ -47,6 +49,8 @@ class Program:
     def label(self) -> str:
         if self.name == "forward":
             return "x".join(map(str, self.shape))
+        if self.name == "encode":
+            return "image" + "".join(f" {n} patches" for n in self.shape)
         extras = "".join(f"+{x}" for x, on in (("penalties", self.penalized), ("guidance", self.guided)) if on)
         return f"{self.shape[0]}{extras}"
 
@@ -100,10 +104,10 @@ class ModelRunner:
         # A vision-language model's: its programs take image features, and it encodes images (one program per
         # image count).
         self.vision = getattr(module, "vision_spec", None)
-        self._encode = jax.jit(self._encode_fn, static_argnames=("grids",))
+        self._encode = jax.jit(self._encode_fn)
         self._forward = jax.jit(self._forward_fn, donate_argnames=("pools",))
         self._sample = jax.jit(self._sample_fn)
-        self.compiled: set[tuple[int, int, int]] = set()
+        self.compiled: set[tuple] = set()  # shapes traced by jit (not installed): logged once each
         self.programs: dict[Program, jax.stages.Compiled] = {}  # installed by warm-up
         # Set while programs are still compiling in the background (`startup.warmup.BackgroundCompiler.ensure`):
         # a step whose program is not installed then runs on an installed larger one, or makes its own ready
@@ -146,18 +150,24 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in self.params)  # also before `attach` (shapes only)
 
-    def _encode_fn(self, params, pixels, grids=()):
+    def _encode_fn(self, params, *inputs):
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
         with exact_float32(self.dtype):
-            return model.encode_images(pixels, grids)
+            return model.encode_images(*inputs)
 
     def encode_images(self, images) -> tuple[np.ndarray, np.ndarray | None]:
         """A request's `ImageInputs` -> (features [n, D], DeepStack features [k, n, D] or None), float32 on the
-        host (one program per image count, or per grid tuple for towers that take images of any size)."""
-        with jax.set_mesh(self.mesh):
-            features, deepstack = self._encode(self.params, self._put(images.pixels), grids=images.grids or ())
-        return (np.asarray(features, np.float32),
-                None if deepstack is None else np.asarray(deepstack, np.float32))
+        host: one tower call per image, on the program of its shape bucket (installed by warm-up)."""
+        from day0jax.models.vision_language import encode_host
+
+        def run(key, arrays):
+            program = self.programs.get(Program("encode", key))
+            if program is None and ("encode", key) not in self.compiled:
+                log.info("compiling the vision tower for %s", Program("encode", key).label)
+                self.compiled.add(("encode", key))
+            with jax.set_mesh(self.mesh):
+                return (program or self._encode)(self.params, *[self._put(a) for a in arrays])
+        return encode_host(self.vision, images.pixels, images.grids, run)
 
     def _forward_fn(self, params, pools, previous, tokens, positions, block_tables, kv_lengths, last_index,
                     token_source, state_slots, *image):
@@ -293,13 +303,19 @@ class ModelRunner:
         forward = ([Program("forward", (r, 1, L.decode_widths[0])) for r in rows] +
                    [Program("forward", (1, c, L.prefill_widths[0])) for c in L.chunk_buckets])
         sampler_rows = sorted(set(rows) | {1})
-        return forward + [Program("sample", (r,)) for r in sampler_rows]
+        return forward + [Program("sample", (r,)) for r in sampler_rows] + self.encode_programs()
+
+    def encode_programs(self) -> list[Program]:
+        """A vision-language model's tower programs: one per image shape bucket (none for text models)."""
+        return [] if self.vision is None else [Program("encode", k) for k in self.vision.encoder.keys()]
 
     def background_programs(self, ready: list[Program], max_len: int | None = None) -> list[Program]:
         """`all_programs(max_len)` not in `ready`, most likely needed first: plain samplers, then forward programs by
         span (the short spans every request starts with), the most rows first, then the samplers with penalties or
         guidance."""
         def rank(p: Program):
+            if p.name == "encode":
+                return (0, p.shape)
             if p.name == "sample":
                 return (2 if p.penalized or p.guided else 0, p.shape[0], p.penalized, p.guided)
             rows, tokens, width = p.shape
@@ -311,7 +327,7 @@ class ModelRunner:
         with and without guidance) per row count."""
         return ([Program("forward", s) for s in self.layout.forward_shapes(max_len)] +
                 [Program("sample", (r,), penalized, guided) for r in self.layout.sampler_batches()
-                 for penalized in (False, True) for guided in (False, True)])
+                 for penalized in (False, True) for guided in (False, True)] + self.encode_programs())
 
     def lower(self, program: Program) -> jax.stages.Lowered:
         """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
@@ -322,6 +338,9 @@ class ModelRunner:
                 pools = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                      self.pools)
                 return self._forward.lower(self.params, pools, self._no_previous, *inputs)
+            if program.name == "encode":
+                example = self.vision.encoder.example(program.shape)
+                return self._encode.lower(self.params, *[self._put(a) for a in example])
             rows, V = program.shape[0], self.vocab_size
             logits = jax.ShapeDtypeStruct((rows, V), jnp.float32, sharding=self._replicated)
             neutral = self.neutral_rows(rows)

@@ -115,10 +115,10 @@ class Model(VisionLanguageModel):
 
     @property
     def vision_spec(self) -> VisionSpec:
-        return VisionSpec(**{**vars(super().vision_spec), "bidirectional": True})
+        return dataclasses.replace(super().vision_spec, bidirectional=True)
 
     @jax.named_scope("vision")
-    def encode_images(self, pixels: jax.Array, grids: tuple = ()) -> tuple[jax.Array, None]:
+    def encode_images(self, pixels: jax.Array) -> tuple[jax.Array, None]:
         """pixels [I, 3, S, S] -> ([I * mm_tokens_per_image, D], None)."""
         features = self.multi_modal_projector(self.vision_tower.vision_model.last_hidden_state(pixels))
         return features.reshape(-1, features.shape[-1]), None

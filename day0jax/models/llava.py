@@ -101,7 +101,7 @@ class Model(VisionLanguageModel):
         self.multi_modal_projector = Projector(c, dtype=dtype, rngs=rngs)
 
     @jax.named_scope("vision")
-    def encode_images(self, pixels: jax.Array, grids: tuple = ()) -> tuple[jax.Array, None]:
+    def encode_images(self, pixels: jax.Array) -> tuple[jax.Array, None]:
         """pixels [I, C, S, S] (the image processor's output) -> ([I * tokens_per_image, D], None)."""
         c = self.config
         hidden = self.vision_tower.vision_model(pixels)

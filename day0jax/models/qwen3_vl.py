@@ -88,14 +88,13 @@ class Model(VisionLanguageModel):
         merge = c.vision.spatial_merge_size
         return VisionSpec(c.image_token_id, None, None, c.text.hidden_size, merge=merge,
                           mrope=partial(rope_positions, image_token_id=c.image_token_id, merge=merge),
-                          deepstack=len(c.vision.deepstack_layers))
+                          deepstack=len(c.vision.deepstack_layers), encoder=qwen_vit.PatchBuckets(c.vision))
 
     @jax.named_scope("vision")
-    def encode_images(self, pixels: jax.Array, grids: tuple[tuple[int, int, int], ...] = ()
-                      ) -> tuple[jax.Array, jax.Array | None]:
-        """Patches [P, C * T * p * p] of the images of `grids` (static) -> (features [P / merge^2, D], DeepStack
-        features [k, P / merge^2, D])."""
-        embeds, deepstack = self.visual(pixels, grids)
+    def encode_images(self, patches, taps, weights, rotary, segments) -> tuple[jax.Array, jax.Array | None]:
+        """One image's patches [P, C * T * p * p], padded, and what its grid fixes (`qwen_vit.PatchBuckets`) ->
+        (features [P / merge^2, D], DeepStack features [k, P / merge^2, D])."""
+        embeds, deepstack = self.visual.forward(patches, taps, weights, rotary, segments)
         return embeds, (jnp.stack(deepstack) if deepstack else None)
 
     def vision_op_calls(self):

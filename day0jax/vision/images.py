@@ -96,8 +96,11 @@ def decode_image(data: bytes | io.BufferedIOBase, *, max_pixels: int = MAX_PIXEL
         return ImageOps.exif_transpose(image)
     except ImageError:
         raise
-    except Image.DecompressionBombError as e:  # PIL's own ceiling, when max_pixels was raised above it
-        raise ImageError(f"image refused as a decompression bomb: {e}") from e
+    except Image.DecompressionBombError as e:  # PIL's own ceiling, which it checks while reading the header
+        raise ImageError(f"image refused as a decompression bomb: its header declares more pixels than the limit of "
+                         f"{max_pixels} pixels (and than Pillow's own ceiling)") from e
+    except Image.UnidentifiedImageError as e:
+        raise ImageError("cannot identify the image: not a PNG, JPEG, WebP or GIF file") from e
     except Exception as e:  # PIL's decoders raise many types on corrupt data (OSError, SyntaxError, struct.error...)
         raise ImageError(f"cannot decode the image: {e} (supported formats: PNG, JPEG, WebP, GIF)") from e
 
@@ -137,7 +140,7 @@ def _from_url(url: str, allowed_media_dir: str | os.PathLike | None, max_pixels:
     if scheme == "data":
         return decode_image(_data_url_bytes(rest), max_pixels=max_pixels)
     if scheme == "file":
-        path = _allowed_path(url, allowed_media_dir)
+        path = allowed_path(url, allowed_media_dir)
         with open(path, "rb") as f:
             return decode_image(f, max_pixels=max_pixels)
     if scheme in ("http", "https"):
@@ -165,8 +168,13 @@ def _data_url_bytes(rest: str) -> bytes:
     return data
 
 
-def _allowed_path(url: str, allowed_media_dir: str | os.PathLike | None) -> str:
-    """The real path a file:// URL names, refused unless it lies inside `allowed_media_dir`."""
+def allowed_path(url: str, allowed_media_dir: str | os.PathLike | None) -> str:
+    """The real path a file:// URL names, refused unless it lies inside `allowed_media_dir` (checked before
+    anything about the file, even its size, is read).
+
+    Raises:
+        ImageError: no folder is allowed, another host, a path outside the folder, or no such file.
+    """
     if allowed_media_dir is None:
         raise ImageError("file:// image URLs are refused: no media folder is allowed (the server's "
                          "--allowed-media-dir); send the image as a data:image/...;base64 URL")

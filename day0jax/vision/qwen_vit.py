@@ -206,17 +206,28 @@ def rotary_positions(grids: tuple[Grid, ...], merge: int) -> np.ndarray:
     return np.concatenate([np.stack(patch_rows_cols(g, merge), -1) for g in grids]).astype(np.int32)
 
 
-def frame_segments(grids: tuple[Grid, ...]) -> list[tuple[int, int, int]]:
-    """The attention segments, as (start patch, frames, patches per frame) per image: a patch attends to the
-    patches of its own frame only (transformers' `cu_seqlens`: one segment per frame)."""
-    out, start = [], 0
-    for t, h, w in grids:
-        out.append((start, t, h * w))
-        start += t * h * w
-    return out
+def frame_segments(grids: tuple[Grid, ...]) -> np.ndarray:
+    """[P] int32 each patch's attention segment: a patch attends to the patches of its own frame only
+    (transformers' `cu_seqlens`: one segment per frame of each image)."""
+    return np.concatenate([np.repeat(np.arange(t), h * w) + sum(g[0] for g in grids[:i])
+                           for i, (t, h, w) in enumerate(grids)]).astype(np.int32)
 
 
-def rotary_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def tower_inputs(grids: tuple[Grid, ...], side: int, merge: int,
+                 padded_to: int | None = None) -> tuple[np.ndarray, ...]:
+    """What the grids fix, as the tower's array inputs: (position-table rows [P, 4], their weights [P, 4], rotary
+    (row, col) [P, 2], attention segments [P]); with `padded_to`, grown to that many patches by padding rows (weight
+    0, segment -1: attended by nothing else)."""
+    taps, weights = interpolation_taps(grids, side, merge)
+    arrays = [taps, weights, rotary_positions(grids, merge), frame_segments(grids)]
+    if padded_to is not None:
+        pad = padded_to - len(taps)
+        arrays = [np.concatenate([a, np.full((pad, *a.shape[1:]), -1 if a.ndim == 1 else 0, a.dtype)])
+                  for a in arrays]
+    return tuple(arrays)
+
+
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos and sin [P, head_dim]: the first quarter of the frequencies turns by the row, the second by the column,
     and the two halves repeat (HF's rotate_half layout)."""
     spatial = head_dim // 2
@@ -233,6 +244,41 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(h, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], -1)
     return (h * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class PatchBuckets:
+    """One image per tower call, its patches padded to the smallest of `sizes` that holds them: a program per size
+    serves every image up to it, so the server compiles them at warm-up (the `VisionSpec.encoder` of Qwen-VL)."""
+
+    config: VisionConfig
+    sizes: tuple[int, ...] = (256, 1024, 4096)  # patches; 4096 16-pixel patches is a 1024 x 1024 image
+
+    def keys(self) -> list[tuple[int]]:
+        return [(s,) for s in self.sizes]
+
+    def bucket(self, patches: int) -> int:
+        """The padded size for an image of `patches` patches (past the largest size, the next power of 4 of it)."""
+        size = next((s for s in self.sizes if s >= patches), self.sizes[-1])
+        while size < patches:
+            size *= 4
+        return size
+
+    def inputs(self, patches: np.ndarray, grid: Grid) -> tuple[tuple[int], tuple[np.ndarray, ...], int]:
+        """(program key, the tower's padded array inputs, the image's token count) for one image's patches."""
+        c = self.config
+        size = self.bucket(len(patches))
+        padded = np.zeros((size, c.patch_dim), np.float32)
+        padded[:len(patches)] = patches
+        grid = check_grids([grid], c.spatial_merge_size)
+        return (size,), (padded, *tower_inputs(grid, c.grid_side, c.spatial_merge_size, size)), \
+            len(patches) // c.spatial_merge_size ** 2
+
+    def example(self, key: tuple[int]) -> tuple[np.ndarray, ...]:
+        """Inputs of the program `key` (shapes and dtypes for compiling it)."""
+        size = key[0]
+        return (np.zeros((size, self.config.patch_dim), np.float32), np.zeros((size, 4), np.int32),
+                np.zeros((size, 4), np.float32), np.zeros((size, 2), np.int32), np.full(size, -1, np.int32))
 
 
 # --- modules ---------------------------------------------------------------------------------------------------
@@ -257,10 +303,10 @@ class PositionTable(nnx.Module):
     def __init__(self, num: int, dim: int, *, dtype, rngs: nnx.Rngs):
         self.weight = param(rngs, (num, dim), (None, "embed"), dtype, 1.0)
 
-    def __call__(self, indices: np.ndarray, weights: np.ndarray) -> jax.Array:
+    def __call__(self, indices: jax.Array, weights: jax.Array) -> jax.Array:
         """sum_k weights[:, k] * weight[indices[:, k]], in float32 (HF's weights are float32) -> [P, D]."""
-        rows = jnp.take(self.weight[...].astype(jnp.float32), jnp.asarray(indices), axis=0)  # [P, 4, D]
-        return (rows * jnp.asarray(weights)[:, :, None]).sum(1)
+        rows = jnp.take(self.weight[...].astype(jnp.float32), indices, axis=0)  # [P, 4, D]
+        return (rows * weights[:, :, None]).sum(1)
 
 
 class VisionAttention(nnx.Module):
@@ -275,18 +321,16 @@ class VisionAttention(nnx.Module):
         self.scale = H ** -0.5
 
     @jax.named_scope("vision_attention")
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segments: Sequence[tuple[int, int, int]]) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array) -> jax.Array:
+        """x [P, D], segments [P]: a patch attends to the patches of its own segment (its frame); padding (-1) to
+        none but others of its kind, whose outputs are dropped."""
         qkv = self.qkv(x)  # [P, 3, N, H]
         q, k, v = rotate(qkv[:, 0], cos, sin), rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-        outs = []
-        # One batched attention per image over its frames: memory is per frame, never [P, P].
-        for start, frames, n in segments:
-            qi, ki, vi = (a[start:start + frames * n].reshape(frames, n, *a.shape[1:]) for a in (q, k, v))
-            scores = jnp.einsum("fqnh,fknh->fnqk", qi, ki, preferred_element_type=jnp.float32) * self.scale
-            probs = jax.nn.softmax(scores, axis=-1).astype(vi.dtype)
-            outs.append(jnp.einsum("fnqk,fknh->fqnh", probs, vi).reshape(frames * n, *v.shape[1:]))
-        return self.proj(jnp.concatenate(outs) if len(outs) > 1 else outs[0])
+        scores = jnp.einsum("qnh,knh->nqk", q, k, preferred_element_type=jnp.float32) * self.scale
+        same = segments[:, None] == segments[None, :]
+        # A finite floor keeps padding rows free of NaNs.
+        probs = jax.nn.softmax(jnp.where(same[None], scores, jnp.finfo(jnp.float32).min), axis=-1).astype(v.dtype)
+        return self.proj(jnp.einsum("nqk,knh->qnh", probs, v))
 
 
 class VisionMLP(nnx.Module):
@@ -363,17 +407,22 @@ class VisionModel(nnx.Module):
             ValueError: a malformed grid, or grids that do not add up to P patches.
         """
         c = self.config
-        merge = c.spatial_merge_size
-        grids = check_grids(grids, merge)
+        grids = check_grids(grids, c.spatial_merge_size)
         total = sum(t * h * w for t, h, w in grids)
         if patches.ndim != 2 or patches.shape != (total, c.patch_dim):
             raise ValueError(f"patches of shape {tuple(patches.shape)} for grids {grids}: expected "
                              f"({total}, {c.patch_dim})")
+        return self.forward(patches, *(jnp.asarray(a) for a in tower_inputs(grids, c.grid_side, c.spatial_merge_size)))
+
+    def forward(self, patches: jax.Array, taps: jax.Array, weights: jax.Array, rotary: jax.Array,
+                segments: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        """The tower on patches and what their grids fix (`tower_inputs`, possibly padded: a program per padded
+        size then serves every image up to it). Returns as `__call__`, padding rows included."""
+        c = self.config
         with exact_float32(self.dtype):
             x = self.patch_embed(patches)
-            x = x + self.pos_embed(*interpolation_taps(grids, c.grid_side, merge)).astype(x.dtype)
-            cos, sin = rotary_tables(rotary_positions(grids, merge), c.head_dim, c.theta)
-            segments = frame_segments(grids)
+            x = x + self.pos_embed(taps, weights).astype(x.dtype)
+            cos, sin = rotary_tables(rotary, c.head_dim, c.theta)
             layers, deepstack = c.deepstack_layers, []
             for i, block in enumerate(self.blocks):
                 x = block(x, cos, sin, segments)
