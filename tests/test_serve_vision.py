@@ -5,7 +5,8 @@ The server's tokens are compared with `Model.generate` on the same checkpoint in
 `Model.prepare` of the same messages: equal tokens mean the server rendered, expanded, decoded and preprocessed the
 images as the model's own path does, and handed them to the engine. The random model's greedy output depends on the
 image (checked), so a server that dropped or swapped images would fail. Then the 400s, each naming its parameter,
-while a good request runs beside them.
+while a good request runs beside them: malformed, truncated or unknown images, and images over the server's limits
+on encoded bytes and on pixels (a decompression bomb's header is enough: it is refused before any pixel is decoded).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import struct
 import sys
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +38,8 @@ from day0jax.serve.state import ServerState  # noqa: E402
 
 MODEL = "tiny-vision"
 MAX_IMAGES = 3
+MAX_IMAGE_BYTES = 200_000  # low, so a 300x300 noise PNG is over it
+MAX_IMAGE_PIXELS = 1_000_000
 NEW_TOKENS = 8
 TOP = 5  # top log-probabilities compared
 LOGPROB_TOL = 1e-3  # the engine's paged, chunked prefill against a full forward pass, both float32
@@ -54,8 +59,27 @@ def png(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def data_url(array: np.ndarray) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(array)).decode()
+def data_url(array: np.ndarray | bytes) -> str:
+    """A data URL of `array` as a PNG, or of these encoded bytes, declared as image/png whatever they are."""
+    data = array if isinstance(array, bytes) else png(array)
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def noise(seed: int, size: int = 300) -> np.ndarray:
+    """A size x size RGB noise image: its PNG barely compresses (about 3 bytes a pixel)."""
+    return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height RGB pixels, then the first 64 rows, all black, compressed to a
+    few kilobytes: a decompression bomb's shape (a small file, a huge canvas) without its cost to build (Pillow
+    would decode it, the missing rows left black)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, RGB, deflate, no filter, no interlace
+    rows = zlib.compress(b"\0" * (1 + 3 * width) * 64, 9)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
 
 
 def image_part(url: str, detail: str | None = None) -> dict:
@@ -76,10 +100,12 @@ def vision(tmp_path_factory):
     media = root / "media"
     media.mkdir()
     (media / "a.png").write_bytes(png(image(0)))
+    (media / "big.png").write_bytes(png(noise(1)))
     (root / "outside.png").write_bytes(png(image(0)))
     model = day0jax.load(ckpt, dtype="float32")
     with serving(["--model", str(ckpt), "--allowed-media-dir", str(media), "--max-images-per-request",
-                  str(MAX_IMAGES), *FLAGS]) as proc:
+                  str(MAX_IMAGES), "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels",
+                  str(MAX_IMAGE_PIXELS), *FLAGS]) as proc:
         yield dict(model=model, server=proc, root=root, media=media,
                    client=openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120))
 
@@ -180,15 +206,41 @@ def bad_requests(vision) -> list[tuple[list[dict], str, str]]:
     """(messages, the param the 400 names, a piece of its message)."""
     outside = (vision["root"] / "outside.png").as_uri()
     good = image_part(data_url(image(0)))
+    truncated = png(image(5))
+    truncated = truncated[:len(truncated) // 2]
+    bmp = io.BytesIO()
+    Image.fromarray(image(0)).save(bmp, "BMP")
+    flat = io.BytesIO()  # a real, valid 2.25-megapixel PNG of one colour: 5 KB, over the pixel limit only
+    Image.new("L", (1500, 1500), 7).save(flat, "PNG")
+    big, big_file = png(noise(2)), vision["media"] / "big.png"
+    assert len(big) > MAX_IMAGE_BYTES and big_file.stat().st_size > MAX_IMAGE_BYTES
+    too_many = f"above the limit of {MAX_IMAGE_PIXELS} pixels"
+    too_large = f"limit of {MAX_IMAGE_BYTES} bytes per image (--max-image-bytes)"
     return [
         (chat("x", image_part("data:image/png;base64,@@not base64@@")), "messages[1].content[1].image_url",
          "bad base64"),
         (chat("x", image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())),
-         "messages[1].content[1].image_url", "cannot decode"),
+         "messages[1].content[1].image_url", "cannot identify the image"),
         (chat(image_part("https://example.com/cat.png"), "x"), "messages[1].content[0].image_url", "never fetches"),
         (chat("x", good, image_part(outside)), "messages[1].content[2].image_url", "outside the allowed media"),
         (chat("x", image_part((vision["media"] / "missing.png").as_uri())), "messages[1].content[1].image_url",
          "no such file"),
+        (chat("x", image_part(data_url(truncated))), "messages[1].content[1].image_url", "image file is truncated"),
+        (chat("x", good, image_part(data_url(bmp.getvalue()))), "messages[1].content[2].image_url",
+         "not a PNG, JPEG, WebP or GIF file"),
+        # Bombs: the declared size and the server's limit in the message, before any pixel is decoded.
+        (chat("x", image_part(data_url(png_header(8000, 8000)))), "messages[1].content[1].image_url",
+         f"image of 8000x8000 = 64000000 pixels is {too_many}"),
+        (chat(image_part(data_url(flat.getvalue())), "x"), "messages[1].content[0].image_url",
+         f"1500x1500 = 2250000 pixels is {too_many}"),
+        # Above Pillow's own ceiling (about 179 megapixels) Pillow refuses it while reading the header.
+        (chat("x", image_part(data_url(png_header(20000, 20000)))), "messages[1].content[1].image_url",
+         "decompression bomb"),
+        # Over the byte limit: the exact decoded size of a data URL, the size of a file.
+        (chat("x", image_part(data_url(big))), "messages[1].content[1].image_url",
+         f"the image is {len(big)} bytes, above this server's {too_large}"),
+        (chat("x", good, image_part(big_file.as_uri())), "messages[1].content[2].image_url",
+         f"the image is {big_file.stat().st_size} bytes, above this server's {too_large}"),
         (chat("x", *[good] * (MAX_IMAGES + 1)), "messages", f"at most {MAX_IMAGES}"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [good]}],
          "messages[1].content[0]", "user messages only"),
@@ -226,6 +278,51 @@ def test_file_urls_without_an_allowed_folder_are_refused(vision):
         asyncio.run(chat_prompt(state, body, None))
     assert e.value.status == 400 and e.value.param == "messages[1].content[1].image_url"
     assert "--allowed-media-dir" in e.value.message
+
+
+def test_image_limits_are_exact(vision):
+    """An image at either limit is taken, one byte or one pixel over is refused: the byte limit counts a data URL's
+    decoded payload (not its line breaks and padding) and a file's size, the pixel limit width * height."""
+    model = vision["model"]
+
+    def prompt(url: str, **limits) -> list[int]:
+        state = ServerState(model_name=MODEL, tokenizer=model.tokenizer, model=model,
+                            allowed_media_dir=str(vision["media"]), **limits)
+        body = P.ChatCompletionRequest.model_validate({"model": MODEL, "messages": chat("x", image_part(url))})
+        return asyncio.run(chat_prompt(state, body, None))[0]
+
+    def refused(url: str, message: str, **limits) -> None:
+        with pytest.raises(APIError) as e:
+            prompt(url, **limits)
+        assert e.value.status == 400 and e.value.param == "messages[1].content[1].image_url"
+        assert message in e.value.message, e.value.message
+
+    array = image(7)
+    data = png(array)
+    wrapped = "data:image/png;base64," + base64.encodebytes(data).decode()  # MIME lines of 76 characters
+    # The quick bound (3/4 of the payload's characters) is over the limit here: the exact count decides.
+    assert len(wrapped.partition(",")[2]) * 3 // 4 > len(data)
+    want = prompt(data_url(array))
+    assert prompt(wrapped, max_image_bytes=len(data)) == want
+    refused(wrapped, f"the image is {len(data)} bytes, above this server's limit of {len(data) - 1} bytes",
+            max_image_bytes=len(data) - 1)
+    file_url, size = (vision["media"] / "a.png").as_uri(), (vision["media"] / "a.png").stat().st_size
+    assert prompt(file_url, max_image_bytes=size) == prompt(data_url(image(0)))
+    refused(file_url, f"the image is {size} bytes", max_image_bytes=size - 1)
+    height, width = array.shape[:2]
+    assert prompt(data_url(array), max_image_pixels=width * height) == want
+    refused(data_url(array), f"image of {width}x{height} = {width * height} pixels is above the limit of "
+            f"{width * height - 1} pixels", max_image_pixels=width * height - 1)
+
+
+def test_image_limit_flags_default_to_the_states_defaults():
+    from day0jax.serve.__main__ import parse_args
+
+    args, state = parse_args([]), ServerState(model_name=MODEL)
+    assert (args.max_image_bytes, args.max_image_pixels) == (state.max_image_bytes, state.max_image_pixels)
+    assert (state.max_image_bytes, state.max_image_pixels) == (20 << 20, 40_000_000)
+    args = parse_args(["--max-image-bytes", "1000", "--max-image-pixels", "2000"])
+    assert (args.max_image_bytes, args.max_image_pixels) == (1000, 2000)
 
 
 def test_bad_images_leave_a_concurrent_request_untouched(vision):

@@ -43,6 +43,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "URLs, and http(s) URLs are always refused (the server never fetches)")
     p.add_argument("--max-images-per-request", type=int, default=8, metavar="N",
                    help="vision-language models: the most images one chat request may hold (default 8)")
+    p.add_argument("--max-image-bytes", type=int, default=20 << 20, metavar="N",
+                   help="vision-language models: the largest encoded image, in bytes (a data URL's payload after "
+                        "base64 decoding, or a file), checked before it is decoded (default 20 MiB); data URLs are "
+                        "also bounded by --max-body-bytes")
+    p.add_argument("--max-image-pixels", type=int, default=40_000_000, metavar="N",
+                   help="vision-language models: the most pixels (width * height) of one image, read from its "
+                        "header before any pixel is decoded, so that a small file declaring a huge canvas "
+                        "(a decompression bomb) is refused (default 40000000; Pillow's own ceiling of about 179 "
+                        "million pixels applies above it)")
     p.add_argument("--warmup", choices=("ready", "all", "none"), default="ready",
                    help="what to compile before /health turns 200: the few programs the first requests need "
                         "('ready', the default), every program ('all': no compile after ready) or nothing; the "
@@ -131,9 +140,14 @@ def main(argv=None) -> int:
     if args.max_images_per_request < 0:
         log.error("--max-images-per-request must be >= 0, got %d", args.max_images_per_request)
         return 2
+    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels)):
+        if value < 1:
+            log.error("%s must be >= 1, got %d", flag, value)
+            return 2
     state = ServerState(model_name=name, api_key=api_key, max_body_bytes=args.max_body_bytes, timeline=timeline,
                         public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower(),
-                        allowed_media_dir=media_dir, max_images_per_request=args.max_images_per_request)
+                        allowed_media_dir=media_dir, max_images_per_request=args.max_images_per_request,
+                        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 

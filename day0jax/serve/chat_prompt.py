@@ -3,12 +3,16 @@
 One path for every chat: the messages (and the offered tools) through the chat template, then tokenized. Image parts
 are decoded (data: URLs, or file:// URLs inside the server's --allowed-media-dir; nothing is fetched), shown to the
 template as `{"type": "image"}` parts, each placeholder expanded as the model family's processor expands it, and the
-images preprocessed for the engine. A bad image fails its own request with a 400 before anything reaches the engine.
+images preprocessed for the engine. Each image's encoded size (--max-image-bytes) and then its declared pixel count
+(--max-image-pixels, read from the header) are checked before its pixels are decoded. A bad image fails its own
+request with a 400 before anything reaches the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import urllib.parse
 from typing import Any
 
 from day0jax.engine.requests import ImageInputs
@@ -56,8 +60,9 @@ async def chat_prompt(state: ServerState, body: P.ChatCompletionRequest, tools: 
         (token ids, with each image's placeholder tokens expanded; the preprocessed images, or None without any).
     Raises:
         APIError: 400 for an image that cannot be read (param `messages[i].content[j].image_url`: a malformed or
-            undecodable data URL, an http(s) URL, a file:// URL outside --allowed-media-dir or without one), the
-            checks of `image_parts`, or a chat template that fails or does not show each image once.
+            undecodable data URL, an http(s) URL, a file:// URL outside --allowed-media-dir or without one, more
+            encoded bytes than `state.max_image_bytes` or more pixels than `state.max_image_pixels`), the checks of
+            `image_parts`, or a chat template that fails or does not show each image once.
     """
     parts = image_parts(state, body)
     return await asyncio.to_thread(_render, state, body.messages, tools, parts)
@@ -70,10 +75,12 @@ def _render(state: ServerState, messages: list[P.ChatMessage], tools: list[dict]
 
     decoded: dict[int, dict[int, Any]] = {}
     for i, j, part in parts:
+        param = f"messages[{i}].content[{j}].image_url"
         try:
-            image = load_image(part.image_url.url, allowed_media_dir=state.allowed_media_dir)
+            source = _sized_source(state, part.image_url.url, param)
+            image = load_image(source, allowed_media_dir=state.allowed_media_dir, max_pixels=state.max_image_pixels)
         except ImageError as e:
-            raise APIError(400, str(e), param=f"messages[{i}].content[{j}].image_url") from None
+            raise APIError(400, str(e), param=param) from None
         decoded.setdefault(i, {})[j] = image
     rendered = [template_message(m, decoded.get(i)) for i, m in enumerate(messages)]
     images: list[Any] = []
@@ -100,3 +107,53 @@ def _render(state: ServerState, messages: list[P.ChatMessage], tools: list[dict]
         raise APIError(400, f"the messages' text holds the image placeholder {marker!r}; send images as image_url "
                        "content parts", param="messages")
     return ids, pixels
+
+
+def _sized_source(state: ServerState, url: str, param: str) -> str | bytes:
+    """What `load_image` is given for the image at `url` once its encoded size is known to be within
+    `state.max_image_bytes`, nothing decoded yet: a data URL as is, a file:// URL's file as its bytes (read once, no
+    more than the limit, so a file that grows after the check cannot slip past it), any other URL as is (refused
+    there).
+
+    Args:
+        state: the server state (`max_image_bytes`, `allowed_media_dir`).
+        url: the content part's `image_url.url`.
+        param: the content part, as the errors name it.
+    Returns:
+        The data URL, the file's bytes, or `url` unchanged for other schemes.
+    Raises:
+        APIError: 400 naming `param` for an image of more bytes than the limit, or a file that cannot be read.
+        ImageError: a file:// URL outside --allowed-media-dir, without one, or naming no file.
+    """
+    from day0jax.vision.images import allowed_path
+
+    url = url.strip()
+    scheme, _, rest = url.partition(":")
+    limit = state.max_image_bytes
+    scheme = scheme.lower()
+    if scheme == "data":
+        payload = rest.partition(",")[2]
+        # Four base64 characters hold three bytes, and whitespace, %-escapes and padding only add characters: the
+        # exact count (which copies the payload) is needed only when this bound is over the limit.
+        if len(payload) * 3 // 4 > limit:
+            size = len(urllib.parse.unquote("".join(payload.split())).rstrip("=")) * 3 // 4
+            _check_bytes(size, limit, param)
+        return url
+    if scheme != "file":
+        return url
+    path = allowed_path(url, state.allowed_media_dir)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            _check_bytes(size, limit, param)
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise APIError(400, f"cannot read the image file: {e.strerror or e}", param=param) from None
+    _check_bytes(len(data), limit, param)
+    return data
+
+
+def _check_bytes(size: int, limit: int, param: str) -> None:
+    if size > limit:
+        raise APIError(400, f"the image is {size} bytes, above this server's limit of {limit} bytes per image "
+                       "(--max-image-bytes); send a smaller or more compressed image", param=param)

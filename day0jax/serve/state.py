@@ -20,6 +20,9 @@ class ServerState:
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     allowed_media_dir: str | None = None  # the one folder `file://` image URLs may name (None: refused)
     max_images_per_request: int = 8  # each image is decoded, preprocessed and encoded: a bound on one request's work
+    max_image_bytes: int = 20 << 20  # one encoded image (a data URL's decoded payload, or a file), checked unread
+    # width * height of one image, read from its header before decoding: a tiny file can declare a huge canvas
+    max_image_pixels: int = 40_000_000
     status: str = "loading"  # "loading", "warming up", "ready", "draining" or "failed"
     detail: str = ""
     engine: AsyncEngine | None = None
