@@ -385,6 +385,16 @@ MULTIMODAL = {
                                           "mrope_interleaved": True}),
         vision_config=QWEN_VL_TOWER, image_token_id=IMAGE_TOKEN, video_token_id=251, vision_start_token_id=BOI,
         vision_end_token_id=EOI), QWEN_VL_PROCESSOR, None, ([BOI], [EOI])),
+    # Qwen3.5: the same tower without DeepStack over the hybrid Gated DeltaNet / gated full attention model, whose
+    # multimodal RoPE turns half the head dims.
+    "qwen3_5": VLCase("qwen3_5", dict(
+        text_config=dict(FAMILIES["qwen3_5"][1], model_type="qwen3_5_text", head_dim=32, partial_rotary_factor=0.5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config={k: v for k, v in QWEN_VL_TOWER.items() if k != "deepstack_visual_indexes"} | dict(
+            model_type="qwen3_5_vision"),
+        image_token_id=IMAGE_TOKEN, video_token_id=251, vision_start_token_id=BOI, vision_end_token_id=EOI),
+        QWEN_VL_PROCESSOR, None, ([BOI], [EOI])),
 }
 
 

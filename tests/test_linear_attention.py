@@ -84,9 +84,9 @@ def test_plan_counts_the_state_slots_the_engine_allocates(module):
     assert "per-sequence state" in planned.summary()
 
 
-def test_multimodal_checkpoint_converts_as_its_language_model(tmp_path, caplog):
-    """A Qwen3.5 checkpoint with its vision tower: the language model's tensors convert, the tower's are dropped
-    with a log line, and the logits equal transformers' on text."""
+def test_multimodal_checkpoint_converts_with_its_tower(tmp_path):
+    """A Qwen3.5 checkpoint with its vision tower converts whole (images: tests/test_multimodal.py), and the hybrid
+    language model's logits equal transformers' on text."""
     text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT, rms_norm_eps=1e-5,
                 layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
@@ -98,11 +98,9 @@ def test_multimodal_checkpoint_converts_as_its_language_model(tmp_path, caplog):
                     "seed": 0, "multimodal": True, "out": str(hf)},
                    {"op": "run", "model": str(hf), "prompts": PROMPTS[:2], "generate": 0,
                     "out": str(tmp_path / "ref.npz")}], tmp_path)
-    with caplog.at_level(logging.INFO, logger="convert"):
-        convert_checkpoint(hf, tmp_path / "d0", progress=False)
-    assert "model\\.visual" in caplog.text and "images are not supported yet" in caplog.text
+    convert_checkpoint(hf, tmp_path / "d0", progress=False)
     model = day0jax.load(tmp_path / "d0", dtype="float32")
-    assert model.config.is_composite and model.config.layer_kinds == ("linear_attention", "full_attention")
+    assert model.vision is not None and model.config.layer_kinds == ("linear_attention", "full_attention")
     ref = np.load(tmp_path / "ref.npz")
     for i, prompt in enumerate(PROMPTS[:2]):
         ours, theirs = model.logits([prompt])[0], ref[f"logits_{i}"]

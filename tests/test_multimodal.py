@@ -149,7 +149,8 @@ def test_prefix_cache_keeps_images_apart(family):
 
     first_token(a)
     assert first_token(b) == 0
-    assert first_token(a) >= 16
+    # Models with linear attention keep a state per sequence that cached pages cannot restore: no prefix cache.
+    assert first_token(a) >= (16 if model.engine.config.prefix_caching else 0)
 
 
 def test_placeholder_and_image_counts_must_match(family):

@@ -1,6 +1,7 @@
-"""Qwen3.5 (dense), text model: Qwen3-Next's hybrid layers (qwen3_next.py) with dense SwiGLU MLPs, and the
-linear-attention projections stored apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Released
-checkpoints are multimodal (`qwen3_5`): their language model converts with the vision tower dropped.
+"""Qwen3.5 (dense), text model: Qwen3-Next's hybrid layers (qwen3_next.py) with dense SwiGLU MLPs, the
+linear-attention projections stored apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), and interleaved
+multimodal RoPE on the full-attention layers' rotated dims. Released checkpoints are multimodal (`qwen3_5`, images in:
+qwen3_5_vl.py).
 HF reference: transformers/models/qwen3_5/modeling_qwen3_5.py.
 """
 
@@ -8,22 +9,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from day0jax.layers.rope import MRope
 from day0jax.models import qwen3_next
-from day0jax.models.base import Source, default_source, in_language_model, per_expert_source, vision_dropped
+from day0jax.models.base import Source, default_source, per_expert_source, refuse
 from day0jax.models.contract import Family
 
-# Interleaved multimodal RoPE: text positions are equal on its three axes, where it is exactly 1-D RoPE.
+# Multimodal RoPE's keys, read apart from the rest of rope_parameters (which `layers.rope` checks).
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 
 class Qwen35:
-    """Mixin of the Qwen3.5 configs: text-only multimodal RoPE, and refusals of what they do not implement."""
-
-    COMPOSITE = ("qwen3_5", "qwen3_5_moe")
+    """Mixin of the Qwen3.5 configs: interleaved multimodal RoPE (`mrope_section`, HF's default [11, 11, 10])."""
 
     def _rope(self, params: dict | None = None, **kwargs):
         params = {k: v for k, v in (params or self.rope_parameters or {}).items() if k not in MROPE_KEYS} or None
         return super()._rope(params, **kwargs)
+
+    @property
+    def mrope_section(self) -> tuple[int, ...]:
+        """Frequencies turned by the temporal, height and width positions, taken in turn over the rotated ones
+        (HF takes those that exist when the counts add up to more)."""
+        section = tuple((self.rope_parameters or {}).get("mrope_section") or (11, 11, 10))
+        if len(section) != 3:
+            refuse("rope_parameters.mrope_section", list(section), "must give 3 counts (temporal, height, width)")
+        return section
+
+
+class Model(qwen3_next.Model):
+    """Qwen3-Next's hybrid layers, the full-attention ones rotated by interleaved multimodal RoPE (plain RoPE on
+    text, whose three positions are equal)."""
+
+    def make_rope(self) -> MRope:
+        c = self.config
+        return MRope(c.rope, c.head_size, c.max_position_embeddings, sections=c.mrope_section, interleaved=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,15 +69,10 @@ def split_projection_source(config, prefix: str, part: str) -> Source | None:
 
 
 def hf_source(config, path: str, shape: tuple[int, ...], metadata: dict) -> Source:
-    src = (per_expert_source(path, shape)
-           or qwen3_next.linear_attention_source(config, path, split_projection_source)
-           or default_source(path, shape, metadata))
-    return in_language_model(src) if config.is_composite else src
+    return (per_expert_source(path, shape)
+            or qwen3_next.linear_attention_source(config, path, split_projection_source)
+            or default_source(path, shape, metadata))
 
 
-def dropped_for(config) -> dict[str, str]:
-    return vision_dropped(config, r"model\.visual\..*")
-
-
-FAMILY = Family(model_types=("qwen3_5_text", "qwen3_5"), config=Config, model=qwen3_next.Model,
-                dropped=qwen3_next.DROPPED, dropped_for=dropped_for, hf_source=hf_source)
+FAMILY = Family(model_types=("qwen3_5_text",), config=Config, model=Model, dropped=qwen3_next.DROPPED,
+                hf_source=hf_source)

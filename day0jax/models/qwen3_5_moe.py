@@ -1,6 +1,6 @@
 """Qwen3.5-MoE, text model: Qwen3.5's hybrid layers (qwen3_5.py) with a sparse MoE in every layer (softmax top-k,
-always renormalized, plus a sigmoid-gated shared expert). Released checkpoints are multimodal (`qwen3_5_moe`):
-their language model converts with the vision tower dropped.
+always renormalized, plus a sigmoid-gated shared expert). Released checkpoints are multimodal (`qwen3_5_moe`,
+images in: qwen3_5_vl.py).
 HF reference: transformers/models/qwen3_5_moe/modeling_qwen3_5_moe.py.
 """
 
@@ -28,5 +28,5 @@ class Config(qwen3_5.Qwen35, qwen3_next.HybridConfig):
         return True
 
 
-FAMILY = Family(model_types=("qwen3_5_moe_text", "qwen3_5_moe"), config=Config, model=qwen3_next.Model,
-                dropped=qwen3_next.DROPPED, dropped_for=qwen3_5.dropped_for, hf_source=qwen3_5.hf_source)
+FAMILY = Family(model_types=("qwen3_5_moe_text",), config=Config, model=qwen3_5.Model, dropped=qwen3_next.DROPPED,
+                hf_source=qwen3_5.hf_source)

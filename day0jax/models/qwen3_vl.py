@@ -25,6 +25,7 @@ from day0jax.vision import qwen_vit
 @dataclass(frozen=True, eq=False)
 class Config(VisionLanguageConfig):
     DEFAULT_TEXT_TYPE = "qwen3_vl_text"
+    TEXT_TYPES = ("qwen3_vl_text",)  # the language models this family's checkpoints hold
     VISION_CONFIG = qwen_vit.VisionConfig
     image_token_id: int = 151655
     video_token_id: int = 151656
@@ -35,8 +36,9 @@ class Config(VisionLanguageConfig):
 
     def __post_init__(self):
         self._check_derived("text", "vision")
-        if self.text.model_type != "qwen3_vl_text":
-            refuse("text_config.model_type", self.text.model_type, "is not Qwen3-VL's language model (qwen3_vl_text)")
+        if self.text.model_type not in self.TEXT_TYPES:
+            refuse("text_config.model_type", self.text.model_type,
+                   f"is not this family's language model ({', '.join(self.TEXT_TYPES)})")
         if self.vision.out_hidden_size != self.text.hidden_size:
             refuse("vision_config.out_hidden_size", self.vision.out_hidden_size,
                    f"differs from the language model's hidden_size={self.text.hidden_size}")
@@ -46,7 +48,11 @@ class Config(VisionLanguageConfig):
 
     @cached_property
     def vision(self) -> qwen_vit.VisionConfig:
-        return qwen_vit.VisionConfig.from_hf(self.vision_config or {})
+        given = dict(self.vision_config or {})
+        # HF's default tower feeds 3584 wide features, which no default language model takes: without the key, the
+        # features are as wide as the language model.
+        given.setdefault("out_hidden_size", self.text.hidden_size)
+        return qwen_vit.VisionConfig.from_hf(given)
 
     @property
     def tokens_per_image(self) -> None:

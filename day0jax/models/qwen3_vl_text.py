@@ -37,11 +37,11 @@ class Config(qwen3.Config):
 
     @property
     def mrope_section(self) -> tuple[int, ...]:
-        """Frequencies turned by the temporal, height and width positions (HF's default [24, 20, 20])."""
+        """Frequencies turned by the temporal, height and width positions, taken in turn (HF's default [24, 20, 20];
+        HF takes those that exist when the counts add up to more)."""
         section = tuple((self.rope_parameters or {}).get("mrope_section") or (24, 20, 20))
-        if len(section) != 3 or sum(section) != self.head_size // 2:
-            refuse("rope_parameters.mrope_section", list(section),
-                   f"must give 3 counts summing to head_dim / 2 = {self.head_size // 2}")
+        if len(section) != 3:
+            refuse("rope_parameters.mrope_section", list(section), "must give 3 counts (temporal, height, width)")
         return section
 
     def __post_init__(self):

@@ -86,8 +86,8 @@ class VisionLanguageConfig:
         raise NotImplementedError
 
     @property
-    def tokens_per_image(self) -> int:
-        """Placeholder tokens (and image features) per image."""
+    def tokens_per_image(self) -> int | None:
+        """Placeholder tokens (and image features) per image; None where each image has as many as its patches."""
         raise NotImplementedError
 
     @property
