@@ -306,7 +306,7 @@ def test_unknown_model_type_names_closest(tmp_path, tiny):
     ("llama", {"rope_parameters": {"rope_type": "mrope", "rope_theta": 10000.0}}, "rope_type='mrope'"),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "alpha": 3}},
      r"\['alpha'\]"),
-    ("qwen3", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
+    ("qwen3", {"hidden_act": "mish"}, "hidden_act='mish'"),
     ("gemma2", {"hidden_activation": "gelu_10"}, "hidden_activation='gelu_10'"),
     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ("gemma3_text", {"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
