@@ -27,7 +27,10 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
 
     XLA:CPU multiplies a few rows by a large weight twice as fast with the weight as left operand and the result
     as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against 65 ms); the barrier keeps XLA from
-    folding the transpose back into the dot. Other backends, and prefill-sized inputs, take the plain contraction.
+    folding the transpose back into the dot. Prefill-sized inputs on the CPU take one 2-D product: written as a
+    contraction over a kernel with heads as their own axes, XLA:CPU copied the kernel into its matmul layout on
+    every call (a SigLIP-base tower 155 -> 130 ms, a 256-token SmolLM2 prefill with it 520 -> 420 ms). Other
+    backends take the plain contraction.
     """
     letters = string.ascii_lowercase
     o, i = letters[:kernel.ndim - in_ndim], letters[kernel.ndim - in_ndim:kernel.ndim]
@@ -35,6 +38,10 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     if jax.default_backend() == "cpu" and rows <= NARROW_ROWS:
         y = jax.lax.optimization_barrier(jnp.einsum(f"{o}{i},...{i}->{o}...", kernel, x))
         return jnp.moveaxis(y, tuple(range(len(o))), tuple(range(-len(o), 0)))
+    if jax.default_backend() == "cpu":
+        n_out, n_in = kernel.shape[:kernel.ndim - in_ndim], kernel.shape[kernel.ndim - in_ndim:]
+        y = x.reshape(rows, math.prod(n_in)) @ kernel.reshape(math.prod(n_out), math.prod(n_in)).T
+        return y.reshape(*x.shape[:x.ndim - in_ndim], *n_out)
     return jnp.einsum(f"...{i},{o}{i}->...{o}", x, kernel)
 
 
