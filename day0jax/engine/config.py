@@ -96,14 +96,11 @@ class EngineLayout:
 
     def workload(self) -> Workload:
         """What the memory planner sizes: the pool's token slots and every program's shape."""
-        import jax
-
-        from day0jax.layers.linear import NARROW_ROWS
-
+        # No weight copies to plan for: prefill-sized projections are plain 2-D products (layers/linear.py).
         return Workload(kv_slots=self.num_pages * self.page_size,
                         forward_shapes=tuple((r, t, w * self.page_size) for r, t, w in self.forward_shapes()),
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
-                        weight_copy_rows=NARROW_ROWS if jax.default_backend() == "cpu" else None,
+                        weight_copy_rows=None,
                         state_slots=self.state_slots)
 
     def sampler_batches(self) -> list[int]:
