@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.attention import reference as dense
+
 FLOOR = jnp.finfo(jnp.float32).min  # masked scores: finite, so fully masked padding rows stay free of NaNs
 
 
@@ -60,17 +62,14 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
         [B, T, N, Hv] in q's dtype.
     """
     B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
-    G = N // K
+    S = k.shape[1]
     scale = H ** -0.5 if scale is None else scale
     selected = jnp.zeros((B, T, S), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None],
                                                indices].set(True)
     allowed = selected & visible(q_positions, S, kv_lengths)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, G, H), k, preferred_element_type=jnp.float32)
-    scores = jnp.where(allowed[:, None, None], scores * scale, FLOOR)
+    scores = jnp.where(allowed[:, None, None], dense.grouped_scores(q, k) * scale, FLOOR)
     weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
+    return dense.weighted_values(weights, v).astype(q.dtype)
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
