@@ -31,28 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.decode import Worker  # noqa: E402
+
 HEIGHT, WIDTH = 480, 640
 BEFORE = 4  # text tokens before the image (a chat template's role header); the rest follow it
-
-
-class Worker:
-    """A worker process that keeps a model loaded and answers each JSON command line with one JSON line."""
-
-    def __init__(self, cmd: list[str], env: dict):
-        # -P keeps bench/ off the worker's path (transformers would import bench/kernels.py as `kernels`).
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **env})
-        self.hello = json.loads(self.proc.stdout.readline())
-        assert self.hello["ready"]
-
-    def ask(self, command: dict) -> dict:
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
 
 
 def worker(ckpt: str) -> None:

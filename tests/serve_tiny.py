@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from families import CLIP_PROCESSOR
+
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=64,
               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
@@ -70,10 +72,6 @@ def _llama_tensors(config: dict, w) -> dict[str, np.ndarray]:
 IMAGE_TOKEN = "<image>"
 VISION_TOWER = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=2, image_size=28, patch_size=14)
-CLIP_PROCESSOR = dict(image_processor_type="CLIPImageProcessor", do_resize=True, size={"shortest_edge": 28},
-                      resample=3, do_center_crop=True, crop_size={"height": 28, "width": 28}, do_rescale=True,
-                      rescale_factor=1 / 255, do_normalize=True, image_mean=[0.48145466, 0.4578275, 0.40821073],
-                      image_std=[0.26862954, 0.26130258, 0.27577711], do_convert_rgb=True)
 # SmolLM2's <|im_start|> format with image parts as "<image>", and Hermes-style tools (so that requests with both
 # images and tools render through one template).
 VISION_TEMPLATE = """{%- if tools %}<|im_start|>system

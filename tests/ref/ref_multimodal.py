@@ -34,12 +34,17 @@ def _features(model, kwargs):
     return feats.reshape(-1, feats.shape[-1]).float().numpy()
 
 
-def vl_run(job):
+def _model_and_cases(job):
+    """(the float32 model, the inputs .npz, the number of cases in it)."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(job["model"], dtype=torch.float32).eval()
     data = np.load(job["inputs"])
-    n = len([k for k in data.files if k.startswith("tokens_")])
+    return model, data, len([k for k in data.files if k.startswith("tokens_")])
+
+
+def vl_run(job):
+    model, data, n = _model_and_cases(job)
     result = {}
     with torch.no_grad():
         for i in range(n):
@@ -58,12 +63,10 @@ def vl_hidden(job):
     """{model, inputs, out}: INPUTS as for `vl_run`, plus `image_{i}_{k}` (the uint8 images, HxWx3). Writes per
     case i: `pixels_{i}` (transformers' own image processor, PIL backend, on the images), `vision_{i}` [L+1, I, P, Dv]
     (the tower's hidden states on the given pixels), `features_{i}`, `hidden_{i}` [L+1, T, D] and `logits_{i}`."""
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+    from transformers import AutoImageProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(job["model"], dtype=torch.float32).eval()
+    model, data, n = _model_and_cases(job)
     processor = AutoImageProcessor.from_pretrained(job["model"], backend="pil")
-    data = np.load(job["inputs"])
-    n = len([k for k in data.files if k.startswith("tokens_")])
     result = {}
     with torch.no_grad():
         for i in range(n):
