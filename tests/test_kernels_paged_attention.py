@@ -14,7 +14,7 @@ import pytest
 
 from conftest import needs_hopper
 from kernels_pallas import cases, registry, selftest
-from kernels_pallas.paged_attention import api, pallas_mgpu, reference
+from kernels_pallas.paged_attention import api, pallas_mgpu, reference, xla_blocks
 
 CASES = {
     # 2 rows of very different lengths over 16-token pages: 4 pages per key block, splits with no work.
@@ -81,3 +81,88 @@ def test_declines_mla_pools_and_falls_back():
     out = api.paged_attention(q, k_pages, v_pages, tables, lengths, pos)  # value head dim 128 (MLA): reference
     assert out.shape == (1, 1, 4, 128)
     np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)
+
+
+# The CPU's key-block candidate in float32 against the reference: chunks of queries over tables several blocks wide
+# (the last block partial), rows of different lengths, every variant of the contract.
+BLOCK_CASES = {
+    "gqa-rows-of-different-lengths": dict(B=2, T=40, N=8, K=2, H=32, page=16, max_len=700, scale=None, window=None,
+                                          softcap=None, sinks=False),
+    "mqa-window-softcap-sinks": dict(B=1, T=24, N=4, K=1, H=32, page=16, max_len=600, scale=0.1, window=100,
+                                     softcap=20.0, sinks=True),
+    "chunked-local": dict(B=2, T=16, N=4, K=2, H=16, page=16, max_len=520, scale=None, window=None, softcap=None,
+                          sinks=False, chunk=96),
+}
+BLOCKS_TOLERANCE = 1e-5  # float32: the online softmax sums blocks in another order than the one-pass reference
+
+
+def widened(args: tuple, pages: int) -> tuple:
+    """The case's inputs with block tables `pages` wide: columns past each row's pages at the trash page, as a width
+    bucket larger than the rows leaves them."""
+    q, k_pages, v_pages, tables, lengths, positions = args
+    tables = jnp.pad(tables, ((0, 0), (0, pages - tables.shape[1])))
+    return q, k_pages, v_pages, tables, lengths, positions
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_CASES))
+def test_blocks_match_the_reference(name):
+    case = cases.Case("paged_attention", name, "float32", BLOCK_CASES[name])
+    args, kwargs = case.build(20 + sorted(BLOCK_CASES).index(name))
+    assert args[3].shape[1] > xla_blocks.BLOCK_PAGES  # several blocks, or the candidate declines
+    for table_pages in (args[3].shape[1], 4 * xla_blocks.BLOCK_PAGES + 3):  # exact, and a wide bucket
+        wide = widened(args, table_pages)
+        got = selftest.run(functools.partial(api.paged_attention, implementation="xla_blocks"), wide, kwargs)
+        want = selftest.run(reference.paged_attention, wide, kwargs)
+        err = cases.max_relative_error(got, want)
+        assert err <= BLOCKS_TOLERANCE, f"xla_blocks on {name}, {table_pages} pages: max relative error {err}"
+
+
+def test_blocks_with_bidirectional_spans_match_the_reference():
+    """`visible_until` (Gemma 3's image tokens): queries of a span see its later keys, across a block boundary."""
+    args, kwargs = cases.Case("paged_attention", "span", "float32", BLOCK_CASES["gqa-rows-of-different-lengths"]
+                              ).build(7)
+    positions = np.asarray(args[5])
+    lo, hi = positions[:, 5:6], positions[:, 30:31]  # keys lo..hi of each row form one span
+    inside = (positions >= lo) & (positions <= hi)
+    kwargs = dict(kwargs, visible_until=jnp.asarray(np.where(inside, hi, positions).astype(np.int32)))
+    got = selftest.run(functools.partial(api.paged_attention, implementation="xla_blocks"), args, kwargs)
+    want = selftest.run(reference.paged_attention, args, kwargs)
+    assert cases.max_relative_error(got, want) <= BLOCKS_TOLERANCE
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_blocks_read_no_page_outside_the_rows_and_the_window(window):
+    """Pages that only columns past the longest row (or blocks wholly before every window) point at hold NaN: the
+    reference, which scores every column, turns NaN; the blocks never read them."""
+    B, T, N, K, H, page, length = 1, 8, 2, 1, 16, 16, 600
+    used, width = -(-length // page), 6 * xla_blocks.BLOCK_PAGES  # 38 pages of a 96-page bucket
+    rng = np.random.default_rng(3)
+    k_pages = rng.standard_normal((width + 1, page, K, H)).astype(np.float32)
+    v_pages = rng.standard_normal((width + 1, page, K, H)).astype(np.float32)
+    tables = np.arange(1, width + 1, dtype=np.int32)[None]  # every column its own page
+    per_block = xla_blocks.BLOCK_PAGES
+    poisoned = list(range(-(-used // per_block) * per_block, width))  # the blocks after the row's last one
+    if window is not None:
+        poisoned += list(range(per_block))  # keys 0-255; the window starts at key 529
+    k_pages[tables[0, poisoned]] = np.nan
+    v_pages[tables[0, poisoned]] = np.nan
+    positions = (length - T + np.arange(T, dtype=np.int32))[None]
+    args = (jnp.asarray(rng.standard_normal((B, T, N, H)).astype(np.float32)), jnp.asarray(k_pages),
+            jnp.asarray(v_pages), jnp.asarray(tables), jnp.array([length], jnp.int32), jnp.asarray(positions))
+    kwargs = dict(sliding_window=window)
+    got = np.asarray(selftest.run(functools.partial(api.paged_attention, implementation="xla_blocks"), args, kwargs))
+    assert np.isnan(np.asarray(selftest.run(reference.paged_attention, args, kwargs))).all()
+    clean = (args[0], jnp.nan_to_num(args[1]), jnp.nan_to_num(args[2])) + args[3:]
+    want = np.asarray(selftest.run(reference.paged_attention, clean, kwargs))
+    assert np.isfinite(got).all() and cases.max_relative_error(got, want) <= BLOCKS_TOLERANCE
+
+
+def test_blocks_decline_decode_and_one_block_tables():
+    """Decode rows and tables of one block gain nothing from the loop: it declines them by name; the op runs the
+    reference."""
+    for T, max_len in ((1, 700), (4, 200)):
+        spec = dict(BLOCK_CASES["gqa-rows-of-different-lengths"], T=T, max_len=max_len)
+        args, kwargs = cases.Case("paged_attention", "declined", "float32", spec).build(0)
+        with pytest.raises(registry.KernelUnavailable, match="decode|one block"):
+            api.paged_attention(*args, **kwargs, implementation="xla_blocks")
+        assert registry.chosen("paged_attention", *args, **kwargs) == registry.REFERENCE

@@ -1,4 +1,5 @@
-"""Paged decode attention as the engine sees it: the Mosaic GPU split-KV kernel (Hopper), else the reference."""
+"""Paged attention as the engine sees it: the Mosaic GPU split-KV kernel (Hopper); on the CPU, prefill chunks in key
+blocks up to the longest row (`xla_blocks`); else the reference."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import functools
 import jax
 
 from kernels_pallas import registry
-from kernels_pallas.paged_attention import pallas_mgpu, reference
+from kernels_pallas.paged_attention import pallas_mgpu, reference, xla_blocks
 
 IMPLEMENTATIONS = {
     registry.REFERENCE: reference.paged_attention,
     "mosaic_gpu": pallas_mgpu.paged_attention,
     "mosaic_gpu_interpret": functools.partial(pallas_mgpu.paged_attention, interpret=True),
+    "xla_blocks": xla_blocks.paged_attention,
 }
-CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu",)}
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu",), "cpu": ("xla_blocks",)}
 PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
