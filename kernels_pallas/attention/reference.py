@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+FLOOR = jnp.finfo(jnp.float32).min  # masked scores: finite, so fully masked rows (batch padding) stay free of NaNs
+
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               kv_lengths: jax.Array | None = None, causal: bool = True, sliding_window: int | None = None,
@@ -50,8 +52,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         visible &= qpos - key_pos < sliding_window
     if chunk_size is not None:
         visible &= key_pos // chunk_size == qpos // chunk_size
-    # A finite floor (not -inf) keeps fully masked rows, such as batch padding, free of NaNs.
-    scores = jnp.where(visible[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(visible[:, None, None, :, :], scores, FLOOR)
 
     if sinks is not None:
         sink = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)

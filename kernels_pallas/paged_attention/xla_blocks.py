@@ -12,10 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention.reference import grouped_scores, weighted_values
+from kernels_pallas.attention.reference import FLOOR, grouped_scores, weighted_values
 
 BLOCK_PAGES = 16  # pages per key block: 256 keys at the engine's 16-token pages
-FLOOR = jnp.finfo(jnp.float32).min  # masked scores, finite as in the reference: masked rows stay free of NaNs
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
@@ -37,11 +36,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     _, page, K, _ = k_pages.shape
     Hv, G = v_pages.shape[-1], N // K
     scale = H ** -0.5 if scale is None else scale
-    per_block = BLOCK_PAGES
-    width = -(-block_tables.shape[1] // per_block) * per_block
+    width = -(-block_tables.shape[1] // BLOCK_PAGES) * BLOCK_PAGES
     # Padding columns point at page 0; kv_lengths hides whatever they hold.
     tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
-    block_keys = per_block * page
+    block_keys = BLOCK_PAGES * page
     last = (jnp.max(kv_lengths) + block_keys - 1) // block_keys  # blocks holding any row's keys
     first = jnp.int32(0)
     if sliding_window is not None:  # blocks wholly before every query's window hold nothing it sees
@@ -51,7 +49,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 
     def block(j, carry):
         peak, total, acc = carry  # [B, K, G, T] running max and sum of exp(score - max), [B, T, N, Hv] numerators
-        ids = jax.lax.dynamic_slice_in_dim(tables, j * per_block, per_block, axis=1)
+        ids = jax.lax.dynamic_slice_in_dim(tables, j * BLOCK_PAGES, BLOCK_PAGES, axis=1)
         k = k_pages[ids].reshape(B, block_keys, K, H)
         v = v_pages[ids].reshape(B, block_keys, K, Hv)
         scores = grouped_scores(q, k) * scale  # [B, K, G, T, Sb]
