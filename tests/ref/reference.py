@@ -14,6 +14,8 @@ Jobs (each a dict with "op"):
                cannot quantize).
   from_gguf    {gguf, out}: load a GGUF with transformers and save_pretrained it (safetensors + tokenizer).
   run          {model, prompts, generate, out}: float32 logits of each prompt, and greedy continuations.
+  rope_tables  {config, starts, length, out}: cos and sin [length, head_dim] of a Llama with this config's RoPE at
+               positions start..start+length-1, one call per start in order.
   state        {model, out}: the float32 state dict transformers loads (dequantized for GGUF).
   tokenize     {model, texts, chats, out}: token ids of each text and of each chat with the chat template.
   hidden       {model, prompts, out, dtype?}: per prompt i, `hidden_{i}` [L+1, T, D] (output_hidden_states: the
@@ -307,6 +309,20 @@ def run(job):
                                      eos_token_id=None if job.get("ignore_eos", True) else model.config.eos_token_id,
                                      pad_token_id=0)
                 result[f"generated_{i}"] = out[0, len(prompt):].numpy()
+    np.savez(job["out"], **result)
+
+
+def rope_tables(job):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = AutoConfig.for_model("llama", **job["config"])
+    rope = LlamaRotaryEmbedding(config)
+    x = torch.zeros(1, dtype=torch.float32)  # only its dtype and device are read
+    result = {}
+    for i, start in enumerate(job["starts"]):  # one call per span, in order: dynamic NTK keeps state across calls
+        cos, sin = rope(x, torch.arange(start, start + job["length"])[None])
+        result[f"cos_{i}"], result[f"sin_{i}"] = cos[0].numpy(), sin[0].numpy()
     np.savez(job["out"], **result)
 
 
