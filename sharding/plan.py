@@ -118,9 +118,8 @@ class Workload:
     sampler_rows: int  # the largest batch the sampler sees
     max_num_seqs: int  # the engine's limits, for messages
     max_model_len: int
-    # Forward programs of more token rows than this hold transposed copies of the largest weights (XLA:CPU does, for
-    # its matrix products with many rows); None where the backend does not.
-    weight_copy_rows: int | None = None
+    # Key positions a prefill program's attention scores at a time (the CPU's key-block loop); None: the whole span.
+    score_block: int | None = None
     state_slots: int = 0  # per-sequence state slots of linear-attention layers (the trash slot included)
 
 
@@ -202,11 +201,12 @@ def state_bytes(shape: ModelShape, sizes: dict[str, int], state_slots: int) -> i
 
 
 def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int, tokens: int, span: int,
-                             dtype: Any, weight_copy_rows: int | None = None) -> int:
+                             dtype: Any, score_block: int | None = None) -> int:
     """Estimated peak temporary bytes on one device of a forward program: `rows` x `tokens` new tokens attending
-    over `span` positions. The residual stream plus the larger of attention (q/k/v, the gathered pages, the float32
-    scores the reference attention materializes) and the feed-forward, plus the last position's logits. Measured
-    against XLA:CPU's own buffer assignment (tests/test_sharding.py): never below it, at most about 1.5 times it."""
+    over `span` positions. The residual stream plus the larger of attention (q/k/v, the gathered pages and the
+    float32 scores, over the whole span or, for several tokens per row with `score_block`, one block of it at a time)
+    and the feed-forward, plus the last position's logits. Measured against XLA:CPU's own buffer assignment
+    (tests/test_sharding.py): never below it, at most about 1.5 times it."""
     item = jnp.dtype(dtype).itemsize
     tp = sizes.get("tp", 1)
     b = shard_shape(("batch",), (rows,), sizes)[0]
@@ -218,17 +218,15 @@ def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int
     v_dim = max((x.v_dim for x in shape.kv_layers), default=0)
     residual = 2 * b * t * shape.hidden_size * item
     qkv = b * t * (n * k_dim + kv * (k_dim + v_dim) + n * v_dim) * item
-    gathered = b * span * kv * (k_dim + v_dim) * item
+    blocked = score_block is not None and t > 1 and span > score_block
+    keys = score_block if blocked else span
+    gathered = b * keys * kv * (k_dim + v_dim) * item
     # float32 scores, masked scores and softmax weights: XLA:CPU keeps all three live at some lengths.
-    scores = 3 * b * n * t * span * 4
+    scores = 3 * b * n * t * keys * 4
+    carried = b * t * n * v_dim * 4 if blocked else 0  # the loop's float32 numerators
     ffn = 3 * b * t * split(shape.ffn_per_token) * item
     logits = b * split(shape.vocab_size) * 4
-    copies = 0
-    if weight_copy_rows is not None and b * t > weight_copy_rows:
-        copies = 2 * max((math.prod(shard_shape(p.axes, p.shape, sizes)) for p in shape.params
-                          if p.path.startswith("model.layers.") and ".experts." not in p.path and len(p.shape) >= 2),
-                         default=0) * item
-    return residual + max(qkv + gathered + scores, ffn) + copies + logits
+    return residual + max(qkv + gathered + scores + carried, ffn) + logits
 
 
 def activation_bytes(shape: ModelShape, sizes: dict[str, int], workload: Workload, dtype: Any
@@ -236,7 +234,7 @@ def activation_bytes(shape: ModelShape, sizes: dict[str, int], workload: Workloa
     """The largest program's estimated activation bytes on one device, and that program's forward shape."""
     best, largest = 0, (0, 0, 0)
     for rows, tokens, span in workload.forward_shapes:
-        n = forward_activation_bytes(shape, sizes, rows, tokens, span, dtype, workload.weight_copy_rows)
+        n = forward_activation_bytes(shape, sizes, rows, tokens, span, dtype, workload.score_block)
         if n > best:
             best, largest = n, (rows, tokens, span)
     # The sampler, replicated: float32 [rows, V] buffers (scaled and filtered logits, probabilities, noise, penalties).

@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import jax
+
 from day0jax.errors import GenerationError
+from kernels_pallas.paged_attention import xla_blocks
 from sharding.plan import Workload
 
 
@@ -94,13 +97,14 @@ class EngineLayout:
             shapes = [s for s in shapes if s[2] * self.page_size <= limit]
         return shapes
 
-    def workload(self) -> Workload:
-        """What the memory planner sizes: the pool's token slots and every program's shape."""
-        # No weight copies to plan for: prefill-sized projections are plain 2-D products (layers/linear.py).
+    def workload(self, platform: str | None = None) -> Workload:
+        """What the memory planner sizes: the pool's token slots and every program's shape, on `platform` (default:
+        JAX's backend), where prefill attention may score keys a block at a time."""
+        cpu = (platform or jax.default_backend()) == "cpu"  # where paged attention's xla_blocks takes prefill chunks
         return Workload(kv_slots=self.num_pages * self.page_size,
                         forward_shapes=tuple((r, t, w * self.page_size) for r, t, w in self.forward_shapes()),
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
-                        weight_copy_rows=None,
+                        score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None,
                         state_slots=self.state_slots)
 
     def sampler_batches(self) -> list[int]:
