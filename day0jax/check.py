@@ -162,14 +162,28 @@ OP_TITLES = {"attention": "attention (cache-less forward)", "paged_attention": "
 def _implementation(call, dtype, tp: int) -> str:
     """The implementation the op's dispatch takes for this call's shapes here, and why others declined (each
     candidate traced on abstract inputs in the registry's order: nothing runs)."""
-    from kernels_pallas import cases, registry
+    from kernels_pallas import cases
     from kernels_pallas.calls import PLAIN_OPS
 
     if call.op in PLAIN_OPS:
         return "jax.numpy (no kernel op)"
     case = cases.cases_from_calls([call], dtype, scale="startup", tp=tp)[0]
+    if call.op == "paged_attention":  # the case is a decode step; the engine's prefill chunks may choose otherwise
+        chunk = dataclasses.replace(case, spec=dict(case.spec, B=1, T=PREFILL_CHUNK[0], max_len=PREFILL_CHUNK[1]))
+        return f"decode: {_chosen(case)} | prefill chunks: {_chosen(chunk)}"
+    return _chosen(case)
+
+
+# A prefill chunk as the engine runs one deep into a long prompt: 256 tokens over a 4096-token table.
+PREFILL_CHUNK = (256, 4096)
+
+
+def _chosen(case) -> str:
+    """The implementation the registry's order picks for `case`, and why the ones before it declined."""
+    from kernels_pallas import registry
+
     args, kwargs = case.build(0, abstract=True)
-    api, notes = registry.api(call.op), []
+    api, notes = registry.api(case.op), []
     for name in registry.order(api.CANDIDATES):
         if name == registry.REFERENCE:
             text = "reference (fallback: no kernel takes it here)"
@@ -177,7 +191,7 @@ def _implementation(call, dtype, tp: int) -> str:
         if name not in api.IMPLEMENTATIONS:
             notes.append(f"{name}: not available")
             continue
-        reason = registry.accepts(call.op, name, *args, **kwargs)
+        reason = registry.accepts(case.op, name, *args, **kwargs)
         if reason is None:
             text = f"{name} (kernel)"
             break

@@ -270,6 +270,16 @@ def test_kernel_chosen_or_fallback(tiny, monkeypatch):
     assert row["implementation"].startswith("reference (fallback")
 
 
+def test_paged_attention_is_reported_per_phase(tiny):
+    """Decode steps and prefill chunks may take different implementations (on the CPU, the reference and the key-block
+    loop): the report names each."""
+    row = next(r for r in check_lib.check(tiny["llama"]["hf"]).ops if r["op"].startswith("paged attention"))
+    decode, prefill = row["implementation"].split(" | ")
+    assert decode.startswith("decode: ") and prefill.startswith("prefill chunks: ")
+    if jax.default_backend() == "cpu":
+        assert decode.startswith("decode: reference") and prefill == "prefill chunks: xla_blocks (kernel)"
+
+
 # --- families and configs ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_type", sorted(models.FAMILIES))
