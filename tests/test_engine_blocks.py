@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 from day0jax import models
 from day0jax.engine.block_pool import BlockPool, OutOfPages
-from day0jax.engine.config import EngineConfig
+from day0jax.engine.config import EngineConfig, first_chunk
 from day0jax.engine.engine import Engine
 from day0jax.engine.requests import ABORT, InvalidRequest, QueueFull, SamplingParams
+from day0jax.errors import GenerationError
 from sharding.mesh import make_mesh
 
 VOCAB = 64
@@ -34,10 +35,11 @@ def module():
         return models.family("llama").model(cfg, rngs=nnx.Rngs(0))
 
 
-def fake_engine(module, num_pages_tokens: int, max_num_seqs: int, seed: int) -> Engine:
+def fake_engine(module, num_pages_tokens: int, max_num_seqs: int, seed: int, **config) -> Engine:
+    config = dict(dict(page_size=4, max_num_seqs=max_num_seqs, kv_cache_tokens=num_pages_tokens,
+                       chunk_buckets=(4, 8), min_width=16, max_waiting=64), **config)
     engine = Engine(module, make_mesh(None), jnp.float32, context_length=96, eos_token_ids=[1],
-                    config=EngineConfig(page_size=4, max_num_seqs=max_num_seqs, kv_cache_tokens=num_pages_tokens,
-                                        chunk_buckets=(4, 8), min_width=16, max_waiting=64))
+                    config=EngineConfig(**config))
     rng = np.random.default_rng(seed)
     forwards = []
 
@@ -147,6 +149,31 @@ def test_block_accounting_random_sequences(module, ops, pool_tokens, max_num_seq
             events = outputs[(rid, i)]
             assert [e.finish_reason is not None for e in events].count(True) == 1
             assert events[-1].finish_reason is not None
+
+
+def test_short_prompts_take_the_chunks_that_compute_least():
+    # Chunks of 32 and 256, each step costing 16 tokens more: 128 tokens in four 32-token steps (192) rather than one
+    # 256-token step (272), 228 in one (272, against 8 x 48), and never a chunk longer than the tokens need.
+    assert first_chunk(128, (32, 256), 16) == 32
+    assert first_chunk(228, (32, 256), 16) == 228
+    assert first_chunk(5, (32, 256), 16) == 5
+    assert first_chunk(40, (32, 256), 256) == 40  # a step as dear as the largest chunk: no prompt is split
+    assert EngineConfig().step_tokens("cpu") == 16 and EngineConfig().step_tokens("gpu") == 256
+    assert EngineConfig(prefill_step_tokens=0).step_tokens("gpu") == 0
+    with pytest.raises(GenerationError, match="prefill_step_tokens"):
+        EngineConfig(prefill_step_tokens=-1).layout(96)
+
+
+def test_the_engine_prefills_in_those_chunks(module):
+    """A 13-token prompt, of which the prefill takes 12 (the last goes in with the first decode step), over chunks of
+    4 and 32: with steps costing 2 tokens, three 4-token steps (18) rather than one 32-token step (34); with steps
+    costing 32, one step."""
+    for step_tokens, chunks in ((2, [4, 4, 4]), (32, [32])):
+        engine = fake_engine(module, 256, 2, 0, chunk_buckets=(4, 32), prefill_step_tokens=step_tokens)
+        engine.add_request("r", list(range(2, 15)), SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        assert [b.tokens.shape[1] for b in engine.forwards if b.tokens.shape[1] > 1] == chunks
 
 
 def test_prefix_reuse_counts_hits_and_shares_pages(module):

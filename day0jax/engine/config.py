@@ -4,6 +4,7 @@ given the same flags plan what the engine then allocates."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +34,17 @@ class EngineConfig:
     fine_width: int = 1024
     max_waiting: int = 256  # most queued sequences; more are refused (the server answers 429)
     prefix_caching: bool = True  # reuse cached full blocks across requests
+    # What one more prefill step costs, in chunk tokens (the weights read once more, the host's work): a prompt shorter
+    # than the largest chunk runs in smaller chunks where that computes fewer tokens in all, padding included. None:
+    # 16 on the CPU, where prefill is bound by compute (a 128-token prompt took a 256-token chunk's time); elsewhere
+    # the largest chunk, so that no prompt is split to save padding.
+    prefill_step_tokens: int | None = None
+
+    def step_tokens(self, platform: str) -> int:
+        """`prefill_step_tokens`, resolved for the devices' platform ('cpu', 'gpu', 'tpu'...)."""
+        if self.prefill_step_tokens is not None:
+            return self.prefill_step_tokens
+        return 16 if platform == "cpu" else max(self.chunk_buckets)
 
     def layout(self, context_length: int) -> "EngineLayout":
         """What this config means for a model whose context is `context_length` tokens.
@@ -48,6 +60,8 @@ class EngineConfig:
             raise GenerationError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not self.chunk_buckets or min(self.chunk_buckets) < 1:
             raise GenerationError(f"chunk sizes must be positive integers, got {self.chunk_buckets}")
+        if self.prefill_step_tokens is not None and self.prefill_step_tokens < 0:
+            raise GenerationError(f"prefill_step_tokens must be >= 0, got {self.prefill_step_tokens}")
         max_len = min(self.max_model_len or context_length, context_length)
         page = self.page_size
         max_pages_per_seq = -(-max_len // page)
@@ -118,6 +132,18 @@ def smallest_bucket(buckets: Sequence[int], n: int) -> int:
         if b >= n:
             return b
     return buckets[-1]
+
+
+@functools.lru_cache(maxsize=4096)
+def first_chunk(pending: int, buckets: tuple[int, ...], step_tokens: int) -> int:
+    """How many of `pending` prompt tokens (at most the largest bucket) the next prefill step takes: the first chunk of
+    the cheapest run of chunks that covers them, each step costing its bucket's length plus `step_tokens`."""
+    # cost[r]: the cheapest way to prefill r tokens; pick[r]: its first chunk (the larger one where two tie).
+    cost, pick = [0] * (pending + 1), [0] * (pending + 1)
+    for r in range(1, pending + 1):
+        cost[r] = min(step_tokens + b + cost[max(r - b, 0)] for b in buckets)
+        pick[r] = min(r, next(b for b in reversed(buckets) if step_tokens + b + cost[max(r - b, 0)] == cost[r]))
+    return pick[pending]
 
 
 def _widths(smallest: int, fine_until: int, largest: int) -> tuple[int, ...]:

@@ -58,7 +58,7 @@ class Engine:
                      "cached KV pages cannot restore")
             config = dataclasses.replace(config, prefix_caching=False)
         self.config = config
-        self.scheduler = Scheduler(config, self.layout, eos_token_ids)
+        self.scheduler = Scheduler(config, self.layout, eos_token_ids, platform=mesh.devices.flat[0].platform)
         self.vocab_size = self.runner.vocab_size
         self._commands: collections.deque = collections.deque()
         self._lock = threading.Lock()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from day0jax.engine.block_pool import BlockPool, OutOfPages, block_hash
-from day0jax.engine.config import EngineConfig, EngineLayout
+from day0jax.engine.config import EngineConfig, EngineLayout, first_chunk
 from day0jax.engine.requests import ImageInputs, SamplingParams, SequenceState
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,12 @@ class Scheduler:
         config: the engine config (max_num_seqs, prefix_caching).
         layout: its resolution for the model (page size and count, chunk sizes, max_model_len).
         eos_token_ids: tokens that end a sequence unless its request says `ignore_eos`.
+        platform: of the devices, for `EngineConfig.step_tokens`.
     """
 
-    def __init__(self, config: EngineConfig, layout: EngineLayout, eos_token_ids: Sequence[int]):
+    def __init__(self, config: EngineConfig, layout: EngineLayout, eos_token_ids: Sequence[int], platform: str):
         self.config, self.layout, self.page_size = config, layout, layout.page_size
+        self.step_tokens = config.step_tokens(platform)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = BlockPool(layout.num_pages, layout.page_size)
         # Linear-attention state slots, one per running sequence (slot 0 is the trash slot).
@@ -129,8 +131,10 @@ class Scheduler:
         for seq in self.running:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
-                if seq.images is not None and seq.images.spans:
+                if seq.images is not None and seq.images.spans:  # spans a small chunk could not hold: no split
                     n = whole_spans(seq.num_computed, n, seq.images.spans)
+                else:
+                    n = first_chunk(n, self.layout.chunk_buckets, self.step_tokens)
                 if n:
                     prefill.append((seq, n))
                     budget -= n
