@@ -11,6 +11,8 @@ head dim, D hidden, E experts, F expert or MLP width, k experts per token):
   ('head': one log decay per value head, Qwen3-Next; 'channel': one per key channel, Kimi Linear);
 - sparse_attention (indexed, DeepSeek-V3.2): N, K, H, Hv, scale, latent as attention; topk keys per query, I
   indexer heads of Di dims, indexer (False: the layer reuses an earlier layer's top-k);
+- quantized_linear (a linear map whose weight stays quantized): O outputs, I inputs, kind ('int8', 'int4', 'fp8'),
+  group (inputs per scale), offset (bool), scale_dtype;
 - mlp, rope, causal_conv1d, vision_attention (`PLAIN_OPS`): plain jax.numpy, no kernel; listed so the report shows
   every operator a layer runs. causal_conv1d: C channels, W kernel width; act (reported only where it is not SiLU:
   None for LFM's convolution, which has none). vision_attention: a vision tower's bidirectional attention, N heads x
@@ -74,6 +76,10 @@ class OpCall:
         if self.op == "moe":
             shared = f", shared {p['shared']}" if p.get("shared") else ""
             return f"MoE {p['E']} experts x {p['F']}, top-{p['k']} {p['routing']}{shared}"
+        if self.op == "quantized_linear":
+            offset = " with offsets" if p["offset"] else ""
+            return (f"{p['kind']} weights [{p['O']} x {p['I']}], groups of {p['group']}{offset} "
+                    f"({p['scale_dtype']} scales)")
         if self.op == "rms_norm":
             return f"RMSNorm over {p['D']}, eps {p['eps']:g}{' (1 + w)' if p['offset'] else ''}"
         if self.op == "gated_delta_rule":

@@ -93,7 +93,7 @@ def cases_from_calls(calls: list[OpCall], dtype: str = "bfloat16", *, scale: str
         tp: tensor-parallel size; heads are split across it as the model's shards see them.
         ops: restrict to these ops.
     Returns:
-        Cases for attention, paged_attention, rms_norm, moe and gated_delta_rule.
+        Cases for attention, paged_attention, rms_norm, moe, gated_delta_rule, sparse_attention and quantized_linear.
     Raises:
         ValueError: an unknown scale.
     """
@@ -106,7 +106,7 @@ def cases_from_calls(calls: list[OpCall], dtype: str = "bfloat16", *, scale: str
         if call.op in PLAIN_OPS or (ops is not None and call.op not in ops):
             continue
         out += _CASES_OF[call.op](call, dtype, scale, prefix, tp)
-    return out
+    return list(dict.fromkeys(out))  # calls that differ only in what a scale leaves out make one case
 
 
 def _attention_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
@@ -178,9 +178,22 @@ def _sparse_attention_cases(call: OpCall, dtype: str, scale: str, prefix: str, t
                  dict(N=N, K=K, H=H, Hv=Hv, topk=topk, scale=call["scale"], **paged))]
 
 
+def _quantized_linear_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
+    O, I, group = call["O"], call["I"], call["group"]
+    fmt = dict(kind=call["kind"], group=group, offset=call["offset"], scale_dtype=call["scale_dtype"])
+    label = f"{call['kind']}/{group}{'+offset' if call['offset'] else ''} {call['scale_dtype']} scales"
+    if scale != "full":  # one case per format, whatever the weight's shape: the kernel's arithmetic is per group
+        O, I = min(O, 96), group * max(1, min(I // group, 256 // group))
+    else:
+        label += f" [{O} x {I}]"
+    # A decode step of one row and one of a small batch (the rows one pass over the codes serves).
+    rows = (1, 16) if scale == "full" else (1, 5)
+    return [Case("quantized_linear", f"{prefix}{label} x {R} rows", dtype, dict(fmt, O=O, I=I, R=R)) for R in rows]
+
+
 _CASES_OF = {"attention": _attention_cases, "paged_attention": _attention_cases, "rms_norm": _rms_norm_cases,
              "moe": _moe_cases, "gated_delta_rule": _gated_delta_rule_cases,
-             "sparse_attention": _sparse_attention_cases}
+             "sparse_attention": _sparse_attention_cases, "quantized_linear": _quantized_linear_cases}
 
 
 class _Random:
@@ -287,8 +300,24 @@ def _sparse_attention(rnd: _Random, dtype, *, B, N, K, H, Hv, topk, page, max_le
     return args, dict(scale=scale)
 
 
+def _quantized_linear(rnd: _Random, dtype, *, R, O, I, kind, group, offset, scale_dtype):
+    from kernels_pallas.quantized_linear.reference import CODE_DTYPES, QuantizedWeight
+
+    G, width = I // group, I // 2 if kind == "int4" else I
+    if kind == "fp8":  # random finite float8 codes: normal values cast
+        codes = jnp.asarray(rnd.rng.standard_normal((O, width)).astype(CODE_DTYPES[kind]))
+    else:
+        low, high = (-127, 128) if kind == "int8" else (0, 256)
+        codes = jnp.asarray(rnd.integers(low, high, (O, width)).astype(CODE_DTYPES[kind]))
+    scales = jnp.asarray(np.abs(rnd.rng.standard_normal((O, G)) / math.sqrt(I) / 8).astype(jnp.dtype(scale_dtype)))
+    offsets = jnp.asarray((rnd.rng.standard_normal((O, G)) / math.sqrt(I)).astype(jnp.dtype(scale_dtype))) \
+        if offset else None
+    return (rnd.normal((R, I), dtype), QuantizedWeight(codes, scales, offsets, kind, group)), {}
+
+
 _BUILDERS = {"attention": _attention, "paged_attention": _paged_attention, "moe": _moe, "rms_norm": _rms_norm,
-             "gated_delta_rule": _gated_delta_rule, "sparse_attention": _sparse_attention}
+             "gated_delta_rule": _gated_delta_rule, "sparse_attention": _sparse_attention,
+             "quantized_linear": _quantized_linear}
 
 
 def upcast(tree: Any) -> Any:

@@ -30,6 +30,7 @@ OPS = {
     "rms_norm": "kernels_pallas.rms_norm.api",
     "gated_delta_rule": "kernels_pallas.gated_delta_rule.api",
     "sparse_attention": "kernels_pallas.sparse_attention.api",
+    "quantized_linear": "kernels_pallas.quantized_linear.api",
 }
 
 

@@ -1,0 +1,131 @@
+"""The definition of correct quantized linear maps: weights kept as integer (or FP8) codes with one scale, and
+optionally one offset, per group of consecutive inputs, dequantized exactly and multiplied in float32.
+
+Formats (`QuantizedWeight.kind`), each covering the checkpoint formats named beside it:
+- `int8`: int8 codes, w = code * scale (+ offset). GGUF Q8_0 (groups of 32, float16 scales); `--quantize int8`.
+- `int4`: two unsigned 4-bit codes per byte, w = code * scale + offset, or (code - 8) * scale without offsets.
+  GGUF Q4_1 (with offsets, its "min") and Q4_0 (without); `--quantize int4`. Within each group, byte b holds code b
+  in its low nibble and code b + group/2 in its high nibble, GGUF's own layout, so its blocks are kept as they are.
+- `fp8`: float8_e4m3fn codes, w = code * scale. DeepSeek-V3-style block scales become one scale per row and block
+  of columns; per-tensor and per-channel scales one per row and group.
+Scales and offsets keep the dtype that holds them exactly (float16 for GGUF, float32 when products were needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+KINDS = ("int8", "int4", "fp8")
+CODE_DTYPES = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+FP8_MAX = 448.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [O, I] as codes and per-group parameters.
+
+    Attributes:
+        codes: [O, I] (int8, fp8) or [O, I/2] uint8 (int4).
+        scale: [O, I/group].
+        offset: [O, I/group] or None.
+        kind: 'int8', 'int4' or 'fp8'.
+        group: inputs per scale; divides I.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    kind: str = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float weight's [O, I]."""
+        O, n = self.codes.shape
+        return O, n * 2 if self.kind == "int4" else n
+
+
+def unpack_int4(codes: jax.Array, group: int) -> jax.Array:
+    """[O, I/2] packed bytes -> [O, I] codes 0..15 (int32), GGUF's nibble order within each group."""
+    O, n = codes.shape
+    blocks = codes.reshape(O, n * 2 // group, group // 2).astype(jnp.int32)
+    return jnp.concatenate([blocks & 15, blocks >> 4], axis=-1).reshape(O, n * 2)
+
+
+def dequantize(w: QuantizedWeight) -> jax.Array:
+    """The float32 weight [O, I] that `w` encodes, exactly."""
+    O, I = w.shape
+    G = I // w.group
+    if w.kind == "int4":
+        q = unpack_int4(w.codes, w.group).astype(jnp.float32)
+        if w.offset is None:
+            q = q - 8.0
+    else:
+        q = w.codes.astype(jnp.float32)
+    out = q.reshape(O, G, w.group) * w.scale.astype(jnp.float32)[..., None]
+    if w.offset is not None:
+        out = out + w.offset.astype(jnp.float32)[..., None]
+    return out.reshape(O, I)
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [R, I] times the weight's transpose: [R, O] in float32."""
+    return jnp.matmul(x.astype(jnp.float32), dequantize(w).T, precision=jax.lax.Precision.HIGHEST)
+
+
+def quantize(w: np.ndarray, kind: str, group: int, *, offsets: bool | None = None,
+             scale_dtype: str = "bfloat16") -> QuantizedWeight:
+    """Round-to-nearest weight-only quantization of a float [O, I] weight, one scale per `group` inputs.
+
+    int8 is symmetric (codes -127..127); int4 uses offsets by default (the group's minimum, codes 0..15, as GGUF
+    Q4_1), or (code - 8) * scale with `offsets=False` (as Q4_0); fp8 scales each group's largest magnitude to 448.
+    Scales and offsets are stored as `scale_dtype` (bfloat16 by default: float32's range, so no group's scale
+    underflows) and codes are rounded against them as stored.
+
+    Raises:
+        ValueError: unknown kind, or a group that does not divide the inputs (or is odd for int4).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"quantization kind {kind!r} is not one of {', '.join(KINDS)}")
+    w = np.asarray(w, np.float32)
+    O, I = w.shape
+    if group <= 0 or I % group or (kind == "int4" and group % 2):
+        raise ValueError(f"group size {group} does not divide the {I} inputs of a [{O}, {I}] weight")
+    blocks = w.reshape(O, I // group, group)
+    dtype = np.dtype(ml_dtypes.bfloat16) if scale_dtype == "bfloat16" else np.dtype(scale_dtype)
+    offsets = kind == "int4" if offsets is None else offsets
+    if kind == "int4" and offsets:
+        low, high = blocks.min(-1), blocks.max(-1)
+        scale, offset = (high - low) / 15, low
+        scale, offset = scale.astype(dtype), offset.astype(dtype)
+        safe = np.where(scale == 0, 1, scale).astype(np.float32)
+        q = np.clip(np.rint((blocks - offset.astype(np.float32)[..., None]) / safe[..., None]), 0, 15)
+    else:
+        if kind == "int4":  # as GGUF Q4_0: the largest magnitude maps exactly to code 0, (0 - 8) * scale
+            extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+            scale, offset = extreme / -8, None
+        else:
+            scale, offset = np.abs(blocks).max(-1) / (127 if kind == "int8" else FP8_MAX), None
+        scale = scale.astype(dtype)
+        safe = np.where(scale == 0, 1, scale).astype(np.float32)
+        scaled = blocks / safe[..., None]
+        if kind == "fp8":
+            q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+        else:
+            q = np.clip(np.rint(scaled), -127, 127) if kind == "int8" else np.clip(np.rint(scaled) + 8, 0, 15)
+    codes = q.reshape(O, I).astype(CODE_DTYPES[kind]) if kind != "int4" else pack_int4(q.reshape(O, I), group)
+    return QuantizedWeight(codes, scale, offset, kind, group)
+
+
+def pack_int4(q: np.ndarray, group: int) -> np.ndarray:
+    """[O, I] codes 0..15 -> [O, I/2] bytes in `unpack_int4`'s layout."""
+    O, I = q.shape
+    blocks = q.reshape(O, I // group, group).astype(np.uint8)
+    half = group // 2
+    return (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(O, I // 2)

@@ -1,0 +1,141 @@
+"""The quantized linear op: its formats against their own definitions, and its shared contract test, run by every
+implementation that can run here.
+
+The reference is the definition: GGUF's block math as the `gguf` package dequantizes it (bitwise), float8_e4m3fn
+as ml_dtypes converts it (bitwise). Implementations are compared with the float64 product of the dequantized
+weight, each output within the bound of a float32 sum of I products in any order: I * 2^-24 of the sum of the
+products' magnitudes.
+"""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernels_pallas import registry
+from kernels_pallas.quantized_linear import api, cpu_ffi, reference
+from kernels_pallas.quantized_linear.reference import QuantizedWeight
+
+# (kind, group, offsets, scale dtype): every format the converter writes.
+FORMATS = {
+    "int8-f16": ("int8", 32, False, "float16"),
+    "int8-bf16-g64": ("int8", 64, False, "bfloat16"),
+    "int4-offset-f16": ("int4", 32, True, "float16"),
+    "int4-symmetric-bf16": ("int4", 32, False, "bfloat16"),
+    "int4-offset-f32-g128": ("int4", 128, True, "float32"),
+    "fp8-f32-g128": ("fp8", 128, False, "float32"),
+    "int8-offset-f32-g16": ("int8", 16, True, "float32"),
+}
+
+
+def weight(name: str, O: int = 80, I: int = 256, seed: int = 0) -> tuple[np.ndarray, QuantizedWeight]:
+    kind, group, offsets, scale_dtype = FORMATS[name]
+    w = np.random.default_rng(seed).standard_normal((O, I)).astype(np.float32)
+    q = reference.quantize(w, kind, group, offsets=offsets, scale_dtype=scale_dtype)
+    if offsets and kind == "int8":  # no quantizer writes int8 with offsets; K-quant blocks re-blocked would
+        q = QuantizedWeight(q.codes, q.scale, q.scale * 3, kind, group)
+    return w, jax.tree.map(jnp.asarray, q)
+
+
+def float64_product(x, q: QuantizedWeight) -> np.ndarray:
+    return np.asarray(x, np.float64) @ np.asarray(reference.dequantize(q), np.float64).T
+
+
+def assert_float32_tight(got, x, q: QuantizedWeight, what: str) -> None:
+    w = np.asarray(reference.dequantize(q), np.float64)
+    x = np.asarray(x, np.float64)
+    bound = x.shape[1] * 2.0 ** -24 * (np.abs(x) @ np.abs(w).T) + 1e-30
+    ratio = (np.abs(np.asarray(got, np.float64) - x @ w.T) / bound).max()
+    assert ratio <= 1.0, f"{what}: error {ratio:.2f} x the float32 summation bound"
+
+
+class QuantizedLinearContract:
+    implementation: str
+
+    @pytest.mark.parametrize("rows", [1, 3, 8, 16])
+    @pytest.mark.parametrize("name", sorted(FORMATS))
+    def test_matches_the_dequantized_product(self, name, rows):
+        _, q = weight(name)
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 256)), jnp.float32)
+        got = jax.jit(lambda x, q: api.quantized_matmul(x, q, implementation=self.implementation))(x, q)
+        assert got.shape == (rows, 80) and got.dtype == jnp.float32
+        assert_float32_tight(got, x, q, f"{self.implementation} {name} x {rows} rows")
+
+
+class TestReference(QuantizedLinearContract):
+    implementation = "reference"
+
+
+class TestCpuFfi(QuantizedLinearContract):
+    implementation = "cpu_ffi"
+
+
+def test_cpu_kernel_declines_what_it_does_not_take():
+    _, q = weight("int8-f16")
+    with pytest.raises(registry.KernelUnavailable, match="rows"):
+        api.quantized_matmul(jnp.ones((cpu_ffi.MAX_ROWS + 1, 256)), q, implementation="cpu_ffi")
+    with pytest.raises(registry.KernelUnavailable, match="float32"):
+        api.quantized_matmul(jnp.ones((2, 256), jnp.bfloat16), q, implementation="cpu_ffi")
+    many = jnp.ones((40, 256))  # the pool still answers, through the reference
+    np.testing.assert_allclose(api.quantized_matmul(many, q), reference.quantized_matmul(many, q), rtol=1e-5)
+
+
+def test_cpu_kernel_serves_more_rows_than_a_pass_keeps_in_registers_and_odd_feature_counts():
+    _, q = weight("int4-offset-f16", O=37, I=96)  # 37 features: not a multiple of the chunk or the vector width
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((11, 96)), jnp.float32)
+    assert_float32_tight(api.quantized_matmul(x, q, implementation="cpu_ffi"), x, q, "37 features x 11 rows")
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_bitwise_like_the_gguf_package(type_name):
+    """Blocks written by the gguf package's quantizer, read as the converter keeps them, dequantize exactly."""
+    from convert.gguf_source import GGML_BLOCK, KEPT_QUANTIZED
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    w = np.random.default_rng(2).standard_normal((6, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)  # [6, blocks * bytes]
+    kind, offsets = KEPT_QUANTIZED[int(qtype)]
+    blocks = raw.reshape(6, 128 // GGML_BLOCK, -1)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0]
+    offset = blocks[..., 2:4].copy().view(np.float16)[..., 0] if offsets else None
+    codes = blocks[..., 4 if offsets else 2:].reshape(6, -1)
+    if kind == "int8":
+        codes = codes.view(np.int8)
+    q = QuantizedWeight(jnp.asarray(codes), jnp.asarray(scale), None if offset is None else jnp.asarray(offset),
+                        kind, GGML_BLOCK)
+    np.testing.assert_array_equal(np.asarray(reference.dequantize(q)), gguf.quants.dequantize(raw, qtype))
+
+
+def test_fp8_codes_dequantize_bitwise_like_ml_dtypes():
+    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(2, 128)
+    codes = np.where(np.isnan(codes.astype(np.float32)), np.zeros_like(codes), codes)  # the one NaN pattern
+    scale = np.array([[0.5], [3.0]], np.float32)
+    q = QuantizedWeight(jnp.asarray(codes), jnp.asarray(scale), None, "fp8", 128)
+    want = codes.astype(np.float32) * scale
+    np.testing.assert_array_equal(np.asarray(reference.dequantize(q)), want)
+    x = jnp.eye(128, dtype=jnp.float32)[:8]  # the kernel's conversion, read back through unit vectors
+    got = np.asarray(api.quantized_matmul(x, q, implementation="cpu_ffi"))
+    np.testing.assert_array_equal(got, want[:, :8].T)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FORMATS.items() if f[0] != "int8" or not f[2]))
+def test_round_to_nearest_stays_within_half_a_step(name):
+    kind, group, offsets, _ = FORMATS[name]
+    w, q = weight(name)
+    error = np.abs(np.asarray(reference.dequantize(q)) - w).reshape(80, -1, group)
+    step = np.abs(np.asarray(q.scale, np.float32))[..., None]
+    if kind == "int4" and not offsets:  # as Q4_0: codes reach 8 steps one way and 7 the other, so one step
+        assert (error <= step * (1 + 127 * 2 ** -8) + 1e-7).all(), error.max()
+    elif kind == "fp8":  # three mantissa bits: half a unit in the last place, relative to each value
+        assert (error <= np.abs(w).reshape(error.shape) * 2 ** -4 + step * 2 ** -9 + 1e-7).all()
+    else:  # half a step, and a bfloat16 scale's rounding on the group's extreme codes
+        assert (error <= step * (0.5 + 127 * 2 ** -8) + 1e-7).all(), error.max()
+
+
+def test_quantize_refuses_groups_that_do_not_divide_the_inputs():
+    with pytest.raises(ValueError, match="group size 48"):
+        reference.quantize(np.ones((4, 64), np.float32), "int8", 48)
+    with pytest.raises(ValueError, match="kind 'int3'"):
+        reference.quantize(np.ones((4, 64), np.float32), "int3", 32)
