@@ -1,4 +1,5 @@
-"""`python -m convert SRC DST [--dtype bfloat16|float32] [--force]` and `python -m convert --verify DST`."""
+"""`python -m convert SRC DST [--dtype bfloat16|float32] [--quantize int8|int4|fp8 [--group-size N]] [--dequantize]
+[--force]` and `python -m convert --verify DST`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from convert.convert import convert_checkpoint
+from convert.convert import Options, convert_checkpoint
 from convert.verify import verify_checkpoint
 from day0jax import logs
 from day0jax.errors import Day0Error
@@ -20,6 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dst", type=Path, nargs="?", help="checkpoint folder to create")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: the source's own; float32 for GGUF)")
+    parser.add_argument("--quantize", choices=["int8", "int4", "fp8"],
+                        help="store a float source's linear weights quantized (round to nearest, one scale per "
+                             "group; embeddings int8 with int4; norms, routers and vision towers stay float)")
+    parser.add_argument("--group-size", type=int, metavar="N",
+                        help="inputs per scale with --quantize (default: 32 for int8/int4, 128 for fp8)")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="store a quantized source (GGUF, FP8) as float instead of keeping it quantized")
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -36,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.src is None or args.dst is None:
             parser.error("SRC and DST are required (or --verify DST)")
-        print(convert_checkpoint(args.src, args.dst, dtype=args.dtype, force=args.force, progress=not args.quiet))
+        if args.group_size is not None and not args.quantize:
+            parser.error("--group-size needs --quantize")
+        options = Options(dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
+                          dequantize=args.dequantize)
+        print(convert_checkpoint(args.src, args.dst, force=args.force, progress=not args.quiet, options=options))
         return 0
     except Day0Error as e:
         print(f"error: {e}", file=sys.stderr)

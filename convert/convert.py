@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import re
 import sys
 import time
@@ -14,16 +15,18 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from convert.quantize import QuantPlan, plan_quantization, quantized_arrays
 from convert.sources import RenamedSource, open_source
 from convert.writer import CheckpointWriter, sha256_file
 from day0jax import models
 from day0jax.errors import CheckpointError
+from day0jax.layers.quantized import QUANT_METHOD, specs_to_json
 from day0jax.models.base import Source, default_source
 from day0jax.models.contract import Family
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 
@@ -95,31 +98,64 @@ def _check_destination(src: Path, dst: Path) -> None:
         raise CheckpointError(f"the destination {dst} {where} the source {src}; convert into another folder")
 
 
-def _plan(src: Path, dtype: str | None):
-    """The opened source, its HF config, the family's config, the runtime parameters, their sources and the output
-    dtype name, all checked before anything is written."""
+@dataclass(frozen=True)
+class Options:
+    """What the user asked for beyond SRC and DST: `dtype` of float parameters (default: the source's own),
+    `quantize` ('int8', 'int4', 'fp8') with `group_size`, and `dequantize` (a quantized source stored as float)."""
+
+    dtype: str | None = None
+    quantize: str | None = None
+    group_size: int | None = None
+    dequantize: bool = False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    source: object
+    hf: dict
+    config: object
+    infos: list  # the float model's parameters: what the sources map to
+    stored: dict  # the stored model's parameters by path (quantized weights as codes, scales, offsets)
+    sources: dict
+    dtype: str
+    quant: QuantPlan
+
+
+def _plan(src: Path, options: Options) -> _Plan:
+    """Everything a conversion decides before writing, all checked: the opened source, configs, the runtime
+    parameters, their sources, the float dtype and what is stored quantized."""
     source = open_source(src)
     hf = source.hf_config()
     fam = models.family(hf.get("model_type"))
     config = fam.config.from_hf(hf)
     if fam.renames:
         source = RenamedSource(source, fam.renames)
-    dtype = dtype or source.default_dtype()
+    dtype = options.dtype or source.default_dtype()
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    infos = models.param_infos(models.abstract_model(config))
-    return source, hf, config, infos, plan_sources(fam, config, infos, source), dtype
+    abstract = models.abstract_model(config)
+    infos = models.param_infos(abstract)
+    sources = plan_sources(fam, config, infos, source)
+    quant = plan_quantization(abstract, sources, source, quantize_kind=options.quantize, group=options.group_size,
+                              dequantize=options.dequantize)
+    stored = {i.path: i for i in models.param_infos(models.abstract_model(config, quantization=quant.specs))}
+    return _Plan(source, hf, config, infos, stored, sources, dtype, quant)
 
 
-def _output_config(source, hf: dict, dtype: str) -> dict:
-    out = dict(hf)
-    if source.kind == "gguf" or (hf.get("quantization_config") or {}).get("quant_method") == "fp8":
-        out.pop("quantization_config", None)  # weights are dequantized now
-    out["dtype"] = dtype
+def _output_config(plan: _Plan) -> dict:
+    out = dict(plan.hf)
+    out.pop("quantization_config", None)  # the source's: what is stored now is described below
+    if plan.quant.specs:
+        out["quantization_config"] = {"quant_method": QUANT_METHOD, "modules": specs_to_json(plan.quant.specs)}
+    out["dtype"] = plan.dtype
     return out
 
 
-def planned_output(src: Path, dtype: str | None = None) -> tuple[dict, dict]:
+def _stored_dtype(info, dtype: str) -> str:
+    return str(info.dtype) if info.metadata.get("quantized") else str(DTYPES[dtype])
+
+
+def planned_output(src: Path, dtype: str | None = None, options: Options | None = None) -> tuple[dict, dict]:
     """What converting `src` will write, from its headers alone (no tensor is read): the config.json, and the
     manifest's fields that describe the parameters (`format_version`, `converter_version`, `model_type`, `params`
     with each one's shape and dtype). Enough to build the model and name its compile cache while it converts.
@@ -129,16 +165,17 @@ def planned_output(src: Path, dtype: str | None = None) -> tuple[dict, dict]:
     """
     from day0jax.weights import checkpoint
 
-    source, hf, config, infos, _, dtype = _plan(Path(src), dtype)
-    stored = str(DTYPES[dtype])
+    options = options or Options(dtype=dtype)
+    plan = _plan(Path(src), options)
     manifest = {"format_version": checkpoint.FORMAT_VERSION, "converter_version": CONVERTER_VERSION,
-                "model_type": config.model_type,
-                "params": {info.path: {"shape": list(info.shape), "dtype": stored} for info in infos}}
-    return _output_config(source, hf, dtype), manifest
+                "model_type": plan.config.model_type,
+                "params": {i.path: {"shape": list(i.shape), "dtype": _stored_dtype(i, plan.dtype)}
+                           for i in plan.stored.values()}}
+    return _output_config(plan), manifest
 
 
 def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force: bool = False,
-                       progress: bool = True) -> Summary:
+                       progress: bool = True, options: Options | None = None) -> Summary:
     """Converts a HF folder or GGUF file at `src` into a day0jax checkpoint at `dst`; returns a printable `Summary`.
 
     Args:
@@ -147,14 +184,20 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         dtype: 'float32', 'bfloat16' or 'float16'; default: the source's own (float32 for GGUF).
         force: replace an existing dst.
         progress: show a progress bar over bytes on stderr.
+        options: quantization choices (`Options`; its dtype wins over `dtype`).
     Raises:
         CheckpointError, UnsupportedArchitecture, ConfigError: before anything is written where possible.
     """
     start = time.perf_counter()
+    options = options or Options(dtype=dtype)
     _check_destination(Path(src), Path(dst))
-    source, hf, config, infos, plan, dtype = _plan(Path(src), dtype)
-    out_dtype = DTYPES[dtype]
-    total_in = sum(source.tensor_nbytes(n) for src_ in plan.values() for n in src_.names)
+    plan = _plan(Path(src), options)
+    source, out_dtype = plan.source, DTYPES[plan.dtype]
+    total_in = sum(source.tensor_nbytes(n) for src_ in plan.sources.values() for n in src_.names)
+    quantized = plan.quant.weight_paths(models.abstract_model(plan.config))
+    if plan.quant.specs:
+        log.info("%s", plan.quant.summary())
+    shapes = {path: info.shape for path, info in plan.stored.items()}
 
     # Once a group is on disk its source pages are released, so resident memory stays near two groups whatever the
     # model's size; source hashes are computed on the side meanwhile (hashlib releases the GIL).
@@ -164,27 +207,35 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)
         n_params = 0
-        for info in infos:
-            s = plan[info.path]
-            arrays = [source.read(n) for n in s.names]
-            array = np.asarray(s.combine(arrays, info.shape)).astype(out_dtype, copy=False)
-            if array.shape != info.shape:  # a family's combine is wrong: a bug, but never write it
-                raise CheckpointError(f"parameter {info.path}: built shape {array.shape}, expected {info.shape}")
-            writer.add(info.path, array)
-            n_params += array.size
+        for info in plan.infos:
+            s = plan.sources[info.path]
+            if info.path in quantized:
+                module = quantized[info.path]
+                arrays = quantized_arrays(info.path, info.shape, plan.quant.specs[module], s, source,
+                                          module in plan.quant.from_source, shapes)
+            else:
+                array = np.asarray(s.combine([source.read(n) for n in s.names], info.shape))
+                arrays = {info.path: array.astype(out_dtype, copy=False)}
+            for path, array in arrays.items():
+                if array.shape != plan.stored[path].shape:  # a family's combine is wrong: a bug, never write it
+                    raise CheckpointError(f"parameter {path}: built shape {array.shape}, expected "
+                                          f"{plan.stored[path].shape}")
+                writer.add(path, array)
+            n_params += math.prod(info.shape)
             bar.update(sum(source.tensor_nbytes(n) for n in s.names))
         writer.flush()
         bar.close()
         tokenizer_files = source.write_tokenizer(writer.tmp)
-        writer.write_json("config.json", _output_config(source, hf, dtype))
+        writer.write_json("config.json", _output_config(plan))
         manifest = {
             "converter_version": CONVERTER_VERSION,
             "source": {"kind": source.kind, "path": str(Path(src).absolute()),
                        "sha256": {k: f.result() for k, f in hashes.items()}},
-            "dtype": dtype,
-            "model_type": config.model_type,
+            "dtype": plan.dtype,
+            "model_type": plan.config.model_type,
             "tokenizer_files": tokenizer_files,
         }
+        if plan.quant.specs:
+            manifest["quantization"] = plan.quant.summary()
         writer.commit(manifest)
-    return Summary(Path(dst), n_params, len(infos), total_in, writer.bytes_written, time.perf_counter() - start)
-
+    return Summary(Path(dst), n_params, len(plan.infos), total_in, writer.bytes_written, time.perf_counter() - start)

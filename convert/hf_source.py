@@ -1,7 +1,9 @@
 """Hugging Face model folders: config.json, safetensors (single file or sharded with an index), tokenizer files.
 
 Pickled weights (`pytorch_model.bin`) are refused: unpickling runs arbitrary code. FP8 weights with block scales
-(`weight_scale_inv`, DeepSeek-V3 style) are dequantized here, so the converter sees ordinary float tensors.
+(`weight_scale_inv`, DeepSeek-V3 style) stay FP8 (`read_quantized`, one scale per row and block of columns), or are
+dequantized by `read` (`--dequantize`, or where the runtime keeps the parameter in float). Other quantization
+methods are refused by name.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class HFSource:
                     raise CheckpointError(f"{f.path}: tensor {name!r} also appears in {self._where[name].path}")
                 self._where[name] = f
         q = self.config.get("quantization_config") or {}
+        if q and q.get("quant_method") != "fp8":
+            raise CheckpointError(f"{self.path}: config.json's quantization_config has quant_method "
+                                  f"{q.get('quant_method')!r}, which day0jax does not read (it reads 'fp8' block "
+                                  "scales, and GGUF Q8_0/Q4_0/Q4_1)")
         self.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q.get("quant_method") == "fp8" else None
         self._scales = {n for n in self._where if n.endswith(".weight_scale_inv")}
 
@@ -107,21 +113,58 @@ class HFSource:
         arr = self._where[name].read(name)
         return self._dequantize_fp8(name, arr) if arr.dtype in FP8 else arr
 
+    def quant_spec(self, name: str):
+        """How tensor `name` stays quantized (a `QuantSpec`: FP8 with one scale per row and column block), or None
+        for a float tensor.
+
+        Raises:
+            CheckpointError: an FP8 format or block layout the runtime does not keep (convert with --dequantize).
+        """
+        from day0jax.layers.quantized import QuantSpec
+
+        dtype = self._where[name].tensors[name].dtype
+        if dtype not in FP8:
+            return None
+        shape = self.tensor_shape(name)
+        _, bn = self.fp8_block or (128, 128)
+        if dtype != np.dtype(ml_dtypes.float8_e4m3fn) or len(shape) != 2 or shape[1] % bn or bn % 16:
+            raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} ({dtype}, shape {shape}, column "
+                                  f"blocks of {bn}) is not kept quantized (float8_e4m3fn [out, in] with blocks "
+                                  "dividing the inputs in multiples of 16 are); convert with --dequantize")
+        return QuantSpec("fp8", bn, False, "float32")
+
+    def read_quantized(self, name: str):
+        """FP8 tensor `name` as a `QuantizedWeight` of numpy arrays: its codes, and its block scales repeated over
+        each block's rows."""
+        from kernels_pallas.quantized_linear.reference import QuantizedWeight
+
+        spec, codes = self.quant_spec(name), self._where[name].read(name)
+        scale = self._block_scales(name, codes.shape)
+        bm, _ = self.fp8_block or (128, 128)
+        return QuantizedWeight(np.ascontiguousarray(codes), np.repeat(scale, bm, axis=0)[:codes.shape[0]], None,
+                               spec.kind, spec.group)
+
     def release(self) -> None:
         for f in self.files:
             f.release()
 
-    def _dequantize_fp8(self, name: str, arr: np.ndarray) -> np.ndarray:
+    def _block_scales(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         scale_name = name + "_scale_inv"
         if scale_name not in self._where:
             raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} has no {scale_name!r}")
         scale = self._where[scale_name].read(scale_name).astype(np.float32)
         bm, bn = self.fp8_block or (128, 128)
-        rows, cols = arr.shape
+        rows, cols = shape
         want = (-(-rows // bm), -(-cols // bn))
         if scale.shape != want:
             raise CheckpointError(f"{self._where[scale_name].path}: {scale_name!r} has shape {scale.shape}, expected "
-                                  f"{want} for blocks of {bm}x{bn} over {arr.shape}")
+                                  f"{want} for blocks of {bm}x{bn} over {shape}")
+        return scale
+
+    def _dequantize_fp8(self, name: str, arr: np.ndarray) -> np.ndarray:
+        scale = self._block_scales(name, arr.shape)
+        bm, bn = self.fp8_block or (128, 128)
+        rows, cols = arr.shape
         # Each (bm, bn) block of the weight shares one scale; expand scales to the weight's shape and multiply.
         full = np.repeat(np.repeat(scale, bm, axis=0), bn, axis=1)[:rows, :cols]
         return arr.astype(np.float32) * full  # float32; the converter casts to the checkpoint dtype

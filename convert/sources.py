@@ -24,6 +24,10 @@ class Source(Protocol):
     def tensor_shape(self, name: str) -> tuple[int, ...]: ...
     def tensor_nbytes(self, name: str) -> int: ...  # bytes stored in the source (for progress and throughput)
     def read(self, name: str) -> np.ndarray: ...  # the tensor in HF layout, dequantized to a float dtype
+    # How a tensor stays quantized (a `day0jax.layers.quantized.QuantSpec`; None: a float tensor; raises
+    # CheckpointError for a quantized type that is not kept), and its blocks as a `QuantizedWeight` of numpy arrays.
+    def quant_spec(self, name: str): ...
+    def read_quantized(self, name: str): ...
     def default_dtype(self) -> str: ...  # the checkpoint's dtype when the user names none
     def source_files(self) -> list[Path]: ...
     # Unmaps the pages read so far (the OS page cache keeps them). Tensors are memory-mapped views: without this,
@@ -80,3 +84,9 @@ class RenamedSource:
 
     def read(self, name: str) -> np.ndarray:
         return self._source.read(self._original[name])
+
+    def quant_spec(self, name: str):
+        return self._source.quant_spec(self._original[name])
+
+    def read_quantized(self, name: str):
+        return self._source.read_quantized(self._original[name])

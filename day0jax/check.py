@@ -44,6 +44,7 @@ class Report:
     op_calls: list[dict] = dataclasses.field(default_factory=list)  # the model's own description of its ops
     parameters: dict = dataclasses.field(default_factory=dict)
     vision: dict = dataclasses.field(default_factory=dict)  # a vision-language model's tower and image tokens
+    quantization: str = ""            # which weights stay quantized in memory, and how
     memory: dict = dataclasses.field(default_factory=dict)
     backend: str = ""
 
@@ -268,6 +269,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     import jax.numpy as jnp
 
     from day0jax import models
+    from day0jax.layers.quantized import parameter_count
     from day0jax.engine.config import EngineConfig
     from day0jax.weights.loader import DTYPES, default_dtype
 
@@ -300,7 +302,16 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     if dtype not in DTYPES:
         report.reasons.append(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return report
-    abstract = models.abstract_model(config, DTYPES[dtype])
+    try:
+        quantization = _quantization(fam, config, hf, source)
+    except Day0Error as e:
+        report.reasons.append(str(e))
+        quantization = None
+    # A converted checkpoint stores its quantized weights as such; a source is mapped in float, then planned as the
+    # conversion would store it.
+    abstract = models.abstract_model(config, DTYPES[dtype],
+                                     quantization=quantization.specs if isinstance(source, dict) and quantization
+                                     else None)
     infos = models.param_infos(abstract)
     op_calls = abstract.op_calls()
     report.op_calls = [call.to_dict() for call in dict.fromkeys(call for _, call in op_calls)]
@@ -308,10 +319,15 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     report.ops = _ops(op_calls, DTYPES[dtype], tp)
     report.layers = _layers(abstract, op_calls, jnp.dtype(DTYPES[dtype]).itemsize)
     count, by_dtype = _checkpoint_tensors(source)
-    report.parameters = {"model": sum(math.prod(i.shape) for i in infos), "checkpoint_elements": count,
+    report.parameters = {"model": parameter_count(abstract), "checkpoint_elements": count,
                          "checkpoint_bytes_by_dtype": by_dtype, "runtime_dtype": dtype}
     report.vision = _vision(abstract, infos, jnp.dtype(DTYPES[dtype]).itemsize)
     report.reasons += _mapping_problems(fam, config, infos, source)
+    if quantization and quantization.specs:
+        report.quantization = quantization.summary()
+        if not isinstance(source, dict):
+            abstract = models.abstract_model(config, DTYPES[dtype], quantization=quantization.specs)
+            infos = models.param_infos(abstract)
     report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report)
     report.supported = not report.reasons
     return report
@@ -331,6 +347,31 @@ def _vision(abstract, infos, itemsize: int) -> dict:
             "multimodal_rope": spec.mrope is not None, "deepstack_layers": spec.deepstack,
             "image_tokens_attend_both_ways": spec.bidirectional, "parameters": count,
             "parameter_bytes": count * itemsize}
+
+
+def _quantization(fam, config, hf: dict, source):
+    """What stays quantized (a `convert.quantize.QuantPlan`): as a converted checkpoint's config.json says, or as
+    converting the source would keep it; None for an unreadable source.
+
+    Raises:
+        Day0Error: a quantization the runtime does not keep (named), or a malformed one.
+    """
+    from convert.quantize import QuantPlan
+    from day0jax import models
+    from day0jax.layers.quantized import specs_from_config
+
+    if isinstance(source, dict):
+        specs = specs_from_config(hf)
+        return QuantPlan(specs, frozenset(), {})
+    if source is None or isinstance(source, _ReadableShards):
+        return None
+    from convert.convert import plan_sources
+    from convert.quantize import plan_quantization
+    from convert.sources import RenamedSource
+
+    source = RenamedSource(source, fam.renames) if fam.renames else source
+    abstract = models.abstract_model(config)
+    return plan_quantization(abstract, plan_sources(fam, config, models.param_infos(abstract), source), source)
 
 
 def _mapping_problems(fam, config, infos, source) -> list[str]:
@@ -410,6 +451,8 @@ def render(report: Report) -> str:
         out += ["", f"parameters: {p['model']:,} in the model ({p['model'] / 1e6:.2f}M), "
                     f"{p['checkpoint_elements']:,} elements stored; runtime dtype {p['runtime_dtype']}"]
         out += [f"  {k}: {fmt_bytes(v)}" for k, v in sorted(p["checkpoint_bytes_by_dtype"].items())]
+    if report.quantization:
+        out += [f"  {report.quantization}"]
     if report.vision:
         v = report.vision
         if v["pixels"] is None:

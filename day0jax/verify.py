@@ -33,6 +33,11 @@ REFERENCE_SCRIPT = ROOT / "tests" / "ref" / "reference.py"
 DEFAULT_TEXTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land"]
 # Default tolerances per day0jax dtype (transformers runs in float32): (logits max rel, mean KL, top-1 agreement).
 TOLERANCES = {"float32": (1e-3, 1e-5, 1.0), "bfloat16": (5e-2, 1e-2, 0.9), "float16": (2e-2, 5e-3, 0.95)}
+# A checkpoint with quantized weights, against its unquantized source, by its coarsest kind: the rounding error of
+# weight-only quantization, not arithmetic (SmolLM2-135M against float32, 3 prompts: int8 KL 2e-4, top-1 0.99;
+# Q4_1 KL 2e-2, top-1 0.9). Against the dequantized weights (a GGUF's own), pass the float tolerances instead.
+QUANTIZED_TOLERANCES = {"fp8": (0.25, 5e-3, 0.9), "int8": (0.25, 2e-3, 0.95), "int4": (1.0, 5e-2, 0.8)}
+COARSENESS = ("fp8", "int8", "int4")
 # Preprocessing is transformers' PIL backend step for step: float32 rounding only.
 PIXEL_TOLERANCE = 1e-6
 
@@ -58,6 +63,8 @@ class Result:
     top1_agreement: float
     tokens: int
     tolerance: dict
+    # The startup self-test's checks of the quantized weights' kernels against their dequantized reference.
+    kernel_checks: list[dict] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     vision: list[LayerDiff] = field(default_factory=list)
 
@@ -321,8 +328,10 @@ def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | Non
         prompts: prompts file (default: a few built-in texts, or random ids without a tokenizer).
         reference_python: the Python that has transformers and torch (default: `default_reference_python()`).
         dtype: day0jax's dtype; transformers always runs in float32.
-        tolerance: (logits max rel, mean KL, min top-1 agreement); default per dtype (`TOLERANCES`); image
-            features are held to the logits' max relative difference, pixels to float32 equality (1e-6).
+        tolerance: (logits max rel, mean KL, min top-1 agreement), any of them None for its default: per dtype
+            (`TOLERANCES`), or for a checkpoint with quantized weights per its coarsest kind
+            (`QUANTIZED_TOLERANCES`); image features are held to the logits' max relative difference, pixels to
+            float32 equality (1e-6).
         images: image files for a vision-language checkpoint (default: `synthetic_images()`), one per prompt in
             turn.
     Raises:
@@ -333,13 +342,15 @@ def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | Non
     model = day0jax.load(Path(ckpt).absolute(), dtype=dtype)  # orbax wants absolute paths
     token_prompts = read_prompts(Path(prompts) if prompts else None, model.tokenizer, model.config.vocab_size)
     python = reference_python or default_reference_python()
-    tolerance = tolerance or TOLERANCES[dtype]
+    tolerance = default_tolerance(Path(ckpt), dtype, tolerance)
     if model.vision is None:
         if images:
             raise VerifyError(f"--images: this {model.config.model_type} checkpoint takes no images")
         ref = run_reference(Path(reference), token_prompts, python)
         hiddens, logits = run_day0jax(model, token_prompts)
-        return compare(hiddens, logits, ref, tolerance)
+        result = compare(hiddens, logits, ref, tolerance)
+        _add_kernel_checks(result, model)
+        return result
     pool = read_images(images) if images else synthetic_images()
     rows = [[pool[i % len(pool)]] for i in range(len(token_prompts))]
     token_prompts = with_images(model, token_prompts, pool)
@@ -355,7 +366,31 @@ def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | Non
                                f"(max relative) > {PIXEL_TOLERANCE:.0e}")
     if features.max_rel > tolerance[0]:
         result.failures.append(f"image features max relative difference {features.max_rel:.3e} > {tolerance[0]:.1e}")
+    _add_kernel_checks(result, model)
     return result
+
+
+def default_tolerance(ckpt: Path, dtype: str, given: Sequence[float | None] | None) -> tuple[float, float, float]:
+    """`given`'s figures, each None (or all, when `given` is None) from `QUANTIZED_TOLERANCES` for the checkpoint's
+    coarsest quantized weights, or `TOLERANCES[dtype]` for a float checkpoint."""
+    from day0jax.layers.quantized import specs_from_config
+
+    kinds = {s.kind for s in specs_from_config(json.loads((ckpt / "config.json").read_text())).values()}
+    coarsest = max(kinds, key=COARSENESS.index, default=None)
+    defaults = QUANTIZED_TOLERANCES[coarsest] if coarsest else TOLERANCES[dtype]
+    given = given or (None, None, None)
+    return tuple(default if value is None else value for value, default in zip(given, defaults))
+
+
+def _add_kernel_checks(result: Result, model) -> None:
+    """The quantized kernels' error against their dequantized reference, from the load's self-test: a kernel
+    beyond its tolerance fails the verification (the load already replaced it by the reference)."""
+    report = model.kernel_report
+    result.kernel_checks = [r for r in getattr(report, "rows", []) if r["op"] == "quantized_linear"]
+    for r in result.kernel_checks:
+        if r["ok"] is False:
+            result.failures.append(f"kernel {r['implementation']} on {r['case']}: relative error "
+                                   f"{r['max_rel_error']} > {r['tolerance']} against its dequantized reference")
 
 
 def render(result: Result) -> str:
@@ -365,6 +400,11 @@ def render(result: Result) -> str:
         rows += [f"{'':>5}  {d.name:<26}  {d.max_rel:>12.3e}  {d.mean_rel:>13.3e}" for d in result.vision] + [""]
     rows += [f"{'layer':>5}  {'hidden state':<26}  {'max rel diff':>12}  {'mean rel diff':>13}"]
     rows += [f"{d.layer:>5}  {d.name:<26}  {d.max_rel:>12.3e}  {d.mean_rel:>13.3e}" for d in result.layers]
+    if result.kernel_checks:
+        rows += ["", "quantized kernels against their dequantized reference:"]
+        rows += [f"  {r['implementation']:<10} {r['case']:<70} "
+                 + (f"max rel error {r['max_rel_error']:.2e}" if r["max_rel_error"] is not None else r["detail"])
+                 for r in result.kernel_checks]
     t = result.tolerance
     rows += ["", f"logits over {result.tokens} tokens: max rel diff {result.logits_max_rel:.3e} "
                  f"(tolerance {t['logits_max_rel']:.1e}), KL mean {result.kl_mean:.3e} (tolerance "
@@ -390,11 +430,10 @@ def main(argv: list[str] | None = None) -> int:
                         "per prompt in turn (default: two synthetic images)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    given = (args.tolerance, args.max_kl, args.min_top1)
-    tolerance = tuple(default if value is None else value for value, default in zip(given, TOLERANCES[args.dtype]))
     try:
         result = verify(args.ckpt, args.reference, prompts=args.prompts, reference_python=args.reference_python,
-                        dtype=args.dtype, tolerance=tolerance, images=args.images)
+                        dtype=args.dtype, tolerance=(args.tolerance, args.max_kl, args.min_top1),
+                        images=args.images)
     except Day0Error as e:
         print(f"day0jax verify: {e}", file=sys.stderr)
         return 2

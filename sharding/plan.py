@@ -177,10 +177,15 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def param_itemsize(p: Any, dtype: Any) -> int:
+    """Bytes per element of parameter `p` loaded as `dtype`: quantized weights' codes, scales and offsets keep their
+    own dtype."""
+    return jnp.dtype(p.dtype if p.metadata.get("quantized") else dtype).itemsize
+
+
 def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
     """Bytes of parameters one device holds."""
-    item = jnp.dtype(dtype).itemsize
-    return sum(math.prod(shard_shape(p.axes, p.shape, sizes)) * item for p in shape.params)
+    return sum(math.prod(shard_shape(p.axes, p.shape, sizes)) * param_itemsize(p, dtype) for p in shape.params)
 
 
 def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any) -> int:
@@ -296,7 +301,7 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
                 max_model_len=workload.max_model_len, largest_program=largest,
                 params_bytes=params_bytes(shape, sizes, dtype),
                 kv_cache_bytes=kv_cache_bytes(shape, sizes, workload.kv_slots, dtype), activation_bytes=activations,
-                model_bytes=sum(math.prod(p.shape) for p in shape.params) * dtype.itemsize,
+                model_bytes=sum(math.prod(p.shape) * param_itemsize(p, dtype) for p in shape.params),
                 available_bytes=available, notes=tuple(notes),
                 state_bytes=state_bytes(shape, sizes, workload.state_slots), state_slots=workload.state_slots)
 

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 import day0jax
 from conftest import ROOT, run_reference
 from convert import convert_checkpoint
-from convert.convert import plan_sources
+from convert.convert import Options, plan_sources
 from convert.sources import open_source
 from convert.verify import verify_checkpoint
 from day0jax import models
@@ -29,6 +29,7 @@ from day0jax.weights import checkpoint
 from families import FAMILIES, PROMPTS
 
 GGUF_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+GGUF_KEPT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "F16"]  # the block formats day0jax keeps quantized, and a float one
 GGUF_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)
 SP_TEXTS = ["The quick brown fox", " leading space", "numbers 12345 and code def f(x): return x * 2",
@@ -46,6 +47,10 @@ def refs(tmp_path_factory):
         {"op": "fp8_hf", "config": dict(llama, intermediate_size=96), "seed": 2, "block": [48, 48],
          "out": str(root / "fp8")},
         {"op": "tiny_gguf", "config": GGUF_CONFIG, "types": GGUF_TYPES, "seed": 3, "out": str(gguf)},
+        {"op": "tiny_gguf", "config": GGUF_CONFIG, "types": GGUF_KEPT_TYPES, "seed": 4, "out": str(root / "kept.gguf")},
+        {"op": "state", "model": str(root / "kept.gguf"), "out": str(root / "kept_state.npz")},
+        {"op": "run", "model": str(root / "kept.gguf"), "prompts": [p[:12] for p in PROMPTS], "generate": 6,
+         "out": str(root / "kept_run.npz")},
         {"op": "state", "model": str(gguf), "out": str(root / "gguf_state.npz")},
         {"op": "run", "model": str(gguf), "prompts": [p[:12] for p in PROMPTS], "generate": 6,
          "out": str(root / "gguf_run.npz")},
@@ -129,8 +134,9 @@ def test_transformers4_style_config_converts_to_the_same_model(tiny, tmp_path):
     assert np.abs(model.logits([PROMPTS[2]])[0] - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
-def test_fp8_block_scaled_weights_are_dequantized(refs, tmp_path):
-    dst = convert_checkpoint(refs / "fp8", tmp_path / "ck", dtype="float32", progress=False).dst
+def test_fp8_block_scaled_weights_are_dequantized_on_request(refs, tmp_path):
+    dst = convert_checkpoint(refs / "fp8", tmp_path / "ck", progress=False,
+                             options=Options(dtype="float32", dequantize=True)).dst
     reference = load_file(str(refs / "fp8.reference.safetensors"))
     got = checkpoint.read_params(dst)
     w = reference["model.layers.0.mlp.down_proj.weight"]  # [64, 96]: blocks of 48 leave partial edge blocks
@@ -138,13 +144,70 @@ def test_fp8_block_scaled_weights_are_dequantized(refs, tmp_path):
     q = reference["model.layers.1.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(got["model.layers.1.self_attn.q_proj.kernel"], q.reshape(4, 16, 64))
     assert "quantization_config" not in json.loads((dst / "config.json").read_text())
-    assert checkpoint.read_manifest(convert_checkpoint(refs / "fp8", tmp_path / "ck2", progress=False).dst)[
-        "dtype"] == "bfloat16"  # FP8 sources default to bf16
+    dst = convert_checkpoint(refs / "fp8", tmp_path / "ck2", progress=False, options=Options(dequantize=True)).dst
+    assert checkpoint.read_manifest(dst)["dtype"] == "bfloat16"  # FP8 sources default to bf16
+
+
+def test_fp8_blocks_that_straddle_a_weights_inputs_are_refused_by_name(refs, tmp_path):
+    """Blocks of 48 columns over 64 inputs: not kept quantized, and never silently dequantized."""
+    from day0jax.errors import CheckpointError
+
+    with pytest.raises(CheckpointError,
+                       match=r"FP8 tensor .model\.layers\.0\.\w+\.\w+_proj\.weight.*blocks of 48.*--dequantize"):
+        convert_checkpoint(refs / "fp8", tmp_path / "ck", progress=False)
+    assert not (tmp_path / "ck").exists()
 
 
 @pytest.fixture(scope="module")
 def gguf_ckpt(refs, tmp_path_factory):
-    return convert_checkpoint(refs / "tiny.gguf", tmp_path_factory.mktemp("gguf") / "ck", progress=False).dst
+    return convert_checkpoint(refs / "tiny.gguf", tmp_path_factory.mktemp("gguf") / "ck", progress=False,
+                              options=Options(dequantize=True)).dst
+
+
+def test_gguf_k_quants_are_refused_unless_dequantized(refs, tmp_path):
+    from day0jax.errors import CheckpointError
+
+    with pytest.raises(CheckpointError,
+                       match=r"tensor '[\w.]+' is Q\d_K, which day0jax does not keep quantized.*--dequantize"):
+        convert_checkpoint(refs / "tiny.gguf", tmp_path / "ck", progress=False)
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.fixture(scope="module")
+def kept_ckpt(refs, tmp_path_factory):
+    return convert_checkpoint(refs / "kept.gguf", tmp_path_factory.mktemp("gguf-kept") / "ck", progress=False).dst
+
+
+def test_gguf_blocks_stay_quantized_and_dequantize_like_transformers(refs, kept_ckpt):
+    from day0jax.layers.quantized import specs_from_config
+    from kernels_pallas.quantized_linear.reference import QuantizedWeight, dequantize
+
+    hf = json.loads((kept_ckpt / "config.json").read_text())
+    specs = specs_from_config(hf)
+    assert {s.describe() for s in specs.values()} == {"int8/32", "int4/32", "int4/32+offset"}
+    state = dict(np.load(refs / "kept_state.npz"))
+    got = checkpoint.read_params(kept_ckpt)
+    for module, spec in specs.items():
+        name = f"{module}.weight" if module.endswith("embed_tokens") else f"{module}.kernel"
+        rows = state[name.replace(".kernel", ".weight")].shape[0]
+        q = QuantizedWeight(got[f"{name}.codes"].reshape(rows, -1), got[f"{name}.scale"].reshape(rows, -1),
+                            got[f"{name}.offset"].reshape(rows, -1) if spec.offset else None, spec.kind, spec.group)
+        np.testing.assert_array_equal(np.asarray(dequantize(q)), state[name.replace(".kernel", ".weight")],
+                                      err_msg=name)
+    stored = sum(a.nbytes for a in got.values())
+    assert stored < 0.4 * sum(a.size * 4 for a in state.values())  # kept as blocks, not float32
+
+
+def test_gguf_quantized_model_matches_transformers(refs, kept_ckpt):
+    """Kept in blocks, computed by the quantized op: transformers' logits (which dequantizes to float32) within
+    the float32 tolerance of the other GGUF test, and its greedy tokens through the engine."""
+    model = day0jax.load(kept_ckpt, dtype="float32")
+    assert any(call.op == "quantized_linear" for _, call in model.module.op_calls())
+    ref = dict(np.load(refs / "kept_run.npz"))
+    for i, p in enumerate(PROMPTS):
+        ours = model.logits([p[:12]])[0]
+        assert np.abs(ours - ref[f"logits_{i}"]).max() <= 1e-3 * np.abs(ref[f"logits_{i}"]).max()
+        assert model.generate([p[:12]], 6, ignore_eos=True)[0] == ref[f"generated_{i}"].tolist()
 
 
 def test_gguf_every_type_dequantizes_like_transformers(refs, gguf_ckpt):

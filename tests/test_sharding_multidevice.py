@@ -14,6 +14,7 @@ loading's peak RSS growth stays under 1.5x the checkpoint's size (a replicated l
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -38,6 +39,11 @@ NEW_TOKENS = 6
 GENERATE_ON = {"llama": ["tp=2,ep=2,dp=2", "tp=8"], "deepseek_v3": ["tp=2,ep=2,dp=2"],
                "qwen3_5_moe_text": ["tp=2,ep=4"], "deepseek_v32": ["tp=2,ep=2,dp=2"], "gemma4_text": ["tp=2,dp=4"],
                "gemma3": ["tp=2,dp=4"], "qwen3_vl": ["tp=2,ep=2,dp=2"]}
+# A dense model whose linear weights and embeddings stay quantized (int4 with offsets, embeddings int8, groups of 16):
+# codes and scales split over tp like the kernels they stand for. Hidden size 128, so that every projection's
+# groups (128 / 16 = 8) split over tp=8.
+QUANTIZED = {"llama-int4": dict(hidden_size=128, intermediate_size=256)}
+GENERATE_ON["llama-int4"] = ["tp=2,ep=2,dp=2", "tp=8"]
 MULTIHOST_MESH = "tp=8"  # tensor parallelism across both processes: all-reduces cross the process boundary
 # RSS test model: ~470 MB float32, every dimension divisible by tp=8, its largest array (the embeddings) 7% of it,
 # about as in real models (Llama-3-8B: 6%).
@@ -212,8 +218,37 @@ def checkpoints(tmp_path_factory):
 
     processors = {case.model_type: case.processor for case in MULTIMODAL.values()}
     root = tmp_path_factory.mktemp("sharded")
-    return {mt: str(synthetic_checkpoint(sharding_config(mt), root / mt, processor=processors.get(mt)))
-            for mt in MULTI_DEVICE_FAMILIES}
+    out = {mt: str(synthetic_checkpoint(sharding_config(mt), root / mt, processor=processors.get(mt)))
+           for mt in MULTI_DEVICE_FAMILIES}
+    for name, overrides in QUANTIZED.items():
+        out[name] = str(quantized_checkpoint(dict(sharding_config("llama"), **overrides), root / name))
+    return out
+
+
+def quantized_checkpoint(hf: dict, dst: Path) -> Path:
+    """A random-weight llama written as a Hugging Face folder, converted with `--quantize int4 --group-size 16`."""
+    from safetensors.numpy import save_file
+    from test_sharding import synthetic_checkpoint
+
+    from convert import convert_checkpoint
+    from convert.convert import Options
+    from day0jax import models
+    from day0jax.weights import checkpoint
+
+    floats = checkpoint.read_params(synthetic_checkpoint(hf, dst.with_name(dst.name + "-float")))
+    infos = models.param_infos(models.abstract_model(models.config_from_hf(hf)))
+    tensors = {}
+    for info in infos:  # llama's names are the plain mapping: `X.kernel` [*out, *in] <- `X.weight` [out, in]
+        array = floats[info.path]
+        if info.path.endswith(".kernel"):
+            n_out = len(info.shape) - info.metadata["in_ndim"]
+            array = array.reshape(math.prod(info.shape[:n_out]), -1)
+        tensors[info.path.removesuffix(".kernel") + ".weight" if info.path.endswith(".kernel") else info.path] = array
+    src = dst.with_name(dst.name + "-hf")
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(hf))
+    return convert_checkpoint(src, dst, progress=False, options=Options(quantize="int4", group_size=16)).dst
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +264,7 @@ def meshes(checkpoints, tmp_path_factory):
 def _cases():
     from test_sharding import MESHES, MULTI_DEVICE_FAMILIES
 
-    return [(mt, spec) for mt in MULTI_DEVICE_FAMILIES for spec in MESHES]
+    return [(mt, spec) for mt in MULTI_DEVICE_FAMILIES + list(QUANTIZED) for spec in MESHES]
 
 
 @pytest.mark.parametrize("model_type, spec", _cases())

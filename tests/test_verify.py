@@ -29,6 +29,24 @@ def test_matching_model_passes_per_layer(tiny, converted, tmp_path):
     assert result.logits_max_rel < 1e-5 and 0 <= result.kl_mean < 1e-10
 
 
+def test_quantized_checkpoint_reports_its_error_and_its_kernels(tiny, tmp_path):
+    """int8 weights against their float source: quantization-sized differences within the int8 defaults, and the
+    kernels' own error against their dequantized reference from the load's self-test (float32-tight)."""
+    from convert import convert_checkpoint
+    from convert.convert import Options
+
+    ckpt = convert_checkpoint(tiny["llama"]["hf"], tmp_path / "int8", progress=False,
+                              options=Options(quantize="int8", group_size=16)).dst
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    result = verify_lib.verify(ckpt, tiny["llama"]["hf"], prompts=prompts)
+    assert result.passed, result.failures
+    assert result.tolerance["kl_mean"] == verify_lib.QUANTIZED_TOLERANCES["int8"][1]
+    assert 1e-7 < result.kl_mean and result.logits_max_rel > 1e-4  # the rounding shows, unlike float32's 1e-7
+    assert result.kernel_checks and all(r["ok"] and r["max_rel_error"] < 1e-5 for r in result.kernel_checks)
+    assert "quantized kernels against their dequantized reference" in verify_lib.render(result)
+
+
 def test_wrong_math_fails_at_the_layer_it_starts(tiny, converted, tmp_path):
     """Mistral's window of 8 against the same weights run without a window (the llama reference, same seed):
     prompts longer than the window differ from layer 1 on, and the verdict is FAIL."""

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.layers.quantized import QuantizedKernel
+
 # Up to this many rows (tokens), the CPU path computes kernel @ x (see `project`).
 NARROW_ROWS = 64
 
@@ -69,10 +71,14 @@ class Linear(nnx.Module):
         self.kernel = param(rngs, self.out_shape + self.in_shape, kernel_axes, dtype,
                             1 / math.sqrt(math.prod(in_shape)), in_ndim=n_in)
         self.bias = param(rngs, self.out_shape, axes[n_in:], dtype, 0.0) if use_bias else None
+        self.quantizable = True  # False where a layer reads the kernel itself instead of calling the map
 
     @jax.named_scope("projection")
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = project(x, self.kernel[...], len(self.in_shape))
+        if isinstance(self.kernel, QuantizedKernel):
+            y = self.kernel.matmul(x)
+        else:
+            y = project(x, self.kernel[...], len(self.in_shape))
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -81,9 +87,14 @@ class Embedding(nnx.Module):
 
     def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.weight = param(rngs, (vocab_size, dim), ("vocab", "embed"), dtype, 1.0)
+        self.dtype = dtype  # of looked-up rows when the table is kept quantized
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        if isinstance(self.weight, QuantizedKernel):
+            return self.weight.rows_of(tokens, self.dtype)
         return jnp.take(self.weight[...], tokens, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
+        if isinstance(self.weight, QuantizedKernel):
+            return self.weight.matmul(x)
         return project(x, self.weight[...], 1)

@@ -55,6 +55,7 @@ class MLAttention(nnx.Module):
                                              rngs=rngs)
             self.kv_a_layernorm = RMSNorm(R, eps, dtype=dtype, rngs=rngs)
         self.kv_b_proj = Linear((R,), (N, C + U), ("kv_lora", "heads", "head_dim"), dtype=dtype, rngs=rngs)
+        self.kv_b_proj.quantizable = False  # absorbed into the query and output: its kernel is read, not applied
         self.o_proj = Linear((N, U), (D,), ("heads", "head_dim", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.rope, self.rope_interleave, self.scale = rope, rope_interleave, scale
         self.query_scaling = query_scaling

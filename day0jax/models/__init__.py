@@ -61,12 +61,21 @@ def config_from_hf(hf: dict) -> Any:
     return family(hf.get("model_type")).config.from_hf(hf)
 
 
-def abstract_model(config: Any, dtype=jnp.float32) -> nnx.Module:
-    """The model with `jax.ShapeDtypeStruct`s for parameters: shapes and logical axes, no memory."""
+def abstract_model(config: Any, dtype=jnp.float32, quantization: dict | None = None) -> nnx.Module:
+    """The model with `jax.ShapeDtypeStruct`s for parameters: shapes and logical axes, no memory.
+
+    Args:
+        config: the family's config.
+        dtype: of float parameters.
+        quantization: module path -> `layers.quantized.QuantSpec`, the modules whose weights stay quantized.
+    """
+    from day0jax.layers.quantized import quantize_modules
+
     fam = family(config.model_type)
     # Logical axis names are resolved by sharding/rules.py, not by flax's eager sharding.
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: fam.model(config, dtype=dtype, rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: quantize_modules(fam.model(config, dtype=dtype, rngs=nnx.Rngs(0)),
+                                                       quantization or {}))
 
 
 @dataclass(frozen=True)

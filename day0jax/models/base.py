@@ -20,6 +20,7 @@ from day0jax.errors import UnsupportedArchitecture
 from day0jax.layers.linear import Embedding, Linear
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import RMSNorm
+from day0jax.layers.quantized import quantized_op_calls
 from day0jax.layers.rope import Rope, rope_parameters
 from kernels_pallas.calls import OpCall
 from sharding.plan import KVLayer, StateLayer
@@ -267,7 +268,7 @@ class CausalLM(nnx.Module):
         """(layer index, call) for every op call of the forward pass (None: the final norm): the one description
         of the model's operators that the readiness report, the kernel self-test and the memory planner read."""
         calls = [(i, call) for i, layer in enumerate(self.model.layers) for call in layer.op_calls()]
-        return calls + [(None, call) for call in self.model.norm.op_calls()]
+        return calls + [(None, call) for call in self.model.norm.op_calls()] + quantized_op_calls(self)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, caches: Sequence[Any] | None = None,
                  seq_len: jax.Array | None = None, **inputs: Any) -> tuple[jax.Array, list[Any] | None]:

@@ -26,6 +26,7 @@ from day0jax.weights import checkpoint
 from day0jax.weights.hf_config import read_config_json
 from day0jax.engine.config import EngineConfig, EngineLayout
 from day0jax.errors import CheckpointError, MeshError
+from day0jax.layers.quantized import specs_from_config
 from day0jax.layers.rope import context_length as model_context_length
 from day0jax.model import Model
 from day0jax.startup.timeline import Timeline
@@ -126,7 +127,7 @@ class Prepared:
 
     def _target(self, name: str) -> jax.ShapeDtypeStruct:
         info = self.infos[name]
-        return jax.ShapeDtypeStruct(info.shape, DTYPES[self.dtype],
+        return jax.ShapeDtypeStruct(info.shape, stored_dtype(info, DTYPES[self.dtype]),
                                     sharding=named_sharding(info.axes, info.shape, self.mesh))
 
     def check_checkpoint(self, path: Path) -> dict:
@@ -165,7 +166,7 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     with timeline.phase("build model") as info:
-        abstract = models.abstract_model(config, DTYPES[dtype])
+        abstract = models.abstract_model(config, DTYPES[dtype], quantization=specs_from_config(hf))
         infos = {i.path: i for i in models.param_infos(abstract)}
         layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)
@@ -266,6 +267,12 @@ def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, 
     return inputs.layout, memory_plan, mesh
 
 
+def stored_dtype(info, dtype):
+    """The dtype parameter `info` is restored as: quantized weights' codes, scales and offsets keep their own, every
+    other parameter takes the load dtype."""
+    return info.dtype if info.metadata.get("quantized") else dtype
+
+
 def manifest_problems(manifest: dict, infos) -> list[str]:
     """Why a checkpoint's parameters (its manifest) are not the model's: `load` refuses the first, `check` lists them.
 
@@ -302,8 +309,9 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
         for name in names:
             info = infos[name]
             sharding = named_sharding(info.axes, info.shape, mesh)
-            targets[name] = jax.ShapeDtypeStruct(info.shape, dtype, sharding=sharding)
-            restore_args[name] = ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype, global_shape=info.shape)
+            as_dtype = stored_dtype(info, dtype)
+            targets[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
+            restore_args[name] = ocp.ArrayRestoreArgs(sharding=sharding, dtype=as_dtype, global_shape=info.shape)
         try:
             tree = checkpointer.restore(path / checkpoint.group_dir(group), item=checkpoint.nest(targets),
                                         restore_args=checkpoint.nest(restore_args))

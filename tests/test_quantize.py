@@ -1,0 +1,165 @@
+"""Weights kept quantized from the checkpoint to the device: `--quantize` at conversion, FP8 sources kept as FP8,
+refusals by name, the readiness report and the memory plan.
+
+The runtime's arithmetic on quantized weights is checked against the same model in float32 whose weights are the
+dequantized values (written as an ordinary float checkpoint): logits within 1e-5 of the largest (float32 sums in
+another order, through every layer), and the same greedy tokens through the engine. The quantization's own error
+against the unquantized model is reported by `day0jax.verify`, and bounded here loosely (top-1 agreement).
+"""
+
+import json
+import math
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import day0jax
+from convert import convert_checkpoint
+from convert.convert import Options
+from day0jax.errors import CheckpointError
+from day0jax.layers.quantized import specs_from_config
+from day0jax.weights import checkpoint
+from families import PROMPTS
+from kernels_pallas.quantized_linear.reference import QuantizedWeight, dequantize
+
+RTOL = 1e-5
+NEW_TOKENS = 8
+
+
+def dequantized_copy(src, quantized_ckpt, dst):
+    """`src` (a HF folder) with every weight the quantized checkpoint stores quantized replaced by its dequantized
+    values, as float32: the float model the quantized one must compute."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    params = checkpoint.read_params(quantized_ckpt)
+    specs = specs_from_config(json.loads((quantized_ckpt / "config.json").read_text()))
+    for module, spec in specs.items():
+        name = f"{module}.weight" if module.endswith("embed_tokens") else f"{module}.kernel"
+        hf_name = f"{module}.weight"
+        rows = tensors[hf_name].shape[0]
+        q = QuantizedWeight(params[f"{name}.codes"].reshape(rows, -1), params[f"{name}.scale"].reshape(rows, -1),
+                            params[f"{name}.offset"].reshape(rows, -1) if spec.offset else None, spec.kind, spec.group)
+        tensors[hf_name] = np.asarray(dequantize(q)).astype(tensors[hf_name].dtype)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def compare(quantized_ckpt, float_ckpt):
+    q, f = day0jax.load(quantized_ckpt, dtype="float32"), day0jax.load(float_ckpt, dtype="float32")
+    for p in PROMPTS[:3]:
+        want = f.logits([p])[0]
+        assert np.abs(q.logits([p])[0] - want).max() <= RTOL * np.abs(want).max()
+    assert q.generate(PROMPTS[:3], NEW_TOKENS, ignore_eos=True) == f.generate(PROMPTS[:3], NEW_TOKENS, ignore_eos=True)
+    return q
+
+
+@pytest.mark.parametrize("name, kind, group", [("llama", "int8", 32), ("llama", "int4", 16), ("llama", "fp8", 16),
+                                               ("qwen2_moe", "int4", 32)])
+def test_quantize_at_conversion_computes_the_dequantized_model(tiny, converted, tmp_path, name, kind, group):
+    src = tiny[name]["hf"]
+    summary = convert_checkpoint(src, tmp_path / "q", progress=False,
+                                 options=Options(quantize=kind, group_size=group))
+    ckpt = summary.dst
+    specs = specs_from_config(json.loads((ckpt / "config.json").read_text()))
+    kinds = {m: s.kind for m, s in specs.items()}
+    assert kinds["model.embed_tokens"] == ("int8" if kind == "int4" else kind)
+    assert kinds["model.layers.0.mlp.down_proj" if name == "llama" else "model.layers.0.self_attn.q_proj"] == kind
+    assert "model.layers.0.self_attn.o_proj" in specs  # groups of 32 over heads of 16: they span two heads
+    stored = sum(a.nbytes for a in checkpoint.read_params(ckpt).values())
+    assert stored < 0.6 * sum(a.nbytes for a in checkpoint.read_params(converted[name]).values())
+    floats = convert_checkpoint(dequantized_copy(src, ckpt, tmp_path / "deq"), tmp_path / "f", progress=False).dst
+    model = compare(ckpt, floats)
+    # The quantization error itself: the quantized model mostly picks transformers' next tokens on the source.
+    ref = tiny[name]["ref"]
+    agree = np.mean([np.mean(np.argmax(model.logits([p])[0], -1) == np.argmax(ref[f"logits_{i}"], -1))
+                     for i, p in enumerate(PROMPTS[:3])])
+    assert agree >= 0.5, agree
+
+
+def test_moe_experts_and_routers_stay_float(tiny):
+    from convert.convert import _plan
+
+    plan = _plan(tiny["qwen2_moe"]["hf"], Options(quantize="int8"))
+    quantized = [p for p, info in plan.stored.items() if info.metadata.get("quantized")]
+    assert any("self_attn" in p for p in quantized) and any("shared_expert." in p for p in quantized)
+    assert not any(".experts." in p or "gate.kernel" in p for p in quantized)
+
+
+def fp8_source(tiny, dst, block=(32, 32)):
+    """Tiny llama with its projections as float8_e4m3fn and DeepSeek-V3-style block scales, written here."""
+    shutil.copytree(tiny["llama"]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        w = tensors[name].astype(np.float32)
+        rows, cols = w.shape
+        br, bc = block
+        scale = np.zeros((-(-rows // br), cols // bc), np.float32)
+        codes = np.zeros_like(w)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+                scale[i, j] = max(np.abs(tile).max(), 1e-12) / 448
+                codes[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = tile / scale[i, j]
+        tensors[name] = codes.astype(ml_dtypes.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                     "activation_scheme": "dynamic", "fmt": "e4m3"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_fp8_source_stays_fp8_and_computes_its_dequantized_model(tiny, tmp_path):
+    src = fp8_source(tiny, tmp_path / "fp8", block=(48, 32))  # row blocks cut across the 64 and 128 rows
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    params = checkpoint.read_params(kept)
+    codes = params["model.layers.0.mlp.up_proj.kernel.codes"]
+    assert codes.dtype == ml_dtypes.float8_e4m3fn and codes.shape == (128, 64)
+    assert params["model.layers.0.mlp.up_proj.kernel.scale"].shape == (128, 2)
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    compare(kept, floats)
+
+
+def test_other_quantization_methods_are_refused_by_name(tiny, tmp_path):
+    src = tmp_path / "gptq"
+    shutil.copytree(tiny["llama"]["hf"], src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quant_method 'gptq'"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_refuses_a_quantized_source_and_bad_groups(tiny, tmp_path):
+    src = fp8_source(tiny, tmp_path / "fp8")
+    with pytest.raises(CheckpointError, match="already quantized.*--dequantize"):
+        convert_checkpoint(src, tmp_path / "a", progress=False, options=Options(quantize="int8"))
+    with pytest.raises(CheckpointError, match="--group-size 0"):
+        convert_checkpoint(tiny["llama"]["hf"], tmp_path / "b", progress=False,
+                           options=Options(quantize="int8", group_size=0))
+    # --dequantize then --quantize: FP8 read as float, rounded to int8
+    ckpt = convert_checkpoint(src, tmp_path / "c", progress=False,
+                              options=Options(quantize="int8", dequantize=True)).dst
+    assert {s.kind for s in specs_from_config(json.loads((ckpt / "config.json").read_text())).values()} == {"int8"}
+
+
+def test_check_and_the_planner_count_quantized_bytes(tiny, converted, tmp_path):
+    from day0jax import check
+
+    ckpt = convert_checkpoint(tiny["llama"]["hf"], tmp_path / "q", progress=False,
+                              options=Options(quantize="int4", group_size=16)).dst
+    report = check.check(str(ckpt), dtype="float32")
+    assert report.supported and "int4/16+offset" in report.quantization
+    assert any(op["op"] == "quantized_linear" for op in report.ops)
+    plain = check.check(str(converted["llama"]), dtype="float32")
+    assert report.parameters["model"] == plain.parameters["model"]  # weights counted as weights, not bytes
+    stored = sum(a.nbytes for a in checkpoint.read_params(ckpt).values())
+    model = day0jax.load(ckpt, dtype="float32")
+    assert math.isclose(model.memory_plan.params_bytes, stored, rel_tol=0.01)
+    assert "int4" in check.render(report)
