@@ -58,10 +58,6 @@ class QuantSpec:
     def describe(self) -> str:
         return f"{self.kind}/{self.group}" + ("+offset" if self.offset else "")
 
-    def bytes_per_weight(self) -> float:
-        per_group = (1 + self.offset) * np.dtype(self.scale_dtype).itemsize
-        return (0.5 if self.kind == "int4" else 1.0) + per_group / self.group
-
 
 class QuantizedKernel(nnx.Module):
     """A float weight [*out, *in] (HF's [out, in] with heads as their own dims) kept as `codes` [*out, I'], `scale`
