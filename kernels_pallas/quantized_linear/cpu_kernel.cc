@@ -122,57 +122,82 @@ inline __m256 fp8_to_float(__m128i bytes) {
   return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
-// Output features [o_begin, o_end) for rows [r0, r0 + NR).
-template <int NR>
+// Output features [o_begin, o_end) for rows [r0, r0 + NR), codes of kind K in groups of GROUP (0: p.group, known
+// only at run time). With the group a constant the loop over a group unrolls and each accumulator is a register;
+// indexed by a run-time counter they would live in memory and every FMA would wait on a store.
+template <Kind K, int GROUP, int NR>
 void features(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
-  constexpr int U = NR == 1 ? 4 : NR == 2 ? 2 : 1;
-  const int64_t G = p.I / p.group, row_bytes = p.kind == kInt4 ? p.I / 2 : p.I;
+  // U independent accumulators per row: with one or two rows, a single chain of FMAs would wait on its own latency.
+  constexpr int U = GROUP == 0 ? 1 : NR == 1 ? 4 : NR == 2 ? 2 : 1;
+  const int64_t group = GROUP ? GROUP : p.group;
+  const int64_t steps = (K == kInt4 ? group / 2 : group) / 8;  // 8 bytes of codes per step
+  const int64_t G = p.I / group, row_bytes = K == kInt4 ? p.I / 2 : p.I;
+  const bool offsets = p.offset.data != nullptr;
   for (int64_t o = o_begin; o < o_end; ++o) {
     __m256 total[NR];
     float offset_total[NR];
     for (int r = 0; r < NR; ++r) total[r] = _mm256_setzero_ps(), offset_total[r] = 0.0f;
     const uint8_t* row = p.codes + o * row_bytes;
     for (int64_t g = 0; g < G; ++g) {
-      // U independent accumulators per row: with one or two rows, a single chain of FMAs would wait on its own
-      // latency instead of the memory.
       __m256 acc[NR][U];
       for (int r = 0; r < NR; ++r)
         for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
-      const float* xg = p.x + r0 * p.I + g * p.group;
-      if (p.kind == kInt4) {
-        const int64_t half = p.group / 2;
-        const uint8_t* c = row + g * half;
-        for (int64_t j = 0; j < half; j += 8) {
-          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j)));
+      const float* xg = p.x + r0 * p.I + g * group;
+      const uint8_t* c = row + g * (K == kInt4 ? group / 2 : group);
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < steps; ++j) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * j));
+        if constexpr (K == kInt4) {
+          const __m256i v = _mm256_cvtepu8_epi32(bytes);
           const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
           const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-          const int u = (j / 8) % U;
+          const int64_t half = group / 2;
           for (int r = 0; r < NR; ++r) {
-            acc[r][u] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + r * p.I + j), acc[r][u]);
-            acc[r][(u + 1) % U] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + r * p.I + half + j), acc[r][(u + 1) % U]);
+            __m256& a = acc[r][(2 * j) % U];
+            __m256& b = acc[r][(2 * j + 1) % U];
+            a = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + r * p.I + 8 * j), a);
+            b = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + r * p.I + half + 8 * j), b);
           }
-        }
-      } else {
-        const uint8_t* c = row + g * p.group;
-        for (int64_t j = 0; j < p.group; j += 8) {
-          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j));
-          const __m256 w = p.kind == kInt8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)) : fp8_to_float(bytes);
-          const int u = (j / 8) % U;
-          for (int r = 0; r < NR; ++r) acc[r][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * p.I + j), acc[r][u]);
+        } else {
+          const __m256 w = K == kInt8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)) : fp8_to_float(bytes);
+          for (int r = 0; r < NR; ++r) {
+            __m256& a = acc[r][j % U];
+            a = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * p.I + 8 * j), a);
+          }
         }
       }
       const float s = p.scale.at(o * G + g);
       // Symmetric 4-bit codes are centred on 8: (q - 8) * s = q * s + (-8 s), exactly in float32.
-      const float off = p.offset.data ? p.offset.at(o * G + g) : (p.kind == kInt4 ? -8.0f * s : 0.0f);
+      const float off = offsets ? p.offset.at(o * G + g) : (K == kInt4 ? -8.0f * s : 0.0f);
       const __m256 sv = _mm256_set1_ps(s);
       for (int r = 0; r < NR; ++r) {
         __m256 sum = acc[r][0];
         for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, acc[r][u]);
         total[r] = _mm256_fmadd_ps(sum, sv, total[r]);
-        if (off != 0.0f) offset_total[r] += off * p.xsum[(r0 + r) * G + g];
+        offset_total[r] += off * p.xsum[(r0 + r) * G + g];
       }
     }
     for (int r = 0; r < NR; ++r) p.y[(r0 + r) * p.O + o] = horizontal_sum(total[r]) + offset_total[r];
+  }
+}
+
+template <Kind K, int NR>
+void features_of_group(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
+  switch (p.group) {
+    case 16: return features<K, 16, NR>(p, r0, o_begin, o_end);
+    case 32: return features<K, 32, NR>(p, r0, o_begin, o_end);
+    case 64: return features<K, 64, NR>(p, r0, o_begin, o_end);
+    case 128: return features<K, 128, NR>(p, r0, o_begin, o_end);
+    default: return features<K, 0, NR>(p, r0, o_begin, o_end);
+  }
+}
+
+template <int NR>
+void features(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
+  switch (p.kind) {
+    case kInt8: return features_of_group<kInt8, NR>(p, r0, o_begin, o_end);
+    case kInt4: return features_of_group<kInt4, NR>(p, r0, o_begin, o_end);
+    default: return features_of_group<kFp8, NR>(p, r0, o_begin, o_end);
   }
 }
 #else
