@@ -2,8 +2,8 @@
 
 Pickled weights (`pytorch_model.bin`) are refused: unpickling runs arbitrary code. FP8 weights with block scales
 (`weight_scale_inv`, DeepSeek-V3 style) stay FP8 (`read_quantized`, one scale per row and block of columns), or are
-dequantized by `read` (`--dequantize`, or where the runtime keeps the parameter in float). Other quantization
-methods are refused by name.
+dequantized by `read` (`--dequantize`, or where the runtime keeps the parameter in float); compressed-tensors int4
+and int8 weights likewise (convert/compressed_tensors.py). Other quantization methods are refused by name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from convert.compressed_tensors import PARTS
 from convert.safetensors_file import SafetensorsFile
 from day0jax.weights.hf_config import read_config_json
 from day0jax.errors import CheckpointError
@@ -40,10 +41,16 @@ class HFSource:
                     raise CheckpointError(f"{f.path}: tensor {name!r} also appears in {self._where[name].path}")
                 self._where[name] = f
         q = self.config.get("quantization_config") or {}
-        if q and q.get("quant_method") != "fp8":
+        if q and q.get("quant_method") not in ("fp8", "compressed-tensors"):
             raise CheckpointError(f"{self.path}: config.json's quantization_config has quant_method "
                                   f"{q.get('quant_method')!r}, which day0jax does not read (it reads 'fp8' block "
-                                  "scales, and GGUF Q8_0/Q4_0/Q4_1)")
+                                  "scales, 'compressed-tensors' int4/int8 weights, and GGUF Q8_0/Q4_0/Q4_1)")
+        self.compressed = None
+        if q.get("quant_method") == "compressed-tensors":
+            from convert.compressed_tensors import CompressedTensors
+
+            self.compressed = CompressedTensors(self.path, q, list(self._where), self._read_stored,
+                                                lambda n: self._where[n].tensors[n].dtype)
         self.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q.get("quant_method") == "fp8" else None
         self._scales = {n for n in self._where if n.endswith(".weight_scale_inv")}
 
@@ -99,17 +106,33 @@ class HFSource:
         return dict(self.config)
 
     def tensor_names(self) -> list[str]:
-        return [n for n in self._where if n not in self._scales]
+        names = [n for n in self._where if n not in self._scales]
+        if self.compressed is not None:  # each quantized weight as its float `X.weight`, its parts hidden
+            names = [n for n in names if not self.compressed.hides(n)]
+            names += [n for n in self.compressed.weights if n not in self._where]
+        return names
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
+        if self.compressed is not None and name in self.compressed.weights:
+            return self.compressed.weights[name]
         return self._where[name].tensors[name].shape
 
     def tensor_nbytes(self, name: str) -> int:
+        if self.compressed is not None and name in self.compressed.weights:
+            parts = [name] + [name[: -len("weight")] + p for p in PARTS]
+            return sum(self._where[p].tensors[p].nbytes for p in parts if p in self._where)
         n = self._where[name].tensors[name].nbytes
         scale = name + "_scale_inv"
         return n + (self._where[scale].tensors[scale].nbytes if scale in self._where else 0)
 
+    def _read_stored(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing (compressed-tensors weights need it)")
+        return self._where[name].read(name)
+
     def read(self, name: str) -> np.ndarray:
+        if self.compressed is not None and name in self.compressed.weights:
+            return self.compressed.dequantize(name)
         arr = self._where[name].read(name)
         return self._dequantize_fp8(name, arr) if arr.dtype in FP8 else arr
 
@@ -122,6 +145,8 @@ class HFSource:
         """
         from day0jax.layers.quantized import QuantSpec
 
+        if self.compressed is not None and name in self.compressed.weights:
+            return self.compressed.spec(name)
         dtype = self._where[name].tensors[name].dtype
         if dtype not in FP8:
             return None
@@ -138,6 +163,8 @@ class HFSource:
         each block's rows."""
         from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
+        if self.compressed is not None and name in self.compressed.weights:
+            return self.compressed.read_quantized(name)
         spec, codes = self.quant_spec(name), self._where[name].read(name)
         scale = self._block_scales(name, codes.shape)
         bm, _ = self.fp8_block or (128, 128)

@@ -163,3 +163,78 @@ def test_check_and_the_planner_count_quantized_bytes(tiny, converted, tmp_path):
     model = day0jax.load(ckpt, dtype="float32")
     assert math.isclose(model.memory_plan.params_bytes, stored, rel_tol=0.01)
     assert "int4" in check.render(report)
+
+
+def compressed_tensors_source(tiny, dst, *, bits: int, group: int | None, symmetric: bool = True):
+    """Tiny llama as llm-compressor writes it (format documented by compressed-tensors): 4-bit values v (signed,
+    or unsigned with zero points) packed as v + 8, eight per int32 from the lowest bits, zero points packed the same
+    way along the rows; 8-bit values in an int8 `weight`; lm_head left float ("ignore"). Returns the folder and the
+    float weights the stored values mean."""
+    shutil.copytree(tiny["llama"]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    rng = np.random.default_rng(5)
+    meant = {}
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[name].shape
+        g = group or I
+        scale = (rng.uniform(0.5, 1.5, (O, I // g)) * 0.02).astype(np.float16)
+        base = name[: -len("weight")]
+        del tensors[name]
+        if bits == 4:
+            low, high = (-8, 8) if symmetric else (0, 16)
+            v = rng.integers(low, high, (O, I))
+            zero = np.zeros((O, I // g), np.int64) if symmetric else rng.integers(0, 16, (O, I // g))
+            stored = (v + 8 if symmetric else v).astype(np.uint32)  # unsigned values as packed
+            words = (stored.reshape(O, I // 8, 8) << (np.arange(8, dtype=np.uint32) * 4)).sum(-1, dtype=np.uint32)
+            tensors[base + "weight_packed"] = words.view(np.int32)
+            tensors[base + "weight_shape"] = np.array([O, I], np.int64)
+            if not symmetric:
+                zp = zero.astype(np.uint32).reshape(O // 8, 8, I // g)
+                tensors[base + "weight_zero_point"] = (zp << (np.arange(8, dtype=np.uint32) * 4)[None, :, None]) \
+                    .sum(1, dtype=np.uint32).view(np.int32)
+            w = ((v - zero.repeat(g, 1)) if not symmetric else v) * scale.astype(np.float32).repeat(g, 1)
+        else:
+            v = rng.integers(-127, 128, (O, I)).astype(np.int8)
+            tensors[base + "weight"] = v
+            w = v.astype(np.float32) * scale.astype(np.float32).repeat(g, 1)
+        tensors[base + "weight_scale"] = scale
+        meant[name] = w.astype(np.float32)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized" if bits == 4 else "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                      "weights": {"num_bits": bits, "type": "int", "symmetric": symmetric,
+                                                  **strategy}}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, meant
+
+
+@pytest.mark.parametrize("bits, group, symmetric", [(4, 32, True), (4, 16, False), (8, None, True)])
+def test_compressed_tensors_stay_quantized_and_compute_their_values(tiny, tmp_path, bits, group, symmetric):
+    src, meant = compressed_tensors_source(tiny, tmp_path / "ct", bits=bits, group=group, symmetric=symmetric)
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert {s.kind for s in specs.values()} == {"int4" if bits == 4 else "int8"}
+    assert all(s.offset == (not symmetric) for s in specs.values())
+    params = checkpoint.read_params(kept)
+    name = "model.layers.1.mlp.down_proj"
+    spec = specs[name]
+    q = QuantizedWeight(params[f"{name}.kernel.codes"], params[f"{name}.kernel.scale"],
+                        params.get(f"{name}.kernel.offset"), spec.kind, spec.group)
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), meant[f"{name}.weight"])
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    np.testing.assert_array_equal(checkpoint.read_params(floats)[f"{name}.kernel"], meant[f"{name}.weight"])
+    compare(kept, floats)
+
+
+def test_compressed_tensors_with_quantized_activations_are_refused(tiny, tmp_path):
+    src, _ = compressed_tensors_source(tiny, tmp_path / "ct", bits=8, group=None)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quantizes input_activations.*weight-only"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)

@@ -1,0 +1,139 @@
+"""compressed-tensors checkpoints (llm-compressor's `quantization_config.quant_method == "compressed-tensors"`):
+weight-only integer quantization, read as the quantized blocks day0jax keeps.
+
+Supported: `format` 'pack-quantized' (4-bit values, eight per int32 in `weight_packed`, the float shape in
+`weight_shape`) and 'int-quantized' / 'naive-quantized' (8-bit values in an int8 `weight`); `strategy` 'group' or
+'channel' (one group spanning the row); symmetric, or asymmetric with `weight_zero_point`. A signed 4-bit value v is
+packed as v + 8, so w = (q - 8) * scale, day0jax's symmetric int4; zero points z give w = q * s + (-z * s).
+Quantized input activations (W8A8, W4A8), other bit widths and other strategies are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from day0jax.errors import CheckpointError
+
+PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    bits: int
+    group: int | None  # None: one group per row (strategy 'channel')
+    symmetric: bool
+    packed: bool  # weight_packed int32 words (else an int8 `weight`)
+
+
+def scheme(path, q: dict) -> Scheme:
+    """The one weight scheme of a compressed-tensors config.
+
+    Raises:
+        CheckpointError: several or unsupported schemes, quantized activations, an unknown format; named.
+    """
+    groups = q.get("config_groups") or {}
+    fmt = q.get("format")
+    if len(groups) != 1:
+        raise CheckpointError(f"{path}: compressed-tensors with {len(groups)} config groups; day0jax reads one")
+    (name, group), = groups.items()
+    w = group.get("weights") or {}
+    for side in ("input_activations", "output_activations"):
+        if group.get(side):
+            raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes {side} ({group[side]}); "
+                                  "day0jax keeps weight-only quantization")
+    bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
+    if kind != "int" or bits not in (4, 8) or strategy not in ("group", "channel") or w.get("actorder"):
+        raise CheckpointError(f"{path}: compressed-tensors weights {w} are not supported (int, 4 or 8 bits, "
+                              "strategy group or channel, no activation ordering)")
+    packed = fmt == "pack-quantized"
+    if fmt not in ("pack-quantized", "int-quantized", "naive-quantized") or (bits == 4) != packed:
+        raise CheckpointError(f"{path}: compressed-tensors format {fmt!r} with {bits}-bit weights is not supported "
+                              "('pack-quantized' 4-bit, 'int-quantized' 8-bit)")
+    return Scheme(bits, w.get("group_size") if strategy == "group" else None, bool(w.get("symmetric", True)), packed)
+
+
+class CompressedTensors:
+    """The quantized weights of an opened HF folder, each seen as its float `X.weight` (shape, float read) or its
+    blocks (`quant_spec`, `read_quantized`). `read_part(name)` reads a stored tensor; `has(name)` asks for one."""
+
+    def __init__(self, path, q: dict, names: list[str], read_part, dtype_of):
+        self.path, self.scheme, self._read = path, scheme(path, q), read_part
+        self.weights: dict[str, tuple[int, int]] = {}  # X.weight -> float shape [O, I]
+        for n in names:
+            if n.endswith(".weight_scale"):
+                base = n[: -len("_scale")]
+                if self.scheme.packed:
+                    shape = tuple(int(v) for v in np.asarray(read_part(base + "_shape")).reshape(-1))
+                else:
+                    if dtype_of(base) != np.dtype(np.int8):
+                        raise CheckpointError(f"{path}: {base!r} is {dtype_of(base)}; 8-bit compressed-tensors "
+                                              "weights are int8")
+                    shape = tuple(read_part(base).shape)
+                self.weights[base] = shape
+        self._parts = {f"{w[: -len('weight')]}{p}" for w in self.weights for p in PARTS}
+
+    def hides(self, name: str) -> bool:
+        """A stored part (packed words, scales, zero points) that the `X.weight` view stands for."""
+        return name in self._parts and not name.endswith(".weight")
+
+    def spec(self, name: str):
+        from day0jax.layers.quantized import QuantSpec
+
+        if name not in self.weights:
+            return None
+        O, I = self.weights[name]
+        group = self.scheme.group or I
+        if I % group or group % 2:
+            raise CheckpointError(f"{self.path}: {name!r} has groups of {group} over {I} inputs, which day0jax "
+                                  "does not keep; convert with --dequantize")
+        return QuantSpec("int4" if self.scheme.bits == 4 else "int8", group, offset=not self.scheme.symmetric,
+                         scale_dtype=self._scale_dtype(name))
+
+    def _scale_dtype(self, name: str) -> str:
+        if not self.scheme.symmetric:
+            return "float32"  # offsets -z * s: exact in float32, not always in the scales' 16 bits
+        dtype = np.asarray(self._read(name + "_scale")).dtype
+        return {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}.get(dtype, "bfloat16")
+
+    def read_quantized(self, name: str):
+        """Tensor `name`'s blocks as a `QuantizedWeight` of numpy arrays, in day0jax's layouts."""
+        from kernels_pallas.quantized_linear.reference import QuantizedWeight, pack_int4
+
+        spec = self.spec(name)
+        O, I = self.weights[name]
+        G = I // spec.group
+        scale = np.asarray(self._read(name + "_scale")).reshape(O, G)
+        q = self._values(name)  # [O, I], unsigned 4-bit values, or int8 values
+        offset = None
+        if not self.scheme.symmetric:
+            zero = self._zero_points(name, O, G).astype(np.float32)
+            scale = scale.astype(np.float32)
+            offset = -zero * scale
+        # 4-bit values are stored as v + 8: day0jax's symmetric codes as they are, and with zero points (stored
+        # as z + 8 too) w = (q - z) s = q s + (-z s) on the unsigned values.
+        codes = pack_int4(q, spec.group) if spec.kind == "int4" else q.astype(np.int8)
+        return QuantizedWeight(np.ascontiguousarray(codes), np.ascontiguousarray(scale.astype(spec.scale_dtype)),
+                               offset, spec.kind, spec.group)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The float32 weight (for --dequantize, or where the runtime keeps the parameter float)."""
+        from kernels_pallas.quantized_linear.reference import dequantize
+
+        return np.asarray(dequantize(self.read_quantized(name)))
+
+    def _values(self, name: str) -> np.ndarray:
+        O, I = self.weights[name]
+        if not self.scheme.packed:
+            return np.asarray(self._read(name))
+        words = np.asarray(self._read(name + "_packed")).astype(np.uint32)  # [O, ceil(I / 8)]
+        shifts = np.arange(8, dtype=np.uint32) * 4
+        return ((words[..., None] >> shifts) & 15).astype(np.uint8).reshape(O, -1)[:, :I]
+
+    def _zero_points(self, name: str, O: int, G: int) -> np.ndarray:
+        z = np.asarray(self._read(name + "_zero_point"))
+        if self.scheme.packed:  # eight 4-bit zero points per int32 along the rows: [ceil(O / 8), G]
+            shifts = np.arange(8, dtype=np.uint32) * 4
+            z = ((z.astype(np.uint32)[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, G)[:O]
+        return z.reshape(O, G)
