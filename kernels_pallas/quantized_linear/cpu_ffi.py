@@ -72,6 +72,8 @@ def library_path() -> Path | None:
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.warning("quantized linear: building the CPU kernel for this machine into %s (first use, about 10 s)",
+                out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}", str(SOURCE), "-o", tmp]

@@ -1,7 +1,7 @@
 // Quantized linear products on the CPU, an XLA FFI custom call: y[r, o] = sum_i x[r, i] * w[o, i], where w is kept
 // as codes with one scale (and optionally one offset) per group of `group` inputs, as `reference.py` defines them.
 // XLA:CPU turns dequantize-then-dot into a float copy of the weight per call, and reductions over the codes run
-// below a quarter of the memory bandwidth; this reads each code once per call for up to kMaxRows rows, converts it
+// below a quarter of the memory bandwidth; this reads each code once per call for up to 8 rows, converts it
 // in registers and multiplies in float32, split over XLA's intra-op thread pool.
 #include <algorithm>
 #include <atomic>
@@ -22,7 +22,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 enum Kind : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
-constexpr int kMaxRows = 8;      // rows kept in registers per pass over the codes
 constexpr int64_t kChunk = 16;   // output features per task
 
 float fp8_e4m3fn_to_float(uint8_t v) {
@@ -123,7 +122,7 @@ inline __m256 fp8_to_float(__m128i bytes) {
 }
 
 // Output features [o_begin, o_end) for rows [r0, r0 + NR), codes of kind K in groups of GROUP (0: p.group, known
-// only at run time). With the group a constant the loop over a group unrolls and each accumulator is a register;
+// only at run time, for sizes other than 32 and 128). With the group a constant the loop over a group unrolls and each accumulator is a register;
 // indexed by a run-time counter they would live in memory and every FMA would wait on a store.
 template <Kind K, int GROUP, int NR>
 void features(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
@@ -184,9 +183,8 @@ void features(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
 template <Kind K, int NR>
 void features_of_group(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
   switch (p.group) {
-    case 16: return features<K, 16, NR>(p, r0, o_begin, o_end);
+    // GGUF's blocks and the --quantize default; FP8 and compressed-tensors' usual blocks; any other size.
     case 32: return features<K, 32, NR>(p, r0, o_begin, o_end);
-    case 64: return features<K, 64, NR>(p, r0, o_begin, o_end);
     case 128: return features<K, 128, NR>(p, r0, o_begin, o_end);
     default: return features<K, 0, NR>(p, r0, o_begin, o_end);
   }
@@ -235,17 +233,14 @@ void features(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
 }
 #endif
 
-void rows(const Problem& p, int64_t r0, int nr, int64_t o_begin, int64_t o_end) {
-  switch (nr) {
-    case 1: return features<1>(p, r0, o_begin, o_end);
-    case 2: return features<2>(p, r0, o_begin, o_end);
-    case 3: return features<3>(p, r0, o_begin, o_end);
-    case 4: return features<4>(p, r0, o_begin, o_end);
-    case 5: return features<5>(p, r0, o_begin, o_end);
-    case 6: return features<6>(p, r0, o_begin, o_end);
-    case 7: return features<7>(p, r0, o_begin, o_end);
-    default: return features<8>(p, r0, o_begin, o_end);
-  }
+// Rows in passes of 8, 4, 2 and 1 (the only widths compiled: each is a full set of kernels, and the build runs on
+// a user's first use).
+int64_t rows(const Problem& p, int64_t r0, int64_t o_begin, int64_t o_end) {
+  const int64_t left = p.R - r0;
+  if (left >= 8) return features<8>(p, r0, o_begin, o_end), 8;
+  if (left >= 4) return features<4>(p, r0, o_begin, o_end), 4;
+  if (left >= 2) return features<2>(p, r0, o_begin, o_end), 2;
+  return features<1>(p, r0, o_begin, o_end), 1;
 }
 
 // Tasks claim chunks of output features from a shared counter; the calling thread works too and then waits only
@@ -261,9 +256,7 @@ struct Job {
     running.fetch_add(1);
     for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
       const int64_t o_begin = c * kChunk, o_end = std::min(problem.O, o_begin + kChunk);
-      for (int64_t r0 = 0; r0 < problem.R; r0 += kMaxRows) {
-        rows(problem, r0, static_cast<int>(std::min<int64_t>(kMaxRows, problem.R - r0)), o_begin, o_end);
-      }
+      for (int64_t r0 = 0; r0 < problem.R;) r0 += rows(problem, r0, o_begin, o_end);
     }
     running.fetch_sub(1);
   }
