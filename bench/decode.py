@@ -67,6 +67,19 @@ def f32_gguf() -> Path:
     return folder / "SmolLM2-135M-Instruct.F32.gguf"
 
 
+def float32_checkpoint() -> Path:
+    """The default model converted to float32 (its GGUF blocks dequantized), the weights transformers and the F32
+    GGUF hold; converted into the bench cache on first use."""
+    from convert.convert import Options, convert_checkpoint
+    from day0jax.weights.default_model import cache_root, default_gguf
+
+    dst = cache_root() / "bench" / "day0jax-float32"
+    if not (dst / "day0jax.json").is_file():
+        convert_checkpoint(default_gguf(), dst, force=dst.exists(), progress=False,
+                           options=Options(dtype="float32", dequantize=True))
+    return dst
+
+
 def prefill_times(workers: dict, lengths: list[int], repeats: int) -> dict[int, dict[str, float]]:
     """Median seconds to the first token per prompt length and system; each timed prompt is new (random ids)."""
     rng = random.Random(0)
@@ -93,10 +106,10 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    from day0jax.weights.default_model import default_checkpoint, default_gguf
+    from day0jax.weights.default_model import default_gguf
     from day0jax.weights.tokenizer import Tokenizer
 
-    ckpt = default_checkpoint()
+    ckpt = float32_checkpoint()
     prompt = Tokenizer(ckpt).encode(PROMPT)
     python = str(ROOT / ".venv/bin/python")
     workers = {"day0jax": Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],

@@ -1,9 +1,11 @@
-"""The llama.cpp side of bench/decode.py: a worker in the reference venv (llama-cpp-python) on an F32 GGUF.
+"""The llama.cpp side of bench/decode.py and bench/quant.py: a worker in the reference venv (llama-cpp-python).
 
-    .venv-ref/bin/python bench/decode_llamacpp.py SOURCE.gguf F32.gguf
+    .venv-ref/bin/python bench/decode_llamacpp.py SOURCE.gguf TARGET.gguf [F32|Q8_0]
 
-The F32 file is written once from SOURCE (every tensor dequantized with the `gguf` package's own dequantization,
-metadata copied), so llama.cpp runs the very weights day0jax's float32 conversion holds. Protocol as
+TARGET is written once from SOURCE unless it is SOURCE: F32 (default) dequantizes every tensor with the `gguf`
+package's own dequantization, so llama.cpp runs the very weights day0jax's float32 conversion holds; Q8_0 then
+quantizes the source's quantized tensors to Q8_0 blocks with the `gguf` package (float tensors stay as they are).
+Metadata is copied. Protocol as
 bench/decode_reference.py's: {"batch": 1, "prompt": [ids], "new_tokens": N} -> {"full", "first", "tokens"}; batch 1
 only. Every generation starts from an empty KV cache (llama-cpp-python would otherwise reuse a matching prefix).
 Never imported by day0jax.
@@ -18,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 
-def write_f32(source: Path, target: Path) -> None:
-    """`source` with every tensor as float32 (norms and other F32 tensors as they are), atomically at `target`."""
+def write_gguf(source: Path, target: Path, type_name: str = "F32") -> None:
+    """`source` with its quantized tensors as `type_name` (F32 or Q8_0; float tensors as they are), atomically."""
     import gguf
 
     reader = gguf.GGUFReader(source)
@@ -32,11 +34,17 @@ def write_f32(source: Path, target: Path) -> None:
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if type_name == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
     for t in reader.tensors:
         # GGUF shapes list the fastest dimension first; numpy arrays the slowest.
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, data.reshape(tuple(reversed([int(d) for d in t.shape]))))
+        data = data.reshape(tuple(reversed([int(d) for d in t.shape])))
+        floats = t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        if type_name == "Q8_0" and not floats:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
@@ -49,7 +57,7 @@ def main():
     os.dup2(2, 1)
     source, path = Path(sys.argv[1]), Path(sys.argv[2])
     if not path.is_file():
-        write_f32(source, path)
+        write_gguf(source, path, sys.argv[3] if len(sys.argv) > 3 else "F32")
     from llama_cpp import Llama
 
     threads = os.cpu_count() or 1

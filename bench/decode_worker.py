@@ -23,8 +23,12 @@ def main():
         out = model.generate(prompts, n, ignore_eos=True)
         return time.perf_counter() - t0, out[0]
 
-    print(json.dumps({"ready": True, "from": os.path.dirname(os.path.dirname(day0jax.__file__))}), file=reply,
-          flush=True)
+    import jax
+    from flax import nnx
+
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.module, nnx.Param)))
+    print(json.dumps({"ready": True, "from": os.path.dirname(os.path.dirname(day0jax.__file__)),
+                      "param_bytes": param_bytes}), file=reply, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         prompts = [cmd["prompt"]] * cmd["batch"]

