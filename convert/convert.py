@@ -23,6 +23,7 @@ from day0jax.errors import CheckpointError
 from day0jax.layers.quantized import QUANT_METHOD, specs_to_json
 from day0jax.models.base import Source, default_source
 from day0jax.models.contract import Family
+from sharding.plan import stored_dtype
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class _Plan:
     sources: dict
     dtype: str
     quant: QuantPlan
+    quantized: dict  # weight parameter path (`X.kernel`) -> the module path of each weight stored quantized
 
 
 def _plan(src: Path, options: Options) -> _Plan:
@@ -139,7 +141,7 @@ def _plan(src: Path, options: Options) -> _Plan:
     quant = plan_quantization(abstract, sources, source, quantize_kind=options.quantize, group=options.group_size,
                               dequantize=options.dequantize)
     stored = {i.path: i for i in models.param_infos(models.abstract_model(config, quantization=quant.specs))}
-    return _Plan(source, hf, config, infos, stored, sources, dtype, quant)
+    return _Plan(source, hf, config, infos, stored, sources, dtype, quant, quant.weight_paths(abstract))
 
 
 def _output_config(plan: _Plan) -> dict:
@@ -149,10 +151,6 @@ def _output_config(plan: _Plan) -> dict:
         out["quantization_config"] = {"quant_method": QUANT_METHOD, "modules": specs_to_json(plan.quant.specs)}
     out["dtype"] = plan.dtype
     return out
-
-
-def _stored_dtype(info, dtype: str) -> str:
-    return str(info.dtype) if info.metadata.get("quantized") else str(DTYPES[dtype])
 
 
 def planned_output(src: Path, dtype: str | None = None, options: Options | None = None) -> tuple[dict, dict]:
@@ -169,7 +167,7 @@ def planned_output(src: Path, dtype: str | None = None, options: Options | None 
     plan = _plan(Path(src), options)
     manifest = {"format_version": checkpoint.FORMAT_VERSION, "converter_version": CONVERTER_VERSION,
                 "model_type": plan.config.model_type,
-                "params": {i.path: {"shape": list(i.shape), "dtype": _stored_dtype(i, plan.dtype)}
+                "params": {i.path: {"shape": list(i.shape), "dtype": str(stored_dtype(i, DTYPES[plan.dtype]))}
                            for i in plan.stored.values()}}
     return _output_config(plan), manifest
 
@@ -194,7 +192,6 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     plan = _plan(Path(src), options)
     source, out_dtype = plan.source, DTYPES[plan.dtype]
     total_in = sum(source.tensor_nbytes(n) for src_ in plan.sources.values() for n in src_.names)
-    quantized = plan.quant.weight_paths(models.abstract_model(plan.config))
     if plan.quant.specs:
         log.info("%s", plan.quant.summary())
     shapes = {path: info.shape for path, info in plan.stored.items()}
@@ -209,8 +206,8 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         n_params = 0
         for info in plan.infos:
             s = plan.sources[info.path]
-            if info.path in quantized:
-                module = quantized[info.path]
+            if info.path in plan.quantized:
+                module = plan.quantized[info.path]
                 arrays = quantized_arrays(info.path, info.shape, plan.quant.specs[module], s, source,
                                           module in plan.quant.from_source, shapes)
             else:

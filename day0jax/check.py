@@ -269,7 +269,8 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     import jax.numpy as jnp
 
     from day0jax import models
-    from day0jax.layers.quantized import parameter_count
+    from convert.quantize import QuantPlan
+    from day0jax.layers.quantized import parameter_count, specs_from_config
     from day0jax.engine.config import EngineConfig
     from day0jax.weights.loader import DTYPES, default_dtype
 
@@ -302,16 +303,14 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     if dtype not in DTYPES:
         report.reasons.append(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return report
+    # A converted checkpoint stores its quantized weights as such (its config.json names them); a source is mapped
+    # in float, then planned as the conversion would store it.
     try:
-        quantization = _quantization(fam, config, hf, source)
+        stored_specs = specs_from_config(hf) if isinstance(source, dict) else {}
     except Day0Error as e:
         report.reasons.append(str(e))
-        quantization = None
-    # A converted checkpoint stores its quantized weights as such; a source is mapped in float, then planned as the
-    # conversion would store it.
-    abstract = models.abstract_model(config, DTYPES[dtype],
-                                     quantization=quantization.specs if isinstance(source, dict) and quantization
-                                     else None)
+        stored_specs = {}
+    abstract = models.abstract_model(config, DTYPES[dtype], quantization=stored_specs)
     infos = models.param_infos(abstract)
     op_calls = abstract.op_calls()
     report.op_calls = [call.to_dict() for call in dict.fromkeys(call for _, call in op_calls)]
@@ -322,10 +321,18 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     report.parameters = {"model": parameter_count(abstract), "checkpoint_elements": count,
                          "checkpoint_bytes_by_dtype": by_dtype, "runtime_dtype": dtype}
     report.vision = _vision(abstract, infos, jnp.dtype(DTYPES[dtype]).itemsize)
-    report.reasons += _mapping_problems(fam, config, infos, source)
-    if quantization and quantization.specs:
-        report.quantization = quantization.summary()
-        if not isinstance(source, dict):
+    mapping = _mapping_problems(fam, config, infos, source)
+    report.reasons += mapping
+    if stored_specs:
+        report.quantization = QuantPlan(stored_specs, frozenset(), {}).summary()
+    elif not mapping:  # (a source whose tensors do not map has nothing to plan)
+        try:
+            quantization = _source_quantization(fam, config, abstract, infos, source)
+        except Day0Error as e:
+            report.reasons.append(str(e))
+            quantization = None
+        if quantization and quantization.specs:
+            report.quantization = quantization.summary()
             abstract = models.abstract_model(config, DTYPES[dtype], quantization=quantization.specs)
             infos = models.param_infos(abstract)
     report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report)
@@ -349,29 +356,21 @@ def _vision(abstract, infos, itemsize: int) -> dict:
             "parameter_bytes": count * itemsize}
 
 
-def _quantization(fam, config, hf: dict, source):
-    """What stays quantized (a `convert.quantize.QuantPlan`): as a converted checkpoint's config.json says, or as
-    converting the source would keep it; None for an unreadable source.
+def _source_quantization(fam, config, abstract, infos, source):
+    """What converting `source` would keep quantized (a `convert.quantize.QuantPlan`), planned on the float model
+    `abstract` with parameters `infos`; None for a converted checkpoint or an unreadable source.
 
     Raises:
         Day0Error: a quantization the runtime does not keep (named), or a malformed one.
     """
-    from convert.quantize import QuantPlan
-    from day0jax import models
-    from day0jax.layers.quantized import specs_from_config
-
-    if isinstance(source, dict):
-        specs = specs_from_config(hf)
-        return QuantPlan(specs, frozenset(), {})
-    if source is None or isinstance(source, _ReadableShards):
+    if source is None or isinstance(source, (dict, _ReadableShards)):
         return None
     from convert.convert import plan_sources
     from convert.quantize import plan_quantization
     from convert.sources import RenamedSource
 
     source = RenamedSource(source, fam.renames) if fam.renames else source
-    abstract = models.abstract_model(config)
-    return plan_quantization(abstract, plan_sources(fam, config, models.param_infos(abstract), source), source)
+    return plan_quantization(abstract, plan_sources(fam, config, infos, source), source)
 
 
 def _mapping_problems(fam, config, infos, source) -> list[str]:

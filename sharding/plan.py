@@ -177,10 +177,15 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def stored_dtype(p: Any, dtype: Any) -> Any:
+    """The dtype parameter `p` (a `ParamInfo`) is stored and loaded as when the model's dtype is `dtype`: quantized
+    weights' codes, scales and offsets keep their own, every other parameter takes `dtype`."""
+    return p.dtype if p.metadata.get("quantized") else dtype
+
+
 def param_itemsize(p: Any, dtype: Any) -> int:
-    """Bytes per element of parameter `p` loaded as `dtype`: quantized weights' codes, scales and offsets keep their
-    own dtype."""
-    return jnp.dtype(p.dtype if p.metadata.get("quantized") else dtype).itemsize
+    """Bytes per element of parameter `p` loaded as `dtype`."""
+    return jnp.dtype(stored_dtype(p, dtype)).itemsize
 
 
 def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:

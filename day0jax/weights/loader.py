@@ -127,7 +127,7 @@ class Prepared:
 
     def _target(self, name: str) -> jax.ShapeDtypeStruct:
         info = self.infos[name]
-        return jax.ShapeDtypeStruct(info.shape, stored_dtype(info, DTYPES[self.dtype]),
+        return jax.ShapeDtypeStruct(info.shape, plan_lib.stored_dtype(info, DTYPES[self.dtype]),
                                     sharding=named_sharding(info.axes, info.shape, self.mesh))
 
     def check_checkpoint(self, path: Path) -> dict:
@@ -267,12 +267,6 @@ def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, 
     return inputs.layout, memory_plan, mesh
 
 
-def stored_dtype(info, dtype):
-    """The dtype parameter `info` is restored as: quantized weights' codes, scales and offsets keep their own, every
-    other parameter takes the load dtype."""
-    return info.dtype if info.metadata.get("quantized") else dtype
-
-
 def manifest_problems(manifest: dict, infos) -> list[str]:
     """Why a checkpoint's parameters (its manifest) are not the model's: `load` refuses the first, `check` lists them.
 
@@ -309,7 +303,7 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
         for name in names:
             info = infos[name]
             sharding = named_sharding(info.axes, info.shape, mesh)
-            as_dtype = stored_dtype(info, dtype)
+            as_dtype = plan_lib.stored_dtype(info, dtype)
             targets[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
             restore_args[name] = ocp.ArrayRestoreArgs(sharding=sharding, dtype=as_dtype, global_shape=info.shape)
         try:
