@@ -1,10 +1,14 @@
-"""`python -m day0jax.check PATH [--mesh SPEC] [--json]`: the day-0 readiness report.
+"""`python -m day0jax.check PATH [--mesh SPEC] [--json] [--hosts N --devices-per-host M --device-memory SIZE]`:
+the day-0 readiness report.
 
 Says, before a weight is read, whether a model will run and how: its family, every config.json key (used, ignored
 as harmless, or unknown and refused), each operator and the implementation it takes on this backend (a kernel or
 the reference, found by tracing the op on the model's shapes), parameter count and bytes per dtype, whether the
 checkpoint's tensors map onto the model, and the memory per device: the plan `load` and `serve` make with the same
-mesh and engine flags. PATH is a Hugging Face folder, a day0jax checkpoint folder or a GGUF file (headers only).
+mesh and engine flags. PATH is a Hugging Face folder, a day0jax checkpoint folder or a GGUF file (headers only), or
+a folder with config.json alone. With --hosts, --devices-per-host and --device-memory it plans a cluster that is
+not here instead: memory per device on the best placed mesh that fits, which mesh axes cross hosts, the bytes
+each axis moves per token, and the meshes that fit.
 Exit status: 0 when the model will run, 2 when it will not, 1 on a usage error.
 """
 
@@ -46,6 +50,7 @@ class Report:
     vision: dict = dataclasses.field(default_factory=dict)  # a vision-language model's tower and image tokens
     quantization: str = ""            # which weights stay quantized in memory, and how
     memory: dict = dataclasses.field(default_factory=dict)
+    cluster: dict = dataclasses.field(default_factory=dict)  # a described cluster: placement, traffic, fitting meshes
     backend: str = ""
 
     def to_dict(self) -> dict:
@@ -255,7 +260,8 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     return [{"kind": kind, "layers": _layer_ranges(layers), "cache": cache} for (kind, cache), layers in rows.items()]
 
 
-def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None) -> Report:
+def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None,
+          cluster=None, quantize: str | None = None) -> Report:
     """Returns the readiness `Report` for `path` (`.supported`: whether the model will run); never reads tensor data.
 
     Args:
@@ -263,7 +269,10 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         mesh: SPEC such as 'tp=4' (may name more devices than are visible), 'auto' (as `load` chooses) or None
             for one device, as `load` and the server take it.
         engine: the `EngineConfig` to plan for (default `EngineConfig()`, as `load` and the server use).
-        dtype: parameter and cache dtype (default: the runtime's default for this backend).
+        dtype: parameter and cache dtype (default: the runtime's default for this backend; bfloat16 for a cluster).
+        cluster: a `sharding.cluster.Cluster` to plan for instead of the devices present (mesh None or 'auto': the
+            best placed mesh over all of its devices that fits).
+        quantize: plan the weights as `convert --quantize` would store them ('int8', 'int4', 'fp8').
     """
     import jax
     import jax.numpy as jnp
@@ -299,7 +308,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
                 row["status"], row["note"] = "refused", "value not implemented (see above)"
         return report
 
-    dtype = dtype or default_dtype()
+    dtype = dtype or ("bfloat16" if cluster else default_dtype())
     if dtype not in DTYPES:
         report.reasons.append(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         return report
@@ -325,17 +334,27 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     report.reasons += mapping
     if stored_specs:
         report.quantization = QuantPlan(stored_specs, frozenset(), {}).summary()
+        if quantize:
+            report.reasons.append(f"--quantize {quantize}: the checkpoint is converted already; its weights are "
+                                  "stored as its config.json says")
     elif not mapping:  # (a source whose tensors do not map has nothing to plan)
         try:
-            quantization = _source_quantization(fam, config, abstract, infos, source)
+            quantization = _source_quantization(fam, config, abstract, infos, source, quantize)
         except Day0Error as e:
             report.reasons.append(str(e))
             quantization = None
         if quantization and quantization.specs:
             report.quantization = quantization.summary()
+            if any(call.op == "moe" for _, call in op_calls):
+                report.notes.append(f"the routed experts stay {dtype}: their stacked weights are not stored "
+                                    "quantized")
             abstract = models.abstract_model(config, DTYPES[dtype], quantization=quantization.specs)
             infos = models.param_infos(abstract)
-    report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report)
+        elif source is None and hf.get("quantization_config") and not quantize:
+            method = hf["quantization_config"].get("quant_method", "?")
+            report.notes.append(f"config.json names {method} quantization; without the weights' headers the plan "
+                                f"counts every weight in {dtype} (--quantize KIND plans them quantized)")
+    report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report, cluster)
     report.supported = not report.reasons
     return report
 
@@ -356,21 +375,25 @@ def _vision(abstract, infos, itemsize: int) -> dict:
             "parameter_bytes": count * itemsize}
 
 
-def _source_quantization(fam, config, abstract, infos, source):
-    """What converting `source` would keep quantized (a `convert.quantize.QuantPlan`), planned on the float model
-    `abstract` with parameters `infos`; None for a converted checkpoint or an unreadable source.
+def _source_quantization(fam, config, abstract, infos, source, quantize: str | None = None):
+    """What converting `source` (with `--quantize quantize`) would keep quantized (a `convert.quantize.QuantPlan`),
+    planned on the float model `abstract` with parameters `infos`; None for a converted checkpoint or an unreadable
+    source. A config.json alone is planned as a float source.
 
     Raises:
         Day0Error: a quantization the runtime does not keep (named), or a malformed one.
     """
-    if source is None or isinstance(source, (dict, _ReadableShards)):
+    from convert.quantize import plan_quantization
+
+    if source is None:
+        return plan_quantization(abstract, {}, None, quantize_kind=quantize) if quantize else None
+    if isinstance(source, (dict, _ReadableShards)):
         return None
     from convert.convert import plan_sources
-    from convert.quantize import plan_quantization
     from convert.sources import RenamedSource
 
     source = RenamedSource(source, fam.renames) if fam.renames else source
-    return plan_quantization(abstract, plan_sources(fam, config, infos, source), source)
+    return plan_quantization(abstract, plan_sources(fam, config, infos, source), source, quantize_kind=quantize)
 
 
 def _mapping_problems(fam, config, infos, source) -> list[str]:
@@ -391,19 +414,22 @@ def _mapping_problems(fam, config, infos, source) -> list[str]:
     return []
 
 
-def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Report) -> dict:
-    """The memory plan `load` would make for these flags, on the visible devices or on the mesh described."""
+def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Report, cluster=None) -> dict:
+    """The memory plan `load` would make for these flags, on the visible devices, the mesh described or `cluster`."""
     import jax
 
     from day0jax.weights.loader import EnginePlanInputs
     from sharding import plan as plan_lib
 
     devices = jax.devices()
-    available = plan_lib.device_memory(devices)
+    available = cluster.available if cluster else plan_lib.device_memory(devices)
     try:
         inputs = EnginePlanInputs.of(abstract, config, engine)
-        if mesh_spec == "auto":
-            sizes = mesh_lib.auto_sizes(len(devices), infos, lambda s: inputs.plan(s, dtype, available).fits)
+        plan_of = lambda s: inputs.plan(s, dtype, available)  # noqa: E731
+        if cluster and mesh_spec in (None, mesh_lib.AUTO):
+            sizes = _cluster_mesh(cluster, infos, plan_of)
+        elif mesh_spec == mesh_lib.AUTO:
+            sizes = mesh_lib.auto_sizes(len(devices), infos, lambda s: plan_of(s).fits)
         else:
             sizes = mesh_lib.parse_spec(mesh_spec)
     except Day0Error as e:
@@ -413,14 +439,60 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
     if bad:
         report.reasons.append(f"mesh {mesh_lib.format_spec(sizes)}: " + "; ".join(bad))
     p = inputs.plan(sizes, dtype, available)
-    try:
-        inputs.require_fit(p, n_devices=len(devices))
-    except Day0Error as e:
-        report.reasons.append(str(e))
+    if cluster:
+        report.cluster = _cluster_report(cluster, inputs, sizes, p, infos, dtype, report)
+    else:
+        try:
+            inputs.require_fit(p, n_devices=len(devices))
+        except Day0Error as e:
+            report.reasons.append(str(e))
     out = p.to_dict()
     out["summary"] = p.summary()
-    out["visible_devices"] = f"{len(devices)} {devices[0].platform}"
+    out["visible_devices"] = cluster.describe() if cluster else f"{len(devices)} {devices[0].platform}"
     return out
+
+
+def _cluster_mesh(cluster, infos, plan_of) -> dict[str, int]:
+    """The best placed mesh over all of `cluster`'s devices that fits, else the one needing the least memory per
+    device (reported as not fitting); `plan_of(sizes)` is its memory `Plan`.
+
+    Raises:
+        MeshError: no mesh over the cluster divides the model.
+    """
+    from sharding.cluster import ranked_meshes
+
+    options = ranked_meshes(cluster, infos)
+    if not options:
+        raise mesh_lib.MeshError(f"no mesh over the cluster's {cluster.devices} devices divides this model: "
+                                 + "; ".join(mesh_lib.problems({"tp": cluster.devices}, infos)))
+    plans = [plan_of(s) for s in options]
+    return next((s for s, p in zip(options, plans) if p.fits),
+                min(zip(options, plans), key=lambda sp: sp[1].total_bytes)[0])
+
+
+def _cluster_report(cluster, inputs, sizes, p, infos, dtype: str, report: Report) -> dict:
+    """Placement, traffic and the meshes that fit for a described cluster; refusals go to `report.reasons`."""
+    from sharding import plan as plan_lib
+    from sharding.cluster import crossing, ranked_meshes, traffic
+
+    used = math.prod(sizes.values())
+    if used != cluster.devices:
+        report.reasons.append(f"mesh {mesh_lib.format_spec(sizes)} uses {used} device(s); the cluster has "
+                              f"{cluster.devices}: give a mesh over all of them")
+    fitting = [mesh_lib.format_spec(s) for s in ranked_meshes(cluster, infos)
+               if inputs.plan(s, dtype, cluster.available).fits]
+    if not p.fits:
+        would = (f"meshes over the cluster that fit, best placed first: {'; '.join(fitting[:6])}" if fitting else
+                 "no mesh over the cluster fits: " + "; ".join(
+                     plan_lib.suggestions(p, inputs.shape, inputs.workload, inputs.workload_for,
+                                          n_devices=cluster.devices)))
+        report.reasons.append(f"the model will not fit {cluster.describe()}: {p.summary()}. {would}")
+    cross = crossing(sizes, cluster.devices_per_host)
+    return {"hosts": cluster.hosts, "devices_per_host": cluster.devices_per_host,
+            "device_memory": cluster.device_memory, "mesh": mesh_lib.format_spec(sizes), "fits": p.fits,
+            "axes_crossing_hosts": [a for a in mesh_lib.AXES if cross[a] and sizes[a] > 1],
+            "traffic": [t.to_dict() for t in traffic(inputs.shape, sizes, dtype, cluster.devices_per_host)],
+            "meshes_that_fit": fitting}
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
@@ -465,11 +537,32 @@ def render(report: Report) -> str:
                   if on]
         out += ["", f"images: {v['tower']} tower, {size}" + "".join(f"; {x}" for x in extras) +
                 f"; {v['parameters']:,} vision parameters ({fmt_bytes(v['parameter_bytes'])})"]
-    if report.memory:
+    if report.memory and not report.cluster:
         m = report.memory
         out += ["", f"memory per device ({m['visible_devices']} device(s) visible): {m['summary']}"]
         out += [f"  note: {n}" for n in m.get("notes", ())]
+    if report.cluster:
+        out += _render_cluster(report)
     return "\n".join(out)
+
+
+def _render_cluster(report: Report) -> list[str]:
+    from sharding.plan import fmt_bytes
+
+    c, m = report.cluster, report.memory
+    crossing = ", ".join(c["axes_crossing_hosts"]) or "none"
+    out = ["", f"cluster: {m['visible_devices']}; mesh {c['mesh']} "
+               f"({'fits' if c['fits'] else 'DOES NOT FIT'}); axes crossing hosts: {crossing}",
+           f"memory per device: {m['summary']}"]
+    out += [f"  note: {n}" for n in m.get("notes", ())]
+    if c["traffic"]:
+        rows = [{"axis": f"{t['axis']}={t['size']}", "crosses hosts": "yes" if t["crosses_hosts"] else "no",
+                 "per decode token": fmt_bytes(t["decode_bytes"]), "per prefill token": fmt_bytes(t["prefill_bytes"]),
+                 "what": t["what"]} for t in c["traffic"]]
+        out += ["bytes sent per token (all devices of the axis together):",
+                _table(rows, ["axis", "crosses hosts", "per decode token", "per prefill token", "what"])]
+    out.append("meshes that fit, best placed first: " + ("; ".join(c["meshes_that_fit"][:8]) or "none"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,9 +572,27 @@ def main(argv: list[str] | None = None) -> int:
                         "visible), or 'auto' (default: one device, as load and serve)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per backend)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quantize", choices=["int8", "int4", "fp8"],
+                        help="plan the weights as `convert --quantize KIND` would store them")
+    g = parser.add_argument_group("a cluster that is not here (all three together)")
+    g.add_argument("--hosts", type=int, help="number of hosts")
+    g.add_argument("--devices-per-host", type=int, help="accelerators in each host")
+    g.add_argument("--device-memory", help="memory of one accelerator, e.g. 141GiB or 80GB")
     cli.add_engine_arguments(parser)
     args = parser.parse_args(argv)
-    report = check(args.path, mesh=args.mesh, engine=cli.engine_config_from_args(args), dtype=args.dtype)
+    cluster = None
+    described = (args.hosts, args.devices_per_host, args.device_memory)
+    if any(x is not None for x in described):
+        from sharding.cluster import Cluster, parse_size
+
+        if any(x is None for x in described):
+            parser.error("--hosts, --devices-per-host and --device-memory describe a cluster together; give all three")
+        try:
+            cluster = Cluster(args.hosts, args.devices_per_host, parse_size(args.device_memory))
+        except Day0Error as e:
+            parser.error(str(e))
+    report = check(args.path, mesh=args.mesh, engine=cli.engine_config_from_args(args), dtype=args.dtype,
+                   cluster=cluster, quantize=args.quantize)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return RUNS if report.supported else WONT_RUN
 

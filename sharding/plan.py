@@ -74,6 +74,7 @@ class ModelShape:
     vocab_size: int  # V
     ffn_per_token: int  # F a token passes through, the most of any layer (MoE: k x expert F, plus shared experts)
     context_length: int  # the model's own
+    moe_top_k: tuple[int, ...] = ()  # experts each token visits, one entry per MoE layer
 
     @classmethod
     def from_model(cls, model: Any, context_length: int) -> "ModelShape":
@@ -86,19 +87,21 @@ class ModelShape:
         from day0jax.models import param_infos
 
         ffn: dict[Any, int] = {}
+        top_k: dict[Any, int] = {}
         heads = 0
         for layer, call in model.op_calls():
             if call.op == "mlp":
                 ffn[layer] = ffn.get(layer, 0) + call["F"]
             elif call.op == "moe":
                 ffn[layer] = ffn.get(layer, 0) + call["k"] * call["F"]
+                top_k[layer] = call["k"]
             elif call.op in ("attention", "sparse_attention"):
                 heads = max(heads, call["N"])
         # A vision-language model's language model holds the embeddings.
         V, D = getattr(model, "language_model", model).model.embed_tokens.weight.shape
         return cls(params=tuple(param_infos(model)), cache_layout=tuple(model.cache_layout()),
                    hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
-                   context_length=int(context_length))
+                   context_length=int(context_length), moe_top_k=tuple(top_k.values()))
 
     @property
     def kv_layers(self) -> list[KVLayer]:
@@ -360,6 +363,12 @@ def suggestions(p: Plan, shape: ModelShape, workload: Workload,
             if more:
                 hints.append(f"{n} devices of this size would fit it (--mesh {more.mesh})")
                 break
+    if p.params_bytes > p.available_bytes:  # no engine setting helps: only more devices or fewer bytes
+        if not hints:
+            hints.append(f"the parameters alone need {fmt_bytes(p.params_bytes)} per device on {p.mesh}, more than "
+                         f"the {fmt_bytes(p.available_bytes)} available; use more devices, a smaller dtype or "
+                         "quantized weights")
+        return hints
     if workload_for is not None:
         context = largest_context(shape, p.sizes, workload_for, dtype=p.dtype, available=p.available_bytes)
         if context is not None and context < p.max_model_len:

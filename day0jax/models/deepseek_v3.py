@@ -142,5 +142,6 @@ def dropped(config: Config) -> dict[str, str]:
     return {rf"model\.layers\.({indices})\..*": "multi-token-prediction layers, used only for speculative decoding"}
 
 
-FAMILY = Family(model_types=("deepseek_v3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
+# Kimi K2's checkpoints name their own model_type but are DeepseekV3ForCausalLM (its remote code is DeepSeek-V3's).
+FAMILY = Family(model_types=("deepseek_v3", "kimi_k2"), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
                 dropped_for=dropped, hf_source=per_expert_hf_source)

@@ -1,0 +1,142 @@
+"""`day0jax.check --hosts N --devices-per-host M --device-memory SIZE`: plans for clusters that are not here.
+
+The configurations in tests/published_configs/ are the published config.json files of four of the largest open
+models; their parameter counts are checked against the totals their publishers give, and their plans against
+arithmetic done here by hand.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from day0jax import check as check_lib
+from day0jax.errors import MeshError
+from sharding.cluster import Cluster, crossing, parse_size
+
+CONFIGS = Path(__file__).resolve().parent / "published_configs"
+GiB = 1 << 30
+H200 = 141 * GiB
+
+# Published totals: DeepSeek-V3 671B (without its 14B multi-token-prediction module, which serving drops), Kimi K2
+# 1.03T (its model card's count), Qwen3-235B-A22B 235B, Llama-3.1-405B 405B.
+PUBLISHED = {"deepseek_v3_671b": 671e9, "kimi_k2_1t": 1.03e12, "qwen3_235b_a22b": 235e9, "llama3_1_405b": 405e9}
+
+
+def plan(name: str, hosts: int, per_host: int, memory: int = H200, **kw) -> check_lib.Report:
+    return check_lib.check(CONFIGS / name, cluster=Cluster(hosts, per_host, memory), **kw)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_the_published_totals(name):
+    report = check_lib.check(CONFIGS / name)
+    count = report.parameters["model"]
+    assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.01, count  # within 1%
+
+
+def test_deepseek_v3_on_two_hosts_of_eight_h200():
+    """bfloat16 needs two hosts; tp stays inside a host, ep crosses; the traffic is the layout's arithmetic."""
+    report = plan("deepseek_v3_671b", 2, 8)
+    assert report.supported, report.reasons
+    c, m = report.cluster, report.memory
+    assert c["mesh"] == "ep=2,tp=8" and c["axes_crossing_hosts"] == ["ep"] and c["fits"]
+    assert m["dtype"] == "bfloat16" and m["total_bytes"] <= 0.9 * H200
+    # Experts split over ep=2 and tp=8; everything else over tp (or replicated): about 671B x 2 bytes / 16 plus the
+    # replicated MLA latents and norms.
+    assert 671e9 * 2 / 16 < m["params_bytes"] < 671e9 * 2 / 16 * 1.1
+    traffic = {t["axis"]: t for t in c["traffic"]}
+    D, V, item = 7168, 129280, 2
+    allreduce = (2 * 61 + 1) * 2 * 7 * D * item  # 61 layers' mixer and feed-forward, and the embedding
+    assert traffic["tp"]["prefill_bytes"] == allreduce
+    assert traffic["tp"]["decode_bytes"] == allreduce + 7 * V * 4  # the logits gathered for the sampler
+    # 58 MoE layers (the first 3 are dense), 8 experts each, half of them on the other ep rank, for each tp rank.
+    assert traffic["ep"]["decode_bytes"] == 58 * 2 * 8 * D * item // 2 * 8
+    assert traffic["ep"]["crosses_hosts"] and not traffic["tp"]["crosses_hosts"]
+    assert "ep=2,tp=8" in c["meshes_that_fit"] and "tp=16" in c["meshes_that_fit"]
+    assert c["meshes_that_fit"].index("ep=2,tp=8") < c["meshes_that_fit"].index("tp=16")  # tp inside a host first
+    text = check_lib.render(report)
+    assert "axes crossing hosts: ep" in text and "per decode token" in text
+
+
+def test_kimi_k2_refused_on_two_hosts_and_planned_on_four():
+    """1T parameters do not fit 16 H200 in bfloat16: refused naming what would; 32 fit."""
+    report = plan("kimi_k2_1t", 2, 8)
+    assert not report.supported and report.family == "day0jax.models.deepseek_v3"
+    [reason] = report.reasons
+    assert "will not fit 2 host(s) x 8 device(s)" in reason and "32 devices of this size would fit" in reason
+    assert report.cluster["meshes_that_fit"] == []
+    four = plan("kimi_k2_1t", 4, 8)
+    assert four.supported, four.reasons
+    assert four.cluster["mesh"] == "ep=4,tp=8" and four.cluster["axes_crossing_hosts"] == ["ep"]
+    # --quantize fp8 stores the attention and shared-expert projections as fp8; the routed experts stay bfloat16
+    # (said in a note), so the saving is their small share.
+    quantized = plan("kimi_k2_1t", 4, 8, quantize="fp8")
+    assert quantized.supported and "fp8" in quantized.quantization
+    assert any("routed experts stay bfloat16" in n for n in quantized.notes)
+    assert 0.9 * four.memory["params_bytes"] < quantized.memory["params_bytes"] < four.memory["params_bytes"]
+
+
+def test_parameters_that_alone_do_not_fit_get_no_engine_hints():
+    """Fewer sequences or a shorter context cannot help when the parameters alone overflow every device."""
+    report = plan("deepseek_v3_671b", 1, 8)
+    [reason] = report.reasons
+    assert "16 devices of this size would fit it" in reason
+    assert "max_num_seqs" not in reason and "max_model_len" not in reason
+
+
+def test_llama_405b_where_only_tp_across_hosts_fits():
+    """On 2 x 8 devices of 80 GB, 405B in bfloat16 fits only with tp=16, which crosses hosts and is said to."""
+    report = plan("llama3_1_405b", 2, 8, memory=parse_size("80GB"), engine=_engine(max_model_len=8192))
+    assert report.supported, report.reasons
+    assert report.cluster["mesh"] == "tp=16" and report.cluster["axes_crossing_hosts"] == ["tp"]
+    assert report.cluster["meshes_that_fit"] == ["tp=16"]
+
+
+def test_a_given_mesh_that_does_not_fit_is_refused_with_those_that_do():
+    report = plan("qwen3_235b_a22b", 2, 8, mesh="dp=16")
+    assert not report.supported
+    [reason] = report.reasons
+    assert "dp=16" in reason and "meshes over the cluster that fit, best placed first: dp=4,tp=4" in reason
+    wrong_size = plan("qwen3_235b_a22b", 2, 8, mesh="tp=8")
+    assert any("uses 8 device(s); the cluster has 16" in r for r in wrong_size.reasons)
+
+
+def test_config_quantization_is_named_when_not_planned():
+    report = plan("deepseek_v3_671b", 2, 8)
+    assert any("config.json names fp8 quantization" in n for n in report.notes)
+
+
+def test_crossing_follows_devices_numbered_host_by_host():
+    sizes = {"dp": 2, "ep": 2, "tp": 4}
+    assert crossing(sizes, 8) == {"dp": True, "ep": False, "tp": False}
+    assert crossing(sizes, 4) == {"dp": True, "ep": True, "tp": False}
+    assert crossing(sizes, 2) == {"dp": True, "ep": True, "tp": True}
+    assert crossing(sizes, 16) == {"dp": False, "ep": False, "tp": False}
+    assert crossing({"dp": 2, "ep": 1, "tp": 3}, 4)["tp"]  # devices 3, 4, 5: a group straddling two hosts
+
+
+def test_sizes_and_bad_cluster_descriptions():
+    assert parse_size("141GiB") == 141 * GiB and parse_size("80GB") == 80 * 10**9
+    assert parse_size("1.5 TiB") == int(1.5 * (1 << 40)) and parse_size("4096") == 4096
+    for bad in ("", "12XB", "-3GiB", "GiB"):
+        with pytest.raises(MeshError, match="device memory"):
+            parse_size(bad)
+    with pytest.raises(MeshError, match="hosts must be a positive integer"):
+        Cluster(0, 8, H200)
+
+
+def test_cli_needs_the_whole_cluster_description(capsys):
+    with pytest.raises(SystemExit) as e:
+        check_lib.main([str(CONFIGS / "llama3_1_405b"), "--hosts", "2"])
+    assert e.value.code == 2 and "give all three" in capsys.readouterr().err
+    code = check_lib.main([str(CONFIGS / "llama3_1_405b"), "--hosts", "2", "--devices-per-host", "8",
+                           "--device-memory", "141GiB", "--max-model-len", "8192"])
+    out = capsys.readouterr().out
+    assert code == check_lib.RUNS and "cluster: 2 host(s) x 8 device(s) of 141.00 GiB (16 devices)" in out
+    assert math.isclose(405.85, float(out.split(" in the model (")[1].split("M)")[0]) / 1000, rel_tol=1e-3)
+
+
+def _engine(**kw):
+    from day0jax.engine.config import EngineConfig
+
+    return EngineConfig(**kw)
