@@ -429,7 +429,8 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
         if cluster and mesh_spec in (None, mesh_lib.AUTO):
             sizes = _cluster_mesh(cluster, infos, plan_of)
         elif mesh_spec == mesh_lib.AUTO:
-            sizes = mesh_lib.auto_sizes(len(devices), infos, lambda s: plan_of(s).fits)
+            sizes = mesh_lib.auto_sizes(len(devices), infos, lambda s: plan_of(s).fits,
+                                        mesh_lib.host_ordered(devices)[1])
         else:
             sizes = mesh_lib.parse_spec(mesh_spec)
     except Day0Error as e:

@@ -1,24 +1,21 @@
 """Plans for a cluster that is not here: `hosts` machines of `devices_per_host` devices with `device_memory` each.
 
 Devices are numbered host by host and the mesh axes (dp, ep, tp) laid over them tp innermost (mesh.py), so an axis
-stays inside a host only while it and the axes inside it fit there. `crossing()` says which axes cross hosts,
-`traffic()` estimates the bytes each axis moves per token, `ranked_meshes()` puts the meshes whose busiest axes
-(tp, then ep) stay inside a host first. The per-device memory itself is `plan.plan()`, the same as for devices
-that are present.
-"""
+stays inside a host only while it and the axes inside it fit there (`mesh.crossing`). `traffic()` estimates the
+bytes each axis moves per token; `ranked_meshes()` orders meshes as `--mesh auto` does over several hosts. The
+per-device memory itself is `plan.plan()`, the same as for devices that are present."""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax.numpy as jnp
-import numpy as np
 
 from day0jax.errors import MeshError
 from sharding import mesh as mesh_lib
+from sharding.mesh import crossing
 from sharding.plan import HEADROOM, ModelShape, fmt_bytes
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -64,13 +61,6 @@ class Cluster:
     def describe(self) -> str:
         return (f"{self.hosts} host(s) x {self.devices_per_host} device(s) of {fmt_bytes(self.device_memory)} "
                 f"({self.devices} devices)")
-
-
-def crossing(sizes: dict[str, int], devices_per_host: int) -> dict[str, bool]:
-    """Mesh axis -> whether one of its groups (devices that differ only along it) spans more than one host."""
-    shape = [sizes.get(a, 1) for a in mesh_lib.AXES]
-    host = np.arange(math.prod(shape)).reshape(shape) // devices_per_host
-    return {a: bool((host != np.take(host, [0], axis=i)).any()) for i, a in enumerate(mesh_lib.AXES)}
 
 
 @dataclass(frozen=True)
@@ -125,13 +115,7 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any, devices_per_ho
     return out
 
 
-def topology_key(sizes: dict[str, int], devices_per_host: int) -> tuple:
-    """Sort key for meshes on a cluster: tp inside a host first, then ep, then `mesh.fewest_model_parallel`."""
-    cross = crossing(sizes, devices_per_host)
-    return (cross["tp"], cross["ep"]) + mesh_lib.fewest_model_parallel(sizes)
-
-
 def ranked_meshes(cluster: Cluster, infos: Sequence[Any]) -> list[dict[str, int]]:
-    """Every mesh over all of the cluster's devices that divides the model, best placed first (`topology_key`)."""
+    """Every mesh over all of the cluster's devices that divides the model, in `mesh.placement_key` order."""
     return sorted(mesh_lib.valid_sizes(cluster.devices, infos),
-                  key=lambda s: topology_key(s, cluster.devices_per_host))
+                  key=lambda s: mesh_lib.placement_key(s, cluster.devices_per_host))

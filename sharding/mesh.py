@@ -1,11 +1,10 @@
 """Device meshes from a SPEC such as `dp=2,tp=4,ep=1` (data, tensor, expert parallelism), or chosen automatically.
 
-Axes are always (dp, ep, tp): tensor parallelism innermost, where devices are best connected (consecutive, one
-host). The product of the sizes is the number of devices used: an explicit `devices` list's length; at most the
-visible devices in one process (it takes the first ones); every process's devices when multi-host. tp must divide
-the attention heads and ep the experts (in a dense model ep splits only the batch, like dp; see rules.py).
-Refusals say which meshes would work.
-"""
+Axes are always (dp, ep, tp): tensor parallelism innermost, where devices are best connected (devices are
+numbered host by host, so consecutive ones share a host). The product of the sizes is the number of devices used:
+an explicit `devices` list's length; at most the visible devices in one process (it takes the first ones); every
+process's devices when multi-host. tp must divide the attention heads and ep the experts (in a dense model ep
+splits only the batch, like dp; see rules.py). Refusals say which meshes would work."""
 
 from __future__ import annotations
 
@@ -128,16 +127,27 @@ def _would_work(n_devices: int, infos: Sequence[Any] | None, limit: int = 6) -> 
     return f"meshes that would work on {n_devices} device(s): " + "; ".join(options[:limit]) + more
 
 
-def fewest_model_parallel(sizes: dict[str, int]) -> tuple[int, int]:
-    """Sort key: the smallest model-parallel group (tp * ep) first, the rest data parallel, since replicas scale
-    throughput without collectives; ties go to more tp, which also splits attention."""
-    return sizes["tp"] * sizes["ep"], -sizes["tp"]
+def crossing(sizes: dict[str, int], devices_per_host: int) -> dict[str, bool]:
+    """Mesh axis -> whether one of its groups (devices that differ only along it) spans more than one host, when
+    devices are numbered host by host and laid out (dp, ep, tp) with tp innermost, as `make_mesh` does."""
+    shape = [sizes.get(a, 1) for a in AXES]
+    host = np.arange(math.prod(shape)).reshape(shape) // devices_per_host
+    return {a: bool((host != np.take(host, [0], axis=i)).any()) for i, a in enumerate(AXES)}
+
+
+def placement_key(sizes: dict[str, int], devices_per_host: int | None = None) -> tuple:
+    """Sort key for meshes: the smallest model-parallel group (tp * ep) first, the rest data parallel, since
+    replicas scale throughput without collectives; then, given the devices per host, meshes whose tp (the most
+    traffic), then ep, stays inside a host; then more tp, which also splits attention."""
+    cross = crossing(sizes, devices_per_host) if devices_per_host else {}
+    return sizes["tp"] * sizes["ep"], cross.get("tp", False), cross.get("ep", False), -sizes["tp"]
 
 
 def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
-               fits: Callable[[dict[str, int]], bool] | None = None) -> dict[str, int]:
+               fits: Callable[[dict[str, int]], bool] | None = None,
+               devices_per_host: int | None = None) -> dict[str, int]:
     """The mesh `--mesh auto` picks over `n_devices`: with `fits` (a memory test, see plan.py) the first that fits in
-    `fewest_model_parallel` order, else the most tensor parallelism the model allows (the least memory).
+    `placement_key` order, else the most tensor parallelism the model allows (the least memory).
 
     Raises:
         MeshError: no mesh over these devices fits the model.
@@ -148,10 +158,20 @@ def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
                         + "; ".join(problems({"tp": n_devices}, infos)))
     if fits is None:
         return options[0]
-    for sizes in sorted(options, key=fewest_model_parallel):
+    for sizes in sorted(options, key=lambda s: placement_key(s, devices_per_host)):
         if fits(sizes):
             return sizes
     return options[0]  # nothing fits: the caller's planner reports it with the least memory-hungry mesh
+
+
+def host_ordered(devices: Sequence[Any]) -> tuple[list[Any], int | None]:
+    """`devices` numbered host by host (by process, then id), and the devices per host when they span several
+    processes (None for one), so that tp, innermost, stays inside a host whenever it fits there."""
+    processes = {getattr(d, "process_index", 0) for d in devices}
+    if len(processes) == 1:
+        return list(devices), None
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return ordered, min(sum(d.process_index == p for d in devices) for p in processes)
 
 
 def make_mesh(spec: str | dict | None = None, devices: Sequence[Any] | None = None, *,
@@ -178,7 +198,8 @@ def make_mesh(spec: str | dict | None = None, devices: Sequence[Any] | None = No
     platform = devices[0].platform
     processes = len({getattr(d, "process_index", 0) for d in devices})
     multi_process = processes > 1
-    sizes = auto_sizes(len(devices), infos, fits) if spec == AUTO else mesh_sizes(spec)
+    devices, per_host = host_ordered(devices)
+    sizes = auto_sizes(len(devices), infos, fits, per_host) if spec == AUTO else mesh_sizes(spec)
     label = spec if isinstance(spec, str) else format_spec(sizes)
     needed = math.prod(sizes.values())
     if needed > len(devices):

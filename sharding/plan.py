@@ -348,7 +348,7 @@ def suggestions(p: Plan, shape: ModelShape, workload: Workload,
 
     def fitting(n: int) -> Plan | None:
         """The plan over `n` devices that `--mesh auto` would pick, if one fits."""
-        for sizes in sorted(mesh_lib.valid_sizes(n, shape.params), key=mesh_lib.fewest_model_parallel):
+        for sizes in sorted(mesh_lib.valid_sizes(n, shape.params), key=mesh_lib.placement_key):
             q = plan(shape, sizes, workload, dtype=p.dtype, available=p.available_bytes)
             if q.fits:
                 return q

@@ -12,7 +12,8 @@ import pytest
 
 from day0jax import check as check_lib
 from day0jax.errors import MeshError
-from sharding.cluster import Cluster, crossing, parse_size
+from sharding.cluster import Cluster, parse_size
+from sharding.mesh import crossing
 
 CONFIGS = Path(__file__).resolve().parent / "published_configs"
 GiB = 1 << 30

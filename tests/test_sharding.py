@@ -190,6 +190,20 @@ def test_auto_mesh():
     assert mesh_lib.auto_sizes(8, dense, fits=lambda s: True) == {"dp": 8, "ep": 1, "tp": 1}
 
 
+def test_auto_mesh_keeps_tp_inside_a_host():
+    """Among the meshes that fit with the same model-parallel group, one host's devices take tp; ep crosses."""
+    _, moe = abstract_infos(sharding_config("qwen3_moe"))
+    needs_8 = lambda s: s["tp"] * s["ep"] >= 8  # noqa: E731
+    assert mesh_lib.auto_sizes(8, moe, fits=needs_8) == {"dp": 1, "ep": 1, "tp": 8}  # one host: the most tp
+    assert mesh_lib.auto_sizes(8, moe, fits=needs_8, devices_per_host=4) == {"dp": 1, "ep": 2, "tp": 4}
+    assert mesh_lib.crossing({"dp": 1, "ep": 2, "tp": 4}, 4) == {"dp": False, "ep": True, "tp": False}
+    # Devices of two processes, listed interleaved, are numbered host by host.
+    mixed = [FakeDevice(i, process=i % 2) for i in range(8)]
+    ordered, per_host = mesh_lib.host_ordered(mixed)
+    assert [d.process_index for d in ordered] == [0] * 4 + [1] * 4 and per_host == 4
+    assert mesh_lib.host_ordered(mixed[:1]) == (mixed[:1], None)
+
+
 # --- rules ---------------------------------------------------------------------------------------------------
 
 def test_rules_split_heads_mlp_vocab_experts_and_batch():
