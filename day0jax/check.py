@@ -51,6 +51,7 @@ class Report:
     quantization: str = ""            # which weights stay quantized in memory, and how
     memory: dict = dataclasses.field(default_factory=dict)
     cluster: dict = dataclasses.field(default_factory=dict)  # a described cluster: placement, traffic, fitting meshes
+    probe: dict = dataclasses.field(default_factory=dict)  # measured collectives per mesh axis, time per decode step
     backend: str = ""
 
     def to_dict(self) -> dict:
@@ -261,7 +262,7 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
 
 
 def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None,
-          cluster=None, quantize: str | None = None) -> Report:
+          cluster=None, quantize: str | None = None, probe: bool = False) -> Report:
     """Returns the readiness `Report` for `path` (`.supported`: whether the model will run); never reads tensor data.
 
     Args:
@@ -273,6 +274,8 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         cluster: a `sharding.cluster.Cluster` to plan for instead of the devices present (mesh None or 'auto': the
             best placed mesh over all of its devices that fits).
         quantize: plan the weights as `convert --quantize` would store them ('int8', 'int4', 'fp8').
+        probe: measure all-reduce and all-gather over each axis of the mesh on the devices present, and estimate
+            the communication time of a decode step from them.
     """
     import jax
     import jax.numpy as jnp
@@ -354,7 +357,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
             method = hf["quantization_config"].get("quant_method", "?")
             report.notes.append(f"config.json names {method} quantization; without the weights' headers the plan "
                                 f"counts every weight in {dtype} (--quantize KIND plans them quantized)")
-    report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report, cluster)
+    report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report, cluster, probe)
     report.supported = not report.reasons
     return report
 
@@ -414,8 +417,10 @@ def _mapping_problems(fam, config, infos, source) -> list[str]:
     return []
 
 
-def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Report, cluster=None) -> dict:
-    """The memory plan `load` would make for these flags, on the visible devices, the mesh described or `cluster`."""
+def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Report, cluster=None,
+            probe: bool = False) -> dict:
+    """The memory plan `load` would make for these flags, on the visible devices, the mesh described or `cluster`
+    (and with `probe`, the measured collectives of that mesh in `report.probe`)."""
     import jax
 
     from day0jax.weights.loader import EnginePlanInputs
@@ -447,10 +452,33 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
             inputs.require_fit(p, n_devices=len(devices))
         except Day0Error as e:
             report.reasons.append(str(e))
+    if probe:
+        report.probe = _probe(inputs, sizes, infos, dtype, report) if not cluster else {}
+        if cluster:
+            report.notes.append("--probe measures the devices present; a described cluster has none here")
     out = p.to_dict()
     out["summary"] = p.summary()
     out["visible_devices"] = cluster.describe() if cluster else f"{len(devices)} {devices[0].platform}"
     return out
+
+
+def _probe(inputs, sizes, infos, dtype: str, report: Report) -> dict:
+    """Collectives measured on the mesh over the devices present, and the communication time of a decode step."""
+    from sharding.probe import decode_step_time, probe
+
+    if math.prod(sizes.values()) == 1:
+        report.notes.append("--probe: the mesh is one device, there are no collectives to measure (give --mesh)")
+        return {}
+    try:
+        mesh = mesh_lib.make_mesh(sizes, infos=infos)
+    except Day0Error as e:
+        report.notes.append(f"--probe: {e}")
+        return {}
+    links = probe(mesh)
+    rows = inputs.workload.max_num_seqs
+    step = decode_step_time(inputs.shape, sizes, dtype, rows, links)
+    return {"mesh": mesh_lib.describe(mesh), "links": [link.to_dict() for link in links], "rows": rows,
+            "decode_step_seconds": step}
 
 
 def _cluster_mesh(cluster, infos, plan_of) -> dict[str, int]:
@@ -544,7 +572,21 @@ def render(report: Report) -> str:
         out += [f"  note: {n}" for n in m.get("notes", ())]
     if report.cluster:
         out += _render_cluster(report)
+    if report.probe:
+        out += _render_probe(report.probe)
     return "\n".join(out)
+
+
+def _render_probe(probe: dict) -> list[str]:
+    rows = [{"axis": f"{x['axis']}={x['size']}",
+             "all-reduce": f"{x['all_reduce_bandwidth'] / 1e9:.2f} GB/s, {x['all_reduce_latency'] * 1e6:.0f} us",
+             "all-gather": f"{x['all_gather_bandwidth'] / 1e9:.2f} GB/s, {x['all_gather_latency'] * 1e6:.0f} us"}
+            for x in probe["links"]]
+    step = probe["decode_step_seconds"]
+    times = ", ".join(f"{axis} {seconds * 1e3:.2f} ms" for axis, seconds in step.items()) or "none"
+    return ["", f"collectives measured on {probe['mesh']} (bytes each device sends per second; latency):",
+            _table(rows, ["axis", "all-reduce", "all-gather"]),
+            f"estimated communication per decode step of {probe['rows']} sequences: {times}"]
 
 
 def _render_cluster(report: Report) -> list[str]:
@@ -573,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
                         "visible), or 'auto' (default: one device, as load and serve)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per backend)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--probe", action="store_true",
+                        help="measure all-reduce and all-gather over each mesh axis on the devices present, and the "
+                             "communication time of a decode step")
     parser.add_argument("--quantize", choices=["int8", "int4", "fp8"],
                         help="plan the weights as `convert --quantize KIND` would store them")
     g = parser.add_argument_group("a cluster that is not here (all three together)")
@@ -593,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         except Day0Error as e:
             parser.error(str(e))
     report = check(args.path, mesh=args.mesh, engine=cli.engine_config_from_args(args), dtype=args.dtype,
-                   cluster=cluster, quantize=args.quantize)
+                   cluster=cluster, quantize=args.quantize, probe=args.probe)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return RUNS if report.supported else WONT_RUN
 

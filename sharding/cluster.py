@@ -7,6 +7,7 @@ per-device memory itself is `plan.plan()`, the same as for devices that are pres
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -78,7 +79,8 @@ class AxisTraffic:
         return dict(self.__dict__)
 
 
-def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any, devices_per_host: int) -> list[AxisTraffic]:
+def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any,
+            devices_per_host: int | None = None) -> list[AxisTraffic]:
     """Bytes each mesh axis moves per token, from the layout's collectives (XLA's partitioner inserts them from
     the rules in rules.py): an estimate of the traffic, not of how XLA schedules it.
 
@@ -93,10 +95,10 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any, devices_per_ho
         shape: the model's `ModelShape`.
         sizes: mesh axis sizes.
         dtype: of activations (the model's dtype).
-        devices_per_host: devices in one host, to say which axes cross hosts.
+        devices_per_host: devices in one host, to say which axes cross hosts (None: one host).
     """
     item = jnp.dtype(dtype).itemsize
-    cross = crossing(sizes, devices_per_host)
+    cross = crossing(sizes, devices_per_host or math.prod(sizes.values()))
     D, layers = shape.hidden_size, len(shape.cache_layout)
     t, e = sizes.get("tp", 1), sizes.get("ep", 1)
     out = []
