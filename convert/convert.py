@@ -209,7 +209,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
             if info.path in plan.quantized:
                 module = plan.quantized[info.path]
                 arrays = quantized_arrays(info.path, info.shape, plan.quant.specs[module], s, source,
-                                          module in plan.quant.from_source, shapes)
+                                          module in plan.quant.from_source, shapes, module in plan.quant.experts)
             else:
                 array = np.asarray(s.combine([source.read(n) for n in s.names], info.shape))
                 arrays = {info.path: array.astype(out_dtype, copy=False)}

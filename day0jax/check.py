@@ -348,9 +348,6 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
             quantization = None
         if quantization and quantization.specs:
             report.quantization = quantization.summary()
-            if any(call.op == "moe" for _, call in op_calls):
-                report.notes.append(f"the routed experts stay {dtype}: their stacked weights are not stored "
-                                    "quantized")
             abstract = models.abstract_model(config, DTYPES[dtype], quantization=quantization.specs)
             infos = models.param_infos(abstract)
         elif source is None and hf.get("quantization_config") and not quantize:

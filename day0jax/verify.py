@@ -386,7 +386,7 @@ def _add_kernel_checks(result: Result, model) -> None:
     """The quantized kernels' error against their dequantized reference, from the load's self-test: a kernel
     beyond its tolerance fails the verification (the load already replaced it by the reference)."""
     report = model.kernel_report
-    result.kernel_checks = [r for r in getattr(report, "rows", []) if r["op"] == "quantized_linear"]
+    result.kernel_checks = [r for r in getattr(report, "rows", []) if r.get("quantized")]
     for r in result.kernel_checks:
         if r["ok"] is False:
             result.failures.append(f"kernel {r['implementation']} on {r['case']}: relative error "

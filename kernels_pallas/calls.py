@@ -5,7 +5,8 @@ head dim, D hidden, E experts, F expert or MLP width, k experts per token):
 - attention, paged_attention: N, K, H, Hv (value head dim), scale (None: H ** -0.5), window, softcap, sinks
   (bool), latent (bool: multi-head latent attention in its absorbed form); chunk (chunked local attention: a query
   sees its own chunk of positions; reported only where set);
-- moe (the grouped matmul of routed experts): E, k, D, F, routing;
+- moe (the grouped matmul of routed experts): E, k, D, F, routing; quantized (the experts' storage, 'int4/32': reported
+  only for quantized experts);
 - rms_norm: D, eps, offset (1.0 for Gemma-style 1 + w);
 - gated_delta_rule (linear attention): Nk query/key heads, Nv value heads, Hk key and Hv value head dims, decay
   ('head': one log decay per value head, Qwen3-Next; 'channel': one per key channel, Kimi Linear);
@@ -75,7 +76,8 @@ class OpCall:
             return ", ".join(parts)
         if self.op == "moe":
             shared = f", shared {p['shared']}" if p.get("shared") else ""
-            return f"MoE {p['E']} experts x {p['F']}, top-{p['k']} {p['routing']}{shared}"
+            quantized = f", {p['quantized']} weights" if p.get("quantized") else ""
+            return f"MoE {p['E']} experts x {p['F']}, top-{p['k']} {p['routing']}{shared}{quantized}"
         if self.op == "quantized_linear":
             offset = " with offsets" if p["offset"] else ""
             return (f"{p['kind']} weights [{p['O']} x {p['I']}], groups of {p['group']}{offset} "

@@ -147,9 +147,11 @@ def _moe_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> li
     if scale == "tiny":
         G, k, D, F = min(G, 6), min(k, 2), 128, 128
     prefill, decode = {"full": (1024, 8), "startup": (128, 8), "tiny": (24, 4)}[scale]
-    return [Case("moe", f"{prefix}gate/up prefill", dtype, dict(M=prefill * k, G=G, D=D, F=F, k=k)),
-            Case("moe", f"{prefix}gate/up decode", dtype, dict(M=decode * k, G=G, D=D, F=F, k=k)),
-            Case("moe", f"{prefix}down prefill", dtype, dict(M=prefill * k, G=G, D=F, F=D, k=k))]
+    fmt = dict(quantized=call["quantized"]) if call.get("quantized") else {}
+    label = f"{prefix}{call['quantized']} " if fmt else prefix
+    return [Case("moe", f"{label}gate/up prefill", dtype, dict(M=prefill * k, G=G, D=D, F=F, k=k, **fmt)),
+            Case("moe", f"{label}gate/up decode", dtype, dict(M=decode * k, G=G, D=D, F=F, k=k, **fmt)),
+            Case("moe", f"{label}down prefill", dtype, dict(M=prefill * k, G=G, D=F, F=D, k=k, **fmt))]
 
 
 def _gated_delta_rule_cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
@@ -256,7 +258,7 @@ def _paged_attention(rnd: _Random, dtype, *, B, T, N, K, H, page, max_len, scale
     return args, kwargs
 
 
-def _moe(rnd: _Random, dtype, *, M, G, D, F, k):
+def _moe(rnd: _Random, dtype, *, M, G, D, F, k, quantized=None):
     # Rows routed like a softmax router's top-k: each token picks k distinct experts; group sizes follow.
     tokens = max(M // k, 1)
     logits = rnd.rng.standard_normal((tokens, G))
@@ -264,7 +266,12 @@ def _moe(rnd: _Random, dtype, *, M, G, D, F, k):
     sizes = np.bincount(chosen, minlength=G)[:G].astype(np.int32)
     sizes[-1] += M - int(sizes.sum())  # M may exceed tokens * k by rounding; those rows go to the last expert
     lhs = rnd.normal((M, D), dtype)
-    rhs = rnd.normal((G, D, F), dtype, 1 / math.sqrt(D))  # unit-scale outputs
+    if quantized:  # 'int4/32+offset': each expert's [F, D] map as quantized_linear stores it
+        kind, _, rest = quantized.partition("/")
+        rhs = _quantized_weight(rnd, (G, F), D, kind=kind, group=int(rest.split("+")[0]),
+                                offset=rest.endswith("+offset"), scale_dtype="float32")
+    else:
+        rhs = rnd.normal((G, D, F), dtype, 1 / math.sqrt(D))  # unit-scale outputs
     return (lhs, rhs, jnp.asarray(sizes)), {}
 
 
@@ -300,19 +307,29 @@ def _sparse_attention(rnd: _Random, dtype, *, B, N, K, H, Hv, topk, page, max_le
     return args, dict(scale=scale)
 
 
-def _quantized_linear(rnd: _Random, dtype, *, R, O, I, kind, group, offset, scale_dtype):
+def _quantized_weight(rnd: _Random, lead: tuple[int, ...], I: int, *, kind, group, offset, scale_dtype):
+    """Random quantized maps [*lead, I] in `kind` (abstract: shapes only), scaled for unit-scale outputs."""
     from kernels_pallas.quantized_linear.reference import CODE_DTYPES, QuantizedWeight
 
     G, width = I // group, I // 2 if kind == "int4" else I
+    if rnd.abstract:
+        s = jax.ShapeDtypeStruct
+        return QuantizedWeight(s((*lead, width), CODE_DTYPES[kind]), s((*lead, G), jnp.dtype(scale_dtype)),
+                               s((*lead, G), jnp.dtype(scale_dtype)) if offset else None, kind, group)
     if kind == "fp8":  # random finite float8 codes: normal values cast
-        codes = jnp.asarray(rnd.rng.standard_normal((O, width)).astype(CODE_DTYPES[kind]))
+        codes = jnp.asarray(rnd.rng.standard_normal((*lead, width)).astype(CODE_DTYPES[kind]))
     else:
         low, high = (-127, 128) if kind == "int8" else (0, 256)
-        codes = jnp.asarray(rnd.integers(low, high, (O, width)).astype(CODE_DTYPES[kind]))
-    scales = jnp.asarray(np.abs(rnd.rng.standard_normal((O, G)) / math.sqrt(I) / 8).astype(jnp.dtype(scale_dtype)))
-    offsets = jnp.asarray((rnd.rng.standard_normal((O, G)) / math.sqrt(I)).astype(jnp.dtype(scale_dtype))) \
+        codes = jnp.asarray(rnd.integers(low, high, (*lead, width)).astype(CODE_DTYPES[kind]))
+    scales = jnp.asarray(np.abs(rnd.rng.standard_normal((*lead, G)) / math.sqrt(I) / 8).astype(jnp.dtype(scale_dtype)))
+    offsets = jnp.asarray((rnd.rng.standard_normal((*lead, G)) / math.sqrt(I)).astype(jnp.dtype(scale_dtype))) \
         if offset else None
-    return (rnd.normal((R, I), dtype), QuantizedWeight(codes, scales, offsets, kind, group)), {}
+    return QuantizedWeight(codes, scales, offsets, kind, group)
+
+
+def _quantized_linear(rnd: _Random, dtype, *, R, O, I, kind, group, offset, scale_dtype):
+    w = _quantized_weight(rnd, (O,), I, kind=kind, group=group, offset=offset, scale_dtype=scale_dtype)
+    return (rnd.normal((R, I), dtype), w), {}
 
 
 _BUILDERS = {"attention": _attention, "paged_attention": _paged_attention, "moe": _moe, "rms_norm": _rms_norm,

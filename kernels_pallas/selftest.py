@@ -50,10 +50,12 @@ def check(case: cases_lib.Case, implementation: str, args: tuple, kwargs: dict, 
     """Runs one implementation on one case and compares it with the reference's output `reference_out`.
 
     Returns:
-        A row: op, case, implementation, dtype, max_rel_error, tolerance, ok, seconds, detail.
+        A row: op, case, implementation, dtype, quantized (the case's weights are quantized), max_rel_error,
+        tolerance, ok, seconds, detail.
     """
     impls = registry.api(case.op).IMPLEMENTATIONS
-    row = dict(op=case.op, case=case.name, implementation=implementation, dtype=case.dtype, tolerance=case.tolerance)
+    row = dict(op=case.op, case=case.name, implementation=implementation, dtype=case.dtype, tolerance=case.tolerance,
+               quantized=case.op == "quantized_linear" or bool(case.spec.get("quantized")))
     t0 = time.perf_counter()
     try:
         out = run(impls[implementation], args, kwargs)

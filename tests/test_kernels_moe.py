@@ -11,6 +11,8 @@ import pytest
 from conftest import needs_hopper
 from kernels_pallas import cases
 from kernels_pallas.moe import api, pallas_mgpu, reference
+from kernels_pallas.quantized_linear.reference import dequantize
+from kernels_pallas.registry import KernelUnavailable
 
 # (M, D, F, group sizes)
 CASES = {
@@ -37,12 +39,48 @@ class GroupedMatmulContract:
         assert not np.any(np.asarray(got[sum(sizes):], np.float32)), "rows past the groups must be zero"
 
 
-class TestReference(GroupedMatmulContract):
+
+
+class QuantizedExpertsContract:
+    """For the implementations that take quantized experts (the Mosaic GPU kernel declines them, tested below)."""
+
+    implementation: str
+
+    @pytest.mark.parametrize("fmt", ["int8/32", "int4/32+offset", "int4/16", "fp8/16"])
+    def test_quantized_experts_compute_their_dequantized_values(self, fmt):
+        """Quantized experts (each expert's [F, D] map, as quantized_linear stores it) against float64 products of
+        their dequantized weights, row by row: float32-tight (float32 sums of 128 terms)."""
+        M, D, F, sizes = CASES["straddling-empty-trailing"]
+        (lhs, rhs, group_sizes), _ = cases._moe(cases._Random(7, False), jnp.float32, M=M, G=len(sizes), D=D, F=F,
+                                                k=2, quantized=fmt)
+        group_sizes = jnp.asarray(sizes, jnp.int32)
+        got = np.asarray(api.grouped_matmul(lhs, rhs, group_sizes, implementation=self.implementation))
+        x = np.asarray(lhs, np.float64)
+        row = 0
+        for g, n in enumerate(sizes):
+            one = type(rhs)(rhs.codes[g], rhs.scale[g], None if rhs.offset is None else rhs.offset[g], rhs.kind,
+                            rhs.group)
+            w = np.asarray(dequantize(one), np.float64)  # [F, D]
+            want = x[row:row + n] @ w.T
+            if n:
+                assert np.abs(got[row:row + n] - want).max() <= 1e-5 * np.abs(want).max(), (fmt, g)
+            row += n
+        assert not np.any(got[row:]), "rows past the groups must be zero"
+
+
+class TestReference(GroupedMatmulContract, QuantizedExpertsContract):
     implementation = "reference"
 
 
-class TestXlaRaggedDot(GroupedMatmulContract):
+class TestXlaRaggedDot(GroupedMatmulContract, QuantizedExpertsContract):
     implementation = "xla_ragged_dot"
+
+
+def test_mosaic_gpu_declines_quantized_experts():
+    (lhs, rhs, sizes), _ = cases._moe(cases._Random(0, False), jnp.bfloat16, M=32, G=4, D=128, F=128, k=2,
+                                      quantized="int8/32")
+    with pytest.raises(KernelUnavailable, match="quantized"):
+        api.grouped_matmul(lhs, rhs, sizes, implementation="mosaic_gpu_interpret")
 
 
 @pytest.mark.usefixtures("interpreter_on_cpu")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,8 +43,11 @@ GENERATE_ON = {"llama": ["tp=2,ep=2,dp=2", "tp=8"], "deepseek_v3": ["tp=2,ep=2,d
 # A dense model whose linear weights and embeddings stay quantized (int4 with offsets, embeddings int8, groups of 16):
 # codes and scales split over tp like the kernels they stand for. Hidden size 128, so that every projection's
 # groups (128 / 16 = 8) split over tp=8.
-QUANTIZED = {"llama-int4": dict(hidden_size=128, intermediate_size=256)}
+# An MoE model likewise, its experts quantized too (each expert's [out, in] codes, split over ep and tp).
+QUANTIZED = {"llama-int4": ("llama", dict(hidden_size=128, intermediate_size=256)),
+             "qwen3_moe-int4": ("qwen3_moe", dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128))}
 GENERATE_ON["llama-int4"] = ["tp=2,ep=2,dp=2", "tp=8"]
+GENERATE_ON["qwen3_moe-int4"] = ["tp=2,ep=4"]
 MULTIHOST_MESH = "tp=8"  # tensor parallelism across both processes: all-reduces cross the process boundary
 # RSS test model: ~470 MB float32, every dimension divisible by tp=8, its largest array (the embeddings) 7% of it,
 # about as in real models (Llama-3-8B: 6%).
@@ -220,13 +224,14 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     out = {mt: str(synthetic_checkpoint(sharding_config(mt), root / mt, processor=processors.get(mt)))
            for mt in MULTI_DEVICE_FAMILIES}
-    for name, overrides in QUANTIZED.items():
-        out[name] = str(quantized_checkpoint(dict(sharding_config("llama"), **overrides), root / name))
+    for name, (model_type, overrides) in QUANTIZED.items():
+        out[name] = str(quantized_checkpoint(dict(sharding_config(model_type), **overrides), root / name))
     return out
 
 
 def quantized_checkpoint(hf: dict, dst: Path) -> Path:
-    """A random-weight llama written as a Hugging Face folder, converted with `--quantize int4 --group-size 16`."""
+    """A random-weight llama or Qwen-MoE written as a Hugging Face folder, converted with `--quantize int4
+    --group-size 16`."""
     from safetensors.numpy import save_file
     from test_sharding import synthetic_checkpoint
 
@@ -238,8 +243,13 @@ def quantized_checkpoint(hf: dict, dst: Path) -> Path:
     floats = checkpoint.read_params(synthetic_checkpoint(hf, dst.with_name(dst.name + "-float")))
     infos = models.param_infos(models.abstract_model(models.config_from_hf(hf)))
     tensors = {}
-    for info in infos:  # llama's names are the plain mapping: `X.kernel` [*out, *in] <- `X.weight` [out, in]
+    for info in infos:  # the plain mapping: `X.kernel` [*out, *in] <- `X.weight` [out, in]
         array = floats[info.path]
+        experts = re.fullmatch(r"(.*)\.experts\.(gate_proj|up_proj|down_proj)", info.path)
+        if experts:  # stacked [E, in, out] <- each expert's `.experts.<e>.<name>.weight` [out, in]
+            for e, w in enumerate(array):
+                tensors[f"{experts[1]}.experts.{e}.{experts[2]}.weight"] = np.ascontiguousarray(w.T)
+            continue
         if info.path.endswith(".kernel"):
             n_out = len(info.shape) - info.metadata["in_ndim"]
             array = array.reshape(math.prod(info.shape[:n_out]), -1)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from day0jax.layers.linear import Linear, param
 from day0jax.layers.mlp import activation
+from day0jax.layers.quantized import QuantizedExperts
 from kernels_pallas.calls import OpCall
 from kernels_pallas.moe import api as moe_op
 
@@ -141,17 +142,22 @@ class Experts(nnx.Module):
         row_weights = weights.reshape(-1)[order][:, None]
         if self.scale_inputs:
             rows = rows * row_weights.astype(rows.dtype)
-        gate = moe_op.grouped_matmul(rows, self.gate_proj[...], group_sizes)
-        up = moe_op.grouped_matmul(rows, self.up_proj[...], group_sizes)
+        gate = moe_op.grouped_matmul(rows, _weight(self.gate_proj), group_sizes)
+        up = moe_op.grouped_matmul(rows, _weight(self.up_proj), group_sizes)
         if self.gate_proj_bias is not None:
             gate = gate + self.gate_proj_bias[...][sorted_expert]
             up = up + self.up_proj_bias[...][sorted_expert]
-        out = moe_op.grouped_matmul(self.glu(gate, up), self.down_proj[...], group_sizes)  # [M*k, D]
+        out = moe_op.grouped_matmul(self.glu(gate, up), _weight(self.down_proj), group_sizes)  # [M*k, D]
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[...][sorted_expert]
         if not self.scale_inputs:
             out = out * row_weights.astype(out.dtype)
         return jnp.zeros_like(x).at[token].add(out)
+
+
+def _weight(w):
+    """A stacked experts' weight as the grouped matmul takes it: float [E, in, out], or quantized codes and scales."""
+    return w.weight() if isinstance(w, QuantizedExperts) else w[...]
 
 
 class MoE(nnx.Module):
@@ -193,5 +199,8 @@ class MoE(nnx.Module):
         router = getattr(self, self.router_name)
         E, D, F = self.experts.gate_proj.shape
         shared = self.shared_name + (" (gated)" if self.has_shared_gate else "") if self.has_shared else None
-        calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=router.routing, shared=shared)]
+        weights = self.experts.gate_proj
+        quantized = dict(quantized=weights.spec.describe()) if isinstance(weights, QuantizedExperts) else {}
+        calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=router.routing, shared=shared,
+                           **quantized)]
         return calls + (getattr(self, self.shared_name).op_calls() if self.has_shared else [])

@@ -112,6 +112,30 @@ class QuantizedKernel(nnx.Module):
         return dequantize(picked).astype(dtype).reshape(*index.shape, -1)
 
 
+class QuantizedExperts(nnx.Module):
+    """MoE experts' stacked weight [E, I, O] (the `Experts` layout, x @ W) kept as each expert's [O, I] map, as
+    checkpoints store them: `codes` [E, O, I'], `scale` and optionally `offset` [E, O, I / group], logical axes
+    those of the float weight's expert, output and input dims; `shape` is the float weight's."""
+
+    def __init__(self, shape: tuple[int, int, int], axes: tuple[str | None, ...], spec: QuantSpec):
+        E, I, O = shape
+        self.shape, self.spec = tuple(shape), spec
+        if I % spec.group:
+            raise CheckpointError(f"experts' weight of shape {self.shape} cannot take groups of {spec.group}: its "
+                                  f"{I} inputs are not a multiple")
+        stored_axes = (axes[0], axes[2], axes[1])
+        meta = dict(quantized=spec.kind, in_ndim=1)
+        self.codes = _param((E, O, I // 2 if spec.kind == "int4" else I), stored_axes, CODE_DTYPES[spec.kind], meta)
+        self.scale = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta)
+        self.offset = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta) \
+            if spec.offset else None
+
+    def weight(self) -> QuantizedWeight:
+        """As the grouped matmul takes it: codes [E, O, I'], scales [E, O, groups]."""
+        return QuantizedWeight(self.codes[...], self.scale[...], None if self.offset is None else self.offset[...],
+                               self.spec.kind, self.spec.group)
+
+
 def quantized_op_calls(model: nnx.Module) -> list[tuple[int | None, OpCall]]:
     """(layer index, call) of every quantized weight of a language model (None: outside the decoder layers, as the
     embeddings and the output projection)."""
@@ -125,7 +149,8 @@ def quantized_op_calls(model: nnx.Module) -> list[tuple[int | None, OpCall]]:
 
 def parameter_count(model: nnx.Module) -> int:
     """The model's parameters as weights, not stored elements: a quantized weight counts its float shape."""
-    quantized = sum(math.prod(m.shape) for _, m in nnx.iter_modules(model) if isinstance(m, QuantizedKernel))
+    quantized = sum(math.prod(m.shape) for _, m in nnx.iter_modules(model)
+                    if isinstance(m, (QuantizedKernel, QuantizedExperts)))
     plain = sum(math.prod(v.get_value().shape) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
                 if not v.get_metadata().get("quantized"))
     return quantized + plain
@@ -136,39 +161,94 @@ def _param(shape, axes, dtype, meta) -> nnx.Param:
     return nnx.Param(init(jax.random.key(0), shape, dtype))
 
 
-def quantizable(model: nnx.Module) -> dict[str, nnx.Module]:
-    """The modules whose weight can be kept quantized, by dotted path: every `Linear` that layers apply as a map
-    (not those whose kernel a layer reads itself, `Linear.quantizable`), and token embedding tables."""
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantTarget:
+    """A weight that can be kept quantized: attribute `attr` of `module`, the `kernel` of a Linear, the `weight` of
+    an embedding table, or one of MoE `Experts`' stacked weights (`gate_proj`, `up_proj`, `down_proj`)."""
+
+    module: nnx.Module
+    attr: str
+
+    @property
+    def experts(self) -> bool:
+        return self.attr in EXPERT_WEIGHTS
+
+    @property
+    def embedding(self) -> bool:
+        return self.attr == "weight"
+
+    @property
+    def float_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self.module, self.attr).get_value().shape)
+
+    @property
+    def inputs(self) -> int:
+        """The inputs one output sums over (groups run along them; an expert's own)."""
+        shape = self.float_shape
+        if self.embedding:
+            return shape[-1]
+        if self.experts:
+            return shape[1]
+        return math.prod(shape[len(shape) - len(self.module.in_shape):])
+
+    @property
+    def outputs(self) -> int:
+        """Output rows (an expert's own)."""
+        shape = self.float_shape
+        if self.embedding:
+            return shape[0]
+        return shape[2] if self.experts else math.prod(shape[:len(shape) - len(self.module.in_shape)])
+
+    def param_path(self, key: str) -> str:
+        """The weight's parameter path, from its key in `quantizable()` (a module's, or for experts the weight's)."""
+        return key if self.experts else f"{key}.{self.attr}"
+
+
+def quantizable(model: nnx.Module) -> dict[str, QuantTarget]:
+    """The weights that can be kept quantized, by key: the path of every `Linear` that layers apply as a map (not
+    those whose kernel a layer reads itself, `Linear.quantizable`) and of token embedding tables, and the parameter
+    path of MoE experts' stacked weights (`...experts.gate_proj`)."""
     from day0jax.layers.linear import Embedding, Linear
+    from day0jax.layers.moe import Experts
 
     out = {}
     for path, m in nnx.iter_modules(model):
         name = ".".join(map(str, path))
-        if (isinstance(m, Linear) and m.quantizable) or (isinstance(m, Embedding) and name.endswith("embed_tokens")):
-            out[name] = m
+        if isinstance(m, Linear) and m.quantizable:
+            out[name] = QuantTarget(m, "kernel")
+        elif isinstance(m, Embedding) and name.endswith("embed_tokens"):
+            out[name] = QuantTarget(m, "weight")
+        elif isinstance(m, Experts):
+            out.update({f"{name}.{w}": QuantTarget(m, w) for w in EXPERT_WEIGHTS})
     return out
 
 
 def quantize_modules(model: nnx.Module, specs: dict[str, QuantSpec]) -> nnx.Module:
-    """Replaces the weight of each module named in `specs` by a `QuantizedKernel` (in place; returns `model`).
+    """Replaces each weight named in `specs` (keys as `quantizable`'s) by a `QuantizedKernel` or `QuantizedExperts`
+    (in place; returns `model`).
 
     Raises:
-        CheckpointError: a named module is not a Linear or Embedding of the model, or its shape cannot be grouped.
+        CheckpointError: a named weight is not quantizable in this model, or its shape cannot be grouped.
     """
-    from day0jax.layers.linear import Embedding
-
-    modules = quantizable(model)
-    for path, spec in specs.items():
-        if path not in modules:
-            raise CheckpointError(f"quantized module {path} is not a linear map or embedding of this model")
-        m = modules[path]
-        name = "weight" if isinstance(m, Embedding) else "kernel"
-        var = getattr(m, name)
-        if isinstance(var, QuantizedKernel):
-            raise CheckpointError(f"module {path} is quantized twice")
+    targets = quantizable(model)
+    for key, spec in specs.items():
+        if key not in targets:
+            raise CheckpointError(f"quantized module {key} is not a linear map, embedding or experts' weight of "
+                                  "this model")
+        t = targets[key]
+        var = getattr(t.module, t.attr)
+        if isinstance(var, (QuantizedKernel, QuantizedExperts)):
+            raise CheckpointError(f"module {key} is quantized twice")
         shape = tuple(var.get_value().shape)
         axes = tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape))
-        setattr(m, name, QuantizedKernel(shape, axes, 1 if name == "weight" else len(m.in_shape), spec))
+        if t.experts:
+            setattr(t.module, t.attr, QuantizedExperts(shape, axes, spec))
+        else:
+            in_ndim = 1 if t.embedding else len(t.module.in_shape)
+            setattr(t.module, t.attr, QuantizedKernel(shape, axes, in_ndim, spec))
     return model
 
 

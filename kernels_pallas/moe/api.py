@@ -8,9 +8,12 @@ import jax
 
 from kernels_pallas import registry
 from kernels_pallas.moe import pallas_mgpu, reference
+from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
 
 def _xla_ragged_dot(lhs, rhs, group_sizes):
+    if isinstance(rhs, QuantizedWeight):  # every expert dequantized in the program, then XLA's grouped product
+        rhs = reference.dequantize_groups(rhs).astype(lhs.dtype)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype("int32"), preferred_element_type="float32").astype(lhs.dtype)
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import platform, tuning
+from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, in
     Raises:
         NotImplementedError: not a Hopper target, or shapes / dtypes the kernel does not take.
     """
+    if isinstance(rhs, QuantizedWeight):
+        raise NotImplementedError("moe.mosaic_gpu multiplies float experts; quantized ones take the reference")
     target = platform.require_hopper("moe.mosaic_gpu", interpret)
     M, D = lhs.shape
     G, _, F = rhs.shape if rhs.ndim == 3 else (0, 0, 0)
