@@ -19,17 +19,14 @@ from typing import Callable
 import gguf
 import numpy as np
 
+from convert.gguf_blocks import FORMATS, reblock
 from day0jax.errors import CheckpointError, UnsupportedArchitecture
 
 # Tensor types we read (dequantized through the `gguf` package with --dequantize), by GGML type id.
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
                    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
-# Block formats kept quantized: GGML type id -> (kind, offset) of `kernels_pallas.quantized_linear` (blocks of 32,
-# float16 scales: Q8_0 = d, int8 q[32]; Q4_0 = d, 16 bytes of nibbles; Q4_1 = d, m, 16 bytes of nibbles).
-KEPT_QUANTIZED = {8: ("int8", False), 2: ("int4", False), 3: ("int4", True)}
 FLOAT_TYPES = {0, 1, 30}
-GGML_BLOCK = 32
 
 # --- header -------------------------------------------------------------------------------------------------
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -296,29 +293,26 @@ class GGUFSource:
         t = self._tensors[name]
         if t.type_id in FLOAT_TYPES:
             return None
-        if t.type_id not in KEPT_QUANTIZED:
-            kept = ", ".join(SUPPORTED_TYPES[i] for i in KEPT_QUANTIZED)
+        if t.type_id not in FORMATS:
+            kept = ", ".join(SUPPORTED_TYPES[i] for i in FORMATS)
             raise CheckpointError(f"{self.path}: tensor {t.name!r} is {t.type_name}, which day0jax does not keep "
                                   f"quantized (kept: {kept}); convert with --dequantize to store it as float")
-        kind, offset = KEPT_QUANTIZED[t.type_id]
-        return QuantSpec(kind, GGML_BLOCK, offset, "float16")
+        f = FORMATS[t.type_id]
+        if t.dims[0] % f.block:
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} ({t.type_name}) has rows of {t.dims[0]} values, "
+                                  f"not a multiple of its {f.block}-value blocks")
+        return QuantSpec(f.kind, f.group, f.offset, f.scale_dtype)
 
     def read_quantized(self, name: str):
-        """Tensor `name`'s blocks as a `QuantizedWeight` of numpy arrays [O, ...], rows in HF order."""
+        """Tensor `name`'s blocks as a `QuantizedWeight` of numpy arrays [O, ...] in its kept format
+        (`convert.gguf_blocks`), rows in HF order."""
         from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
         spec, t = self.quant_spec(name), self._tensors[name]
         if self._map is None:
             self._map = np.memmap(self.path, np.uint8, mode="r")
-        O, I = self.tensor_shape(name)
-        blocks = np.asarray(self._map[t.start:t.start + t.n_bytes]).reshape(O, I // GGML_BLOCK, -1)
-        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        if spec.kind == "int8":
-            codes, offset = blocks[..., 2:].copy().view(np.int8).reshape(O, I), None
-        elif spec.offset:
-            offset, codes = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:].reshape(O, I // 2)
-        else:
-            codes, offset = blocks[..., 2:].reshape(O, I // 2), None
+        O, _ = self.tensor_shape(name)
+        codes, scale, offset = reblock(t.type_id, np.asarray(self._map[t.start:t.start + t.n_bytes]).reshape(O, -1))
         fix = lambda a: None if a is None else np.ascontiguousarray(self._fix(name, a))  # noqa: E731
         return QuantizedWeight(fix(codes), fix(scale), fix(offset), spec.kind, spec.group)
 

@@ -54,6 +54,7 @@ def refs(tmp_path_factory):
         {"op": "state", "model": str(gguf), "out": str(root / "gguf_state.npz")},
         {"op": "run", "model": str(gguf), "prompts": [p[:12] for p in PROMPTS], "generate": 6,
          "out": str(root / "gguf_run.npz")},
+        {"op": "tiny_gguf", "config": GGUF_CONFIG, "types": ["Q3_K"], "seed": 5, "out": str(root / "q3k.gguf")},
         {"op": "tokenize", "model": str(gguf), "texts": SP_TEXTS,
          "chats": [[{"role": "user", "content": "hi there"}]], "out": str(root / "gguf_tok.json")},
     ], root)
@@ -164,13 +165,14 @@ def gguf_ckpt(refs, tmp_path_factory):
                               options=Options(dequantize=True)).dst
 
 
-def test_gguf_k_quants_are_refused_unless_dequantized(refs, tmp_path):
+def test_gguf_q2_k_and_q3_k_are_refused_unless_dequantized(refs, tmp_path):
     from day0jax.errors import CheckpointError
 
     with pytest.raises(CheckpointError,
-                       match=r"tensor '[\w.]+' is Q\d_K, which day0jax does not keep quantized.*--dequantize"):
-        convert_checkpoint(refs / "tiny.gguf", tmp_path / "ck", progress=False)
+                       match=r"tensor '[\w.]+' is Q3_K, which day0jax does not keep quantized.*--dequantize"):
+        convert_checkpoint(refs / "q3k.gguf", tmp_path / "ck", progress=False)
     assert not (tmp_path / "ck").exists()
+    convert_checkpoint(refs / "q3k.gguf", tmp_path / "ck", progress=False, options=Options(dequantize=True))
 
 
 @pytest.fixture(scope="module")
@@ -178,15 +180,28 @@ def kept_ckpt(refs, tmp_path_factory):
     return convert_checkpoint(refs / "kept.gguf", tmp_path_factory.mktemp("gguf-kept") / "ck", progress=False).dst
 
 
-def test_gguf_blocks_stay_quantized_and_dequantize_like_transformers(refs, kept_ckpt):
+@pytest.fixture(scope="module")
+def kquant_ckpt(refs, tmp_path_factory):
+    """Every GGUF type, K-quants included, kept quantized (re-blocked: convert/gguf_blocks.py)."""
+    return convert_checkpoint(refs / "tiny.gguf", tmp_path_factory.mktemp("gguf-kq") / "ck", progress=False).dst
+
+
+KEPT = {"Q8_0/Q4_0/Q4_1": ("kept_ckpt", "kept", {"int8/32", "int4/32", "int4/32+offset"}),
+        "K-quants": ("kquant_ckpt", "gguf", {"int8/32", "int4/32", "int4/32+offset", "int8/16", "int8/32+offset"})}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT))
+def test_gguf_blocks_stay_quantized_and_dequantize_like_transformers(refs, request, name):
     from day0jax.layers.quantized import specs_from_config
     from kernels_pallas.quantized_linear.reference import QuantizedWeight, dequantize
 
-    hf = json.loads((kept_ckpt / "config.json").read_text())
+    fixture, ref, formats = KEPT[name]
+    ckpt = request.getfixturevalue(fixture)
+    hf = json.loads((ckpt / "config.json").read_text())
     specs = specs_from_config(hf)
-    assert {s.describe() for s in specs.values()} == {"int8/32", "int4/32", "int4/32+offset"}
-    state = dict(np.load(refs / "kept_state.npz"))
-    got = checkpoint.read_params(kept_ckpt)
+    assert {s.describe() for s in specs.values()} == formats
+    state = dict(np.load(refs / f"{ref}_state.npz"))
+    got = checkpoint.read_params(ckpt)
     for module, spec in specs.items():
         name = f"{module}.weight" if module.endswith("embed_tokens") else f"{module}.kernel"
         rows = state[name.replace(".kernel", ".weight")].shape[0]
@@ -198,12 +213,14 @@ def test_gguf_blocks_stay_quantized_and_dequantize_like_transformers(refs, kept_
     assert stored < 0.4 * sum(a.size * 4 for a in state.values())  # kept as blocks, not float32
 
 
-def test_gguf_quantized_model_matches_transformers(refs, kept_ckpt):
+@pytest.mark.parametrize("name", sorted(KEPT))
+def test_gguf_quantized_model_matches_transformers(refs, request, name):
     """Kept in blocks, computed by the quantized op: transformers' logits (which dequantizes to float32) within
     the float32 tolerance of the other GGUF test, and its greedy tokens through the engine."""
-    model = day0jax.load(kept_ckpt, dtype="float32")
+    fixture, ref, _ = KEPT[name]
+    model = day0jax.load(request.getfixturevalue(fixture), dtype="float32")
     assert any(call.op == "quantized_linear" for _, call in model.module.op_calls())
-    ref = dict(np.load(refs / "kept_run.npz"))
+    ref = dict(np.load(refs / f"{ref}_run.npz"))
     for i, p in enumerate(PROMPTS):
         ours = model.logits([p[:12]])[0]
         assert np.abs(ours - ref[f"logits_{i}"]).max() <= 1e-3 * np.abs(ref[f"logits_{i}"]).max()

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from convert import gguf_blocks as gguf_blocks_lib
 from kernels_pallas import registry
 from kernels_pallas.quantized_linear import api, cpu_ffi, reference
 from kernels_pallas.quantized_linear.reference import QuantizedWeight
@@ -88,24 +89,36 @@ def test_cpu_kernel_serves_more_rows_than_a_pass_keeps_in_registers_and_odd_feat
     assert_float32_tight(api.quantized_matmul(x, q, implementation="cpu_ffi"), x, q, "37 features x 11 rows")
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
-def test_gguf_blocks_dequantize_bitwise_like_the_gguf_package(type_name):
-    """Blocks written by the gguf package's quantizer, read as the converter keeps them, dequantize exactly."""
-    from convert.gguf_source import GGML_BLOCK, KEPT_QUANTIZED
-
+def gguf_blocks(type_name: str, rows: int, values: int) -> np.ndarray:
+    """[rows, bytes] of GGUF blocks: the gguf package's quantizer where it has one, else random bytes (every bit
+    pattern is a valid code, scale or min) with finite float16 super-block scales."""
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
-    w = np.random.default_rng(2).standard_normal((6, 128)).astype(np.float32)
-    raw = gguf.quants.quantize(w, qtype)  # [6, blocks * bytes]
-    kind, offsets = KEPT_QUANTIZED[int(qtype)]
-    blocks = raw.reshape(6, 128 // GGML_BLOCK, -1)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0]
-    offset = blocks[..., 2:4].copy().view(np.float16)[..., 0] if offsets else None
-    codes = blocks[..., 4 if offsets else 2:].reshape(6, -1)
-    if kind == "int8":
-        codes = codes.view(np.int8)
+    rng = np.random.default_rng(2)
+    try:
+        return gguf.quants.quantize(rng.standard_normal((rows, values)).astype(np.float32), qtype)
+    except NotImplementedError:
+        pass
+    fmt = gguf_blocks_lib.FORMATS[int(qtype)]
+    raw = rng.integers(0, 256, (rows, values // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    where = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2]}[type_name]  # d (and dmin) fields
+    for at in where:
+        raw[..., at:at + 2] = np.float16(rng.uniform(1e-3, 1e-2)).reshape(1).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_dequantize_bitwise_like_the_gguf_package(type_name):
+    """Blocks kept (or re-blocked) as the converter stores them dequantize exactly as the gguf package's math, and
+    the CPU kernel computes with them float32-tight."""
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    raw = gguf_blocks(type_name, 6, 512)
+    fmt = gguf_blocks_lib.FORMATS[int(qtype)]
+    codes, scale, offset = gguf_blocks_lib.reblock(int(qtype), raw)
     q = QuantizedWeight(jnp.asarray(codes), jnp.asarray(scale), None if offset is None else jnp.asarray(offset),
-                        kind, GGML_BLOCK)
+                        fmt.kind, fmt.group)
     np.testing.assert_array_equal(np.asarray(reference.dequantize(q)), gguf.quants.dequantize(raw, qtype))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 512)), jnp.float32)
+    assert_float32_tight(api.quantized_matmul(x, q, implementation="cpu_ffi"), x, q, type_name)
 
 
 def test_fp8_codes_dequantize_bitwise_like_ml_dtypes():

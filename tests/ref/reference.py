@@ -247,12 +247,13 @@ def tiny_gguf(job):
             return
         qt = qtypes[next(counter) % len(qtypes)]
         data = rng.normal(0, 0.05, shape).astype(np.float32)
-        if qt in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):
+        if qt in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K,
+                  gguf.GGMLQuantizationType.Q3_K):
             block, size = gguf.GGML_QUANT_SIZES[qt]
             raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
             d = rng.uniform(0.001, 0.004, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-            if qt == gguf.GGMLQuantizationType.Q6_K:
-                raw[..., -2:] = d  # Q6_K keeps its scale at the end of the block
+            if qt in (gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q3_K):
+                raw[..., -2:] = d  # Q6_K and Q3_K keep their scale at the end of the block
             else:
                 raw[..., 0:2] = d
                 raw[..., 2:4] = d  # dmin
