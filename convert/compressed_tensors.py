@@ -58,6 +58,8 @@ class CompressedTensors:
     """The quantized weights of an opened HF folder, each seen as its float `X.weight` (shape, float read) or its
     blocks (`quant_spec`, `read_quantized`). `read_part(name)` reads a stored tensor; `has(name)` asks for one."""
 
+    PARTS = PARTS  # the stored tensors of one weight, by suffix
+
     def __init__(self, path, q: dict, names: list[str], read_part, dtype_of):
         self.path, self.scheme, self._read = path, scheme(path, q), read_part
         self.weights: dict[str, tuple[int, int]] = {}  # X.weight -> float shape [O, I]

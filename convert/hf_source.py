@@ -3,7 +3,8 @@
 Pickled weights (`pytorch_model.bin`) are refused: unpickling runs arbitrary code. FP8 weights with block scales
 (`weight_scale_inv`, DeepSeek-V3 style) stay FP8 (`read_quantized`, one scale per row and block of columns), or are
 dequantized by `read` (`--dequantize`, or where the runtime keeps the parameter in float); compressed-tensors int4
-and int8 weights likewise (convert/compressed_tensors.py). Other quantization methods are refused by name.
+and int8 weights likewise (convert/compressed_tensors.py), and GPTQ and AWQ int4 weights (convert/gptq_awq.py).
+Other quantization methods are refused by name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from convert.compressed_tensors import PARTS
 from convert.safetensors_file import SafetensorsFile
 from day0jax.weights.hf_config import read_config_json
 from day0jax.errors import CheckpointError
@@ -41,16 +41,22 @@ class HFSource:
                     raise CheckpointError(f"{f.path}: tensor {name!r} also appears in {self._where[name].path}")
                 self._where[name] = f
         q = self.config.get("quantization_config") or {}
-        if q and q.get("quant_method") not in ("fp8", "compressed-tensors"):
+        if q and q.get("quant_method") not in ("fp8", "compressed-tensors", "gptq", "awq"):
             raise CheckpointError(f"{self.path}: config.json's quantization_config has quant_method "
                                   f"{q.get('quant_method')!r}, which day0jax does not read (it reads 'fp8' block "
-                                  "scales, 'compressed-tensors' int4/int8 weights, and GGUF Q8_0/Q4_0/Q4_1)")
-        self.compressed = None
+                                  "scales, 'compressed-tensors' int4/int8 weights, 'gptq' and 'awq' int4 weights, "
+                                  "and GGUF files)")
+        self.compressed = None  # integer-quantized weights, each seen as its float `X.weight`
         if q.get("quant_method") == "compressed-tensors":
             from convert.compressed_tensors import CompressedTensors
 
             self.compressed = CompressedTensors(self.path, q, list(self._where), self._read_stored,
                                                 lambda n: self._where[n].tensors[n].dtype)
+        elif q.get("quant_method") in ("gptq", "awq"):
+            from convert.gptq_awq import GptqAwq
+
+            self.compressed = GptqAwq(self.path, q, list(self._where), self._read_stored,
+                                      lambda n: self._where[n].tensors[n].shape)
         self.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q.get("quant_method") == "fp8" else None
         self._scales = {n for n in self._where if n.endswith(".weight_scale_inv")}
 
@@ -119,7 +125,7 @@ class HFSource:
 
     def tensor_nbytes(self, name: str) -> int:
         if self.compressed is not None and name in self.compressed.weights:
-            parts = [name] + [name[: -len("weight")] + p for p in PARTS]
+            parts = [name] + [name[: -len("weight")] + p for p in self.compressed.PARTS]
             return sum(self._where[p].tensors[p].nbytes for p in parts if p in self._where)
         n = self._where[name].tensors[name].nbytes
         scale = name + "_scale_inv"

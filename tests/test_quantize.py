@@ -154,12 +154,12 @@ def test_fp8_moe_with_mla_keeps_experts_fp8_and_reads_kv_b_proj_dequantized(tiny
 
 
 def test_other_quantization_methods_are_refused_by_name(tiny, tmp_path):
-    src = tmp_path / "gptq"
+    src = tmp_path / "hqq"
     shutil.copytree(tiny["llama"]["hf"], src)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "hqq", "nbits": 4, "group_size": 64}
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="quant_method 'gptq'"):
+    with pytest.raises(CheckpointError, match="quant_method 'hqq'"):
         convert_checkpoint(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -269,3 +269,95 @@ def test_compressed_tensors_with_quantized_activations_are_refused(tiny, tmp_pat
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="quantizes input_activations.*weight-only"):
         convert_checkpoint(src, tmp_path / "out", progress=False)
+
+
+def gptq_awq_source(tiny, dst, method: str, group: int, *, fmt: str = "gptq", shuffled_groups: bool = False):
+    """Tiny llama as AutoGPTQ (`method` 'gptq', checkpoint format `fmt`) or AutoAWQ ('awq', version gemm) write
+    it: 4-bit values q, zero points z and float16 scales s per group of inputs, w = (q - z) * s, packed eight to an
+    int32 as each format documents (convert/gptq_awq.py); lm_head left float. Returns the folder and the float
+    weights [out, in] the stored values mean."""
+    from convert.gptq_awq import AWQ_ORDER
+
+    shutil.copytree(tiny["llama"]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    rng = np.random.default_rng(7)
+    shifts = np.arange(8, dtype=np.uint32) * 4
+
+    def pack_cols(v):  # [r, 8c] -> [r, c], AWQ's column order within a word
+        v = v.astype(np.uint32).reshape(v.shape[0], -1, 8)
+        if method == "awq":
+            v = v[:, :, AWQ_ORDER]  # bits 4j hold column AWQ_ORDER[j]
+        return (v << shifts).sum(-1, dtype=np.uint32).view(np.int32)
+
+    meant = {}
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[name].shape
+        G = I // group
+        q = rng.integers(0, 16, (I, O))
+        z = rng.integers(1 if fmt == "gptq" else 0, 16, (G, O))  # the original format cannot store z = 0 (as -1)
+        scale = (rng.uniform(0.5, 1.5, (G, O)) * 0.01).astype(np.float16)
+        g_idx = np.arange(I) // group
+        if shuffled_groups:
+            g_idx = rng.permutation(g_idx)
+        w = (q - z[g_idx]) * scale.astype(np.float32)[g_idx]  # [I, O]
+        base = name[: -len("weight")]
+        del tensors[name]
+        if method == "gptq":
+            tensors[base + "qweight"] = (q.astype(np.uint32).reshape(I // 8, 8, O) << shifts[None, :, None]) \
+                .sum(1, dtype=np.uint32).view(np.int32)
+            tensors[base + "qzeros"] = pack_cols(z - (1 if fmt == "gptq" else 0))
+            tensors[base + "g_idx"] = g_idx.astype(np.int32)
+        else:
+            tensors[base + "qweight"] = pack_cols(q)
+            tensors[base + "qzeros"] = pack_cols(z)
+        tensors[base + "scales"] = scale
+        meant[name] = np.ascontiguousarray(w.T.astype(np.float32))
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": shuffled_groups, "sym": False,
+         "checkpoint_format": fmt} if method == "gptq" else
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, meant
+
+
+@pytest.mark.parametrize("method, group, fmt", [("gptq", 32, "gptq"), ("gptq", 16, "gptq_v2"), ("awq", 32, "")])
+def test_gptq_and_awq_stay_int4_and_compute_their_values(tiny, tmp_path, method, group, fmt):
+    src, meant = gptq_awq_source(tiny, tmp_path / method, method, group, fmt=fmt)
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert {s.describe() for s in specs.values()} == {f"int4/{group}+offset"} and len(specs) == 14
+    params = checkpoint.read_params(kept)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        spec = specs[name]
+        q = QuantizedWeight(params[f"{name}.kernel.codes"].reshape(meant[f"{name}.weight"].shape[0], -1),
+                            params[f"{name}.kernel.scale"].reshape(meant[f"{name}.weight"].shape[0], -1),
+                            params[f"{name}.kernel.offset"].reshape(meant[f"{name}.weight"].shape[0], -1),
+                            spec.kind, spec.group)
+        np.testing.assert_array_equal(np.asarray(dequantize(q)), meant[f"{name}.weight"], err_msg=name)
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    name = "model.layers.1.mlp.down_proj"
+    np.testing.assert_array_equal(checkpoint.read_params(floats)[f"{name}.kernel"].reshape(meant[f"{name}.weight"].shape),
+                                  meant[f"{name}.weight"])
+    compare(kept, floats)
+
+
+def test_gptq_activation_order_is_refused_unless_dequantized(tiny, tmp_path):
+    src, meant = gptq_awq_source(tiny, tmp_path / "gptq", "gptq", 32, shuffled_groups=True)
+    with pytest.raises(CheckpointError, match="g_idx puts inputs out of order.*--dequantize"):
+        convert_checkpoint(src, tmp_path / "kept", progress=False)
+    assert not (tmp_path / "kept").exists()
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    name = "model.layers.0.mlp.up_proj"
+    got = checkpoint.read_params(floats)[f"{name}.kernel"]
+    np.testing.assert_array_equal(got.reshape(meant[f"{name}.weight"].shape), meant[f"{name}.weight"])
+    bad = tmp_path / "awq-gemv"
+    shutil.copytree(src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="AWQ version 'gemv'"):
+        convert_checkpoint(bad, tmp_path / "gemv", progress=False)
