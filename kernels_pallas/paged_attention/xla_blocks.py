@@ -5,6 +5,9 @@ every slot of that width. Here a loop walks blocks of `BLOCK_PAGES` pages with a
 sum per query, as flash attention does) and runs only up to the block holding the longest row's last key (from a
 sliding window's first one): a 2048-token prompt's last chunks score 2048 keys, not the 4096 of their bucket, and
 the score buffer is one block wide whatever the context. Plain `jax.numpy`, so any backend can run it.
+Decode steps (one query per row) take it too once their table spans more than one block of `DECODE_BLOCK_PAGES`:
+each block's gathered keys are used while they are in cache instead of the whole span being copied out first
+(on a 2-core Xeon, one row over 16k keys: 3.2 ms against the reference's 7.4; at 32k, 8.4 against 16-23).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import jax.numpy as jnp
 from kernels_pallas.attention.reference import FLOOR, grouped_scores, weighted_values
 
 BLOCK_PAGES = 16  # pages per key block: 256 keys at the engine's 16-token pages
+# A decode step's blocks: 1024 keys, so the loop's fixed cost per block stays small against one query's work.
+DECODE_BLOCK_PAGES = 64
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
@@ -25,21 +30,21 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     """The contract of `reference.paged_attention`, computed block by block.
 
     Raises:
-        NotImplementedError: one query per row (decode), where the reference's single pass over a tight width bucket
-            is as fast and the loop only adds its overhead; a table no wider than one block.
+        NotImplementedError: a table no wider than one block (`DECODE_BLOCK_PAGES` for decode steps): nothing to
+            skip, the reference's single pass is as fast.
     """
     B, T, N, H = q.shape
-    if T == 1:
-        raise NotImplementedError("one query per row (decode): the reference's single pass")
-    if block_tables.shape[1] <= BLOCK_PAGES:
-        raise NotImplementedError("a table of one block: nothing to skip, the reference's single pass")
+    block_pages = DECODE_BLOCK_PAGES if T == 1 else BLOCK_PAGES
+    if block_tables.shape[1] <= block_pages:
+        raise NotImplementedError(f"a table of one block ({block_pages} pages{' for decode' if T == 1 else ''}): "
+                                  "nothing to skip, the reference's single pass")
     _, page, K, _ = k_pages.shape
     Hv, G = v_pages.shape[-1], N // K
     scale = H ** -0.5 if scale is None else scale
-    width = -(-block_tables.shape[1] // BLOCK_PAGES) * BLOCK_PAGES
+    width = -(-block_tables.shape[1] // block_pages) * block_pages
     # Padding columns point at page 0; kv_lengths hides whatever they hold.
     tables = jnp.pad(block_tables, ((0, 0), (0, width - block_tables.shape[1])))
-    block_keys = BLOCK_PAGES * page
+    block_keys = block_pages * page
     last = (jnp.max(kv_lengths) + block_keys - 1) // block_keys  # blocks holding any row's keys
     first = jnp.int32(0)
     if sliding_window is not None:  # blocks wholly before every query's window hold nothing it sees
@@ -49,7 +54,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 
     def block(j, carry):
         peak, total, acc = carry  # [B, K, G, T] running max and sum of exp(score - max), [B, T, N, Hv] numerators
-        ids = jax.lax.dynamic_slice_in_dim(tables, j * BLOCK_PAGES, BLOCK_PAGES, axis=1)
+        ids = jax.lax.dynamic_slice_in_dim(tables, j * block_pages, block_pages, axis=1)
         k = k_pages[ids].reshape(B, block_keys, K, H)
         v = v_pages[ids].reshape(B, block_keys, K, Hv)
         scores = grouped_scores(q, k) * scale  # [B, K, G, T, Sb]
