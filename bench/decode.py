@@ -2,14 +2,15 @@
 (--baseline); time to first token for long prompts (--prefill).
 
     .venv/bin/python bench/decode.py [--repeats 5] [--new-tokens 64] [--batches 1,8] [--baseline DIR]
-                                     [--llama-cpp] [--prefill 128,512,2048]
+                                     [--llama-cpp] [--bfloat16] [--prefill 128,512,2048]
 
 Same SmolLM2 weights, float32, CPU. Each system is a worker process that stays loaded (bench/decode_worker.py for
 this tree and the --baseline checkout, bench/decode_reference.py in .venv-ref for transformers); they take turns,
 batch by batch and repeat by repeat in a rotating order, after a warm-up of the same shapes. Decode rate =
 batch * (N - 1) / (time for N tokens - time for 1 token), taking prompt processing out alike on every side; all
 must produce the same greedy tokens (asserted; llama.cpp, at batch 1 only, sums in another order, so its agreement is
-reported instead). `--llama-cpp` builds llama-cpp-python into .venv-ref if it is missing and runs it on an F32
+reported instead; so for `--bfloat16`, day0jax loaded in bfloat16, whose rounding may pick other tokens).
+`--llama-cpp` builds llama-cpp-python into .venv-ref if it is missing and runs it on an F32
 GGUF written from the default model's GGUF (bench/decode_llamacpp.py). `--prefill` times a one-token generation
 of random prompts of those lengths (a new prompt each time: no prefix cache helps). Prints tables of medians. Two
 workers of identical code have measured 4-6% apart on a 2-core VM: smaller differences are not resolved.
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--baseline", metavar="DIR", help="a checkout of an earlier day0jax revision to run beside")
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp (F32 GGUF) as a reference at batch 1")
+    ap.add_argument("--bfloat16", action="store_true", help="day0jax in bfloat16 beside its float32")
     ap.add_argument("--prefill", default="", help="prompt lengths to time the first token of, e.g. 128,512,2048")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -114,6 +116,9 @@ def main() -> None:
     python = str(ROOT / ".venv/bin/python")
     workers = {"day0jax": Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],
                                  {"PYTHONPATH": str(ROOT)})}
+    if args.bfloat16:
+        workers["day0jax bf16"] = Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt), "bfloat16"],
+                                         {"PYTHONPATH": str(ROOT)})
     if args.baseline:
         workers["baseline"] = Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],
                                      {"PYTHONPATH": str(Path(args.baseline).resolve())})
@@ -134,7 +139,7 @@ def main() -> None:
             if takes(name, batch):
                 w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
     rates: dict[tuple[str, int], list[float]] = {}
-    agree = None  # how many of llama.cpp's tokens equal day0jax's
+    agree: dict[str, int] = {}  # how many of llama.cpp's (bfloat16's) first tokens equal day0jax's
     for repeat in range(args.repeats):
         # The order rotates: with a fixed one, identical code measured 6% apart by its place in the turn.
         order = list(workers)[repeat % len(workers):] + list(workers)[:repeat % len(workers)]
@@ -144,10 +149,11 @@ def main() -> None:
                 r = workers[name].ask({"batch": batch, "prompt": prompt, "new_tokens": n})
                 tokens[name] = r["tokens"]
                 rates.setdefault((name, batch), []).append(batch * (n - 1) / (r["full"] - r["first"]))
-            llama = tokens.pop("llama.cpp", None)
+            others = {x: tokens.pop(x) for x in ("llama.cpp", "day0jax bf16") if x in tokens}
             assert len({tuple(t) for t in tokens.values()}) == 1, f"greedy tokens differ: {tokens}"
-            if llama is not None:
-                agree = next((i for i, (a, b) in enumerate(zip(llama, tokens["day0jax"])) if a != b), len(llama))
+            for x, theirs in others.items():
+                same = next((i for i, (a, b) in enumerate(zip(theirs, tokens["day0jax"])) if a != b), len(theirs))
+                agree[x] = min(agree.get(x, same), same)
     prefill = prefill_times(workers, [int(x) for x in args.prefill.split(",") if x], args.repeats)
     for w in workers.values():
         w.close()
@@ -155,14 +161,16 @@ def main() -> None:
     names = list(workers)
     print(f"\nGreedy decode, SmolLM2-135M float32, {n} new tokens, median of {args.repeats} (tokens/s)\n")
     ratios = [("day0jax", other) for other in ("transformers", "llama.cpp", "baseline") if other in workers]
+    if "day0jax bf16" in workers:
+        ratios.append(("day0jax bf16", "day0jax"))
     print("| batch | " + " | ".join(names) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
     print("|---" * (1 + len(names) + len(ratios)) + "|")
     for batch in batches:
         med = {name: statistics.median(rates[(name, batch)]) if (name, batch) in rates else None for name in names}
         print(f"| {batch} | " + " | ".join("-" if med[x] is None else f"{med[x]:.1f}" for x in names) + " | "
               + " | ".join("-" if med[b] is None else f"{med[a] / med[b]:.2f}x" for a, b in ratios) + " |")
-    if agree is not None:
-        print(f"\nllama.cpp's greedy tokens equal day0jax's for the first {agree} of {n}")
+    for x, same in agree.items():
+        print(f"\n{x}'s greedy tokens equal day0jax's (float32) for the first {same} of {n} (at every batch)")
     if prefill:
         print(f"\nTime to first token, batch 1, random prompts, median of {args.repeats} (ms)\n")
         print("| prompt tokens | " + " | ".join(names) + " | "

@@ -1,7 +1,8 @@
 """The day0jax side of bench/decode.py: a worker that keeps one checkpoint loaded and answers timing commands.
 
 It imports the first `day0jax` on PYTHONPATH, so it runs this tree or an earlier revision's (`--baseline DIR`),
-using only what every revision has: `day0jax.load(path)` and `Model.generate(prompts, n, ignore_eos=True)`.
+using only what every revision has: `day0jax.load(path[, dtype=...])` and `Model.generate(prompts, n,
+ignore_eos=True)`.
 Protocol as bench/decode_reference.py's.
 """
 
@@ -16,7 +17,8 @@ def main():
     os.dup2(2, 1)
     import day0jax
 
-    model = day0jax.load(sys.argv[1])
+    # An optional dtype (bfloat16: the CPU default only where it is faster at equal greedy output).
+    model = day0jax.load(sys.argv[1], **({"dtype": sys.argv[2]} if len(sys.argv) > 2 else {}))
 
     def run(prompts, n):
         t0 = time.perf_counter()
