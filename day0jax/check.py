@@ -1,5 +1,5 @@
-"""`python -m day0jax.check PATH [--mesh SPEC] [--json] [--hosts N --devices-per-host M --device-memory SIZE]`:
-the day-0 readiness report.
+"""`python -m day0jax.check PATH [--mesh SPEC] [--json] [--quantize KIND] [--probe]
+[--hosts N --devices-per-host M --device-memory SIZE]`: the day-0 readiness report.
 
 Says, before a weight is read, whether a model will run and how: its family, every config.json key (used, ignored
 as harmless, or unknown and refused), each operator and the implementation it takes on this backend (a kernel or
@@ -8,7 +8,7 @@ checkpoint's tensors map onto the model, and the memory per device: the plan `lo
 mesh and engine flags. PATH is a Hugging Face folder, a day0jax checkpoint folder or a GGUF file (headers only), or
 a folder with config.json alone. With --hosts, --devices-per-host and --device-memory it plans a cluster that is
 not here instead: memory per device on the best placed mesh that fits, which mesh axes cross hosts, the bytes
-each axis moves per token, and the meshes that fit.
+each axis moves per token, and the meshes that fit. --probe measures the mesh's collectives on the devices present.
 Exit status: 0 when the model will run, 2 when it will not, 1 on a usage error.
 """
 
