@@ -2,10 +2,10 @@
 
 Q8_0, Q4_0 and Q4_1 are kept block for block (float16 scales over 32 values). The others are re-blocked without a
 wider float than the source encodes: a K-quant's sub-block scale is the product of its super-block's float16 scale
-and a 6- or 8-bit integer, exact in float32, so its groups carry float32 scales; the integer codes are kept as they
-are (Q4_K's as 4-bit codes, the 5- and 6-bit ones as int8). Dequantized, every value is bitwise the `gguf`
-package's (tests/test_convert.py): the same float32 products and sums. Layouts follow the `gguf` package's
-`quants.py` (llama.cpp's ggml-quants.c).
+and a 4- to 8-bit integer, exact in float32, so its groups carry float32 scales; the integer codes are kept as they
+are (Q2_K's, Q3_K's and Q4_K's as 4-bit codes, the 5- and 6-bit ones as int8). Dequantized, every value is bitwise
+the `gguf` package's (tests/test_kernels_quantized_linear.py): the same float32 products and sums. Layouts follow
+the `gguf` package's `quants.py` (llama.cpp's ggml-quants.c).
 
 | GGUF | values per block, bytes | kept as |
 |---|---|---|
@@ -15,6 +15,8 @@ package's (tests/test_convert.py): the same float32 products and sums. Layouts f
 | Q4_K | 256, 144 | int4, float32 scale and offset per 32 |
 | Q5_K | 256, 176 | int8 (0..31), float32 scale and offset per 32 |
 | Q6_K | 256, 210 | int8 (q - 32), float32 scale per 16 |
+| Q3_K | 256, 110 | int4 (q + 8, day0jax's symmetric codes), float32 scale per 16 |
+| Q2_K | 256, 84 | int4 (0..3), float32 scale and offset per 16 |
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class Format(NamedTuple):
 FORMATS = {8: Format("int8", 32, False, "float16", 32, 34), 2: Format("int4", 32, False, "float16", 32, 18),
            3: Format("int4", 32, True, "float16", 32, 20), 6: Format("int8", 32, False, "float16", 32, 22),
            7: Format("int8", 32, True, "float16", 32, 24), 12: Format("int4", 32, True, "float32", 256, 144),
-           13: Format("int8", 32, True, "float32", 256, 176), 14: Format("int8", 16, False, "float32", 256, 210)}
+           13: Format("int8", 32, True, "float32", 256, 176), 14: Format("int8", 16, False, "float32", 256, 210),
+           11: Format("int4", 16, False, "float32", 256, 110), 10: Format("int4", 16, True, "float32", 256, 84)}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -99,6 +102,21 @@ def reblock(type_id: int, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
         else:  # bit j of high byte i belongs to sub-block j's value i
             bits = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
             codes = (_nibbles(b[:, 48:], 32) | (bits.reshape(n, 256) << 4)).astype(np.int8)
+    elif type_id == 11:  # Q3_K: 32 bytes of high bits, 64 of 2-bit low parts, 12 bytes of 6-bit scales, d
+        low = (b[:, 32:96].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        high = (b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        q = low.reshape(n, 256).astype(np.int16) - ((high.reshape(n, 256) ^ 1) << 2)  # -4..3: a set bit adds 0
+        codes = (q + 8).astype(np.uint8)
+        packed = b[:, 96:108]
+        lo = ((packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F).reshape(n, 16)
+        hi = ((packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)) & 3).reshape(n, 16)
+        scale = _f16(b[:, 108:110])[:, None] * ((lo | (hi << 4)).astype(np.float32) - 32)
+    elif type_id == 10:  # Q2_K: 16 bytes of 4-bit scales and mins, 64 of 2-bit values, d, dmin
+        sc = b[:, :16]
+        d, dmin = _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
+        scale, offset = d * (sc & 0x0F).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
+        codes = ((b[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1))
+                 & 3).reshape(n, 256)
     else:  # Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales, d
         low = _nibbles(b[:, :128], 64)
         high = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3

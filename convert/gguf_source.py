@@ -22,7 +22,8 @@ import numpy as np
 from convert.gguf_blocks import FORMATS, reblock
 from day0jax.errors import CheckpointError, UnsupportedArchitecture
 
-# Tensor types we read (dequantized through the `gguf` package with --dequantize), by GGML type id.
+# Tensor types we read, by GGML type id: floats, and quantized types kept in a format of convert/gguf_blocks.py
+# (dequantized by the `gguf` package with --dequantize).
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
                    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
@@ -286,18 +287,14 @@ class GGUFSource:
         """How tensor `name` stays quantized (a `QuantSpec`), or None for a float tensor.
 
         Raises:
-            CheckpointError: a quantized type day0jax does not keep quantized (convert with --dequantize).
+            CheckpointError: rows that are not whole blocks of the tensor's type.
         """
         from day0jax.layers.quantized import QuantSpec
 
         t = self._tensors[name]
         if t.type_id in FLOAT_TYPES:
             return None
-        if t.type_id not in FORMATS:
-            kept = ", ".join(SUPPORTED_TYPES[i] for i in FORMATS)
-            raise CheckpointError(f"{self.path}: tensor {t.name!r} is {t.type_name}, which day0jax does not keep "
-                                  f"quantized (kept: {kept}); convert with --dequantize to store it as float")
-        f = FORMATS[t.type_id]
+        f = FORMATS[t.type_id]  # every quantized type the header accepts has a kept format
         if t.dims[0] % f.block:
             raise CheckpointError(f"{self.path}: tensor {t.name!r} ({t.type_name}) has rows of {t.dims[0]} values, "
                                   f"not a multiple of its {f.block}-value blocks")

@@ -54,7 +54,11 @@ def refs(tmp_path_factory):
         {"op": "state", "model": str(gguf), "out": str(root / "gguf_state.npz")},
         {"op": "run", "model": str(gguf), "prompts": [p[:12] for p in PROMPTS], "generate": 6,
          "out": str(root / "gguf_run.npz")},
-        {"op": "tiny_gguf", "config": GGUF_CONFIG, "types": ["Q3_K"], "seed": 5, "out": str(root / "q3k.gguf")},
+        {"op": "tiny_gguf", "config": GGUF_CONFIG, "types": ["Q2_K", "Q3_K"], "seed": 5,
+         "out": str(root / "low_k.gguf")},
+        {"op": "state", "model": str(root / "low_k.gguf"), "out": str(root / "low_k_state.npz")},
+        {"op": "run", "model": str(root / "low_k.gguf"), "prompts": [p[:12] for p in PROMPTS], "generate": 6,
+         "out": str(root / "low_k_run.npz")},
         {"op": "tokenize", "model": str(gguf), "texts": SP_TEXTS,
          "chats": [[{"role": "user", "content": "hi there"}]], "out": str(root / "gguf_tok.json")},
     ], root)
@@ -165,16 +169,6 @@ def gguf_ckpt(refs, tmp_path_factory):
                               options=Options(dequantize=True)).dst
 
 
-def test_gguf_q2_k_and_q3_k_are_refused_unless_dequantized(refs, tmp_path):
-    from day0jax.errors import CheckpointError
-
-    with pytest.raises(CheckpointError,
-                       match=r"tensor '[\w.]+' is Q3_K, which day0jax does not keep quantized.*--dequantize"):
-        convert_checkpoint(refs / "q3k.gguf", tmp_path / "ck", progress=False)
-    assert not (tmp_path / "ck").exists()
-    convert_checkpoint(refs / "q3k.gguf", tmp_path / "ck", progress=False, options=Options(dequantize=True))
-
-
 @pytest.fixture(scope="module")
 def kept_ckpt(refs, tmp_path_factory):
     return convert_checkpoint(refs / "kept.gguf", tmp_path_factory.mktemp("gguf-kept") / "ck", progress=False).dst
@@ -186,8 +180,15 @@ def kquant_ckpt(refs, tmp_path_factory):
     return convert_checkpoint(refs / "tiny.gguf", tmp_path_factory.mktemp("gguf-kq") / "ck", progress=False).dst
 
 
+@pytest.fixture(scope="module")
+def low_k_ckpt(refs, tmp_path_factory):
+    """Q2_K and Q3_K, kept as 4-bit codes in groups of 16."""
+    return convert_checkpoint(refs / "low_k.gguf", tmp_path_factory.mktemp("gguf-lowk") / "ck", progress=False).dst
+
+
 KEPT = {"Q8_0/Q4_0/Q4_1": ("kept_ckpt", "kept", {"int8/32", "int4/32", "int4/32+offset"}),
-        "K-quants": ("kquant_ckpt", "gguf", {"int8/32", "int4/32", "int4/32+offset", "int8/16", "int8/32+offset"})}
+        "K-quants": ("kquant_ckpt", "gguf", {"int8/32", "int4/32", "int4/32+offset", "int8/16", "int8/32+offset"}),
+        "Q2_K/Q3_K": ("low_k_ckpt", "low_k", {"int4/16", "int4/16+offset"})}
 
 
 @pytest.mark.parametrize("name", sorted(KEPT))

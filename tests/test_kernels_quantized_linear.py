@@ -100,13 +100,14 @@ def gguf_blocks(type_name: str, rows: int, values: int) -> np.ndarray:
         pass
     fmt = gguf_blocks_lib.FORMATS[int(qtype)]
     raw = rng.integers(0, 256, (rows, values // fmt.block, fmt.block_bytes), dtype=np.uint8)
-    where = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2]}[type_name]  # d (and dmin) fields
+    where = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q3_K": [108], "Q2_K": [80, 82]}[type_name]  # d, dmin
     for at in where:
         raw[..., at:at + 2] = np.float16(rng.uniform(1e-3, 1e-2)).reshape(1).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                       "Q6_K"])
 def test_gguf_blocks_dequantize_bitwise_like_the_gguf_package(type_name):
     """Blocks kept (or re-blocked) as the converter stores them dequantize exactly as the gguf package's math, and
     the CPU kernel computes with them float32-tight."""
@@ -119,6 +120,13 @@ def test_gguf_blocks_dequantize_bitwise_like_the_gguf_package(type_name):
     np.testing.assert_array_equal(np.asarray(reference.dequantize(q)), gguf.quants.dequantize(raw, qtype))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 512)), jnp.float32)
     assert_float32_tight(api.quantized_matmul(x, q, implementation="cpu_ffi"), x, q, type_name)
+
+
+def test_every_quantized_gguf_type_read_is_kept():
+    """The GGUF header accepts float types and types with a kept format, nothing in between."""
+    from convert import gguf_source
+
+    assert set(gguf_source.SUPPORTED_TYPES) == set(gguf_source.FLOAT_TYPES) | set(gguf_blocks_lib.FORMATS)
 
 
 def test_fp8_codes_dequantize_bitwise_like_ml_dtypes():

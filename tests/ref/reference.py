@@ -248,12 +248,15 @@ def tiny_gguf(job):
         qt = qtypes[next(counter) % len(qtypes)]
         data = rng.normal(0, 0.05, shape).astype(np.float32)
         if qt in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K,
-                  gguf.GGMLQuantizationType.Q3_K):
+                  gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.Q2_K):
             block, size = gguf.GGML_QUANT_SIZES[qt]
             raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
             d = rng.uniform(0.001, 0.004, raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
             if qt in (gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q3_K):
                 raw[..., -2:] = d  # Q6_K and Q3_K keep their scale at the end of the block
+            elif qt == gguf.GGMLQuantizationType.Q2_K:
+                raw[..., -4:-2] = d  # Q2_K ends with d, then dmin
+                raw[..., -2:] = d
             else:
                 raw[..., 0:2] = d
                 raw[..., 2:4] = d  # dmin
