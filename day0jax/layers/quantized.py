@@ -1,12 +1,12 @@
-"""Weights kept quantized in memory: a `Linear`'s kernel or an `Embedding`'s table as codes with per-group scales.
+"""Weights kept quantized in memory: a `Linear`'s kernel, an `Embedding`'s table or MoE experts' stacked weights as
+codes with per-group scales.
 
-A converted checkpoint's config.json names its quantized modules and their `QuantSpec` (`quantization_config`,
-quant_method 'day0jax'); `quantize_modules` swaps those modules' float parameter for a `QuantizedKernel` before the
-weights are restored, so every consumer (the loader, the memory planner, sharding) sees the quantized parameters'
-own shapes and dtypes. The codes keep the float kernel's output dims and logical axes and one flattened input dim
-(two 4-bit codes per byte), the scales one entry per group along it, so tensor parallelism splits codes and scales
-alike.
-"""
+A converted checkpoint's config.json names its quantized weights and their `QuantSpec` (`quantization_config`,
+quant_method 'day0jax'); `quantize_modules` swaps each float parameter for a `QuantizedKernel` (or, for experts, a
+`QuantizedExperts`) before the weights are restored, so every consumer (the loader, the memory planner, sharding)
+sees the quantized parameters' own shapes and dtypes. The codes keep the float kernel's output dims and logical axes
+and one flattened input dim (two 4-bit codes per byte), the scales one entry per group along it, so tensor
+parallelism splits codes and scales alike."""
 
 from __future__ import annotations
 
