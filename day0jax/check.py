@@ -422,14 +422,17 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
 
     from day0jax.weights.loader import EnginePlanInputs
     from sharding import plan as plan_lib
+    from sharding.cluster import ranked_meshes
 
     devices = jax.devices()
     available = cluster.available if cluster else plan_lib.device_memory(devices)
     try:
         inputs = EnginePlanInputs.of(abstract, config, engine)
         plan_of = lambda s: inputs.plan(s, dtype, available)  # noqa: E731
+        # A cluster's meshes over all its devices, best placed first, each with its plan (choice and report).
+        ranked = [(s, plan_of(s)) for s in ranked_meshes(cluster, infos)] if cluster else []
         if cluster and mesh_spec in (None, mesh_lib.AUTO):
-            sizes = _cluster_mesh(cluster, infos, plan_of)
+            sizes = _cluster_mesh(cluster, infos, ranked)
         elif mesh_spec == mesh_lib.AUTO:
             sizes = mesh_lib.auto_sizes(len(devices), infos, lambda s: plan_of(s).fits,
                                         mesh_lib.host_ordered(devices)[1])
@@ -443,7 +446,7 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
         report.reasons.append(f"mesh {mesh_lib.format_spec(sizes)}: " + "; ".join(bad))
     p = inputs.plan(sizes, dtype, available)
     if cluster:
-        report.cluster = _cluster_report(cluster, inputs, sizes, p, infos, dtype, report)
+        report.cluster = _cluster_report(cluster, inputs, sizes, p, ranked, dtype, report)
     else:
         try:
             inputs.require_fit(p, n_devices=len(devices))
@@ -478,42 +481,37 @@ def _probe(inputs, sizes, infos, dtype: str, report: Report) -> dict:
             "decode_step_seconds": step}
 
 
-def _cluster_mesh(cluster, infos, plan_of) -> dict[str, int]:
+def _cluster_mesh(cluster, infos, ranked) -> dict[str, int]:
     """The best placed mesh over all of `cluster`'s devices that fits, else the one needing the least memory per
-    device (reported as not fitting); `plan_of(sizes)` is its memory `Plan`.
+    device (reported as not fitting); `ranked`: (sizes, memory `Plan`) of each, best placed first.
 
     Raises:
         MeshError: no mesh over the cluster divides the model.
     """
-    from sharding.cluster import ranked_meshes
-
-    options = ranked_meshes(cluster, infos)
-    if not options:
+    if not ranked:
         raise mesh_lib.MeshError(f"no mesh over the cluster's {cluster.devices} devices divides this model: "
                                  + "; ".join(mesh_lib.problems({"tp": cluster.devices}, infos)))
-    plans = [plan_of(s) for s in options]
-    return next((s for s, p in zip(options, plans) if p.fits),
-                min(zip(options, plans), key=lambda sp: sp[1].total_bytes)[0])
+    return next((s for s, p in ranked if p.fits), min(ranked, key=lambda sp: sp[1].total_bytes)[0])
 
 
-def _cluster_report(cluster, inputs, sizes, p, infos, dtype: str, report: Report) -> dict:
-    """Placement, traffic and the meshes that fit for a described cluster; refusals go to `report.reasons`."""
+def _cluster_report(cluster, inputs, sizes, p, ranked, dtype: str, report: Report) -> dict:
+    """Placement, traffic and the meshes that fit (of `ranked`, as `_cluster_mesh` takes it) for a described
+    cluster; refusals go to `report.reasons`."""
     from sharding import plan as plan_lib
-    from sharding.cluster import crossing, ranked_meshes, traffic
+    from sharding.cluster import traffic
 
     used = math.prod(sizes.values())
     if used != cluster.devices:
         report.reasons.append(f"mesh {mesh_lib.format_spec(sizes)} uses {used} device(s); the cluster has "
                               f"{cluster.devices}: give a mesh over all of them")
-    fitting = [mesh_lib.format_spec(s) for s in ranked_meshes(cluster, infos)
-               if inputs.plan(s, dtype, cluster.available).fits]
+    fitting = [mesh_lib.format_spec(s) for s, q in ranked if q.fits]
     if not p.fits:
         would = (f"meshes over the cluster that fit, best placed first: {'; '.join(fitting[:6])}" if fitting else
                  "no mesh over the cluster fits: " + "; ".join(
                      plan_lib.suggestions(p, inputs.shape, inputs.workload, inputs.workload_for,
                                           n_devices=cluster.devices)))
         report.reasons.append(f"the model will not fit {cluster.describe()}: {p.summary()}. {would}")
-    cross = crossing(sizes, cluster.devices_per_host)
+    cross = mesh_lib.crossing(sizes, cluster.devices_per_host)
     return {"hosts": cluster.hosts, "devices_per_host": cluster.devices_per_host,
             "device_memory": cluster.device_memory, "mesh": mesh_lib.format_spec(sizes), "fits": p.fits,
             "axes_crossing_hosts": [a for a in mesh_lib.AXES if cross[a] and sizes[a] > 1],

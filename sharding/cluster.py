@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from day0jax.errors import MeshError
 from sharding import mesh as mesh_lib
-from sharding.mesh import crossing
 from sharding.plan import HEADROOM, ModelShape, fmt_bytes
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -98,7 +97,7 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any,
         devices_per_host: devices in one host, to say which axes cross hosts (None: one host).
     """
     item = jnp.dtype(dtype).itemsize
-    cross = crossing(sizes, devices_per_host or math.prod(sizes.values()))
+    cross = mesh_lib.crossing(sizes, devices_per_host or math.prod(sizes.values()))
     D, layers = shape.hidden_size, len(shape.cache_layout)
     t, e = sizes.get("tp", 1), sizes.get("ep", 1)
     out = []
