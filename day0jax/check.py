@@ -442,9 +442,17 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
         report.reasons.append(str(e))
         return {}
     bad = mesh_lib.problems(sizes, infos)
+    if sizes.get("pp", 1) > 1:
+        from day0jax.engine.pipeline import pipeline_refusal
+
+        bad += [r for r in [pipeline_refusal(abstract)] if r]
     if bad:
         report.reasons.append(f"mesh {mesh_lib.format_spec(sizes)}: " + "; ".join(bad))
-    p = inputs.plan(sizes, dtype, available)
+    try:
+        p = inputs.plan(sizes, dtype, available)
+    except Day0Error as e:  # a mesh the model cannot be planned on at all (more stages than layers)
+        report.reasons.append(str(e))
+        return {}
     if cluster:
         report.cluster = _cluster_report(cluster, inputs, sizes, p, ranked, dtype, report)
     else:

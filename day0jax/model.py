@@ -293,6 +293,8 @@ class Model:
             for b in range(B):
                 self._check_placeholders(tokens[b], rows[b], b)
             image = self.image_arrays(padded, rows) if self.vision is not None else None
+        if "pp" in self.mesh.axis_names:  # pipeline stages: one program per stage (engine/pipeline.py)
+            return np.asarray(self.engine.runner.full_logits(padded, T))[:B, :T]
         with jax.set_mesh(self.mesh):
             out = self._forward(self._params, put(padded, self.mesh, ("batch", None)), put(np.int32(T), self.mesh),
                                 image)

@@ -1,6 +1,6 @@
 """Plans for a cluster that is not here: `hosts` machines of `devices_per_host` devices with `device_memory` each.
 
-Devices are numbered host by host and the mesh axes (dp, ep, tp) laid over them tp innermost (mesh.py), so an axis
+Devices are numbered host by host and the mesh axes (pp, dp, ep, tp) laid over them tp innermost (mesh.py), so an axis
 stays inside a host only while it and the axes inside it fit there (`mesh.crossing`). `traffic()` estimates the
 bytes each axis moves per token; `ranked_meshes()` orders meshes as `--mesh auto` does over several hosts. The
 per-device memory itself is `plan.plan()`, the same as for devices that are present."""
@@ -88,7 +88,9 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any,
     2(t-1)S in all. The sampler needs the whole vocabulary, so each generated token's float32 logits are gathered:
     (t-1)V x 4 bytes. ep: each token's hidden state goes to its k experts and their outputs come back; with experts
     spread evenly, (e-1)/e of them live on another rank, and every tp rank moves its own copy. dp: nothing per token
-    (replicas share no activations).
+    (replicas share no activations). pp: each token's residual stream goes from each stage to the next, once per
+    stage boundary, from every (dp, ep, tp) rank's copy of it (each stage's sampled token goes back to the first,
+    4 bytes, left out).
 
     Args:
         shape: the model's `ModelShape`.
@@ -108,7 +110,13 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any,
         what = (f"{len(shape.moe_top_k)} MoE layers: each token to its experts and back" if shape.moe_top_k
                 else "no experts: splits the batch like dp")
         out.append(AxisTraffic("ep", e, cross["ep"], moved, moved, what))
+    pp = sizes.get("pp", 1)
+    if pp > 1:
+        hop = (pp - 1) * D * item * t * e
+        out.append(AxisTraffic("pp", pp, cross["pp"], hop, hop,
+                               f"{pp - 1} stage boundaries: the residual stream to the next stage"))
     if t > 1:
+        # Stages split the layers, not the all-reduces: every layer's still happen, each inside its stage.
         reduced = (2 * layers + 1) * 2 * (t - 1) * D * item
         logits = (t - 1) * shape.vocab_size * 4
         out.append(AxisTraffic("tp", t, cross["tp"], reduced + logits, reduced,
@@ -117,6 +125,7 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any,
 
 
 def ranked_meshes(cluster: Cluster, infos: Sequence[Any]) -> list[dict[str, int]]:
-    """Every mesh over all of the cluster's devices that divides the model, in `mesh.placement_key` order."""
-    return sorted(mesh_lib.valid_sizes(cluster.devices, infos),
+    """Every mesh over all of the cluster's devices that divides the model, pipeline stages included, in
+    `mesh.placement_key` order."""
+    return sorted(mesh_lib.valid_sizes(cluster.devices, infos, pipeline=True),
                   key=lambda s: mesh_lib.placement_key(s, cluster.devices_per_host))

@@ -1,7 +1,9 @@
-"""Device meshes from a SPEC such as `dp=2,tp=4,ep=1` (data, tensor, expert parallelism), or chosen automatically.
+"""Device meshes from a SPEC such as `pp=2,dp=2,tp=4,ep=1` (pipeline, data, tensor, expert parallelism), or chosen
+automatically.
 
-Axes are always (dp, ep, tp): tensor parallelism innermost, where devices are best connected (devices are
-numbered host by host, so consecutive ones share a host). The product of the sizes is the number of devices used:
+Axes are (dp, ep, tp), with `pp` first when the SPEC has pp > 1 (see pipeline.py): tensor parallelism innermost,
+where devices are best connected, pipeline stages outermost, where they are not (devices are numbered host by
+host, so consecutive ones share a host). The product of the sizes is the number of devices used:
 an explicit `devices` list's length; at most the visible devices in one process (it takes the first ones); every
 process's devices when multi-host. tp must divide the attention heads and ep the experts (in a dense model ep
 splits only the batch, like dp; see rules.py). Refusals say which meshes would work."""
@@ -17,8 +19,10 @@ from jax.sharding import Mesh
 
 from day0jax.errors import MeshError
 
-AXES = ("dp", "ep", "tp")
-AXIS_MEANING = {"dp": "data parallel: splits the batch", "ep": "expert parallel: splits the experts",
+AXES = ("pp", "dp", "ep", "tp")
+MODEL_AXES = AXES[1:]  # the axes of one pipeline stage's mesh
+AXIS_MEANING = {"pp": "pipeline parallel: splits the layers into stages",
+                "dp": "data parallel: splits the batch", "ep": "expert parallel: splits the experts",
                 "tp": "tensor parallel: splits heads, MLP and vocabulary"}
 AUTO = "auto"
 # Logical axes that must be split evenly by a mesh axis for the model to run on it (others fall back to
@@ -27,10 +31,10 @@ MUST_DIVIDE = {"tp": ("heads", "attention heads"), "ep": ("experts", "experts")}
 
 
 def parse_spec(spec: str | None) -> dict[str, int]:
-    """Parses `dp=2,tp=4` into {'dp': 2, 'ep': 1, 'tp': 4}; missing axes are 1.
+    """Parses `dp=2,tp=4` into {'pp': 1, 'dp': 2, 'ep': 1, 'tp': 4}; missing axes are 1.
 
     Args:
-        spec: comma-separated AXIS=SIZE pairs, AXIS one of dp, ep, tp; None or "" is a single device.
+        spec: comma-separated AXIS=SIZE pairs, AXIS one of pp, dp, ep, tp; None or "" is a single device.
     Returns:
         The size of every axis.
     Raises:
@@ -62,13 +66,13 @@ def parse_spec(spec: str | None) -> dict[str, int]:
 
 
 def format_spec(sizes: dict[str, int]) -> str:
-    """{'dp': 2, 'ep': 1, 'tp': 4} -> 'dp=2,tp=4' (axes of size 1 left out; a single device is 'dp=1')."""
+    """{'pp': 1, 'dp': 2, 'ep': 1, 'tp': 4} -> 'dp=2,tp=4' (axes of size 1 left out; a single device is 'dp=1')."""
     parts = [f"{a}={sizes.get(a, 1)}" for a in AXES if sizes.get(a, 1) > 1]
     return ",".join(parts) or "dp=1"
 
 
 def mesh_sizes(mesh: Any) -> dict[str, int]:
-    """The axis sizes of a `Mesh`, an `AbstractMesh`, a SPEC string or a sizes dict, as {'dp', 'ep', 'tp'}."""
+    """The axis sizes of a `Mesh`, an `AbstractMesh`, a SPEC string or a sizes dict, as {'pp', 'dp', 'ep', 'tp'}."""
     if isinstance(mesh, str) or mesh is None:
         return parse_spec(mesh)
     shape = mesh if isinstance(mesh, dict) else dict(mesh.shape)
@@ -91,12 +95,24 @@ def _must_divide(infos: Iterable[Any]) -> dict[str, tuple[int, str]]:
     return found
 
 
+def _layers(infos: Iterable[Any]) -> int | None:
+    """Decoder layers of a model with `model.layers.N` parameters (None for another layout: a vision-language
+    model, which pipeline stages refuse with their own message)."""
+    from sharding.pipeline import layer_index
+
+    found = [layer_index(i.path) for i in infos if layer_index(i.path) is not None]
+    return 1 + max(found) if found else None
+
+
 def problems(sizes: dict[str, int], infos: Sequence[Any] | None) -> list[str]:
     """Why a mesh of these sizes cannot run the model whose parameters are `infos` (empty: it can)."""
     if infos is None:
         return []
     need = _must_divide(infos)
     out = []
+    pp, layers = sizes.get("pp", 1), _layers(infos)
+    if pp > 1 and layers is not None and pp > layers:
+        out.append(f"pp={pp} is more pipeline stages than the model's {layers} decoder layers")
     for axis, (_, words) in MUST_DIVIDE.items():
         size = sizes.get(axis, 1)
         if axis in need and need[axis][0] % size:
@@ -106,16 +122,20 @@ def problems(sizes: dict[str, int], infos: Sequence[Any] | None) -> list[str]:
     return out
 
 
-def valid_sizes(n_devices: int, infos: Sequence[Any] | None = None) -> list[dict[str, int]]:
+def valid_sizes(n_devices: int, infos: Sequence[Any] | None = None, pipeline: bool = False
+                ) -> list[dict[str, int]]:
     """Every (dp, ep, tp) over `n_devices` that fits the model, most tensor parallel first; ep=1 only without
-    experts (there ep would only repeat what dp does)."""
+    experts (there ep would only repeat what dp does). With `pipeline`, the meshes with pp > 1 follow (pp=2
+    first)."""
     moe = infos is None or "ep" in _must_divide(infos)
     out = []
-    for tp in reversed(divisors(n_devices)):
-        for ep in reversed(divisors(n_devices // tp) if moe else [1]):
-            sizes = {"dp": n_devices // tp // ep, "ep": ep, "tp": tp}
-            if not problems(sizes, infos):
-                out.append(sizes)
+    for pp in divisors(n_devices) if pipeline else [1]:
+        inner = n_devices // pp
+        for tp in reversed(divisors(inner)):
+            for ep in reversed(divisors(inner // tp) if moe else [1]):
+                sizes = {"pp": pp, "dp": inner // tp // ep, "ep": ep, "tp": tp}
+                if not problems(sizes, infos):
+                    out.append(sizes)
     return out
 
 
@@ -129,18 +149,20 @@ def _would_work(n_devices: int, infos: Sequence[Any] | None, limit: int = 6) -> 
 
 def crossing(sizes: dict[str, int], devices_per_host: int) -> dict[str, bool]:
     """Mesh axis -> whether one of its groups (devices that differ only along it) spans more than one host, when
-    devices are numbered host by host and laid out (dp, ep, tp) with tp innermost, as `make_mesh` does."""
+    devices are numbered host by host and laid out (pp, dp, ep, tp) with tp innermost, as `make_mesh` does."""
     shape = [sizes.get(a, 1) for a in AXES]
     host = np.arange(math.prod(shape)).reshape(shape) // devices_per_host
     return {a: bool((host != np.take(host, [0], axis=i)).any()) for i, a in enumerate(AXES)}
 
 
 def placement_key(sizes: dict[str, int], devices_per_host: int | None = None) -> tuple:
-    """Sort key for meshes: the smallest model-parallel group (tp * ep) first, the rest data parallel, since
+    """Sort key for meshes: the smallest model-parallel group (pp * tp * ep) first, the rest data parallel, since
     replicas scale throughput without collectives; then, given the devices per host, meshes whose tp (the most
-    traffic), then ep, stays inside a host; then more tp, which also splits attention."""
+    traffic), then ep, stays inside a host; then fewer pipeline stages (each adds a transfer per step), then more
+    tp, which also splits attention. So pp comes in when tp alone would cross hosts or the model does not fit."""
     cross = crossing(sizes, devices_per_host) if devices_per_host else {}
-    return sizes["tp"] * sizes["ep"], cross.get("tp", False), cross.get("ep", False), -sizes["tp"]
+    pp = sizes.get("pp", 1)
+    return pp * sizes["tp"] * sizes["ep"], cross.get("tp", False), cross.get("ep", False), pp, -sizes["tp"]
 
 
 def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
@@ -158,7 +180,8 @@ def auto_sizes(n_devices: int, infos: Sequence[Any] | None = None,
                         + "; ".join(problems({"tp": n_devices}, infos)))
     if fits is None:
         return options[0]
-    for sizes in sorted(options, key=lambda s: placement_key(s, devices_per_host)):
+    candidates = valid_sizes(n_devices, infos, pipeline=True)
+    for sizes in sorted(candidates, key=lambda s: placement_key(s, devices_per_host)):
         if fits(sizes):
             return sizes
     return options[0]  # nothing fits: the caller's planner reports it with the least memory-hungry mesh
@@ -180,13 +203,13 @@ def make_mesh(spec: str | dict | None = None, devices: Sequence[Any] | None = No
     """A mesh from a SPEC, over the visible (or given) devices, checked against the model.
 
     Args:
-        spec: `dp=..,tp=..,ep=..`, a sizes dict, 'auto' (see `auto_sizes`), or None/"" for one device.
+        spec: `pp=..,dp=..,tp=..,ep=..`, a sizes dict, 'auto' (see `auto_sizes`), or None/"" for one device.
         devices: the devices to use, all of them (default: `jax.devices()`, every process's devices).
         infos: the model's parameters (`.path`, `.shape`, `.axes`), to refuse meshes that do not divide its heads or
             experts; None skips that check.
         fits: for 'auto', a memory test on candidate sizes.
     Returns:
-        A `Mesh` with axes ('dp', 'ep', 'tp').
+        A `Mesh` with axes ('dp', 'ep', 'tp'), or ('pp', 'dp', 'ep', 'tp') when pp > 1.
     Raises:
         MeshError: the spec is malformed, its product does not match the devices, or it does not fit the model;
             the message lists meshes that would work.
@@ -213,8 +236,9 @@ def make_mesh(spec: str | dict | None = None, devices: Sequence[Any] | None = No
     if bad:
         raise MeshError(f"mesh spec {label!r} does not fit the model: {'; '.join(bad)}. "
                         f"{_would_work(needed, infos)}")
-    grid = np.array(devices[:needed], dtype=object).reshape([sizes[a] for a in AXES])
-    return Mesh(grid, AXES)
+    axes = AXES if sizes["pp"] > 1 else MODEL_AXES
+    grid = np.array(devices[:needed], dtype=object).reshape([sizes[a] for a in axes])
+    return Mesh(grid, axes)
 
 
 def describe(mesh: Mesh) -> str:

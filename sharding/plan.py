@@ -146,6 +146,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     state_bytes: int = 0  # per device: linear-attention state slots
     state_slots: int = 0
+    # With pipeline stages (pp > 1): each stage's layers as (first, end); the per-device figures are the fullest
+    # stage's.
+    stages: tuple[tuple[int, int], ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -166,7 +169,11 @@ class Plan:
                    if self.state_bytes else "") +
                 f"activations {fmt_bytes(self.activation_bytes)} for the largest program, {rows} x {tokens} "
                 f"tokens over {span} positions; up to {self.max_num_seqs} sequences of {self.max_model_len} "
-                f"tokens); {avail}")
+                f"tokens)" + (f"; layers per stage {self.describe_stages()}" if self.stages else "") + f"; {avail}")
+
+    def describe_stages(self) -> str:
+        """`0-5 | 6-11`: each pipeline stage's layers."""
+        return " | ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in self.stages)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(asdict(self), total_bytes=self.total_bytes, fits=self.fits)
@@ -196,21 +203,57 @@ def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
     return sum(math.prod(shard_shape(p.axes, p.shape, sizes)) * param_itemsize(p, dtype) for p in shape.params)
 
 
+def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], kv_slots: int, dtype: Any) -> int:
+    """Bytes of one layer's KV page pool on one device: `kv_slots` token slots (0 for a state layer)."""
+    item = jnp.dtype(dtype).itemsize
+    if isinstance(layer, SharedKV):
+        return kv_slots * layer.index_dim * item
+    if isinstance(layer, StateLayer):
+        return 0
+    _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
+    return kv_slots * (k * (layer.k_dim + layer.v_dim) + layer.index_dim) * item
+
+
+def layer_state_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], state_slots: int) -> int:
+    """Bytes of one layer's state slots on one device (float32, split like its heads; 0 for a KV layer)."""
+    if not isinstance(layer, StateLayer):
+        return 0
+    return sum(math.prod(shard_shape((None,) + axes, (state_slots,) + per_seq, sizes)) * 4
+               for per_seq, axes in layer.arrays)
+
+
 def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any) -> int:
     """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer."""
-    item = jnp.dtype(dtype).itemsize
-    total = 0
-    for layer in shape.kv_layers:
-        _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
-        total += kv_slots * (k * (layer.k_dim + layer.v_dim) + layer.index_dim) * item
-    shared_index = sum(x.index_dim for x in shape.cache_layout if isinstance(x, SharedKV))
-    return total + kv_slots * shared_index * item
+    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype) for x in shape.cache_layout)
 
 
 def state_bytes(shape: ModelShape, sizes: dict[str, int], state_slots: int) -> int:
     """Bytes of the linear-attention state slots one device holds (float32, split like their heads)."""
-    return sum(math.prod(shard_shape((None,) + axes, (state_slots,) + per_seq, sizes)) * 4
-               for layer in shape.state_layers for per_seq, axes in layer.arrays)
+    return sum(layer_state_bytes(x, sizes, state_slots) for x in shape.cache_layout)
+
+
+def stage_split(shape: ModelShape, sizes: dict[str, int], workload: Workload, dtype: Any):
+    """With `pp` in `sizes`: the pipeline's `Stages` and the fullest stage's (params, KV, state) bytes per device.
+
+    Raises:
+        MeshError: more stages than the model has layers.
+    """
+    from sharding.pipeline import param_bytes, plan_stages
+
+    inner = {a: n for a, n in sizes.items() if a != "pp"}
+    kv = [layer_kv_bytes(x, inner, workload.kv_slots, dtype) for x in shape.cache_layout]
+    state = [layer_state_bytes(x, inner, workload.state_slots) for x in shape.cache_layout]
+    layers = len(shape.cache_layout)
+    if sizes["pp"] > layers:
+        raise mesh_lib.MeshError(f"pp={sizes['pp']} needs at least as many layers; the model has {layers}")
+    stages = plan_stages(shape.params, [a + b for a, b in zip(kv, state)], sizes["pp"], inner,
+                         lambda p: param_itemsize(p, dtype))
+    per_stage = []
+    for s, layer_range in enumerate(stages.ranges):
+        params = sum(param_bytes(p, inner, param_itemsize(p, dtype)) for p in shape.params
+                     if s in stages.holders(p.path))
+        per_stage.append((params, sum(kv[i] for i in layer_range), sum(state[i] for i in layer_range)))
+    return stages, max(per_stage, key=sum)
 
 
 def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int, tokens: int, span: int,
@@ -304,14 +347,19 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
         notes.append(f"kv heads are fewer than tp={sizes['tp']} (or not divisible): the KV cache is replicated "
                      "across tensor-parallel ranks")
     activations, largest = activation_bytes(shape, sizes, workload, dtype)
+    if sizes["pp"] > 1:
+        stages, (params, kv, state) = stage_split(shape, sizes, workload, dtype)
+        ranges = tuple((r.start, r.stop) for r in stages.ranges)
+    else:
+        params, kv = params_bytes(shape, sizes, dtype), kv_cache_bytes(shape, sizes, workload.kv_slots, dtype)
+        state, ranges = state_bytes(shape, sizes, workload.state_slots), ()
     return Plan(mesh=mesh_lib.format_spec(sizes), sizes=sizes, devices=math.prod(sizes.values()),
                 dtype=str(dtype), kv_slots=workload.kv_slots, max_num_seqs=workload.max_num_seqs,
-                max_model_len=workload.max_model_len, largest_program=largest,
-                params_bytes=params_bytes(shape, sizes, dtype),
-                kv_cache_bytes=kv_cache_bytes(shape, sizes, workload.kv_slots, dtype), activation_bytes=activations,
+                max_model_len=workload.max_model_len, largest_program=largest, params_bytes=params,
+                kv_cache_bytes=kv, activation_bytes=activations,
                 model_bytes=sum(math.prod(p.shape) * param_itemsize(p, dtype) for p in shape.params),
-                available_bytes=available, notes=tuple(notes),
-                state_bytes=state_bytes(shape, sizes, workload.state_slots), state_slots=workload.state_slots)
+                available_bytes=available, notes=tuple(notes), state_bytes=state, state_slots=workload.state_slots,
+                stages=ranges)
 
 
 def largest_context(shape: ModelShape, mesh: Any, workload_for: Callable[[int], Workload], *, dtype: Any,

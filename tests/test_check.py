@@ -225,7 +225,7 @@ def test_mesh_spec_splits_memory(tiny):
     """A SPEC may ask for more devices than are visible: it is a plan. tp=2 halves the split weights."""
     one = check_lib.check(tiny["llama"]["hf"], mesh="tp=1").memory
     two = check_lib.check(tiny["llama"]["hf"], mesh="tp=2").memory
-    assert two["sizes"] == {"dp": 1, "ep": 1, "tp": 2}
+    assert two["sizes"] == {"pp": 1, "dp": 1, "ep": 1, "tp": 2}
     assert one["params_bytes"] / 2 < two["params_bytes"] < one["params_bytes"]  # norms stay replicated
     assert two["kv_cache_bytes"] == one["kv_cache_bytes"] / 2  # 2 kv heads split over tp=2
     bad = check_lib.check(tiny["llama"]["hf"], mesh="tp=3")

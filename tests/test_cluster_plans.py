@@ -36,8 +36,17 @@ def test_parameter_counts_match_the_published_totals(name):
 
 
 def test_deepseek_v3_on_two_hosts_of_eight_h200():
-    """bfloat16 needs two hosts; tp stays inside a host, ep crosses; the traffic is the layout's arithmetic."""
-    report = plan("deepseek_v3_671b", 2, 8)
+    """bfloat16 needs two hosts: the auto mesh keeps tp inside a host and puts pipeline stages across (one
+    residual stream per token crosses, not 58 layers' expert exchanges). With ep across hosts instead, the traffic
+    is the layout's arithmetic."""
+    auto = plan("deepseek_v3_671b", 2, 8)
+    assert auto.supported, auto.reasons
+    assert auto.cluster["mesh"] == "pp=2,tp=8" and auto.cluster["axes_crossing_hosts"] == ["pp"]
+    # Layers balanced by bytes: the first 3 are dense (smaller), so the first stage takes 32 of the 61.
+    assert auto.memory["stages"] == ((0, 32), (32, 61)) and auto.memory["total_bytes"] <= 0.9 * H200
+    hop = {t["axis"]: t for t in auto.cluster["traffic"]}["pp"]
+    assert hop["decode_bytes"] == hop["prefill_bytes"] == 7168 * 2 * 8 and hop["crosses_hosts"]
+    report = plan("deepseek_v3_671b", 2, 8, mesh="ep=2,tp=8")
     assert report.supported, report.reasons
     c, m = report.cluster, report.memory
     assert c["mesh"] == "ep=2,tp=8" and c["axes_crossing_hosts"] == ["ep"] and c["fits"]
@@ -53,8 +62,9 @@ def test_deepseek_v3_on_two_hosts_of_eight_h200():
     # 58 MoE layers (the first 3 are dense), 8 experts each, half of them on the other ep rank, for each tp rank.
     assert traffic["ep"]["decode_bytes"] == 58 * 2 * 8 * D * item // 2 * 8
     assert traffic["ep"]["crosses_hosts"] and not traffic["tp"]["crosses_hosts"]
-    assert "ep=2,tp=8" in c["meshes_that_fit"] and "tp=16" in c["meshes_that_fit"]
-    assert c["meshes_that_fit"].index("ep=2,tp=8") < c["meshes_that_fit"].index("tp=16")  # tp inside a host first
+    fit = c["meshes_that_fit"]
+    assert fit[0] == "pp=2,tp=8" and "ep=2,tp=8" in fit and "tp=16" in fit
+    assert fit.index("ep=2,tp=8") < fit.index("tp=16")  # tp inside a host first
     text = check_lib.render(report)
     assert "axes crossing hosts: ep" in text and "per decode token" in text
 
@@ -69,12 +79,13 @@ def test_kimi_k2_needs_four_hosts_in_bfloat16_and_two_in_fp8():
     assert report.cluster["meshes_that_fit"] == []
     four = plan("kimi_k2_1t", 4, 8)
     assert four.supported, four.reasons
-    assert four.cluster["mesh"] == "ep=4,tp=8" and four.cluster["axes_crossing_hosts"] == ["ep"]
+    assert four.cluster["mesh"] == "pp=4,tp=8" and four.cluster["axes_crossing_hosts"] == ["pp"]
     fp8 = plan("kimi_k2_1t", 2, 8, quantize="fp8")
     assert fp8.supported, fp8.reasons
-    assert "fp8/128" in fp8.quantization and fp8.cluster["mesh"] == "ep=2,tp=8"
+    assert "fp8/128" in fp8.quantization and fp8.cluster["mesh"] == "pp=2,tp=8"
     # One byte per weight (and a float32 scale per 128) instead of two, on the same mesh.
-    assert 0.5 < fp8.memory["params_bytes"] / report.memory["params_bytes"] < 0.53
+    bf16 = plan("kimi_k2_1t", 2, 8, mesh="pp=2,tp=8")
+    assert 0.5 < fp8.memory["params_bytes"] / bf16.memory["params_bytes"] < 0.53
 
 
 def test_parameters_that_alone_do_not_fit_get_no_engine_hints():
@@ -85,12 +96,26 @@ def test_parameters_that_alone_do_not_fit_get_no_engine_hints():
     assert "max_num_seqs" not in reason and "max_model_len" not in reason
 
 
-def test_llama_405b_where_only_tp_across_hosts_fits():
-    """On 2 x 8 devices of 80 GB, 405B in bfloat16 fits only with tp=16, which crosses hosts and is said to."""
-    report = plan("llama3_1_405b", 2, 8, memory=parse_size("80GB"), engine=_engine(max_model_len=8192))
+def test_llama_405b_takes_pipeline_stages_where_tp_would_cross_hosts():
+    """On 2 x 8 devices of 80 GB, 405B in bfloat16 needs all 16 devices for one copy: without pipeline stages only
+    tp=16 fits, across hosts; `auto` takes pp=2,tp=8 instead (tp inside each host, one hop per token across), and
+    tp=16 stays on the list, last, said to cross hosts when asked for."""
+    engine = _engine(max_model_len=8192)
+    report = plan("llama3_1_405b", 2, 8, memory=parse_size("80GB"), engine=engine)
     assert report.supported, report.reasons
-    assert report.cluster["mesh"] == "tp=16" and report.cluster["axes_crossing_hosts"] == ["tp"]
-    assert report.cluster["meshes_that_fit"] == ["tp=16"]
+    assert report.cluster["mesh"] == "pp=2,tp=8" and report.cluster["axes_crossing_hosts"] == ["pp"]
+    assert report.memory["stages"] == ((0, 63), (63, 126))
+    fit = report.cluster["meshes_that_fit"]
+    assert fit[0] == "pp=2,tp=8" and fit[-1] == "tp=16" and all(m.startswith("pp=") for m in fit[:-1])
+    tp16 = plan("llama3_1_405b", 2, 8, memory=parse_size("80GB"), engine=engine, mesh="tp=16")
+    assert tp16.supported and tp16.cluster["axes_crossing_hosts"] == ["tp"]
+    # Half the layers per device split 8 ways instead of all of them split 16 ways: fewer parameter bytes (tp=16
+    # cannot split the 8 kv heads' projections), and a 16th of the KV cache per token slot: 63 layers of one kv
+    # head each, where tp=16 keeps all 8 kv heads of all 126 layers on every device.
+    pp2 = plan("llama3_1_405b", 2, 8, memory=parse_size("80GB"), engine=engine, mesh="pp=2,tp=8")
+    assert pp2.memory["params_bytes"] < tp16.memory["params_bytes"]
+    per_slot = [p.memory["kv_cache_bytes"] / p.memory["kv_slots"] for p in (pp2, tp16)]
+    assert per_slot == [63 * 1 * 256 * 2, 126 * 8 * 256 * 2]
 
 
 def test_a_given_mesh_that_does_not_fit_is_refused_with_those_that_do():
@@ -109,10 +134,10 @@ def test_config_quantization_is_named_when_not_planned():
 
 def test_crossing_follows_devices_numbered_host_by_host():
     sizes = {"dp": 2, "ep": 2, "tp": 4}
-    assert crossing(sizes, 8) == {"dp": True, "ep": False, "tp": False}
-    assert crossing(sizes, 4) == {"dp": True, "ep": True, "tp": False}
-    assert crossing(sizes, 2) == {"dp": True, "ep": True, "tp": True}
-    assert crossing(sizes, 16) == {"dp": False, "ep": False, "tp": False}
+    assert crossing(sizes, 8) == {"pp": False, "dp": True, "ep": False, "tp": False}
+    assert crossing(sizes, 4) == {"pp": False, "dp": True, "ep": True, "tp": False}
+    assert crossing(sizes, 2) == {"pp": False, "dp": True, "ep": True, "tp": True}
+    assert crossing(sizes, 16) == {"pp": False, "dp": False, "ep": False, "tp": False}
     assert crossing({"dp": 2, "ep": 1, "tp": 3}, 4)["tp"]  # devices 3, 4, 5: a group straddling two hosts
 
 

@@ -114,9 +114,9 @@ def synthetic_checkpoint(hf: dict, dst: Path, seed: int = 0, processor: dict | N
 # --- mesh specs ----------------------------------------------------------------------------------------------
 
 def test_parse_spec_sizes_and_defaults():
-    assert mesh_lib.parse_spec("dp=2,tp=4") == {"dp": 2, "ep": 1, "tp": 4}
-    assert mesh_lib.parse_spec(" tp = 2 , ep=2 ") == {"dp": 1, "ep": 2, "tp": 2}
-    assert mesh_lib.parse_spec(None) == {"dp": 1, "ep": 1, "tp": 1}
+    assert mesh_lib.parse_spec("dp=2,tp=4") == {"pp": 1, "dp": 2, "ep": 1, "tp": 4}
+    assert mesh_lib.parse_spec(" tp = 2 , ep=2 ") == {"pp": 1, "dp": 1, "ep": 2, "tp": 2}
+    assert mesh_lib.parse_spec(None) == {"pp": 1, "dp": 1, "ep": 1, "tp": 1}
     assert mesh_lib.format_spec({"dp": 2, "ep": 1, "tp": 4}) == "dp=2,tp=4"
 
 
@@ -179,24 +179,24 @@ def test_heads_and_experts_must_divide():
     # In a dense model ep only splits the batch: allowed, but never proposed (dp does the same).
     assert mesh_lib.problems({"dp": 1, "ep": 4, "tp": 2}, dense) == []
     assert all(s["ep"] == 1 for s in mesh_lib.valid_sizes(8, dense))
-    assert {"dp": 1, "ep": 4, "tp": 2} in mesh_lib.valid_sizes(8, moe)
+    assert {"pp": 1, "dp": 1, "ep": 4, "tp": 2} in mesh_lib.valid_sizes(8, moe)
 
 
 def test_auto_mesh():
     _, dense = abstract_infos(sharding_config("llama"))
-    assert mesh_lib.auto_sizes(8, dense) == {"dp": 1, "ep": 1, "tp": 8}  # no memory test: most memory-frugal
+    assert mesh_lib.auto_sizes(8, dense) == {"pp": 1, "dp": 1, "ep": 1, "tp": 8}  # no memory test: most memory-frugal
     # With a memory test: the smallest model-parallel group that fits, the other devices data parallel.
-    assert mesh_lib.auto_sizes(8, dense, fits=lambda s: s["tp"] >= 2) == {"dp": 4, "ep": 1, "tp": 2}
-    assert mesh_lib.auto_sizes(8, dense, fits=lambda s: True) == {"dp": 8, "ep": 1, "tp": 1}
+    assert mesh_lib.auto_sizes(8, dense, fits=lambda s: s["tp"] >= 2) == {"pp": 1, "dp": 4, "ep": 1, "tp": 2}
+    assert mesh_lib.auto_sizes(8, dense, fits=lambda s: True) == {"pp": 1, "dp": 8, "ep": 1, "tp": 1}
 
 
 def test_auto_mesh_keeps_tp_inside_a_host():
     """Among the meshes that fit with the same model-parallel group, one host's devices take tp; ep crosses."""
     _, moe = abstract_infos(sharding_config("qwen3_moe"))
     needs_8 = lambda s: s["tp"] * s["ep"] >= 8  # noqa: E731
-    assert mesh_lib.auto_sizes(8, moe, fits=needs_8) == {"dp": 1, "ep": 1, "tp": 8}  # one host: the most tp
-    assert mesh_lib.auto_sizes(8, moe, fits=needs_8, devices_per_host=4) == {"dp": 1, "ep": 2, "tp": 4}
-    assert mesh_lib.crossing({"dp": 1, "ep": 2, "tp": 4}, 4) == {"dp": False, "ep": True, "tp": False}
+    assert mesh_lib.auto_sizes(8, moe, fits=needs_8) == {"pp": 1, "dp": 1, "ep": 1, "tp": 8}  # one host: the most tp
+    assert mesh_lib.auto_sizes(8, moe, fits=needs_8, devices_per_host=4) == {"pp": 1, "dp": 1, "ep": 2, "tp": 4}
+    assert mesh_lib.crossing({"dp": 1, "ep": 2, "tp": 4}, 4) == {"pp": False, "dp": False, "ep": True, "tp": False}
     # Devices of two processes, listed interleaved, are numbered host by host.
     mixed = [FakeDevice(i, process=i % 2) for i in range(8)]
     ordered, per_host = mesh_lib.host_ordered(mixed)

@@ -49,6 +49,13 @@ QUANTIZED = {"llama-int4": ("llama", dict(hidden_size=128, intermediate_size=256
 GENERATE_ON["llama-int4"] = ["tp=2,ep=2,dp=2", "tp=8"]
 GENERATE_ON["qwen3_moe-int4"] = ["tp=2,ep=4"]
 MULTIHOST_MESH = "tp=8"  # tensor parallelism across both processes: all-reduces cross the process boundary
+# Pipeline stages (a dense, an MoE and an MLA family, 4 layers each): pp=2 and pp=4 combined with tp, ep and dp, and
+# pp=2 across two processes (one stage each, the residual stream crossing between them).
+PIPELINE_LAYERS = 4
+PIPELINE = {"llama": ["pp=2,tp=2,dp=2", "pp=4,tp=2"], "qwen3_moe": ["pp=2,tp=2,ep=2", "pp=4,ep=2"],
+            "deepseek_v3": ["pp=2,ep=2,tp=2", "pp=4,tp=2"]}
+PIPELINE_MULTIHOST_MESH = "pp=2,tp=4"
+SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7)
 # RSS test model: ~470 MB float32, every dimension divisible by tp=8, its largest array (the embeddings) 7% of it,
 # about as in real models (Llama-3-8B: 6%).
 BIG = dict(model_type="llama", vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
@@ -125,6 +132,70 @@ def job_meshes(job: dict) -> dict:
     return out
 
 
+def job_pipeline(job: dict) -> dict:
+    """Per family: single-device logits and tokens (greedy and sampled), then per pipeline mesh the logits error,
+    the tokens, the bytes on each device against the plan, and the layers each stage holds; for llama, programs
+    compiled into a program store and loaded from it by a second load; a vision-language model refused."""
+    import jax
+
+    import day0jax
+    from day0jax.engine.config import EngineConfig
+    from day0jax.errors import MeshError
+    from day0jax.startup import compile_cache
+    from day0jax.startup.program_store import ProgramStore
+
+    out = {}
+    for model_type, ckpt in job["checkpoints"].items():
+        one = day0jax.load(ckpt)
+        ref = one.logits(np.array(TOKENS, np.int32))
+        res = {"one_device": {"tokens": one.generate(PROMPTS, NEW_TOKENS, ignore_eos=True),
+                              "sampled": one.generate(PROMPTS, NEW_TOKENS, ignore_eos=True, **SAMPLED)},
+               "meshes": {}}
+        del one
+        for spec in job["meshes"][model_type]:
+            model = day0jax.load(ckpt, mesh=spec)
+            logits = model.logits(np.array(TOKENS, np.int32))
+            runner = model.engine.runner
+            devices = list(model.mesh.devices.flat)
+            cache_arrays = jax.tree.leaves(runner.pools)
+            layers_on = []  # per stage: the layers whose parameters lie on its devices
+            for s, stage_mesh in enumerate(runner.meshes):
+                on = set(stage_mesh.devices.flat)
+                layers_on.append(sorted({int(p.split(".")[2]) for p, a in zip(runner._paths, runner.params)
+                                         if p.startswith("model.layers.") and set(a.sharding.device_set) <= on}))
+            entry = {  # bytes before generating: its steps donate (replace) the pools
+                "rel_err": float(np.abs(logits - ref).max() / np.abs(ref).max()),
+                "param_bytes_per_device": [_device_bytes(runner.params, d) for d in devices],
+                "kv_bytes_per_device": [_device_bytes(cache_arrays, d) for d in devices],
+                "plan": model.memory_plan.to_dict(), "layers_on": layers_on,
+                "mesh_axes": list(model.mesh.axis_names)}
+            entry["tokens"] = model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
+            entry["sampled"] = model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True, **SAMPLED)
+            res["meshes"][spec] = entry
+            del model, runner, cache_arrays
+        out[model_type] = res
+    # Warm-up through a program store: the first load compiles each stage's programs, the second loads them all.
+    ckpt, spec = job["checkpoints"]["llama"], job["meshes"]["llama"][0]
+    cache = compile_cache.enable(Path(job["store"]), compile_cache.current_key(None, "pipeline"))
+    store = ProgramStore(cache)
+    runs = []
+    for _ in range(2):
+        model = day0jax.load(ckpt, mesh=spec, engine=EngineConfig(max_model_len=64))
+        model.program_store = store
+        records = model.engine.warm_up(store=store, warmup="ready")
+        tokens = model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True)
+        runs.append({"sources": sorted({r.source for r in records}), "labels": [r.shape for r in records],
+                     "traced": sorted(map(list, model.engine.runner.compiled)), "tokens": tokens})
+        del model
+    compile_cache.disable()
+    try:
+        day0jax.load(job["vision"], mesh="pp=2,tp=4")
+        refusal = None
+    except MeshError as e:
+        refusal = str(e)
+    return {"families": out, "store_runs": runs, "vision_refusal": refusal}
+
+
 def job_multihost(job: dict) -> dict:
     """One process of a multi-host run: start the distributed runtime, load over every process's devices.
 
@@ -142,7 +213,9 @@ def job_multihost(job: dict) -> dict:
 
     model = day0jax.load(job["checkpoint"], mesh=job["mesh"])
     processes = sorted({d.process_index for d in model.mesh.devices.flat})
+    stages = getattr(model.engine.runner, "meshes", [model.mesh])
     return {"process_id": cluster.process_id, "process_count": jax.process_count(),
+            "stage_processes": [sorted({d.process_index for d in m.devices.flat}) for m in stages],
             "global_devices": jax.device_count(), "local_devices": jax.local_device_count(),
             "mesh_processes": processes,
             "tokens": model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True),
@@ -181,7 +254,7 @@ def job_rss(job: dict) -> dict:
             "planned_per_device": model.memory_plan.params_bytes}
 
 
-JOBS = {"meshes": job_meshes, "multihost": job_multihost, "rss": job_rss}
+JOBS = {"meshes": job_meshes, "multihost": job_multihost, "rss": job_rss, "pipeline": job_pipeline}
 
 
 # --- the pytest side -----------------------------------------------------------------------------------------
@@ -338,6 +411,79 @@ def test_multihost_two_processes_generate_like_one(checkpoints, meshes, tmp_path
         assert (r["process_count"], r["global_devices"], r["local_devices"]) == (2, 8, 4)
         assert r["mesh_processes"] == [0, 1]  # the mesh spans both processes' devices
         assert r["tokens"] == one["meshes"][MULTIHOST_MESH]["tokens"] == one["one_device"]["tokens"]
+    np.testing.assert_allclose(results[0]["logits"], results[1]["logits"], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoints, tmp_path_factory):
+    from test_sharding import sharding_config, synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("pipeline")
+    ckpts = {mt: str(synthetic_checkpoint(dict(sharding_config(mt), num_hidden_layers=PIPELINE_LAYERS), root / mt))
+             for mt in PIPELINE}
+    job = {"job": "pipeline", "checkpoints": ckpts, "meshes": PIPELINE, "store": str(root / "store"),
+           "vision": checkpoints["qwen3_vl"]}
+    return dict(wait_job(run_job(job, root, devices=8, name="pipeline"), root, "pipeline"), checkpoints=ckpts)
+
+
+@pytest.mark.parametrize("model_type, spec", [(mt, spec) for mt, specs in PIPELINE.items() for spec in specs])
+def test_pipeline_stages_give_the_logits_and_tokens_of_one_device(pipeline, model_type, spec):
+    family = pipeline["families"][model_type]
+    entry = family["meshes"][spec]
+    assert entry["mesh_axes"] == ["pp", "dp", "ep", "tp"]
+    assert entry["rel_err"] <= RTOL, f"{model_type} on {spec}: relative logits error {entry['rel_err']:.2e}"
+    assert entry["tokens"] == family["one_device"]["tokens"], f"{model_type} on {spec}: greedy tokens differ"
+    # Sampling runs once per step on the whole batch, after the micro-batches: the same seed, the same tokens.
+    assert entry["sampled"] == family["one_device"]["sampled"], f"{model_type} on {spec}: sampled tokens differ"
+
+
+@pytest.mark.parametrize("model_type, spec", [(mt, spec) for mt, specs in PIPELINE.items() for spec in specs])
+def test_pipeline_stages_hold_their_layers_as_planned(pipeline, model_type, spec):
+    entry = pipeline["families"][model_type]["meshes"][spec]
+    plan = entry["plan"]
+    pp = plan["sizes"]["pp"]
+    assert [list(range(a, b)) for a, b in plan["stages"]] == entry["layers_on"]  # contiguous, as planned
+    assert len(plan["stages"]) == pp and plan["stages"][-1][1] == PIPELINE_LAYERS
+    # The plan is the fullest stage's device; the others hold no more.
+    placed, kv = entry["param_bytes_per_device"], entry["kv_bytes_per_device"]
+    assert abs(max(placed) - plan["params_bytes"]) <= PLAN_TOLERANCE * plan["params_bytes"], (placed, plan)
+    assert abs(max(kv) - plan["kv_cache_bytes"]) <= PLAN_TOLERANCE * plan["kv_cache_bytes"], (kv, plan)
+    # Each device holds about 1/pp of the layers: well under what one stage holding them all would.
+    assert max(placed) < 0.8 * sum(placed) / len(placed) * pp
+
+
+def test_pipeline_programs_load_from_the_program_store(pipeline):
+    first, second = pipeline["store_runs"]
+    assert first["sources"] != ["program-store"] and second["sources"] == ["program-store"]
+    assert any(label.endswith("stage 1") for label in first["labels"])  # one program per stage
+    assert second["traced"] == []  # nothing traced on the second load: every stage's program came from the store
+    assert first["tokens"] == second["tokens"] == pipeline["families"]["llama"]["one_device"]["tokens"]
+
+
+def test_pipeline_refuses_vision_language_models(pipeline):
+    assert "pipeline stages (pp > 1) are not implemented for qwen3_vl" in pipeline["vision_refusal"]
+
+
+def test_pipeline_across_two_processes_generates_like_one(pipeline, tmp_path):
+    """2 processes x 4 CPU devices, pp=2,tp=4: each process holds one stage (reads only its parameters), the
+    residual stream crosses between them and the tokens come back, both processes reading the same."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    job = {"job": "multihost", "checkpoint": pipeline["checkpoints"]["llama"], "mesh": PIPELINE_MULTIHOST_MESH,
+           "via": "args", "coordinator": address, "num_processes": 2}
+    procs = [run_job(dict(job, process_id=i), tmp_path, devices=4, name=f"process{i}") for i in range(2)]
+    try:
+        results = [wait_job(p, tmp_path, f"process{i}", timeout=600) for i, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    one = pipeline["families"]["llama"]["one_device"]
+    for r in results:
+        assert r["mesh_processes"] == [0, 1] and r["stage_processes"] == [[0], [1]]
+        assert r["tokens"] == one["tokens"]
     np.testing.assert_allclose(results[0]["logits"], results[1]["logits"], rtol=0, atol=0)
 
 

@@ -52,7 +52,12 @@ class Engine:
                  config: EngineConfig = EngineConfig()):
         self.layout = config.layout(context_length)
         self.max_model_len, self.page_size = self.layout.max_model_len, self.layout.page_size
-        self.runner = ModelRunner(module, mesh, dtype, self.layout)
+        if "pp" in mesh.axis_names:
+            from day0jax.engine.pipeline import PipelinedRunner
+
+            self.runner = PipelinedRunner(module, mesh, dtype, self.layout)
+        else:
+            self.runner = ModelRunner(module, mesh, dtype, self.layout)
         if self.runner.has_state and config.prefix_caching:
             log.info("prefix caching is off: this model's linear-attention layers keep a state per sequence that "
                      "cached KV pages cannot restore")
@@ -96,10 +101,10 @@ class Engine:
         pages = -(-max_len // layout.page_size)
         prompt_pages = -(-longest_prompt // layout.page_size)
         top = min(rows, layout.max_rows)
-        forward = [Program("forward", (r, 1, w)) for w in up_to(layout.decode_widths, pages)
-                   for r in up_to(layout.batch_buckets, top)]
-        forward += [Program("forward", (1, c, w)) for w in up_to(layout.prefill_widths, prompt_pages)
-                    for c in up_to(layout.chunk_buckets, longest_prompt)]
+        shapes = [(r, 1, w) for w in up_to(layout.decode_widths, pages) for r in up_to(layout.batch_buckets, top)]
+        shapes += [(1, c, w) for w in up_to(layout.prefill_widths, prompt_pages)
+                   for c in up_to(layout.chunk_buckets, longest_prompt)]
+        forward = [p for shape in shapes for p in self.runner.forward_programs(shape)]
         samplers = [Program("sample", (r,), penalized, guided) for r in layout.sampler_batches()
                     if r <= smallest_bucket(layout.batch_buckets, top)]
         return forward + (samplers if sampled else [])

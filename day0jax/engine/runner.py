@@ -44,11 +44,14 @@ class Program:
     # masks and logit biases.
     penalized: bool = False
     guided: bool = False
+    # Forward programs of a pipelined model (engine/pipeline.py): the pipeline stage this program runs, on the
+    # micro-batches of a batch of `shape`.
+    stage: int | None = None
 
     @property
     def label(self) -> str:
         if self.name == "forward":
-            return "x".join(map(str, self.shape))
+            return "x".join(map(str, self.shape)) + ("" if self.stage is None else f" stage {self.stage}")
         if self.name == "encode":
             return "image" + "".join(f" {n} patches" for n in self.shape)
         extras = "".join(f"+{x}" for x, on in (("penalties", self.penalized), ("guidance", self.guided)) if on)
@@ -96,6 +99,7 @@ class ModelRunner:
         self.params, self._params_def = jax.tree.flatten(params)
         self.mesh, self.layout, self.dtype = mesh, layout, dtype
         self.vocab_size = int(module.config.vocab_size)
+        self._sample_mesh = mesh  # where the sampler runs (a pipeline's last stage)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         cache_layout = module.cache_layout()
         self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
@@ -208,9 +212,10 @@ class ModelRunner:
         out["tokens"] = self._padded(out["tokens"])
         return out
 
-    def _put(self, x):
+    def _put(self, x, mesh=None):
         # On one device, jit's own transfer of host arrays is the cheapest path (it runs every step).
-        return np.asarray(x) if self.mesh.size == 1 else put(x, self.mesh)
+        mesh = self.mesh if mesh is None else mesh
+        return np.asarray(x) if mesh.size == 1 else put(x, mesh)
 
     def forward(self, batch: Batch, previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Runs one forward call, writing its keys/values into the pools; `previous` is a `sample` output's "tokens"
@@ -240,12 +245,13 @@ class ModelRunner:
         """Samples one token per row of `logits` without waiting for it: `rows` holds the per-row arrays of
         `sampling.sample`, `penalties` and `guidance` its optional host arrays. Returns device arrays ("tokens"
         padded to max_rows, and the logprob outputs, zeros unless `logprobs`); `read` brings them to the host."""
-        pen, guide = (None if x is None else tuple(self._put(a) for a in x) for x in (penalties, guidance))
-        args = [self._put(rows[k]) for k in ROW_ARRAYS] + [pen, guide, self._put(np.bool_(logprobs))]
+        m = self._sample_mesh
+        pen, guide = (None if x is None else tuple(self._put(a, m) for a in x) for x in (penalties, guidance))
+        args = [self._put(rows[k], m) for k in ROW_ARRAYS] + [pen, guide, self._put(np.bool_(logprobs), m)]
         wanted = Program("sample", (logits.shape[0],), penalties is not None, guidance is not None)
         if wanted not in self.programs and self.ensure is not None:
             self.ensure(wanted)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(m):
             return self.programs.get(wanted, self._sample)(logits, *args)
 
     @staticmethod
@@ -269,6 +275,11 @@ class ModelRunner:
 
     def installed(self, program: Program) -> bool:
         return program in self.programs
+
+    def forward_programs(self, shape: tuple[int, int, int]) -> list[Program]:
+        """The programs a forward call of `shape` (rows, tokens, width in pages) runs: one here, one per stage in a
+        pipeline."""
+        return [Program("forward", shape)]
 
     def covering(self, key: tuple[int, int, int]) -> tuple[int, int, int] | None:
         """The smallest installed forward shape with at least `key`'s rows, tokens and pages, or None."""
@@ -300,8 +311,8 @@ class ModelRunner:
         smallest span, and the plain sampler (no penalties, no grammar) for those row counts."""
         L = self.layout
         rows = sorted({L.batch_buckets[0], L.batch_buckets[-1]})
-        forward = ([Program("forward", (r, 1, L.decode_widths[0])) for r in rows] +
-                   [Program("forward", (1, c, L.prefill_widths[0])) for c in L.chunk_buckets])
+        shapes = [(r, 1, L.decode_widths[0]) for r in rows] + [(1, c, L.prefill_widths[0]) for c in L.chunk_buckets]
+        forward = [p for shape in shapes for p in self.forward_programs(shape)]
         sampler_rows = sorted(set(rows) | {1})
         return forward + [Program("sample", (r,)) for r in sampler_rows] + self.encode_programs()
 
@@ -325,12 +336,14 @@ class ModelRunner:
     def all_programs(self, max_len: int | None = None) -> list[Program]:
         """The forward programs of `layout.forward_shapes(max_len)`, then the samplers (with and without penalties,
         with and without guidance) per row count."""
-        return ([Program("forward", s) for s in self.layout.forward_shapes(max_len)] +
+        return ([p for s in self.layout.forward_shapes(max_len) for p in self.forward_programs(s)] +
                 [Program("sample", (r,), penalized, guided) for r in self.layout.sampler_batches()
                  for penalized in (False, True) for guided in (False, True)] + self.encode_programs())
 
     def lower(self, program: Program) -> jax.stages.Lowered:
         """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
+        if program.name == "sample":
+            return self._lower_sample(program)
         with jax.set_mesh(self.mesh):
             if program.name == "forward":
                 inputs = [self._put(x) for x in self.empty_batch(*program.shape).arrays()]
@@ -338,18 +351,21 @@ class ModelRunner:
                 pools = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                      self.pools)
                 return self._forward.lower(self.params, pools, self._no_previous, *inputs)
-            if program.name == "encode":
-                example = self.vision.encoder.example(program.shape)
-                return self._encode.lower(self.params, *[self._put(a) for a in example])
+            example = self.vision.encoder.example(program.shape)  # "encode"
+            return self._encode.lower(self.params, *[self._put(a) for a in example])
+
+    def _lower_sample(self, program: Program) -> jax.stages.Lowered:
+        m = self._sample_mesh
+        with jax.set_mesh(m):
             rows, V = program.shape[0], self.vocab_size
             logits = jax.ShapeDtypeStruct((rows, V), jnp.float32, sharding=self._replicated)
             neutral = self.neutral_rows(rows)
-            args = [self._put(neutral[k]) for k in ROW_ARRAYS]
-            pen = tuple(self._put(x) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
-                                               np.zeros(rows, np.float32), np.zeros(rows, np.float32),
-                                               np.ones(rows, np.float32))) if program.penalized else None
-            guide = tuple(self._put(x) for x in self.neutral_guidance(rows)) if program.guided else None
-            return self._sample.lower(logits, *args, pen, guide, self._put(np.bool_(False)))
+            args = [self._put(neutral[k], m) for k in ROW_ARRAYS]
+            pen = tuple(self._put(x, m) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
+                                                  np.zeros(rows, np.float32), np.zeros(rows, np.float32),
+                                                  np.ones(rows, np.float32))) if program.penalized else None
+            guide = tuple(self._put(x, m) for x in self.neutral_guidance(rows)) if program.guided else None
+            return self._sample.lower(logits, *args, pen, guide, self._put(np.bool_(False), m))
 
     def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         """Compiles (or loads from JAX's persistent cache) a lowered program; safe to call from several threads."""

@@ -288,16 +288,35 @@ class CausalLM(nnx.Module):
         x, _, hidden = self._run(tokens, positions, caches, seq_len, collect=True, **inputs)
         return hidden[:-1] + [x]
 
+    def stage(self, inputs: jax.Array, positions: jax.Array, caches: Sequence[Any] | None, seq_len: jax.Array | None,
+              layers: range) -> tuple[jax.Array, list[Any] | None]:
+        """One pipeline stage: the decoder layers in `layers` (with their `caches`, in order). `inputs` are the
+        token ids [B, T] when the range starts at layer 0 (embedded first), else the residual stream [B, T, D] the
+        previous stage returned; the last stage's output is normed. Families whose layers hand each other a carry
+        cannot be split (`pipeline_refusal`)."""
+        first = layers.start == 0
+        return self._run(inputs if first else None, positions, caches, seq_len, collect=False,
+                         embeds=None if first else inputs, layers=layers)[:2]
+
+    def pipeline_refusal(self) -> str | None:
+        """Why this model cannot be split into pipeline stages (None: it can)."""
+        if any(getattr(layer, "carries", False) for layer in self.model.layers):
+            return (f"{self.config.model_type}'s layers hand each other a carry besides the residual stream; "
+                    "pipeline stages are not implemented for it (use tp, ep and dp)")
+        return None
+
     def _run(self, tokens, positions, caches, seq_len, collect: bool, embeds=None, rope_positions=None,
-             injections=()):
+             injections=(), layers: range | None = None):
         # The residual stream is pinned (batch over dp) at block boundaries only; XLA derives the rest.
         x = constrain(self.embed(tokens) if embeds is None else embeds)
         rope_tables = self.rope_tables(positions if rope_positions is None else rope_positions, seq_len)
         new_caches = [] if caches is not None else None
         hidden = [x] if collect else None
         carry = self.begin_carry(tokens, x)  # what a layer hands to those after it, for layers that `carries`
-        for i, layer in enumerate(self.model.layers):
-            cache = None if caches is None else caches[i]
+        layers = range(len(self.model.layers)) if layers is None else layers
+        for i in layers:
+            layer = self.model.layers[i]
+            cache = None if caches is None else caches[i - layers.start]
             if getattr(layer, "carries", False):
                 x, cache, carry = layer(x, positions, rope_tables, cache, carry)
             else:
@@ -309,7 +328,7 @@ class CausalLM(nnx.Module):
                 new_caches.append(cache)
             if collect:
                 hidden.append(x)
-        return self.model.norm(x), new_caches, hidden
+        return self.model.norm(x) if layers.stop == len(self.model.layers) else x, new_caches, hidden
 
     def rope_tables(self, positions: jax.Array, seq_len: jax.Array | None) -> dict[Rope, tuple[jax.Array, jax.Array]]:
         """{Rope: (cos, sin)} for every RoPE of `ropes`, computed once per call; Mistral Large 4 scales its

@@ -34,7 +34,7 @@ from day0jax.startup.timeline import null as null_timeline
 from kernels_pallas import selftest as kernel_selftest
 from sharding import plan as plan_lib
 from sharding.mesh import describe, make_mesh, problems
-from sharding.rules import named_sharding
+from sharding.pipeline import Stages, param_sharding
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -125,10 +125,15 @@ class Prepared:
         flat = [(p, var.replace(self._target(".".join(map(str, p))))) for p, var in nnx.to_flat_state(state)]
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
+    @property
+    def stages(self) -> Stages | None:
+        """The pipeline's split of the layers when the mesh has pp > 1 (from the memory plan), else None."""
+        return stages_of(self.memory_plan, self.infos.values())
+
     def _target(self, name: str) -> jax.ShapeDtypeStruct:
         info = self.infos[name]
         return jax.ShapeDtypeStruct(info.shape, plan_lib.stored_dtype(info, DTYPES[self.dtype]),
-                                    sharding=named_sharding(info.axes, info.shape, self.mesh))
+                                    sharding=param_sharding(info, self.mesh, self.stages))
 
     def check_checkpoint(self, path: Path) -> dict:
         """The manifest of the checkpoint at `path`, after checking that its parameters are this model's.
@@ -191,13 +196,14 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
     config, mesh, dtype = prepared.config, prepared.mesh, prepared.dtype
     with timeline.phase("restore parameters") as info:
         with _large_buffers_back_to_the_os():
-            arrays = _restore(path, manifest, prepared.infos, mesh, DTYPES[dtype])
+            arrays = _restore(path, manifest, prepared.infos, mesh, DTYPES[dtype], prepared.stages)
         graphdef, abstract_state = nnx.split(prepared.abstract)
         flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
         module = nnx.merge(graphdef, nnx.from_flat_state(flat))
-        jax.block_until_ready(list(arrays.values()))
-        info["bytes"] = sum(a.nbytes for a in arrays.values())
-        info["parameters"] = sum(a.size for a in arrays.values())
+        here = [a for a in arrays.values() if isinstance(a, jax.Array)]
+        jax.block_until_ready(here)
+        info["bytes"] = sum(a.nbytes for a in here)
+        info["parameters"] = sum(a.size for a in here)
     log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type, info["parameters"],
              describe(mesh), time.perf_counter() - t0)
     generation_file = path / "generation_config.json"
@@ -261,10 +267,24 @@ def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, 
         budget = memory_budget if memory_budget is not None else plan_lib.device_memory(devices)
         mesh = make_mesh(mesh, infos=infos, fits=lambda s: inputs.plan(s, dtype, budget).fits)
     budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
+    if "pp" in mesh.axis_names:
+        from day0jax.engine.pipeline import pipeline_refusal
+
+        refusal = pipeline_refusal(abstract)
+        if refusal:
+            raise MeshError(f"mesh {describe(mesh)}: {refusal}")
     memory_plan = inputs.plan(dict(mesh.shape), dtype, budget)
     log.info("memory plan: %s", memory_plan.summary())
     inputs.require_fit(memory_plan, n_devices=len(devices))
     return inputs.layout, memory_plan, mesh
+
+
+def stages_of(memory_plan: plan_lib.Plan, infos) -> Stages | None:
+    """The `Stages` a memory plan split the layers into (None without pipeline stages)."""
+    if not memory_plan.stages:
+        return None
+    tied = not any(i.path.startswith("lm_head.") for i in infos)
+    return Stages(tuple(range(a, b) for a, b in memory_plan.stages), tied)
 
 
 def manifest_problems(manifest: dict, infos) -> list[str]:
@@ -289,7 +309,8 @@ def manifest_problems(manifest: dict, infos) -> list[str]:
     return problems + [f"checkpoint parameter {name} is unknown to the model" for name in sorted(set(params) - known)]
 
 
-def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict[str, jax.Array]:
+def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype, stages: Stages | None = None
+             ) -> dict[str, jax.Array]:
     import orbax.checkpoint as ocp
 
     # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding does),
@@ -302,13 +323,23 @@ def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype) -> dict
         targets, restore_args = {}, {}
         for name in names:
             info = infos[name]
-            sharding = named_sharding(info.axes, info.shape, mesh)
+            sharding = param_sharding(info, mesh, stages)
             as_dtype = plan_lib.stored_dtype(info, dtype)
+            if not sharding.addressable_devices:
+                # A pipeline stage on another process's devices: that process reads it; here it is a shape.
+                out[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
+                continue
             targets[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
             restore_args[name] = ocp.ArrayRestoreArgs(sharding=sharding, dtype=as_dtype, global_shape=info.shape)
+        if not targets:
+            continue
         try:
-            tree = checkpointer.restore(path / checkpoint.group_dir(group), item=checkpoint.nest(targets),
-                                        restore_args=checkpoint.nest(restore_args))
+            if len(targets) == len(names):
+                tree = checkpointer.restore(path / checkpoint.group_dir(group), item=checkpoint.nest(targets),
+                                            restore_args=checkpoint.nest(restore_args))
+            else:  # only this process's pipeline stages
+                tree = checkpointer.restore(path / checkpoint.group_dir(group), args=ocp.args.PyTreeRestore(
+                    item=checkpoint.nest(targets), restore_args=checkpoint.nest(restore_args), partial_restore=True))
         except (FileNotFoundError, ValueError) as e:
             raise CheckpointError(f"{path / checkpoint.group_dir(group)}: cannot restore ({e}); "
                                   "run `python -m convert --verify` on the checkpoint") from None
