@@ -27,12 +27,15 @@ HEADROOM = 0.9
 
 class KVLayer(NamedTuple):
     """A layer that caches keys and values in the page pool, per token: K kv heads of key and value head dims, and
-    for indexed sparse attention the indexer's key (one head of `index_dim`, 0: none)."""
+    for indexed sparse attention the indexer's key (one head of `index_dim`, 0: none). `window`: a sliding-window
+    layer's window (0: it attends over every position), whose pool the engine may keep to the window
+    (`Workload.window_slots`)."""
 
     kv_heads: int
     k_dim: int
     v_dim: int
     index_dim: int = 0
+    window: int = 0
 
     @property
     def token_elements(self) -> int:
@@ -61,6 +64,11 @@ class StateLayer:
     @property
     def bytes_per_sequence(self) -> int:
         return sum(math.prod(shape) for shape, _ in self.arrays) * 4
+
+
+def layer_windows(cache_layout) -> list[int]:
+    """The sliding windows of a model's KV layers (0: full attention), from its `cache_layout()`."""
+    return [x.window for x in cache_layout if isinstance(x, KVLayer)]
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,9 @@ class Workload:
     # Key positions a prefill program's attention scores at a time (the CPU's key-block loop); None: the whole span.
     score_block: int | None = None
     state_slots: int = 0  # per-sequence state slots of linear-attention layers (the trash slot included)
+    # (window, token slots) of sliding-window layers whose pool holds only their window (per sequence), in place of
+    # `kv_slots`
+    window_slots: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,9 +214,13 @@ def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
     return sum(math.prod(shard_shape(p.axes, p.shape, sizes)) * param_itemsize(p, dtype) for p in shape.params)
 
 
-def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], kv_slots: int, dtype: Any) -> int:
-    """Bytes of one layer's KV page pool on one device: `kv_slots` token slots (0 for a state layer)."""
+def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], kv_slots: int, dtype: Any,
+                   window_slots: dict[int, int] | None = None) -> int:
+    """Bytes of one layer's KV page pool on one device: `kv_slots` token slots, or for a sliding-window layer its
+    window's (`window_slots`: window -> token slots, where the engine keeps only the window); 0 for a state layer."""
     item = jnp.dtype(dtype).itemsize
+    if isinstance(layer, KVLayer) and layer.window and window_slots and layer.window in window_slots:
+        kv_slots = window_slots[layer.window]
     if isinstance(layer, SharedKV):
         return kv_slots * layer.index_dim * item
     if isinstance(layer, StateLayer):
@@ -222,9 +237,11 @@ def layer_state_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, i
                for per_seq, axes in layer.arrays)
 
 
-def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any) -> int:
-    """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer."""
-    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype) for x in shape.cache_layout)
+def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any,
+                   window_slots: dict[int, int] | None = None) -> int:
+    """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer (sliding-window layers: see
+    `layer_kv_bytes`)."""
+    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype, window_slots) for x in shape.cache_layout)
 
 
 def state_bytes(shape: ModelShape, sizes: dict[str, int], state_slots: int) -> int:
@@ -241,7 +258,8 @@ def stage_split(shape: ModelShape, sizes: dict[str, int], workload: Workload, dt
     from sharding.pipeline import param_bytes, plan_stages
 
     inner = {a: n for a, n in sizes.items() if a != "pp"}
-    kv = [layer_kv_bytes(x, inner, workload.kv_slots, dtype) for x in shape.cache_layout]
+    kv = [layer_kv_bytes(x, inner, workload.kv_slots, dtype, dict(workload.window_slots))
+          for x in shape.cache_layout]
     state = [layer_state_bytes(x, inner, workload.state_slots) for x in shape.cache_layout]
     layers = len(shape.cache_layout)
     if sizes["pp"] > layers:
@@ -351,7 +369,8 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
         stages, (params, kv, state) = stage_split(shape, sizes, workload, dtype)
         ranges = tuple((r.start, r.stop) for r in stages.ranges)
     else:
-        params, kv = params_bytes(shape, sizes, dtype), kv_cache_bytes(shape, sizes, workload.kv_slots, dtype)
+        params = params_bytes(shape, sizes, dtype)
+        kv = kv_cache_bytes(shape, sizes, workload.kv_slots, dtype, dict(workload.window_slots))
         state, ranges = state_bytes(shape, sizes, workload.state_slots), ()
     return Plan(mesh=mesh_lib.format_spec(sizes), sizes=sizes, devices=math.prod(sizes.values()),
                 dtype=str(dtype), kv_slots=workload.kv_slots, max_num_seqs=workload.max_num_seqs,

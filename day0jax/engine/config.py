@@ -39,6 +39,10 @@ class EngineConfig:
     # 16 on the CPU, where prefill is bound by compute (a 128-token prompt took a 256-token chunk's time); elsewhere
     # the largest chunk, so that no prompt is split to save padding.
     prefill_step_tokens: int | None = None
+    # Sliding-window layers keep only their window's pages per sequence (a ring that positions wrap around), so their
+    # cache stops growing past the window; their pages then cannot be shared, which turns prefix caching off. False:
+    # they keep every page, like full-attention layers.
+    window_kv: bool = True
 
     def step_tokens(self, platform: str) -> int:
         """`prefill_step_tokens`, resolved for the devices' platform ('cpu', 'gpu', 'tpu'...)."""
@@ -46,8 +50,9 @@ class EngineConfig:
             return self.prefill_step_tokens
         return 16 if platform == "cpu" else max(self.chunk_buckets)
 
-    def layout(self, context_length: int) -> "EngineLayout":
-        """What this config means for a model whose context is `context_length` tokens.
+    def layout(self, context_length: int, windows: Sequence[int] = ()) -> "EngineLayout":
+        """What this config means for a model whose context is `context_length` tokens and whose sliding-window
+        layers have `windows` (0 for full-attention layers).
 
         Raises:
             GenerationError: a value that cannot work (a pool smaller than one sequence, no rows, ...).
@@ -72,11 +77,18 @@ class EngineConfig:
         # Powers of two below max_num_seqs, and max_num_seqs itself: every running batch has a bucket.
         batches = self.batch_buckets or tuple(1 << i for i in range(self.max_num_seqs.bit_length()))
         batches = tuple(sorted({b for b in batches if b < self.max_num_seqs} | {self.max_num_seqs}))
+        chunks = tuple(sorted({min(x, max_len) for x in self.chunk_buckets}))
+        # A window's ring must hold, while a chunk is written, every position its queries see: window + chunk
+        # tokens, over whole pages (+1: they need not start at a page boundary). One ring per sequence slot (the
+        # most running sequences, and the trash slot): only where that is fewer pages than the shared pool.
+        rings = tuple((w, -(-(w + chunks[-1]) // page) + 1) for w in sorted({w for w in windows if w}))
+        slots = batches[-1] + 1
+        rings = tuple((w, r) for w, r in rings if slots * r < num_pages) if self.window_kv else ()
         return EngineLayout(
             max_model_len=max_len, page_size=page, num_pages=num_pages, batch_buckets=batches,
-            chunk_buckets=tuple(sorted({min(x, max_len) for x in self.chunk_buckets})),
+            chunk_buckets=chunks,
             decode_widths=_widths(self.min_width // page, self.fine_width // page, max_pages_per_seq),
-            prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq))
+            prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings)
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,14 @@ class EngineLayout:
     chunk_buckets: tuple[int, ...]  # prefill chunk lengths
     decode_widths: tuple[int, ...]  # both widths: block-table pages, the last covering max_model_len
     prefill_widths: tuple[int, ...]
+    # (window, pages per sequence) of sliding-window layers that keep only their window: a ring of pages per
+    # sequence slot (see `paged_cache.ring_table`), slot 0's ring holding the trash page
+    rings: tuple[tuple[int, int], ...] = ()
+
+    def ring_pages(self, window: int) -> int:
+        """Pages per sequence of a layer with this sliding window that keeps only its window (0: it keeps every
+        page of the shared pool)."""
+        return dict(self.rings).get(window, 0) if window else 0
 
     @property
     def state_slots(self) -> int:
@@ -119,7 +139,8 @@ class EngineLayout:
                         forward_shapes=tuple((r, t, w * self.page_size) for r, t, w in self.forward_shapes()),
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
                         score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None,
-                        state_slots=self.state_slots)
+                        state_slots=self.state_slots,
+                        window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings))
 
     def sampler_batches(self) -> list[int]:
         """Every row count the sampler sees: decode batch buckets, and 1 for a prefill's last token."""

@@ -24,6 +24,7 @@ from day0jax.engine.requests import (ABORT, LENGTH, STOP, ImageInputs, InvalidRe
                                      SamplingParams, SequenceState, TokenEvent)
 from day0jax.engine.runner import ModelRunner, Program
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
+from sharding.plan import layer_windows
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Engine:
 
     def __init__(self, module, mesh, dtype, *, context_length: int, eos_token_ids: Sequence[int] = (),
                  config: EngineConfig = EngineConfig()):
-        self.layout = config.layout(context_length)
+        self.layout = config.layout(context_length, layer_windows(module.cache_layout()))
         self.max_model_len, self.page_size = self.layout.max_model_len, self.layout.page_size
         if "pp" in mesh.axis_names:
             from day0jax.engine.pipeline import PipelinedRunner
@@ -61,6 +62,10 @@ class Engine:
         if self.runner.has_state and config.prefix_caching:
             log.info("prefix caching is off: this model's linear-attention layers keep a state per sequence that "
                      "cached KV pages cannot restore")
+            config = dataclasses.replace(config, prefix_caching=False)
+        if self.layout.rings and config.prefix_caching:
+            log.info("prefix caching is off: sliding-window layers keep only their window per sequence (window_kv), "
+                     "so cached pages would lack their keys")
             config = dataclasses.replace(config, prefix_caching=False)
         self.config = config
         self.scheduler = Scheduler(config, self.layout, eos_token_ids, platform=mesh.devices.flat[0].platform)

@@ -3,6 +3,11 @@
 Row b's token at position p lives in page `block_tables[b, p // page_size]`, slot `p % page_size`. Page 0, the trash
 page, is never handed to a sequence: padding tokens get a position beyond the block table, which maps them there, so
 their writes never land in a page holding live keys. Attention is the `kernels_pallas` paged attention op.
+
+A sliding-window layer may keep only its window (`EngineLayout.rings`): its own pool holds R pages per sequence
+slot, and its block table maps a row's logical page i to page slot * R + i % R (`ring_table`), so positions wrap
+around the ring. R pages cover the window plus the longest chunk, so every key a query sees is still there; the
+older keys that share its pages lie outside the window, which attention masks. Slot 0's ring holds the trash page.
 """
 
 from __future__ import annotations
@@ -97,7 +102,27 @@ class PagedKVCache:
                                                 positions, indices, scale=scale)
 
 
-def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dtype, mesh=None) -> list[tuple]:
+def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:
+    """[B, width] block table of rows whose sequences hold `slots` [B], for a layer whose pool is a ring of
+    `ring_pages` pages per slot."""
+    return (slots[:, None] * ring_pages + jnp.arange(width, dtype=jnp.int32)[None, :] % ring_pages).astype(jnp.int32)
+
+
+def layer_caches(pools: list, stateful: list[bool], rings: list[int], block_tables: jax.Array, kv_lengths: jax.Array,
+                 positions: jax.Array, state_slots: jax.Array) -> list:
+    """Each layer's cache for one step: a `StateCache` for state layers, a `PagedKVCache` over the shared block
+    tables or, for a layer with a ring (`rings[i]` pages per slot), over its ring table; None for a layer that reads
+    another's keys and keeps nothing of its own."""
+    from day0jax.engine.state_cache import StateCache
+
+    tables = {r: ring_table(state_slots, r, block_tables.shape[1]) for r in set(rings) if r}
+    return [StateCache.for_rows(p, state_slots, positions, kv_lengths) if state
+            else PagedKVCache.from_pools(p, tables.get(ring, block_tables), kv_lengths) if p else None
+            for p, state, ring in zip(pools, stateful, rings)]
+
+
+def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dtype, mesh=None,
+              ring_pages=None) -> list[tuple]:
     """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
     ([P, page_size, K, H] each, split like the kv heads), for a `StateLayer` one float32 [S, *shape] pool per
     state array (split like its heads), and for a `SharedKV` layer only its indexer's keys, if it has an indexer.
@@ -108,6 +133,8 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
         state_slots: sequence slots of state layers (the trash slot included).
         dtype: KV cache dtype.
         mesh: the mesh the pools live on (None: the default device).
+        ring_pages: callable(window) -> pages per slot of a sliding-window layer that keeps only its window (0: the
+            shared pool's `num_pages`); None: every layer keeps them all.
     """
     from sharding.plan import SharedKV, StateLayer
     from sharding.rules import KV_POOL, named_sharding
@@ -124,7 +151,9 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
             pools.append(tuple(zeros((state_slots,) + shape, (None,) + axes, jnp.float32)
                                for shape, axes in entry.arrays))
         else:
-            pool = [zeros((num_pages, page_size, entry.kv_heads, d), KV_POOL, dtype) for d in entry[1:3]]
+            ring = ring_pages(entry.window) if ring_pages else 0
+            pages = state_slots * ring if ring else num_pages
+            pool = [zeros((pages, page_size, entry.kv_heads, d), KV_POOL, dtype) for d in entry[1:3]]
             if entry.index_dim:  # the indexer's keys: one head, never split
                 pool.append(zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype))
             pools.append(tuple(pool))

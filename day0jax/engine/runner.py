@@ -19,12 +19,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from day0jax.engine.config import EngineLayout
-from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache, new_pools
+from day0jax.engine.paged_cache import TRASH_PAGE, layer_caches, new_pools
 from day0jax.engine.sampling import MAX_LOGIT_BIAS, sample
-from day0jax.engine.state_cache import TRASH_SLOT, StateCache
+from day0jax.engine.state_cache import TRASH_SLOT
 from day0jax.layers.linear import exact_float32
 from kernels_pallas import registry as kernel_registry
-from sharding.plan import StateLayer
+from sharding.plan import KVLayer, StateLayer
 from sharding.rules import put
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,11 @@ class Batch:
                 self.state_slots) + image
 
 
+def layer_rings(cache_layout: list, layout: EngineLayout) -> list[int]:
+    """Per layer, the pages per sequence of its ring (a sliding-window layer that keeps only its window), else 0."""
+    return [layout.ring_pages(x.window) if isinstance(x, KVLayer) else 0 for x in cache_layout]
+
+
 class ModelRunner:
     """Holds the parameters, the KV page pools and the compiled programs.
 
@@ -103,7 +108,9 @@ class ModelRunner:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         cache_layout = module.cache_layout()
         self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
-        self.pools = new_pools(cache_layout, layout.num_pages, layout.page_size, layout.state_slots, dtype, mesh)
+        self.rings = layer_rings(cache_layout, layout)
+        self.pools = new_pools(cache_layout, layout.num_pages, layout.page_size, layout.state_slots, dtype, mesh,
+                               layout.ring_pages)
         self._no_previous = self._put(np.zeros(layout.max_rows, np.int32))
         # A vision-language model's: its programs take image features, and it encodes images (one program per
         # image count).
@@ -179,9 +186,7 @@ class ModelRunner:
         tokens = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
         # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
         # hands it its source's.
-        caches = [StateCache.for_rows(p, state_slots, positions, kv_lengths) if state
-                  else PagedKVCache.from_pools(p, block_tables, kv_lengths) if p else None
-                  for p, state in zip(pools, self.stateful)]
+        caches = layer_caches(pools, self.stateful, self.rings, block_tables, kv_lengths, positions, state_slots)
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         with exact_float32(self.dtype):
             image_inputs = self._image_inputs(image)

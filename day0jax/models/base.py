@@ -259,7 +259,14 @@ class CausalLM(nnx.Module):
         """Per layer, what the engine allocates for it: a `KVLayer` (paged keys and values) or a `StateLayer`
         (fixed-size state per sequence)."""
         c = self.config
-        return [KVLayer(c.kv_heads, c.head_size, c.head_size)] * c.num_hidden_layers
+        return [KVLayer(c.kv_heads, c.head_size, c.head_size, window=self.attention_window(i))
+                for i in range(c.num_hidden_layers)]
+
+    def attention_window(self, index: int) -> int:
+        """Layer `index`'s sliding window (0: it attends over every position), read from its attention module."""
+        layer = self.model.layers[index]
+        mixer = getattr(layer, "mixer", None) or getattr(layer, "self_attn", None)
+        return int(getattr(mixer, "sliding_window", None) or 0)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.model.embed_tokens(tokens)

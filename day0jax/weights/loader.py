@@ -238,9 +238,10 @@ class EnginePlanInputs:
             GenerationError: an engine config that cannot work for this model.
         """
         full_context = model_context_length(config.rope, config.max_position_embeddings)
-        layout = engine.layout(full_context)
+        windows = plan_lib.layer_windows(abstract.cache_layout())
+        layout = engine.layout(full_context, windows)
         return cls(layout, plan_lib.ModelShape.from_model(abstract, full_context), layout.workload(),
-                   lambda n: dataclasses.replace(engine, max_model_len=n).layout(full_context).workload())
+                   lambda n: dataclasses.replace(engine, max_model_len=n).layout(full_context, windows).workload())
 
     def plan(self, sizes, dtype: str, available: int | None) -> plan_lib.Plan:
         return plan_lib.plan(self.shape, sizes, self.workload, dtype=DTYPES[dtype], available=available)
