@@ -22,9 +22,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from day0jax.engine.config import EngineLayout
-from day0jax.engine.paged_cache import PagedKVCache, new_pools
-from day0jax.engine.runner import Batch, ModelRunner, Program
-from day0jax.engine.state_cache import StateCache
+from day0jax.engine.paged_cache import layer_caches, new_pools
+from day0jax.engine.runner import Batch, ModelRunner, Program, layer_rings
 from day0jax.errors import MeshError
 from day0jax.layers.linear import exact_float32
 from sharding.pipeline import Links, Stages, layer_index
@@ -105,9 +104,10 @@ class PipelinedRunner(ModelRunner):
         self._place(leaves)
         cache_layout = module.cache_layout()
         self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
+        self.rings = layer_rings(cache_layout, layout)
         # Stages on other processes' devices: no pools, parameters or programs here.
         self.stage_pools = [new_pools([cache_layout[i] for i in r], layout.num_pages, layout.page_size,
-                                      layout.state_slots, dtype, m) if local else []
+                                      layout.state_slots, dtype, m, layout.ring_pages) if local else []
                             for r, m, local in zip(self.stages.ranges, self.meshes, self.links.local)]
         self._no_previous = self._put(np.zeros(layout.max_rows, np.int32), self.meshes[0]) \
             if self.links.local[0] else None
@@ -179,10 +179,8 @@ class PipelinedRunner(ModelRunner):
             leaves[i] = value
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, leaves))
         layers = self.stages.ranges[s]
-        stateful = self.stateful[layers.start:layers.stop]
-        caches = [StateCache.for_rows(p, state_slots, positions, kv_lengths) if state
-                  else PagedKVCache.from_pools(p, block_tables, kv_lengths) if p else None
-                  for p, state in zip(pools, stateful)]
+        caches = layer_caches(pools, self.stateful[layers.start:layers.stop], self.rings[layers.start:layers.stop],
+                              block_tables, kv_lengths, positions, state_slots)
         if s == 0:
             x = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
         with exact_float32(self.dtype):
@@ -365,6 +363,47 @@ class PipelinedRunner(ModelRunner):
                     return out
         moved = self.links.restrict(previous, 0)
         return [(moved, p) for p in parts]
+
+    def stage_seconds(self, shape: tuple[int, int, int], repeats: int = 5) -> tuple[list[float], list[float]]:
+        """Each stage's program on one micro-batch of a padding batch of `shape` (rows, tokens, pages), run alone
+        and waited for, and each move of its output to the next stage: median seconds of `repeats` runs after one
+        warm-up (which compiles). For schedules (bench/pipeline.py); one process only.
+
+        Returns:
+            (seconds per stage, seconds per move between stages s and s + 1).
+        """
+        import statistics
+        import time
+
+        B, T, W = shape
+        part = self.empty_batch(B // self.micro_count(B), T, W)
+        hidden = part.tokens.shape + (self.module_hidden_size,)
+        stages, moves, x = [], [], None
+
+        def timed(fn):
+            runs = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(fn())
+                runs.append(time.perf_counter() - t0)
+            return out, statistics.median(runs[1:])
+
+        for s in range(self.stages.count):
+            if s > 0:
+                y = x
+                x, seconds = timed(lambda: self.links.send(y, s - 1, s, hidden, jnp.dtype(self.dtype),
+                                                           self._hidden_sharding(s, hidden).spec))
+                moves.append(seconds)
+
+            def run(s=s, x=x):
+                with jax.set_mesh(self.meshes[s]):
+                    *out, self.stage_pools[s] = self._stage_jits[s](self.stage_params[s], self.stage_pools[s],
+                                                                    *self._stage_inputs(s, part, None, x))
+                return out
+            out, seconds = timed(run)
+            stages.append(seconds)
+            x = out[0]
+        return stages, moves
 
     def smoke_run(self) -> float:
         out = super().smoke_run()
