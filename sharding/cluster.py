@@ -89,7 +89,7 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any,
     (t-1)V x 4 bytes. ep: each token's hidden state goes to its k experts and their outputs come back; with experts
     spread evenly, (e-1)/e of them live on another rank, and every tp rank moves its own copy. dp: nothing per token
     (replicas share no activations). pp: each token's residual stream goes from each stage to the next, once per
-    stage boundary, from every (dp, ep, tp) rank's copy of it (each stage's sampled token goes back to the first,
+    stage boundary, each of the token's tp ranks sending its copy (the sampled token's way back to the first stage,
     4 bytes, left out).
 
     Args:
@@ -112,7 +112,7 @@ def traffic(shape: ModelShape, sizes: dict[str, int], dtype: Any,
         out.append(AxisTraffic("ep", e, cross["ep"], moved, moved, what))
     pp = sizes.get("pp", 1)
     if pp > 1:
-        hop = (pp - 1) * D * item * t * e
+        hop = (pp - 1) * D * item * t
         out.append(AxisTraffic("pp", pp, cross["pp"], hop, hop,
                                f"{pp - 1} stage boundaries: the residual stream to the next stage"))
     if t > 1:

@@ -86,7 +86,7 @@ def decode_step_time(shape: ModelShape, sizes: dict[str, int], dtype: Any, rows:
                      links: list[AxisLink]) -> dict[str, float]:
     """Estimated seconds of communication per decode step of `rows` sequences, by axis: for each collective its
     latency plus the bytes one device sends over the axis's measured bandwidth (all-reduce figures for tp, all-gather
-    figures for ep's exchange of tokens with their experts).
+    figures for ep's exchange of tokens with their experts and for pp's hand-over between stages).
 
     Args:
         shape: the model's `ModelShape`; sizes: the mesh; dtype: of activations.
@@ -106,6 +106,8 @@ def decode_step_time(shape: ModelShape, sizes: dict[str, int], dtype: Any, rows:
         if t.axis == "tp":  # an all-reduce after every mixer, feed-forward and the embedding; the logits gathered
             count, bandwidth, latency = 2 * len(shape.cache_layout) + 2, link.all_reduce_bandwidth, \
                 link.all_reduce_latency
+        elif t.axis == "pp":  # the residual stream to the next stage, once per boundary (priced as a gather)
+            count, bandwidth, latency = sizes["pp"] - 1, link.all_gather_bandwidth, link.all_gather_latency
         else:  # each MoE layer sends tokens to their experts and brings the outputs back
             count, bandwidth, latency = 2 * len(shape.moe_top_k), link.all_gather_bandwidth, link.all_gather_latency
         out[t.axis] = count * latency + sent / bandwidth

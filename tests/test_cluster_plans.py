@@ -170,7 +170,8 @@ def _engine(**kw):
 
 def test_probe_measures_each_axis_and_prices_a_decode_step(tmp_path):
     """--probe on 8 simulated devices: latency and bandwidth of both collectives for every axis of size > 1, and a
-    decode step's communication time that is those figures applied to the model's traffic."""
+    decode step's communication time that is those figures applied to the model's traffic (pipeline stages, expert
+    and tensor parallelism)."""
     import json
     import os
     import subprocess
@@ -184,22 +185,24 @@ def test_probe_measures_each_axis_and_prices_a_decode_step(tmp_path):
     (folder / "config.json").write_text(json.dumps(dict(config, model_type="qwen3_moe")))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-m", "day0jax.check", str(folder), "--mesh", "dp=2,ep=2,tp=2", "--probe",
+    proc = subprocess.run([sys.executable, "-m", "day0jax.check", str(folder), "--mesh", "pp=2,ep=2,tp=2", "--probe",
                            "--json", "--max-num-seqs", "8"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     probe = json.loads(proc.stdout)["probe"]
     links = {x["axis"]: x for x in probe["links"]}
-    assert sorted(links) == ["dp", "ep", "tp"] and probe["rows"] == 8
+    assert sorted(links) == ["ep", "pp", "tp"] and probe["rows"] == 8
     for x in links.values():
         for key in ("all_reduce_bandwidth", "all_reduce_latency", "all_gather_bandwidth", "all_gather_latency"):
             assert 0 < x[key] < float("inf"), (x["axis"], key)
-    # The step's communication, recomputed by hand: 8 rows over dp x ep = 2 per device; float32 activations.
+    # The step's communication, recomputed by hand: 8 rows over dp x ep = 4 per device; float32 activations.
     D, V, L, k, item = TINY["hidden_size"], TINY["vocab_size"], TINY["num_hidden_layers"], 2, 4
     tp_bytes = (2 * L + 1) * 2 * 1 * D * item + 1 * V * 4  # summed over tp=2 devices: 2(t-1) = 2, (t-1) = 1
     ep_bytes = L * 2 * k * D * item // 2 * 2  # half the experts elsewhere, a copy per tp rank
-    tp, ep = links["tp"], links["ep"]
-    want = {"tp": (2 * L + 2) * tp["all_reduce_latency"] + tp_bytes / 2 * 2 / tp["all_reduce_bandwidth"],
-            "ep": 2 * L * ep["all_gather_latency"] + ep_bytes / 2 * 2 / ep["all_gather_bandwidth"]}
+    pp_bytes = 1 * D * item * 2  # one stage boundary, a copy per tp rank
+    tp, ep, pp = links["tp"], links["ep"], links["pp"]
+    want = {"tp": (2 * L + 2) * tp["all_reduce_latency"] + tp_bytes / 2 * 4 / tp["all_reduce_bandwidth"],
+            "ep": 2 * L * ep["all_gather_latency"] + ep_bytes / 2 * 4 / ep["all_gather_bandwidth"],
+            "pp": 1 * pp["all_gather_latency"] + pp_bytes / 2 * 4 / pp["all_gather_bandwidth"]}
     assert probe["decode_step_seconds"].keys() == want.keys()
     for axis, seconds in want.items():
         assert math.isclose(probe["decode_step_seconds"][axis], seconds, rel_tol=1e-9), axis
