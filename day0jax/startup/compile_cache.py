@@ -66,13 +66,14 @@ class CacheKey:
 
 
 def normalize_mesh(mesh: Any) -> str:
-    """'auto', or every axis size spelled out ('dp=1,ep=1,tp=2') for a spec string, a sizes dict or a Mesh."""
+    """'auto', or every axis size spelled out ('dp=1,ep=1,tp=2', with 'pp=2,' first when there are pipeline
+    stages) for a spec string, a sizes dict or a Mesh."""
     from sharding.mesh import AUTO, AXES, mesh_sizes
 
     if mesh == AUTO:
         return AUTO
     sizes = mesh_sizes(mesh)
-    return ",".join(f"{a}={sizes.get(a, 1)}" for a in AXES)
+    return ",".join(f"{a}={sizes.get(a, 1)}" for a in AXES if a != "pp" or sizes.get(a, 1) > 1)
 
 
 def host_fingerprint() -> str:
