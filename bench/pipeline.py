@@ -3,8 +3,8 @@ devices, and the bubble fraction (the share of time stages sit idle) of the engi
 
     .venv/bin/python bench/pipeline.py [--meshes tp=8,pp=2;tp=4,pp=4;tp=2] [--rows 8] [--tokens 32] [--repeats 3]
 
-The model: a Llama-architecture decoder with random weights (hidden 512, 8 layers, 8 query and 2 kv heads of 64, MLP
-1536, 8k vocabulary), float32, written once into the bench cache. Each mesh loads it in one worker process with 8
+The model: a Llama-architecture decoder with random weights (hidden 512, 16 layers, 8 query and 2 kv heads of 64,
+MLP 1536, 8k vocabulary), float32, written once into the bench cache. Each mesh loads it in one worker process with 8
 simulated devices and decodes `rows` prompts of 32 tokens together, greedy; after a warm-up of the same call the
 best of `repeats` gives the decode step time, (time of N tokens - time of 1) / (N - 1), and tokens/s.
 
@@ -13,10 +13,13 @@ the wall-clock figures cannot show what a pipeline gains. The bubble is therefor
 stage's program time on one micro-batch and each move between stages are measured alone (`stage_seconds`), then
 the engine's dispatch order is replayed for 64 decode steps: each device runs its programs in the order the host
 dispatched them (step by step, micro-batch by micro-batch), a program starts when its device is free and its input
-has arrived. Bubble = 1 - busy time / (stages x makespan). Two dependency rules for the next step:
-- greedy: a micro-batch's next step needs only its own tokens, routed back to the first stage (the engine's path
-  for greedy rows);
-- sampled: it needs the sampler, which takes the whole batch's logits (fill and drain every step).
+has arrived. Bubble = 1 - busy time / (stages x makespan). Two rules for when a micro-batch's next step may start:
+- per micro-batch (the engine): when its own tokens are back on the first stage (greedy tokens from the last
+  stage, sampled ones from the micro-batch's own sampler call);
+- whole batch: when every micro-batch's are (a fill and a drain every step: what a step costs whose rows changed).
+The bubble has two causes, stages of unequal time and the schedule itself; "equal stages" replays the schedule
+with every stage at their mean time. The layers are split by bytes (parameters and KV pool), which is not time:
+the embedding table weighs on the first stage like layers, but a step reads one row of it per token.
 The modelled tokens/s is rows / the schedule's steady step time, as if each stage had its own device.
 """
 
@@ -34,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=8192, hidden_size=512,
-              intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+              intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
               max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=False, rope_theta=10000.0)
 DEVICES = 8
@@ -50,6 +53,10 @@ def checkpoint() -> Path:
 
     root = cache_root() / "bench" / "pipeline"
     hf, ckpt = root / "hf", root / "day0jax"
+    config = hf / "config.json"
+    if not config.is_file() or json.loads(config.read_text()) != CONFIG:  # none yet, or of another shape
+        (ckpt / "day0jax.json").unlink(missing_ok=True)
+        (hf / "model.safetensors").unlink(missing_ok=True)
     if not (hf / "model.safetensors").is_file():
         hf.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(0)
@@ -75,7 +82,8 @@ def checkpoint() -> Path:
 
 def schedule(stage: list[float], moves: list[float], micro: int, routed: bool, steps: int = STEPS) -> dict:
     """Replays `steps` decode steps of `micro` micro-batches through stages taking `stage[s]` seconds each, with
-    `moves[s]` seconds to reach stage s + 1 (the tokens' way back to the first stage costs the last move).
+    `moves[s]` seconds to reach stage s + 1 (the tokens' way back to the first stage costs the last move); `routed`:
+    a micro-batch's next step waits for its own tokens only, else for the whole batch's.
 
     Returns:
         {"bubble": idle share, "step_seconds": steady step time (the second half of the steps)}.
@@ -132,10 +140,14 @@ def worker(ckpt: str, spec: str, rows: int, tokens: int, repeats: int) -> dict:
         for micro in sorted({1, 2, 4, runner.stages.count}):
             runner.micro_batches = micro
             stage, moves = runner.stage_seconds((rows, 1, width), repeats=7)
+            equal = [sum(stage) / len(stage)] * len(stage)
+            m = runner.micro_count(rows)
             out["micro"][micro] = {"stage": stage, "moves": moves,
-                                   "greedy": schedule(stage, moves, runner.micro_count(rows), routed=True),
-                                   "sampled": schedule(stage, moves, runner.micro_count(rows), routed=False)}
-        out["layers"] = runner.stages.describe()
+                                   "routed": schedule(stage, moves, m, routed=True),
+                                   "whole": schedule(stage, moves, m, routed=False),
+                                   "equal_routed": schedule(equal, moves, m, routed=True),
+                                   "equal_whole": schedule(equal, moves, m, routed=False)}
+        out["layers"] = runner.stages.describe().replace(" | ", " / ")
     return out
 
 
@@ -178,14 +190,16 @@ def main():
               f"{r['tokens_per_s'] / base:.2f}x |")
     print("\nSchedule from measured stage times (bubble = idle share of the stages; modelled tokens/s with each "
           "stage on its own device):\n")
-    print("| mesh | micro-batches | stage ms | move ms | bubble, greedy | bubble, sampled | modelled tokens/s |")
-    print("| --- | ---: | --- | --- | ---: | ---: | ---: |")
+    print("| mesh | micro-batches | stage ms | move ms | bubble, per micro-batch | bubble, whole batch | "
+          "equal stages: per micro-batch, whole | modelled tokens/s |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for r in results:
         for micro, m in sorted(r.get("micro", {}).items(), key=lambda kv: int(kv[0])):
             stage = " / ".join(f"{1e3 * t:.2f}" for t in m["stage"])
             moves = " / ".join(f"{1e3 * t:.2f}" for t in m["moves"])
-            print(f"| {r['mesh']} | {micro} | {stage} | {moves} | {100 * m['greedy']['bubble']:.0f}% | "
-                  f"{100 * m['sampled']['bubble']:.0f}% | {args.rows / m['greedy']['step_seconds']:.0f} |")
+            print(f"| {r['mesh']} | {micro} | {stage} | {moves} | {100 * m['routed']['bubble']:.0f}% | "
+                  f"{100 * m['whole']['bubble']:.0f}% | {100 * m['equal_routed']['bubble']:.0f}%, "
+                  f"{100 * m['equal_whole']['bubble']:.0f}% | {args.rows / m['routed']['step_seconds']:.0f} |")
 
 
 if __name__ == "__main__":

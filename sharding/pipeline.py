@@ -174,7 +174,13 @@ class Links:
     every move is a program over the whole mesh that all processes run: the array is laid out as [pp, ...] (the
     sender's slot real, the others zeros) and rolled along the stage axis, a collective permute; the receiver takes
     its slot's shards. The sampler then runs on the whole mesh, its inputs broadcast there from the last stage, so
-    that every process reads the same tokens.
+    that every process reads the same tokens. These programs share no data, so nothing would stop two of them from
+    running at once, and collectives of programs in flight together may be matched across processes in different
+    orders: each takes and returns an ordering token, which runs them one after the other, in the order every
+    process dispatched them. XLA:CPU also runs a stage's program beside them on the same devices, and its gloo
+    collectives then deadlock now and then: across CPU processes every program is waited for (`settle`) before the
+    next is dispatched, which gives up the overlap of stages there (a test setting; accelerators order a device's
+    programs).
     """
 
     def __init__(self, mesh: Mesh):
@@ -187,7 +193,9 @@ class Links:
         self.multi_process = len({d.process_index for d in mesh.devices.flat}) > 1
         # Where the sampler runs and the tokens every process reads live.
         self.sample_mesh = mesh if self.multi_process else self.meshes[-1]
+        self.blocking = self.multi_process and mesh.devices.flat[0].platform == "cpu"
         self._programs: dict = {}
+        self._order = None  # the ordering token (multi-process only), on the whole mesh
 
     def restrict(self, x, s: int):
         """A sample-mesh array (replicated) as one on stage `s`'s mesh; None where that stage is not local."""
@@ -208,7 +216,7 @@ class Links:
         target = NamedSharding(self.meshes[dst], spec)
         if not self.multi_process:
             return jax.device_put(x, target)
-        moved = self._program("roll", shape, dtype, spec, dst - src)(self._stacked(x, src, shape, dtype, spec))
+        moved = self._run("roll", shape, dtype, spec, dst - src, self._stacked(x, src, shape, dtype, spec))
         return self._take(moved, target, slot=True) if self.local[dst] else None
 
     def to_sampler(self, x, shape, dtype, spec):
@@ -216,7 +224,25 @@ class Links:
         if not self.multi_process:
             return x
         last = len(self.meshes) - 1
-        return self._program("broadcast", shape, dtype, spec, 0)(self._stacked(x, last, shape, dtype, spec))
+        return self._run("broadcast", shape, dtype, spec, 0, self._stacked(x, last, shape, dtype, spec))
+
+    def _run(self, kind: str, shape, dtype, spec, shift: int, stacked):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec
+
+        if self._order is None:
+            self._order = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, PartitionSpec()))
+        out, self._order = self._program(kind, shape, dtype, spec, shift)(stacked, self._order)
+        return self.settle(out)
+
+    def settle(self, x):
+        """`x`, waited for where programs must not overlap (see the class docstring)."""
+        if self.blocking:
+            import jax
+
+            jax.block_until_ready(x)
+        return x
 
     def _stacked(self, x, src: int, shape, dtype, spec):
         """The global [pp, *shape] array whose slot `src` is `x` (this process's shards of it) and the rest zeros."""
@@ -239,12 +265,14 @@ class Links:
 
         key = (kind, tuple(shape), str(dtype), tuple(spec), shift)
         if key not in self._programs:
+            token = NamedSharding(self.mesh, PartitionSpec())
             if kind == "roll":
                 out = NamedSharding(self.mesh, PartitionSpec("pp", *spec))
-                self._programs[key] = jax.jit(lambda a: jnp.roll(a, shift, axis=0), out_shardings=out)
+                fn = lambda a, order: (jnp.roll(a, shift, axis=0), order + 1)  # noqa: E731
             else:
                 out = NamedSharding(self.mesh, PartitionSpec())
-                self._programs[key] = jax.jit(lambda a: a[-1], out_shardings=out)
+                fn = lambda a, order: (a[-1], order + 1)  # noqa: E731
+            self._programs[key] = jax.jit(fn, out_shardings=(out, token))
         return self._programs[key]
 
     @staticmethod

@@ -219,6 +219,7 @@ def job_multihost(job: dict) -> dict:
             "global_devices": jax.device_count(), "local_devices": jax.local_device_count(),
             "mesh_processes": processes,
             "tokens": model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True),
+            "sampled": model.generate(PROMPTS, NEW_TOKENS, ignore_eos=True, **SAMPLED) if job.get("sampled") else None,
             "logits": model.logits(np.array(TOKENS, np.int32)).tolist()}
 
 
@@ -472,7 +473,7 @@ def test_pipeline_across_two_processes_generates_like_one(pipeline, tmp_path):
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
     job = {"job": "multihost", "checkpoint": pipeline["checkpoints"]["llama"], "mesh": PIPELINE_MULTIHOST_MESH,
-           "via": "args", "coordinator": address, "num_processes": 2}
+           "via": "args", "coordinator": address, "num_processes": 2, "sampled": True}
     procs = [run_job(dict(job, process_id=i), tmp_path, devices=4, name=f"process{i}") for i in range(2)]
     try:
         results = [wait_job(p, tmp_path, f"process{i}", timeout=600) for i, p in enumerate(procs)]
@@ -483,7 +484,7 @@ def test_pipeline_across_two_processes_generates_like_one(pipeline, tmp_path):
     one = pipeline["families"]["llama"]["one_device"]
     for r in results:
         assert r["mesh_processes"] == [0, 1] and r["stage_processes"] == [[0], [1]]
-        assert r["tokens"] == one["tokens"]
+        assert r["tokens"] == one["tokens"] and r["sampled"] == one["sampled"]
     np.testing.assert_allclose(results[0]["logits"], results[1]["logits"], rtol=0, atol=0)
 
 

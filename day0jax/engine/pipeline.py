@@ -4,8 +4,9 @@ Each stage is its own program on its own (dp, ep, tp) mesh, holding its layers' 
 residual stream of a micro-batch moves to the next stage's devices between programs. A decode batch is cut into
 micro-batches (as many as there are stages, when its rows allow), dispatched stage after stage without waiting:
 each device runs its queue in order, so while stage 1 works on micro-batch 0, stage 0 works on micro-batch 1.
-Greedy tokens go back to the first stage per micro-batch, so the next step's micro-batch 0 starts as soon as its
-own tokens exist, not when the whole batch has left the last stage: in steady state no stage waits. Prefill
+Tokens go back to the first stage per micro-batch (greedy ones straight from the last stage, sampled ones from one
+sampler call per micro-batch), so the next step's micro-batch 0 starts as soon as its own tokens exist, not when
+the whole batch has left the last stage: in steady state no stage waits. Prefill
 chunks of a prompt pipeline the same way across steps (a chunk needs only its predecessor's KV on each stage).
 """
 
@@ -121,6 +122,7 @@ class PipelinedRunner(ModelRunner):
         self.ensure = None
         self._context = None
         self._routes: list[tuple[jax.Array, int, list[jax.Array]]] = []  # see `_previous_for`
+        self._split = None  # the last forward's logits, rows per micro-batch and each micro-batch's: see `sample`
         log.info("pipeline: %d stages, layers %s, up to %d micro-batches per decode step", self.stages.count,
                  self.stages.describe(), self.micro_batches)
 
@@ -223,7 +225,7 @@ class PipelinedRunner(ModelRunner):
                 x = self.links.send(x, s - 1, s, hidden, jnp.dtype(self.dtype), self._hidden_sharding(s, hidden).spec)
             if self.links.local[s]:
                 with jax.set_mesh(self.meshes[s]):
-                    x = run(self.stage_params[s], x, put(np.int32(seq_len), self.meshes[s]))
+                    x = self.links.settle(run(self.stage_params[s], x, put(np.int32(seq_len), self.meshes[s])))
         return self.links.to_sampler(x if self.links.local[-1] else None, (B, T, self.vocab_size), jnp.float32,
                                      PartitionSpec())
 
@@ -319,7 +321,29 @@ class PipelinedRunner(ModelRunner):
             all_logits = logits[0] if M == 1 else jnp.concatenate(logits)
             tokens = greedy[0] if M == 1 else self._padded(jnp.concatenate([g[:rows] for g in greedy]))
         self._remember(tokens, rows, greedy)
+        self._split = (all_logits, rows, logits) if M > 1 else None
         return all_logits, tokens
+
+    def sample(self, logits: jax.Array, rows: dict[str, np.ndarray], penalties: tuple | None,
+               logprobs: bool, guidance: tuple | None = None) -> dict[str, jax.Array]:
+        """As `ModelRunner.sample`; for the logits of a micro-batched forward, one sampler call per micro-batch
+        (a row's draws depend only on its seed and position, so the tokens are the same), whose tokens go back to
+        the first stage on their own: the next step's micro-batch waits for its own rows only."""
+        split = getattr(self, "_split", None)
+        if split is None or split[0] is not logits or split[1] not in self.layout.sampler_batches():
+            return self.links.settle(super().sample(logits, rows, penalties, logprobs, guidance))
+        _, r, parts = split
+        outs = []
+        for j, part in enumerate(parts):
+            sl = slice(j * r, (j + 1) * r)
+            cut = lambda arrays: None if arrays is None else tuple(a[sl] for a in arrays)  # noqa: E731
+            outs.append(self.links.settle(super().sample(part, {k: v[sl] for k, v in rows.items()}, cut(penalties),
+                                                         logprobs, cut(guidance))))
+        with jax.set_mesh(self._sample_mesh):
+            out = {k: jnp.concatenate([o[k][:r] for o in outs]) for k in outs[0]}
+            out["tokens"] = self._padded(out["tokens"])
+        self._remember(out["tokens"], r, [o["tokens"] for o in outs])
+        return out
 
     def _through_stages(self, part: Batch, previous, programs: dict):
         """Dispatches one micro-batch through every stage (this process's programs, and every move between
@@ -335,8 +359,8 @@ class PipelinedRunner(ModelRunner):
                 continue
             run = programs.get(s) or self._stage_jits[s]
             with jax.set_mesh(self.meshes[s]):
-                *x, self.stage_pools[s] = run(self.stage_params[s], self.stage_pools[s],
-                                              *self._stage_inputs(s, part, previous, x))
+                *x, self.stage_pools[s] = self.links.settle(run(self.stage_params[s], self.stage_pools[s],
+                                                                *self._stage_inputs(s, part, previous, x)))
             x = x[0] if s < self.stages.last else x
         return x
 
