@@ -10,10 +10,11 @@ best of `repeats` gives the decode step time, (time of N tokens - time of 1) / (
 
 Simulated devices share this machine's cores, so stages on different devices do not really run side by side and
 the wall-clock figures cannot show what a pipeline gains. The bubble is therefore computed from the schedule: each
-stage's program time on one micro-batch and each move between stages are measured alone (`stage_seconds`), then
-the engine's dispatch order is replayed for 64 decode steps: each device runs its programs in the order the host
-dispatched them (step by step, micro-batch by micro-batch), a program starts when its device is free and its input
-has arrived. Bubble = 1 - busy time / (stages x makespan). Two rules for when a micro-batch's next step may start:
+stage's program time on one micro-batch and each move between stages are measured alone (`stage_seconds`, the
+fastest of 7 runs), then the engine's dispatch order is replayed for 64 decode steps: each device runs its
+programs in the order the host dispatched them (step by step, micro-batch by micro-batch), a program starts when
+its device is free and its input has arrived. Bubble = 1 - busy time / (stages x makespan). Two rules for when a
+micro-batch's next step may start:
 - per micro-batch (the engine): when its own tokens are back on the first stage (greedy tokens from the last
   stage, sampled ones from the micro-batch's own sampler call);
 - whole batch: when every micro-batch's are (a fill and a drain every step: what a step costs whose rows changed).

@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from jax.sharding import Mesh, NamedSharding
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.rules import named_sharding, shard_shape
 
@@ -162,8 +165,6 @@ def param_sharding(info: Any, mesh: Mesh, stages: Stages | None) -> NamedShardin
 def holders_mesh(mesh: Mesh, holders: Sequence[int]) -> Mesh:
     """The mesh a parameter used by several stages is loaded on: those stages' devices, with the `pp` axis (not in
     any parameter's spec, so every holder gets the whole of its (dp, ep, tp) split)."""
-    import numpy as np
-
     return Mesh(mesh.devices[np.array(holders)], mesh.axis_names)
 
 
@@ -184,8 +185,6 @@ class Links:
     """
 
     def __init__(self, mesh: Mesh):
-        import jax
-
         self.mesh = mesh
         self.meshes = stage_meshes(mesh)
         me = jax.process_index()
@@ -199,8 +198,6 @@ class Links:
 
     def restrict(self, x, s: int):
         """A sample-mesh array (replicated) as one on stage `s`'s mesh; None where that stage is not local."""
-        import jax
-
         target = NamedSharding(self.meshes[s], x.sharding.spec)
         if not self.multi_process:
             return jax.device_put(x, target)
@@ -211,8 +208,6 @@ class Links:
     def send(self, x, src: int, dst: int, shape, dtype, spec):
         """Stage `src`'s array `x` (None on processes that do not run that stage) onto stage `dst`'s mesh with
         PartitionSpec `spec`; None on processes without `dst`'s devices."""
-        import jax
-
         target = NamedSharding(self.meshes[dst], spec)
         if not self.multi_process:
             return jax.device_put(x, target)
@@ -227,10 +222,6 @@ class Links:
         return self._run("broadcast", shape, dtype, spec, 0, self._stacked(x, last, shape, dtype, spec))
 
     def _run(self, kind: str, shape, dtype, spec, shift: int, stacked):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import PartitionSpec
-
         if self._order is None:
             self._order = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, PartitionSpec()))
         out, self._order = self._program(kind, shape, dtype, spec, shift)(stacked, self._order)
@@ -239,17 +230,11 @@ class Links:
     def settle(self, x):
         """`x`, waited for where programs must not overlap (see the class docstring)."""
         if self.blocking:
-            import jax
-
             jax.block_until_ready(x)
         return x
 
     def _stacked(self, x, src: int, shape, dtype, spec):
         """The global [pp, *shape] array whose slot `src` is `x` (this process's shards of it) and the rest zeros."""
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import PartitionSpec
-
         sharding = NamedSharding(self.mesh, PartitionSpec("pp", *spec))
         full = (len(self.meshes),) + tuple(shape)
         piece = sharding.shard_shape(full)
@@ -259,10 +244,6 @@ class Links:
         return jax.make_array_from_single_device_arrays(full, sharding, arrays)
 
     def _program(self, kind: str, shape, dtype, spec, shift: int):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import PartitionSpec
-
         key = (kind, tuple(shape), str(dtype), tuple(spec), shift)
         if key not in self._programs:
             token = NamedSharding(self.mesh, PartitionSpec())
@@ -279,8 +260,6 @@ class Links:
     def _take(x, target: NamedSharding, slot: bool = False):
         """The shards of `x` on `target`'s local devices as one array with `target`'s sharding (no copy); `slot`:
         `x` is [pp, ...] and each shard drops its stage axis."""
-        import jax
-
         shards = {s.device: (s.data[0] if slot else s.data) for s in x.addressable_shards}
         shape = x.shape[1:] if slot else x.shape
         return jax.make_array_from_single_device_arrays(shape, target, [shards[d] for d in target.addressable_devices])

@@ -256,7 +256,7 @@ def golden_table(model_type: str) -> dict:
             continue
         layout = module.cache_layout()
         kv = {f"{k}x{kd}x{vd}": list(rules.partition_spec(rules.KV_POOL, (64, 16, k, 1), sizes))
-              for k, kd, vd, _ in sorted({x for x in layout if isinstance(x, plan_lib.KVLayer)})}
+              for k, kd, vd, *_ in sorted({x for x in layout if isinstance(x, plan_lib.KVLayer)})}
         out["meshes"][spec] = {"params": _jsonable(rules.spec_table(infos, sizes)), "kv_cache": _jsonable(kv)}
         state = {"x".join(map(str, shape)): list(rules.partition_spec((None,) + axes, (64,) + shape, sizes))
                  for x in layout if isinstance(x, plan_lib.StateLayer) for shape, axes in x.arrays}

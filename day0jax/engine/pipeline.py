@@ -329,7 +329,7 @@ class PipelinedRunner(ModelRunner):
         """As `ModelRunner.sample`; for the logits of a micro-batched forward, one sampler call per micro-batch
         (a row's draws depend only on its seed and position, so the tokens are the same), whose tokens go back to
         the first stage on their own: the next step's micro-batch waits for its own rows only."""
-        split = getattr(self, "_split", None)
+        split = self._split
         if split is None or split[0] is not logits or split[1] not in self.layout.sampler_batches():
             return self.links.settle(super().sample(logits, rows, penalties, logprobs, guidance))
         _, r, parts = split
@@ -365,7 +365,8 @@ class PipelinedRunner(ModelRunner):
         return x
 
     def _remember(self, tokens: jax.Array, rows: int, greedy: list[jax.Array]) -> None:
-        """Keeps each micro-batch's greedy tokens, on the first stage, for the next step's same micro-batch."""
+        """Keeps each micro-batch's tokens (greedy or sampled), on the first stage, for the next step's same
+        micro-batch; `tokens` is what the engine will hand back as `previous`."""
         self._routes = [(tokens, rows, [self.links.restrict(g, 0) for g in greedy])] + self._routes[:1]
 
     def _previous_for(self, previous, parts: list[Batch], rows: int) -> list[tuple[jax.Array | None, Batch]]:
@@ -390,13 +391,13 @@ class PipelinedRunner(ModelRunner):
 
     def stage_seconds(self, shape: tuple[int, int, int], repeats: int = 5) -> tuple[list[float], list[float]]:
         """Each stage's program on one micro-batch of a padding batch of `shape` (rows, tokens, pages), run alone
-        and waited for, and each move of its output to the next stage: median seconds of `repeats` runs after one
-        warm-up (which compiles). For schedules (bench/pipeline.py); one process only.
+        and waited for, and each move of its output to the next stage: the fastest of `repeats` runs after one
+        warm-up (which compiles), the least disturbed by other work. For schedules (bench/pipeline.py); one process
+        only.
 
         Returns:
             (seconds per stage, seconds per move between stages s and s + 1).
         """
-        import statistics
         import time
 
         B, T, W = shape
@@ -410,7 +411,7 @@ class PipelinedRunner(ModelRunner):
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(fn())
                 runs.append(time.perf_counter() - t0)
-            return out, statistics.median(runs[1:])
+            return out, min(runs[1:])
 
         for s in range(self.stages.count):
             if s > 0:
