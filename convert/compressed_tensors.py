@@ -5,26 +5,39 @@ Supported: `format` 'pack-quantized' (4-bit values, eight per int32 in `weight_p
 `weight_shape`) and 'int-quantized' / 'naive-quantized' (8-bit values in an int8 `weight`); `strategy` 'group' or
 'channel' (one group spanning the row); symmetric, or asymmetric with `weight_zero_point`. A signed 4-bit value v is
 packed as v + 8, so w = (q - 8) * scale, day0jax's symmetric int4; zero points z give w = q * s + (-z * s).
-Quantized input activations (W8A8, W4A8), other bit widths and other strategies are refused by name.
+FP8 weights ('float-quantized', `type` 'float', 8 bits: float8_e4m3fn in `weight`) with `strategy` 'tensor',
+'channel', 'group' or 'block' (`block_structure`), w = code * scale: their activations, quantized dynamically or
+with static `input_scale`s in the checkpoint, stay in float (weight-only FP8, as vLLM runs FP8 on GPUs without FP8
+arithmetic; closer to the unquantized model). Quantized activations with integer weights (W8A8, W4A8), other bit
+widths and other strategies are refused by name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
+import ml_dtypes
 import numpy as np
 
 from day0jax.errors import CheckpointError
 
-PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
+         "input_zero_point")
+FLOAT_STRATEGIES = ("tensor", "channel", "group", "block")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Scheme:
     bits: int
-    group: int | None  # None: one group per row (strategy 'channel')
+    group: int | None  # None: one group per row (strategies 'channel' and 'tensor')
     symmetric: bool
-    packed: bool  # weight_packed int32 words (else an int8 `weight`)
+    packed: bool  # weight_packed int32 words (else the values in `weight`)
+    fp8: bool = False  # float8_e4m3fn values
+    block: tuple[int, int] | None = None  # FP8 'block' strategy: one scale per [rows, columns] block
 
 
 def scheme(path, q: dict) -> Scheme:
@@ -39,6 +52,8 @@ def scheme(path, q: dict) -> Scheme:
         raise CheckpointError(f"{path}: compressed-tensors with {len(groups)} config groups; day0jax reads one")
     (name, group), = groups.items()
     w = group.get("weights") or {}
+    if w.get("type") == "float":
+        return _fp8_scheme(path, name, group, fmt)
     for side in ("input_activations", "output_activations"):
         if group.get(side):
             raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes {side} ({group[side]}); "
@@ -54,13 +69,32 @@ def scheme(path, q: dict) -> Scheme:
     return Scheme(bits, w.get("group_size") if strategy == "group" else None, bool(w.get("symmetric", True)), packed)
 
 
+def _fp8_scheme(path, name: str, group: dict, fmt) -> Scheme:
+    """An FP8 weight scheme; quantized input activations (FP8 too) are left in float, and said so."""
+    w = group["weights"]
+    strategy, block = w.get("strategy"), w.get("block_structure")
+    if w.get("num_bits") != 8 or strategy not in FLOAT_STRATEGIES or not w.get("symmetric", True) \
+            or fmt not in ("float-quantized", "naive-quantized") \
+            or (strategy == "block" and not (isinstance(block, list) and len(block) == 2)):
+        raise CheckpointError(f"{path}: compressed-tensors format {fmt!r} with float weights {w} is not supported "
+                              f"('float-quantized' 8-bit symmetric, strategy one of {', '.join(FLOAT_STRATEGIES)})")
+    if group.get("output_activations"):
+        raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes output_activations; day0jax "
+                              "keeps weight-only quantization")
+    if group.get("input_activations"):
+        log.warning("%s: the checkpoint quantizes input activations to FP8 (%s); they stay in float, multiplied by "
+                    "the FP8 weights (weight-only FP8)", path, group["input_activations"])
+    return Scheme(8, w.get("group_size") if strategy == "group" else None, True, False, fp8=True,
+                  block=tuple(block) if strategy == "block" else None)
+
+
 class CompressedTensors:
     """The quantized weights of an opened HF folder, each seen as its float `X.weight` (shape, float read) or its
     blocks (`quant_spec`, `read_quantized`). `read_part(name)` reads a stored tensor; `has(name)` asks for one."""
 
     PARTS = PARTS  # the stored tensors of one weight, by suffix
 
-    def __init__(self, path, q: dict, names: list[str], read_part, dtype_of):
+    def __init__(self, path, q: dict, names: list[str], read_part, dtype_of, shape_of):
         self.path, self.scheme, self._read = path, scheme(path, q), read_part
         self.weights: dict[str, tuple[int, int]] = {}  # X.weight -> float shape [O, I]
         for n in names:
@@ -69,10 +103,11 @@ class CompressedTensors:
                 if self.scheme.packed:
                     shape = tuple(int(v) for v in np.asarray(read_part(base + "_shape")).reshape(-1))
                 else:
-                    if dtype_of(base) != np.dtype(np.int8):
-                        raise CheckpointError(f"{path}: {base!r} is {dtype_of(base)}; 8-bit compressed-tensors "
-                                              "weights are int8")
-                    shape = tuple(read_part(base).shape)
+                    want = np.dtype(ml_dtypes.float8_e4m3fn) if self.scheme.fp8 else np.dtype(np.int8)
+                    if dtype_of(base) != want:
+                        raise CheckpointError(f"{path}: {base!r} is {dtype_of(base)}; these 8-bit "
+                                              f"compressed-tensors weights are {want}")
+                    shape = tuple(shape_of(base))
                 self.weights[base] = shape
         self._parts = {f"{w[: -len('weight')]}{p}" for w in self.weights for p in PARTS}
 
@@ -86,10 +121,12 @@ class CompressedTensors:
         if name not in self.weights:
             return None
         O, I = self.weights[name]
-        group = self.scheme.group or I
-        if I % group or group % 2:
+        group = self.scheme.block[1] if self.scheme.block else self.scheme.group or I
+        if I % group or group % (16 if self.scheme.fp8 else 2):
             raise CheckpointError(f"{self.path}: {name!r} has groups of {group} over {I} inputs, which day0jax "
                                   "does not keep; convert with --dequantize")
+        if self.scheme.fp8:
+            return QuantSpec("fp8", group, offset=False, scale_dtype="float32")
         return QuantSpec("int4" if self.scheme.bits == 4 else "int8", group, offset=not self.scheme.symmetric,
                          scale_dtype=self._scale_dtype(name))
 
@@ -106,6 +143,9 @@ class CompressedTensors:
         spec = self.spec(name)
         O, I = self.weights[name]
         G = I // spec.group
+        if self.scheme.fp8:
+            return QuantizedWeight(np.ascontiguousarray(self._values(name)), self._fp8_scales(name, O, G), None,
+                                   spec.kind, spec.group)
         scale = np.asarray(self._read(name + "_scale")).reshape(O, G)
         q = self._values(name)  # [O, I], unsigned 4-bit values, or int8 values
         offset = None
@@ -124,6 +164,25 @@ class CompressedTensors:
         from kernels_pallas.quantized_linear.reference import dequantize
 
         return np.asarray(dequantize(self.read_quantized(name)))
+
+    def _fp8_scales(self, name: str, O: int, G: int) -> np.ndarray:
+        """float32 [O, G]: an FP8 weight's scales per row and group, from one per tensor, row, group or block.
+
+        Raises:
+            CheckpointError: a scale tensor whose size fits none of these.
+        """
+        scale = np.asarray(self._read(name + "_scale")).astype(np.float32)
+        if self.scheme.block:
+            bm = self.scheme.block[0]
+            if scale.shape == (-(-O // bm), G):
+                return np.repeat(scale, bm, axis=0)[:O]
+        elif scale.size == O * G:
+            return scale.reshape(O, G)
+        elif scale.size == 1:
+            return np.full((O, G), scale.reshape(()))
+        raise CheckpointError(f"{self.path}: {name + '_scale'!r} has shape {scale.shape}, which does not fit "
+                              f"{self.weights[name]} weights with {G} groups per row"
+                              + (f" and blocks of {self.scheme.block}" if self.scheme.block else ""))
 
     def _values(self, name: str) -> np.ndarray:
         O, I = self.weights[name]

@@ -1,15 +1,25 @@
 """Hugging Face model folders: config.json, safetensors (single file or sharded with an index), tokenizer files.
 
-Pickled weights (`pytorch_model.bin`) are refused: unpickling runs arbitrary code. FP8 weights with block scales
-(`weight_scale_inv`, DeepSeek-V3 style) stay FP8 (`read_quantized`, one scale per row and block of columns), or are
-dequantized by `read` (`--dequantize`, or where the runtime keeps the parameter in float); compressed-tensors int4
-and int8 weights likewise (convert/compressed_tensors.py), and GPTQ and AWQ int4 weights (convert/gptq_awq.py).
-Other quantization methods are refused by name.
+Pickled weights (`pytorch_model.bin`) are refused: unpickling runs arbitrary code. FP8 weights stay FP8
+(`read_quantized`), or are dequantized by `read` (`--dequantize`, or where the runtime keeps the parameter in float),
+with any of the scales checkpoints ship (w = code * scale in each):
+- block scales `X.weight_scale_inv` [ceil(O / bm), ceil(I / bn)] (`quant_method` 'fp8' with `weight_block_size`,
+  DeepSeek-V3 style): one scale per row and block of columns;
+- one scale for the tensor, `X.weight_scale_inv` or `X.weight_scale` of one element ('fp8' with
+  `weight_block_size: null`, or written by AutoFP8), and one per output channel, `X.weight_scale` [O] or [O, 1]
+  ('fbgemm_fp8', 'fp8'): one scale per row, its group spanning the row.
+Activation scales of FP8 checkpoints (`input_scale`, `activation_scale`, static or dynamic) are not applied: the
+runtime multiplies float activations by the FP8 weights, as weight-only FP8 (vLLM does the same on GPUs without FP8
+arithmetic), which is closer to the unquantized model than quantizing the activations too.
+Compressed-tensors int4, int8 and FP8 weights are kept likewise (convert/compressed_tensors.py), and GPTQ and AWQ
+int4 weights (convert/gptq_awq.py). Other quantization methods are refused by name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -25,6 +35,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    # a vision-language checkpoint's image preprocessing: the converted folder stands alone
                    "preprocessor_config.json", "processor_config.json")
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+FP8_METHODS = ("fp8", "fbgemm_fp8")
+# Per-tensor activation scales of FP8 checkpoints, which weight-only FP8 does not apply.
+ACTIVATION_SCALES = (".input_scale", ".activation_scale", ".input_scale_ub")
+
+log = logging.getLogger(__name__)
 
 
 class HFSource:
@@ -41,24 +56,37 @@ class HFSource:
                     raise CheckpointError(f"{f.path}: tensor {name!r} also appears in {self._where[name].path}")
                 self._where[name] = f
         q = self.config.get("quantization_config") or {}
-        if q and q.get("quant_method") not in ("fp8", "compressed-tensors", "gptq", "awq"):
+        if q and q.get("quant_method") not in FP8_METHODS + ("compressed-tensors", "gptq", "awq"):
             raise CheckpointError(f"{self.path}: config.json's quantization_config has quant_method "
-                                  f"{q.get('quant_method')!r}, which day0jax does not read (it reads 'fp8' block "
-                                  "scales, 'compressed-tensors' int4/int8 weights, 'gptq' and 'awq' int4 weights, "
-                                  "and GGUF files)")
+                                  f"{q.get('quant_method')!r}, which day0jax does not read (it reads 'fp8' and "
+                                  "'fbgemm_fp8' weights with block, per-tensor or per-channel scales, "
+                                  "'compressed-tensors' int4/int8/FP8 weights, 'gptq' and 'awq' int4 weights, and "
+                                  "GGUF files)")
         self.compressed = None  # integer-quantized weights, each seen as its float `X.weight`
         if q.get("quant_method") == "compressed-tensors":
             from convert.compressed_tensors import CompressedTensors
 
             self.compressed = CompressedTensors(self.path, q, list(self._where), self._read_stored,
-                                                lambda n: self._where[n].tensors[n].dtype)
+                                                lambda n: self._where[n].tensors[n].dtype,
+                                                lambda n: self._where[n].tensors[n].shape)
         elif q.get("quant_method") in ("gptq", "awq"):
             from convert.gptq_awq import GptqAwq
 
             self.compressed = GptqAwq(self.path, q, list(self._where), self._read_stored,
                                       lambda n: self._where[n].tensors[n].shape)
-        self.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q.get("quant_method") == "fp8" else None
-        self._scales = {n for n in self._where if n.endswith(".weight_scale_inv")}
+        self.fp8 = q.get("quant_method") in FP8_METHODS
+        # 'fp8' checkpoints name their blocks; without the key transformers' default, with null one scale per tensor
+        block = q.get("weight_block_size", (128, 128)) if q.get("quant_method") == "fp8" else None
+        self.fp8_block = tuple(block) if block else None
+        fp8_weights = {n for n in self._where if n.endswith(".weight") and self._where[n].tensors[n].dtype in FP8}
+        self._scales = {n for n in self._where if n.endswith(".weight_scale_inv")
+                        or (n.endswith(".weight_scale") and n[: -len("_scale")] in fp8_weights)}
+        if self.fp8:
+            activation = {n for n in self._where if n.endswith(ACTIVATION_SCALES)}
+            if activation:
+                log.warning("%s: %d activation scales of the FP8 checkpoint are not applied: activations stay in "
+                            "float, multiplied by the FP8 weights (weight-only FP8)", self.path, len(activation))
+            self._scales |= activation
 
     def _open_shards(self) -> list[SafetensorsFile]:
         index = self.path / "model.safetensors.index.json"
@@ -157,53 +185,76 @@ class HFSource:
         if dtype not in FP8:
             return None
         shape = self.tensor_shape(name)
-        _, bn = self.fp8_block or (128, 128)
-        if dtype != np.dtype(ml_dtypes.float8_e4m3fn) or len(shape) != 2 or shape[1] % bn or bn % 16:
-            raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} ({dtype}, shape {shape}, column "
-                                  f"blocks of {bn}) is not kept quantized (float8_e4m3fn [out, in] with blocks "
-                                  "dividing the inputs in multiples of 16 are); convert with --dequantize")
-        return QuantSpec("fp8", bn, False, "float32")
+        _, layout, (_, bn) = self._fp8_scale(name, shape)
+        group = bn if layout == "block" else shape[-1]
+        if dtype != np.dtype(ml_dtypes.float8_e4m3fn) or shape[1] % group or group % 16:
+            raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} ({dtype}, shape {shape}, "
+                                  f"{layout} scales, groups of {group} inputs) is not kept quantized "
+                                  "(float8_e4m3fn [out, in] whose scale groups divide the inputs in multiples of 16 "
+                                  "are); convert with --dequantize")
+        return QuantSpec("fp8", group, False, "float32")
 
     def read_quantized(self, name: str):
-        """FP8 tensor `name` as a `QuantizedWeight` of numpy arrays: its codes, and its block scales repeated over
-        each block's rows."""
+        """FP8 tensor `name` as a `QuantizedWeight` of numpy arrays: its codes, and one scale per row and group of
+        columns (a block's repeated over its rows, a tensor's over every row)."""
         from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
         if self.compressed is not None and name in self.compressed.weights:
             return self.compressed.read_quantized(name)
         spec, codes = self.quant_spec(name), self._where[name].read(name)
-        scale = self._block_scales(name, codes.shape)
-        bm, _ = self.fp8_block or (128, 128)
-        return QuantizedWeight(np.ascontiguousarray(codes), np.repeat(scale, bm, axis=0)[:codes.shape[0]], None,
-                               spec.kind, spec.group)
+        return QuantizedWeight(np.ascontiguousarray(codes), self._row_scales(name, codes.shape)[0], None, spec.kind,
+                               spec.group)
 
     def release(self) -> None:
         for f in self.files:
             f.release()
 
-    def _block_scales(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        scale_name = name + "_scale_inv"
-        if scale_name not in self._where:
-            raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} has no {scale_name!r}")
-        scale = self._where[scale_name].read(scale_name).astype(np.float32)
-        bm, bn = self.fp8_block or (128, 128)
+    def _fp8_scale(self, name: str, shape: tuple[int, ...]) -> tuple[str, str, tuple[int, int]]:
+        """FP8 tensor `name`'s scale tensor, its layout ('block', 'tensor' or 'channel') and the rows and columns
+        one scale covers, from the stored scale's shape.
+
+        Raises:
+            CheckpointError: not [out, in], no scale, or one whose shape fits none of the layouts.
+        """
+        if len(shape) != 2:
+            raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} has shape {shape}; day0jax reads "
+                                  "FP8 weights of shape [out, in]")
         rows, cols = shape
+        for scale_name in (name + "_scale_inv", name + "_scale"):
+            if scale_name in self._where:
+                break
+        else:
+            raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} has no {name + '_scale_inv'!r} "
+                                  f"or {name + '_scale'!r}")
+        got = tuple(self._where[scale_name].tensors[scale_name].shape)
+        if math.prod(got) == 1:
+            return scale_name, "tensor", (rows, cols)
+        if got in ((rows,), (rows, 1)):
+            return scale_name, "channel", (1, cols)
+        bm, bn = self.fp8_block or (128, 128)
         want = (-(-rows // bm), -(-cols // bn))
-        if scale.shape != want:
-            raise CheckpointError(f"{self._where[scale_name].path}: {scale_name!r} has shape {scale.shape}, expected "
-                                  f"{want} for blocks of {bm}x{bn} over {shape}")
-        return scale
+        if got != want:
+            raise CheckpointError(f"{self._where[scale_name].path}: {scale_name!r} has shape {got}, which fits "
+                                  f"none of the FP8 scale layouts of a {shape} weight: {want} (blocks of {bm}x{bn}), "
+                                  f"({rows}, 1) (per channel) or one element (per tensor)")
+        return scale_name, "block", (bm, bn)
+
+    def _row_scales(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, int]:
+        """float32 [O, groups], each row's scale per group of columns, and the columns per group (the last group
+        of blocks that do not divide the columns is cut short)."""
+        scale_name, layout, (bm, bn) = self._fp8_scale(name, shape)
+        scale = self._where[scale_name].read(scale_name).astype(np.float32)
+        if layout == "block":
+            return np.repeat(scale, bm, axis=0)[:shape[0]], bn
+        return np.broadcast_to(scale.reshape(-1, 1), (shape[0], 1)).copy(), bn
 
     def _dequantize_fp8(self, name: str, arr: np.ndarray) -> np.ndarray:
-        scale = self._block_scales(name, arr.shape)
-        bm, bn = self.fp8_block or (128, 128)
-        rows, cols = arr.shape
-        # Each (bm, bn) block of the weight shares one scale; expand scales to the weight's shape and multiply.
-        full = np.repeat(np.repeat(scale, bm, axis=0), bn, axis=1)[:rows, :cols]
+        scale, group = self._row_scales(name, arr.shape)
+        full = np.repeat(scale, group, axis=1)[:, :arr.shape[1]]
         return arr.astype(np.float32) * full  # float32; the converter casts to the checkpoint dtype
 
     def default_dtype(self) -> str:
-        if self.fp8_block is not None:
+        if self.fp8:
             return "bfloat16"
         declared = self.config.get("dtype") or self.config.get("torch_dtype")
         return declared if declared in ("float32", "bfloat16", "float16") else "float32"

@@ -153,6 +153,62 @@ def test_fp8_moe_with_mla_keeps_experts_fp8_and_reads_kv_b_proj_dequantized(tiny
     compare(kept, floats)
 
 
+# FP8 checkpoints with one scale per tensor or per output channel, as each format writes them:
+# (quant_method, extra quantization_config keys, scale tensor suffix, scale shape: "tensor" or "channel",
+#  activation scales written beside).
+FP8_SCALED = {
+    "fp8-per-tensor": ("fp8", {"weight_block_size": None}, "_scale_inv", "tensor", False),  # transformers' FP8
+    "fp8-autofp8": ("fp8", {"activation_scheme": "static"}, "_scale", "tensor", True),
+    "fbgemm-per-channel": ("fbgemm_fp8", {"activation_scale_ub": 1200.0}, "_scale", "channel", False),
+}
+
+
+def fp8_scaled_source(tiny, dst, layout, replace=None):
+    """Tiny llama whose projections are random float8_e4m3fn codes with one scale per tensor or per row, in the
+    `FP8_SCALED[layout]` format, tensors in `replace` written instead. Returns the folder and the float weights the
+    stored values mean."""
+    method, extra, suffix, per, activations = FP8_SCALED[layout]
+    shutil.copytree(tiny["llama"]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    rng = np.random.default_rng(7)
+    meant = {}
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[name].shape
+        codes = (rng.standard_normal((O, I)) * 64).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+        scale = np.asarray(rng.uniform(0.5, 1.5, (O, 1) if per == "channel" else ()) * 1e-4, np.float32)
+        tensors[name], tensors[name + suffix] = codes, scale
+        if activations:
+            tensors[name[: -len("weight")] + "input_scale"] = np.array(0.01, np.float32)
+        meant[name] = codes.astype(np.float32) * scale
+    save_file({**tensors, **(replace or {})}, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, **extra}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, meant
+
+
+def assert_kept_fp8_means(ckpt, meant, group, name="model.layers.1.mlp.down_proj"):
+    """The kept FP8 weight `name`: groups of `group` inputs, dequantizing exactly to the values the source meant."""
+    spec = specs_from_config(json.loads((ckpt / "config.json").read_text()))[name]
+    assert (spec.kind, spec.group) == ("fp8", group)
+    params = checkpoint.read_params(ckpt)
+    q = QuantizedWeight(params[f"{name}.kernel.codes"], params[f"{name}.kernel.scale"], None, "fp8", group)
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), meant[f"{name}.weight"])
+
+
+@pytest.mark.parametrize("layout", sorted(FP8_SCALED))
+def test_fp8_per_tensor_and_per_channel_scales_stay_fp8(tiny, tmp_path, layout):
+    src, meant = fp8_scaled_source(tiny, tmp_path / "src", layout)
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    assert_kept_fp8_means(kept, meant, group=128)  # one group spanning each row of down_proj's 128 inputs
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    name = "model.layers.1.mlp.down_proj"
+    np.testing.assert_array_equal(checkpoint.read_params(floats)[f"{name}.kernel"], meant[f"{name}.weight"])
+    if layout == "fbgemm-per-channel":  # the arithmetic of row-spanning FP8 groups, against the float model
+        compare(kept, floats)
+
+
 def test_other_quantization_methods_are_refused_by_name(tiny, tmp_path):
     src = tmp_path / "hqq"
     shutil.copytree(tiny["llama"]["hf"], src)
@@ -260,6 +316,78 @@ def test_compressed_tensors_stay_quantized_and_compute_their_values(tiny, tmp_pa
     # far larger than the logits they end in, so float32 sums in another order differ by up to 1.2e-5 of them here
     # (a 2-core AVX-512 Xeon, the same with the reference kernel); the other formats stay within RTOL.
     compare(kept, floats, rtol=3e-5 if bits == 8 else RTOL)
+
+
+def test_fp8_scales_of_unknown_layouts_are_refused_by_name(tiny, tmp_path):
+    src, _ = fp8_scaled_source(tiny, tmp_path / "src", "fbgemm-per-channel",
+                               replace={"model.layers.0.mlp.up_proj.weight_scale": np.ones((128, 2), np.float32)})
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.up_proj.weight_scale' has shape \(128, 2\)"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+# compressed-tensors FP8 strategies: (weights entry beyond type/bits, the scale's shape for an [O, I] weight, the
+# group the runtime keeps).
+FP8_STRATEGIES = {
+    "tensor": ({"strategy": "tensor"}, lambda O, I: (1,), lambda I: I),
+    "channel": ({"strategy": "channel"}, lambda O, I: (O, 1), lambda I: I),
+    "group": ({"strategy": "group", "group_size": 32}, lambda O, I: (O, I // 32), lambda I: 32),
+    "block": ({"strategy": "block", "block_structure": [48, 32]}, lambda O, I: (-(-O // 48), I // 32),
+              lambda I: 32),
+}
+
+
+def compressed_fp8_source(tiny, dst, strategy):
+    """Tiny llama as llm-compressor's FP8 schemes write it ('float-quantized': float8_e4m3fn `weight`, float32
+    `weight_scale` per tensor, channel, group or block), with dynamic FP8 input activations as FP8_DYNAMIC and
+    FP8_BLOCK do. Returns the folder and the float weights the stored values mean."""
+    entry, scale_shape, _ = FP8_STRATEGIES[strategy]
+    shutil.copytree(tiny["llama"]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    rng = np.random.default_rng(9)
+    meant = {}
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[name].shape
+        codes = (rng.standard_normal((O, I)) * 64).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+        scale = (rng.uniform(0.5, 1.5, scale_shape(O, I)) * 1e-4).astype(np.float32)
+        if strategy == "block":
+            full = np.repeat(np.repeat(scale, 48, 0), 32, 1)[:O]
+        elif strategy == "group":
+            full = np.repeat(scale, 32, 1)
+        else:  # one per tensor or per row, over the whole row
+            full = scale.reshape(-1, 1)
+        tensors[name], tensors[name + "_scale"] = codes, scale
+        meant[name] = codes.astype(np.float32) * full
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "input_activations": {"num_bits": 8, "type": "float", "dynamic": True,
+                                                            "strategy": "token", "symmetric": True},
+                                      "weights": {"num_bits": 8, "type": "float", "symmetric": True, **entry}}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, meant
+
+
+@pytest.mark.parametrize("strategy", sorted(FP8_STRATEGIES))
+def test_compressed_tensors_fp8_stays_fp8_and_its_activations_stay_float(tiny, tmp_path, strategy, caplog):
+    src, meant = compressed_fp8_source(tiny, tmp_path / "ct", strategy)
+    with caplog.at_level("WARNING"):
+        kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    assert "stay in float" in caplog.text
+    if strategy == "tensor":  # FP4 and other float widths are refused by name
+        config = json.loads((src / "config.json").read_text())
+        config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+        (src / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match="float weights .*'num_bits': 4.* not supported"):
+            convert_checkpoint(src, tmp_path / "fp4", progress=False)
+    assert_kept_fp8_means(kept, meant, group=FP8_STRATEGIES[strategy][2](128))
+    if strategy == "block":  # row blocks of 48 cut across the 64 and 128 rows
+        floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                    options=Options(dtype="float32", dequantize=True)).dst
+        compare(kept, floats)
 
 
 def test_compressed_tensors_with_quantized_activations_are_refused(tiny, tmp_path):
