@@ -19,8 +19,8 @@ micro-batch's next step may start:
   stage, sampled ones from the micro-batch's own sampler call);
 - whole batch: when every micro-batch's are (a fill and a drain every step: what a step costs whose rows changed).
 The bubble has two causes, stages of unequal time and the schedule itself; "equal stages" replays the schedule
-with every stage at their mean time. The layers are split by bytes (parameters and KV pool), which is not time:
-the embedding table weighs on the first stage like layers, but a step reads one row of it per token.
+with every stage at their mean time. The layers are split by what a decode step reads (`sharding.pipeline`): each
+layer's parameters and KV pool, and the vocabulary projection on the last stage.
 The modelled tokens/s is rows / the schedule's steady step time, as if each stage had its own device.
 """
 

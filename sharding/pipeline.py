@@ -1,9 +1,12 @@
 """Pipeline parallelism: which layers each stage of the `pp` mesh axis holds, where each parameter lives, and each
 stage's own (dp, ep, tp) mesh.
 
-A stage holds a contiguous range of decoder layers. The ranges minimize the largest stage's bytes: its layers'
-parameters and KV page pool, plus the embeddings on the first stage and the final norm and vocabulary projection
-on the last. Parameters outside the layers are held where they are used: the embeddings by the first stage (and
+A stage holds a contiguous range of decoder layers. The ranges minimize the largest stage's step bytes, what one
+decode step reads there and so what sets its time: its layers' parameters and KV page pool, plus the final norm and
+vocabulary projection on the last stage. The embedding table is held by the first stage but not counted there: a
+step reads one row of it per token (counting it, as memory would, leaves the first stage with fewer layers and the
+pipeline waiting on the others; the memory plan counts it, per stage). Parameters outside the layers are held where
+they are used: the embeddings by the first stage (and
 the last, when the vocabulary projection reuses them), the final norm and projection by the last, anything else
 (RoPE parameters and the like) by every stage. A parameter lives on its stage's mesh, or on the mesh of the stages
 that use it (each stage's program then takes its own devices' shards).
@@ -48,7 +51,7 @@ def balanced_ranges(costs: Sequence[int], pp: int, first: int = 0, last: int = 0
     Args:
         costs: bytes per layer.
         pp: stages; at most `len(costs)`.
-        first, last: extra bytes the first and the last stage hold (embeddings; final norm and projection).
+        first, last: extra bytes of the first and the last stage.
     Returns:
         One range of layer indices per stage, in order.
     """
@@ -124,7 +127,8 @@ def param_bytes(info: Any, sizes: dict[str, int], itemsize: int) -> int:
 
 def plan_stages(params: Sequence[Any], layer_kv_bytes: Sequence[int], pp: int, sizes: dict[str, int],
                 itemsize: Any) -> Stages:
-    """The split of a model over `pp` stages whose meshes have `sizes`, balanced by one device's bytes.
+    """The split of a model over `pp` stages whose meshes have `sizes`, balanced by one device's step bytes (see
+    the module docstring).
 
     Args:
         params: the model's parameters (`.path`, `.shape`, `.axes`).
@@ -136,7 +140,7 @@ def plan_stages(params: Sequence[Any], layer_kv_bytes: Sequence[int], pp: int, s
         ValueError: more stages than layers.
     """
     costs = list(layer_kv_bytes)
-    first = last = 0
+    last = 0
     tied = not any(p.path.startswith("lm_head.") for p in params)
     for p in params:
         n = param_bytes(p, sizes, itemsize(p))
@@ -144,11 +148,10 @@ def plan_stages(params: Sequence[Any], layer_kv_bytes: Sequence[int], pp: int, s
         if layer is not None:
             costs[layer] += n
         elif p.path.startswith(FIRST_ONLY):
-            first += n
-            last += n if tied else 0
+            last += n if tied else 0  # read whole as the vocabulary projection; a row per token as embeddings
         elif p.path.startswith(LAST_ONLY):
             last += n
-    return Stages(balanced_ranges(costs, pp, first, last), tied)
+    return Stages(balanced_ranges(costs, pp, 0, last), tied)
 
 
 def param_sharding(info: Any, mesh: Mesh, stages: Stages | None) -> NamedSharding:

@@ -12,7 +12,7 @@ import pytest
 from day0jax import check as check_lib
 from day0jax.errors import MeshError
 from sharding import mesh as mesh_lib
-from sharding.pipeline import Stages, balanced_ranges, layer_index
+from sharding.pipeline import Stages, balanced_ranges, layer_index, plan_stages
 from test_sharding import abstract_infos, sharding_config
 
 
@@ -41,7 +41,7 @@ def _brute_force(costs, pp, first, last):
 def test_balanced_ranges_are_contiguous_and_minimize_the_fullest_stage():
     assert balanced_ranges([1] * 8, 2) == (range(0, 4), range(4, 8))
     assert balanced_ranges([1] * 8, 4) == (range(0, 2), range(2, 4), range(4, 6), range(6, 8))
-    # Embeddings on the first stage weigh 3 layers: it takes fewer layers.
+    # Extra bytes on the first stage weigh 3 layers: it takes fewer layers.
     assert balanced_ranges([1] * 8, 2, first=3) == (range(0, 2), range(2, 8))
     rng = random.Random(0)
     for _ in range(200):
@@ -56,6 +56,24 @@ def test_balanced_ranges_are_contiguous_and_minimize_the_fullest_stage():
         assert worst == _brute_force(costs, pp, first, last), (costs, pp, first, last, ranges)
     with pytest.raises(ValueError, match="at least as many layers"):
         balanced_ranges([1, 1], 3)
+
+
+def test_stages_balance_what_a_decode_step_reads():
+    """The vocabulary projection weighs on the last stage; the embedding table, of which a step reads one row per
+    token, does not weigh on the first (its memory is planned, not balanced): 8 equal layers, a table of 2 layers'
+    bytes, untied then tied. Counting the table on the first stage too would split them 4 | 4."""
+    from types import SimpleNamespace
+
+    def info(path, rows):
+        return SimpleNamespace(path=path, shape=(rows, 4), axes=(None, None))
+
+    layers = [info(f"model.layers.{i}.mlp.kernel", 1) for i in range(8)]
+    untied = layers + [info("model.embed_tokens.weight", 2), info("lm_head.kernel", 2)]
+    stages = plan_stages(untied, [0] * 8, 2, {"dp": 1, "ep": 1, "tp": 1}, lambda p: 1)
+    assert stages.ranges == (range(0, 5), range(5, 8)) and not stages.tied  # 5 layers | 3 layers + projection
+    tied = plan_stages(layers + [info("model.embed_tokens.weight", 2)], [0] * 8, 2, {"dp": 1, "ep": 1, "tp": 1},
+                       lambda p: 1)
+    assert tied.ranges == (range(0, 5), range(5, 8)) and tied.tied
 
 
 def test_each_parameter_is_held_by_the_stages_that_use_it():
