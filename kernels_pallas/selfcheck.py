@@ -48,7 +48,8 @@ def _run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> li
 
 
 def lower_rows(case_list: list[cases_lib.Case], target_platform: str = "cuda") -> list[dict[str, Any]]:
-    """Lowers each Pallas implementation of each case's op for `target_platform` with `jax.export`.
+    """Lowers each Pallas implementation of each case's op for `target_platform` with `jax.export`, and the XLA
+    programs an op names for that platform in `LOWERED` (they can fail to lower too).
 
     Returns:
         Rows: op, case, implementation, ok (None when the kernel declines the case), seconds, detail.
@@ -56,7 +57,8 @@ def lower_rows(case_list: list[cases_lib.Case], target_platform: str = "cuda") -
     rows = []
     for case in case_list:
         mod = registry.api(case.op)
-        for name, plat in mod.PALLAS.items():
+        lowered = {**mod.PALLAS, **getattr(mod, "LOWERED", {})}
+        for name, plat in lowered.items():
             if plat != target_platform:
                 continue
             args, kwargs = case.build(0, abstract=True)
@@ -103,7 +105,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels_pallas.selfcheck", description=__doc__.split("\n\n")[0])
     p.add_argument("--interpret", action="store_true", help="also run the Pallas kernels in the CPU interpreter")
-    p.add_argument("--lower", choices=["cuda"], help="only lower the Pallas kernels for this platform")
+    p.add_argument("--lower", choices=["cuda"], help="only lower the Pallas kernels (and XLA programs ops name) for it")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--save", metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--family", action="append", choices=sorted(cases_lib.families()),

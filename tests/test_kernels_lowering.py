@@ -27,6 +27,20 @@ def test_pallas_kernel_lowers_for_cuda(case):
         assert row["ok"] is True, row
 
 
+@pytest.mark.parametrize("kind, group, offset, scale_dtype", [("int4", 128, True, "float16"),
+                                                             ("int8", 32, False, "float16"),
+                                                             ("fp8", 128, False, "float32")])
+def test_quantized_linear_lowers_for_cuda(kind, group, offset, scale_dtype):
+    """The XLA program quantized weights take on GPUs, at Llama-3-8B's MLP shapes, bfloat16 activations."""
+    from kernels_pallas.calls import OpCall
+
+    call = OpCall.of("quantized_linear", O=14336, I=4096, kind=kind, group=group, offset=offset,
+                     scale_dtype=scale_dtype)
+    rows = selfcheck.lower_rows(cases.cases_from_calls([call], "bfloat16", scale="full"), "cuda")
+    assert [r["implementation"] for r in rows] == ["xla_dot", "xla_dot"]  # one row and sixteen
+    assert all(r["ok"] is True for r in rows), rows
+
+
 def test_unsupported_shapes_are_declined_not_mislowered():
     rows = selfcheck.lower_rows(cases.flagship_cases(("deepseek-v3",), scale="full",
                                                      ops=("attention", "paged_attention")), "cuda")

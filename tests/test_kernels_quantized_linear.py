@@ -77,10 +77,42 @@ def test_cpu_kernel_declines_what_it_does_not_take():
     _, q = weight("int8-f16")
     with pytest.raises(registry.KernelUnavailable, match="rows"):
         api.quantized_matmul(jnp.ones((cpu_ffi.MAX_ROWS + 1, 256)), q, implementation="cpu_ffi")
-    with pytest.raises(registry.KernelUnavailable, match="float32"):
-        api.quantized_matmul(jnp.ones((2, 256), jnp.bfloat16), q, implementation="cpu_ffi")
+    with pytest.raises(registry.KernelUnavailable, match="float activations"):
+        api.quantized_matmul(jnp.ones((2, 256), jnp.int32), q, implementation="cpu_ffi")
     many = jnp.ones((40, 256))  # the pool still answers, through the reference
     np.testing.assert_allclose(api.quantized_matmul(many, q), reference.quantized_matmul(many, q), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int4-offset-f16", "fp8-f32-g128"])
+def test_cpu_kernel_widens_16_bit_activations_exactly(name):
+    _, q = weight(name)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 256)), jnp.bfloat16)
+    got = api.quantized_matmul(x, q, implementation="cpu_ffi")
+    assert got.dtype == jnp.float32
+    assert_float32_tight(got, x.astype(jnp.float32), q, f"cpu_ffi {name}, bfloat16 activations")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_xla_dot_is_within_16_bit_rounding_of_the_reference(name, dtype):
+    """The GPU and TPU candidate multiplies x by the dequantized weight rounded to x's dtype: within that dtype's
+    rounding of each product (2^-8 for bfloat16, 2^-11 for float16) of the reference. (GPUs accumulate such products
+    in float32; XLA:CPU, where this runs, rounds its 16-bit products' sums more coarsely, so no tighter bound holds
+    on every backend.)"""
+    _, q = weight(name)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 256)), dtype)
+    got = jax.jit(lambda x, q: api.quantized_matmul(x, q, implementation="xla_dot"))(x, q)
+    assert got.shape == (3, 80) and got.dtype == jnp.float32
+    magnitude = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(reference.dequantize(q), np.float64)).T
+    unit = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
+    assert (np.abs(np.asarray(got) - float64_product(x, q)) <= unit * magnitude).all()
+
+
+def test_xla_dot_leaves_float32_activations_to_the_reference():
+    _, q = weight("int8-f16")
+    with pytest.raises(registry.KernelUnavailable, match="float32"):
+        api.quantized_matmul(jnp.ones((2, 256), jnp.float32), q, implementation="xla_dot")
+    assert registry.order(api.CANDIDATES, "gpu") == ("xla_dot", registry.REFERENCE)
 
 
 def test_cpu_kernel_serves_more_rows_than_a_pass_keeps_in_registers_and_odd_feature_counts():

@@ -99,7 +99,7 @@ class QuantizedKernel(nnx.Module):
         n_out = len(self.shape) - self.in_ndim
         lead = x.shape[:x.ndim - self.in_ndim]
         x2 = x.reshape(math.prod(lead), -1)
-        y = quantized_linear.quantized_matmul(x2.astype(jnp.float32), self.weight())
+        y = quantized_linear.quantized_matmul(x2, self.weight())  # float32 out; x's dtype picks the candidate
         return y.astype(x.dtype).reshape(*lead, *self.shape[:n_out])
 
     def rows_of(self, index: jax.Array, dtype) -> jax.Array:

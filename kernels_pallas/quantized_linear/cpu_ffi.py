@@ -101,10 +101,11 @@ def _registered() -> bool:
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """See `reference.quantized_matmul`: float32 x [R, I] with R <= MAX_ROWS, on the CPU.
+    """See `reference.quantized_matmul`: x [R, I] with R <= MAX_ROWS, on the CPU, multiplied in float32 (16-bit
+    activations widened exactly, as the reference does).
 
     Raises:
-        NotImplementedError: another backend, too many rows, non-float32 input, a group that is not a multiple of 16,
+        NotImplementedError: another backend, too many rows, non-float input, a group that is not a multiple of 16,
             or no compiled kernel.
     """
     if jax.default_backend() != "cpu":
@@ -112,8 +113,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     R, I = x.shape
     if R > MAX_ROWS:
         raise NotImplementedError(f"{R} rows (the kernel serves up to {MAX_ROWS} per pass over the codes)")
-    if x.dtype != jnp.float32:
-        raise NotImplementedError(f"x is {x.dtype}; the kernel multiplies float32")
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise NotImplementedError(f"x is {x.dtype}; the kernel multiplies float activations")
     if w.group % 16:
         raise NotImplementedError(f"group size {w.group} is not a multiple of 16")
     if w.codes.dtype != np.dtype(jnp.int8) and w.kind == "int8":
@@ -123,5 +124,5 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     O, _ = w.shape
     offset = w.offset if w.offset is not None else jnp.zeros((0,), w.scale.dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, O), jnp.float32))
-    return call(x, w.codes, w.scale, offset, kind=np.int64(KIND_IDS[w.kind]), group=np.int64(w.group),
-                has_offset=w.offset is not None)
+    return call(x.astype(jnp.float32), w.codes, w.scale, offset, kind=np.int64(KIND_IDS[w.kind]),
+                group=np.int64(w.group), has_offset=w.offset is not None)
