@@ -12,9 +12,11 @@ than the 60 MB L2 wherever the op streams memory.
 
 Figures: prefill attention and MoE prefill in TFLOP/s (causal attention counts half the score matrix) as a share of
 the matmul rate; paged decode, MoE decode and RMSNorm in GB/s (each input read once, each output written once) as a
-share of the copy bandwidth; speed-ups over the reference (XLA) and cuDNN / ragged_dot. Targets (H100/H200): paged
-decode >= 60% of copy bandwidth, prefill attention >= 50% of the matmul rate, MoE grouped matmul >= 45%. `--tune`
-sweeps each Pallas kernel's block sizes and prints entries for its `TABLE`, to paste.
+share of the copy bandwidth; speed-ups over the reference (XLA) and cuDNN / ragged_dot. Quantized linear maps
+(int4, int8, FP8 weights at Llama-3-8B's gate shape, 1 and 16 rows) in GB/s of the bytes they must read, beside a
+bfloat16 dense product of the same shape ("bfloat16 dense", the last column's comparison for these rows).
+Targets (H100/H200): paged decode >= 60% of copy bandwidth, prefill attention >= 50% of the matmul rate, MoE grouped
+matmul >= 45%. `--tune` sweeps each Pallas kernel's block sizes and prints entries for its `TABLE`, to paste.
 """
 
 from __future__ import annotations
@@ -109,10 +111,29 @@ def rms_bench(family: str, rows: int, dtype: str) -> Bench:
                  lambda args, kwargs: (0.0, nbytes), False)
 
 
+def quantized_bench(fmt: str, rows: int, dtype: str, O: int = 14336, I: int = 4096) -> Bench:
+    """A linear map with quantized weights at Llama-3-8B's gate/up shape ([14336, 4096]), `fmt` as 'int4/128+offset'
+    (scales float16; fp8's float32): a decode step's rows. Timed beside a bfloat16 dense product of the same shape
+    (`DENSE`), the figure a quantized format must beat."""
+    kind, _, rest = fmt.partition("/")
+    group, offset = int(rest.split("+")[0]), rest.endswith("+offset")
+    scale_dtype = "float32" if kind == "fp8" else "float16"
+    spec = dict(R=rows, O=O, I=I, kind=kind, group=group, offset=offset, scale_dtype=scale_dtype)
+    code_bytes = O * I // 2 if kind == "int4" else O * I
+    side = O * (I // group) * jnp.dtype(scale_dtype).itemsize * (2 if offset else 1)
+    nbytes = float(code_bytes + side + (rows * I + rows * O) * jnp.dtype(dtype).itemsize)
+    return Bench("quantized_linear", f"llama-3-8b gate [{O} x {I}] {fmt} x {rows} rows",
+                 cases.Case("quantized_linear", "llama-3-8b", dtype, spec), lambda args, kwargs: (0.0, nbytes), False)
+
+
+DENSE = "bfloat16 dense"  # the row quantized benches add: x @ W.T with W in bfloat16, float32 accumulation
+
+
 def benches(dtype: str, tiny: bool = False) -> list[Bench]:
     if tiny:  # --cpu-smoke: exercise every path with toy sizes
         return [attention_bench("llama-3-8b", 1, 128, dtype), paged_bench("llama-3-8b", 2, 128, dtype),
-                moe_bench("qwen3-30b-a3b", 16, dtype), rms_bench("llama-3-8b", 64, dtype)]
+                moe_bench("qwen3-30b-a3b", 16, dtype), rms_bench("llama-3-8b", 64, dtype),
+                quantized_bench("int4/32+offset", 2, dtype, O=256, I=512)]
     return [
         attention_bench("llama-3-8b", 4, 4096, dtype),
         attention_bench("qwen3-30b-a3b", 4, 4096, dtype),
@@ -127,6 +148,7 @@ def benches(dtype: str, tiny: bool = False) -> list[Bench]:
         moe_bench("deepseek-v3", 32, dtype),
         rms_bench("llama-3-8b", 16384, dtype),
         rms_bench("deepseek-v3", 8192, dtype),
+        *[quantized_bench(fmt, rows, dtype) for fmt in ("int4/128+offset", "int8/128", "fp8/128") for rows in (1, 16)],
     ]
 
 
@@ -209,13 +231,28 @@ def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int) -> li
             (nbytes, "copy", 1e9, "GB/s")
         rate = work / (ms / 1e3)
         row.update(ms=ms, timer=timer, rate=rate / scale, unit=unit, fraction=rate / ceil[ceiling])
+    if bench.op == "quantized_linear":
+        rows.append(dense_row(bench, args, ceil, iters))
     by_name = {r["implementation"]: r["ms"] for r in rows if r["ms"]}
     for r in rows:
         if r["ms"]:
             r["vs_reference"] = by_name[registry.REFERENCE] / r["ms"] if by_name.get(registry.REFERENCE) else None
-            vendor = by_name.get("cudnn") or by_name.get("xla_ragged_dot")
+            vendor = by_name.get("cudnn") or by_name.get("xla_ragged_dot") or by_name.get(DENSE)
             r["vs_vendor"] = vendor / r["ms"] if vendor else None
     return rows
+
+
+def dense_row(bench: Bench, args: tuple, ceil: dict[str, float], iters: int) -> dict[str, Any]:
+    """The bfloat16 dense product of a quantized bench's shape: its bytes are the bfloat16 weight's."""
+    x, q = args
+    O, I = q.shape
+    w = jax.random.normal(jax.random.key(4), (O, I), jnp.bfloat16)
+    fn = jax.jit(lambda x, w: jax.lax.dot_general(x.astype(jnp.bfloat16), w, (((1,), (1,)), ((), ())),
+                                                  preferred_element_type=jnp.float32))
+    ms, timer = time_ms(fn, [x, w], iters)
+    rate = (2.0 * O * I + x.size * x.dtype.itemsize + 4 * x.shape[0] * O) / (ms / 1e3)
+    return dict(op=bench.op, shape=bench.name, implementation=DENSE, ms=ms, timer=timer, rate=rate / 1e9,
+                unit="GB/s", fraction=rate / ceil["copy"], max_rel_error=None, detail="baseline")
 
 
 def tune(dtype: str, iters: int) -> list[str]:
@@ -256,7 +293,7 @@ def tune(dtype: str, iters: int) -> list[str]:
 
 
 def format_rows(rows: list[dict[str, Any]], ceil: dict[str, float], markdown: bool) -> str:
-    head = ["op", "shape", "implementation", "ms", "rate", "of ceiling", "vs XLA ref", "vs cuDNN/ragged_dot",
+    head = ["op", "shape", "implementation", "ms", "rate", "of ceiling", "vs XLA ref", "vs cuDNN/ragged_dot/bf16 dense",
             "max rel err", "note"]
 
     def cell(value, spec, suffix=""):
