@@ -47,7 +47,7 @@ def setup(level: str = "info", stream: IO[str] | None = None) -> logging.Handler
     root = logging.getLogger()
     for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
         root.removeHandler(old)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = _ConsoleHandler(stream if stream is not None else sys.stderr)
     handler.set_name(_HANDLER_NAME)
     if numeric <= logging.DEBUG:
         handler.setFormatter(logging.Formatter(_DETAILED))
@@ -57,6 +57,18 @@ def setup(level: str = "info", stream: IO[str] | None = None) -> logging.Handler
     root.addHandler(handler)
     root.setLevel(numeric)
     return handler
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """A stream handler that takes a progress bar drawn on its stream off the line before writing a record, and
+    draws it again after: a line logged by another thread mid-bar (parameters restored while programs compile)
+    starts on its own line instead of after the bar's text."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=self.stream):
+            super().emit(record)
 
 
 def is_own(logger_name: str) -> bool:

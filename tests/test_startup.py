@@ -377,8 +377,9 @@ def check_short_startup_log(text: str, url: str) -> None:
     # Reading the log as text turned the progress bar's carriage returns into newlines: one line per update.
     bar = [line for line in text.split("\n") if f"compiling {PROGRAMS} programs |" in line]
     assert bar and f"| {PROGRAMS}/{PROGRAMS} [" in bar[-1], text
-    # A log line written while the bar (on the compile thread) is mid-update follows the bar's text on one line.
-    lines = [re.sub(r"^.*\| *\d+/\d+ \[[^\]]*\] *(?=\d\d:\d\d:\d\d )", "", line) for line in text.split("\n")]
+    # A log line written while the bar (on the compile thread) is drawn takes the bar off the line first.
+    assert not re.search(r"\| *\d+/\d+ \[[^\]]*\] *\d\d:\d\d:\d\d ", text), text
+    lines = text.split("\n")
     lines = [line for line in lines if line.strip() and f"compiling {PROGRAMS} programs |" not in line]
     for library in ("absl", "orbax", "jax", "uvicorn"):
         assert not [line for line in lines if re.search(rf" INFO {library}\b", line)], (library, text)
@@ -387,6 +388,6 @@ def check_short_startup_log(text: str, url: str) -> None:
     for phase in SERVER_PHASES:
         found = [line for line in lines if re.match(rf"\d\d:\d\d:\d\d {re.escape(phase)} \d+\.\d\ds\b", line)]
         assert len(found) == 1, (phase, text)
-    assert re.search(r"^\d\d:\d\d:\d\d restore parameters .* GB/s", text, re.M), text
+    assert [line for line in lines if re.match(r"\d\d:\d\d:\d\d restore parameters .* GB/s", line)], text
     ready = [i for i, line in enumerate(lines) if re.search(rf" ready in \d+\.\ds: serving {MODEL} on {url}$", line)]
     assert len(ready) == 1 and ready[0] < MAX_STARTUP_LINES, text
