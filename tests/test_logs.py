@@ -91,3 +91,16 @@ def test_timeline_logs_one_line_per_phase_including_those_before_logging_started
     assert [line.split(" ")[0] for line in lines][-2:] == ["server", "restore"]
     assert re.fullmatch(r"server imports \d+\.\d\ds \(flags\)", lines[-2])
     assert re.fullmatch(r"restore parameters \d+\.\d\ds \(2\.000 GB at [\d.]+ GB/s\)", lines[-1])
+
+
+def test_a_line_logged_while_a_bar_is_drawn_starts_its_own_line(root_logger, monkeypatch):
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    logs.setup("info")
+    with logs.progress_bar(3, "compiling 3 programs") as bar:
+        bar.update(1)
+        logging.getLogger("day0jax.test").info("restore parameters 0.25s")
+        bar.update(2)
+    lines = re.split(r"[\r\n]", stream.getvalue())
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d restore parameters 0\.25s", line) for line in lines), lines
+    assert any("compiling 3 programs |" in line and "3/3" in line for line in lines), lines  # drawn again after
