@@ -324,11 +324,8 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         stored_specs = {}
     abstract = models.abstract_model(config, DTYPES[dtype], quantization=stored_specs)
     infos = models.param_infos(abstract)
-    op_calls = abstract.op_calls()
-    report.op_calls = [call.to_dict() for call in dict.fromkeys(call for _, call in op_calls)]
     tp = mesh_lib.parse_spec(mesh)["tp"] if mesh and mesh != "auto" else 1
-    report.ops = _ops(op_calls, DTYPES[dtype], tp)
-    report.layers = _layers(abstract, op_calls, jnp.dtype(DTYPES[dtype]).itemsize)
+    _report_ops(report, abstract, DTYPES[dtype], tp)
     count, by_dtype = _checkpoint_tensors(source)
     report.parameters = {"model": parameter_count(abstract), "checkpoint_elements": count,
                          "checkpoint_bytes_by_dtype": by_dtype, "runtime_dtype": dtype}
@@ -350,6 +347,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
             report.quantization = quantization.summary()
             abstract = models.abstract_model(config, DTYPES[dtype], quantization=quantization.specs)
             infos = models.param_infos(abstract)
+            _report_ops(report, abstract, DTYPES[dtype], tp)  # with the quantized linear maps the weights will take
         elif source is None and hf.get("quantization_config") and not quantize:
             method = hf["quantization_config"].get("quant_method", "?")
             report.notes.append(f"config.json names {method} quantization; without the weights' headers the plan "
@@ -357,6 +355,16 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report, cluster, probe)
     report.supported = not report.reasons
     return report
+
+
+def _report_ops(report: Report, abstract, dtype, tp: int) -> None:
+    """The model's op calls, the operators table and the layer table (computing in `dtype`), into `report`."""
+    import jax.numpy as jnp
+
+    op_calls = abstract.op_calls()
+    report.op_calls = [call.to_dict() for call in dict.fromkeys(call for _, call in op_calls)]
+    report.ops = _ops(op_calls, dtype, tp)
+    report.layers = _layers(abstract, op_calls, jnp.dtype(dtype).itemsize)
 
 
 def _vision(abstract, infos, itemsize: int) -> dict:

@@ -207,6 +207,11 @@ def test_fp8_per_tensor_and_per_channel_scales_stay_fp8(tiny, tmp_path, layout):
     np.testing.assert_array_equal(checkpoint.read_params(floats)[f"{name}.kernel"], meant[f"{name}.weight"])
     if layout == "fbgemm-per-channel":  # the arithmetic of row-spanning FP8 groups, against the float model
         compare(kept, floats)
+        from day0jax import check
+
+        report = check.check(str(src), dtype="float32")  # before conversion: the operators the weights will take
+        assert "fp8/128" in report.quantization
+        assert any(op["op"] == "quantized_linear" and "groups of 128" in op["variant"] for op in report.ops)
 
 
 def test_other_quantization_methods_are_refused_by_name(tiny, tmp_path):
