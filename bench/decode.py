@@ -43,9 +43,17 @@ class Worker:
         assert self.hello["ready"]
 
     def ask(self, command: dict) -> dict:
+        """The worker's answer to `command`.
+
+        Raises:
+            RuntimeError: the worker exited (a crash: its exit status says how).
+        """
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker exited with status {self.proc.wait()}")
+        return json.loads(line)
 
     def close(self) -> None:
         self.proc.stdin.close()

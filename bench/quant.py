@@ -14,6 +14,7 @@ llama.cpp runs batch 1 only. Prints a table of medians with the ratios the targe
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -82,10 +83,18 @@ def main() -> None:
     def takes(name: str, batch: int) -> bool:
         return not name.startswith("llama.cpp") or batch == 1
 
+    crashed = {}
     for batch in batches:  # warm-up: every program these shapes use
-        for name, w in workers.items():
+        for name, w in list(workers.items()):
             if takes(name, batch):
-                w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
+                try:
+                    w.ask({"batch": batch, "prompt": prompt, "new_tokens": n})
+                except RuntimeError as e:
+                    if not name.startswith("llama.cpp"):
+                        raise
+                    crashed[name] = str(e)  # reported in the table; day0jax's figures still count
+                    del workers[name]
+                    print(f"{name}: {e}", file=sys.stderr)
     rates: dict[tuple[str, int], list[float]] = {}
     tokens: dict[str, list[int]] = {}
     for repeat in range(args.repeats):
@@ -96,6 +105,7 @@ def main() -> None:
                 tokens[name] = r["tokens"]
                 rates.setdefault((name, batch), []).append(batch * (n - 1) / (r["full"] - r["first"]))
     param_bytes = {fmt: workers[f"day0jax {fmt}"].hello["param_bytes"] for fmt in FORMATS}
+    rates.update({(name, 1): [math.nan] for name in crashed})
     for w in workers.values():
         w.close()
 
@@ -106,7 +116,7 @@ def main() -> None:
           "memory against the GGUF's tensor bytes\n")
     print("| format | day0jax MB | GGUF MB | ratio | " + " | ".join(f"day0jax b{b}" for b in batches)
           + " | llama.cpp b1 | day0jax / llama.cpp b1 | day0jax / day0jax float32 b1 |")
-    print("|---" * (6 + len(batches)) + "|")
+    print("|---" * (7 + len(batches)) + "|")
     for fmt in FORMATS:
         ours, theirs = f"day0jax {fmt}", f"llama.cpp {GGUF_TYPE[fmt]}"
         gguf_bytes = tensor_bytes(pairs[fmt][1])
@@ -114,6 +124,8 @@ def main() -> None:
               f"{param_bytes[fmt] / gguf_bytes:.2f}x | " + " | ".join(f"{med(ours, b):.1f}" for b in batches)
               + f" | {med(theirs, 1):.1f} | {med(ours, 1) / med(theirs, 1):.2f}x | "
               f"{med(ours, 1) / med('day0jax float32', 1):.2f}x |")
+    for name, why in crashed.items():
+        print(f"\n{name} crashed in its warm-up ({why}): its columns read nan")
     print("\ngreedy tokens, first 16 of each batch-1 run:")
     for name, t in tokens.items():
         print(f"  {name:<20} {t[:16]}")
