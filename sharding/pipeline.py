@@ -6,10 +6,10 @@ decode step reads there and so what sets its time: its layers' parameters and KV
 vocabulary projection on the last stage. The embedding table is held by the first stage but not counted there: a
 step reads one row of it per token (counting it, as memory would, leaves the first stage with fewer layers and the
 pipeline waiting on the others; the memory plan counts it, per stage). Parameters outside the layers are held where
-they are used: the embeddings by the first stage (and
-the last, when the vocabulary projection reuses them), the final norm and projection by the last, anything else
-(RoPE parameters and the like) by every stage. A parameter lives on its stage's mesh, or on the mesh of the stages
-that use it (each stage's program then takes its own devices' shards).
+they are used: the embeddings by the first stage (and the last, when the vocabulary projection reuses them), the
+final norm and projection by the last, anything else (RoPE parameters and the like) by every stage. A parameter
+lives on its stage's mesh, or on the mesh of the stages that use it (each stage's program then takes its own
+devices' shards).
 """
 
 from __future__ import annotations
