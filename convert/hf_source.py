@@ -188,10 +188,10 @@ class HFSource:
         _, layout, (_, bn) = self._fp8_scale(name, shape)
         group = bn if layout == "block" else shape[-1]
         if dtype != np.dtype(ml_dtypes.float8_e4m3fn) or shape[1] % group or group % 16:
+            scales = f"scale blocks of {bn} columns" if layout == "block" else f"one scale per {layout}"
             raise CheckpointError(f"{self._where[name].path}: FP8 tensor {name!r} ({dtype}, shape {shape}, "
-                                  f"{layout} scales, groups of {group} inputs) is not kept quantized "
-                                  "(float8_e4m3fn [out, in] whose scale groups divide the inputs in multiples of 16 "
-                                  "are); convert with --dequantize")
+                                  f"{scales}) is not kept quantized (float8_e4m3fn [out, in] whose scale groups "
+                                  "divide the inputs in multiples of 16 are); convert with --dequantize")
         return QuantSpec("fp8", group, False, "float32")
 
     def read_quantized(self, name: str):
