@@ -163,28 +163,40 @@ FP8_SCALED = {
 }
 
 
-def fp8_scaled_source(tiny, dst, layout, replace=None):
-    """Tiny llama whose projections are random float8_e4m3fn codes with one scale per tensor or per row, in the
-    `FP8_SCALED[layout]` format, tensors in `replace` written instead. Returns the folder and the float weights the
-    stored values mean."""
-    method, extra, suffix, per, activations = FP8_SCALED[layout]
+def fp8_llama(tiny, dst, quantization_config, scales, *, seed, suffix="_scale", input_scales=False, replace=None):
+    """Tiny llama whose projections are random float8_e4m3fn codes, each with the scale tensor `X.weight{suffix}`
+    that `scales(O, I, rng)` returns as (stored scale, its expansion over [O, I] by broadcasting), and with
+    `input_scales` an activation scale `X.input_scale` beside; tensors in `replace` written instead. Returns the
+    folder and the float weights the stored values mean."""
     shutil.copytree(tiny["llama"]["hf"], dst)
     tensors = load_file(str(dst / "model.safetensors"))
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     meant = {}
     for name in [n for n in tensors if n.endswith("proj.weight")]:
         O, I = tensors[name].shape
         codes = (rng.standard_normal((O, I)) * 64).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
-        scale = np.asarray(rng.uniform(0.5, 1.5, (O, 1) if per == "channel" else ()) * 1e-4, np.float32)
+        scale, full = scales(O, I, rng)
         tensors[name], tensors[name + suffix] = codes, scale
-        if activations:
+        if input_scales:
             tensors[name[: -len("weight")] + "input_scale"] = np.array(0.01, np.float32)
-        meant[name] = codes.astype(np.float32) * scale
+        meant[name] = codes.astype(np.float32) * full
     save_file({**tensors, **(replace or {})}, str(dst / "model.safetensors"))
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, **extra}
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config))
     return dst, meant
+
+
+def fp8_scaled_source(tiny, dst, layout, replace=None):
+    """Tiny llama with one FP8 scale per tensor or per row, in the `FP8_SCALED[layout]` format (see `fp8_llama`)."""
+    method, extra, suffix, per, activations = FP8_SCALED[layout]
+
+    def scales(O, I, rng):
+        scale = np.asarray(rng.uniform(0.5, 1.5, (O, 1) if per == "channel" else ()) * 1e-4, np.float32)
+        return scale, scale
+
+    return fp8_llama(tiny, dst, {"quant_method": method, **extra}, scales, seed=7, suffix=suffix,
+                     input_scales=activations, replace=replace)
 
 
 def assert_kept_fp8_means(ckpt, meant, group, name="model.layers.1.mlp.down_proj"):
@@ -345,35 +357,25 @@ FP8_STRATEGIES = {
 def compressed_fp8_source(tiny, dst, strategy):
     """Tiny llama as llm-compressor's FP8 schemes write it ('float-quantized': float8_e4m3fn `weight`, float32
     `weight_scale` per tensor, channel, group or block), with dynamic FP8 input activations as FP8_DYNAMIC and
-    FP8_BLOCK do. Returns the folder and the float weights the stored values mean."""
+    FP8_BLOCK do (see `fp8_llama`)."""
     entry, scale_shape, _ = FP8_STRATEGIES[strategy]
-    shutil.copytree(tiny["llama"]["hf"], dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    rng = np.random.default_rng(9)
-    meant = {}
-    for name in [n for n in tensors if n.endswith("proj.weight")]:
-        O, I = tensors[name].shape
-        codes = (rng.standard_normal((O, I)) * 64).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+    def scales(O, I, rng):
         scale = (rng.uniform(0.5, 1.5, scale_shape(O, I)) * 1e-4).astype(np.float32)
         if strategy == "block":
-            full = np.repeat(np.repeat(scale, 48, 0), 32, 1)[:O]
-        elif strategy == "group":
-            full = np.repeat(scale, 32, 1)
-        else:  # one per tensor or per row, over the whole row
-            full = scale.reshape(-1, 1)
-        tensors[name], tensors[name + "_scale"] = codes, scale
-        meant[name] = codes.astype(np.float32) * full
-    save_file(tensors, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
+            return scale, np.repeat(np.repeat(scale, 48, 0), 32, 1)[:O]
+        if strategy == "group":
+            return scale, np.repeat(scale, 32, 1)
+        return scale, scale.reshape(-1, 1)  # one per tensor or per row, over the whole row
+
+    config = {
         "quant_method": "compressed-tensors", "format": "float-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"],
                                       "input_activations": {"num_bits": 8, "type": "float", "dynamic": True,
                                                             "strategy": "token", "symmetric": True},
                                       "weights": {"num_bits": 8, "type": "float", "symmetric": True, **entry}}},
         "ignore": ["lm_head"]}
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst, meant
+    return fp8_llama(tiny, dst, config, scales, seed=9)
 
 
 @pytest.mark.parametrize("strategy", sorted(FP8_STRATEGIES))
