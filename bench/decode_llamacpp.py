@@ -1,10 +1,12 @@
 """The llama.cpp side of bench/decode.py and bench/quant.py: a worker in the reference venv (llama-cpp-python).
 
-    .venv-ref/bin/python bench/decode_llamacpp.py SOURCE.gguf TARGET.gguf [F32|Q8_0]
+    .venv-ref/bin/python bench/decode_llamacpp.py SOURCE.gguf TARGET.gguf [F32|Q8_0] [PROMPT_BATCH]
 
 TARGET is written once from SOURCE unless it is SOURCE: F32 (default) dequantizes every tensor with the `gguf`
 package's own dequantization, so llama.cpp runs the very weights day0jax's float32 conversion holds; Q8_0 then
 quantizes the source's quantized tensors to Q8_0 blocks with the `gguf` package (float tensors stay as they are).
+PROMPT_BATCH (default 512) is how many prompt tokens llama.cpp evaluates per batch: 1 keeps its prompt off the
+many-row matrix kernels (its AMX ones crash on some virtual machines) and leaves the decode steps as they are.
 Metadata is copied. Protocol as
 bench/decode_reference.py's: {"batch": 1, "prompt": [ids], "new_tokens": N} -> {"full", "first", "tokens"}; batch 1
 only. Every generation starts from an empty KV cache (llama-cpp-python would otherwise reuse a matching prefix).
@@ -61,8 +63,9 @@ def main():
     from llama_cpp import Llama
 
     threads = os.cpu_count() or 1
-    llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+    prompt_batch = int(sys.argv[4]) if len(sys.argv) > 4 else 512
+    llm = Llama(model_path=str(path), n_ctx=4096, n_batch=prompt_batch, n_ubatch=prompt_batch, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
 
     def run(ids, n):
         llm.reset()
