@@ -271,13 +271,15 @@ def test_kernel_chosen_or_fallback(tiny, monkeypatch):
 
 
 def test_paged_attention_is_reported_per_phase(tiny):
-    """Decode steps and prefill chunks may take different implementations (on the CPU, the reference and the key-block
-    loop): the report names each."""
+    """Decode steps and prefill chunks may take different implementations (on the CPU, the C++ decode kernel and the
+    key-block loop): the report names each."""
     row = next(r for r in check_lib.check(tiny["llama"]["hf"]).ops if r["op"].startswith("paged attention"))
     decode, prefill = row["implementation"].split(" | ")
     assert decode.startswith("decode: ") and prefill.startswith("prefill chunks: ")
     if jax.default_backend() == "cpu":
-        assert decode.startswith("decode: reference") and prefill == "prefill chunks: xla_blocks (kernel)"
+        assert decode == "decode: cpu_ffi (kernel)"
+        assert prefill == ("prefill chunks: xla_blocks (kernel); cpu_ffi declined: 256 queries per row (the kernel "
+                           "serves decode steps, one)")
 
 
 # --- families and configs ---------------------------------------------------------------------------------------

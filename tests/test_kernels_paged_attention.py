@@ -171,15 +171,112 @@ def test_blocks_decode_over_long_tables_matches_the_reference(name):
         want = selftest.run(reference.paged_attention, wide, kwargs)
         err = cases.max_relative_error(got, want)
         assert err <= BLOCKS_TOLERANCE, f"xla_blocks decode on {name}, {table_pages} pages: max relative error {err}"
-    assert registry.chosen("paged_attention", *args, **kwargs) == "xla_blocks" or jax.default_backend() != "cpu"
+
 
 
 def test_blocks_decline_tables_of_one_block():
     """Tables of one block (64 pages for a decode step, 16 for a prefill chunk) gain nothing from the loop: it
-    declines them by name; the op runs the reference."""
+    declines them by name; the op runs the reference (decode steps take the CPU kernel before either)."""
     for T, max_len in ((1, 700), (4, 200)):
         spec = dict(BLOCK_CASES["gqa-rows-of-different-lengths"], T=T, max_len=max_len)
         args, kwargs = cases.Case("paged_attention", "declined", "float32", spec).build(0)
         with pytest.raises(registry.KernelUnavailable, match="one block"):
             api.paged_attention(*args, **kwargs, implementation="xla_blocks")
-        assert registry.chosen("paged_attention", *args, **kwargs) == registry.REFERENCE
+        want = "cpu_ffi" if T == 1 and jax.default_backend() == "cpu" else registry.REFERENCE
+        assert registry.chosen("paged_attention", *args, **kwargs) == want
+
+
+# The CPU's decode kernel (one query per row): every variant of the contract at T=1, rows of different lengths, the
+# table exact and as a wider bucket; float32 against the reference within summation-order rounding, bfloat16 within
+# the contract's tolerance.
+DECODE_CASES = {name: dict(spec, T=1) for name, spec in {**CASES, **BLOCK_CASES}.items()}
+DECODE_TOLERANCE = 1e-5  # float32: the same softmax (maximum subtracted), summed in another order
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(DECODE_CASES))
+def test_cpu_kernel_decode_matches_the_reference(name, dtype):
+    case = cases.Case("paged_attention", name, dtype, DECODE_CASES[name])
+    args, kwargs = case.build(30 + sorted(DECODE_CASES).index(name))
+    for table_pages in (args[3].shape[1], 2 * args[3].shape[1] + 3):
+        wide = widened(args, table_pages)
+        got = selftest.run(functools.partial(api.paged_attention, implementation="cpu_ffi"), wide, kwargs)
+        want = selftest.run(reference.paged_attention, cases.upcast(wide), kwargs)
+        assert got.shape == args[0].shape and got.dtype == args[0].dtype
+        err = cases.max_relative_error(got, want)
+        tolerance = DECODE_TOLERANCE if dtype == "float32" else case.tolerance
+        assert err <= tolerance, f"cpu_ffi on {name} ({dtype}), {table_pages} pages: max relative error {err}"
+
+
+def decode_args(lengths, positions, *, N=4, K=2, H=64, page=16, seed=0):
+    """float32 decode inputs: rows of `lengths` cached keys, queries at `positions`, each row's pages its own."""
+    rng = np.random.default_rng(seed)
+    B, width = len(lengths), -(-max(lengths) // page)
+    tables = np.arange(1, B * width + 1, dtype=np.int32).reshape(B, width)
+    pages = B * width + 1
+    return (jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32),
+            jnp.asarray(rng.standard_normal((pages, page, K, H)), jnp.float32),
+            jnp.asarray(rng.standard_normal((pages, page, K, H)), jnp.float32), jnp.asarray(tables),
+            jnp.asarray(lengths, jnp.int32), jnp.asarray(positions, jnp.int32).reshape(B, 1))
+
+
+def test_cpu_kernel_decode_sees_a_bidirectional_span_past_the_query():
+    """`visible_until` beyond a query's own position (Gemma 3's image tokens): it sees the span's later keys."""
+    args = decode_args([300, 200], [250, 120])
+    kwargs = dict(visible_until=jnp.array([[280], [150]], jnp.int32), sliding_window=100)
+    got = selftest.run(functools.partial(api.paged_attention, implementation="cpu_ffi"), args, kwargs)
+    want = selftest.run(reference.paged_attention, args, kwargs)
+    assert cases.max_relative_error(got, want) <= DECODE_TOLERANCE
+    without = selftest.run(reference.paged_attention, args, dict(sliding_window=100))
+    assert cases.max_relative_error(got, without) > 1e-3  # the span's keys changed the answer
+
+
+@pytest.mark.parametrize("mask", [dict(sliding_window=40), dict(chunk_size=64)])
+def test_cpu_kernel_decode_reads_only_the_keys_a_query_sees(mask):
+    """Pages holding no key the query sees (before its window or chunk, after its position, past its length) hold
+    NaN: the reference, which scores every column, turns NaN; the kernel never reads them."""
+    length, position, page = 400, 330, 16
+    args = decode_args([length], [position], page=page)
+    q, k_pages, v_pages, tables = args[:4]
+    first = position - 40 + 1 if "sliding_window" in mask else position // 64 * 64
+    unseen = [p for p in range(tables.shape[1]) if (p + 1) * page <= first or p * page > position]
+    k_pages = k_pages.at[tables[0, jnp.array(unseen)]].set(jnp.nan)
+    v_pages = v_pages.at[tables[0, jnp.array(unseen)]].set(jnp.nan)
+    poisoned = (q, k_pages, v_pages) + args[3:]
+    got = np.asarray(selftest.run(functools.partial(api.paged_attention, implementation="cpu_ffi"), poisoned, mask))
+    assert np.isnan(np.asarray(selftest.run(reference.paged_attention, poisoned, mask))).all()
+    want = selftest.run(reference.paged_attention, args, mask)
+    assert np.isfinite(got).all() and cases.max_relative_error(got, want) <= DECODE_TOLERANCE
+
+
+def test_cpu_kernel_decode_gives_zeros_for_rows_that_see_nothing():
+    """A batch-padding row (no cached key) comes out as zeros, never NaN; the other rows as the reference."""
+    args = decode_args([0, 90], [0, 89])
+    got = np.asarray(selftest.run(functools.partial(api.paged_attention, implementation="cpu_ffi"), args, {}))
+    want = np.asarray(selftest.run(reference.paged_attention, args, {}))
+    assert (got[0] == 0).all()
+    assert cases.max_relative_error(got[1], want[1]) <= DECODE_TOLERANCE
+
+
+def test_cpu_kernel_declines_what_it_does_not_take():
+    """Several queries per row, float16 pages and a multi-device mesh (the custom call has no partitioning rule:
+    XLA would gather the pool onto every device) are declined by name; the pool then answers through the others."""
+    args = decode_args([100], [99])
+    prefill = (jnp.ones((1, 2, 4, 64), jnp.float32),) + args[1:5] + (jnp.array([[98, 99]], jnp.int32),)
+    with pytest.raises(registry.KernelUnavailable, match="2 queries per row"):
+        api.paged_attention(*prefill, implementation="cpu_ffi")
+    half = (args[0], args[1].astype(jnp.float16), args[2].astype(jnp.float16)) + args[3:]
+    with pytest.raises(registry.KernelUnavailable, match="float16"):
+        api.paged_attention(*half, implementation="cpu_ffi")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("tp",))):
+        with pytest.raises(registry.KernelUnavailable, match="mesh of 2 devices"):
+            api.paged_attention(*args, implementation="cpu_ffi")
+    np.testing.assert_allclose(api.paged_attention(*half), reference.paged_attention(*half), rtol=1e-3, atol=1e-3)
+
+
+def test_decode_steps_take_the_cpu_kernel():
+    """On the CPU the pool picks the kernel for decode steps, short tables and long ones; prefill chunks go on to
+    the key blocks or the reference."""
+    for max_len in (100, 2100):
+        args = decode_args([max_len], [max_len - 1])
+        assert registry.chosen("paged_attention", *args) == "cpu_ffi" or jax.default_backend() != "cpu"

@@ -1,5 +1,6 @@
-"""Paged attention as the engine sees it: the Mosaic GPU split-KV kernel (Hopper); on the CPU, prefill chunks in key
-blocks up to the longest row (`xla_blocks`); else the reference."""
+"""Paged attention as the engine sees it: the Mosaic GPU split-KV kernel (Hopper); on the CPU, decode steps in a C++
+kernel that reads each row's visible keys from its pages (`cpu_ffi`), prefill chunks in key blocks up to the longest
+row (`xla_blocks`); else the reference."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import functools
 import jax
 
 from kernels_pallas import registry
-from kernels_pallas.paged_attention import pallas_mgpu, reference, xla_blocks
+from kernels_pallas.paged_attention import cpu_ffi, pallas_mgpu, reference, xla_blocks
 
 IMPLEMENTATIONS = {
     registry.REFERENCE: reference.paged_attention,
     "mosaic_gpu": pallas_mgpu.paged_attention,
     "mosaic_gpu_interpret": functools.partial(pallas_mgpu.paged_attention, interpret=True),
     "xla_blocks": xla_blocks.paged_attention,
+    "cpu_ffi": cpu_ffi.paged_attention,
 }
-CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu",), "cpu": ("xla_blocks",)}
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu",), "cpu": ("cpu_ffi", "xla_blocks")}
 PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 

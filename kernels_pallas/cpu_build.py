@@ -1,0 +1,89 @@
+"""C++ kernels for the CPU as XLA FFI custom calls, compiled on first use for this machine's CPU.
+
+Each source file is built with the system's C++ compiler (`-O3 -march=native`) into `$DAY0JAX_CACHE/kernels`
+(default `~/.cache/day0jax/kernels`), named by a hash of the source, the compiler, the jaxlib headers and the CPU's
+flags, so a different machine or version rebuilds; the build is written to a temporary name and renamed, so
+processes building at once never load a half-written file. Without a compiler (or when the build fails) `register`
+returns False, with the reason in the log, and the candidate declines: the op's reference runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """`$DAY0JAX_CACHE/kernels`, else `$XDG_CACHE_HOME/day0jax/kernels`, else `~/.cache/day0jax/kernels`."""
+    root = os.environ.get("DAY0JAX_CACHE")
+    if root:
+        return Path(root) / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "day0jax" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+@functools.cache
+def library_path(source: Path) -> Path | None:
+    """The compiled `source` for this machine, building it if needed; None (with a logged reason) if it cannot be."""
+    what = source.parent.name.replace("_", " ")
+    cxx = _compiler()
+    if cxx is None:
+        log.info("%s: no C++ compiler found; the CPU kernel is unavailable, the reference runs", what)
+        return None
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), cxx.encode(), include.encode(),
+                                     jax.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"{source.parent.name}-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.warning("%s: building the CPU kernel for this machine into %s (first use, a few seconds)", what, out.parent)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}", str(source), "-o", tmp]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError) as e:
+        errors = [line for line in (getattr(e, "stderr", "") or "").splitlines() if "error" in line]
+        log.warning("%s: building the CPU kernel failed (%s); the reference runs", what, "; ".join(errors[:3]) or e)
+        Path(tmp).unlink(missing_ok=True)
+        return None
+    log.info("%s: built the CPU kernel into %s", what, out)
+    return out
+
+
+@functools.cache
+def register(target: str, source: Path, symbol: str) -> bool:
+    """Registers `symbol` of the compiled `source` as the CPU FFI target `target`; False if it could not be built."""
+    path = library_path(source)
+    if path is None:
+        return False
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True
