@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -156,6 +157,9 @@ struct Avx2 {
   // the float16 with the same exponent and mantissa, subnormals included (conversions from float16 ignore the
   // denormals-are-zero mode XLA's threads run in). The format's one NaN pattern comes out as 480 / 256 instead;
   // weights hold no NaN.
+  static constexpr bool kLookup = false;  // 16-entry lookups take two permutes and a blend on 8 lanes
+  static F weights_of_codes(F s, F b) { return s; }
+  static void int4_lookup(const uint8_t* p, F table, F& lo, F& hi) {}
   static F fp8(const uint8_t* p) {
     const __m128i w = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes(p)), 7), _mm_set1_epi16(-0x4080));
     return _mm256_cvtph_ps(w);
@@ -178,6 +182,17 @@ struct Avx512 {
     const __m512i v = _mm512_cvtepu8_epi32(bytes(p));
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+  // The 16 weights a group's 4-bit codes stand for, fma(q, s, b) for q = 0..15, and N bytes of codes looked up in
+  // them (one permute per 16 codes, where converting and scaling them takes two operations).
+  static constexpr bool kLookup = true;
+  static F weights_of_codes(F s, F b) {
+    return fma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), s, b);
+  }
+  static void int4_lookup(const uint8_t* p, F table, F& lo, F& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(bytes(p));
+    lo = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
   }
   static F fp8(const uint8_t* p) {  // as Avx2::fp8
     const __m256i w = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes(p)), 7),
@@ -211,8 +226,11 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
     const uint8_t* row = p.codes + o * G * group_bytes;
     const float* scale = params.scale.data() + (o - o_begin) * G;
     const float* offset = params.offset.data() + (o - o_begin) * G;
-    for (int64_t g = 0; g < G; ++g) {
+    // One group's steps, into the accumulators from `first` on: with few steps per group, consecutive groups take
+    // different ones, so no chain waits on the previous group's last FMA.
+    auto one_group = [&](int64_t g, auto first) __attribute__((always_inline)) {
       const F s = L::broadcast(scale[g]), b = L::broadcast(offset[g]);
+      const F table = L::weights_of_codes(s, b);
       const uint8_t* c = row + g * group_bytes;
       const float* xg = x + g * group;
       _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes), _MM_HINT_T1);
@@ -220,24 +238,36 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
       for (int64_t j = 0; j < steps; ++j) {
         if constexpr (K == kInt4) {
           F lo, hi;
-          L::int4(c + N * j, lo, hi);
-          lo = L::fma(lo, s, b);
-          hi = L::fma(hi, s, b);
+          if constexpr (L::kLookup) {
+            L::int4_lookup(c + N * j, table, lo, hi);
+          } else {
+            L::int4(c + N * j, lo, hi);
+            lo = L::fma(lo, s, b);
+            hi = L::fma(hi, s, b);
+          }
           for (int r = 0; r < NR; ++r) {
-            F& t0 = total[r][(2 * j) % U];
-            F& t1 = total[r][(2 * j + 1) % U];
+            F& t0 = total[r][(first + 2 * j) % U];
+            F& t1 = total[r][(first + 2 * j + 1) % U];
             t0 = L::fma(lo, L::load(xg + r * p.I + N * j), t0);
             t1 = L::fma(hi, L::load(xg + r * p.I + half + N * j), t1);
           }
         } else {
           const F w = L::fma(K == kInt8 ? L::int8(c + N * j) : L::fp8(c + N * j), s, b);
           for (int r = 0; r < NR; ++r) {
-            F& t = total[r][j % U];
+            F& t = total[r][(first + j) % U];
             t = L::fma(w, L::load(xg + r * p.I + N * j), t);
           }
         }
       }
+    };
+    // Accumulators one group uses (known when the group size is), and so where the next group starts.
+    constexpr int kNext = GROUP == 0 ? 0 : ((K == kInt4 ? 2 : 1) * (K == kInt4 ? GROUP / 2 : GROUP) / N) % U;
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      one_group(g, std::integral_constant<int, 0>());
+      one_group(g + 1, std::integral_constant<int, kNext>());
     }
+    if (g < G) one_group(g, std::integral_constant<int, 0>());
     for (int r = 0; r < NR; ++r) {
       F sum = total[r][0];
       for (int u = 1; u < U; ++u) sum = L::add(sum, total[r][u]);
