@@ -192,3 +192,58 @@ def test_quantize_refuses_groups_that_do_not_divide_the_inputs():
         reference.quantize(np.ones((4, 64), np.float32), "int8", 48)
     with pytest.raises(ValueError, match="kind 'int3'"):
         reference.quantize(np.ones((4, 64), np.float32), "int3", 32)
+
+
+@pytest.mark.parametrize("I", [256, 96])  # steps of 64 inputs, and of 16
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_cpu_kernel_multiplies_float32_weights_as_they_are(rows, I):
+    """The dense kind: a float32 kernel [O, I] streamed by the same code, float32-tight against the float64 product;
+    37 outputs, not a multiple of the chunk or the vector width."""
+    rng = np.random.default_rng(rows + I)
+    w = jnp.asarray(rng.standard_normal((37, I)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, I)), jnp.float32)
+    got = np.asarray(jax.jit(cpu_ffi.dense_matmul)(x, w), np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    bound = I * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T)
+    assert got.shape == (rows, 37) and (np.abs(got - want) <= bound).all()
+
+
+def test_dense_kernel_declines_what_it_does_not_take():
+    w = jnp.ones((8, 64), jnp.float32)
+    with pytest.raises(NotImplementedError, match="float32"):
+        cpu_ffi.dense_matmul(jnp.ones((1, 64), jnp.bfloat16), w)
+    with pytest.raises(NotImplementedError, match="rows"):
+        cpu_ffi.dense_matmul(jnp.ones((cpu_ffi.MAX_ROWS + 1, 64), jnp.float32), w)
+    with pytest.raises(NotImplementedError, match="multiple of 16"):
+        cpu_ffi.dense_matmul(jnp.ones((1, 40), jnp.float32), jnp.ones((8, 40), jnp.float32))
+    x = jnp.ones((1, 64), jnp.float32)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("tp",))):
+        with pytest.raises(NotImplementedError, match="mesh of 2 devices"):
+            cpu_ffi.dense_matmul(x, w)
+
+
+def test_projections_of_a_few_float32_rows_take_the_cpu_kernel():
+    """`layers.linear.project` on the CPU: decode-sized float32 rows go to the kernel (small weights at one row, any
+    at several), as XLA's product would compute them within float32 rounding; kernels="reference" and prefill-sized
+    inputs keep XLA's product."""
+    from day0jax.layers.linear import project
+
+    rng = np.random.default_rng(0)
+    q_kernel = jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.float32)  # [heads, head_dim, embed]: 16 KiB
+    big = jnp.asarray(rng.standard_normal((1024, 640)), jnp.float32)  # 2.5 MiB
+    uses = {}
+    for name, kernel, x in (("1 row", q_kernel, rng.standard_normal((1, 1, 64))),
+                            ("8 rows, big", big, rng.standard_normal((2, 4, 640))),
+                            ("1 row, big", big, rng.standard_normal((1, 1, 640))),
+                            ("prefill", q_kernel, rng.standard_normal((1, 100, 64)))):
+        x = jnp.asarray(x, jnp.float32)
+        fn = jax.jit(lambda x, k: project(x, k, 1))
+        uses[name] = cpu_ffi.TARGET in fn.lower(x, kernel).as_text()
+        flat = np.asarray(kernel, np.float64).reshape(-1, x.shape[-1])
+        want = np.einsum("...i,oi->...o", np.asarray(x, np.float64), flat)
+        np.testing.assert_allclose(np.asarray(fn(x, kernel)).reshape(want.shape), want, rtol=1e-4, atol=1e-4)
+    if jax.default_backend() == "cpu":
+        assert uses == {"1 row": True, "8 rows, big": True, "1 row, big": False, "prefill": False}
+    with registry.use_policy(registry.Policy(mode="reference")):
+        x = jnp.ones((1, 1, 64), jnp.float32)
+        assert cpu_ffi.TARGET not in jax.jit(lambda x, k: project(x, k, 1)).lower(x, q_kernel).as_text()

@@ -14,7 +14,7 @@ from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "day0jax_quantized_matmul"
-KIND_IDS = {"int8": 0, "int4": 1, "fp8": 2}
+KIND_IDS = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3}
 # Rows (tokens) up to which one pass over the codes serves every row; prefill-sized inputs go to the reference,
 # whose one float copy of the weight is small next to the product's arithmetic.
 MAX_ROWS = 16
@@ -46,3 +46,33 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, O), jnp.float32))
     return call(x.astype(jnp.float32), w.codes, w.scale, offset, kind=np.int64(KIND_IDS[w.kind]),
                 group=np.int64(w.group), has_offset=w.offset is not None)
+
+
+def dense_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [R, I] times a float32 kernel [O, I]'s transpose, [R, O] in float32: the kernel streamed once per call by
+    the same code as quantized weights (XLA:CPU's own products of a few rows run at 60-80% of its speed on
+    SmolLM2-sized maps).
+
+    Raises:
+        NotImplementedError: another backend, too many rows, anything but float32, inputs not a multiple of 16, a
+            multi-device mesh (the custom call has no partitioning rule: XLA would gather the kernel), or no
+            compiled kernel.
+    """
+    if jax.default_backend() != "cpu":
+        raise NotImplementedError("the FFI kernel is built for the CPU")
+    R, I = x.shape
+    if R > MAX_ROWS:
+        raise NotImplementedError(f"{R} rows (the kernel serves up to {MAX_ROWS} per pass over the weight)")
+    if x.dtype != jnp.float32 or kernel.dtype != jnp.float32:
+        raise NotImplementedError(f"x {x.dtype}, kernel {kernel.dtype}: the dense path is float32")
+    if I % 16:
+        raise NotImplementedError(f"{I} inputs, not a multiple of 16")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        raise NotImplementedError(f"a mesh of {mesh.size} devices (the custom call would gather the kernel)")
+    if not cpu_build.register(TARGET, SOURCE, "QuantizedMatmul"):
+        raise NotImplementedError("the CPU kernel could not be built (see the log)")
+    none = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, kernel.shape[0]), jnp.float32))
+    return call(x, kernel, none, none, kind=np.int64(KIND_IDS["dense"]), group=np.int64(64 if I % 64 == 0 else 16),
+                has_offset=False)

@@ -4,7 +4,8 @@
 // below a quarter of the memory bandwidth; this reads each code once per call for up to 8 rows, dequantizes it in
 // registers to the float32 weight the reference computes (the same one, except that code * scale + offset is
 // rounded once where the reference rounds twice) and multiplies in float32, split over XLA's intra-op thread pool.
-// 16 lanes where the CPU has AVX-512, else 8 (AVX2).
+// 16 lanes where the CPU has AVX-512, else 8 (AVX2). Float32 weights (kind dense, no scales) take the same path:
+// for a few rows it streams them faster than XLA:CPU's small products.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -28,7 +29,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Kind : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
+enum Kind : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2, kDense = 3 };  // dense: float32 weights as they are
 constexpr int64_t kChunk = 32;  // output features per task
 // How far ahead of the codes being read the next ones are asked into L2 (one request per group): 10-15% faster than
 // the hardware prefetchers alone on a chain of SmolLM2's projections, whose codes come from L3 or memory.
@@ -94,7 +95,7 @@ void to_float(const void* data, ffi::DataType type, int64_t begin, int64_t n, fl
 
 struct Problem {
   const float* x;         // [R, I]
-  const uint8_t* codes;   // [O, I] (int8, fp8) or [O, I/2] (int4)
+  const uint8_t* codes;   // [O, I] (int8, fp8; float32 for dense) or [O, I/2] (int4)
   const void* scale;      // [O, I/group]
   ffi::DataType scale_type;
   const void* offset;     // [O, I/group], or nullptr
@@ -114,6 +115,7 @@ struct ChunkParams {
     const int64_t G = p.I / p.group, n = (o_end - o_begin) * G;
     scale.resize(n);
     offset.resize(n);
+    if (p.kind == kDense) return;  // no group parameters
 #ifdef DAY0JAX_AVX2
     const float factor = p.kind == kFp8 ? kFp8Rebias : 1.0f;
 #else
@@ -216,8 +218,9 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
   // U independent accumulators per row: with one or two rows, a single chain of FMAs would wait on its own latency.
   constexpr int U = GROUP == 0 ? 1 : NR == 1 ? 4 : NR == 2 ? 2 : 1;
   const int64_t group = GROUP ? GROUP : p.group;
-  const int64_t G = p.I / group, group_bytes = K == kInt4 ? group / 2 : group, half = group / 2;
-  const int64_t steps = group_bytes / N;  // N bytes of codes per step
+  const int64_t G = p.I / group, group_bytes = K == kInt4 ? group / 2 : K == kDense ? group * 4 : group;
+  const int64_t half = group / 2;
+  const int64_t steps = K == kDense ? group / N : group_bytes / N;  // N bytes of codes (N floats if dense) a step
   const float* x = p.x + r0 * p.I;
   for (int64_t o = o_begin; o < o_end; ++o) {
     F total[NR][U];
@@ -252,7 +255,13 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
             t1 = L::fma(hi, L::load(xg + r * p.I + half + N * j), t1);
           }
         } else {
-          const F w = L::fma(K == kInt8 ? L::int8(c + N * j) : L::fp8(c + N * j), s, b);
+          F w;
+          if constexpr (K == kDense) {
+            _mm_prefetch(reinterpret_cast<const char*>(c + 4 * N * j + kPrefetchBytes), _MM_HINT_T1);
+            w = L::load(reinterpret_cast<const float*>(c) + N * j);
+          } else {
+            w = L::fma(K == kInt8 ? L::int8(c + N * j) : L::fp8(c + N * j), s, b);
+          }
           for (int r = 0; r < NR; ++r) {
             F& t = total[r][(first + j) % U];
             t = L::fma(w, L::load(xg + r * p.I + N * j), t);
@@ -291,6 +300,9 @@ template <int NR>
 void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o_begin, int64_t o_end) {
   switch (p.kind) {
     case kInt8: return features_of_group<kInt8, NR>(p, params, r0, o_begin, o_end);
+    case kDense:  // groups only split the row into steps: 64 where they divide it, else 16
+      if (p.group == 64) return features<Wide, kDense, 64, NR>(p, params, r0, o_begin, o_end);
+      return features<Avx2, kDense, 0, NR>(p, params, r0, o_begin, o_end);
     case kInt4: return features_of_group<kInt4, NR>(p, params, r0, o_begin, o_end);
     default: return features_of_group<kFp8, NR>(p, params, r0, o_begin, o_end);
   }
@@ -298,10 +310,18 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
 #else
 template <int NR>
 void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o_begin, int64_t o_end) {
-  const int64_t G = p.I / p.group, row_bytes = p.kind == kInt4 ? p.I / 2 : p.I, half = p.group / 2;
+  const int64_t G = p.I / p.group, row_bytes = p.kind == kInt4 ? p.I / 2 : p.kind == kDense ? p.I * 4 : p.I;
+  const int64_t half = p.group / 2;
   for (int64_t o = o_begin; o < o_end; ++o) {
     float total[NR] = {};
     const uint8_t* row = p.codes + o * row_bytes;
+    if (p.kind == kDense) {
+      const float* w = reinterpret_cast<const float*>(row);
+      for (int64_t i = 0; i < p.I; ++i)
+        for (int r = 0; r < NR; ++r) total[r] += w[i] * p.x[(r0 + r) * p.I + i];
+      for (int r = 0; r < NR; ++r) p.y[(r0 + r) * p.O + o] = total[r];
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float s = params.scale[(o - o_begin) * G + g], b = params.offset[(o - o_begin) * G + g];
       const float* xg = p.x + r0 * p.I + g * p.group;
@@ -361,10 +381,13 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const auto x_dims = x.dimensions(), c_dims = codes.dimensions();
   if (x_dims.size() != 2 || c_dims.size() != 2) return ffi::Error::InvalidArgument("x and codes must be 2-D");
   const int64_t R = x_dims[0], I = x_dims[1], O = c_dims[0];
-  if (kind < kInt8 || kind > kFp8 || group <= 0 || group % 16 || I % group) {
+  if (kind < kInt8 || kind > kDense || group <= 0 || group % 16 || I % group) {
     return ffi::Error::InvalidArgument("unsupported kind or group");
   }
   if (c_dims[1] != (kind == kInt4 ? I / 2 : I)) return ffi::Error::InvalidArgument("codes do not match x");
+  if ((kind == kDense) != (codes.element_type() == ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("dense weights are float32, codes are not");
+  }
   auto job = std::make_shared<Job>();
   job->problem = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
                          scale.element_type(), has_offset ? offset.untyped_data() : nullptr, offset.element_type(),
