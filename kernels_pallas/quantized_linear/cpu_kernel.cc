@@ -155,13 +155,13 @@ struct Avx2 {
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   }
+  static constexpr bool kLookup = false;  // 16-entry lookups take two permutes and a blend on 8 lanes
+  static F weights_of_codes(F s, F b) { return s; }
+  static void int4_lookup(const uint8_t* p, F table, F& lo, F& hi) {}
   // N float8_e4m3fn codes, each as its value / 256: the sign to bit 15 and the 7 bits below it to bits 7..13 make
   // the float16 with the same exponent and mantissa, subnormals included (conversions from float16 ignore the
   // denormals-are-zero mode XLA's threads run in). The format's one NaN pattern comes out as 480 / 256 instead;
   // weights hold no NaN.
-  static constexpr bool kLookup = false;  // 16-entry lookups take two permutes and a blend on 8 lanes
-  static F weights_of_codes(F s, F b) { return s; }
-  static void int4_lookup(const uint8_t* p, F table, F& lo, F& hi) {}
   static F fp8(const uint8_t* p) {
     const __m128i w = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes(p)), 7), _mm_set1_epi16(-0x4080));
     return _mm256_cvtph_ps(w);
@@ -208,7 +208,7 @@ using Wide = Avx2;
 #endif
 
 // Output features [o_begin, o_end) for rows [r0, r0 + NR), codes of kind K in groups of GROUP (0: p.group, known
-// only at run time, for sizes other than 32 and 128) in L's lanes. Each step dequantizes one vector of codes once
+// only at run time) in L's lanes. Each step dequantizes one vector of codes once
 // and multiplies it into every row. With the group a constant the steps unroll and each accumulator is a register;
 // indexed by a run-time counter they would live in memory and every FMA would wait on a store.
 template <class L, Kind K, int GROUP, int NR>
@@ -233,7 +233,7 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
     // different ones, so no chain waits on the previous group's last FMA.
     auto one_group = [&](int64_t g, auto first) __attribute__((always_inline)) {
       const F s = L::broadcast(scale[g]), b = L::broadcast(offset[g]);
-      const F table = L::weights_of_codes(s, b);
+      const F table = K == kInt4 ? L::weights_of_codes(s, b) : s;
       const uint8_t* c = row + g * group_bytes;
       const float* xg = x + g * group;
       _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes), _MM_HINT_T1);
