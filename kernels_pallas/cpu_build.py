@@ -24,6 +24,13 @@ import jax
 
 log = logging.getLogger(__name__)
 
+# FFI target -> (its source, below this package, and the handler's symbol): every CPU kernel, so that a program
+# compiled with their calls in one process can be loaded in another (`register_built`).
+KERNELS = {
+    "day0jax_quantized_matmul": ("quantized_linear/cpu_kernel.cc", "QuantizedMatmul"),
+    "day0jax_paged_decode": ("paged_attention/cpu_kernel.cc", "PagedDecode"),
+}
+
 
 def cache_dir() -> Path:
     """`$DAY0JAX_CACHE/kernels`, else `$XDG_CACHE_HOME/day0jax/kernels`, else `~/.cache/day0jax/kernels`."""
@@ -48,19 +55,21 @@ def _compiler() -> str | None:
 
 
 @functools.cache
-def library_path(source: Path) -> Path | None:
-    """The compiled `source` for this machine, building it if needed; None (with a logged reason) if it cannot be."""
+def library_path(source: Path, build: bool = True) -> Path | None:
+    """The compiled `source` for this machine, building it if needed (unless not `build`); None (with a logged
+    reason when a build was wanted) if there is none."""
     what = source.parent.name.replace("_", " ")
     cxx = _compiler()
     if cxx is None:
-        log.info("%s: no C++ compiler found; the CPU kernel is unavailable, the reference runs", what)
+        if build:
+            log.info("%s: no C++ compiler found; the CPU kernel is unavailable, the reference runs", what)
         return None
     include = jax.ffi.include_dir()
     key = hashlib.sha256(b"\0".join([source.read_bytes(), cxx.encode(), include.encode(),
                                      jax.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     out = cache_dir() / f"{source.parent.name}-{key}.so"
-    if out.is_file():
-        return out
+    if out.is_file() or not build:
+        return out if out.is_file() else None
     out.parent.mkdir(parents=True, exist_ok=True)
     log.warning("%s: building the CPU kernel for this machine into %s (first use, a few seconds)", what, out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -78,12 +87,41 @@ def library_path(source: Path) -> Path | None:
     return out
 
 
+def _source(target: str) -> tuple[Path, str]:
+    source, symbol = KERNELS[target]
+    return Path(__file__).parent / source, symbol
+
+
 @functools.cache
-def register(target: str, source: Path, symbol: str) -> bool:
-    """Registers `symbol` of the compiled `source` as the CPU FFI target `target`; False if it could not be built."""
+def register(target: str) -> bool:
+    """Registers the CPU kernel `target` (a key of `KERNELS`), building it if needed; False if it could not be."""
+    source, symbol = _source(target)
     path = library_path(source)
     if path is None:
         return False
     library = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return True
+
+
+def register_built() -> None:
+    """Registers every CPU kernel already built for this machine, building none: a stored program that calls one
+    finds its handler (XLA looks handlers up when it loads the program)."""
+    for target in KERNELS:
+        if library_path(_source(target)[0], build=False) is not None:
+            register(target)
+
+
+def require(target: str, *, gathered: str | None = None) -> None:
+    """What every CPU candidate checks before its call: the kernel `target` registered, and, for a kernel whose
+    `gathered` operand a multi-device mesh would copy onto every device (a custom call has no partitioning rule), a
+    mesh of one device.
+
+    Raises:
+        NotImplementedError: the kernel could not be built, or the mesh has several devices.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if gathered is not None and not mesh.empty and mesh.size > 1:
+        raise NotImplementedError(f"a mesh of {mesh.size} devices (the custom call would gather {gathered})")
+    if not register(target):
+        raise NotImplementedError("the CPU kernel could not be built (see the log)")

@@ -131,6 +131,9 @@ class Workload:
     max_model_len: int
     # Key positions a prefill program's attention scores at a time (the CPU's key-block loop); None: the whole span.
     score_block: int | None = None
+    # Decode steps read the pages in place on a one-device mesh (the CPU's decode attention kernel): no gathered span
+    # or score buffers among XLA's.
+    decode_in_place: bool = False
     state_slots: int = 0  # per-sequence state slots of linear-attention layers (the trash slot included)
     # (window, token slots) of sliding-window layers whose pool holds only their window (per sequence), in place of
     # `kv_slots`
@@ -275,12 +278,15 @@ def stage_split(shape: ModelShape, sizes: dict[str, int], workload: Workload, dt
 
 
 def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int, tokens: int, span: int,
-                             dtype: Any, score_block: int | None = None) -> int:
+                             dtype: Any, score_block: int | None = None, decode_in_place: bool = False) -> int:
     """Estimated peak temporary bytes on one device of a forward program: `rows` x `tokens` new tokens attending
     over `span` positions. The residual stream plus the larger of attention (q/k/v, the gathered pages and the
-    float32 scores, over the whole span or, for several tokens per row with `score_block`, one block of it at a time)
-    and the feed-forward, plus the last position's logits. Measured against XLA:CPU's own buffer assignment
-    (tests/test_sharding.py): never below it, at most about 1.5 times it."""
+    float32 scores, over the whole span or, for several tokens per row with `score_block`, one block of it at a time;
+    neither for decode steps with `decode_in_place` on one device, whose kernel keeps its own few scores) and the
+    feed-forward, plus the last position's logits. Measured against XLA:CPU's own buffer assignment
+    (tests/test_sharding.py): never below it, at most about 1.5 times it. In-place decode steps keep two of the
+    feed-forward's three buffers and no logits beside their result (XLA:CPU: 9.4 KiB a row for a 256-wide model
+    with a 1024-wide MLP)."""
     item = jnp.dtype(dtype).itemsize
     tp = sizes.get("tp", 1)
     b = shard_shape(("batch",), (rows,), sizes)[0]
@@ -294,12 +300,15 @@ def forward_activation_bytes(shape: ModelShape, sizes: dict[str, int], rows: int
     qkv = b * t * (n * k_dim + kv * (k_dim + v_dim) + n * v_dim) * item
     blocked = score_block is not None and t > 1 and span > score_block
     keys = score_block if blocked else span
-    gathered = b * keys * kv * (k_dim + v_dim) * item
-    # float32 scores, masked scores and softmax weights: XLA:CPU keeps all three live at some lengths.
-    scores = 3 * b * n * t * keys * 4
+    in_place = decode_in_place and t == 1 and math.prod(sizes.values()) <= 1
+    gathered = 0 if in_place else b * keys * kv * (k_dim + v_dim) * item
+    # float32 scores, masked scores and softmax weights: XLA:CPU keeps all three live at some lengths (two inside
+    # the key-block loop's body).
+    scores = 0 if in_place else (2 if blocked else 3) * b * n * t * keys * 4
     carried = b * t * n * v_dim * 4 if blocked else 0  # the loop's float32 numerators
-    ffn = 3 * b * t * split(shape.ffn_per_token) * item
-    logits = b * split(shape.vocab_size) * 4
+    ffn = (2 if in_place else 3) * b * t * split(shape.ffn_per_token) * item
+    # The logits are the program's result; counted where attention's buffers leave room for XLA to keep a copy.
+    logits = 0 if in_place else b * split(shape.vocab_size) * 4
     return residual + max(qkv + gathered + scores + carried, ffn) + logits
 
 
@@ -308,7 +317,8 @@ def activation_bytes(shape: ModelShape, sizes: dict[str, int], workload: Workloa
     """The largest program's estimated activation bytes on one device, and that program's forward shape."""
     best, largest = 0, (0, 0, 0)
     for rows, tokens, span in workload.forward_shapes:
-        n = forward_activation_bytes(shape, sizes, rows, tokens, span, dtype, workload.score_block)
+        n = forward_activation_bytes(shape, sizes, rows, tokens, span, dtype, workload.score_block,
+                                     workload.decode_in_place)
         if n > best:
             best, largest = n, (rows, tokens, span)
     # The sampler, replicated: float32 [rows, V] buffers (scaled and filtered logits, probabilities, noise, penalties).

@@ -396,7 +396,8 @@ def test_activation_estimate_bounds_every_program(started):
         rows, tokens, width = program.shape
         temp = compiled.memory_analysis().temp_size_in_bytes
         est = plan_lib.forward_activation_bytes(inputs.shape, mesh_lib.parse_spec(None), rows, tokens,
-                                                width * engine.page_size, "float32", inputs.workload.score_block)
+                                                width * engine.page_size, "float32", inputs.workload.score_block,
+                                                inputs.workload.decode_in_place)
         assert temp <= est <= 1.5 * temp, (program.label, temp, est)
 
 

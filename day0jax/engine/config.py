@@ -134,11 +134,12 @@ class EngineLayout:
     def workload(self, platform: str | None = None) -> Workload:
         """What the memory planner sizes: the pool's token slots and every program's shape, on `platform` (default:
         JAX's backend), where prefill attention may score keys a block at a time."""
-        cpu = (platform or jax.default_backend()) == "cpu"  # where paged attention's xla_blocks takes prefill chunks
+        # where paged attention's xla_blocks takes prefill chunks, and its C++ kernel decode steps
+        cpu = (platform or jax.default_backend()) == "cpu"
         return Workload(kv_slots=self.num_pages * self.page_size,
                         forward_shapes=tuple((r, t, w * self.page_size) for r, t, w in self.forward_shapes()),
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
-                        score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None,
+                        score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None, decode_in_place=cpu,
                         state_slots=self.state_slots,
                         window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings))
 

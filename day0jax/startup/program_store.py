@@ -25,6 +25,7 @@ import jax
 from jax.experimental import serialize_executable
 
 from day0jax.startup import compile_cache
+from kernels_pallas import cpu_build
 from day0jax.startup.compile_cache import CompileCache, VerifiedFiles, untrusted
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,14 @@ LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes")
 
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
-    """SHA-256 over the path and content of every .py and .json file of the packages that build programs."""
+    """SHA-256 over the path and content of every .py, .json and .cc (CPU kernel) file of the packages that build
+    programs."""
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
     for package in SOURCE_PACKAGES:
         for path in sorted((root / package).rglob("*")):
             rel = path.relative_to(root).as_posix()
-            if path.suffix not in (".py", ".json") or "__pycache__" in rel or rel.startswith(_NOT_TRACED):
+            if path.suffix not in (".py", ".json", ".cc") or "__pycache__" in rel or rel.startswith(_NOT_TRACED):
                 continue
             h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
@@ -106,6 +108,8 @@ class ProgramStore:
             blob, in_tree, out_tree, device_ids = pickle.loads(payload)
             by_id = {d.id: d for d in jax.devices()}
             devices = [by_id[i] for i in device_ids]
+            if devices and devices[0].platform == "cpu":
+                cpu_build.register_built()  # the handlers of the CPU kernels a program may call
             unloaded, args_info_flat, no_kwargs = _Unpickler(io.BytesIO(blob), self.cache.files, devices).load()
             return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree,
                                        no_kwargs=no_kwargs)

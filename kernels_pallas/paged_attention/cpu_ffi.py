@@ -3,15 +3,12 @@ CPU (`kernels_pallas.cpu_build`; without a compiler it declines and the next can
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import cpu_build
 
-SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "day0jax_paged_decode"
 
 
@@ -37,11 +34,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
         raise NotImplementedError(f"pages of {k_pages.dtype} and {v_pages.dtype} (float32 or bfloat16, both alike)")
     if (sliding_window is not None and sliding_window < 1) or (chunk_size is not None and chunk_size < 1):
         raise NotImplementedError(f"window {sliding_window}, chunk {chunk_size}: the kernel takes positive ones")
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        raise NotImplementedError(f"a mesh of {mesh.size} devices (the custom call would gather the pool)")
-    if not cpu_build.register(TARGET, SOURCE, "PagedDecode"):
-        raise NotImplementedError("the CPU kernel could not be built (see the log)")
+    cpu_build.require(TARGET, gathered="the pool")
     Hv = v_pages.shape[-1]
     none = jnp.zeros((0,), jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, N, Hv), jnp.float32))

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +10,6 @@ import numpy as np
 from kernels_pallas import cpu_build
 from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
-SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "day0jax_quantized_matmul"
 KIND_IDS = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3}
 # Rows (tokens) up to which one pass over the codes serves every row; prefill-sized inputs go to the reference,
@@ -39,8 +36,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         raise NotImplementedError(f"group size {w.group} is not a multiple of 16")
     if w.codes.dtype != np.dtype(jnp.int8) and w.kind == "int8":
         raise NotImplementedError(f"int8 codes stored as {w.codes.dtype}")
-    if not cpu_build.register(TARGET, SOURCE, "QuantizedMatmul"):
-        raise NotImplementedError("the CPU kernel could not be built (see the log)")
+    cpu_build.require(TARGET)
     O, _ = w.shape
     offset = w.offset if w.offset is not None else jnp.zeros((0,), w.scale.dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, O), jnp.float32))
@@ -67,11 +63,7 @@ def dense_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
         raise NotImplementedError(f"x {x.dtype}, kernel {kernel.dtype}: the dense path is float32")
     if I % 16:
         raise NotImplementedError(f"{I} inputs, not a multiple of 16")
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        raise NotImplementedError(f"a mesh of {mesh.size} devices (the custom call would gather the kernel)")
-    if not cpu_build.register(TARGET, SOURCE, "QuantizedMatmul"):
-        raise NotImplementedError("the CPU kernel could not be built (see the log)")
+    cpu_build.require(TARGET, gathered="the kernel")
     none = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, kernel.shape[0]), jnp.float32))
     return call(x, kernel, none, none, kind=np.int64(KIND_IDS["dense"]), group=np.int64(64 if I % 64 == 0 else 16),
