@@ -40,6 +40,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "day0jax" / "kernels"
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -55,26 +56,30 @@ def _compiler() -> str | None:
 
 
 @functools.cache
-def library_path(source: Path, build: bool = True) -> Path | None:
-    """The compiled `source` for this machine, building it if needed (unless not `build`); None (with a logged
-    reason when a build was wanted) if there is none."""
+def _library_file(source: Path, cxx: str) -> Path:
+    """Where `source` built by `cxx` for this machine lives (there or not)."""
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), cxx.encode(), jax.ffi.include_dir().encode(),
+                                     jax.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    return cache_dir() / f"{source.parent.name}-{key}.so"
+
+
+@functools.cache
+def library_path(source: Path) -> Path | None:
+    """The compiled `source` for this machine, building it if needed; None (with a logged reason) if it cannot be."""
     what = source.parent.name.replace("_", " ")
     cxx = _compiler()
     if cxx is None:
-        if build:
-            log.info("%s: no C++ compiler found; the CPU kernel is unavailable, the reference runs", what)
+        log.info("%s: no C++ compiler found; the CPU kernel is unavailable, the reference runs", what)
         return None
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), cxx.encode(), include.encode(),
-                                     jax.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"{source.parent.name}-{key}.so"
-    if out.is_file() or not build:
-        return out if out.is_file() else None
+    out = _library_file(source, cxx)
+    if out.is_file():
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     log.warning("%s: building the CPU kernel for this machine into %s (first use, a few seconds)", what, out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}", str(source), "-o", tmp]
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
+           str(source), "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
@@ -107,8 +112,9 @@ def register(target: str) -> bool:
 def register_built() -> None:
     """Registers every CPU kernel already built for this machine, building none: a stored program that calls one
     finds its handler (XLA looks handlers up when it loads the program)."""
-    for target in KERNELS:
-        if library_path(_source(target)[0], build=False) is not None:
+    cxx = _compiler()
+    for target in KERNELS:  # the file is looked for anew each time: another process may have built it since
+        if cxx is not None and _library_file(_source(target)[0], cxx).is_file():
             register(target)
 
 

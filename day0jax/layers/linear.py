@@ -44,9 +44,9 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     letters = string.ascii_lowercase
     o, i = letters[:kernel.ndim - in_ndim], letters[kernel.ndim - in_ndim:kernel.ndim]
     rows = math.prod(x.shape[:x.ndim - in_ndim])
+    n_out, n_in = kernel.shape[:kernel.ndim - in_ndim], kernel.shape[kernel.ndim - in_ndim:]
     if jax.default_backend() == "cpu" and registry.get_policy().mode != "reference" and (
             rows > 1 or kernel.size * kernel.dtype.itemsize <= 2**21):
-        n_out, n_in = kernel.shape[:kernel.ndim - in_ndim], kernel.shape[kernel.ndim - in_ndim:]
         try:
             y = cpu_ffi.dense_matmul(x.reshape(rows, math.prod(n_in)), kernel.reshape(math.prod(n_out), -1))
             return y.reshape(*x.shape[:x.ndim - in_ndim], *n_out)
@@ -56,7 +56,6 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
         y = jax.lax.optimization_barrier(jnp.einsum(f"{o}{i},...{i}->{o}...", kernel, x))
         return jnp.moveaxis(y, tuple(range(len(o))), tuple(range(-len(o), 0)))
     if jax.default_backend() == "cpu":
-        n_out, n_in = kernel.shape[:kernel.ndim - in_ndim], kernel.shape[kernel.ndim - in_ndim:]
         y = x.reshape(rows, math.prod(n_in)) @ kernel.reshape(math.prod(n_out), math.prod(n_in)).T
         return y.reshape(*x.shape[:x.ndim - in_ndim], *n_out)
     return jnp.einsum(f"...{i},{o}{i}->...{o}", x, kernel)

@@ -113,9 +113,9 @@ struct ChunkParams {
 
   void load(const Problem& p, int64_t o_begin, int64_t o_end) {
     const int64_t G = p.I / p.group, n = (o_end - o_begin) * G;
+    if (p.kind == kDense) return;  // no group parameters
     scale.resize(n);
     offset.resize(n);
-    if (p.kind == kDense) return;  // no group parameters
 #ifdef DAY0JAX_AVX2
     const float factor = p.kind == kFp8 ? kFp8Rebias : 1.0f;
 #else
@@ -232,7 +232,9 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
     // One group's steps, into the accumulators from `first` on: with few steps per group, consecutive groups take
     // different ones, so no chain waits on the previous group's last FMA.
     auto one_group = [&](int64_t g, auto first) __attribute__((always_inline)) {
-      const F s = L::broadcast(scale[g]), b = L::broadcast(offset[g]);
+      // Dense weights have no group parameters (and `params` holds none).
+      const F s = K == kDense ? L::zero() : L::broadcast(scale[g]);
+      const F b = K == kDense ? L::zero() : L::broadcast(offset[g]);
       const F table = K == kInt4 ? L::weights_of_codes(s, b) : s;
       const uint8_t* c = row + g * group_bytes;
       const float* xg = x + g * group;
