@@ -79,6 +79,11 @@ def test_cpu_kernel_declines_what_it_does_not_take():
         api.quantized_matmul(jnp.ones((cpu_ffi.MAX_ROWS + 1, 256)), q, implementation="cpu_ffi")
     with pytest.raises(registry.KernelUnavailable, match="float activations"):
         api.quantized_matmul(jnp.ones((2, 256), jnp.int32), q, implementation="cpu_ffi")
+    # Under a mesh of several devices the call would gather the codes; the reference's product stays split.
+    x = jnp.ones((2, 256))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("tp",))):
+        with pytest.raises(NotImplementedError, match="mesh of 2 devices"):
+            cpu_ffi.quantized_matmul(x, q)
     many = jnp.ones((40, 256))  # the pool still answers, through the reference
     np.testing.assert_allclose(api.quantized_matmul(many, q), reference.quantized_matmul(many, q), rtol=1e-5)
 

@@ -23,7 +23,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
     Raises:
         NotImplementedError: another backend, too many rows, non-float input, a group that is not a multiple of 16,
-            or no compiled kernel.
+            a multi-device mesh (the custom call has no partitioning rule: XLA would gather the codes onto every
+            device, where the reference's dequantize-then-dot stays split), or no compiled kernel.
     """
     if jax.default_backend() != "cpu":
         raise NotImplementedError("the FFI kernel is built for the CPU")
@@ -36,7 +37,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         raise NotImplementedError(f"group size {w.group} is not a multiple of 16")
     if w.codes.dtype != np.dtype(jnp.int8) and w.kind == "int8":
         raise NotImplementedError(f"int8 codes stored as {w.codes.dtype}")
-    cpu_build.require(TARGET)
+    cpu_build.require(TARGET, gathered="the codes")
     O, _ = w.shape
     offset = w.offset if w.offset is not None else jnp.zeros((0,), w.scale.dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, O), jnp.float32))
