@@ -29,7 +29,7 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dt
 def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     """x [..., *in] times kernel [*out, *in] -> [..., *out].
 
-    Up to `cpu_ffi.MAX_ROWS` rows of float32 on the CPU take the C++ kernel quantized weights use, which streams the
+    Up to `cpu_ffi.DENSE_MAX_ROWS` rows of float32 on the CPU take the C++ kernel quantized weights use, which streams the
     weight once per call (a chain of SmolLM2's 210 projections: 18.8 ms against XLA's 22.5 at 1 row, 23.3 against
     30.2 at 8), unless kernels are off (`kernels="reference"`) or the mesh has several devices; at one row only
     weights up to 2 MiB do, as XLA streams larger ones as fast (SmolLM2's MLP and vocabulary projections: a decode
