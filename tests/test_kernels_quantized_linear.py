@@ -200,25 +200,31 @@ def test_quantize_refuses_groups_that_do_not_divide_the_inputs():
 
 
 @pytest.mark.parametrize("I", [256, 96])  # steps of 64 inputs, and of 16
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
-def test_cpu_kernel_multiplies_float32_weights_as_they_are(rows, I):
-    """The dense kind: a float32 kernel [O, I] streamed by the same code, float32-tight against the float64 product;
-    37 outputs, not a multiple of the chunk or the vector width."""
+@pytest.mark.parametrize("dtype, rows", [("float32", 1), ("float32", 3), ("float32", 8), ("float32", 16),
+                                         ("bfloat16", 1), ("bfloat16", 3), ("bfloat16", 8)])
+def test_cpu_kernel_multiplies_float_weights_as_they_are(dtype, rows, I):
+    """The dense and bf16 kinds: a float32 or bfloat16 kernel [O, I] streamed by the same code, float32-tight
+    against the float64 product of the same values (bfloat16 weights and activations widen exactly); 37 outputs, not
+    a multiple of the chunk or the vector width."""
     rng = np.random.default_rng(rows + I)
-    w = jnp.asarray(rng.standard_normal((37, I)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((rows, I)), jnp.float32)
-    got = np.asarray(jax.jit(cpu_ffi.dense_matmul)(x, w), np.float64)
-    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-    bound = I * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T)
+    w = jnp.asarray(rng.standard_normal((37, I)), dtype)
+    x = jnp.asarray(rng.standard_normal((rows, I)), dtype)
+    got = jax.jit(cpu_ffi.dense_matmul)(x, w)
+    assert got.dtype == jnp.float32
+    got = np.asarray(got, np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = x64 @ w64.T
+    bound = I * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64).T)  # float32 sums of I exact products
     assert got.shape == (rows, 37) and (np.abs(got - want) <= bound).all()
 
 
 def test_dense_kernel_declines_what_it_does_not_take():
     w = jnp.ones((8, 64), jnp.float32)
-    with pytest.raises(NotImplementedError, match="float32"):
-        cpu_ffi.dense_matmul(jnp.ones((1, 64), jnp.bfloat16), w)
-    with pytest.raises(NotImplementedError, match="rows"):
-        cpu_ffi.dense_matmul(jnp.ones((cpu_ffi.DENSE_MAX_ROWS + 1, 64), jnp.float32), w)
+    with pytest.raises(NotImplementedError, match="float32 and bfloat16"):
+        cpu_ffi.dense_matmul(jnp.ones((1, 64), jnp.float32), jnp.ones((8, 64), jnp.float16))
+    for kernel in (w, w.astype(jnp.bfloat16)):
+        with pytest.raises(NotImplementedError, match="rows"):
+            cpu_ffi.dense_matmul(jnp.ones((cpu_ffi.DENSE_MAX_ROWS[kernel.dtype] + 1, 64), kernel.dtype), kernel)
     with pytest.raises(NotImplementedError, match="multiple of 16"):
         cpu_ffi.dense_matmul(jnp.ones((1, 40), jnp.float32), jnp.ones((8, 40), jnp.float32))
     x = jnp.ones((1, 64), jnp.float32)
@@ -252,3 +258,26 @@ def test_projections_of_a_few_float32_rows_take_the_cpu_kernel():
     with registry.use_policy(registry.Policy(mode="reference")):
         x = jnp.ones((1, 1, 64), jnp.float32)
         assert cpu_ffi.TARGET not in jax.jit(lambda x, k: project(x, k, 1)).lower(x, q_kernel).as_text()
+
+
+def test_projections_of_a_few_bfloat16_rows_take_the_cpu_kernel():
+    """bfloat16 weights: up to 8 rows go to the kernel whatever their size (XLA:CPU multiplies a bfloat16 matrix by a
+    vector element by element, 10x slower), more keep XLA's product; the result is bfloat16, the float32 product of
+    the same values rounded once."""
+    from day0jax.layers.linear import project
+
+    rng = np.random.default_rng(1)
+    big = jnp.asarray(rng.standard_normal((2, 1024, 640)), jnp.bfloat16)  # 2.5 MiB, heads as their own axis
+    uses = {}
+    for rows in (1, 8, 16):
+        x = jnp.asarray(rng.standard_normal((rows, 640)), jnp.bfloat16)
+        fn = jax.jit(lambda x, k: project(x, k, 1))
+        uses[rows] = cpu_ffi.TARGET in fn.lower(x, big).as_text()
+        got = fn(x, big)
+        assert got.dtype == jnp.bfloat16 and got.shape == (rows, 2, 1024)
+        want = np.einsum("ri,hoi->rho", np.asarray(x, np.float64), np.asarray(big, np.float64))
+        scale = np.einsum("ri,hoi->rho", np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(big, np.float64)))
+        summed = 640 * 2.0 ** -24 * scale  # float32 sums of 640 exact products, then one bfloat16 rounding
+        assert (np.abs(np.asarray(got, np.float64) - want) <= 2.0 ** -8 * (np.abs(want) + summed) + summed).all()
+    if jax.default_backend() == "cpu":
+        assert uses == {1: True, 8: True, 16: False}

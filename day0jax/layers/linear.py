@@ -29,11 +29,13 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dt
 def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     """x [..., *in] times kernel [*out, *in] -> [..., *out].
 
-    Up to `cpu_ffi.DENSE_MAX_ROWS` rows of float32 on the CPU take the C++ kernel quantized weights use, which streams the
-    weight once per call (a chain of SmolLM2's 210 projections: 18.8 ms against XLA's 22.5 at 1 row, 23.3 against
-    30.2 at 8), unless kernels are off (`kernels="reference"`) or the mesh has several devices; at one row only
-    weights up to 2 MiB do, as XLA streams larger ones as fast (SmolLM2's MLP and vocabulary projections: a decode
-    step 24.4 ms this way, 26.2 with every weight in the kernel; at 8 rows 38.5 against 42.5 the other way). Otherwise
+    Up to `cpu_ffi.DENSE_MAX_ROWS` rows (16 of float32, 8 of bfloat16) on the CPU take the C++ kernel quantized
+    weights use, which streams the weight once per call (a chain of SmolLM2's 210 projections: 18.8 ms against XLA's
+    22.5 at 1 row, 23.3 against 30.2 at 8), unless kernels are off (`kernels="reference"`) or the mesh has several
+    devices; at one row only float32 weights up to 2 MiB do, as XLA streams larger ones as fast (SmolLM2's MLP and
+    vocabulary projections: a decode step 24.4 ms this way, 26.2 with every weight in the kernel; at 8 rows 38.5
+    against 42.5 the other way), while bfloat16 weights of any size do (XLA:CPU's bfloat16 matrix-vector product is
+    10x slower than the kernel's). Otherwise
     XLA:CPU multiplies a few rows by a large weight twice as fast with the weight as left operand and the result
     as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against 65 ms); the barrier keeps XLA from
     folding the transpose back into the dot. Prefill-sized inputs on the CPU take one 2-D product: written as a
@@ -46,10 +48,10 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     rows = math.prod(x.shape[:x.ndim - in_ndim])
     n_out, n_in = kernel.shape[:kernel.ndim - in_ndim], kernel.shape[kernel.ndim - in_ndim:]
     if jax.default_backend() == "cpu" and registry.get_policy().mode != "reference" and (
-            rows > 1 or kernel.size * kernel.dtype.itemsize <= 2**21):
+            rows > 1 or kernel.dtype == jnp.bfloat16 or kernel.size * kernel.dtype.itemsize <= 2**21):
         try:
             y = cpu_ffi.dense_matmul(x.reshape(rows, math.prod(n_in)), kernel.reshape(math.prod(n_out), -1))
-            return y.reshape(*x.shape[:x.ndim - in_ndim], *n_out)
+            return y.astype(jnp.result_type(x, kernel)).reshape(*x.shape[:x.ndim - in_ndim], *n_out)
         except NotImplementedError:
             pass  # not float32, too many rows, a mesh, no compiler: XLA's product below
     if jax.default_backend() == "cpu" and rows <= NARROW_ROWS:

@@ -11,14 +11,17 @@ from kernels_pallas import cpu_build
 from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
 TARGET = "day0jax_quantized_matmul"
-KIND_IDS = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3}
+KIND_IDS = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3, "bf16": 4}
 # Rows (tokens) up to which the kernel takes quantized weights: it dequantizes each chunk of codes once per 8 rows
 # (the chunk stays in L2), where the reference writes a float32 copy of the whole weight per call and then runs a
 # full-speed product. Chains of SmolLM2's projections on a 2-core Zen 4, kernel against reference (int4 / int8 /
 # fp8): 32 rows 24 / 26 / 27 ms against 67 / 56 / 56, 128 rows 75 / 76 / 77 against 98 / 86 / 87; at 256 they tie.
 MAX_ROWS = 128
-# Rows up to which float32 weights take it: XLA's own product of more rows reads the weight as fast.
-DENSE_MAX_ROWS = 16
+# Rows up to which float32 and bfloat16 weights take it: XLA's own product of more rows is as fast (bfloat16 ones
+# are bound by arithmetic there, which XLA does in the CPU's bfloat16 dot instructions where it has them). A chain
+# of SmolLM2's bfloat16 projections on a 2-core Zen 4: 10 ms against XLA's 112 at 1 row, 16 against 21 at 8, 22
+# against 22 at 12, 32 against 24 at 16.
+DENSE_MAX_ROWS = {jnp.dtype(jnp.float32): 16, jnp.dtype(jnp.bfloat16): 8}
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
@@ -51,27 +54,29 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 
 def dense_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [R, I] times a float32 kernel [O, I]'s transpose, [R, O] in float32: the kernel streamed once per call by
-    the same code as quantized weights (XLA:CPU's own products of a few rows run at 60-80% of its speed on
-    SmolLM2-sized maps).
+    """x [R, I] times a float32 or bfloat16 kernel [O, I]'s transpose, [R, O] in float32 (x widened to float32
+    exactly, products summed in float32): the kernel streamed once per call by the same code as quantized weights
+    (XLA:CPU's own products of a few rows run at 60-80% of its speed on SmolLM2-sized float32 maps, and a quarter
+    of it or less on bfloat16 ones, which it multiplies element by element).
 
     Raises:
-        NotImplementedError: another backend, too many rows, anything but float32, inputs not a multiple of 16, a
-            multi-device mesh (the custom call has no partitioning rule: XLA would gather the kernel), or no
-            compiled kernel.
+        NotImplementedError: another backend, too many rows, a kernel neither float32 nor bfloat16 or x not a float,
+            inputs not a multiple of 16, a multi-device mesh (the custom call has no partitioning rule: XLA would
+            gather the kernel), or no compiled kernel.
     """
     if jax.default_backend() != "cpu":
         raise NotImplementedError("the FFI kernel is built for the CPU")
     R, I = x.shape
-    if R > DENSE_MAX_ROWS:
-        raise NotImplementedError(f"{R} rows (the kernel takes up to {DENSE_MAX_ROWS} of float32; XLA's product "
-                                  "reads the weight as fast for more)")
-    if x.dtype != jnp.float32 or kernel.dtype != jnp.float32:
-        raise NotImplementedError(f"x {x.dtype}, kernel {kernel.dtype}: the dense path is float32")
+    if kernel.dtype not in DENSE_MAX_ROWS or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise NotImplementedError(f"x {x.dtype}, kernel {kernel.dtype}: the dense path takes float32 and bfloat16")
+    if R > DENSE_MAX_ROWS[kernel.dtype]:
+        raise NotImplementedError(f"{R} rows (the kernel takes up to {DENSE_MAX_ROWS[kernel.dtype]} of "
+                                  f"{kernel.dtype}; XLA's product is as fast for more)")
     if I % 16:
         raise NotImplementedError(f"{I} inputs, not a multiple of 16")
     cpu_build.require(TARGET, gathered="the kernel")
     none = jnp.zeros((0,), jnp.float32)
+    kind = KIND_IDS["dense" if kernel.dtype == jnp.float32 else "bf16"]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, kernel.shape[0]), jnp.float32))
-    return call(x, kernel, none, none, kind=np.int64(KIND_IDS["dense"]), group=np.int64(64 if I % 64 == 0 else 16),
-                has_offset=False)
+    return call(x.astype(jnp.float32), kernel, none, none, kind=np.int64(kind),
+                group=np.int64(64 if I % 64 == 0 else 16), has_offset=False)

@@ -4,8 +4,9 @@
 // below a quarter of the memory bandwidth; this reads each code once per call for up to 8 rows, dequantizes it in
 // registers to the float32 weight the reference computes (the same one, except that code * scale + offset is
 // rounded once where the reference rounds twice) and multiplies in float32, split over XLA's intra-op thread pool.
-// 16 lanes where the CPU has AVX-512, else 8 (AVX2). Float32 weights (kind dense, no scales) take the same path:
-// for a few rows it streams them faster than XLA:CPU's small products.
+// 16 lanes where the CPU has AVX-512, else 8 (AVX2). Float32 and bfloat16 weights (kinds dense and bf16, no scales)
+// take the same path: for a few rows it streams them faster than XLA:CPU's small products (bfloat16 ones 4x and more:
+// XLA:CPU multiplies a bfloat16 matrix by a vector element by element).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,7 +30,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Kind : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2, kDense = 3 };  // dense: float32 weights as they are
+// dense: float32 weights as they are; bf16: bfloat16 weights, widened exactly to float32 in registers.
+enum Kind : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2, kDense = 3, kBf16 = 4 };
+
+// Weights with no group parameters, read as floats.
+constexpr bool plain(Kind k) { return k == kDense || k == kBf16; }
 constexpr int64_t kChunk = 32;  // output features per task
 // How far ahead of the codes being read the next ones are asked into L2 (one request per group): 10-15% faster than
 // the hardware prefetchers alone on a chain of SmolLM2's projections, whose codes come from L3 or memory.
@@ -95,7 +100,7 @@ void to_float(const void* data, ffi::DataType type, int64_t begin, int64_t n, fl
 
 struct Problem {
   const float* x;         // [R, I]
-  const uint8_t* codes;   // [O, I] (int8, fp8; float32 for dense) or [O, I/2] (int4)
+  const uint8_t* codes;   // [O, I] (int8, fp8; float32 for dense, bfloat16 for bf16) or [O, I/2] (int4)
   const void* scale;      // [O, I/group]
   ffi::DataType scale_type;
   const void* offset;     // [O, I/group], or nullptr
@@ -113,7 +118,7 @@ struct ChunkParams {
 
   void load(const Problem& p, int64_t o_begin, int64_t o_end) {
     const int64_t G = p.I / p.group, n = (o_end - o_begin) * G;
-    if (p.kind == kDense) return;  // no group parameters
+    if (plain(p.kind)) return;  // no group parameters
     scale.resize(n);
     offset.resize(n);
 #ifdef DAY0JAX_AVX2
@@ -147,6 +152,11 @@ struct Avx2 {
     return _mm_cvtss_f32(s);
   }
   static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  // N bfloat16 weights: each one's bits are the top half of the float32 it stands for.
+  static F bf16(const uint8_t* p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
   // N int8 codes.
   static F int8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); }
   // N bytes of 4-bit codes: the low nibbles and the high nibbles.
@@ -180,6 +190,10 @@ struct Avx512 {
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static F int8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
+  static F bf16(const uint8_t* p) {  // as Avx2::bf16
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
   static void int4(const uint8_t* p, F& lo, F& hi) {
     const __m512i v = _mm512_cvtepu8_epi32(bytes(p));
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
@@ -218,9 +232,10 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
   // U independent accumulators per row: with one or two rows, a single chain of FMAs would wait on its own latency.
   constexpr int U = GROUP == 0 ? 1 : NR == 1 ? 4 : NR == 2 ? 2 : 1;
   const int64_t group = GROUP ? GROUP : p.group;
-  const int64_t G = p.I / group, group_bytes = K == kInt4 ? group / 2 : K == kDense ? group * 4 : group;
+  const int64_t G = p.I / group;
+  const int64_t group_bytes = K == kInt4 ? group / 2 : K == kDense ? group * 4 : K == kBf16 ? group * 2 : group;
   const int64_t half = group / 2;
-  const int64_t steps = K == kDense ? group / N : group_bytes / N;  // N bytes of codes (N floats if dense) a step
+  const int64_t steps = plain(K) ? group / N : group_bytes / N;  // N bytes of codes (N weights if plain) a step
   const float* x = p.x + r0 * p.I;
   for (int64_t o = o_begin; o < o_end; ++o) {
     F total[NR][U];
@@ -232,9 +247,9 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
     // One group's steps, into the accumulators from `first` on: with few steps per group, consecutive groups take
     // different ones, so no chain waits on the previous group's last FMA.
     auto one_group = [&](int64_t g, auto first) __attribute__((always_inline)) {
-      // Dense weights have no group parameters (and `params` holds none).
-      const F s = K == kDense ? L::zero() : L::broadcast(scale[g]);
-      const F b = K == kDense ? L::zero() : L::broadcast(offset[g]);
+      // Plain weights have no group parameters (and `params` holds none).
+      const F s = plain(K) ? L::zero() : L::broadcast(scale[g]);
+      const F b = plain(K) ? L::zero() : L::broadcast(offset[g]);
       const F table = K == kInt4 ? L::weights_of_codes(s, b) : s;
       const uint8_t* c = row + g * group_bytes;
       const float* xg = x + g * group;
@@ -261,6 +276,12 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
           if constexpr (K == kDense) {
             _mm_prefetch(reinterpret_cast<const char*>(c + 4 * N * j + kPrefetchBytes), _MM_HINT_T1);
             w = L::load(reinterpret_cast<const float*>(c) + N * j);
+          } else if constexpr (K == kBf16) {
+            // One request per 64-byte line (a step reads half of one with 16 lanes, a quarter with 8).
+            if ((2 * N * j) % 64 == 0) {
+              _mm_prefetch(reinterpret_cast<const char*>(c + 2 * N * j + kPrefetchBytes), _MM_HINT_T1);
+            }
+            w = L::bf16(c + 2 * N * j);
           } else {
             w = L::fma(K == kInt8 ? L::int8(c + N * j) : L::fp8(c + N * j), s, b);
           }
@@ -305,6 +326,9 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
     case kDense:  // groups only split the row into steps: 64 where they divide it, else 16
       if (p.group == 64) return features<Wide, kDense, 64, NR>(p, params, r0, o_begin, o_end);
       return features<Avx2, kDense, 0, NR>(p, params, r0, o_begin, o_end);
+    case kBf16:
+      if (p.group == 64) return features<Wide, kBf16, 64, NR>(p, params, r0, o_begin, o_end);
+      return features<Avx2, kBf16, 0, NR>(p, params, r0, o_begin, o_end);
     case kInt4: return features_of_group<kInt4, NR>(p, params, r0, o_begin, o_end);
     default: return features_of_group<kFp8, NR>(p, params, r0, o_begin, o_end);
   }
@@ -312,7 +336,8 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
 #else
 template <int NR>
 void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o_begin, int64_t o_end) {
-  const int64_t G = p.I / p.group, row_bytes = p.kind == kInt4 ? p.I / 2 : p.kind == kDense ? p.I * 4 : p.I;
+  const int64_t G = p.I / p.group;
+  const int64_t row_bytes = p.kind == kInt4 ? p.I / 2 : p.kind == kDense ? p.I * 4 : p.kind == kBf16 ? p.I * 2 : p.I;
   const int64_t half = p.group / 2;
   for (int64_t o = o_begin; o < o_end; ++o) {
     float total[NR] = {};
@@ -321,6 +346,13 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
       const float* w = reinterpret_cast<const float*>(row);
       for (int64_t i = 0; i < p.I; ++i)
         for (int r = 0; r < NR; ++r) total[r] += w[i] * p.x[(r0 + r) * p.I + i];
+      for (int r = 0; r < NR; ++r) p.y[(r0 + r) * p.O + o] = total[r];
+      continue;
+    }
+    if (p.kind == kBf16) {
+      const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+      for (int64_t i = 0; i < p.I; ++i)
+        for (int r = 0; r < NR; ++r) total[r] += bf16_to_float(w[i]) * p.x[(r0 + r) * p.I + i];
       for (int r = 0; r < NR; ++r) p.y[(r0 + r) * p.O + o] = total[r];
       continue;
     }
@@ -383,12 +415,13 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const auto x_dims = x.dimensions(), c_dims = codes.dimensions();
   if (x_dims.size() != 2 || c_dims.size() != 2) return ffi::Error::InvalidArgument("x and codes must be 2-D");
   const int64_t R = x_dims[0], I = x_dims[1], O = c_dims[0];
-  if (kind < kInt8 || kind > kDense || group <= 0 || group % 16 || I % group) {
+  if (kind < kInt8 || kind > kBf16 || group <= 0 || group % 16 || I % group) {
     return ffi::Error::InvalidArgument("unsupported kind or group");
   }
   if (c_dims[1] != (kind == kInt4 ? I / 2 : I)) return ffi::Error::InvalidArgument("codes do not match x");
-  if ((kind == kDense) != (codes.element_type() == ffi::DataType::F32)) {
-    return ffi::Error::InvalidArgument("dense weights are float32, codes are not");
+  if ((kind == kDense) != (codes.element_type() == ffi::DataType::F32) ||
+      (kind == kBf16) != (codes.element_type() == ffi::DataType::BF16)) {
+    return ffi::Error::InvalidArgument("dense weights are float32, bf16 ones bfloat16, codes neither");
   }
   auto job = std::make_shared<Job>();
   job->problem = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
