@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # compiled with their calls in one process can be loaded in another (`register_built`).
 KERNELS = {
     "day0jax_quantized_matmul": ("quantized_linear/cpu_kernel.cc", "QuantizedMatmul"),
+    "day0jax_dense_matmul_many": ("quantized_linear/cpu_kernel.cc", "DenseMatmulMany"),
     "day0jax_paged_decode": ("paged_attention/cpu_kernel.cc", "PagedDecode"),
 }
 

@@ -281,3 +281,51 @@ def test_projections_of_a_few_bfloat16_rows_take_the_cpu_kernel():
         assert (np.abs(np.asarray(got, np.float64) - want) <= 2.0 ** -8 * (np.abs(want) + summed) + summed).all()
     if jax.default_backend() == "cpu":
         assert uses == {1: True, 8: True, 16: False}
+
+
+def test_one_call_for_several_weights_equals_a_call_each():
+    """`dense_matmul_many`: float32 and bfloat16 weights of different widths (one a single chunk, one not a multiple
+    of the chunk) in one call give exactly what a call each gives; mismatched inputs are declined."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    kernels = [jnp.asarray(rng.standard_normal((o, 128)), dtype)
+               for o, dtype in ((37, jnp.float32), (64, jnp.bfloat16), (5, jnp.float32), (100, jnp.float32))]
+    got = jax.jit(cpu_ffi.dense_matmul_many)(x, kernels)
+    assert len(got) == len(kernels)
+    for k, y in zip(kernels, got):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_ffi.dense_matmul)(x, k)))
+    with pytest.raises(NotImplementedError, match="does not take"):
+        cpu_ffi.dense_matmul_many(x, [kernels[0], jnp.ones((8, 64), jnp.float32)])
+    with pytest.raises(NotImplementedError, match="rows"):
+        cpu_ffi.dense_matmul_many(jnp.ones((9, 128), jnp.float32), kernels)  # 9 rows: too many for bfloat16
+
+
+def test_projections_of_the_same_input_share_one_call():
+    """`layers.linear.project_together`: q/k/v-like `Linear`s (one with a bias, heads as their own axes) go to the
+    CPU kernel in one call with the same results as each alone; quantized ones, kernels="reference" and prefill-sized
+    inputs keep a product each."""
+    from flax import nnx
+
+    from day0jax.layers.linear import Linear, project_together
+
+    rngs = nnx.Rngs(0)
+    with nnx.use_eager_sharding(False):  # logical axis names, no mesh
+        linears = (Linear((64,), (4, 16), ("embed", "heads", "head_dim"), rngs=rngs),
+                   Linear((64,), (2, 16), ("embed", "kv_heads", "head_dim"), use_bias=True, rngs=rngs),
+                   Linear((64,), (2, 16), ("embed", "kv_heads", "head_dim"), rngs=rngs))
+    linears[1].bias[...] = jnp.arange(32, dtype=jnp.float32).reshape(2, 16)
+
+    def calls(x):
+        fn = jax.jit(lambda x: project_together(x, linears))
+        text = fn.lower(x).as_text()
+        for linear, y in zip(linears, fn(x)):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(linear(x)), rtol=1e-5, atol=1e-5)
+        return text.count(f"@{cpu_ffi.MANY_TARGET}("), text.count(f"@{cpu_ffi.TARGET}(")
+
+    decode = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 64)), jnp.float32)
+    prefill = jnp.asarray(np.random.default_rng(1).standard_normal((1, 40, 64)), jnp.float32)
+    if jax.default_backend() == "cpu":
+        assert calls(decode) == (1, 0)
+        assert calls(prefill) == (0, 0)
+    with registry.use_policy(registry.Policy(mode="reference")):
+        assert calls(decode) == (0, 0)

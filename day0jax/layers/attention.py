@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from day0jax.layers.linear import Linear, param
+from day0jax.layers.linear import Linear, param, project_together
 from day0jax.layers.norms import L2Norm, RMSNorm
 from day0jax.layers.rope import Rope
 from kernels_pallas.attention import api as attention_op
@@ -127,7 +127,7 @@ class Attention(nnx.Module):
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache). `rope_tables`: {Rope: (cos, sin)} for
         every RoPE of the model; this layer takes its own."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, N|K, H]
+        q, k, v = project_together(x, (self.q_proj, self.k_proj, self.v_proj))  # [B, T, N|K, H]
         if self.output_gate:
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
         if self.q_norm is not None and not self.qk_norm_after_rope:

@@ -47,8 +47,7 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     o, i = letters[:kernel.ndim - in_ndim], letters[kernel.ndim - in_ndim:kernel.ndim]
     rows = math.prod(x.shape[:x.ndim - in_ndim])
     n_out, n_in = kernel.shape[:kernel.ndim - in_ndim], kernel.shape[kernel.ndim - in_ndim:]
-    if jax.default_backend() == "cpu" and registry.get_policy().mode != "reference" and (
-            rows > 1 or kernel.dtype == jnp.bfloat16 or kernel.size * kernel.dtype.itemsize <= 2**21):
+    if _cpu_kernel_takes(rows, kernel):
         try:
             y = cpu_ffi.dense_matmul(x.reshape(rows, math.prod(n_in)), kernel.reshape(math.prod(n_out), -1))
             return y.astype(jnp.result_type(x, kernel)).reshape(*x.shape[:x.ndim - in_ndim], *n_out)
@@ -61,6 +60,39 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
         y = x.reshape(rows, math.prod(n_in)) @ kernel.reshape(math.prod(n_out), math.prod(n_in)).T
         return y.reshape(*x.shape[:x.ndim - in_ndim], *n_out)
     return jnp.einsum(f"...{i},{o}{i}->...{o}", x, kernel)
+
+
+def _cpu_kernel_takes(rows: int, kernel: jax.Array) -> bool:
+    """Whether `project` sends `rows` rows times `kernel` to the C++ kernel (when its checks pass; see `project`)."""
+    return jax.default_backend() == "cpu" and registry.get_policy().mode != "reference" and (
+        rows > 1 or kernel.dtype == jnp.bfloat16 or kernel.size * kernel.dtype.itemsize <= 2**21)
+
+
+def project_together(x: jax.Array, linears: Sequence["Linear"]) -> list[jax.Array]:
+    """[linear(x) for linear in linears], for `Linear`s of the same input (a layer's q, k and v; gate and up).
+
+    Where `project` would send each of them to the CPU's C++ kernel, one call streams all their weights (a SmolLM2
+    decode step on a 2-core Zen 4: q, k and v took 61, 25 and 22 us as three calls; see RESULTS.md for the
+    step); otherwise each takes its own path.
+    """
+    n_in = linears[0].in_shape
+    rows = math.prod(x.shape[:x.ndim - len(n_in)])
+    kernels = [linear.kernel for linear in linears]
+    if all(linear.in_shape == n_in and not isinstance(k, QuantizedKernel) and _cpu_kernel_takes(rows, k[...])
+           for linear, k in zip(linears, kernels)):
+        flat = [k[...].reshape(-1, math.prod(n_in)) for k in kernels]
+        try:
+            with jax.named_scope("projection"):
+                ys = cpu_ffi.dense_matmul_many(x.reshape(rows, math.prod(n_in)), flat)
+        except NotImplementedError:
+            pass  # as in `project`: XLA's products, one by one
+        else:
+            out = []
+            for linear, k, y in zip(linears, flat, ys):
+                y = y.astype(jnp.result_type(x, k)).reshape(*x.shape[:x.ndim - len(n_in)], *linear.out_shape)
+                out.append(y if linear.bias is None else y + linear.bias[...])
+            return out
+    return [linear(x) for linear in linears]
 
 
 def exact_float32(dtype):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.errors import UnsupportedArchitecture
-from day0jax.layers.linear import Linear
+from day0jax.layers.linear import Linear, project_together
 from kernels_pallas.calls import OpCall
 
 # HF `hidden_act` / `hidden_activation` names -> functions, with HF's exact formulas.
@@ -52,7 +52,8 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_together(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(self.act(gate) * up)
 
     def op_calls(self) -> list[OpCall]:
         ungated = {} if self.gate_proj is not None else dict(gated=False)

@@ -390,24 +390,49 @@ int64_t rows(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o_
 
 // Tasks claim chunks of output features from a shared counter; the calling thread works too and then waits only
 // for chunks already claimed. A pool task that starts late finds nothing left, so the call never waits on a task
-// the pool has not started (XLA may run other custom calls on the pool's threads at the same time).
+// the pool has not started (XLA may run other custom calls on the pool's threads at the same time). A job may hold
+// several products of the same x (a layer's q, k and v): one call streams their weights back to back.
 struct Job {
-  Problem problem;
-  int64_t n_chunks;
+  std::vector<Problem> problems;
+  std::vector<int64_t> first_chunk;  // problems[k]'s chunks are [first_chunk[k], first_chunk[k + 1])
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> running{0};
+
+  void add(const Problem& p) {
+    if (first_chunk.empty()) first_chunk.push_back(0);
+    problems.push_back(p);
+    first_chunk.push_back(first_chunk.back() + (p.O + kChunk - 1) / kChunk);
+  }
+  int64_t n_chunks() const { return first_chunk.back(); }
 
   void work() {
     running.fetch_add(1);
     ChunkParams params;
-    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-      const int64_t o_begin = c * kChunk, o_end = std::min(problem.O, o_begin + kChunk);
+    size_t k = 0;  // a thread's claims ascend, so the problem they fall in only moves forward
+    for (int64_t c = next.fetch_add(1); c < n_chunks(); c = next.fetch_add(1)) {
+      while (c >= first_chunk[k + 1]) ++k;
+      const Problem& problem = problems[k];
+      const int64_t o_begin = (c - first_chunk[k]) * kChunk, o_end = std::min(problem.O, o_begin + kChunk);
       params.load(problem, o_begin, o_end);
       for (int64_t r0 = 0; r0 < problem.R;) r0 += rows(problem, params, r0, o_begin, o_end);
     }
     running.fetch_sub(1);
   }
+
 };
+
+// Runs `job` on the calling thread and up to pool.num_threads() - 1 of the pool's (whose tasks hold the job, so one
+// that starts after the call returned still finds it).
+void run(const std::shared_ptr<Job>& job, ffi::ThreadPool& pool) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->n_chunks()) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->running.load() != 0 || job->next.load() < job->n_chunks()) {
+#ifdef DAY0JAX_AVX2
+    _mm_pause();
+#endif
+  }
+}
 
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                                ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
@@ -424,18 +449,43 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     return ffi::Error::InvalidArgument("dense weights are float32, bf16 ones bfloat16, codes neither");
   }
   auto job = std::make_shared<Job>();
-  job->problem = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
-                         scale.element_type(), has_offset ? offset.untyped_data() : nullptr, offset.element_type(),
-                         y->typed_data(), static_cast<Kind>(kind), R, O, I, group};
-  job->n_chunks = (O + kChunk - 1) / kChunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->n_chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->running.load() != 0 || job->next.load() < job->n_chunks) {
-#ifdef DAY0JAX_AVX2
-    _mm_pause();
-#endif
+  job->add(Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
+                   scale.element_type(), has_offset ? offset.untyped_data() : nullptr, offset.element_type(),
+                   y->typed_data(), static_cast<Kind>(kind), R, O, I, group});
+  run(job, pool);
+  return ffi::Error::Success();
+}
+
+// y_k = x w_k^T for float32 or bfloat16 weights w_k [O_k, I] (kind dense or bf16, as QuantizedMatmul's), all in
+// one job.
+ffi::Error DenseMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                               ffi::RemainingRets ys, int64_t group) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be 2-D");
+  const int64_t R = x_dims[0], I = x_dims[1];
+  if (group <= 0 || group % 16 || I % group) return ffi::Error::InvalidArgument("unsupported group");
+  if (weights.size() != ys.size() || weights.empty()) {
+    return ffi::Error::InvalidArgument("one result per weight");
   }
+  auto job = std::make_shared<Job>();
+  for (size_t k = 0; k < weights.size(); ++k) {
+    auto w = weights.get<ffi::AnyBuffer>(k);
+    auto y = ys.get<ffi::AnyBuffer>(k);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad weight or result");
+    const auto w_dims = w->dimensions(), y_dims = (*y)->dimensions();
+    const ffi::DataType type = w->element_type();
+    if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
+      return ffi::Error::InvalidArgument("weights are float32 or bfloat16");
+    }
+    if (w_dims.size() != 2 || w_dims[1] != I || y_dims.size() != 2 || y_dims[0] != R || y_dims[1] != w_dims[0] ||
+        (*y)->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument("a weight or result does not match x");
+    }
+    job->add(Problem{x.typed_data(), static_cast<const uint8_t*>(w->untyped_data()), nullptr, ffi::DataType::F32,
+                     nullptr, ffi::DataType::F32, static_cast<float*>((*y)->untyped_data()),
+                     type == ffi::DataType::F32 ? kDense : kBf16, R, w_dims[0], I, group});
+  }
+  run(job, pool);
   return ffi::Error::Success();
 }
 
@@ -452,3 +502,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, QuantizedMatmulImpl,
                                   .Attr<int64_t>("kind")
                                   .Attr<int64_t>("group")
                                   .Attr<bool>("has_offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseMatmulMany, DenseMatmulManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("group"));
