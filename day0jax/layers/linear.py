@@ -35,13 +35,12 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
     devices; at one row only float32 weights up to 2 MiB do, as XLA streams larger ones as fast (SmolLM2's MLP and
     vocabulary projections: a decode step 24.4 ms this way, 26.2 with every weight in the kernel; at 8 rows 38.5
     against 42.5 the other way), while bfloat16 weights of any size do (XLA:CPU's bfloat16 matrix-vector product is
-    10x slower than the kernel's). Otherwise
-    XLA:CPU multiplies a few rows by a large weight twice as fast with the weight as left operand and the result
-    as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against 65 ms); the barrier keeps XLA from
-    folding the transpose back into the dot. Prefill-sized inputs on the CPU take one 2-D product: written as a
-    contraction over a kernel with heads as their own axes, XLA:CPU copied the kernel into its matmul layout on
-    every call (a SigLIP-base tower 155 -> 130 ms, a 256-token SmolLM2 prefill with it 520 -> 420 ms). Other
-    backends take the plain contraction.
+    10x slower than the kernel's). Otherwise XLA:CPU multiplies a few rows by a large weight twice as fast with the
+    weight as left operand and the result as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against
+    65 ms); the barrier keeps XLA from folding the transpose back into the dot. Prefill-sized inputs on the CPU take
+    one 2-D product: written as a contraction over a kernel with heads as their own axes, XLA:CPU copied the kernel
+    into its matmul layout on every call (a SigLIP-base tower 155 -> 130 ms, a 256-token SmolLM2 prefill with it
+    520 -> 420 ms). Other backends take the plain contraction.
     """
     letters = string.ascii_lowercase
     o, i = letters[:kernel.ndim - in_ndim], letters[kernel.ndim - in_ndim:kernel.ndim]
@@ -52,7 +51,7 @@ def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
             y = cpu_ffi.dense_matmul(x.reshape(rows, math.prod(n_in)), kernel.reshape(math.prod(n_out), -1))
             return y.astype(jnp.result_type(x, kernel)).reshape(*x.shape[:x.ndim - in_ndim], *n_out)
         except NotImplementedError:
-            pass  # not float32, too many rows, a mesh, no compiler: XLA's product below
+            pass  # another dtype, too many rows, a mesh, no compiler: XLA's product below
     if jax.default_backend() == "cpu" and rows <= NARROW_ROWS:
         y = jax.lax.optimization_barrier(jnp.einsum(f"{o}{i},...{i}->{o}...", kernel, x))
         return jnp.moveaxis(y, tuple(range(len(o))), tuple(range(-len(o), 0)))
@@ -68,12 +67,12 @@ def _cpu_kernel_takes(rows: int, kernel: jax.Array) -> bool:
         rows > 1 or kernel.dtype == jnp.bfloat16 or kernel.size * kernel.dtype.itemsize <= 2**21)
 
 
-def project_together(x: jax.Array, linears: Sequence["Linear"]) -> list[jax.Array]:
+def project_together(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:
     """[linear(x) for linear in linears], for `Linear`s of the same input (a layer's q, k and v; gate and up).
 
     Where `project` would send each of them to the CPU's C++ kernel, one call streams all their weights (a SmolLM2
-    decode step on a 2-core Zen 4: q, k and v took 61, 25 and 22 us as three calls; see RESULTS.md for the
-    step); otherwise each takes its own path.
+    decode step on a 2-core Zen 4: q, k and v took 61, 25 and 22 us as three calls; bench/RESULTS.md has the whole
+    step before and after); otherwise each takes its own path.
     """
     n_in = linears[0].in_shape
     rows = math.prod(x.shape[:x.ndim - len(n_in)])
