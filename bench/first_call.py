@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--trees", default="", help="other checkouts to run alternately with this one")
     args = ap.parse_args()
     trees = [ROOT] + [Path(t) for t in args.trees.split(",") if t]
-    print(f"`python -m day0jax.generate --max-tokens {args.tokens}`, default model, float32; seconds")
+    print(f"`python -m day0jax.generate --max-tokens {args.tokens}`, default model (its Q4_1 weights kept "
+          "quantized, float32 activations); seconds")
     print("| tree | run | cache | load | generate | process wall |")
     print("|---|---:|---|---:|---:|---:|")
     for run in range(args.repeats):
