@@ -32,6 +32,22 @@ FAMILIES = {
                                                       "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
                                                       "original_max_position_embeddings": 16}), False),
     "mistral": ("mistral", dict(TINY, sliding_window=8), True),
+    # Layer 0 slides (window 8, shorter than the longer prompts), layer 1 attends fully. HF's Ministral needs head_dim.
+    "ministral": ("ministral", dict(TINY, head_dim=16, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"]), True),
+    # No layer_types: HF's default makes every layer slide; a wider head, the legacy rope_theta key, tied embeddings.
+    "ministral_default": ("ministral", dict(TINY, head_dim=32, sliding_window=8, rope_theta=1000000.0,
+                                            tie_word_embeddings=True), True),
+    # EXAONE's own keys (num_layers, layer_norm_epsilon, activation_function) and legacy llama3 rope_scaling; the
+    # checkpoint is saved under EXAONE's tensor names (transformer.h.*.attn.attention.*, ln_1, c_fc_0...).
+    "exaone": ("exaone", dict({k: v for k, v in TINY.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+                              num_layers=2, layer_norm_epsilon=1e-5, activation_function="silu", embed_dropout=0.0,
+                              rope_theta=1000000.0,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), True),
+    # HF's default RoPE (theta 5e5, ExaoneConfig's default_theta), biases on every projection, tied embeddings.
+    "exaone_bias_tied": ("exaone", dict(TINY, head_dim=32, attention_bias=True, mlp_bias=True,
+                                        tie_word_embeddings=True), True),
     # Layer 0 full attention, layer 1 sliding (max_window_layers=1).
     "qwen2": ("qwen2", dict(TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1), True),
     "qwen3": ("qwen3", dict(TINY, head_dim=32), True),
@@ -141,11 +157,30 @@ FAMILIES = {
     # Interleaved RoPE pairs; biases on every projection.
     "ernie4_5": ("ernie4_5", dict(TINY, head_dim=16, use_bias=True, rope_theta=100.0, initializer_range=0.2), True),
     "ernie4_5_tied": ("ernie4_5", dict(TINY, head_dim=32, num_key_value_heads=1, tie_word_embeddings=True), True),
+    # Layer 0 dense, 1 and 2 MoE (start 1, end -1: the last); top-2 of 4 chosen by score + routing bias, two shared
+    # experts, biases everywhere (lm_head's too); larger weights so that RoPE's pairing shows in the logits.
+    "ernie4_5_moe": ("ernie4_5_moe", dict(TINY, num_hidden_layers=3, moe_num_experts=4, moe_k=2,
+                                          moe_intermediate_size=32, moe_num_shared_experts=2, use_bias=True,
+                                          tie_word_embeddings=False, rope_theta=100.0, initializer_range=0.2), True),
+    # Only layer 1 is an MoE (interval 2 from 0, end 1); top-3, no shared experts, tied embeddings.
+    "ernie4_5_moe_interval": ("ernie4_5_moe", dict(TINY, num_hidden_layers=3, moe_num_experts=4, moe_k=3,
+                                                   moe_intermediate_size=32, moe_num_shared_experts=0,
+                                                   moe_layer_start_index=0, moe_layer_end_index=1, moe_layer_interval=2,
+                                                   tie_word_embeddings=True), True),
     # q/k norms after RoPE; "dynamic" RoPE with an alpha (a fixed stretch of the base); biases. Larger weights
     # (initializer_range) sharpen attention so that the order of norm and RoPE shows in the logits.
     "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(TINY, head_dim=16, attention_bias=True, initializer_range=0.2,
                                                   rope_parameters={"rope_type": "dynamic", "alpha": 50.0,
                                                                    "factor": 1.0, "rope_theta": 100.0}), True),
+    # An MoE on every layer: top-2 then top-3 of 4 experts (a per-layer moe_topk), always renormalized, beside the
+    # shared MLP; the dense family's q/k norms after RoPE and alpha RoPE, biases, larger weights as there.
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(TINY, head_dim=16, num_experts=4, moe_topk=[2, 3], attention_bias=True,
+                                              initializer_range=0.2,
+                                              rope_parameters={"rope_type": "dynamic", "alpha": 50.0,
+                                                               "factor": 1.0, "rope_theta": 100.0}), True),
+    # One moe_topk for every layer, top-1 (a weight of exactly 1), plain RoPE, tied embeddings.
+    "hunyuan_v1_moe_top1": ("hunyuan_v1_moe", dict(TINY, head_dim=16, num_experts=4, moe_topk=1, rope_theta=1000.0,
+                                                   tie_word_embeddings=True), True),
     # Interleaved RoPE on half the head dims (HF's default), fused gate/up, four norms a layer, q/k/v biases;
     # larger weights so that RoPE's pairing shows in the logits.
     "glm4": ("glm4", dict(TINY, head_dim=16, rope_theta=100.0, initializer_range=0.2), True),

@@ -25,32 +25,37 @@ class Router(nnx.Module):
     """Chooses k experts per token and their weights, from float32 logits (as DeepSeek's router).
 
     Args:
-        routing: "softmax_topk": softmax over all experts, top k, renormalized when `norm_topk_prob` (Mixtral, Qwen
-            MoE); "topk_softmax": softmax over the top k logits (gpt-oss); "sigmoid_grouped": experts chosen by
-            sigmoid score + `e_score_correction_bias` within the `topk_group` best of `n_group` groups (a group's
-            score: the sum of its top two), weighted by the plain scores, renormalized when `norm_topk_prob`, times
-            `routed_scaling_factor` (DeepSeek-V3); "topk_sigmoid": the top k logits, each through a sigmoid, not
-            renormalized (Llama 4); "softmax_grouped": as "sigmoid_grouped" with softmax scores and no score bias
-            (Mistral 4).
+        routing: "softmax_topk": softmax over all experts, top k (by score + `e_score_correction_bias` with
+            `score_bias`, weighted by the plain scores), renormalized when `norm_topk_prob` (Mixtral, Qwen MoE; ERNIE
+            4.5 MoE with the bias); "topk_softmax": softmax over the top k logits (gpt-oss); "sigmoid_grouped":
+            experts chosen by sigmoid score + `e_score_correction_bias` within the `topk_group` best of `n_group`
+            groups (a group's score: the sum of its top two), weighted by the plain scores, renormalized when
+            `norm_topk_prob`, times `routed_scaling_factor` (DeepSeek-V3); "topk_sigmoid": the top k logits, each
+            through a sigmoid, not renormalized (Llama 4); "softmax_grouped": as "sigmoid_grouped" with softmax
+            scores and no score bias (Mistral 4).
         use_bias: a bias on the router logits (gpt-oss).
         norm_eps: added to the sum of the grouped routings' weights when they are renormalized (LFM2-MoE: 1e-6).
         logit_softcap: if set, the logits go through cap * tanh(logits / cap) before any scoring (Laguna).
+        score_bias: "softmax_topk" chooses by score + `e_score_correction_bias` ("sigmoid_grouped" always does).
+        norm_min: "softmax_topk" renormalizes by max(sum, norm_min) where set (ERNIE 4.5 MoE's `moe_norm_min`).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, routing: str, norm_topk_prob: bool = False,
                  use_bias: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
-                 norm_eps: float = 1e-20, logit_softcap: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+                 norm_eps: float = 1e-20, logit_softcap: float | None = None, score_bias: bool = False,
+                 norm_min: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         assert routing in ROUTINGS, routing
         E = num_experts
         # HF's [experts, hidden] layout, like every Linear kernel.
         self.kernel = param(rngs, (E, hidden_size), (None, "embed"), dtype, 1 / math.sqrt(hidden_size), in_ndim=1)
         self.bias = param(rngs, (E,), (None,), dtype, 0.0) if use_bias else None
         self.e_score_correction_bias = (param(rngs, (E,), (None,), jnp.float32, 0.0)
-                                        if routing == "sigmoid_grouped" else None)
+                                        if routing == "sigmoid_grouped" or score_bias else None)
         self.routing, self.top_k, self.norm_topk_prob = routing, top_k, norm_topk_prob
         self.n_group, self.topk_group, self.scale = n_group, topk_group, routed_scaling_factor
         self.norm_eps = norm_eps
         self.logit_softcap = logit_softcap
+        self.norm_min = norm_min
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [M, D] -> (weights [M, k] float32, expert ids [M, k] int32)."""
@@ -61,9 +66,15 @@ class Router(nnx.Module):
             logits = jnp.tanh(logits / self.logit_softcap) * self.logit_softcap
         k = self.top_k
         if self.routing == "softmax_topk":
-            weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+            scores = jax.nn.softmax(logits, axis=-1)
+            if self.e_score_correction_bias is None:
+                weights, experts = jax.lax.top_k(scores, k)
+            else:  # the bias only balances the choice; the weights stay the plain scores
+                _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], k)
+                weights = jnp.take_along_axis(scores, experts, axis=-1)
             if self.norm_topk_prob:
-                weights = weights / weights.sum(-1, keepdims=True)
+                total = weights.sum(-1, keepdims=True)
+                weights = weights / (total if self.norm_min is None else jnp.maximum(total, self.norm_min))
         elif self.routing == "topk_softmax":
             top, experts = jax.lax.top_k(logits, k)
             weights = jax.nn.softmax(top, axis=-1)

@@ -53,6 +53,10 @@ class Config(HFConfig):
         self._refuse_if("attention_head_dim", lambda v: v is not None and v != self.head_size,
                         f"differs from the head size {self.head_size}")
         self._refuse_if("norm_type", lambda v: v != "rms", "is not implemented (only 'rms')")
+        self._refuse_mlp()
+
+    def _refuse_mlp(self):
+        """Refuses the MLP keys this family does not implement; the MoE family (a subclass) refuses its own."""
         self._refuse_if("use_mixed_mlp_moe", bool, "(an MoE) is not implemented by the dense family")
 
     @cached_property
