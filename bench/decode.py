@@ -63,7 +63,7 @@ class Worker:
 def f32_gguf() -> Path:
     """Where the F32 GGUF of the default model lives (written by the llama.cpp worker on first use); installs
     llama-cpp-python (built from source for this CPU) into .venv-ref if it is missing."""
-    from day0jax.weights.default_model import cache_root
+    from day0jax.core.paths import cache_root
 
     ref = str(ROOT / ".venv-ref/bin/python")
     if subprocess.run([ref, "-c", "import llama_cpp"], capture_output=True).returncode != 0:
@@ -80,7 +80,8 @@ def float32_checkpoint() -> Path:
     """The default model converted to float32 (its GGUF blocks dequantized), the weights transformers and the F32
     GGUF hold; converted into the bench cache on first use."""
     from convert.convert import Options, convert_checkpoint
-    from day0jax.weights.default_model import cache_root, default_gguf
+    from day0jax.core.paths import cache_root
+    from day0jax.default_model import default_gguf
 
     dst = cache_root() / "bench" / "day0jax-float32"
     if not (dst / "day0jax.json").is_file():
@@ -116,7 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    from day0jax.weights.default_model import default_gguf
+    from day0jax.default_model import default_gguf
     from day0jax.weights.tokenizer import Tokenizer
 
     ckpt = float32_checkpoint()

@@ -37,7 +37,7 @@ def run_cli(tree: Path, cache: Path, tokens: int) -> dict[str, float]:
 
 def steady(tokens: int) -> float:
     """Seconds for the same generation in a process that has run it once already."""
-    code = ("import time, day0jax\nfrom day0jax.weights.default_model import default_checkpoint\n"
+    code = ("import time, day0jax\nfrom day0jax.default_model import default_checkpoint\n"
             "m = day0jax.load(default_checkpoint(), dtype='float32')\nids = m.tokenizer.encode(%r)\n"
             "m.generate([ids], %d)\nt = time.perf_counter(); m.generate([ids], %d)\n"
             "print(time.perf_counter() - t)\n") % (PROMPT, tokens, tokens)

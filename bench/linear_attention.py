@@ -50,11 +50,12 @@ def build(work: Path) -> tuple[Path, Path]:
 def bytes_per_sequence(ckpt: Path, context: int) -> tuple[int, int]:
     """(this model, the same model with full attention everywhere): float32 bytes per sequence of `context`."""
     from day0jax import models
-    from day0jax.weights import hf_config
+    from day0jax.core import hf_config
     from sharding.plan import ModelShape
 
     config = models.config_from_hf(hf_config.read_config_json(ckpt / "config.json"))
-    shape = ModelShape.from_model(models.abstract_model(config), config.max_position_embeddings)
+    abstract = models.abstract_model(config)
+    shape = ModelShape.from_model(abstract, models.param_infos(abstract), config.max_position_embeddings)
     kv_token = sum(x.token_elements * 4 for x in shape.kv_layers)
     hybrid = sum(x.bytes_per_sequence for x in shape.state_layers) + kv_token * context
     full = config.num_hidden_layers * config.kv_heads * 2 * config.head_size * 4 * context

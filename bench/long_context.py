@@ -40,7 +40,7 @@ def model_folders() -> tuple[Path, Path]:
     from safetensors.numpy import save_file
 
     from convert.convert import Options, convert_checkpoint
-    from day0jax.weights.default_model import cache_root
+    from day0jax.core.paths import cache_root
 
     root = cache_root() / "bench" / "long-context"
     hf, ckpt = root / "hf", root / "day0jax"

@@ -81,7 +81,7 @@ def worker(ckpt: str) -> None:
 
 def checkpoints() -> tuple[Path, Path]:
     """The Hugging Face folder and the day0jax checkpoint of the benchmark's model, made on first use."""
-    from day0jax.weights.default_model import cache_root
+    from day0jax.core.paths import cache_root
 
     root = cache_root() / "bench"
     hf, ours = root / "llava-siglip-smollm2-hf", root / "llava-siglip-smollm2"

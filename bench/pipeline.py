@@ -50,7 +50,7 @@ def checkpoint() -> Path:
     from safetensors.numpy import save_file
 
     from convert.convert import Options, convert_checkpoint
-    from day0jax.weights.default_model import cache_root
+    from day0jax.core.paths import cache_root
 
     root = cache_root() / "bench" / "pipeline"
     hf, ckpt = root / "hf", root / "day0jax"

@@ -65,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    from day0jax.weights.default_model import default_gguf
+    from day0jax.default_model import default_gguf
     from day0jax.weights.tokenizer import Tokenizer
 
     source = default_gguf()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the server launcher the tests use
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -103,8 +104,8 @@ def main():
                                                       "turns with this tree's server")
     args = ap.parse_args()
 
-    from day0jax.weights.default_model import NAME, default_checkpoint, default_gguf
-    from day0jax.serve.launch import ServerProcess
+    from day0jax.default_model import NAME, default_checkpoint, default_gguf
+    from launch import ServerProcess
     from day0jax.weights.tokenizer import Tokenizer
 
     ckpt = default_checkpoint()

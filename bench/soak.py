@@ -24,10 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the server launcher the tests use
 
 import httpx  # noqa: E402
 
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 
 BAD = [b'{"model": "M", "prompt": ', b'{"model": "M", "prompt": "x", "top_p": 9}',
        b'{"model": "M", "prompt": "x\\ud800"}', b'{"model": "M", "prompt": "x", "suffix": "y"}',

@@ -28,10 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the server launcher the tests use
 
 import httpx  # noqa: E402
 
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 
 PHASES = ("python start", "server imports", "imports", "default model", "compile cache", "read config", "build model",
           "restore parameters", "kernel self-test", "build engine", "compile", "warm-up")

@@ -158,7 +158,7 @@ def main() -> None:
 
     import day0jax
     from day0jax.engine.config import EngineConfig
-    from day0jax.weights.default_model import default_checkpoint
+    from day0jax.default_model import default_checkpoint
 
     model = day0jax.load(default_checkpoint(), dtype="float32", engine=EngineConfig(
         max_num_seqs=16, chunk_buckets=(32, 128), max_model_len=512, min_width=512))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from convert.convert import Options, convert_checkpoint
 from convert.verify import verify_checkpoint
-from day0jax import logs
-from day0jax.errors import Day0Error
+from day0jax.core import logs
+from day0jax.core.errors import Day0Error
 
 
 def main(argv: list[str] | None = None) -> int:

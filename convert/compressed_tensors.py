@@ -21,7 +21,7 @@ import logging
 import ml_dtypes
 import numpy as np
 
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
          "input_zero_point")

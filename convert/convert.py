@@ -19,9 +19,9 @@ from convert.quantize import QuantPlan, plan_quantization, quantized_arrays
 from convert.sources import RenamedSource, open_source
 from convert.writer import CheckpointWriter, sha256_file
 from day0jax import models
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 from day0jax.layers.quantized import QUANT_METHOD, specs_to_json
-from day0jax.models.base import Source, default_source
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.contract import Family
 from sharding.plan import stored_dtype
 

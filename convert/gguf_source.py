@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 
 from convert.gguf_blocks import FORMATS, reblock
-from day0jax.errors import CheckpointError, UnsupportedArchitecture
+from day0jax.core.errors import CheckpointError, UnsupportedArchitecture
 
 # Tensor types we read, by GGML type id: floats, and quantized types kept in a format of convert/gguf_blocks.py
 # (dequantized by the `gguf` package with --dequantize).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 

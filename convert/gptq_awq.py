@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from convert.hf_source import HFSource
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 
 
 class Source(Protocol):

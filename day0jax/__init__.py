@@ -2,7 +2,7 @@
 
 `day0jax.load(path, dtype=None, mesh=None)` returns a `Model` with `.logits`, `.generate`, `.tokenizer`,
 `.config` and `.mesh`. Imported lazily so that `import day0jax` stays cheap and lower layers can import
-`day0jax.errors` without cycles.
+`day0jax.core.errors` without cycles.
 """
 
 __version__ = "0.1.0"
@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "load":
-        from day0jax.weights.loader import load
+        from day0jax.loader import load
         return load
     if name == "Model":
         from day0jax.model import Model

@@ -23,9 +23,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from day0jax.weights import hf_config as config_lib
+from day0jax.core import hf_config as config_lib
 from day0jax import cli
-from day0jax.errors import CheckpointError, Day0Error
+from day0jax.core.errors import CheckpointError, Day0Error
 from sharding import mesh as mesh_lib
 
 RUNS, WONT_RUN = 0, 2
@@ -235,7 +235,8 @@ def _ops(op_calls, dtype, tp: int) -> list[dict]:
 def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     """One row per kind of token mixer: its layers and what the engine keeps for each (KV per token, or a fixed
     state per sequence)."""
-    from sharding.plan import SharedKV, StateLayer, fmt_bytes
+    from day0jax.core.cache_layout import SharedKV, StateLayer
+    from sharding.plan import fmt_bytes
 
     attention = {layer: call for layer, call in op_calls if call.op in ("paged_attention", "sparse_attention")}
     rows: dict[tuple[str, str], list[int]] = {}
@@ -284,7 +285,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     from convert.quantize import QuantPlan
     from day0jax.layers.quantized import parameter_count, specs_from_config
     from day0jax.engine.config import EngineConfig
-    from day0jax.weights.loader import DTYPES, default_dtype
+    from day0jax.loader import DTYPES, default_dtype
 
     path = Path(path)
     report = Report(path=str(path), backend=jax.default_backend())
@@ -409,7 +410,7 @@ def _mapping_problems(fam, config, infos, source) -> list[str]:
     if source is None or isinstance(source, _ReadableShards):  # (an unreadable shard is reported already)
         return []
     if isinstance(source, dict):
-        from day0jax.weights.loader import manifest_problems
+        from day0jax.weights.restore import manifest_problems
 
         return manifest_problems(source, infos)[:5]
     from convert.convert import plan_sources
@@ -428,7 +429,7 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
     (and with `probe`, the measured collectives of that mesh in `report.probe`)."""
     import jax
 
-    from day0jax.weights.loader import EnginePlanInputs
+    from day0jax.loader import EnginePlanInputs
     from sharding import plan as plan_lib
     from sharding.cluster import ranked_meshes
 

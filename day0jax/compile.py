@@ -11,8 +11,9 @@ import argparse
 import logging
 import sys
 
-from day0jax import cli, logs
-from day0jax.errors import Day0Error
+from day0jax import cli
+from day0jax.core import logs
+from day0jax.core.errors import Day0Error
 from sharding import distributed
 
 
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level)
-    from day0jax.startup.start import start_engine
+    from day0jax.start import start_engine
     from day0jax.startup.timeline import Timeline, program_table
 
     timeline = Timeline()

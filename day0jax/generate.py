@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from day0jax import cli, logs
-from day0jax.errors import Day0Error
+from day0jax import cli
+from day0jax.core import logs
+from day0jax.core.errors import Day0Error
 from sharding import distributed
 
 
@@ -45,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         import day0jax
-        from day0jax.weights.default_model import default_checkpoint
-        from day0jax.weights.loader import default_dtype
+        from day0jax.default_model import default_checkpoint
+        from day0jax.loader import default_dtype
         from day0jax.startup.compile_cache import model_fingerprint
         from day0jax.startup.program_store import ProgramStore
-        from day0jax.startup.start import enable_cache
+        from day0jax.start import enable_cache
         from day0jax.startup.timeline import null
 
         path = Path(args.model) if args.model else default_checkpoint()
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             model.program_store = ProgramStore(cache)
         t_load = time.perf_counter()
         if model.tokenizer is None:
-            raise day0jax.errors.CheckpointError(f"{path}: no tokenizer.json, so text prompts cannot be encoded")
+            raise day0jax.core.errors.CheckpointError(f"{path}: no tokenizer.json, so text prompts cannot be encoded")
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": args.prompt}]

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from day0jax.engine.config import EngineConfig
 from day0jax.engine.requests import QueueFull, SamplingParams
-from day0jax.errors import GenerationError
+from day0jax.core.errors import GenerationError
 from day0jax.layers.linear import exact_float32
 from day0jax.weights.tokenizer import Tokenizer
 from sharding.rules import constrain, put

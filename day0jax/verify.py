@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from day0jax.errors import Day0Error
+from day0jax.core.errors import Day0Error
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_SCRIPT = ROOT / "tests" / "ref" / "reference.py"

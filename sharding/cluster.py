@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from day0jax.errors import MeshError
+from day0jax.core.errors import MeshError
 from sharding import mesh as mesh_lib
 from sharding.plan import HEADROOM, ModelShape, fmt_bytes
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from day0jax.errors import MeshError
+from day0jax.core.errors import MeshError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from day0jax.errors import MeshError
+from day0jax.core.errors import MeshError
 
 AXES = ("pp", "dp", "ep", "tp")
 MODEL_AXES = AXES[1:]  # the axes of one pipeline stage's mesh

@@ -15,7 +15,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from day0jax.errors import Day0Error, OutOfMemoryPlan
+from day0jax.core.cache_layout import KVLayer, SharedKV, StateLayer, layer_windows
+from day0jax.core.errors import Day0Error, OutOfMemoryPlan
 from sharding import mesh as mesh_lib
 from sharding.rules import KV_POOL, shard_shape
 
@@ -23,52 +24,6 @@ GiB = 1 << 30
 # Share of a device's free memory the plan may use: XLA needs room for compiled programs, fragmentation and
 # transfers beyond what the planner counts. Not applied to an explicit budget.
 HEADROOM = 0.9
-
-
-class KVLayer(NamedTuple):
-    """A layer that caches keys and values in the page pool, per token: K kv heads of key and value head dims, and
-    for indexed sparse attention the indexer's key (one head of `index_dim`, 0: none). `window`: a sliding-window
-    layer's window (0: it attends over every position), whose pool the engine may keep to the window
-    (`Workload.window_slots`)."""
-
-    kv_heads: int
-    k_dim: int
-    v_dim: int
-    index_dim: int = 0
-    window: int = 0
-
-    @property
-    def token_elements(self) -> int:
-        """Cached numbers per token (before any split over devices)."""
-        return self.kv_heads * (self.k_dim + self.v_dim) + self.index_dim
-
-
-class SharedKV(NamedTuple):
-    """A layer that attends over the keys and values another layer (`source`, earlier) cached: nothing of its own is
-    allocated (Gemma 4's KV sharing), except, with `index_dim`, its sparse-attention indexer's key per token (one
-    head of `index_dim`: Mistral Large 4's layers that read another's latent but pick their own top-k)."""
-
-    source: int
-    index_dim: int = 0
-
-
-@dataclass(frozen=True)
-class StateLayer:
-    """A layer that carries fixed-size float32 state per sequence (linear attention: its recurrent and convolution
-    states) instead of caching every token: each array's per-sequence shape and the logical axes that split it, and
-    what kind of token mixer it is, for reports."""
-
-    arrays: tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]
-    kind: str = "linear attention"
-
-    @property
-    def bytes_per_sequence(self) -> int:
-        return sum(math.prod(shape) for shape, _ in self.arrays) * 4
-
-
-def layer_windows(cache_layout) -> list[int]:
-    """The sliding windows of a model's KV layers (0: full attention), from its `cache_layout()`."""
-    return [x.window for x in cache_layout if isinstance(x, KVLayer)]
 
 
 @dataclass(frozen=True)
@@ -85,15 +40,14 @@ class ModelShape:
     moe_top_k: tuple[int, ...] = ()  # experts each token visits, one entry per MoE layer
 
     @classmethod
-    def from_model(cls, model: Any, context_length: int) -> "ModelShape":
-        """From a model's parameters, `cache_layout()` and `op_calls()`.
+    def from_model(cls, model: Any, params: Sequence[Any], context_length: int) -> "ModelShape":
+        """From a model's `cache_layout()` and `op_calls()`, and its parameters.
 
         Args:
             model: a `day0jax.models.base.CausalLM`, abstract (from `nnx.eval_shape`) or real.
+            params: its parameters (`day0jax.models.param_infos`: path, shape, logical axes).
             context_length: the model's context.
         """
-        from day0jax.models import param_infos
-
         ffn: dict[Any, int] = {}
         top_k: dict[Any, int] = {}
         heads = 0
@@ -107,7 +61,7 @@ class ModelShape:
                 heads = max(heads, call["N"])
         # A vision-language model's language model holds the embeddings.
         V, D = getattr(model, "language_model", model).model.embed_tokens.weight.shape
-        return cls(params=tuple(param_infos(model)), cache_layout=tuple(model.cache_layout()),
+        return cls(params=tuple(params), cache_layout=tuple(model.cache_layout()),
                    hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
                    context_length=int(context_length), moe_top_k=tuple(top_k.values()))
 

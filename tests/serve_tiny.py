@@ -28,7 +28,7 @@ def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0,
     from safetensors.numpy import save_file
 
     from convert import convert_checkpoint
-    from day0jax.weights.default_model import default_checkpoint
+    from day0jax.default_model import default_checkpoint
 
     root = Path(root)
     hf = root / f"{name}-hf"
@@ -99,7 +99,7 @@ def write_tiny_vision_checkpoint(root: Path, text_config: dict = CONFIG, vision_
     from safetensors.numpy import save_file
 
     from convert import convert_checkpoint
-    from day0jax.weights.default_model import default_checkpoint
+    from day0jax.default_model import default_checkpoint
 
     root = Path(root)
     hf = root / f"{name}-hf"

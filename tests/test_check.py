@@ -17,7 +17,7 @@ import pytest
 
 from day0jax import check as check_lib
 from day0jax import models
-from day0jax.errors import UnsupportedArchitecture
+from day0jax.core.errors import UnsupportedArchitecture
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from day0jax import check as check_lib
-from day0jax.errors import MeshError
+from day0jax.core.errors import MeshError
 from sharding.cluster import Cluster, parse_size
 from sharding.mesh import crossing
 

@@ -155,7 +155,7 @@ def test_fp8_block_scaled_weights_are_dequantized_on_request(refs, tmp_path):
 
 def test_fp8_blocks_that_straddle_a_weights_inputs_are_refused_by_name(refs, tmp_path):
     """Blocks of 48 columns over 64 inputs: not kept quantized, and never silently dequantized."""
-    from day0jax.errors import CheckpointError
+    from day0jax.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError,
                        match=r"FP8 tensor .model\.layers\.0\.\w+\.\w+_proj\.weight.*blocks of 48.*--dequantize"):
@@ -261,7 +261,7 @@ def test_gguf_sentencepiece_tokenizer_matches_transformers(refs, gguf_ckpt):
 
 
 def test_existing_destination_needs_force(converted, tiny, tmp_path):
-    from day0jax.errors import CheckpointError
+    from day0jax.core.errors import CheckpointError
 
     dst = tmp_path / "ck"
     convert_checkpoint(tiny["llama"]["hf"], dst, progress=False)
@@ -308,7 +308,7 @@ def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_
     """Released DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` extra layers after the last one."""
     from safetensors.numpy import save_file
 
-    from day0jax.errors import CheckpointError
+    from day0jax.core.errors import CheckpointError
 
     src = tmp_path / "src"
     shutil.copytree(tiny["deepseek_v3"]["hf"], src)

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from convert import convert_checkpoint
-from day0jax.errors import CheckpointError, ConfigError, UnsupportedArchitecture
+from day0jax.core.errors import CheckpointError, ConfigError, UnsupportedArchitecture
 
 
 @pytest.fixture

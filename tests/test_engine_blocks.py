@@ -20,7 +20,7 @@ from day0jax.engine.block_pool import BlockPool, OutOfPages
 from day0jax.engine.config import EngineConfig, first_chunk
 from day0jax.engine.engine import Engine
 from day0jax.engine.requests import ABORT, InvalidRequest, QueueFull, SamplingParams
-from day0jax.errors import GenerationError
+from day0jax.core.errors import GenerationError
 from sharding.mesh import make_mesh
 
 VOCAB = 64

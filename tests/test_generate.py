@@ -10,7 +10,7 @@ import pytest
 
 import day0jax
 from conftest import ROOT
-from day0jax.errors import CheckpointError, GenerationError, MeshError
+from day0jax.core.errors import CheckpointError, GenerationError, MeshError
 from families import PROMPTS
 
 
@@ -129,8 +129,8 @@ def test_default_model_converts_once_as_planned(tmp_path):
     """Converted once and reused; what the converter planned from the GGUF header alone (the config and compile
     cache a first start prepares while it converts) is what it wrote."""
     from day0jax.startup.compile_cache import fingerprint, model_fingerprint
-    from day0jax.weights import default_model
-    from day0jax.weights.default_model import default_checkpoint
+    from day0jax import default_model
+    from day0jax.default_model import default_checkpoint
 
     assert not default_model.is_converted(tmp_path)
     config, manifest = default_model.planned_output()

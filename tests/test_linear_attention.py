@@ -73,7 +73,7 @@ def test_preempted_sequences_recompute_their_state(module, reference):
 
 def test_plan_counts_the_state_slots_the_engine_allocates(module):
     engine = make_engine(module)
-    shape = plan_lib.ModelShape.from_model(module, CONTEXT)
+    shape = plan_lib.ModelShape.from_model(module, models.param_infos(module), CONTEXT)
     planned = plan_lib.plan(shape, "tp=1", engine.layout.workload(), dtype="float32")
     # Per sequence: three convolution states [W-1, heads, head dim] and the [Nv, Hk, Hv] recurrent state.
     per_seq = (3 * (2 * 8 + 2 * 8 + 4 * 16) + 4 * 8 * 16) * 4

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from day0jax import logs
+from day0jax.core import logs
 from day0jax.startup.timeline import Timeline
 
 LIBRARIES = ["absl", "orbax.checkpoint", "jax._src.xla_bridge", "uvicorn.error"]

@@ -16,7 +16,7 @@ import pytest
 
 import day0jax
 from conftest import run_reference
-from day0jax.errors import GenerationError
+from day0jax.core.errors import GenerationError
 from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_tokens
 
 RTOL = 1e-3
@@ -232,7 +232,7 @@ def test_unsupported_vision_options_are_refused_by_name(reference, tmp_path, cha
     """`check` says why before any weight is read, and `convert` refuses the same folder without writing."""
     from convert import convert_checkpoint
     from day0jax.check import check
-    from day0jax.errors import Day0Error
+    from day0jax.core.errors import Day0Error
 
     src = tmp_path / "src"
     src.mkdir()

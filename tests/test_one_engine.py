@@ -18,7 +18,7 @@ from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
 import day0jax  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 
 # The same engine flags everywhere: the same shape buckets give the same programs, hence the same logits.
 FLAGS = ["--max-num-seqs", "4", "--chunk-sizes", "32,128", "--max-model-len", "256", "--min-width", "256"]

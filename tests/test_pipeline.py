@@ -10,7 +10,7 @@ import random
 import pytest
 
 from day0jax import check as check_lib
-from day0jax.errors import MeshError
+from day0jax.core.errors import MeshError
 from sharding import mesh as mesh_lib
 from sharding.pipeline import Stages, balanced_ranges, layer_index, plan_stages
 from test_sharding import abstract_infos, sharding_config

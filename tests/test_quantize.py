@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 import day0jax
 from convert import convert_checkpoint
 from convert.convert import Options
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 from day0jax.layers.quantized import specs_from_config
 from day0jax.weights import checkpoint
 from families import PROMPTS

@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
 
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "tiny-chat"

@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_tiny import CONFIG, write_tiny_chat_checkpoint  # noqa: E402
 
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 
 MODEL = "tiny-chat"
 LONG = 2000  # tokens each streamed request asks for (EOS ignored)

@@ -76,7 +76,7 @@ def test_incremental_text_equals_a_full_decode_at_linear_cost():
     the text built token by token is the whole output's decode, and decoding it touched O(n) tokens, not O(n^2)."""
     import numpy as np
 
-    from day0jax.weights.default_model import default_checkpoint
+    from day0jax.default_model import default_checkpoint
     from day0jax.weights.tokenizer import Tokenizer
 
     tok = Tokenizer(default_checkpoint(progress=False))

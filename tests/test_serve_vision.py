@@ -33,7 +33,7 @@ import day0jax  # noqa: E402
 from day0jax.serve import protocol as P  # noqa: E402
 from day0jax.serve.chat_prompt import chat_prompt  # noqa: E402
 from day0jax.serve.errors import APIError  # noqa: E402
-from day0jax.serve.launch import serving  # noqa: E402
+from launch import serving  # noqa: E402
 from day0jax.serve.state import ServerState  # noqa: E402
 
 MODEL = "tiny-vision"

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from day0jax import models
-from day0jax.errors import GenerationError, MeshError, OutOfMemoryPlan
+from day0jax.core.cache_layout import KVLayer, StateLayer
+from day0jax.core.errors import GenerationError, MeshError, OutOfMemoryPlan
 from sharding import distributed, mesh as mesh_lib, plan as plan_lib, rules
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,10 +257,10 @@ def golden_table(model_type: str) -> dict:
             continue
         layout = module.cache_layout()
         kv = {f"{k}x{kd}x{vd}": list(rules.partition_spec(rules.KV_POOL, (64, 16, k, 1), sizes))
-              for k, kd, vd, *_ in sorted({x for x in layout if isinstance(x, plan_lib.KVLayer)})}
+              for k, kd, vd, *_ in sorted({x for x in layout if isinstance(x, KVLayer)})}
         out["meshes"][spec] = {"params": _jsonable(rules.spec_table(infos, sizes)), "kv_cache": _jsonable(kv)}
         state = {"x".join(map(str, shape)): list(rules.partition_spec((None,) + axes, (64,) + shape, sizes))
-                 for x in layout if isinstance(x, plan_lib.StateLayer) for shape, axes in x.arrays}
+                 for x in layout if isinstance(x, StateLayer) for shape, axes in x.arrays}
         if state:  # linear-attention state slots [slots, *per-sequence shape]
             out["meshes"][spec]["state"] = _jsonable(state)
     return out
@@ -316,7 +317,7 @@ def test_golden_files_split_heads_experts_and_the_kv_pool():
 def engine_plan(hf: dict, engine=None):
     """The planner's inputs for `hf` served by `engine` (default EngineConfig), as `load` makes them."""
     from day0jax.engine.config import EngineConfig
-    from day0jax.weights.loader import EnginePlanInputs
+    from day0jax.loader import EnginePlanInputs
 
     config = models.config_from_hf(hf)
     return EnginePlanInputs.of(models.abstract_model(config), config, engine or EngineConfig())

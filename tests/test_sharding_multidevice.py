@@ -140,7 +140,7 @@ def job_pipeline(job: dict) -> dict:
 
     import day0jax
     from day0jax.engine.config import EngineConfig
-    from day0jax.errors import MeshError
+    from day0jax.core.errors import MeshError
     from day0jax.startup import compile_cache
     from day0jax.startup.program_store import ProgramStore
 

@@ -58,7 +58,7 @@ def test_plan_counts_the_state_slots_the_engine_allocates(module):
     engine = make_engine(module)
     c = module.config
     per_seq = (c.conv_L_cache - 1) * c.hidden_size * 4  # the last W - 1 inputs of D channels, float32
-    shape = plan_lib.ModelShape.from_model(module, CONTEXT)
+    shape = plan_lib.ModelShape.from_model(module, models.param_infos(module), CONTEXT)
     assert [(layer.kind, layer.bytes_per_sequence) for layer in shape.state_layers] == [
         ("short convolution", per_seq)] * 2
     planned = plan_lib.plan(shape, "tp=1", engine.layout.workload(), dtype="float32")

@@ -29,7 +29,7 @@ from day0jax.engine import sampling  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
 from day0jax.engine.grammar import GrammarError, unsupported_schema_keywords  # noqa: E402
 from day0jax.engine.requests import SamplingParams  # noqa: E402
-from day0jax.serve.launch import serving  # noqa: E402
+from launch import serving  # noqa: E402
 
 ENGINE = EngineConfig(max_num_seqs=16, chunk_buckets=(32, 128), max_model_len=512, min_width=512)
 PERSON = {"type": "object", "properties": {

@@ -27,7 +27,7 @@ from day0jax.engine.grammar import GrammarError  # noqa: E402
 from day0jax.engine.requests import SamplingParams  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
 from day0jax.serve import tools as T  # noqa: E402
-from day0jax.serve.launch import serving  # noqa: E402
+from launch import serving  # noqa: E402
 
 # Chat templates written for these tests in each syntax's style (the shapes Qwen, Mistral and Llama 3 use).
 HERMES = """{%- if tools %}<|im_start|>system

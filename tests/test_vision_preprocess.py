@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from conftest import run_reference
-from day0jax.errors import ConfigError, UnsupportedArchitecture
+from day0jax.core.errors import ConfigError, UnsupportedArchitecture
 from day0jax.vision.images import ImageError, load_image
 from day0jax.vision.processors import image_processor
 

@@ -24,7 +24,7 @@ from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
 import day0jax  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
 from day0jax.engine.runner import Program  # noqa: E402
-from day0jax.serve.launch import ServerProcess  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 from day0jax.startup.warmup import BackgroundCompiler, compile_programs  # noqa: E402
 
 # Decode spans of 8 and 16 pages of 16 tokens for 1, 2 and 4 rows; prefill chunks of 32 tokens over 16 pages.
@@ -200,8 +200,8 @@ def test_first_use_converts_the_default_model_while_its_ready_set_compiles(tmp_p
     for: it answers with the embedded model's known greedy continuation."""
     from day0jax.serve.__main__ import parse_args
     from day0jax.startup import timeline as tl
-    from day0jax.startup.start import start_engine
-    from day0jax.weights import default_model
+    from day0jax.start import start_engine
+    from day0jax import default_model
 
     monkeypatch.setenv("DAY0JAX_CACHE", str(tmp_path))
     args = parse_args(["--no-compile-cache", "--dtype", "float32", "--max-num-seqs", "2", "--chunk-sizes", "32",

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import jax
 
-from day0jax.errors import GenerationError
+from day0jax.core.errors import GenerationError
 from kernels_pallas.paged_attention import xla_blocks
 from sharding.plan import Workload
 

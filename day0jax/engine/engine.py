@@ -24,7 +24,7 @@ from day0jax.engine.requests import (ABORT, LENGTH, STOP, ImageInputs, InvalidRe
                                      SamplingParams, SequenceState, TokenEvent)
 from day0jax.engine.runner import ModelRunner, Program
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
-from sharding.plan import layer_windows
+from day0jax.core.cache_layout import layer_windows
 
 log = logging.getLogger(__name__)
 

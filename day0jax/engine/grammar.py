@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from day0jax.errors import GenerationError
+from day0jax.core.errors import GenerationError
 
 # JSON Schema keywords the grammar enforces. Annotations (title, description, examples, ...) are accepted and
 # ignored, as every JSON Schema validator ignores them; anything else is refused by name, never silently dropped.

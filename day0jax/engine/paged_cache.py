@@ -136,7 +136,7 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
         ring_pages: callable(window) -> pages per slot of a sliding-window layer that keeps only its window (0: the
             shared pool's `num_pages`); None: every layer keeps them all.
     """
-    from sharding.plan import SharedKV, StateLayer
+    from day0jax.core.cache_layout import SharedKV, StateLayer
     from sharding.rules import KV_POOL, named_sharding
 
     def zeros(shape, axes, dt):

@@ -25,10 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from day0jax.engine.config import EngineLayout
 from day0jax.engine.paged_cache import layer_caches, new_pools
 from day0jax.engine.runner import Batch, ModelRunner, Program, layer_rings
-from day0jax.errors import MeshError
+from day0jax.core.errors import MeshError
 from day0jax.layers.linear import exact_float32
 from sharding.pipeline import Links, Stages, layer_index
-from sharding.plan import StateLayer
+from day0jax.core.cache_layout import StateLayer
 
 log = logging.getLogger(__name__)
 

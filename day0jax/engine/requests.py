@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from day0jax.errors import GenerationError
+from day0jax.core.errors import GenerationError
 from day0jax.engine.sampling import MAX_LOGIT_BIAS, TOP_LOGPROBS
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"

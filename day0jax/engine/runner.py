@@ -24,7 +24,7 @@ from day0jax.engine.sampling import MAX_LOGIT_BIAS, sample
 from day0jax.engine.state_cache import TRASH_SLOT
 from day0jax.layers.linear import exact_float32
 from kernels_pallas import registry as kernel_registry
-from sharding.plan import KVLayer, StateLayer
+from day0jax.core.cache_layout import KVLayer, StateLayer
 from sharding.rules import put
 
 log = logging.getLogger(__name__)

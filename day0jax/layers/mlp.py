@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from day0jax.errors import UnsupportedArchitecture
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.layers.linear import Linear, project_together
 from kernels_pallas.calls import OpCall
 

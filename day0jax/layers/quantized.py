@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 from kernels_pallas.calls import OpCall
 from kernels_pallas.quantized_linear import api as quantized_linear
 from kernels_pallas.quantized_linear.reference import CODE_DTYPES, KINDS, QuantizedWeight, dequantize

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from day0jax.errors import UnsupportedArchitecture
+from day0jax.core.errors import UnsupportedArchitecture
 from kernels_pallas.calls import OpCall
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "proportional")

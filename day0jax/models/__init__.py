@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from flax import nnx
 
-from day0jax.errors import UnsupportedArchitecture
+from day0jax.core.errors import UnsupportedArchitecture
 
 if TYPE_CHECKING:  # the family modules import it; importing it here would load every layer up front
     from day0jax.models.contract import Family

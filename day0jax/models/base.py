@@ -15,24 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from day0jax.weights import hf_config as config_lib
-from day0jax.errors import UnsupportedArchitecture
+from day0jax.core import hf_config as config_lib
+from day0jax.core.cache_layout import KVLayer, StateLayer
+from day0jax.core.errors import UnsupportedArchitecture
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source, same
 from day0jax.layers.linear import Embedding, Linear
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.quantized import quantized_op_calls
 from day0jax.layers.rope import Rope, rope_parameters
 from kernels_pallas.calls import OpCall
-from sharding.plan import KVLayer, StateLayer
 from sharding.rules import constrain
 
 
 # --- configs ---------------------------------------------------------------------------------------------------
-
-def refuse(key: str, value: Any, why: str = "is not implemented") -> NoReturn:
-    """Raises `UnsupportedArchitecture` naming the config key and its value: never run with wrong numbers."""
-    raise UnsupportedArchitecture(f"config {key}={value!r} {why}")
-
 
 @dataclass(frozen=True, eq=False)
 class HFConfig:
@@ -54,7 +51,7 @@ class HFConfig:
 
         Args:
             hf: the config.json dict.
-            strict: refuse keys neither declared nor in `weights.hf_config.IGNORED_KEYS` (`check` passes False).
+            strict: refuse keys neither declared nor in `core.hf_config.IGNORED_KEYS` (`check` passes False).
         Raises:
             UnsupportedArchitecture: an unknown key (when strict) or a value the family does not implement.
             ConfigError: a required key is missing.
@@ -355,35 +352,6 @@ class CausalLM(nnx.Module):
 
 
 # --- Hugging Face tensor mapping -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Source:
-    """Where a runtime parameter comes from: HF tensors `names`, their required `shapes` (checked first), and
-    `combine(numpy arrays in names order, target shape)`, which makes them one array of the runtime's shape."""
-
-    names: tuple[str, ...]
-    combine: Callable[[list[np.ndarray], tuple[int, ...]], np.ndarray]
-    shapes: tuple[tuple[int, ...], ...]
-
-    def renamed(self, rename: Callable[[str], str]) -> "Source":
-        """The same tensors under other names (a multimodal checkpoint's prefix for its language model)."""
-        return Source(tuple(rename(n) for n in self.names), self.combine, self.shapes)
-
-
-def same(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-    return arrays[0].reshape(shape)
-
-
-def default_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source:
-    """The plain HF mapping: `a.b.kernel` <- `a.b.weight` [out, in] reshaped; everything else by the same name."""
-    if path.endswith(".kernel"):
-        n_out = len(shape) - metadata["in_ndim"]
-        hf_shape = (math.prod(shape[:n_out]), math.prod(shape[n_out:]))
-        return Source((path[: -len("kernel")] + "weight",), same, (hf_shape,))
-    if path.endswith(".bias"):
-        return Source((path,), same, ((math.prod(shape),),))
-    return Source((path,), same, (shape,))
-
 
 def in_language_model(src: Source) -> Source:
     """`src` reading a multimodal checkpoint, whose language model sits under `model.language_model.`."""

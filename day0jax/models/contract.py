@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from day0jax.models.base import HFConfig, Source
+from day0jax.models.base import HFConfig
+from day0jax.core.hf_tensors import Source
 
 
 def no_config_dependent_drops(config: Any) -> dict[str, str]:
@@ -15,7 +16,7 @@ def no_config_dependent_drops(config: Any) -> dict[str, str]:
 
 
 def plain_hf_names(config: Any, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
-    """The default `Family.hf_source`: every parameter follows HF's plain naming (`base.default_source`)."""
+    """The default `Family.hf_source`: every parameter follows HF's plain naming (`core.hf_tensors.default_source`)."""
     return None
 
 
@@ -30,7 +31,7 @@ class Family:
         dropped: regex -> why, for HF tensors deliberately not read (the converter refuses any other unused one).
         dropped_for: config -> more such regexes, for tensors dropped only under some configs (default: none).
         hf_source: (config, runtime path, runtime shape, parameter metadata) -> the `Source` of a parameter whose
-            HF naming or layout differs, or None for `base.default_source` (the default, for every parameter).
+            HF naming or layout differs, or None for `core.hf_tensors.default_source` (the default, for every parameter).
         renames: (regex, replacement) pairs that turn the tensor names of older checkpoints of the family into the
             names `hf_source` reads (HF's `_checkpoint_conversion_mapping`), applied where they match.
     """

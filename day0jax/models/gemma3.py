@@ -18,7 +18,8 @@ from flax import nnx
 from day0jax.layers.attention import ContextKV
 from day0jax.layers.linear import Linear
 from day0jax.layers.norms import RMSNorm
-from day0jax.models.base import Source, refuse
+from day0jax.core.hf_tensors import Source
+from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 from day0jax.models.llava import VisionTower
 from day0jax.models.vision_language import (LEGACY_NAMES, VisionLanguageConfig, VisionLanguageModel, VisionSpec,

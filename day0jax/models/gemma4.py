@@ -4,7 +4,7 @@ sliding/global pattern, with
 - global layers of their own shape (`global_head_dim`, and `num_global_key_value_heads` where keys are also the
   values, `attention_k_eq_v`: no v_proj), rotated by proportional RoPE (`layers.rope`);
 - KV sharing: the last `num_kv_shared_layers` layers compute no keys or values, they attend over those of the last
-  earlier layer of their kind (`sharing.plan.SharedKV`; the engine gives them no pages); with
+  earlier layer of their kind (`core.cache_layout.SharedKV`; the engine gives them no pages); with
   `use_double_wide_mlp` their MLP is twice as wide;
 - per-layer inputs (`hidden_size_per_layer_input`): a second embedding table gives every layer a small vector per
   token, mixed with a projection of the embeddings, which gates a residual branch after the feed-forward block;
@@ -29,11 +29,12 @@ from day0jax.layers.moe import Experts, Router, swiglu
 from day0jax.layers.norms import L2Norm, RMSNorm
 from day0jax.layers.rope import Rope, rope_parameters
 from day0jax.models import gemma2, llama
-from day0jax.models.base import (HFConfig, LayerTypes, Source, default_source, fused_experts_source,
-                                 in_language_model, refuse, same, vision_dropped)
+from day0jax.models.base import HFConfig, LayerTypes, fused_experts_source, in_language_model, vision_dropped
+from day0jax.core.hf_tensors import Source, default_source, same
+from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 from kernels_pallas.calls import OpCall
-from sharding.plan import KVLayer, SharedKV
+from day0jax.core.cache_layout import KVLayer, SharedKV
 
 # HF's defaults when config.json gives no rope_parameters.
 DEFAULT_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},

@@ -17,9 +17,11 @@ from flax import nnx
 from day0jax.layers.gated_delta_net import GatedDeltaNet
 from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama, qwen2_moe
-from day0jax.models.base import DecoderLayer, HFConfig, Source, per_expert_source, refuse
+from day0jax.models.base import DecoderLayer, HFConfig, per_expert_source
+from day0jax.core.hf_tensors import Source
+from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from sharding.plan import KVLayer, StateLayer
+from day0jax.core.cache_layout import KVLayer, StateLayer
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 

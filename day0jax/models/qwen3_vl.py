@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from day0jax.models.base import refuse
+from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 from day0jax.models.vision_language import (VisionLanguageConfig, VisionLanguageModel, VisionSpec,
                                             language_model_dropped, language_model_source, prefixed_source)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from day0jax.models import llama
-from day0jax.models.base import LayerTypes, refuse
+from day0jax.models.base import LayerTypes
+from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 

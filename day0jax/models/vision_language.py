@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from day0jax import models
-from day0jax.errors import GenerationError, UnsupportedArchitecture
-from day0jax.models.base import Source, build_config, default_source
+from day0jax.core.errors import GenerationError, UnsupportedArchitecture
+from day0jax.core.hf_tensors import Source, default_source
+from day0jax.models.base import build_config
 
 
 @dataclass(frozen=True, eq=False)

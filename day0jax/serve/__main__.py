@@ -23,7 +23,8 @@ log = logging.getLogger("day0jax.serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from day0jax import cli, logs
+    from day0jax import cli
+    from day0jax.core import logs
     from sharding import distributed
 
     p = argparse.ArgumentParser(prog="python -m day0jax.serve", description=__doc__.splitlines()[0])
@@ -69,7 +70,7 @@ def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
     """Loads and warms up the engine, starts it on `loop` and marks the server ready, updating `state.status`,
     `state.detail` and `state.timeline` as it goes."""
     from day0jax.engine.async_engine import AsyncEngine
-    from day0jax.startup.start import start_engine
+    from day0jax.start import start_engine
     from day0jax.startup.warmup import compile_totals
 
     def status(detail: str) -> None:
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         import uvicorn
 
-        from day0jax import logs
+        from day0jax.core import logs
         from day0jax.serve.app import build_app
         from day0jax.serve.state import ServerState
         from day0jax.startup.warmup import watch_compiles
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
 
     name = args.served_model_name
     if not name:
-        from day0jax.weights.default_model import NAME
+        from day0jax.default_model import NAME
 
         name = Path(args.model).resolve().name if args.model else NAME
     api_key = args.api_key or None

@@ -16,7 +16,7 @@ import urllib.parse
 from typing import Any
 
 from day0jax.engine.requests import ImageInputs
-from day0jax.errors import GenerationError
+from day0jax.core.errors import GenerationError
 from day0jax.serve import protocol as P
 from day0jax.serve.constraints import template_message
 from day0jax.serve.errors import APIError

@@ -35,7 +35,7 @@ _LENGTH = 8
 
 def default_root() -> Path:
     """`~/.cache/day0jax/compile` (or under $DAY0JAX_CACHE / $XDG_CACHE_HOME, like the default model)."""
-    from day0jax.weights.default_model import cache_root
+    from day0jax.core.paths import cache_root
 
     return cache_root() / "compile"
 
@@ -101,7 +101,7 @@ def model_fingerprint(path: str | Path, dtype: str) -> str:
         CheckpointError: `path` is not a readable day0jax checkpoint.
     """
     from day0jax.weights import checkpoint
-    from day0jax.errors import CheckpointError
+    from day0jax.core.errors import CheckpointError
 
     path = Path(path)
     manifest = checkpoint.read_manifest(path)

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from day0jax.errors import UnsupportedArchitecture
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.layers.linear import Embedding, Linear, param
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import LayerNorm
-from day0jax.models.base import Source, same
-from day0jax.weights import hf_config as config_lib
+from day0jax.core.hf_tensors import Source, same
+from day0jax.core import hf_config as config_lib
 from kernels_pallas.calls import OpCall
 
 MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
@@ -207,7 +207,7 @@ class VisionTransformer(nnx.Module):
 
 def hf_source(path: str, shape: tuple[int, ...]) -> Source | None:
     """The Source of a parameter path inside the tower (`embeddings.patch_embedding.kernel`...) relative to HF's
-    `vision_model.` prefix, where `base.default_source` does not find it: the patch projection is HF's Conv2d weight
+    `vision_model.` prefix, where `core.hf_tensors.default_source` does not find it: the patch projection is HF's Conv2d weight
     [D, C, p, p] as it is (the kernel keeps that layout)."""
     if path == "embeddings.patch_embedding.kernel":
         return Source(("embeddings.patch_embedding.weight",), same, (shape,))

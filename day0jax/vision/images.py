@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from day0jax.errors import Day0Error
+from day0jax.core.errors import Day0Error
 
 MAX_PIXELS = 50_000_000  # well above any photo a model takes in, far below what exhausts a host (decompression bombs)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # the decoders PIL may use; every other format is refused

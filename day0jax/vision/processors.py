@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 from PIL import Image
 
-from day0jax.errors import ConfigError, UnsupportedArchitecture
+from day0jax.core.errors import ConfigError, UnsupportedArchitecture
 from day0jax.vision.images import ImageError, load_image, to_rgb
 
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)

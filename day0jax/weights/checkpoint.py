@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 
 # 2: Linear kernels in HF's [out, in] order (1 had them transposed).
 FORMAT_VERSION = 2

@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from day0jax.errors import CheckpointError
+from day0jax.core.errors import CheckpointError
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 

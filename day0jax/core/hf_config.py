@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
-from day0jax.errors import ConfigError
+from day0jax.core.errors import ConfigError, UnsupportedArchitecture
 
 # Keys that describe training, tooling or tokenization and never change the forward pass.
 IGNORED_KEYS = frozenset({
@@ -70,3 +70,8 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if "model_type" not in data:
         raise ConfigError(f"{path}: no 'model_type' field, so the architecture cannot be known")
     return data
+
+
+def refuse(key: str, value: Any, why: str = "is not implemented") -> NoReturn:
+    """Raises `UnsupportedArchitecture` naming the config key and its value: never run with wrong numbers."""
+    raise UnsupportedArchitecture(f"config {key}={value!r} {why}")

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from day0jax import logs
-from day0jax.errors import CheckpointError
+from day0jax.core import logs
+from day0jax.core.errors import CheckpointError
 from day0jax.startup.timeline import CompileRecord, Timeline, count_sources
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ def find_model(args: argparse.Namespace, dtype: str, timeline: Timeline):
         CheckpointError, ConfigError: not a readable checkpoint.
     """
     from day0jax.startup import compile_cache
-    from day0jax.weights import default_model, loader
+    from day0jax import default_model
+    from day0jax import loader
 
     if args.model or default_model.is_converted():
         path, hf = loader.read_checkpoint_config(args.model or default_model.checkpoint_dir(), timeline)
@@ -78,7 +79,7 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
         import jax
 
         from day0jax.cli import engine_config_from_args
-        from day0jax.weights import loader
+        from day0jax import loader
         from sharding import distributed
 
     distributed.initialize_from_args(args)  # before anything touches a device

@@ -1,0 +1,39 @@
+"""How a runtime parameter is made from Hugging Face tensors: the mapping every family, the vision towers and the
+converter share (the model files say which tensors; the converter reads and checks them)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a runtime parameter comes from: HF tensors `names`, their required `shapes` (checked first), and
+    `combine(numpy arrays in names order, target shape)`, which makes them one array of the runtime's shape."""
+
+    names: tuple[str, ...]
+    combine: Callable[[list[np.ndarray], tuple[int, ...]], np.ndarray]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def renamed(self, rename: Callable[[str], str]) -> "Source":
+        """The same tensors under other names (a multimodal checkpoint's prefix for its language model)."""
+        return Source(tuple(rename(n) for n in self.names), self.combine, self.shapes)
+
+
+def same(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    return arrays[0].reshape(shape)
+
+
+def default_source(path: str, shape: tuple[int, ...], metadata: dict) -> Source:
+    """The plain HF mapping: `a.b.kernel` <- `a.b.weight` [out, in] reshaped; everything else by the same name."""
+    if path.endswith(".kernel"):
+        n_out = len(shape) - metadata["in_ndim"]
+        hf_shape = (math.prod(shape[:n_out]), math.prod(shape[n_out:]))
+        return Source((path[: -len("kernel")] + "weight",), same, (hf_shape,))
+    if path.endswith(".bias"):
+        return Source((path,), same, ((math.prod(shape),),))
+    return Source((path,), same, (shape,))
