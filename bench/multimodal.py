@@ -55,10 +55,10 @@ def worker(ckpt: str) -> None:
         image, prompt, n = np.load(cmd["image"]), cmd["prompt"], cmd["new_tokens"]
         if cmd.get("warmup"):  # compiles every program these shapes take, and the tower alone
             model.generate([prompt], n, ignore_eos=True, images=[[image]])
-            model.encode(model.image_inputs([image]))
+            model.images.encode(model.images.inputs([image]))
         rid, times, tokens, cached, done = f"bench-{i}", [], [], 0, False
         t0 = time.perf_counter()
-        inputs = model.image_inputs([image])
+        inputs = model.images.inputs([image])
         preprocess = time.perf_counter() - t0
         engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), images=inputs)
         while not done:
@@ -71,9 +71,9 @@ def worker(ckpt: str) -> None:
                     done = done or event.finish_reason is not None
         while engine.has_work():
             engine.step()
-        fresh = model.image_inputs([image])
+        fresh = model.images.inputs([image])
         t1 = time.perf_counter()
-        model.encode(fresh)
+        model.images.encode(fresh)
         encode = time.perf_counter() - t1
         print(json.dumps({"ttft": times[0] - t0, "last": times[-1] - t0, "preprocess": preprocess, "encode": encode,
                           "tokens": tokens, "cached": cached}), file=reply, flush=True)

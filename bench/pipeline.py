@@ -121,6 +121,7 @@ def worker(ckpt: str, spec: str, rows: int, tokens: int, repeats: int) -> dict:
 
     import day0jax
     from day0jax.engine.config import EngineConfig
+    from day0jax.engine.stages import stage_seconds
 
     model = day0jax.load(ckpt, mesh=spec, engine=EngineConfig(max_model_len=256, max_num_seqs=rows))
     rng = np.random.default_rng(0)
@@ -135,14 +136,14 @@ def worker(ckpt: str, spec: str, rows: int, tokens: int, repeats: int) -> dict:
     step = min((timed(tokens) - timed(1)) / (tokens - 1) for _ in range(repeats))
     out = {"mesh": spec, "step_seconds": step, "tokens_per_s": rows / step}
     runner = model.engine.runner
-    if hasattr(runner, "stage_seconds"):
+    if runner.micro is not None:
         width = model.engine.layout.decode_widths[0]
         out["micro"] = {}
         for micro in sorted({1, 2, 4, runner.stages.count}):
-            runner.micro_batches = micro
-            stage, moves = runner.stage_seconds((rows, 1, width), repeats=7)
+            runner.micro.most = micro
+            stage, moves = stage_seconds(runner, (rows, 1, width), repeats=7)
             equal = [sum(stage) / len(stage)] * len(stage)
-            m = runner.micro_count(rows)
+            m = runner.micro.count(rows)
             out["micro"][micro] = {"stage": stage, "moves": moves,
                                    "routed": schedule(stage, moves, m, routed=True),
                                    "whole": schedule(stage, moves, m, routed=False),

@@ -1,8 +1,11 @@
 """Load test of `python -m day0jax.serve` against transformers, measured in the same run.
 
-    .venv/bin/python bench/serve.py [--streams 16] [--repeats 3] [--skip-reference] [--baseline DIR]
+    .venv/bin/python bench/serve.py [--streams 16] [--repeats 3] [--precision float32|q4_1] [--skip-reference]
+        [--baseline DIR]
 
-The server (embedded SmolLM2-135M-Instruct, float32, on loopback) takes N concurrent streaming clients with mixed
+The server (the embedded SmolLM2-135M-Instruct on loopback: by default its GGUF dequantized to float32, the weights
+transformers runs; `--precision q4_1` serves the embedded checkpoint as shipped, 4-bit) takes N concurrent
+streaming clients with mixed
 prompt and output lengths (token ids, greedy, EOS ignored so each request yields exactly its output length):
 tokens/s, time to first token and inter-token latency p50/p99, and batch-1 / batch-8 decode of one fixed prompt.
 transformers (bench/serve_reference.py in .venv-ref) runs the N requests as one left-padded `generate` batch
@@ -102,13 +105,17 @@ def main():
     ap.add_argument("--server-args", default="", help="extra arguments for the server")
     ap.add_argument("--baseline", metavar="DIR", help="also serve from this checkout of an earlier revision, taking "
                                                       "turns with this tree's server")
+    ap.add_argument("--precision", choices=("float32", "q4_1"), default="float32",
+                    help="float32: the GGUF dequantized, as transformers runs it (like with like); q4_1: the embedded "
+                         "checkpoint as shipped")
     args = ap.parse_args()
 
+    from bench.decode import float32_checkpoint
     from day0jax.default_model import NAME, default_checkpoint, default_gguf
-    from launch import ServerProcess
     from day0jax.weights.tokenizer import Tokenizer
+    from launch import ServerProcess
 
-    ckpt = default_checkpoint()
+    ckpt = float32_checkpoint() if args.precision == "float32" else default_checkpoint()
     tok = Tokenizer(ckpt)
     requests = workload(tok, args.streams)
     decode_prompt = requests[1][0][:48]
@@ -135,8 +142,8 @@ def main():
     def medians(runs):
         return {k: statistics.median(r[k] for r in runs) for k in ("batch", "d1", "d8")}
 
-    server_args = ["--max-num-seqs", str(max(16, args.streams)), "--max-model-len", str(args.max_model_len),
-                   *args.server_args.split()]
+    server_args = ["--model", str(ckpt), "--served-model-name", NAME, "--max-num-seqs", str(max(16, args.streams)),
+                   "--max-model-len", str(args.max_model_len), *args.server_args.split()]
     t0 = time.perf_counter()
     server = ServerProcess(server_args)
     server.wait_ready(1800)
@@ -170,7 +177,8 @@ def main():
         for (name, a, _), b in zip(rows, medians(base).values()):
             print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
         print()
-    print("| measure | day0jax.serve | transformers | ratio |\n| --- | ---: | ---: | ---: |")
+    print(f"| measure | day0jax.serve ({args.precision}) | transformers (float32) | ratio |\n"
+          "| --- | ---: | ---: | ---: |")
     for name, a, b in rows:
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |" if b else f"| {name} | {a:.1f} | - | - |")
     print(f"\nlatency, {args.streams} streams (median run): TTFT p50 {pct(best['ttft'], 50) * 1000:.0f} ms, "

@@ -20,8 +20,8 @@ from convert.sources import RenamedSource, open_source
 from convert.writer import CheckpointWriter, sha256_file
 from day0jax import models
 from day0jax.core.errors import CheckpointError
-from day0jax.layers.quantized import QUANT_METHOD, specs_to_json
 from day0jax.core.hf_tensors import Source, default_source
+from day0jax.layers.quantized import QUANT_METHOD, specs_to_json
 from day0jax.models.contract import Family
 from sharding.plan import stored_dtype
 

@@ -27,8 +27,8 @@ import ml_dtypes
 import numpy as np
 
 from convert.safetensors_file import SafetensorsFile
-from day0jax.core.hf_config import read_config_json
 from day0jax.core.errors import CheckpointError
+from day0jax.core.hf_config import read_config_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json",

@@ -22,8 +22,8 @@ from collections import Counter
 import numpy as np
 
 from day0jax.core.errors import CheckpointError
-from day0jax.layers.quantized import QuantSpec, quantizable
 from day0jax.core.hf_tensors import Source, same
+from day0jax.layers.quantized import QuantSpec, quantizable
 from kernels_pallas.quantized_linear.reference import quantize
 
 KINDS = ("int8", "int4", "fp8")

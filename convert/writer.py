@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from day0jax.weights import checkpoint
 from day0jax.core.errors import CheckpointError
+from day0jax.weights import checkpoint
 
 GROUP_BYTES = 128 << 20  # parameters per Orbax save: the converter holds about three groups' worth at once
 # Storage chunk target: large arrays are split (largest dimension first) so a device reads little beyond its

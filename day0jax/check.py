@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from day0jax.core import hf_config as config_lib
 from day0jax import cli
+from day0jax.core import hf_config as config_lib
 from day0jax.core.errors import CheckpointError, Day0Error
 from sharding import mesh as mesh_lib
 
@@ -452,7 +452,7 @@ def _memory(abstract, infos, config, mesh_spec, engine, dtype: str, report: Repo
         return {}
     bad = mesh_lib.problems(sizes, infos)
     if sizes.get("pp", 1) > 1:
-        from day0jax.engine.pipeline import pipeline_refusal
+        from day0jax.engine.stages import pipeline_refusal
 
         bad += [r for r in [pipeline_refusal(abstract)] if r]
     if bad:

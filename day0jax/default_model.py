@@ -11,7 +11,6 @@ import fcntl
 import importlib.metadata
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 from day0jax.core.errors import CheckpointError

@@ -265,7 +265,7 @@ def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, 
         mesh = make_mesh(mesh, infos=infos, fits=lambda s: inputs.plan(s, dtype, budget).fits)
     budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
     if "pp" in mesh.axis_names:
-        from day0jax.engine.pipeline import pipeline_refusal
+        from day0jax.engine.stages import pipeline_refusal
 
         refusal = pipeline_refusal(abstract)
         if refusal:

@@ -13,18 +13,20 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from day0jax.engine.config import EngineConfig
-from day0jax.engine.requests import QueueFull, SamplingParams
+from day0jax.core.cache_layout import layer_windows
 from day0jax.core.errors import GenerationError
-from day0jax.layers.linear import exact_float32
+from day0jax.engine.config import EngineConfig
+from day0jax.engine.programs import Program
+from day0jax.engine.requests import QueueFull, SamplingParams
+from day0jax.engine.runner import ModelRunner
+from day0jax.vision.inputs import ModelImages, chat_images
 from day0jax.weights.tokenizer import Tokenizer
-from sharding.rules import constrain, put
+from sharding.rules import put
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class Model:
         config: the family's config dataclass (fields are the HF config.json keys).
         tokenizer: the checkpoint's `Tokenizer`, or None when the checkpoint has no tokenizer.json.
         mesh, module: the device mesh the parameters are sharded over; the underlying Flax NNX module.
+        vision: a vision-language model's `VisionSpec` (None: text only); images: its image handling
+            (`vision.inputs.ModelImages`: preprocessing, placeholders, the tower).
         engine_config: the engine's runtime choices (`generate` and the server run that engine).
         context_length: the longest prompt + new tokens accepted (the engine config's `max_model_len` may lower it).
         memory_plan: per-device memory plan made before loading (sharding/plan.py), for this engine config.
@@ -53,19 +57,25 @@ class Model:
         self.engine_config, self.context_length = engine_config, context_length
         self.memory_plan, self.kernel_report = memory_plan, kernel_report
         self._engine = None
+        self._runner = None
         self.program_store = None
         self._grammars, self._grammar_lock = None, threading.Lock()
         self._request_ids = itertools.count()
-        self._graphdef, self._params = nnx.split(module)
-        self._forward = jax.jit(self._forward_fn)
-        # A vision-language model's image placeholders and shapes (None: text only), its preprocessing (read from
-        # the checkpoint's processor files on first use) and its image encoder.
         self.vision = getattr(module, "vision_spec", None)
-        self._image_processor = None
-        self._encode = jax.jit(self._encode_fn)
-        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self.images = ModelImages(self.vision, self.path, config.model_type,
+                                  getattr(module, "expand_image_placeholders", None),
+                                  lambda inputs: self.runner.encode_images(inputs))
         # Batches are split over dp and ep (sharding/rules.py): padded batch sizes are multiples of both.
         self._batch_multiple = mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)
+
+    @property
+    def runner(self):
+        """The engine's `ModelRunner` (its parameters and programs; `logits` runs its cache-less forward). Made on
+        first use without the engine's KV pools, which only the engine allocates."""
+        if self._runner is None:
+            layout = self.engine_config.layout(self.context_length, layer_windows(self.module.cache_layout()))
+            self._runner = ModelRunner(self.module, self.mesh, jnp.dtype(self.dtype), layout)
+        return self._runner
 
     @property
     def engine(self):
@@ -74,7 +84,7 @@ class Model:
             from day0jax.engine.engine import Engine
 
             self._engine = Engine(self.module, self.mesh, jnp.dtype(self.dtype), context_length=self.context_length,
-                                  eos_token_ids=self.eos_token_ids, config=self.engine_config)
+                                  eos_token_ids=self.eos_token_ids, config=self.engine_config, runner=self.runner)
         return self._engine
 
     @property
@@ -98,7 +108,7 @@ class Model:
         """Makes `engine`, built on this model's abstract form before the weights were read (its programs possibly
         compiled meanwhile), this model's engine, holding these weights."""
         engine.attach(self.module, self.eos_token_ids)
-        self._engine = engine
+        self._engine, self._runner = engine, engine.runner
 
     def _compile_for(self, prompts: Sequence[Sequence[int]], params: SamplingParams, images: Sequence = ()) -> None:
         """Compiles (or loads from the compilation cache), in parallel and before the first token, every program
@@ -111,11 +121,9 @@ class Model:
         longest = max(len(p) for p in prompts)
         if longest + params.max_tokens > engine.max_model_len:
             return  # the engine refuses the request, naming the limit
-        programs = engine.programs_for(
+        programs = runner.catalog.for_requests(
             len(prompts) * params.n, longest, longest + params.max_tokens,
             sampled=params.sampled, penalized=params.penalized, guided=params.guided)
-        from day0jax.engine.runner import Program
-
         programs += list(dict.fromkeys(Program("encode", key) for inputs in images if inputs is not None
                                        for key, _, _ in self.vision.encoder_calls(inputs.pixels, inputs.grids)))
         missing = [p for p in programs if not runner.installed(p)
@@ -126,109 +134,6 @@ class Model:
             sources = collections.Counter(r.source for r in records)
             log.info("%d programs ready before the first token in %.1fs (%s)", len(records), time.perf_counter() - t0,
                      ", ".join(f"{n} {how}" for how, n in sorted(sources.items())))
-
-    def _forward_fn(self, params, tokens, seq_len, image=None):
-        model = nnx.merge(self._graphdef, params)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        with exact_float32(self.dtype):
-            hidden, _ = model(tokens, positions, seq_len=seq_len, **(image or {}))
-            logits = model.logits(constrain(hidden))
-        # Replicated: every process of a multi-host mesh can read all of it.
-        return jax.lax.with_sharding_constraint(logits, self._replicated)
-
-    def _encode_fn(self, params, *inputs):
-        model = nnx.merge(self._graphdef, params)
-        with exact_float32(self.dtype):
-            return model.encode_images(*inputs)
-
-    @property
-    def image_processor(self):
-        """The checkpoint's image preprocessing (`vision.processors`), read from its processor files on first use.
-
-        Raises:
-            GenerationError: a text-only model, or a checkpoint without preprocessor_config.json.
-        """
-        if self.vision is None:
-            raise GenerationError(f"this {self.config.model_type} model takes no images")
-        if self._image_processor is None:
-            from day0jax.vision.processors import image_processor
-
-            files = [self.path / n for n in ("preprocessor_config.json", "processor_config.json")]
-            if not any(f.is_file() for f in files):
-                raise GenerationError(f"{self.path} has no preprocessor_config.json: images cannot be preprocessed "
-                                      "(convert the checkpoint again from a folder that has it)")
-            self._image_processor = image_processor(self.path)
-        return self._image_processor
-
-    def image_inputs(self, images: Sequence[Any]):
-        """One row's images (PIL images or uint8 HxWx3 arrays, in order), preprocessed for the vision tower: an
-        `engine.requests.ImageInputs` (pixels, tokens per image, grids), as `generate` and the server hand it over.
-
-        Raises:
-            ImageError: an image that cannot be read; GenerationError: a text-only model.
-        """
-        from day0jax.engine.requests import ImageInputs
-        from day0jax.vision.images import load_image
-
-        processor = self.image_processor
-        return ImageInputs(*self.vision.pack([processor.preprocess(load_image(im)) for im in images]))
-
-    def encode(self, inputs) -> tuple[np.ndarray, np.ndarray | None]:
-        """`ImageInputs` through the vision tower and projector: (features [n, D], DeepStack features [k, n, D] or
-        None), float32; kept on `inputs` (`.features`, `.deepstack`)."""
-        from day0jax.models.vision_language import encode_host
-
-        def run(key, arrays):
-            with jax.set_mesh(self.mesh):
-                return self._encode(self._params, *[put(a, self.mesh) for a in arrays])
-        if inputs.features is None:
-            inputs.features, inputs.deepstack = encode_host(self.vision, inputs.pixels, inputs.grids, run)
-        return inputs.features, inputs.deepstack
-
-    def image_features(self, images: Sequence[Any]) -> np.ndarray:
-        """One row's images through the vision tower and projector: [n, D] float32, one per image token."""
-        if not images:
-            return np.zeros((0, self.vision.dim), np.float32)
-        return self.encode(self.image_inputs(images))[0]
-
-    def _check_placeholders(self, tokens: Sequence[int], inputs, row: int) -> None:
-        v = self.vision
-        n = 0 if inputs is None else len(inputs)
-        if v is None:
-            if n:
-                raise GenerationError(f"this {self.config.model_type} model takes no images")
-            return
-        found = sum(int(t) == v.image_token_id for t in tokens)
-        needed = 0 if inputs is None else sum(inputs.counts)
-        if found != needed:
-            raise GenerationError(f"row {row} has {found} image placeholder tokens (id {v.image_token_id}) for {n} "
-                                  f"image(s) that take {needed}; expand each image's placeholder (`Model.prepare` "
-                                  "does)")
-
-    def _row_inputs(self, images: Sequence[Sequence[Any]] | None, rows: int) -> list:
-        """Per row, its `ImageInputs` (None: no images).
-
-        Raises:
-            GenerationError: a row count that differs, or images for a text-only model.
-        """
-        if images is None:
-            return [None] * rows
-        if len(images) != rows:
-            raise GenerationError(f"images has {len(images)} rows for {rows} rows of token ids")
-        if self.vision is None and any(images):
-            raise GenerationError(f"this {self.config.model_type} model takes no images")
-        return [self.image_inputs(row) if row else None for row in images]
-
-    def expand_images(self, text: str, images: Sequence[Any]):
-        """A rendered chat `text` with each image's placeholder expanded to its tokens, and the images'
-        `ImageInputs` (the server and `prepare` share this).
-
-        Raises:
-            GenerationError: a text-only model, or a template that does not show each image once.
-            ImageError: an image that cannot be read.
-        """
-        inputs = self.image_inputs(images)
-        return self.module.expand_image_placeholders(text, inputs.counts, self.tokenizer), inputs
 
     def prepare(self, messages: Sequence[dict], *, allowed_media_dir: str | Path | None = None
                 ) -> tuple[list[int], list[Any]]:
@@ -242,8 +147,6 @@ class Model:
             ImageError: an image that cannot be read.
             ChatTemplateError: the template fails.
         """
-        from day0jax.models.vision_language import chat_images
-
         if self.tokenizer is None:
             raise GenerationError(f"{self.path} has no tokenizer.json")
         rendered, images = chat_images(messages, allowed_media_dir)
@@ -251,22 +154,8 @@ class Model:
             raise GenerationError(f"this {self.config.model_type} model takes no images")
         text = self.tokenizer.render_chat(rendered)
         if images:
-            text = self.expand_images(text, images)[0]
+            text = self.images.expand(text, images, self.tokenizer)[0]
         return self.tokenizer.encode(text, add_special_tokens=False), images
-
-    def image_arrays(self, tokens: np.ndarray, rows: Sequence[Any]) -> dict[str, jax.Array]:
-        """A cache-less forward's image inputs for padded `tokens` [B, T] and each row's `ImageInputs` (or None),
-        encoded, laid out and put on the mesh (`logits`, `day0jax.verify`)."""
-        from day0jax.models.vision_language import place_features
-
-        for inputs in rows:
-            if inputs is not None:
-                self.encode(inputs)
-        arrays = place_features(tokens, self.vision, list(rows) + [None] * (len(tokens) - len(rows)))
-        def logical(k, x):  # rows split like the tokens; deepstack [k, B, T, D] has them second
-            names = ["batch"] + [None] * (x.ndim - 1)
-            return names[1:2] + names[:1] + names[2:] if k == "deepstack" else names
-        return {k: put(x, self.mesh, logical(k, x)) for k, x in arrays.items()}
 
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
                images: Sequence[Sequence[Any]] | None = None) -> np.ndarray:
@@ -287,18 +176,14 @@ class Model:
             raise GenerationError(f"{T} tokens exceed the model's context of {self.context_length}")
         padded = np.zeros((_round_up_pow2(B, self._batch_multiple), _round_up_pow2(T, 16)), np.int32)
         padded[:B, :T] = tokens
+        rows = self.images.rows(images, tokens)
         image = None
-        if self.vision is not None or images is not None:
-            rows = self._row_inputs(images, B)
-            for b in range(B):
-                self._check_placeholders(tokens[b], rows[b], b)
-            image = self.image_arrays(padded, rows) if self.vision is not None else None
-        if "pp" in self.mesh.axis_names:  # pipeline stages: one program per stage (engine/pipeline.py)
-            return np.asarray(self.engine.runner.full_logits(padded, T))[:B, :T]
-        with jax.set_mesh(self.mesh):
-            out = self._forward(self._params, put(padded, self.mesh, ("batch", None)), put(np.int32(T), self.mesh),
-                                image)
-        return np.asarray(out)[:B, :T]
+        if self.vision is not None:
+            def logical(k, x):  # rows split like the tokens; deepstack [k, B, T, D] has them second
+                names = ["batch"] + [None] * (x.ndim - 1)
+                return names[1:2] + names[:1] + names[2:] if k == "deepstack" else names
+            image = {k: put(x, self.mesh, logical(k, x)) for k, x in self.images.arrays(padded, rows).items()}
+        return np.asarray(self.runner.full_logits(padded, T, image))[:B, :T]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -326,9 +211,7 @@ class Model:
                                 top_k=int(top_k), seed=seed, stop_token_ids=tuple(stop_token_ids or ()),
                                 ignore_eos=ignore_eos, grammar=self._grammar(json_schema, regex, choice),
                                 logit_bias=tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()))
-        inputs = self._row_inputs(images, len(prompts))
-        for b, (prompt, row) in enumerate(zip(prompts, inputs)):
-            self._check_placeholders(prompt, row, b)
+        inputs = self.images.rows(images, prompts)
         engine = self.engine
         self._compile_for(prompts, params, inputs)
         ids = [f"generate-{next(self._request_ids)}" for _ in prompts]

@@ -206,7 +206,7 @@ def profile(model, batch: int = 1, prompt_len: int = 128, new_tokens: int = 32, 
     import jax
 
     from day0jax.engine.requests import SamplingParams
-    from day0jax.engine.runner import Program
+    from day0jax.engine.programs import Program
 
     trace_dir = Path(trace_dir or tempfile.mkdtemp(prefix="day0jax-profile-"))
     rng = np.random.default_rng(seed)

@@ -247,11 +247,11 @@ def run_day0jax_vision(model, prompts: list[list[int]], images: list[list[np.nda
 
     out = {}
     for i, (p, imgs) in enumerate(zip(prompts, images)):
-        inputs = model.image_inputs(imgs)
-        features, _ = model.encode(inputs)
+        inputs = model.images.inputs(imgs)
+        features, _ = model.images.encode(inputs)
         tokens = np.asarray([p], np.int32)
         with jax.set_mesh(model.mesh):
-            states = hidden(params, tokens, model.image_arrays(tokens, [inputs]))
+            states = hidden(params, tokens, model.images.arrays(tokens, [inputs]))
         out.update({f"pixels_{i}": inputs.pixels, f"features_{i}": features,
                     f"logits_{i}": model.logits([p], images=[imgs])[0], f"hidden_{i}": np.asarray(states)[:, 0]})
         if inputs.grids is not None:

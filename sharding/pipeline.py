@@ -195,7 +195,8 @@ class Links:
         self.multi_process = len({d.process_index for d in mesh.devices.flat}) > 1
         # Where the sampler runs and the tokens every process reads live.
         self.sample_mesh = mesh if self.multi_process else self.meshes[-1]
-        self.blocking = self.multi_process and mesh.devices.flat[0].platform == "cpu"
+        # One stage moves nothing between stages and samples where its logits already are: nothing to order.
+        self.blocking = self.multi_process and len(self.meshes) > 1 and mesh.devices.flat[0].platform == "cpu"
         self._programs: dict = {}
         self._order = None  # the ordering token (multi-process only), on the whole mesh
 
@@ -218,8 +219,8 @@ class Links:
         return self._take(moved, target, slot=True) if self.local[dst] else None
 
     def to_sampler(self, x, shape, dtype, spec):
-        """The last stage's array onto the sample mesh, replicated."""
-        if not self.multi_process:
+        """The last stage's array onto the sample mesh, replicated (one stage: already there)."""
+        if not self.multi_process or len(self.meshes) == 1:
             return x
         last = len(self.meshes) - 1
         return self._run("broadcast", shape, dtype, spec, 0, self._stacked(x, last, shape, dtype, spec))

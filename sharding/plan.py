@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from day0jax.core.cache_layout import KVLayer, SharedKV, StateLayer, layer_windows
+from day0jax.core.cache_layout import KVLayer, SharedKV, StateLayer
 from day0jax.core.errors import Day0Error, OutOfMemoryPlan
 from sharding import mesh as mesh_lib
 from sharding.rules import KV_POOL, shard_shape

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from day0jax import models
+from day0jax.core.errors import GenerationError
 from day0jax.engine.block_pool import BlockPool, OutOfPages
 from day0jax.engine.config import EngineConfig, first_chunk
 from day0jax.engine.engine import Engine
 from day0jax.engine.requests import ABORT, InvalidRequest, QueueFull, SamplingParams
-from day0jax.core.errors import GenerationError
 from sharding.mesh import make_mesh
 
 VOCAB = 64
@@ -54,7 +54,7 @@ def fake_engine(module, num_pages_tokens: int, max_num_seqs: int, seed: int, **c
         forwards.append(batch)
         return np.zeros((batch.tokens.shape[0], 1)), random_tokens(batch.tokens.shape[0])
 
-    def sample(logits, rows, penalties, logprobs, guidance=None):
+    def sample(logits, meta):
         return {"tokens": random_tokens(logits.shape[0])}
 
     engine.runner.forward, engine.runner.sample = forward, sample

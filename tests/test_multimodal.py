@@ -100,7 +100,7 @@ def test_image_features_match_transformers(family):
     name, model, ref = family
     for i, (_, imgs) in enumerate(ref["cases"]):
         if imgs:
-            ours = model.image_features(imgs)
+            ours = model.images.features(imgs)
             assert ours.shape == ref["ref"][f"features_{i}"].shape
             assert rel_err(ours, ref["ref"][f"features_{i}"]) < RTOL, f"{name} case {i}"
 
@@ -299,13 +299,13 @@ def test_placeholders_expand_as_each_family_processor_does():
 def test_warm_up_makes_the_tower_ready_for_every_image_size(family):
     """The server's ready set holds the tower's programs (one, or one per patch-count bucket for images of their own
     size); once they are installed, images of several sizes encode without tracing anything."""
-    from day0jax.engine.runner import Program
+    from day0jax.engine.programs import Program
     from day0jax.startup.warmup import compile_programs
 
     name, model, ref = family
     runner = model.engine.runner
-    encode = runner.encode_programs()
-    assert encode and set(encode) <= set(runner.ready_programs()) and set(encode) <= set(runner.all_programs())
+    encode = runner.catalog.encode()
+    assert encode and set(encode) <= set(runner.catalog.ready()) and set(encode) <= set(runner.catalog.all())
     compile_programs(runner, [p for p in encode if not runner.installed(p)])
     traced = set(runner.compiled)
     shapes = [(20, 30), (57, 41), (40, 40)]
@@ -315,7 +315,7 @@ def test_warm_up_makes_the_tower_ready_for_every_image_size(family):
     prompts = [[1, 2] + placeholders(case, p) + [3] for p in pictures]
     needed = set()
     for p in pictures:
-        inputs = model.image_inputs([p])
+        inputs = model.images.inputs([p])
         needed |= {key for key, _, _ in model.vision.encoder_calls(inputs.pixels, inputs.grids)}
     assert {Program("encode", key) for key in needed} <= set(encode)  # every size within a warmed-up bucket
     assert model.generate(prompts, 2, ignore_eos=True, images=[[p] for p in pictures])

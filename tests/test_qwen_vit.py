@@ -12,8 +12,8 @@ from safetensors.numpy import load_file
 
 from conftest import run_reference
 from day0jax.core.errors import UnsupportedArchitecture
-from day0jax.models import param_infos
 from day0jax.core.hf_tensors import default_source
+from day0jax.models import param_infos
 from day0jax.vision import qwen_vit
 from day0jax.vision.qwen_vit import VisionConfig, VisionModel, hf_source
 

@@ -33,8 +33,8 @@ import day0jax  # noqa: E402
 from day0jax.serve import protocol as P  # noqa: E402
 from day0jax.serve.chat_prompt import chat_prompt  # noqa: E402
 from day0jax.serve.errors import APIError  # noqa: E402
-from launch import serving  # noqa: E402
 from day0jax.serve.state import ServerState  # noqa: E402
+from launch import serving  # noqa: E402
 
 MODEL = "tiny-vision"
 MAX_IMAGES = 3
@@ -192,7 +192,7 @@ def test_images_and_tools_render_through_one_template(vision):
     ids, images = asyncio.run(chat_prompt(state, body, tools))
     text = model.tokenizer.render_chat([messages[0], {"role": "user", "content": [
         {"type": "text", "text": "Describe it."}, {"type": "image"}]}], tools=tools)
-    expanded, inputs = model.expand_images(text, [image(0)])
+    expanded, inputs = model.images.expand(text, [image(0)], model.tokenizer)
     assert ids == model.tokenizer.encode(expanded, add_special_tokens=False) and "describe" in text
     assert np.array_equal(images.pixels, inputs.pixels)
     r = vision["client"].chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",

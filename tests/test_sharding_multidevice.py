@@ -74,7 +74,7 @@ def image_batch(model) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     images = [[rng.integers(0, 256, (40, 30, 3), dtype=np.uint8)],
               [rng.integers(0, 256, (21, 50, 3), dtype=np.uint8), rng.integers(0, 256, (33, 33, 3), dtype=np.uint8)],
               [], []]
-    image = [[model.vision.image_token_id] * n for n in model.image_inputs(images[0] + images[1]).counts]
+    image = [[model.vision.image_token_id] * n for n in model.images.inputs(images[0] + images[1]).counts]
     rows = [[1, 17] + image[0] + [5, 9], [1] + image[1] + [3] + image[2], [1, 2, 3], [1, 200, 7, 8]]
     width = max(map(len, rows))
     tokens = np.array([r + [3] * (width - len(r)) for r in rows], np.int32)

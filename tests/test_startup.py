@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
 
 from day0jax.startup import compile_cache, timeline as tl  # noqa: E402
-from launch import ServerProcess  # noqa: E402
 from day0jax.startup.warmup import compile_totals, watch_compiles  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-chat"

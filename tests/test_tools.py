@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_tiny import CONFIG, write_tiny_chat_checkpoint  # noqa: E402
 
 import day0jax  # noqa: E402
+from day0jax.engine.config import EngineConfig  # noqa: E402
 from day0jax.engine.grammar import GrammarError  # noqa: E402
 from day0jax.engine.requests import SamplingParams  # noqa: E402
-from day0jax.engine.config import EngineConfig  # noqa: E402
 from day0jax.serve import tools as T  # noqa: E402
 from launch import serving  # noqa: E402
 

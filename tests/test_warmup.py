@@ -23,9 +23,9 @@ from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
 
 import day0jax  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
-from day0jax.engine.runner import Program  # noqa: E402
-from launch import ServerProcess  # noqa: E402
+from day0jax.engine.programs import Program  # noqa: E402
 from day0jax.startup.warmup import BackgroundCompiler, compile_programs  # noqa: E402
+from launch import ServerProcess  # noqa: E402
 
 # Decode spans of 8 and 16 pages of 16 tokens for 1, 2 and 4 rows; prefill chunks of 32 tokens over 16 pages.
 ENGINE = EngineConfig(max_num_seqs=4, chunk_buckets=(32,), max_model_len=256, min_width=128)
@@ -45,11 +45,11 @@ def reference(ckpt):
 
 def test_ready_set_and_background_order(ckpt):
     runner = day0jax.load(ckpt, dtype="float32", engine=ENGINE).engine.runner
-    ready = runner.ready_programs()
+    ready = runner.catalog.ready()
     assert [p.label for p in ready if p.name == "forward"] == ["1x1x8", "4x1x8", "1x32x16"]
     assert [p.label for p in ready if p.name == "sample"] == ["1", "4"]
-    rest = runner.background_programs(ready)
-    assert set(rest) == set(runner.all_programs()) - set(ready) and len(rest) == len(set(rest))
+    rest = runner.catalog.background(ready)
+    assert set(rest) == set(runner.catalog.all()) - set(ready) and len(rest) == len(set(rest))
     kinds = [("sampler+extras" if p.penalized or p.guided else "sampler") if p.name == "sample" else "forward"
              for p in rest]
     # Plain samplers (cheap) first, then forward programs, then the samplers taking penalties or grammar masks.
@@ -68,7 +68,7 @@ def test_missing_programs_run_padded_on_larger_ones_or_compile_on_the_step(ckpt,
     # The server's path: nothing made ready ahead of the steps.
     model._compile_for = lambda prompts, params, images=(): None
     runner = model.engine.runner
-    compile_programs(runner, runner.ready_programs())
+    compile_programs(runner, runner.catalog.ready())
     compiler = BackgroundCompiler(runner, [])  # never started: the steps' own path is the only one
     asked = []
     runner.ensure = lambda p: (asked.append(p), compiler.ensure(p))
@@ -211,7 +211,7 @@ def test_first_use_converts_the_default_model_while_its_ready_set_compiles(tmp_p
     with caplog.at_level(logging.INFO, logger="day0jax"):
         started = start_engine(args, timeline, warmup="ready")
     assert default_model.is_converted()
-    ready = started.engine.runner.ready_programs()
+    ready = started.engine.runner.catalog.ready()
     assert f"compiling {len(ready)} programs meanwhile" in caplog.text
     assert {"default model", "compile", "restore parameters"} <= {p.name for p in timeline.phases}
     assert [(r.program, r.shape) for r in started.records] == [(p.name, p.label) for p in ready]

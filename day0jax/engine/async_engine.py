@@ -13,7 +13,8 @@ import time
 from typing import AsyncIterator, Sequence
 
 from day0jax.engine.engine import Engine
-from day0jax.engine.requests import ImageInputs, SamplingParams, TokenEvent
+from day0jax.engine.requests import SamplingParams, TokenEvent
+from day0jax.vision.inputs import ImageInputs
 
 log = logging.getLogger(__name__)
 

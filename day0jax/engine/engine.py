@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import jax
-import numpy as np
 
-from day0jax.engine.config import EngineConfig, smallest_bucket
-from day0jax.engine.paged_cache import TRASH_PAGE
-from day0jax.engine.requests import (ABORT, LENGTH, STOP, ImageInputs, InvalidRequest, QueueFull,
-                                     SamplingParams, SequenceState, TokenEvent)
-from day0jax.engine.runner import ModelRunner, Program
-from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
 from day0jax.core.cache_layout import layer_windows
+from day0jax.engine.config import EngineConfig
+from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueFull, SamplingParams, SequenceState,
+                                     TokenEvent)
+from day0jax.engine.runner import ModelRunner
+from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
+from day0jax.startup.warmup import BackgroundCompiler, compile_programs
+from day0jax.vision.inputs import ImageInputs
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +38,29 @@ class _Sampled:
 
 
 class Engine:
-    """Continuous batching over a `ModelRunner`; only `add_request`/`abort` are thread-safe (they queue commands).
+    """Continuous batching over a `ModelRunner`: the lifecycle of requests, the scheduler's steps, the overlap of
+    host and device work, recovery from a failing step. Only `add_request`/`abort` are thread-safe (they queue
+    commands).
 
     Args:
         module, mesh, dtype: the loaded model (see `day0jax.load`): nnx module, mesh, KV cache dtype.
         context_length: the model's longest sequence.
         eos_token_ids: tokens that end a sequence unless `ignore_eos`.
         config: the `EngineConfig`.
+        runner: a `ModelRunner` already made for this model and config's layout (`Model.runner`, which may have
+            compiled programs), instead of a new one.
     Raises:
         GenerationError: a config value that cannot work (a pool smaller than one sequence, ...).
     """
 
     def __init__(self, module, mesh, dtype, *, context_length: int, eos_token_ids: Sequence[int] = (),
-                 config: EngineConfig = EngineConfig()):
+                 config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None):
         self.layout = config.layout(context_length, layer_windows(module.cache_layout()))
         self.max_model_len, self.page_size = self.layout.max_model_len, self.layout.page_size
-        if "pp" in mesh.axis_names:
-            from day0jax.engine.pipeline import PipelinedRunner
-
-            self.runner = PipelinedRunner(module, mesh, dtype, self.layout)
-        else:
-            self.runner = ModelRunner(module, mesh, dtype, self.layout)
+        if runner is not None and runner.layout != self.layout:
+            raise ValueError("the runner was made for another engine layout")
+        self.runner = runner or ModelRunner(module, mesh, dtype, self.layout)
+        self.runner.allocate_pools()
         if self.runner.has_state and config.prefix_caching:
             log.info("prefix caching is off: this model's linear-attention layers keep a state per sequence that "
                      "cached KV pages cannot restore")
@@ -85,34 +87,13 @@ class Engine:
         self.scheduler.eos_token_ids = frozenset(eos_token_ids)
 
     def programs(self, max_len: int | None = None, warmup: str = "all") -> list:
-        """The programs to compile before serving: every one (`ModelRunner.all_programs`, with `max_len` only the
-        forward programs attending over at most that many tokens), the ready set (`warmup="ready"`:
-        `ModelRunner.ready_programs`) or none."""
+        """The programs to compile before serving: every one (`ProgramCatalog.all`, with `max_len` only the forward
+        programs attending over at most that many tokens), the ready set (`warmup="ready"`: `ProgramCatalog.ready`)
+        or none."""
         if warmup == "none":
             return []
-        return self.runner.ready_programs() if warmup == "ready" else self.runner.all_programs(max_len)
-
-    def programs_for(self, rows: int, longest_prompt: int, max_len: int, *, sampled: bool, penalized: bool,
-                     guided: bool) -> list:
-        """The programs `rows` sequences can take whose prompts are at most `longest_prompt` tokens and which end by
-        `max_len`: decode for each batch bucket up to `rows`' and each span width up to `max_len`, prefill for each
-        chunk up to the longest prompt's, and (`sampled`: some row samples, takes penalties, a grammar or logprobs)
-        the sampler per row count."""
-        layout = self.layout
-
-        def up_to(buckets, n):  # the buckets up to the one that covers n
-            return [b for b in buckets if b <= smallest_bucket(buckets, n)]
-
-        pages = -(-max_len // layout.page_size)
-        prompt_pages = -(-longest_prompt // layout.page_size)
-        top = min(rows, layout.max_rows)
-        shapes = [(r, 1, w) for w in up_to(layout.decode_widths, pages) for r in up_to(layout.batch_buckets, top)]
-        shapes += [(1, c, w) for w in up_to(layout.prefill_widths, prompt_pages)
-                   for c in up_to(layout.chunk_buckets, longest_prompt)]
-        forward = [p for shape in shapes for p in self.runner.forward_programs(shape)]
-        samplers = [Program("sample", (r,), penalized, guided) for r in layout.sampler_batches()
-                    if r <= smallest_bucket(layout.batch_buckets, top)]
-        return forward + (samplers if sampled else [])
+        catalog = self.runner.catalog
+        return catalog.ready() if warmup == "ready" else catalog.all(max_len)
 
     def warm_up(self, progress=None, max_len: int | None = None, *, store=None, workers: int | None = None,
                 timeline=None, warmup: str = "all") -> list:
@@ -128,8 +109,6 @@ class Engine:
         Returns:
             The `CompileRecord`s, one per program.
         """
-        from day0jax.startup.warmup import compile_programs
-
         return compile_programs(self.runner, self.programs(max_len, warmup), store=store, workers=workers,
                                 timeline=timeline, progress=progress)
 
@@ -137,11 +116,9 @@ class Engine:
         """Starts compiling every program not installed yet on a background thread, most likely needed first and
         while no request is being served; until it is done, a step whose program is missing runs on a larger
         installed one or makes its own ready first (never traced inline). Returns the `BackgroundCompiler`."""
-        from day0jax.startup.warmup import BackgroundCompiler
-
         runner = self.runner
-        ready = [p for p in runner.all_programs() if runner.installed(p)]
-        compiler = BackgroundCompiler(runner, runner.background_programs(ready), store=store, busy=self.has_work)
+        ready = [p for p in runner.catalog.all() if runner.installed(p)]
+        compiler = BackgroundCompiler(runner, runner.catalog.background(ready), store=store, busy=self.has_work)
         runner.ensure = compiler.ensure
         compiler.start()
         return compiler
@@ -170,37 +147,11 @@ class Engine:
             raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                                  f"{len(prompt)} tokens and {params.max_tokens} more were asked for "
                                  f"({len(prompt) + params.max_tokens} in total)", "max_tokens")
-        self._check_images(prompt, images)
+        self.runner.inputs.check_images(prompt, images)
         with self._lock:
             if self.num_waiting + params.n > self.config.max_waiting:
                 raise QueueFull(f"the queue is full ({self.config.max_waiting} waiting)")
             self._commands.append(("add", request_id, prompt, params, images))
-
-    def _check_images(self, prompt: list[int], images: ImageInputs | None) -> None:
-        vision = self.runner.vision
-        if vision is None:
-            if images is not None and len(images):
-                raise InvalidRequest("this model takes no images", "images")
-            return
-        placeholders = sum(t == vision.image_token_id for t in prompt)
-        given = 0 if images is None else len(images)
-        needed = 0 if images is None else sum(images.counts)
-        if placeholders != needed:
-            raise InvalidRequest(f"the prompt has {placeholders} image placeholder tokens (id {vision.image_token_id})"
-                                 f" and its {given} image(s) take {needed}; expand each image's placeholder as "
-                                 "`Model.prepare` does", "images")
-        if given and vision.pixel_shape is not None and images.pixels.shape[1:] != vision.pixel_shape:
-            raise InvalidRequest(f"images are preprocessed to {vision.pixel_shape}, got {images.pixels.shape[1:]}",
-                                 "images")
-        if given and vision.mrope is not None:
-            images.rope_positions, images.rope_delta = vision.mrope(prompt, images.grids)
-        if given and vision.bidirectional:
-            images.spans = token_runs(prompt, vision.image_token_id)
-            longest, chunk = max(e - s for s, e in images.spans), self.layout.chunk_buckets[-1]
-            if longest > chunk:
-                raise InvalidRequest(f"this model's image tokens attend to each other, so one image's {longest} "
-                                     f"tokens are prefilled in one chunk, and the engine's largest chunk is {chunk} "
-                                     "(EngineConfig.chunk_buckets)", "images")
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stops a request (or only its sequence `index`); its pages are freed at the next step, and each
@@ -321,27 +272,8 @@ class Engine:
         self.num_steps += bool(work.decode or work.prefill)
         return sampled
 
-    def _table(self, seqs: Sequence[SequenceState], rows: int, width: int) -> np.ndarray:
-        table = np.full((rows, width), TRASH_PAGE, np.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.pages)] = s.pages[:width]
-        return table
-
     def _run_decode(self, seqs: list[SequenceState], previous: jax.Array | None):
-        rows = smallest_bucket(self.layout.batch_buckets, len(seqs))
-        width = smallest_bucket(self.layout.decode_widths, max(s.num_computed // self.page_size + 1 for s in seqs))
-        batch = self.runner.empty_batch(rows, 1, width)
-        for i, s in enumerate(seqs):
-            if s.num_computed < len(s.tokens):
-                batch.tokens[i, 0] = s.tokens[s.num_computed]
-            else:  # sampled last step, not read yet
-                batch.token_source[i] = self._sources[s][1]
-            batch.positions[i, 0] = s.num_computed
-            if batch.rope_positions is not None:  # past the prompt: the index plus the images' offset
-                batch.rope_positions[i, 0] = s.num_computed + (s.images.rope_delta if s.images is not None else 0)
-            batch.kv_lengths[i] = s.num_computed + 1
-            batch.state_slots[i] = s.slot
-        batch.block_tables[:] = self._table(seqs, rows, width)
+        batch = self.runner.inputs.decode(seqs, lambda s: self._sources[s][1])
         outputs = self.runner.forward(batch, previous)
         for s in seqs:
             s.num_computed += 1
@@ -349,112 +281,21 @@ class Engine:
         return outputs
 
     def _run_prefill(self, seq: SequenceState, n: int):
-        chunk = smallest_bucket(self.layout.chunk_buckets, n)
-        start = seq.num_computed
-        width = smallest_bucket(self.layout.prefill_widths, -(-(start + n) // self.page_size))
-        batch = self.runner.empty_batch(1, chunk, width)
-        batch.tokens[0, :n] = seq.tokens[start:start + n]
-        batch.positions[0, :n] = np.arange(start, start + n)
-        if batch.rope_positions is not None:
-            batch.rope_positions[0, :n] = self._rope_positions(seq, start, n)
-        batch.kv_lengths[0] = start + n
-        batch.last_index[0] = n - 1
-        batch.state_slots[0] = seq.slot
-        batch.block_tables[:] = self._table([seq], 1, width)
-        if seq.images is not None:
-            self._place_image_features(seq, batch, start, n)
-        outputs = self.runner.forward(batch)
+        outputs = self.runner.forward(self.runner.inputs.prefill(seq, n))
         seq.num_computed += n
         self.prompt_tokens_computed += n
         self.scheduler.register_blocks(seq)
         return outputs
 
-    @staticmethod
-    def _rope_positions(seq: SequenceState, start: int, n: int) -> np.ndarray:
-        """Multimodal RoPE positions [n, 3] of the sequence's tokens [start, start + n): the prompt's from its
-        images' layout, the rest (generated, or all of a text-only prompt) the index plus the images' offset."""
-        index = np.arange(start, start + n)
-        images = seq.images
-        if images is None or images.rope_positions is None:
-            return np.repeat(index[:, None], 3, axis=1)
-        out = np.repeat((index + images.rope_delta)[:, None], 3, axis=1)
-        inside = index < len(images.rope_positions)
-        out[inside] = images.rope_positions[index[inside]]
-        return out
-
-    def _place_image_features(self, seq: SequenceState, batch, start: int, n: int) -> None:
-        """Fills the chunk's image features (and DeepStack features): the sequence's image tokens in
-        [start, start + n) take theirs in order (encoded once, on its first chunk)."""
-        images = seq.images
-        if images.features is None:
-            images.features, images.deepstack = self.runner.encode_images(images)
-        image_token = self.runner.vision.image_token_id
-        is_image = np.asarray(seq.tokens[:seq.prompt_len], np.int32) == image_token
-        first = int(is_image[:start].sum())  # features before this chunk
-        mask = is_image[start:start + n]
-        where = np.flatnonzero(mask)
-        batch.image_mask[0, :len(mask)] = mask
-        batch.image_features[0, where] = images.features[first:first + len(where)]
-        if images.deepstack is not None:
-            batch.deepstack[:, 0, where] = images.deepstack[:, first:first + len(where)]
-
     def _sample(self, seqs: list[SequenceState], logits, greedy) -> _Sampled:
-        """Dispatches the sampler (reading nothing) for the leading rows of `logits`, one per sequence."""
-        B, pad = logits.shape[0], logits.shape[0] - len(seqs)
-        p = [s.params for s in seqs]
-
-        def col(values, dtype, fill):
-            return np.array(list(values) + [fill] * pad, dtype)
-
-        rows = dict(seeds=col((s.seed for s in seqs), np.uint32, 0),
-                    counters=col((s.num_generated for s in seqs), np.int32, 0),
-                    temperature=col((q.temperature for q in p), np.float32, 0.0),
-                    top_k=col((q.top_k for q in p), np.int32, 0),
-                    top_p=col((q.top_p for q in p), np.float32, 1.0),
-                    min_p=col((q.min_p for q in p), np.float32, 0.0))
-        penalties = self._penalty_arrays(seqs, B) if any(q.penalized for q in p) else None
-        # The forward program is already dispatched: the grammar masks are computed while it runs.
-        guidance = self._guidance_arrays(seqs, B) if any(q.guided for q in p) else None
-        if not any(q.sampled for q in p):
-            sampled = _Sampled(seqs, {"tokens": greedy})
-        else:
-            want_logprobs = any(q.logprobs is not None for q in p)
-            sampled = _Sampled(seqs, self.runner.sample(logits, rows, penalties, want_logprobs, guidance))
+        """Dispatches the sampler (reading nothing) for the leading rows of `logits`, one per sequence. The forward
+        program is already dispatched: the grammar masks are computed while it runs."""
+        meta = self.runner.inputs.sampling(seqs, logits.shape[0])
+        sampled = _Sampled(seqs, self.runner.sample(logits, meta) if meta.sampled else {"tokens": greedy})
         for i, s in enumerate(seqs):
             s.in_flight += 1
             self._sources[s] = (sampled, i)
         return sampled
-
-    def _penalty_arrays(self, seqs: list[SequenceState], B: int):
-        V = self.vocab_size
-        counts, seen = np.zeros((B, V), np.float32), np.zeros((B, V), bool)
-        presence, frequency, repetition = np.zeros(B, np.float32), np.zeros(B, np.float32), np.ones(B, np.float32)
-        for i, seq in enumerate(seqs):
-            q = seq.params
-            if not q.penalized:
-                continue
-            if seq.counts is None:
-                seq.counts = np.zeros(V, np.float32)
-                np.add.at(seq.counts, np.asarray(seq.tokens[seq.prompt_len:], np.int64), 1)
-                seq.seen = np.zeros(V, bool)
-                seq.seen[np.asarray(seq.tokens, np.int64)] = True
-            counts[i], seen[i] = seq.counts, seq.seen
-            presence[i], frequency[i], repetition[i] = q.presence_penalty, q.frequency_penalty, q.repetition_penalty
-        return counts, seen, presence, frequency, repetition
-
-    def _guidance_arrays(self, seqs: list[SequenceState], B: int):
-        """Each row's grammar mask (for the token its matcher is at) and logit biases, as `apply_guidance` takes
-        them."""
-        allowed, bias_ids, bias = self.runner.neutral_guidance(B)
-        for i, seq in enumerate(seqs):
-            q = seq.params
-            if q.grammar is not None:
-                if seq.matcher is None:
-                    seq.matcher = q.grammar.matcher()
-                seq.matcher.fill(allowed[i])
-            for j, (token, value) in enumerate(q.logit_bias):
-                bias_ids[i, j], bias[i, j] = token, value
-        return allowed, bias_ids, bias
 
     def _read_in_flight(self) -> list[TokenEvent]:
         """Reads every sampler output still on the device (waiting for it) and emits its tokens."""
@@ -507,14 +348,3 @@ class Engine:
                     preemptions=s.num_preemptions, prompt_tokens_computed=self.prompt_tokens_computed,
                     generated_tokens=self.generated_tokens, steps=self.num_steps)
 
-
-def token_runs(tokens: Sequence[int], token: int) -> list[tuple[int, int]]:
-    """[(start, end)] of each maximal run of `token` in `tokens` (end exclusive)."""
-    runs, start = [], None
-    for i, t in enumerate(list(tokens) + [None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs

@@ -3,14 +3,14 @@ vision-language model's preprocessed images."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from day0jax.core.errors import GenerationError
 from day0jax.engine.sampling import MAX_LOGIT_BIAS, TOP_LOGPROBS
+from day0jax.vision.inputs import ImageInputs
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"
 
@@ -21,39 +21,6 @@ class InvalidRequest(GenerationError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
-
-
-class ImageInputs:
-    """A request's images, preprocessed for the model's vision tower (`VisionSpec.pack`), shared by the request's
-    sequences.
-
-    Attributes:
-        pixels: float32, in order of appearance: [I, ...] one image per entry, or the patches of all images one after
-            another (towers that take images of any size).
-        counts: each image's number of placeholder tokens.
-        grids: each image's (t, h, w) patch grid, for towers that take images of any size (else None).
-        digest: a hash of the pixels and grids: it salts the prefix cache, so equal placeholder tokens over other
-            images never share cached keys and values.
-        features, deepstack: [n, D] the projected features, one per image token, and [k, n, D] the DeepStack
-            features where the model has them; computed by the engine on the first prefill chunk (None until then).
-        spans: [(start, end)] of each run of image tokens in the prompt, where a model's image tokens attend to
-            each other both ways: the scheduler never ends a prefill chunk inside one (empty otherwise).
-        rope_positions, rope_delta: multimodal RoPE: the prompt's positions [T, 3] and the offset of those after it.
-    """
-
-    def __init__(self, pixels: np.ndarray, counts: Sequence[int], grids: tuple | None = None):
-        self.pixels = np.ascontiguousarray(pixels, dtype=np.float32)
-        self.counts, self.grids = list(counts), grids
-        self.digest = hashlib.blake2b(self.pixels.tobytes() + repr((self.pixels.shape, grids)).encode(),
-                                      digest_size=16, person=b"day0jax-images").digest()
-        self.features: np.ndarray | None = None
-        self.deepstack: np.ndarray | None = None
-        self.spans: list[tuple[int, int]] = []
-        self.rope_positions: np.ndarray | None = None
-        self.rope_delta = 0
-
-    def __len__(self) -> int:
-        return len(self.counts)
 
 
 class QueueFull(GenerationError):

@@ -1,15 +1,19 @@
-"""The device side of the engine: the parameters, the paged KV pools and the two jitted programs (forward, sample).
+"""The device side of the engine: the parameters, the paged KV pools and the jitted programs, one per purpose: the
+forward step over the cache (per pipeline stage), the cache-less forward of `Model.logits`, the vision tower, and
+the sampler.
 
-One forward program serves decode steps (tokens [B, 1]) and prefill chunks ([1, C]) and also returns each row's greedy
-token, so a greedy batch needs no second program; sampling is a separate small program, so the model programs do not
-multiply by sampling modes. Buckets that warm-up did not `install` go through `jax.jit`.
+A model that is not split into pipeline stages is the one-stage case (engine/stages.py): one forward program, its
+parameters and pools on the whole mesh, no micro-batches. The forward program serves decode steps (tokens [B, 1])
+and prefill chunks ([1, C]) and also returns each row's greedy token, so a greedy batch needs no second program;
+sampling is a separate small program, so the model programs do not multiply by sampling modes. Buckets that
+warm-up did not `install` go through `jax.jit`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import jax
@@ -18,70 +22,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from day0jax.engine.config import EngineLayout
-from day0jax.engine.paged_cache import TRASH_PAGE, layer_caches, new_pools
-from day0jax.engine.sampling import MAX_LOGIT_BIAS, sample
-from day0jax.engine.state_cache import TRASH_SLOT
-from day0jax.layers.linear import exact_float32
-from kernels_pallas import registry as kernel_registry
 from day0jax.core.cache_layout import KVLayer, StateLayer
-from sharding.rules import put
+from day0jax.core.errors import MeshError
+from day0jax.engine.config import EngineLayout
+from day0jax.engine.input_batch import ROW_ARRAYS, Batch, InputBatch, SamplingMetadata
+from day0jax.engine.paged_cache import layer_caches, new_pools
+from day0jax.engine.programs import Program, ProgramCatalog
+from day0jax.engine.sampling import sample
+from day0jax.engine.stages import MicroBatches, leaf_paths, pipeline_refusal, placed_stages
+from day0jax.layers.linear import exact_float32
+from day0jax.vision.spec import encode_host
+from kernels_pallas import registry as kernel_registry
+from sharding.pipeline import Links, Stages
+from sharding.rules import ACTIVATION, constrain, named_sharding, put
 
 log = logging.getLogger(__name__)
-
-ROW_ARRAYS = ("seeds", "counters", "temperature", "top_k", "top_p", "min_p")
-
-
-@dataclass(frozen=True)
-class Program:
-    """One compiled program of the runner, for one bucket."""
-
-    # "forward" (shape: rows, tokens, width in pages), "sample" (shape: rows) or "encode" (a vision tower's call on
-    # one image: shape () for towers of one image size, (patches,) padded for those of any size)
-    name: str
-    shape: tuple[int, ...]
-    # Samplers only (mode and logprobs are run-time choices): taking the [B, V] penalty arrays, taking the grammar
-    # masks and logit biases.
-    penalized: bool = False
-    guided: bool = False
-    # Forward programs of a pipelined model (engine/pipeline.py): the pipeline stage this program runs, on the
-    # micro-batches of a batch of `shape`.
-    stage: int | None = None
-
-    @property
-    def label(self) -> str:
-        if self.name == "forward":
-            return "x".join(map(str, self.shape)) + ("" if self.stage is None else f" stage {self.stage}")
-        if self.name == "encode":
-            return "image" + "".join(f" {n} patches" for n in self.shape)
-        extras = "".join(f"+{x}" for x, on in (("penalties", self.penalized), ("guidance", self.guided)) if on)
-        return f"{self.shape[0]}{extras}"
-
-
-@dataclass
-class Batch:
-    """One forward call, host side: [B, T] token ids and positions, [B, W] block tables, [B] lengths and state
-    slots."""
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    block_tables: np.ndarray
-    kv_lengths: np.ndarray
-    last_index: np.ndarray  # [B] which of the T positions to return logits for
-    token_source: np.ndarray  # [B] row of `previous` holding the row's input token, -1: `tokens` holds it
-    state_slots: np.ndarray  # [B] each row's slot in the linear-attention state pools (TRASH_SLOT: padding)
-    # Vision-language models only: [B, T, D] image features, put in place of the embeddings where [B, T] is set;
-    # [B, T, 3] multimodal RoPE positions and [k, B, T, D] DeepStack features where the model has them.
-    image_features: np.ndarray | None = None
-    image_mask: np.ndarray | None = None
-    rope_positions: np.ndarray | None = None
-    deepstack: np.ndarray | None = None
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        image = tuple(x for x in (self.image_features, self.image_mask, self.rope_positions, self.deepstack)
-                      if x is not None)
-        return (self.tokens, self.positions, self.block_tables, self.kv_lengths, self.last_index, self.token_source,
-                self.state_slots) + image
 
 
 def layer_rings(cache_layout: list, layout: EngineLayout) -> list[int]:
@@ -94,29 +49,59 @@ class ModelRunner:
 
     Args:
         module, mesh, dtype: the nnx model (any family with the cache protocol and `cache_layout()`), the mesh its
-            parameters live on, the KV cache dtype.
+            parameters live on (with a `pp` axis: split into pipeline stages as `sharding.pipeline.param_sharding`
+            placed them), the KV cache dtype.
         layout: the engine's pool size and shape buckets.
+        micro_batches: most micro-batches a pipelined decode batch is cut into (default: the number of stages).
+    Raises:
+        MeshError: pipeline stages for a model that cannot be split.
     """
 
-    def __init__(self, module: nnx.Module, mesh: Mesh, dtype, layout: EngineLayout):
+    def __init__(self, module: nnx.Module, mesh: Mesh, dtype, layout: EngineLayout, micro_batches: int | None = None):
         self._graphdef, params = nnx.split(module)
         # Flat leaves: unflattening nnx Variables on every call costs about a millisecond of host time a step.
-        self.params, self._params_def = jax.tree.flatten(params)
+        leaves, self._params_def = jax.tree.flatten(params)
+        self._paths = leaf_paths(params)
         self.mesh, self.layout, self.dtype = mesh, layout, dtype
         self.vocab_size = int(module.config.vocab_size)
-        self._sample_mesh = mesh  # where the sampler runs (a pipeline's last stage)
-        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self.links = Links(mesh)
+        self.meshes = self.links.meshes
         cache_layout = module.cache_layout()
+        if len(self.meshes) > 1:
+            refusal = pipeline_refusal(module)
+            if refusal:
+                raise MeshError(refusal)
+            self.stages = placed_stages(self._paths, leaves, self.meshes)
+            self.micro = MicroBatches(self.links, micro_batches or self.stages.count)
+            log.info("pipeline: %d stages, layers %s, up to %d micro-batches per decode step", self.stages.count,
+                     self.stages.describe(), self.micro.most)
+        else:
+            self.stages = Stages((range(len(cache_layout)),), tied=not any(p.startswith("lm_head.") for p in self._paths))
+            self.micro = None
+        self.local = [s for s in range(self.stages.count) if self.links.local[s]]
+        # Which flat parameters each stage's program takes (its layers, and the embeddings, norm and head it uses).
+        self._needs = [list(range(len(leaves)))] if self.stages.count == 1 else \
+            [[i for i, p in enumerate(self._paths) if s in self.stages.holders(p)] for s in range(self.stages.count)]
+        self._place(leaves)
         self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
         self.rings = layer_rings(cache_layout, layout)
-        self.pools = new_pools(cache_layout, layout.num_pages, layout.page_size, layout.state_slots, dtype, mesh,
-                               layout.ring_pages)
-        self._no_previous = self._put(np.zeros(layout.max_rows, np.int32))
-        # A vision-language model's: its programs take image features, and it encodes images (one program per
-        # image count).
+        self._cache_layout = cache_layout
+        self._stage_pools: list | None = None  # allocated by the engine (`allocate_pools`), not by `full_logits`
+        self._stage_replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
+        self._sample_mesh = self.links.sample_mesh
+        self._replicated = NamedSharding(self._sample_mesh, PartitionSpec())
+        self._no_previous = self._put(np.zeros(layout.max_rows, np.int32), self.meshes[0]) \
+            if self.links.local[0] else None
+        # A vision-language model's (never split into stages): its programs take image features, and it encodes
+        # images (one program per image shape bucket).
         self.vision = getattr(module, "vision_spec", None)
+        self.inputs = InputBatch(layout, self.vision, self.vocab_size, self.encode_images)
+        self.catalog = ProgramCatalog(layout, None if self.micro is None else self.local,
+                                      self.vision.encoder.keys() if self.vision is not None else ())
+        self._stage_jits = [jax.jit(functools.partial(self._stage_fn, s), donate_argnames=("pools",))
+                            for s in range(self.stages.count)]
+        self._whole_jits = [jax.jit(functools.partial(self._whole_fn, s)) for s in range(self.stages.count)]
         self._encode = jax.jit(self._encode_fn)
-        self._forward = jax.jit(self._forward_fn, donate_argnames=("pools",))
         self._sample = jax.jit(self._sample_fn)
         self.compiled: set[tuple] = set()  # shapes traced by jit (not installed): logged once each
         self.programs: dict[Program, jax.stages.Compiled] = {}  # installed by warm-up
@@ -125,6 +110,35 @@ class ModelRunner:
         # through this, instead of tracing it inline.
         self.ensure: Callable[[Program], None] | None = None
         self._context: str | None = None  # see `signature`
+        self._split = None  # the last forward's logits, rows per micro-batch and each micro-batch's: see `sample`
+
+    # --- parameters and pools ------------------------------------------------------------------------------------
+
+    def _place(self, leaves: list) -> None:
+        """Each local stage's parameters on its mesh: the loaded arrays, and for those loaded on several stages'
+        devices (`sharding.pipeline.holders_mesh`) the shards on this stage's (no copy)."""
+        self.stage_params = []
+        for s, needs in enumerate(self._needs):
+            if not self.links.local[s]:
+                self.stage_params.append(None)
+                continue
+            if self.stages.count == 1:
+                self.stage_params.append(list(leaves))
+                continue
+            mine = []
+            for i in needs:
+                leaf = leaves[i]
+                if frozenset(leaf.sharding.device_set) != frozenset(self.meshes[s].devices.flat):
+                    sharding = NamedSharding(self.meshes[s], leaf.sharding.spec)
+                    if isinstance(leaf, jax.ShapeDtypeStruct):
+                        leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+                    else:
+                        shards = {x.device: x.data for x in leaf.addressable_shards}
+                        leaf = jax.make_array_from_single_device_arrays(
+                            leaf.shape, sharding, [shards[d] for d in sharding.addressable_devices])
+                mine.append(leaf)
+            self.stage_params.append(mine)
+        self._leaves = leaves
 
     def attach(self, module: nnx.Module) -> None:
         """Replaces the parameters by `module`'s: the restored weights of the abstract model this runner was built
@@ -136,11 +150,35 @@ class ModelRunner:
         params, treedef = jax.tree.flatten(nnx.split(module)[1])
         if treedef != self._params_def:
             raise ValueError("the restored model's parameters are not the ones the engine was built for")
-        for old, new in zip(self.params, params):
+        for old, new in zip(self._leaves, params):
             if (old.shape, old.dtype, old.sharding) != (new.shape, new.dtype, new.sharding):
                 raise ValueError(f"a restored parameter is {new.shape} {new.dtype} {new.sharding}; the engine's "
                                  f"programs take {old.shape} {old.dtype} {old.sharding}")
-        self.params = params
+        self._place(params)
+
+    @property
+    def params(self) -> list:
+        """The loaded parameters (each stage's arrays are these or views of their shards)."""
+        return list(self._leaves)
+
+    @property
+    def stage_pools(self) -> list[list]:
+        """Each local stage's layers' KV and state pools (allocated on first use)."""
+        if self._stage_pools is None:
+            L = self.layout
+            self._stage_pools = [new_pools([self._cache_layout[i] for i in r], L.num_pages, L.page_size,
+                                           L.state_slots, self.dtype, m, L.ring_pages) if local else []
+                                 for r, m, local in zip(self.stages.ranges, self.meshes, self.links.local)]
+        return self._stage_pools
+
+    def allocate_pools(self) -> None:
+        """Allocates the KV page and state pools now (the engine does, when it is made)."""
+        self.stage_pools  # noqa: B018 - the property allocates
+
+    @property
+    def pools(self) -> list:
+        """Every layer's pools, in layer order."""
+        return [p for pools in self.stage_pools for p in pools]
 
     @property
     def has_state(self) -> bool:
@@ -159,45 +197,72 @@ class ModelRunner:
 
     @property
     def param_bytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in self.params)  # also before `attach` (shapes only)
+        return sum(x.size * x.dtype.itemsize for x in self._leaves)  # also before `attach` (shapes only)
 
-    def _encode_fn(self, params, *inputs):
-        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
-        with exact_float32(self.dtype):
-            return model.encode_images(*inputs)
+    @functools.cached_property
+    def hidden_size(self) -> int:
+        embed = next(a for p, a in zip(self._paths, self._leaves) if p.startswith("model.embed_tokens."))
+        return int(embed.shape[-1])
 
-    def encode_images(self, images) -> tuple[np.ndarray, np.ndarray | None]:
-        """A request's `ImageInputs` -> (features [n, D], DeepStack features [k, n, D] or None), float32 on the
-        host: one tower call per image, on the program of its shape bucket (installed by warm-up)."""
-        from day0jax.models.vision_language import encode_host
+    # --- the programs' functions ---------------------------------------------------------------------------------
 
-        def run(key, arrays):
-            program = self.programs.get(Program("encode", key))
-            if program is None and ("encode", key) not in self.compiled:
-                log.info("compiling the vision tower for %s", Program("encode", key).label)
-                self.compiled.add(("encode", key))
-            with jax.set_mesh(self.mesh):
-                return (program or self._encode)(self.params, *[self._put(a) for a in arrays])
-        return encode_host(self.vision, images.pixels, images.grids, run)
+    def _model(self, s: int, params: list):
+        if self.stages.count == 1:
+            return nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
+        leaves = [None] * len(self._paths)  # other stages' parameters: absent here
+        for i, value in zip(self._needs[s], params):
+            leaves[i] = value
+        return nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, leaves))
 
-    def _forward_fn(self, params, pools, previous, tokens, positions, block_tables, kv_lengths, last_index,
-                    token_source, state_slots, *image):
-        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, params))
-        tokens = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
+    def _stage_fn(self, s: int, params, pools, x, previous, tokens, positions, block_tables, kv_lengths, last_index,
+                  token_source, state_slots, *image):
+        model = self._model(s, params)
+        layers = self.stages.ranges[s]
         # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
         # hands it its source's.
-        caches = layer_caches(pools, self.stateful, self.rings, block_tables, kv_lengths, positions, state_slots)
+        caches = layer_caches(pools, self.stateful[layers.start:layers.stop], self.rings[layers.start:layers.stop],
+                              block_tables, kv_lengths, positions, state_slots)
+        first, last = s == 0, s == self.stages.last
+        if first:
+            x = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
+        seq_len = jnp.max(kv_lengths)
         with exact_float32(self.dtype):
-            image_inputs = self._image_inputs(image)
-            hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv_lengths), **image_inputs)
-            logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last_index])
+            if first and last:
+                hidden, caches = model(x, positions, caches, seq_len=seq_len, **self._image_inputs(image))
+            else:
+                hidden, caches = model.stage(x, positions, caches, seq_len, layers)
+            pools = [() if c is None else c.pools for c in caches]
+            if not last:
+                return hidden, pools
+            logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last_index])
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
-        logits = jax.lax.with_sharding_constraint(logits, self._replicated)
-        pools = [() if c is None else c.pools for c in caches]
+        logits = jax.lax.with_sharding_constraint(logits, self._stage_replicated[s])
         with jax.named_scope("sampling"):
             greedy = self._padded(jnp.argmax(logits, axis=-1))
         return logits, greedy, pools
+
+    def _whole_fn(self, s: int, params, x, seq_len, image):
+        """Stage `s` of `Model.logits`' full forward pass (no cache)."""
+        model = self._model(s, params)
+        B, T = x.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        first, last = s == 0, s == self.stages.last
+        with exact_float32(self.dtype):
+            if first and last:
+                hidden, _ = model(x, positions, seq_len=seq_len, **(image or {}))
+            else:
+                hidden, _ = model.stage(x, positions, None, seq_len, self.stages.ranges[s])
+            if not last:
+                return hidden
+            logits = model.logits(constrain(hidden))
+        # Replicated: every process of a multi-host mesh can read all of it.
+        return jax.lax.with_sharding_constraint(logits, self._stage_replicated[s])
+
+    def _encode_fn(self, params, *inputs):
+        model = self._model(0, params)
+        with exact_float32(self.dtype):
+            return model.encode_images(*inputs)
 
     def _image_inputs(self, image: tuple) -> dict:
         """The model's image arguments from the forward's trailing inputs (see `Batch.arrays`)."""
@@ -222,34 +287,144 @@ class ModelRunner:
         mesh = self.mesh if mesh is None else mesh
         return np.asarray(x) if mesh.size == 1 else put(x, mesh)
 
+    # --- running -------------------------------------------------------------------------------------------------
+
     def forward(self, batch: Batch, previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Runs one forward call, writing its keys/values into the pools; `previous` is a `sample` output's "tokens"
         that `batch.token_source` points into (None: no row does). Returns, on device, the logits [B, V] and each
         row's greedy token (padded to max_rows, as `sample`'s "tokens")."""
         key = batch.tokens.shape + (batch.block_tables.shape[1],)
-        program = self.programs.get(Program("forward", key))
-        if program is None and self.ensure is not None:
+        wanted = self.catalog.forward(key)
+        if not all(p in self.programs for p in wanted) and self.ensure is not None:
             cover = self.covering(key)
             if cover is None:
-                self.ensure(Program("forward", key))
+                for p in wanted:
+                    self.ensure(p)
             else:
-                batch, key = self.padded(batch, cover), cover
-            program = self.programs[Program("forward", key)]
-        if program is None and key not in self.compiled:
-            log.info("compiling the forward program for batch %d x %d tokens, %d pages", *key)
+                batch, key = self.inputs.padded(batch, cover), cover
+                wanted = self.catalog.forward(key)
+        programs = {s: self.programs.get(p) for s, p in zip(self.local, wanted)}
+        if None in programs.values() and key not in self.compiled:
+            log.info("compiling the forward program for batch %d x %d tokens, %d pages%s", *key,
+                     f" ({self.stages.count} stages)" if self.micro else "")
             self.compiled.add(key)
-        inputs = [self._put(x) for x in batch.arrays()]
-        previous = self._no_previous if previous is None else previous
-        # The mesh is the context while tracing, for `sharding.rules.constrain` inside the model.
-        with jax.set_mesh(self.mesh):
-            logits, greedy, self.pools = (program or self._forward)(self.params, self.pools, previous, *inputs)
-        return logits, greedy
+        M = self.micro.count(key[0]) if self.micro else 1
+        rows = key[0] // M
+        parts = [batch] if M == 1 else [batch.rows(j * rows, (j + 1) * rows) for j in range(M)]
+        routed = self.micro.sources(previous, parts, rows) if self.micro else [(previous, batch)]
+        logits, greedy = [], []
+        for before, part in routed:
+            out = self._through_stages(part, before, programs)
+            logits.append(self.links.to_sampler(None if out is None else out[0], (rows, self.vocab_size),
+                                                jnp.float32, PartitionSpec()))
+            greedy.append(self.links.to_sampler(None if out is None else out[1], (self.layout.max_rows,),
+                                                jnp.int32, PartitionSpec()))
+        if M == 1:
+            all_logits, tokens = logits[0], greedy[0]
+        else:
+            with jax.set_mesh(self._sample_mesh):
+                all_logits = jnp.concatenate(logits)
+                tokens = self._padded(jnp.concatenate([g[:rows] for g in greedy]))
+        if self.micro:
+            self.micro.remember(tokens, rows, greedy)
+        self._split = (all_logits, rows, logits) if M > 1 else None
+        return all_logits, tokens
 
-    def sample(self, logits: jax.Array, rows: dict[str, np.ndarray], penalties: tuple | None,
-               logprobs: bool, guidance: tuple | None = None) -> dict[str, jax.Array]:
-        """Samples one token per row of `logits` without waiting for it: `rows` holds the per-row arrays of
-        `sampling.sample`, `penalties` and `guidance` its optional host arrays. Returns device arrays ("tokens"
-        padded to max_rows, and the logprob outputs, zeros unless `logprobs`); `read` brings them to the host."""
+    def _through_stages(self, part: Batch, previous, programs: dict):
+        """Dispatches one micro-batch through every stage (this process's programs, and every move between
+        stages); returns the last stage's (logits, greedy tokens), or None where that stage is not local."""
+        x = None
+        for s in range(self.stages.count):
+            if s > 0:
+                x = self.send_hidden(x, s, part.tokens.shape)
+            if not self.links.local[s]:
+                x = None
+                continue
+            x = self.run_stage(s, programs.get(s), part, previous, x)
+            x = x[0] if s < self.stages.last else x
+        return x
+
+    def run_stage(self, s: int, program, part: Batch, previous, x):
+        """Stage `s`'s forward program (`program`, else its jit) on one micro-batch; returns its outputs before the
+        pools (the residual stream, or the logits and greedy tokens on the last stage)."""
+        if s == 0:
+            previous = self._no_previous if previous is None else previous
+        inputs = [self._put(a, self.meshes[s]) for a in part.arrays()]
+        # The mesh is the context while tracing, for `sharding.rules.constrain` inside the model.
+        with jax.set_mesh(self.meshes[s]):
+            *out, self.stage_pools[s] = self.links.settle(
+                (program or self._stage_jits[s])(self.stage_params[s], self.stage_pools[s], x, previous, *inputs))
+        return out
+
+    def send_hidden(self, x, s: int, rows_tokens: tuple[int, int]):
+        """The residual stream [B, T, D] of stage s - 1 onto stage `s`'s mesh."""
+        hidden = tuple(rows_tokens) + (self.hidden_size,)
+        return self.links.send(x, s - 1, s, hidden, jnp.dtype(self.dtype), self._hidden_sharding(s, hidden).spec)
+
+    def _hidden_sharding(self, s: int, shape) -> NamedSharding:
+        return named_sharding(ACTIVATION, shape, self.meshes[s])
+
+    def full_logits(self, tokens: np.ndarray, seq_len: int, image: dict | None = None) -> jax.Array:
+        """`Model.logits`' forward pass without a cache: token ids [B, T] -> float32 logits [B, T, V] (replicated on
+        the sample mesh); `image`: a vision-language model's image arrays, on the mesh."""
+        B, T = tokens.shape
+        x = put(tokens, self.meshes[0], ("batch", None)) if self.links.local[0] else None
+        for s in range(self.stages.count):
+            if s > 0:
+                x = self.send_hidden(x, s, (B, T))
+            if self.links.local[s]:
+                with jax.set_mesh(self.meshes[s]):
+                    x = self.links.settle(self._whole_jits[s](self.stage_params[s], x,
+                                                              put(np.int32(seq_len), self.meshes[s]),
+                                                              image if s == 0 else None))
+        return self.links.to_sampler(x if self.links.local[-1] else None, (B, T, self.vocab_size), jnp.float32,
+                                     PartitionSpec())
+
+    def encode_images(self, images) -> tuple[np.ndarray, np.ndarray | None]:
+        """A request's `ImageInputs` -> (features [n, D], DeepStack features [k, n, D] or None), float32 on the
+        host: one tower call per image, on the program of its shape bucket (installed by warm-up).
+
+        Raises:
+            MeshError: a model split into pipeline stages (they run no vision tower).
+        """
+        if self.stages.count > 1:
+            raise MeshError("pipeline stages do not run vision towers")
+
+        def run(key, arrays):
+            program = self.programs.get(Program("encode", key))
+            if program is None and ("encode", key) not in self.compiled:
+                log.info("compiling the vision tower for %s", Program("encode", key).label)
+                self.compiled.add(("encode", key))
+            with jax.set_mesh(self.mesh):
+                return (program or self._encode)(self.stage_params[0], *[self._put(a) for a in arrays])
+        return encode_host(self.vision, images.pixels, images.grids, run)
+
+    def sample(self, logits: jax.Array, meta: SamplingMetadata) -> dict[str, jax.Array]:
+        """Samples one token per row of `logits` without waiting for it (`meta`: the rows' settings, from
+        `inputs.sampling`). Returns device arrays ("tokens" padded to max_rows, and the logprob outputs, zeros
+        unless `meta.logprobs`); `read` brings them to the host. The logits of a micro-batched forward take one
+        sampler call per micro-batch (a row's draws depend only on its seed and position, so the tokens are the
+        same), whose tokens go back to the first stage on their own: the next step's micro-batch waits for its own
+        rows only."""
+        split = self._split
+        if split is None or split[0] is not logits or split[1] not in self.layout.sampler_batches():
+            return self.links.settle(self._sample_rows(logits, meta.rows, meta.penalties, meta.logprobs,
+                                                       meta.guidance))
+        _, r, parts = split
+        outs = []
+        for j, part in enumerate(parts):
+            sl = slice(j * r, (j + 1) * r)
+            cut = lambda arrays: None if arrays is None else tuple(a[sl] for a in arrays)  # noqa: E731
+            outs.append(self.links.settle(self._sample_rows(part, {k: v[sl] for k, v in meta.rows.items()},
+                                                            cut(meta.penalties), meta.logprobs, cut(meta.guidance))))
+        with jax.set_mesh(self._sample_mesh):
+            out = {k: jnp.concatenate([o[k][:r] for o in outs]) for k in outs[0]}
+            out["tokens"] = self._padded(out["tokens"])
+        self.micro.remember(out["tokens"], r, [o["tokens"] for o in outs])
+        return out
+
+    def _sample_rows(self, logits, rows: dict[str, np.ndarray], penalties: tuple | None, logprobs: bool,
+                     guidance: tuple | None) -> dict[str, jax.Array]:
         m = self._sample_mesh
         pen, guide = (None if x is None else tuple(self._put(a, m) for a in x) for x in (penalties, guidance))
         args = [self._put(rows[k], m) for k in ROW_ARRAYS] + [pen, guide, self._put(np.bool_(logprobs), m)]
@@ -264,116 +439,73 @@ class ModelRunner:
         """A `sample` output on the host (waits for it)."""
         return {k: np.asarray(v) for k, v in out.items()}
 
-    def empty_batch(self, rows: int, tokens: int, width: int) -> Batch:
-        """A batch of padding only: every token goes to the trash page."""
-        pad = width * self.layout.page_size  # beyond every block table: the trash page
-        v = self.vision
-        image = {} if v is None else dict(
-            image_features=np.zeros((rows, tokens, v.dim), np.float32), image_mask=np.zeros((rows, tokens), bool),
-            rope_positions=np.full((rows, tokens, 3), pad, np.int32) if v.mrope is not None else None,
-            deepstack=np.zeros((v.deepstack, rows, tokens, v.dim), np.float32) if v.deepstack else None)
-        return Batch(tokens=np.zeros((rows, tokens), np.int32), positions=np.full((rows, tokens), pad, np.int32),
-                     block_tables=np.full((rows, width), TRASH_PAGE, np.int32),
-                     kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
-                     token_source=np.full(rows, -1, np.int32), state_slots=np.full(rows, TRASH_SLOT, np.int32),
-                     **image)
+    def smoke_run(self) -> float:
+        """Runs the smallest decode step and the greedy sampler once on padding (a program that loads but cannot
+        run fails here, at start, not on the first request); returns the seconds it took."""
+        t0 = time.perf_counter()
+        rows = self.layout.batch_buckets[0]
+        logits, _ = self.forward(self.inputs.empty(rows, 1, self.layout.decode_widths[0]))
+        neutral = SamplingMetadata(self.inputs.neutral_rows(rows), None, None, sampled=True, logprobs=False)
+        self.read(self.sample(logits, neutral))
+        if self.micro:
+            self.micro.forget()
+        return time.perf_counter() - t0
+
+    # --- compiling -----------------------------------------------------------------------------------------------
 
     def installed(self, program: Program) -> bool:
         return program in self.programs
 
-    def forward_programs(self, shape: tuple[int, int, int]) -> list[Program]:
-        """The programs a forward call of `shape` (rows, tokens, width in pages) runs: one here, one per stage in a
-        pipeline."""
-        return [Program("forward", shape)]
-
     def covering(self, key: tuple[int, int, int]) -> tuple[int, int, int] | None:
-        """The smallest installed forward shape with at least `key`'s rows, tokens and pages, or None."""
+        """The smallest forward shape with at least `key`'s rows, tokens and pages installed for every local stage,
+        or None."""
+        counts: dict[tuple, int] = {}
         # list(): one call under the GIL, while the background thread may be installing programs
-        shapes = [p.shape for p in list(self.programs)
-                  if p.name == "forward" and all(a >= b for a, b in zip(p.shape, key))]
-        return min(shapes, key=lambda s: (s[0] * s[1] * s[2], s), default=None)
-
-    def padded(self, batch: Batch, shape: tuple[int, int, int]) -> Batch:
-        """`batch` grown to `shape` with padding: rows and tokens that write to the trash page, and block-table
-        columns holding it (a running row's positions never reach them)."""
-        out = self.empty_batch(*shape)
-        B, T = batch.tokens.shape
-        out.tokens[:B, :T], out.positions[:B, :T] = batch.tokens, batch.positions
-        out.block_tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
-        for name in ("kv_lengths", "last_index", "token_source", "state_slots"):
-            getattr(out, name)[:B] = getattr(batch, name)
-        if batch.image_features is not None:
-            out.image_features[:B, :T], out.image_mask[:B, :T] = batch.image_features, batch.image_mask
-        if batch.rope_positions is not None:
-            out.rope_positions[:B, :T] = batch.rope_positions
-        if batch.deepstack is not None:
-            out.deepstack[:, :B, :T] = batch.deepstack
-        return out
-
-    def ready_programs(self) -> list[Program]:
-        """What a server compiles before it is ready (`--warmup ready`): decode at the smallest span for one row and
-        for the most rows (which covers every decode batch at that span, padded), each prefill chunk at the
-        smallest span, and the plain sampler (no penalties, no grammar) for those row counts."""
-        L = self.layout
-        rows = sorted({L.batch_buckets[0], L.batch_buckets[-1]})
-        shapes = [(r, 1, L.decode_widths[0]) for r in rows] + [(1, c, L.prefill_widths[0]) for c in L.chunk_buckets]
-        forward = [p for shape in shapes for p in self.forward_programs(shape)]
-        sampler_rows = sorted(set(rows) | {1})
-        return forward + [Program("sample", (r,)) for r in sampler_rows] + self.encode_programs()
-
-    def encode_programs(self) -> list[Program]:
-        """A vision-language model's tower programs: one per image shape bucket (none for text models)."""
-        return [] if self.vision is None else [Program("encode", k) for k in self.vision.encoder.keys()]
-
-    def background_programs(self, ready: list[Program], max_len: int | None = None) -> list[Program]:
-        """`all_programs(max_len)` not in `ready`, most likely needed first: plain samplers, then forward programs by
-        span (the short spans every request starts with), the most rows first, then the samplers with penalties or
-        guidance."""
-        def rank(p: Program):
-            if p.name == "encode":
-                return (0, p.shape)
-            if p.name == "sample":
-                return (2 if p.penalized or p.guided else 0, p.shape[0], p.penalized, p.guided)
-            rows, tokens, width = p.shape
-            return (1, width, -rows, tokens)  # the most rows first: padded, they serve every smaller batch
-        return sorted((p for p in self.all_programs(max_len) if p not in ready), key=rank)
-
-    def all_programs(self, max_len: int | None = None) -> list[Program]:
-        """The forward programs of `layout.forward_shapes(max_len)`, then the samplers (with and without penalties,
-        with and without guidance) per row count."""
-        return ([p for s in self.layout.forward_shapes(max_len) for p in self.forward_programs(s)] +
-                [Program("sample", (r,), penalized, guided) for r in self.layout.sampler_batches()
-                 for penalized in (False, True) for guided in (False, True)] + self.encode_programs())
+        for p in list(self.programs):
+            if p.name == "forward" and all(a >= b for a, b in zip(p.shape, key)):
+                counts[p.shape] = counts.get(p.shape, 0) + 1
+        full = [shape for shape, n in counts.items() if n == len(self.local)]
+        return min(full, key=lambda s: (s[0] * s[1] * s[2], s), default=None)
 
     def lower(self, program: Program) -> jax.stages.Lowered:
         """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
         if program.name == "sample":
             return self._lower_sample(program)
-        with jax.set_mesh(self.mesh):
-            if program.name == "forward":
-                inputs = [self._put(x) for x in self.empty_batch(*program.shape).arrays()]
-                # The pools as shapes: while serving, the step running meanwhile may have donated these arrays.
-                pools = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                     self.pools)
-                return self._forward.lower(self.params, pools, self._no_previous, *inputs)
-            example = self.vision.encoder.example(program.shape)  # "encode"
-            return self._encode.lower(self.params, *[self._put(a) for a in example])
+        if program.name == "encode":
+            with jax.set_mesh(self.mesh):
+                example = self.vision.encoder.example(program.shape)
+                return self._encode.lower(self.stage_params[0], *[self._put(a) for a in example])
+        s, (B, T, W) = program.stage or 0, program.shape
+        rows = B // (self.micro.count(B) if self.micro else 1)
+        x = None
+        if s > 0:
+            hidden = (rows, T, self.hidden_size)
+            x = jax.ShapeDtypeStruct(hidden, jnp.dtype(self.dtype), sharding=self._hidden_sharding(s, hidden))
+        # The pools as shapes: while serving, the step running meanwhile may have donated these arrays.
+        pools = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                             self.stage_pools[s])
+        inputs = [self._put(a, self.meshes[s]) for a in self.inputs.empty(rows, T, W).arrays()]
+        previous = self._no_previous if s == 0 else None
+        with jax.set_mesh(self.meshes[s]):
+            return self._stage_jits[s].lower(self.stage_params[s], pools, x, previous, *inputs)
 
     def _lower_sample(self, program: Program) -> jax.stages.Lowered:
         m = self._sample_mesh
         with jax.set_mesh(m):
             rows, V = program.shape[0], self.vocab_size
             logits = jax.ShapeDtypeStruct((rows, V), jnp.float32, sharding=self._replicated)
-            neutral = self.neutral_rows(rows)
+            neutral = self.inputs.neutral_rows(rows)
             args = [self._put(neutral[k], m) for k in ROW_ARRAYS]
             pen = tuple(self._put(x, m) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
                                                   np.zeros(rows, np.float32), np.zeros(rows, np.float32),
                                                   np.ones(rows, np.float32))) if program.penalized else None
-            guide = tuple(self._put(x, m) for x in self.neutral_guidance(rows)) if program.guided else None
+            guide = tuple(self._put(x, m) for x in self.inputs.neutral_guidance(rows)) if program.guided else None
             return self._sample.lower(logits, *args, pen, guide, self._put(np.bool_(False), m))
 
     def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         """Compiles (or loads from JAX's persistent cache) a lowered program; safe to call from several threads."""
+        if self.micro:
+            return lowered.compile()
         with jax.set_mesh(self.mesh):
             return lowered.compile()
 
@@ -385,30 +517,10 @@ class ModelRunner:
         """What the program store keys `program` on, beyond the code and the environment: the program, then
         the shapes, dtypes and shardings of every argument, and the kernel choices (read when tracing)."""
         if self._context is None:
-            leaves = self.params + jax.tree.leaves(self.pools)
+            leaves = self._leaves + jax.tree.leaves(self.pools)
             self._context = "\n".join([
                 str(self._params_def), str(jax.tree.structure(self.pools)),
                 *(f"{x.shape} {x.dtype} {x.sharding}" for x in leaves),
                 f"layout={self.layout} vocab={self.vocab_size}",
                 f"mesh={self.mesh}", f"kernels={kernel_registry.get_policy()}"])
         return f"{program.name} {program.label}\n{program}\n{self._context}"
-
-    def smoke_run(self) -> float:
-        """Runs the smallest decode step and the greedy sampler once on padding (a program that loads but cannot
-        run fails here, at start, not on the first request); returns the seconds it took."""
-        t0 = time.perf_counter()
-        rows = self.layout.batch_buckets[0]
-        logits, _ = self.forward(self.empty_batch(rows, 1, self.layout.decode_widths[0]))
-        self.read(self.sample(logits, self.neutral_rows(rows), None, False))
-        return time.perf_counter() - t0
-
-    def neutral_guidance(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`sampling.apply_guidance`'s arrays allowing every token and biasing none."""
-        return (np.full((rows, -(-self.vocab_size // 32)), -1, np.int32), np.zeros((rows, MAX_LOGIT_BIAS), np.int32),
-                np.zeros((rows, MAX_LOGIT_BIAS), np.float32))
-
-    @staticmethod
-    def neutral_rows(rows: int) -> dict[str, np.ndarray]:
-        return dict(seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32),
-                    temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
-                    top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32))

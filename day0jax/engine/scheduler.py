@@ -15,7 +15,8 @@ from typing import Sequence
 
 from day0jax.engine.block_pool import BlockPool, OutOfPages, block_hash
 from day0jax.engine.config import EngineConfig, EngineLayout, first_chunk
-from day0jax.engine.requests import ImageInputs, SamplingParams, SequenceState
+from day0jax.engine.requests import SamplingParams, SequenceState
+from day0jax.vision.inputs import ImageInputs
 
 log = logging.getLogger(__name__)
 

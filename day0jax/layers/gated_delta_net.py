@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core.cache_layout import StateLayer
 from day0jax.layers.linear import Linear, param
 from day0jax.layers.norms import RMSNorm
 from kernels_pallas.calls import OpCall
 from kernels_pallas.gated_delta_rule import api as gdr_op
-from day0jax.core.cache_layout import StateLayer
 
 
 class StateCache(Protocol):

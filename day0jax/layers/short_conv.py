@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core.cache_layout import StateLayer
 from day0jax.layers.gated_delta_net import StateCache
 from day0jax.layers.linear import Linear, param
 from kernels_pallas.calls import OpCall
 from kernels_pallas.gated_delta_rule import api as conv_op
-from day0jax.core.cache_layout import StateLayer
 
 # The logical axis of the convolution's channels.
 CHANNELS = "mlp"

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import OutputGate
 from day0jax.layers.decoder import SandwichDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, LayerTypes, per_expert_source
-from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.contract import Family
 
 NORMS = {"pre_feedforward_layernorm": "pre_mlp_layernorm",

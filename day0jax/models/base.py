@@ -4,11 +4,10 @@ skeleton (`CausalLM`), and the default mapping from HF tensor names to runtime p
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, ClassVar, NoReturn, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from day0jax.core import hf_config as config_lib
 from day0jax.core.cache_layout import KVLayer, StateLayer
 from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
-from day0jax.core.hf_tensors import Source, default_source, same
+from day0jax.core.hf_tensors import Source
 from day0jax.layers.linear import Embedding, Linear
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import RMSNorm

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from day0jax.models.base import HFConfig
 from day0jax.core.hf_tensors import Source
+from day0jax.models.base import HFConfig
 
 
 def no_config_dependent_drops(config: Any) -> dict[str, str]:

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer
+from day0jax.core.hf_config import refuse
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, per_expert_hf_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from day0jax.core.cache_layout import KVLayer
 
 
 @dataclass(frozen=True, eq=False)

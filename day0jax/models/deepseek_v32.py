@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer
+from day0jax.core.hf_config import refuse
 from day0jax.layers.sparse_mla import Indexer, SparseMLAttention
 from day0jax.models import deepseek_v3, llama
 from day0jax.models.base import per_expert_hf_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from day0jax.core.cache_layout import KVLayer
 
 
 @dataclass(frozen=True, eq=False)

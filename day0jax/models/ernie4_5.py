@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models import llama
 from day0jax.models.base import HFConfig
-from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.contract import Family
 
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.linear import Linear
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import ernie4_5, llama
-from day0jax.core.hf_tensors import Source, same
 from day0jax.models.base import per_expert_source
 from day0jax.models.contract import Family
 

@@ -15,17 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source
 from day0jax.layers.attention import ContextKV
 from day0jax.layers.linear import Linear
 from day0jax.layers.norms import RMSNorm
-from day0jax.core.hf_tensors import Source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 from day0jax.models.llava import VisionTower
-from day0jax.models.vision_language import (LEGACY_NAMES, VisionLanguageConfig, VisionLanguageModel, VisionSpec,
-                                            expand_markers, language_model_dropped, language_model_source,
-                                            prefixed_source)
+from day0jax.models.vision_language import (LEGACY_NAMES, VisionLanguageConfig, VisionLanguageModel, expand_markers,
+                                            language_model_dropped, language_model_source, prefixed_source)
 from day0jax.vision import clip
+from day0jax.vision.spec import VisionSpec
 
 
 DEFAULT_TOWER = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,

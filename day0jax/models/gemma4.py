@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer, SharedKV
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source, same
 from day0jax.layers.attention import ContextKV
 from day0jax.layers.linear import Embedding, Linear
 from day0jax.layers.mlp import GatedMLP, activation
@@ -30,11 +33,8 @@ from day0jax.layers.norms import L2Norm, RMSNorm
 from day0jax.layers.rope import Rope, rope_parameters
 from day0jax.models import gemma2, llama
 from day0jax.models.base import HFConfig, LayerTypes, fused_experts_source, in_language_model, vision_dropped
-from day0jax.core.hf_tensors import Source, default_source, same
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 from kernels_pallas.calls import OpCall
-from day0jax.core.cache_layout import KVLayer, SharedKV
 
 # HF's defaults when config.json gives no rope_parameters.
 DEFAULT_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},

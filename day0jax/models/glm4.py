@@ -14,10 +14,10 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.decoder import SandwichDecoderLayer
 from day0jax.models import llama
 from day0jax.models.base import HFConfig
-from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.contract import Family
 from day0jax.models.ernie4_5 import interleaved_to_halves
 

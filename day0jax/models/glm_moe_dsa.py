@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from day0jax.core.hf_config import refuse
 from day0jax.models import deepseek_v32, llama
 from day0jax.models.base import DecoderLayer, per_expert_hf_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 INDEXER_KINDS = {"F": "full", "S": "shared"}

@@ -12,10 +12,10 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.hf_tensors import Source
 from day0jax.layers.moe import Experts, MoE, Router, clamped_swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, LayerTypes
-from day0jax.core.hf_tensors import Source
 from day0jax.models.contract import Family
 
 

@@ -9,9 +9,9 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models import llama
 from day0jax.models.base import HFConfig
-from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.contract import Family
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import hunyuan_v1_dense, llama
-from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.base import per_expert_source
 from day0jax.models.contract import Family
 

@@ -16,16 +16,16 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer, StateLayer
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.gated_delta_net import KimiDeltaAttention
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import deepseek_v3, llama
 from day0jax.models.base import DecoderLayer, HFConfig, per_expert_source
-from day0jax.core.hf_tensors import Source, default_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from day0jax.core.cache_layout import KVLayer, StateLayer
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 MLP_KINDS = ("dense", "sparse")

@@ -15,14 +15,14 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import Attention, OutputGate
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.layers.rope import Rope, rope_parameters
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, LayerTypes, per_expert_source
-from day0jax.core.hf_tensors import Source, default_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 # HF's defaults when config.json gives no rope_parameters.

@@ -16,15 +16,15 @@ from typing import Any, ClassVar
 
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer, StateLayer
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.short_conv import ShortConv
 from day0jax.models import llama
 from day0jax.models.base import DecoderLayer, HFConfig
-from day0jax.core.hf_tensors import Source, default_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from day0jax.core.cache_layout import KVLayer, StateLayer
 
 
 @dataclass(frozen=True, eq=False)

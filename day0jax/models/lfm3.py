@@ -14,14 +14,14 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import OutputGate
 from day0jax.layers.decoder import SandwichDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.rope import rope_parameters
 from day0jax.models import llama, lfm2
 from day0jax.models.base import LocalRope
-from day0jax.core.hf_tensors import Source, default_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")

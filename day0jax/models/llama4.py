@@ -18,12 +18,12 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, vision_dropped
-from day0jax.core.hf_tensors import Source, default_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 from day0jax.models.ernie4_5 import interleaved_to_halves
 

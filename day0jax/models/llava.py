@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core.hf_config import refuse
 from day0jax.layers.linear import Linear
 from day0jax.layers.mlp import activation
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 from day0jax.models.vision_language import (LEGACY_NAMES, VisionLanguageConfig, VisionLanguageModel,
                                             language_model_dropped, language_model_source, prefixed_source)

@@ -15,14 +15,14 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.layers.rope import rope_parameters
 from day0jax.models import deepseek_v3, llama
 from day0jax.models.base import HFConfig, fused_experts_source
-from day0jax.core.hf_tensors import Source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 # Keys of rope_parameters that are not RoPE: the query temperature's, and a copy of max_position_embeddings that

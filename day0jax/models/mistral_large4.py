@@ -26,16 +26,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer, SharedKV
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.layers.rope import ROPE_TYPES, LearnedRopeScale, rope_parameters
 from day0jax.layers.sparse_mla import ContextLatent, Indexer, SparseMLAttention
 from day0jax.models import deepseek_v3, glm_moe_dsa, llama
 from day0jax.models.base import DecoderLayer, HFConfig, per_expert_source, vision_dropped
-from day0jax.core.hf_tensors import Source, default_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from day0jax.core.cache_layout import KVLayer, SharedKV
 
 # HF's default when config.json gives none: YaRN over a 512-token window, no magnitude scaling.
 DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0, "original_max_position_embeddings": 512,

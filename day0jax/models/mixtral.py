@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
 from day0jax.models.base import HFConfig, per_expert_source
-from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.contract import Family
 
 

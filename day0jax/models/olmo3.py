@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from day0jax.core.hf_config import refuse
 from day0jax.layers.rope import rope_parameters
 from day0jax.models import llama, olmo2
 from day0jax.models.base import LayerTypes, LocalRope
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 KINDS = ("full_attention", "sliding_attention")

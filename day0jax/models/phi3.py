@@ -9,10 +9,10 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source
 from day0jax.models import llama
 from day0jax.models.base import HFConfig
-from day0jax.core.hf_tensors import Source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 

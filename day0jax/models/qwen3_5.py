@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.rope import MRope
 from day0jax.models import qwen3_next
-from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.base import per_expert_source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 # Multimodal RoPE's keys, read apart from the rest of rope_parameters (which `layers.rope` checks).

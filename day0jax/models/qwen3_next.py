@@ -14,14 +14,14 @@ from functools import cached_property
 import numpy as np
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer, StateLayer
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source
 from day0jax.layers.gated_delta_net import GatedDeltaNet
 from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama, qwen2_moe
 from day0jax.models.base import DecoderLayer, HFConfig, per_expert_source
-from day0jax.core.hf_tensors import Source
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from day0jax.core.cache_layout import KVLayer, StateLayer
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 

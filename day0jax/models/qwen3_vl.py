@@ -18,9 +18,10 @@ from flax import nnx
 
 from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
-from day0jax.models.vision_language import (VisionLanguageConfig, VisionLanguageModel, VisionSpec,
-                                            language_model_dropped, language_model_source, prefixed_source)
+from day0jax.models.vision_language import (VisionLanguageConfig, VisionLanguageModel, language_model_dropped,
+                                            language_model_source, prefixed_source)
 from day0jax.vision import qwen_vit
+from day0jax.vision.spec import VisionSpec
 
 @dataclass(frozen=True, eq=False)
 class Config(VisionLanguageConfig):

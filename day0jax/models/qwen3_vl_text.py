@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from day0jax.core.hf_config import refuse
 from day0jax.layers.rope import MRope
 from day0jax.models import llama, qwen3
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")

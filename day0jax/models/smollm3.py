@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from day0jax.core.hf_config import refuse
 from day0jax.models import llama
 from day0jax.models.base import LayerTypes
-from day0jax.core.hf_config import refuse
 from day0jax.models.contract import Family
 
 

@@ -15,13 +15,13 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from day0jax import models
 from day0jax.core.errors import GenerationError, UnsupportedArchitecture
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.models.base import build_config
+from day0jax.vision.spec import VisionSpec, WholeImages
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,86 +94,6 @@ class VisionLanguageConfig:
     @property
     def is_composite(self) -> bool:
         return False
-
-
-@dataclass(frozen=True)
-class VisionSpec:
-    """What the engine needs to know of a model's images.
-
-    Attributes:
-        image_token_id: the placeholder token; dim: the features' width (the language model's).
-        tokens_per_image, pixel_shape: for towers of one image size (LLaVA, Gemma 3): tokens per image and one
-            preprocessed image's shape; None where images keep their own size (Qwen-VL).
-        bidirectional: one image's tokens attend to each other both ways (Gemma 3): a prefill chunk holds them all.
-        merge: images of their own size: patches per token side (an image of grid (t, h, w) takes t*h*w / merge^2
-            tokens).
-        encoder: how one image becomes the tower's inputs, and the program shapes that cover every image
-            (`WholeImages`, `vision.qwen_vit.PatchBuckets`).
-        mrope: multimodal RoPE: (prompt tokens, image grids) -> (RoPE positions [T, 3], the offset of the positions
-            after the prompt), on the host.
-        deepstack: how many feature arrays the tower adds to the first layers' hidden states (DeepStack).
-    """
-
-    image_token_id: int
-    tokens_per_image: int | None
-    pixel_shape: tuple[int, ...] | None
-    dim: int
-    bidirectional: bool = False
-    merge: int | None = None
-    mrope: Callable | None = None
-    deepstack: int = 0
-    encoder: Any = None
-
-    def pack(self, processed: Sequence[Any]) -> tuple[np.ndarray, list[int], tuple | None]:
-        """Processed images (`vision.processors.ProcessedImage`s) -> (pixels as the tower takes them: stacked, or
-        the patches of all images one after another; tokens per image; grids or None)."""
-        if self.pixel_shape is not None:
-            pixels = (np.stack([np.asarray(p.pixel_values, np.float32) for p in processed]) if processed
-                      else np.zeros((0, *self.pixel_shape), np.float32))
-            return pixels, [self.tokens_per_image] * len(processed), None
-        grids = tuple(tuple(int(v) for v in p.grid_thw) for p in processed)
-        pixels = np.concatenate([np.asarray(p.pixel_values, np.float32) for p in processed])
-        return pixels, [t * h * w // self.merge ** 2 for t, h, w in grids], grids
-
-    def encoder_calls(self, pixels: np.ndarray, grids: tuple | None) -> list[tuple[tuple, tuple, int]]:
-        """One (program key, tower inputs, token count) per image of packed `pixels` (see `pack`)."""
-        if grids is None:
-            return [self.encoder.inputs(p, None) for p in pixels]
-        calls, start = [], 0
-        for t, h, w in grids:
-            calls.append(self.encoder.inputs(pixels[start:start + t * h * w], (t, h, w)))
-            start += t * h * w
-        return calls
-
-
-@dataclass(frozen=True)
-class WholeImages:
-    """The `VisionSpec.encoder` of towers of one image size: one image per call, one program."""
-
-    pixel_shape: tuple[int, ...]
-    tokens: int
-
-    def keys(self) -> list[tuple]:
-        return [()]
-
-    def inputs(self, pixels: np.ndarray, grid=None) -> tuple[tuple, tuple[np.ndarray], int]:
-        return (), (pixels[None],), self.tokens
-
-    def example(self, key: tuple) -> tuple[np.ndarray]:
-        return (np.zeros((1, *self.pixel_shape), np.float32),)
-
-
-def encode_host(spec: VisionSpec, pixels: np.ndarray, grids: tuple | None, run: Callable
-                ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Encodes packed images one call each: `run(key, arrays)` -> (features, DeepStack features or None) of one
-    (possibly padded) call; returns their real tokens concatenated: ([n, D], [k, n, D] or None), float32."""
-    features, deepstack = [], []
-    for key, arrays, tokens in spec.encoder_calls(pixels, grids):
-        f, d = run(key, arrays)
-        features.append(np.asarray(f, np.float32)[:tokens])
-        if d is not None:
-            deepstack.append(np.asarray(d, np.float32)[:, :tokens])
-    return np.concatenate(features), (np.concatenate(deepstack, axis=1) if deepstack else None)
 
 
 class VisionLanguageModel(nnx.Module):
@@ -268,68 +188,6 @@ def expand_markers(text: str, marker: str, expansion: str, num_images: int) -> s
         raise GenerationError(f"the chat template rendered {found} image placeholder(s) {marker!r} for {num_images} "
                               "image(s); this checkpoint's template may not take images")
     return text.replace(marker, expansion)
-
-
-def chat_images(messages: Sequence[dict], allowed_media_dir=None) -> tuple[list[dict], list[Any]]:
-    """OpenAI-style messages -> (messages whose image parts are `{"type": "image"}`, as chat templates expect, and
-    the images, decoded, in order of appearance).
-
-    Raises:
-        ImageError: an image part that cannot be read.
-        GenerationError: an image part without its image.
-    """
-    from day0jax.vision.images import load_image
-
-    out, images = [], []
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in ("image_url", "image"):
-                    source = part.get(kind)
-                    if kind == "image_url" and isinstance(source, dict):
-                        source = source.get("url")
-                    if source is None:
-                        raise GenerationError(f"a content part of type {kind!r} has no {kind!r} field")
-                    images.append(load_image(source, allowed_media_dir=allowed_media_dir))
-                    parts.append({"type": "image"})
-                else:
-                    parts.append(part)
-            m = dict(m, content=parts)
-        out.append(m)
-    return out, images
-
-
-def place_features(tokens: np.ndarray, spec: VisionSpec, rows: Sequence[Any]) -> dict[str, np.ndarray]:
-    """Host side, for a cache-less forward: each row's image inputs laid out at its placeholder positions.
-
-    Args:
-        tokens: [B, T] token ids.
-        spec: the model's `VisionSpec`.
-        rows: per row, its `engine.requests.ImageInputs` with features encoded, or None (text only).
-    Returns:
-        The model's image inputs: `image_features` [B, T, D] float32 and `image_mask` [B, T] bool, and where the
-        model has them `rope_positions` [B, T, 3] int32 and `deepstack` [k, B, T, D].
-    """
-    B, T = tokens.shape
-    mask = tokens == spec.image_token_id
-    out = {"image_features": np.zeros((B, T, spec.dim), np.float32), "image_mask": mask}
-    if spec.mrope is not None:
-        out["rope_positions"] = np.broadcast_to(np.arange(T, dtype=np.int32)[None, :, None], (B, T, 3)).copy()
-    if spec.deepstack:
-        out["deepstack"] = np.zeros((spec.deepstack, B, T, spec.dim), np.float32)
-    for b, images in enumerate(rows):
-        if images is None or not len(images):
-            mask[b] = False  # a text-only row's ids that equal the placeholder are text
-            continue
-        out["image_features"][b, mask[b]] = images.features
-        if spec.deepstack:
-            out["deepstack"][:, b, mask[b]] = images.deepstack
-        if spec.mrope is not None:  # over the whole row: padding after the tokens is text that changes none of them
-            out["rope_positions"][b] = spec.mrope(tokens[b].tolist(), images.grids)[0]
-    return out
 
 
 # --- Hugging Face tensor mapping ---------------------------------------------------------------------------------

@@ -15,12 +15,12 @@ import os
 import urllib.parse
 from typing import Any
 
-from day0jax.engine.requests import ImageInputs
 from day0jax.core.errors import GenerationError
 from day0jax.serve import protocol as P
 from day0jax.serve.constraints import template_message
 from day0jax.serve.errors import APIError
 from day0jax.serve.state import ServerState
+from day0jax.vision.inputs import ImageInputs
 from day0jax.weights.tokenizer import ChatTemplateError
 
 
@@ -70,7 +70,7 @@ async def chat_prompt(state: ServerState, body: P.ChatCompletionRequest, tools: 
 
 def _render(state: ServerState, messages: list[P.ChatMessage], tools: list[dict] | None,
             parts: list[tuple[int, int, P.ImagePart]]) -> tuple[list[int], ImageInputs | None]:
-    from day0jax.models.vision_language import chat_images
+    from day0jax.vision.inputs import chat_images
     from day0jax.vision.images import ImageError, load_image
 
     decoded: dict[int, dict[int, Any]] = {}
@@ -96,7 +96,7 @@ def _render(state: ServerState, messages: list[P.ChatMessage], tools: list[dict]
     pixels = None
     if images:
         try:
-            text, pixels = state.model.expand_images(text, images)
+            text, pixels = state.model.images.expand(text, images, state.model.tokenizer)
         except GenerationError as e:  # a template that drops images, a checkpoint without its preprocessing
             raise APIError(400, str(e), param="messages") from None
     ids = state.tokenizer.encode(text, add_special_tokens=False)

@@ -15,11 +15,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from day0jax.engine.async_engine import AsyncEngine, EngineDead
-from day0jax.engine.requests import ImageInputs, InvalidRequest, QueueFull, SamplingParams
+from day0jax.engine.requests import InvalidRequest, QueueFull, SamplingParams
 from day0jax.serve import protocol as P
 from day0jax.serve.errors import APIError, error_body
 from day0jax.serve.outputs import Choice, Detokenizer, chunk, final_response, sse
 from day0jax.serve.state import ServerState
+from day0jax.vision.inputs import ImageInputs
 
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core import hf_config as config_lib
 from day0jax.core.errors import UnsupportedArchitecture
+from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.linear import Embedding, Linear, param
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import LayerNorm
-from day0jax.core.hf_tensors import Source, same
-from day0jax.core import hf_config as config_lib
 from kernels_pallas.calls import OpCall
 
 MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")

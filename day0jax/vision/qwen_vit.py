@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from day0jax.core import hf_config as config_lib
 from day0jax.core.errors import UnsupportedArchitecture
+from day0jax.core.hf_config import refuse
+from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.linear import Linear, exact_float32, param
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import LayerNorm
-from day0jax.core.hf_tensors import Source, same
-from day0jax.core.hf_config import refuse
-from day0jax.core import hf_config as config_lib
 from kernels_pallas.calls import OpCall
 
 Grid = tuple[int, int, int]  # (t, h, w): frames and patch rows and columns of one image or video
