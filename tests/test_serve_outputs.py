@@ -5,7 +5,7 @@ change (an unfinished UTF-8 character, a possible stop-string prefix) until the 
 from __future__ import annotations
 
 from day0jax.engine.requests import TokenEvent
-from day0jax.serve.outputs import Choice, Detokenizer
+from day0jax.serve.stream import Choice, Detokenizer
 
 
 class ByteTokenizer:

@@ -31,7 +31,7 @@ from serve_tiny import write_tiny_chat_checkpoint, write_tiny_vision_checkpoint 
 
 import day0jax  # noqa: E402
 from day0jax.serve import protocol as P  # noqa: E402
-from day0jax.serve.chat_prompt import chat_prompt  # noqa: E402
+from day0jax.serve.render import chat as chat_prompt  # noqa: E402
 from day0jax.serve.errors import APIError  # noqa: E402
 from day0jax.serve.state import ServerState  # noqa: E402
 from launch import serving  # noqa: E402

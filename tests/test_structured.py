@@ -151,7 +151,7 @@ def test_a_grammar_that_compiles_too_long_is_a_400_for_that_request(monkeypatch)
     from types import SimpleNamespace
 
     from day0jax.serve import protocol as P
-    from day0jax.serve import constraints
+    from day0jax.serve import constrain as constraints
     from day0jax.serve.errors import APIError
 
     release = threading.Event()

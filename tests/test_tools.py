@@ -421,7 +421,7 @@ def test_named_tool_choice_and_tool_history(client):
 
 def test_history_renders_arguments_as_objects(server):
     from day0jax.serve import protocol as P
-    from day0jax.serve.constraints import template_message
+    from day0jax.serve.render import template_message
 
     m = P.ChatMessage(role="assistant", tool_calls=[P.ToolCall(id="call_1", function=P.FunctionCall(
         name="get_time", arguments='{"zone": "UTC+1"}'))])

@@ -1,6 +1,9 @@
-"""The OpenAI API schema as pydantic models: requests and responses.
+"""The OpenAI API schema as pydantic models: requests (the parse step of the request path) and the response objects
+the format step fills.
 
 Requests are strict (a string where a number belongs is a 400, not converted); fields not declared are ignored.
+A few methods read what a request asks for across its fields (the prompts, the image parts, the fields that ask for
+a grammar, the token limit), so every later step reads them one way.
 """
 
 from __future__ import annotations
@@ -114,6 +117,14 @@ class _SamplingFields(_Request):
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[str] | None = Field(default=None, min_length=1)
 
+    def grammar_fields(self) -> list[str]:
+        """The fields that ask for a grammar (at most one may: the validate step refuses more)."""
+        fmt = self.response_format
+        return [name for name, on in (("response_format", fmt is not None and fmt.type != "text"),
+                                      ("guided_json", self.guided_json is not None),
+                                      ("guided_regex", self.guided_regex is not None),
+                                      ("guided_choice", self.guided_choice is not None)) if on]
+
 
 class FunctionDefinition(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -145,11 +156,43 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function, with tools offered: the output must be a call."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    def grammar_fields(self) -> list[str]:
+        return super().grammar_fields() + (["tool_choice"] if self.forces_tool_call() else [])
+
+    def image_parts(self) -> list[tuple[int, int, ImagePart]]:
+        """The image parts of every message as (message index, part index, part), in order of appearance."""
+        return [(i, j, part) for i, m in enumerate(self.messages) for j, part in m.images()]
+
+    def max_new_tokens(self) -> int | None:
+        """The tokens asked for; None: whatever the context leaves after the prompt (as vLLM does)."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """The top log-probabilities asked for per token, or None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        prompts = self.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or 16  # OpenAI's default for completions
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 # OpenAI request fields the server does not implement, by request type, each with the test of its neutral value

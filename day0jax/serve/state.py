@@ -38,3 +38,9 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = Metrics(self)
+
+
+def note_dead_engine(state: ServerState) -> None:
+    """A ready server whose engine stopped serving (it could not recover from failed steps) becomes "failed"."""
+    if state.status == "ready" and state.engine is not None and state.engine.dead is not None:
+        state.status, state.detail = "failed", f"the engine stopped serving: {state.engine.dead}"

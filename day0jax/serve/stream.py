@@ -1,0 +1,235 @@
+"""Stream: a submitted request's engine events become each choice's text as its tokens arrive.
+
+A choice's text passes, in order: incremental detokenization (each token decoded with a few before it as context; a
+token may complete a multi-byte character), stop strings (the text is cut before one, the sequence aborted), then
+tool-call parsing (a call's text is held back while streaming and parsed into `tool_calls` when the choice ends).
+What can still change is never sent (`Choice.sendable`). Token metrics (time to first token, inter-token latency,
+finish reasons) are counted here. Choices are numbered prompt-major, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from day0jax.engine.async_engine import EngineDead
+from day0jax.engine.requests import TokenEvent
+from day0jax.serve.errors import APIError
+from day0jax.serve.state import ServerState
+from day0jax.serve.submit import Run
+from day0jax.serve.tools import ToolCall
+from day0jax.serve.validate import OfferedTools
+
+
+class Detokenizer:
+    """Token ids to text, with the single-token texts (logprobs' `token` fields) cached.
+
+    Args:
+        tokenizer: the model's tokenizer (`decode(ids, skip_special_tokens=...)`).
+        keep_special: keep special tokens in the text (a tool-call marker such as Mistral's [TOOL_CALLS] is one).
+    """
+
+    def __init__(self, tokenizer, keep_special: bool = False):
+        self.tok, self.keep_special = tokenizer, keep_special
+        self._cache: dict[int, str] = {}
+
+    def text(self, ids: list[int]) -> str:
+        """The text of a sequence of ids, special tokens left out unless `keep_special`."""
+        return self.tok.decode(ids, skip_special_tokens=not self.keep_special)
+
+    def token(self, token_id: int) -> str:
+        """The text of one token, special tokens included (as logprobs show them)."""
+        if token_id not in self._cache:
+            self._cache[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return self._cache[token_id]
+
+
+@dataclass
+class Choice:
+    """One output sequence of a request (OpenAI's `choices[index]`) as it is generated."""
+
+    index: int
+    stops: list[str]
+    tools: OfferedTools | None = None  # the offered tools: calls in the text become `tool_calls`
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # text so far (stop strings cut away)
+    sent: int = 0  # characters of `text` already streamed
+    finish_reason: str | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    sent_logprobs: int = 0
+    generated: int = 0  # tokens generated (stop tokens included), for usage
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # parsed when the choice finished
+    _settled: str = ""  # text of finished characters
+    _prefix: int = 0  # ids[_prefix:_read] decode to the end of _settled (the context for the next tokens)
+    _read: int = 0
+
+    def add(self, event: TokenEvent, detok: Detokenizer) -> bool:
+        """Adds one engine event to the text and logprobs; returns True when a stop string ended the choice (the text
+        is cut before it).
+
+        Args:
+            event: the engine's event for this choice.
+            detok: the request's detokenizer.
+        """
+        if event.token is not None and event.logprob is not None:
+            self.logprobs.append((event.token, event.logprob, event.top_logprobs or []))
+        settled = len(self._settled)
+        if event.token is not None and not event.stop_token:
+            self.ids.append(event.token)
+            # Incremental: decode only the tokens since the last settled text, with the chunk before them as
+            # context (a tokenizer may render a token differently at the start of a text), so a long output costs
+            # linear time. Text ending in U+FFFD is an unfinished character: it settles with a later token.
+            before = detok.text(self.ids[self._prefix:self._read])
+            now = detok.text(self.ids[self._prefix:])
+            new = now[len(before):] if len(now) > len(before) else ""
+            if new and not now.endswith("\ufffd"):
+                self._settled += new
+                self._prefix, self._read, new = self._read, len(self.ids), ""
+            self.text = self._settled + new
+        stopped = False
+        for stop in self.stops:
+            # Search only where a new match can be: the settled text's tail plus everything after it.
+            pos = self.text.find(stop, max(0, settled - len(stop) + 1))
+            if pos != -1:
+                self.text, stopped = self.text[:pos], True
+        return stopped
+
+    def sendable(self) -> str:
+        """Returns the new text safe to stream, marked as sent: all that is left once the choice finished, else holding
+        back an unfinished UTF-8 character, a possible stop-string prefix or a tool call (later tokens settle them)."""
+        text = self.text
+        end = len(text)
+        if self.finish_reason is None:
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            end = max(self.sent, end - hold)
+            if self.tools is not None:  # a tool call's text is never streamed as content
+                end = max(self.sent, min(end, self.tools.syntax.hold_back(text)))
+        new = text[self.sent:end]
+        self.sent = end
+        return new
+
+    def finish(self, reason: str) -> None:
+        """Ends the choice: the tool calls in its text become `tool_calls` (the text keeps the content before them)
+        and the finish reason "tool_calls"."""
+        self.finish_reason = reason
+        if self.tools is None:
+            return
+        content, calls = self.tools.syntax.parse(self.text, self.tools.parameters)
+        if calls:  # streaming held the calls back: what was sent is a prefix of the content
+            self.text, self.tool_calls, self.finish_reason = content, calls, "tool_calls"
+
+
+class Outputs:
+    """The choices of a submitted request, following its engine events. Used as an async context (`async with`):
+    leaving it releases the run (aborting what has not finished).
+
+    Args:
+        state: the server state (tokenizer, metrics).
+        run: the submitted request.
+        stops: the stop strings.
+        tools: the offered tools, or None.
+        arrival: `time.monotonic()` when the request arrived (latency metrics count from there).
+    """
+
+    def __init__(self, state: ServerState, run: Run, stops: list[str], tools: OfferedTools | None, arrival: float):
+        self.state, self.run, self.arrival = state, run, arrival
+        self.choices = [Choice(k * run.n + j, stops, tools) for k in range(len(run.streams)) for j in range(run.n)]
+        self.detok = Detokenizer(state.tokenizer, keep_special=tools is not None)
+        self.cached_tokens = 0  # prompt tokens taken from the prefix cache
+        self._tasks: list[asyncio.Task] = []
+        self._completed = False
+
+    @property
+    def generated(self) -> int:
+        return sum(c.generated for c in self.choices)
+
+    async def __aenter__(self) -> "Outputs":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.run.release(self._completed)
+
+    async def events(self) -> AsyncIterator[Choice]:
+        """Merges the engine requests' events, yielding each choice an event changed, until every choice finished;
+        raises EngineDead if the engine fails."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k, stream):
+            try:
+                async for ev in stream:
+                    await queue.put((k, ev))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((k, e))
+            finally:
+                await queue.put((k, None))
+
+        self._tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(self.run.streams)]
+        live = len(self._tasks)
+        while live:
+            k, ev = await queue.get()
+            if ev is None:
+                live -= 1
+                continue
+            if isinstance(ev, BaseException):
+                raise ev
+            choice = self.choices[k * self.run.n + ev.index]
+            if choice.finish_reason is not None:
+                continue  # a stop string already ended it; this is the engine's abort echo
+            self._apply(k, choice, ev)
+            yield choice
+        self._completed = True
+
+    def _apply(self, k: int, choice: Choice, ev: TokenEvent) -> None:
+        """Adds an event to its choice: token metrics, text, and the end (a stop string aborts the sequence)."""
+        metrics = self.state.metrics
+        now = time.monotonic()
+        if ev.token is not None:
+            choice.generated += 1
+            metrics.generation_tokens.inc()
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+                metrics.ttft.observe(now - self.arrival)
+                self.cached_tokens += ev.num_cached_tokens
+            else:
+                metrics.itl.observe(now - choice.last_token_at)
+            choice.last_token_at = now
+        if choice.add(ev, self.detok):
+            choice.finish("stop")
+            self.run.abort(k, ev.index)
+        elif ev.finish_reason is not None:
+            choice.finish(ev.finish_reason)
+        if choice.finish_reason is not None:
+            metrics.finished.labels(choice.finish_reason).inc()
+            metrics.e2e.observe(now - self.arrival)
+
+    async def wait(self, request: Request) -> None:
+        """Follows the events until every choice finished, aborting the run if the client hangs up; releases it.
+
+        Raises:
+            APIError: 500 when the engine failed.
+        """
+        watcher = asyncio.create_task(self._abort_on_disconnect(request))
+        async with self:
+            try:
+                async for _ in self.events():
+                    pass
+            except EngineDead as e:
+                raise APIError(500, f"the engine failed: {e}", "server_error") from None
+            finally:
+                watcher.cancel()
+
+    async def _abort_on_disconnect(self, request: Request) -> None:
+        # A non-streaming client that hangs up should not keep its sequences running.
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
+        self.run.abort()

@@ -1,0 +1,237 @@
+"""Validate: every check of a parsed request against the server's state and limits and the model, before any work.
+
+A request that fails a check gets the typed error at once (400 naming the field; 503 while not ready, 429 when the
+queue is full), and nothing reaches the tokenizer or the engine. What only doing the work can tell is refused by the
+step that does it, with the same kind of error: an image that does not decode (render), a template that fails
+(render), a schema or regex that does not compile (constrain), a prompt longer than the context or a token id
+outside the vocabulary (the engine, at submit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from day0jax.engine.async_engine import AsyncEngine
+from day0jax.engine.grammar import GrammarError
+from day0jax.serve import protocol as P
+from day0jax.serve import tools as tools_lib
+from day0jax.serve.errors import APIError
+from day0jax.serve.state import ServerState, note_dead_engine
+
+MAX_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_STOPS = 16
+CHARS_PER_TOKEN = 64  # a text over this many characters per context token is refused before it is tokenized
+
+
+@dataclass(frozen=True)
+class OfferedTools:
+    """The tools a chat request offers, checked against the chat template.
+
+    Attributes:
+        specs: the OpenAI tool objects, as the chat template takes them.
+        syntax: the template's tool-call syntax (how calls are parsed out of the output and forced).
+    """
+
+    specs: list[dict]
+    syntax: tools_lib.ToolSyntax
+
+    @property
+    def parameters(self) -> dict[str, dict]:
+        """Each function's JSON-Schema parameters, by name."""
+        return {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.specs}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What validation established, for the later steps.
+
+    Attributes:
+        engine: the ready engine, whose queue has room for the request.
+        stops: the stop strings.
+        tools: the offered tools (None: none offered, or tool_choice "none").
+    """
+
+    engine: AsyncEngine
+    stops: list[str]
+    tools: OfferedTools | None = None
+
+
+def chat(state: ServerState, body: P.ChatCompletionRequest) -> Checked:
+    """Checks a chat request.
+
+    Raises:
+        APIError: 503 while not ready, 429 when the queue is full, else 400 naming the field: another model, an
+            unimplemented OpenAI field, text that is not valid Unicode or too long, more sequences than the queue
+            holds, tools the template cannot call, top_logprobs without logprobs, images the model or the server
+            does not take, more than one grammar, a logit_bias key that is not a token id, bad stop strings.
+    """
+    engine = _admitted(state, body)
+    _check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
+    _check_sequences(engine, body.n)
+    tools = _offered_tools(state, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    _check_images(state, body)
+    _check_constraints(body)
+    return Checked(engine, _stops(body.stop), tools)
+
+
+def completion(state: ServerState, body: P.CompletionRequest) -> Checked:
+    """Checks a completion request.
+
+    Raises:
+        APIError: as `chat` does, and 400 for more than MAX_PROMPTS prompts.
+    """
+    engine = _admitted(state, body)
+    prompts = body.prompts()
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            _check_chars(state, len(p), "prompt")
+    _check_sequences(engine, len(prompts) * body.n)
+    _check_constraints(body)
+    return Checked(engine, _stops(body.stop))
+
+
+def ready(state: ServerState) -> AsyncEngine:
+    """The engine, once the server is ready.
+
+    Raises:
+        APIError: 503 with Retry-After while loading, warming up, draining or failed.
+    """
+    note_dead_engine(state)
+    if state.status != "ready" or state.engine is None:
+        what = {"draining": "the server is shutting down"}.get(state.status, f"the model is {state.status}")
+        raise APIError(503, f"{what}; retry later", "service_unavailable", headers={"Retry-After": "5"})
+    return state.engine
+
+
+def _admitted(state: ServerState, body) -> AsyncEngine:
+    """The engine, for a generation request it may take: the fields are served, the server is ready, its queue has
+    room and `body.model` is the served model."""
+    _check_fields(body)
+    engine = ready(state)
+    e = engine.engine
+    if e.num_waiting >= e.config.max_waiting:
+        raise APIError(429, f"the server is at capacity ({e.num_waiting} requests queued); retry later",
+                       "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if body.model != state.model_name:
+        raise APIError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    return engine
+
+
+def _check_fields(body) -> None:
+    """Refuses what the server cannot serve as asked: an OpenAI field it does not implement, unless it carries its
+    neutral value (`protocol.UNIMPLEMENTED`), and text that is not valid Unicode (JSON lets a string hold a lone
+    surrogate, which no tokenizer can encode)."""
+    for name, neutral in P.UNIMPLEMENTED.get(type(body).__name__, {}).items():
+        value = (body.model_extra or {}).get(name)
+        if value is not None and not neutral(value, body):
+            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+    _check_text(body, "")
+
+
+def _check_text(value, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path} is not valid Unicode text (it holds a lone surrogate)", param=path) from None
+    elif isinstance(value, P.BaseModel):
+        for name in type(value).model_fields:
+            _check_text(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_text(item, f"{path}.{key}")
+
+
+def _check_sequences(engine: AsyncEngine, sequences: int) -> None:
+    """Refuses a request of more sequences (prompts x n) than the waiting queue can ever hold: a 429 would tell its
+    client to retry something that can never be served."""
+    limit = engine.engine.config.max_waiting
+    if sequences > limit:
+        raise APIError(400, f"the request asks for {sequences} sequences (prompts x n); this server queues at most "
+                       f"{limit}", param="n")
+
+
+def _check_chars(state: ServerState, n: int, param: str) -> None:
+    """Refuses a text far too long to be worth tokenizing (CHARS_PER_TOKEN per context token)."""
+    limit = state.max_model_len * CHARS_PER_TOKEN
+    if n > limit:
+        raise APIError(400, f"the {param} has {n} characters, more than this server accepts ({limit}; "
+                       f"the model's context is {state.max_model_len} tokens)", param=param,
+                       code="context_length_exceeded")
+
+
+def _offered_tools(state: ServerState, body: P.ChatCompletionRequest) -> OfferedTools | None:
+    """The request's tools and the template's tool-call syntax, or None when it offers none or says tool_choice
+    "none". Refuses tool_choice without tools, duplicate function names, a named tool_choice that is not among
+    the tools, and a template without tool support or with a syntax not parsed here."""
+    choice = body.tool_choice
+    if choice is not None and not body.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if not body.tools or choice == "none":
+        return None
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "function names in tools must be unique", param="tools")
+    if isinstance(choice, P.NamedToolChoice) and choice.function.name not in names:
+        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                       f"({', '.join(names)})", param="tool_choice")
+    try:
+        syntax = tools_lib.syntax_of(state.tokenizer.chat_template)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return OfferedTools([t.model_dump(exclude_none=True) for t in body.tools], syntax)
+
+
+def _check_images(state: ServerState, body: P.ChatCompletionRequest) -> None:
+    """Refuses an image in a message that is not the user's (naming the part), images for a model that takes none,
+    and more than `state.max_images_per_request`; each image's bytes and pixels are checked as render reads it."""
+    parts = body.image_parts()
+    if not parts:
+        return
+    for i, j, _ in parts:
+        if body.messages[i].role != "user":
+            raise APIError(400, f"images are accepted in user messages only, not in a {body.messages[i].role} "
+                           "message", param=f"messages[{i}].content[{j}]")
+    if getattr(state.model, "vision", None) is None:
+        raise APIError(400, f"this model takes no images ({state.model_name} is a text-only model); send text only",
+                       param="messages")
+    if len(parts) > state.max_images_per_request:
+        raise APIError(400, f"the messages hold {len(parts)} images; this server takes at most "
+                       f"{state.max_images_per_request} per request (--max-images-per-request)", param="messages")
+
+
+def _check_constraints(body) -> None:
+    """Refuses more than one field asking for a grammar, a json_schema response_format without its schema, and
+    logit_bias keys that are not token ids (their range is the engine's to check)."""
+    asked = body.grammar_fields()
+    if len(asked) > 1:
+        raise APIError(400, f"at most one of response_format, guided_json, guided_regex, guided_choice and a forced "
+                       f"tool_choice; got {', '.join(asked)}", param=asked[1])
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+    for key in body.logit_bias or {}:
+        try:
+            int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
+
+
+def _stops(stop) -> list[str]:
+    """The request's `stop` as a list, refusing an empty stop string and more than MAX_STOPS."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"at most {MAX_STOPS} stop strings", param="stop")
+    return stops

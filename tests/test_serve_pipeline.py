@@ -1,0 +1,206 @@
+"""The server's request path, step by step and in order, without a server: validate -> render -> constrain ->
+submit -> stream -> format, each a function of its own module with its own contract (the route only composes them).
+The engine is faked (it answers with given tokens), the tokenizer is SmolLM2's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from day0jax.engine.grammar import GrammarCompiler
+from day0jax.engine.requests import TokenEvent
+from day0jax.serve import constrain, format, protocol as P, render, stream, submit, validate
+from day0jax.serve.errors import APIError
+from day0jax.serve.state import ServerState
+from day0jax.weights.tokenizer import Tokenizer
+
+MODEL = "m"
+CONTEXT = 256
+# A Hermes-style template: it reads `tools` and teaches <tool_call> JSON.
+HERMES = ("{% if tools %}<|im_start|>system\nCall a function as <tool_call>{\"name\": ..., \"arguments\": ...}"
+          "</tool_call>: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+USER = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from day0jax.default_model import default_checkpoint
+
+    return default_checkpoint(progress=False)
+
+
+@pytest.fixture(scope="module")
+def grammars(checkpoint):
+    tokenizer = Tokenizer(checkpoint)
+    return GrammarCompiler(tokenizer.to_json(), tokenizer.vocab_size, [tokenizer.token_id("<|im_end|>")])
+
+
+@pytest.fixture
+def make_state(checkpoint, grammars):
+    def make(reply: str = "", template: str | None = None) -> ServerState:
+        """A ready server over a fake engine answering `reply`, with SmolLM2's tokenizer (and `template`)."""
+        tokenizer = Tokenizer(checkpoint)
+        tokenizer.chat_template = template or tokenizer.chat_template
+        engine = FakeEngine(tokenizer.encode(reply, add_special_tokens=False), tokenizer.token_id("<|im_end|>"))
+        return ServerState(model_name=MODEL, status="ready", engine=engine, tokenizer=tokenizer,
+                           max_model_len=CONTEXT, model=SimpleNamespace(vision=None, grammars=grammars))
+    return make
+
+
+class FakeEngine:
+    """The `AsyncEngine` face the steps use; each sequence answers with the tokens of `reply`, then EOS."""
+
+    def __init__(self, tokens: list[int], eos: int, max_waiting: int = 8):
+        self.tokens, self.eos, self.dead = tokens, eos, None
+        self.engine = SimpleNamespace(num_waiting=0, config=SimpleNamespace(max_waiting=max_waiting))
+        self.submitted, self.released = [], []
+
+    def submit(self, request_id, prompt, params, images=None):
+        self.submitted.append((request_id, list(prompt), params))
+
+        async def events():
+            for i in range(params.n):
+                for t in self.tokens:
+                    yield TokenEvent(request_id, i, t)
+                yield TokenEvent(request_id, i, self.eos, finish_reason="stop", stop_token=True)
+        return events()
+
+    def abort(self, request_id, index=None):
+        pass
+
+    def release(self, request_id, finished):
+        self.released.append((request_id, finished))
+
+
+class Connected:
+    async def is_disconnected(self):
+        return False
+
+
+def chat_request(**fields) -> P.ChatCompletionRequest:
+    return P.ChatCompletionRequest.model_validate({"model": MODEL, "messages": USER, **fields})
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"model": "other"}, "model"),
+    ({"audio": {"voice": "alloy"}}, "audio"),
+    ({"stop": ["a", ""]}, "stop"),
+    ({"n": 9}, "n"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"guided_regex": "a+", "guided_choice": ["b"]}, "guided_choice"),
+    ({"logit_bias": {"one": 1.0}}, "logit_bias"),
+    ({"messages": USER + [{"role": "assistant", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}]}]}, "messages[1].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}]}]}, "messages"),
+])
+def test_validate_refuses_with_the_field_named_before_any_work(make_state, fields, param):
+    state = make_state()
+    with pytest.raises(APIError) as e:
+        validate.chat(state, chat_request(**fields))
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_render_gives_the_chat_templates_ids(make_state):
+    state = make_state()
+    tokenizer = state.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "Hello, "}, {"type": "text", "text": "there."}]}]
+    ids, images = asyncio.run(render.chat(state, chat_request(messages=messages), None))
+    assert ids == tokenizer.apply_chat_template([messages[0], {"role": "user", "content": "Hello, there."}])
+    assert images is None
+    assert asyncio.run(render.completion(state, ["Once upon", [5, 6]])) == [tokenizer.encode("Once upon"), [5, 6]]
+
+
+
+def test_render_refuses_an_image_the_models_processor_refuses(make_state):
+    """The server's pixel limit may exceed the preprocessing's own: the processor's refusal is a 400 on
+    `messages`, not a 500."""
+    from day0jax.vision.images import ImageError
+
+    def expand(text, images, tokenizer):
+        raise ImageError("an image of 60000000 pixels is over the limit of 50000000")
+
+    state = make_state()
+    state.model = SimpleNamespace(vision=object(), images=SimpleNamespace(expand=expand), tokenizer=state.tokenizer)
+    with pytest.raises(APIError) as e:
+        render._image_inputs(state, "<image>", [object()])
+    assert (e.value.status, e.value.param) == (400, "messages") and "over the limit" in str(e.value)
+
+@pytest.mark.parametrize("fields,kind", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}},
+     "json_schema"),
+    ({"guided_regex": "[ab]+"}, "regex"),
+    ({"guided_choice": ["yes", "no"]}, "choice"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "lark"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, None),
+])
+def test_constrain_builds_the_grammar_the_request_asks_for(make_state, fields, kind):
+    state = make_state(template=HERMES)
+    body = chat_request(logit_bias={"17": -100}, **fields)
+    constraints = asyncio.run(constrain.constraints(state, body, validate.chat(state, body).tools))
+    assert (constraints.grammar and constraints.grammar.kind) == kind
+    assert constraints.logit_bias == ((17, -100.0),)
+
+
+def serve(state: ServerState, body: P.ChatCompletionRequest):
+    """The chat route's steps, in order."""
+    checked = validate.chat(state, body)
+    prompt, images = asyncio.run(render.chat(state, body, checked.tools.specs if checked.tools else None))
+    constraints = asyncio.run(constrain.constraints(state, body, checked.tools))
+    run = submit.submit(state, checked.engine, "chatcmpl-test", body, [prompt], constraints)
+    outputs = stream.Outputs(state, run, checked.stops, checked.tools, arrival=0.0)
+
+    async def answer():
+        response = await format.respond(Connected(), outputs, format.Chat(MODEL), body)
+        if not body.stream:
+            return response
+        return [json.loads(line[6:]) async for line in response.body_iterator if line.startswith("data: {")]
+    return prompt, asyncio.run(answer())
+
+
+def test_a_chat_request_through_every_step(make_state):
+    """Whole and streamed: the text the engine's tokens spell, cut at a stop string, with its usage; the engine
+    got the rendered prompt and a token limit of what the context leaves, and every engine request is released."""
+    state = make_state(reply="It is sunny. Bye!")
+    prompt, whole = serve(state, chat_request(stop=[" Bye"], n=2))
+    assert [c.message.content for c in whole.choices] == ["It is sunny."] * 2
+    assert [c.finish_reason for c in whole.choices] == ["stop"] * 2
+    assert whole.usage.prompt_tokens == len(prompt) and whole.id == "chatcmpl-test"
+    (rid, ids, params), = state.engine.submitted
+    assert ids == prompt and params.max_tokens == CONTEXT - len(prompt) and params.n == 2
+    chunks = serve(state, chat_request(stop=[" Bye"], stream=True, stream_options={"include_usage": True}))[1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "It is sunny."
+    assert chunks[-1]["usage"]["completion_tokens"] == whole.usage.completion_tokens // 2
+    assert all(finished for _, finished in state.engine.released) and state.in_flight == 0
+
+
+def test_a_forced_tool_call_through_every_step(make_state):
+    """The call's text is parsed into `tool_calls`, whole and streamed, never sent as content."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    state = make_state(reply=call, template=HERMES)
+    body = {"tools": [WEATHER], "tool_choice": "required"}
+    _, whole = serve(state, chat_request(**body))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    assert state.engine.submitted[0][2].grammar.kind == "lark"
+    chunks = serve(state, chat_request(stream=True, **body))[1]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert not any(d.get("content") for d in deltas)
+    calls = [t for d in deltas for t in d.get("tool_calls") or []]
+    assert [t["function"]["name"] for t in calls] == ["get_weather"]
