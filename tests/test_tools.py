@@ -140,8 +140,7 @@ def test_syntax_is_read_from_the_template():
                        ("<minimax:tool_call>", "minimax_m2"), ("<|tool_call_start|>", "lfm2"),
                        ("<|tool_call>", "gemma4"), ("[TOOL_CALLS]{{ name }}[ARGS]", "mistral_args")]:
         assert T.syntax_of("{% if tools %}<tool_call>" + mark + "{% endif %}").name == name, mark
-    with pytest.raises(GrammarError, match="harmony"):
-        T.syntax_of("{% if tools %}<|start|>assistant to=functions.{{ name }}{% endif %}")
+    assert T.syntax_of("{% if tools %}<|start|>assistant to=functions.{{ name }}{% endif %}").name == "harmony"
 
 
 PARSE_CASES = [
@@ -202,6 +201,13 @@ PARSE_CASES = [
     ("gemma4", '<|tool_call>call:get_time{zone:<|"|>UTC+0}<tool_call|>', None, []),  # unterminated string
     ("mistral_args", '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC-1"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", '
      '"unit": "celsius"}', "", [("get_time", {"zone": "UTC-1"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+    ("harmony", '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": "UTC+1"}', "",
+     [("get_time", {"zone": "UTC+1"})]),
+    # The recipient before the channel, as the template writes earlier calls, after text of the final channel.
+    ("harmony", 'Sure.<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC-2"}'
+     '<|call|>', "Sure.", [("get_time", {"zone": "UTC-2"})]),
+    ("harmony", '<|channel|>commentary to=functions.rm <|constrain|>json<|message|>{}', None, []),
+    ("harmony", '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": ', None, []),
 ]
 
 
