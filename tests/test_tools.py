@@ -425,6 +425,27 @@ def test_named_tool_choice_and_tool_history(client):
     assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.tool_calls is None
 
 
+def test_responses_function_call_round_trip(hermes_client):
+    """The Responses API: a forced call comes back as a function_call item (its arguments streamed in one delta),
+    and that item with its output, sent back as input, renders through the template for the next answer."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    first = hermes_client.responses.create(model="tiny-chat", input=MESSAGES, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1, first.output
+    check_call(calls[0].name, calls[0].arguments)
+    follow = MESSAGES + [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "12:00"}]
+    second = hermes_client.responses.create(model="tiny-chat", input=follow, tools=tools, tool_choice="none",
+                                            max_output_tokens=8, temperature=0)
+    assert [item.type for item in second.output] == ["message"]
+    with hermes_client.responses.stream(model="tiny-chat", input=MESSAGES, tools=tools, tool_choice="required",
+                                        parallel_tool_calls=False, max_output_tokens=120, temperature=0) as stream:
+        events = list(stream)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [calls[0].arguments]
+
+
 def test_history_renders_arguments_as_objects(server):
     from day0jax.serve import protocol as P
     from day0jax.serve.render import template_message

@@ -29,7 +29,10 @@ Jobs (each a dict with "op"):
                (causal_conv1d_update, SiLU).
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
-               {content, calls: [[name, arguments]]}.
+               {content, reasoning, calls: [[name, arguments]]}.
+  render_chat  {cases: [{model, messages, tools?, kwargs?}], out}: the chat template of the tokenizer folder `model`
+               applied to `messages` with a generation prompt (`apply_chat_template(..., tokenize=False, **kwargs)`);
+               OUT is a JSON list of the rendered texts.
 """
 
 import json
@@ -401,9 +404,21 @@ def parse_tools(job):
         anchor = template["start_anchor"]
         message = parse_response(case["text"], template, prefix=anchor if isinstance(anchor, str) else anchor[0],
                                  tools=case["tools"])
-        out.append({"content": message.get("content", ""),
+        out.append({"content": message.get("content", ""), "reasoning": message.get("reasoning_content"),
                     "calls": [[c["function"]["name"], c["function"]["arguments"]]
                               for c in message.get("tool_calls") or []]})
+    json.dump(out, open(job["out"], "w"))
+
+
+def render_chat(job):
+    tokenizers = {}
+    out = []
+    for case in job["cases"]:
+        if case["model"] not in tokenizers:
+            tokenizers[case["model"]] = _load(case["model"], "tokenizer")
+        out.append(tokenizers[case["model"]].apply_chat_template(
+            case["messages"], tools=case.get("tools"), tokenize=False, add_generation_prompt=True,
+            **case.get("kwargs", {})))
     json.dump(out, open(job["out"], "w"))
 
 
