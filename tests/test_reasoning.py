@@ -1,6 +1,7 @@
 """Reasoning models: the reasoning syntax read from a chat template, the split of outputs into reasoning and answer
 (whole and streamed, with markers split across tokens, cut short or malformed), the thinking switches rendered as
-transformers renders them, and the request path with the families' released templates (tests/chat_templates):
+transformers renders them, and the request path with the families' released templates (tests/chat_templates;
+gpt-oss's with its rendering of tool parameter types abridged):
 reasoning beside the content in chat completions and the Responses API, tool calls and structured output after the
 reasoning, the usage's reasoning tokens.
 
@@ -385,6 +386,25 @@ def test_structured_output_constrains_the_answer_only(make_state):
     assert state.engine.submitted[-1][1].grammar is state.model.grammars.json_schema(CITY)
     with pytest.raises(AssertionError):  # a reply the grammar refuses: the answer is constrained
         chat(make_state("qwen3", "<think>\nok\n</think>\n\nnot JSON"), response_format=fmt)
+
+
+@pytest.mark.parametrize("syntax", list(R.SYNTAXES))
+def test_every_reasoning_grammar_compiles_around_an_answer(loaded, grammars, syntax):
+    """Each syntax's grammar, from each place an output may start, with its markers as tokens and as text, around a
+    schema and around a forced call; an answer grammar alone where the prompt closed the reasoning."""
+    schema = grammars.json_schema(CITY)
+    tokenizer = loaded["qwen3"]
+    s = R.SYNTAXES[syntax]
+    for special in ({t: i for t in s.specials if (i := tokenizer.token_id(t)) is not None}, {}):
+        for start in (R.IN_REASONING, R.EITHER, R.IN_ANSWER):
+            outer = R.Reasoning(s, start).grammar(special)
+            if outer is None:
+                assert start == R.IN_ANSWER
+                continue
+            assert "@answer" in outer
+            grammars.around(outer, schema, "response_format")
+            grammars.around(R.Reasoning(s, start).grammar(special, tool_call=True),
+                            grammars.lark('start: "call"', "tool_choice"), "tool_choice")
 
 
 MINIMAX_CALL = ('I need the weather.\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
