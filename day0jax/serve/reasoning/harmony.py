@@ -14,8 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from day0jax.serve.reasoning.base import EITHER, FREE_RULE, ReasoningSyntax, Split, Splitter, partial, text_rules, \
-    until
+from day0jax.serve.reasoning.base import EITHER, ReasoningSyntax, Split, Splitter, partial, text_rules, until
 from day0jax.serve.tools.base import lark_text
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
