@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 # The op folders, each with a `spec.py` declaring `SPEC`: registering an op is adding its folder's name here.
 FOLDERS = ("attention", "paged_attention", "moe", "rms_norm", "gated_delta_rule", "sparse_attention",
-           "quantized_linear")
+           "quantized_linear", "causal_conv1d")
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,6 @@ def _rope(p: dict[str, Any]) -> str:
     return f"{p['kind']} (theta {p['theta']:g}{factor}{part})"
 
 
-def _causal_conv1d(p: dict[str, Any]) -> str:
-    act = "SiLU" if p.get("act", "silu") == "silu" else "no activation"
-    return f"depthwise causal conv1d over {p['C']} channels, width {p['W']}, {act}"
-
-
 def _vision_attention(p: dict[str, Any]) -> str:
     return f"bidirectional MHA {p['N']} heads x {p['H']} over {p['T']} tokens per image"
 
@@ -69,9 +64,6 @@ PLAIN = (
     OpSpec("rope", "rope", {"kind": "rope_type (None: a NoPE layer)", "theta": "base", "factor": "scaling factor",
                             "rotary_dim": "rotated dims", "head_dim": "head dim"}, _rope,
            dict(kind="default", theta=10000.0, factor=None, rotary_dim=64, head_dim=64)),
-    OpSpec("causal_conv1d", "causal conv1d", {"C": "channels", "W": "kernel width", "act": "the activation, "
-                                              "reported only where it is not SiLU (None: LFM's convolution)"},
-           _causal_conv1d, dict(C=64, W=4)),
     OpSpec("vision_attention", "vision_attention", {"N": "heads", "H": "head dim", "T": "tokens per image (None: as "
                                                     "many as the image has patches)"}, _vision_attention,
            dict(N=12, H=64, T=196)),
