@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 # The op folders, each with a `spec.py` declaring `SPEC`: registering an op is adding its folder's name here.
 FOLDERS = ("attention", "paged_attention", "moe", "rms_norm", "gated_delta_rule", "sparse_attention",
-           "quantized_linear", "linear", "causal_conv1d")
+           "quantized_linear", "linear", "causal_conv1d", "mamba2_ssd")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,11 @@ def _rope(p: dict[str, Any]) -> str:
     return f"{p['kind']} (theta {p['theta']:g}{factor}{part})"
 
 
+def _gated_rms_norm(p: dict[str, Any]) -> str:
+    order = "silu(z) gate, then RMSNorm" if p["order"] == "gate_then_norm" else "RMSNorm, then silu(z) gate"
+    return f"{order} over {p['G']} groups of {p['N']} heads x {p['H']}"
+
+
 def _vision_attention(p: dict[str, Any]) -> str:
     return f"bidirectional MHA {p['N']} heads x {p['H']} over {p['T']} tokens per image"
 
@@ -64,6 +69,9 @@ PLAIN = (
     OpSpec("rope", "rope", {"kind": "rope_type (None: a NoPE layer)", "theta": "base", "factor": "scaling factor",
                             "rotary_dim": "rotated dims", "head_dim": "head dim"}, _rope,
            dict(kind="default", theta=10000.0, factor=None, rotary_dim=64, head_dim=64)),
+    OpSpec("gated_rms_norm", "gated_rms_norm", {"N": "heads", "H": "head dim", "G": "groups normalized apart",
+                                                "order": "'gate_then_norm' or 'norm_before_gate'"},
+           _gated_rms_norm, dict(N=8, H=64, G=2, order="gate_then_norm")),
     OpSpec("vision_attention", "vision_attention", {"N": "heads", "H": "head dim", "T": "tokens per image (None: as "
                                                     "many as the image has patches)"}, _vision_attention,
            dict(N=12, H=64, T=196)),
