@@ -233,7 +233,9 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     attention = {layer: call for layer, call in op_calls if call.op in ("paged_attention", "sparse_attention")}
     rows: dict[tuple[str, str], list[int]] = {}
     for i, entry in enumerate(abstract.cache_layout()):
-        if isinstance(entry, StateLayer):
+        if entry is None:
+            key = ("MLP or MoE only (no token mixer)", "none")
+        elif isinstance(entry, StateLayer):
             key = (entry.kind, f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
         else:
             call = attention.get(i)

@@ -174,13 +174,14 @@ def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
 def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], kv_slots: int, dtype: Any,
                    window_slots: dict[int, int] | None = None) -> int:
     """Bytes of one layer's KV page pool on one device: `kv_slots` token slots, or for a sliding-window layer its
-    window's (`window_slots`: window -> token slots, where the engine keeps only the window); 0 for a state layer."""
+    window's (`window_slots`: window -> token slots, where the engine keeps only the window); 0 for a state layer
+    or one that keeps nothing (None)."""
     item = jnp.dtype(dtype).itemsize
     if isinstance(layer, KVLayer) and layer.window and window_slots and layer.window in window_slots:
         kv_slots = window_slots[layer.window]
     if isinstance(layer, SharedKV):
         return kv_slots * layer.index_dim * item
-    if isinstance(layer, StateLayer):
+    if layer is None or isinstance(layer, StateLayer):
         return 0
     _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
     return kv_slots * (k * (layer.k_dim + layer.v_dim) + layer.index_dim) * item

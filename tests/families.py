@@ -350,6 +350,29 @@ FAMILIES = {
                                                                             "mscale_all_dim": 0.5,
                                                                             "original_max_position_embeddings": 8}),
                                True),
+    # NemotronH, 4 layers (HF's default kinds): Mamba2 (8 heads x 8 in 2 groups, state 16, chunks of 8 so the prompts
+    # cross chunk boundaries, the convolution's bias), a latent MoE (sigmoid scores with the score bias in 4 groups of
+    # 2, best 2, top-2 scaled; ungated ReLU-squared experts in a 24-dim latent space; a shared MLP), attention without
+    # positions, a ReLU-squared MLP. Larger weights (initializer_range) so that the router and attention are not
+    # uniform.
+    "nemotron_h": ("nemotron_h", dict({k: v for k, v in TINY.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+                                      layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                                      layer_norm_epsilon=1e-5, head_dim=16, mamba_num_heads=8, mamba_head_dim=8,
+                                      n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8, n_routed_experts=8,
+                                      num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+                                      moe_shared_expert_intermediate_size=48, moe_latent_size=24,
+                                      routed_scaling_factor=2.0, initializer_range=0.1), True),
+    # Granite 4, 3 layers: Mamba2 (4 heads x 32 from mamba_expand 2, one group, state 16, chunks of 8), attention with
+    # RoPE, Mamba2; each followed by a top-2 MoE (softmax over the chosen logits) beside the shared SwiGLU MLP; the muP
+    # multipliers (embeddings, attention scale, residual branches, logits). Legacy layer kinds, as IBM writes them.
+    "granitemoehybrid": ("granitemoehybrid", dict(TINY, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                                  position_embedding_type="rope", num_local_experts=4,
+                                                  num_experts_per_tok=2, intermediate_size=32,
+                                                  shared_intermediate_size=48, mamba_n_heads=4, mamba_n_groups=1,
+                                                  mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8,
+                                                  embedding_multiplier=6.0, attention_multiplier=0.2,
+                                                  residual_multiplier=0.4, logits_scaling=3.0,
+                                                  initializer_range=0.1), True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

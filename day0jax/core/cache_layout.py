@@ -1,7 +1,8 @@
 """What each layer of a model keeps between steps, as the engine, the planner and the readiness report see it.
 
 A model's `cache_layout()` gives one entry per layer: `KVLayer` (keys and values per token, in the page pool),
-`SharedKV` (reads another layer's cache) or `StateLayer` (a fixed-size state per sequence).
+`SharedKV` (reads another layer's cache), `StateLayer` (a fixed-size state per sequence) or None (a layer that mixes
+no tokens and keeps nothing: NemotronH's MLP and MoE layers).
 """
 
 from __future__ import annotations

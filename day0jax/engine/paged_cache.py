@@ -125,7 +125,8 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
               ring_pages=None) -> list[tuple]:
     """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
     ([P, page_size, K, H] each, split like the kv heads), for a `StateLayer` one float32 [S, *shape] pool per
-    state array (split like its heads), and for a `SharedKV` layer only its indexer's keys, if it has an indexer.
+    state array (split like its heads), for a `SharedKV` layer only its indexer's keys, if it has an indexer, and
+    nothing for a layer that keeps nothing (None).
 
     Args:
         layout: the model's `cache_layout()`.
@@ -144,7 +145,9 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
 
     pools = []
     for entry in layout:
-        if isinstance(entry, SharedKV):
+        if entry is None:
+            pools.append(())
+        elif isinstance(entry, SharedKV):
             pools.append((zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype),)
                          if entry.index_dim else ())
         elif isinstance(entry, StateLayer):

@@ -14,13 +14,17 @@ from kernels_pallas.quantized_linear.spec import quantized_weight
 
 PARAMS = {"E": "routed experts", "k": "experts per token", "D": "hidden size", "F": "expert width",
           "routing": "how the router scores and picks", "shared": "the shared experts' name (where there are some)",
-          "quantized": "the experts' storage, e.g. 'int4/32' (reported only for quantized experts)"}
+          "quantized": "the experts' storage, e.g. 'int4/32' (reported only for quantized experts)",
+          "gated": "False for experts without gate_proj (reported only then)",
+          "latent_of": "the hidden size the experts' latent space D is projected from (a latent MoE only)"}
 
 
 def describe(p: dict) -> str:
     shared = f", shared {p['shared']}" if p.get("shared") else ""
     quantized = f", {p['quantized']} weights" if p.get("quantized") else ""
-    return f"MoE {p['E']} experts x {p['F']}, top-{p['k']} {p['routing']}{shared}{quantized}"
+    ungated = ", ungated" if p.get("gated") is False else ""
+    latent = f", in a {p['D']}-dim latent of {p['latent_of']}" if p.get("latent_of") else ""
+    return f"MoE {p['E']} experts x {p['F']}{ungated}{latent}, top-{p['k']} {p['routing']}{shared}{quantized}"
 
 
 def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:

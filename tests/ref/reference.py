@@ -44,6 +44,7 @@ Jobs (each a dict with "op"):
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -145,6 +146,8 @@ def tiny_hf(job):
                 p.normal_(1.0, 0.1)
             elif name.endswith("router.gate.weight") and not p.any():
                 p.normal_(0.0, config.initializer_range)
+            elif re.search(r"\.(mixer|mamba)\.(A_log|D|dt_bias)$", name):  # Mamba2's per-head constants at init
+                p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's image projection, 0 at init
                 p.normal_(0.0, 0.2)
             elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
