@@ -237,6 +237,9 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
             key = ("MLP or MoE only (no token mixer)", "none")
         elif isinstance(entry, StateLayer):
             key = (entry.kind, f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
+            if entry.kv is not None:  # attention beside the state mixer (Falcon-H1)
+                key = (f"{entry.kind} + full attention",
+                       f"{key[1]}, KV {fmt_bytes(entry.kv.token_elements * itemsize)} per token")
         else:
             call = attention.get(i)
             window = call.get("window") if call is not None else None

@@ -373,6 +373,14 @@ FAMILIES = {
                                                   embedding_multiplier=6.0, attention_multiplier=0.2,
                                                   residual_multiplier=0.4, logits_scaling=3.0,
                                                   initializer_range=0.1), True),
+    # Falcon-H1, 2 layers each running Mamba2 (4 heads x 16 in 2 groups, state 16, chunks of 8, the gated norm after the
+    # scan and before the gate) and attention with RoPE side by side; every muP multiplier away from 1.
+    "falcon_h1": ("falcon_h1", dict(TINY, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=2,
+                                    mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=True,
+                                    mamba_norm_before_gate=True, embedding_multiplier=3.0, lm_head_multiplier=0.5,
+                                    mlp_multipliers=[0.8, 1.3], key_multiplier=0.7, attention_in_multiplier=1.2,
+                                    attention_out_multiplier=0.9, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7],
+                                    ssm_in_multiplier=1.3, ssm_out_multiplier=0.6, initializer_range=0.1), True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

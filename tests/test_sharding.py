@@ -50,9 +50,9 @@ OVERRIDES = {
     "laguna": dict(num_attention_heads_per_layer=[8, 16, 8]),
 }
 # The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA, a hybrid
-# linear-attention and a sparse-attention model. Adding a family is adding its model_type here.
+# linear-attention, a sparse-attention and a Mamba2 hybrid model. Adding a family is adding its model_type here.
 MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "gemma4_text",
-                         "gemma3", "qwen3_vl"]
+                         "gemma3", "qwen3_vl", "nemotron_h"]
 # One model_type per family module (a family may implement several: a multimodal one and its text model).
 FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 
