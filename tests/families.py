@@ -381,6 +381,22 @@ FAMILIES = {
                                     mlp_multipliers=[0.8, 1.3], key_multiplier=0.7, attention_in_multiplier=1.2,
                                     attention_out_multiplier=0.9, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7],
                                     ssm_in_multiplier=1.3, ssm_out_multiplier=0.6, initializer_range=0.1), True),
+    # MiMo-V2-Flash, HF's default kinds over 3 layers: full attention with a dense MLP, then two sliding layers (window
+    # 8) with twice the kv heads and sinks, and MoEs (sigmoid scores with the score bias in 4 groups of 2, best 2,
+    # top-2 scaled, no shared expert); queries and keys of 24 dims, values of 16 scaled by 0.6; a RoPE per kind (the
+    # full layers' over HF's default 0.334 of the head, the sliding ones' over half, with another theta). Larger
+    # weights (initializer_range) so that the router and the sinks matter.
+    "mimo_v2_flash": ("mimo_v2_flash", dict(TINY, num_hidden_layers=3, num_key_value_heads=1, head_dim=24,
+                                            v_head_dim=16, sliding_window=8, attention_value_scale=0.6,
+                                            n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                            moe_intermediate_size=32, routed_scaling_factor=2.0,
+                                            initializer_range=0.1,
+                                            rope_parameters={"full_attention": {"rope_type": "default",
+                                                                                "rope_theta": 50000.0},
+                                                             "sliding_attention": {"rope_type": "default",
+                                                                                   "rope_theta": 100.0,
+                                                                                   "partial_rotary_factor": 0.5}}),
+                      True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.
