@@ -397,6 +397,24 @@ FAMILIES = {
                                                                                    "rope_theta": 100.0,
                                                                                    "partial_rotary_factor": 0.5}}),
                       True),
+    # Step-3.7's language model in its multimodal checkpoint (a one-layer vision tower, dropped), 3 layers: full,
+    # sliding (window 8, 8 query heads against the full layers' 4) and full attention, each with (1 + w) q/k norms, a
+    # sigmoid gate per head and scores scaled by query_pre_attn_scalar; a RoPE per kind (the full layers' over half of
+    # each head); layer 0 a dense MLP, then MoEs (sigmoid scores chosen with the score bias, renormalized, times 2)
+    # beside a shared expert; clamps after the activation small enough to bite, per layer (0: none). Larger weights
+    # (initializer_range) so that the gates, the router and the clamps matter.
+    "step3p7": ("step3p7", dict(
+        text_config=dict(TINY, num_hidden_layers=3, head_dim=16, sliding_window=8, num_sliding_attention_heads=8,
+                         layer_types=["full_attention", "sliding_attention", "full_attention"],
+                         mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, share_expert_dim=48, moe_router_scaling_factor=2.0,
+                         query_pre_attn_scalar=24, swiglu_limits=[0, 0.5, 0.8], swiglu_limits_shared=[0.6, 0, 0.7],
+                         initializer_range=0.06,
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)),
+                True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

@@ -113,6 +113,12 @@ def clamped_swiglu(alpha: float, limit: float) -> Callable[[jax.Array, jax.Array
     return glu
 
 
+def limited_swiglu(act: str, limit: float) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """Step-3.7: min(act(gate), limit) * clip(up, -limit, limit), the clamps after the activation."""
+    fn = activation(act)
+    return lambda gate, up: jnp.minimum(fn(gate), limit) * jnp.clip(up, -limit, limit)
+
+
 def ungated(act: str) -> Callable[[jax.Array], jax.Array]:
     """act(up), the unit of experts without gate_proj (NemotronH's ReLU squared)."""
     return activation(act)

@@ -30,6 +30,7 @@ FAMILIES = {name: f"day0jax.models.{name}" for name in (
 FAMILIES.update({"qwen3_5_text": "day0jax.models.qwen3_5", "qwen3_5_moe_text": "day0jax.models.qwen3_5_moe",
                  "qwen3_5": "day0jax.models.qwen3_5_vl", "qwen3_5_moe": "day0jax.models.qwen3_5_vl"})
 FAMILIES.update({"kimi_k2": "day0jax.models.deepseek_v3"})
+FAMILIES.update({"step3p7": "day0jax.models.step3p7", "step3p5": "day0jax.models.step3p7"})
 FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.models.llama4"})
 FAMILIES.update({"gemma4": "day0jax.models.gemma4", "gemma4_text": "day0jax.models.gemma4"})
 FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
