@@ -35,11 +35,14 @@ FLAGSHIPS_FILE = Path(__file__).with_name("flagships.json")
 # (`tests/test_op_calls.py --update`) once its model reports its calls.
 PENDING_FAMILIES = {
     "kimi-linear-48b-a3b": [OpCall.of("gated_delta_rule", Nk=32, Nv=32, Hk=128, Hv=128, decay="channel")],
+    # transformers' NemotronHConfig defaults, which it documents as this checkpoint's.
+    "nemotron-3-nano-30b-a3b": [OpCall.of("mamba2_ssd", N=128, H=64, G=8, Z=128, chunk=128),
+                                OpCall.of("causal_conv1d", C=128 * 64 + 2 * 8 * 128, W=4)],
 }
-# What `selfcheck` runs by default: a dense GQA model, a fine-grained MoE, MLA with a large MoE, sparse MLA, and
-# linear attention (gated delta rule, per-head and per-channel decay).
+# What `selfcheck` runs by default: a dense GQA model, a fine-grained MoE, MLA with a large MoE, sparse MLA, linear
+# attention (gated delta rule, per-head and per-channel decay) and a Mamba2 hybrid.
 DEFAULT_FLAGSHIPS = ("llama-3-8b", "qwen3-30b-a3b", "deepseek-v3", "deepseek-v3.2", "qwen3-next-80b-a3b",
-                     "kimi-linear-48b-a3b")
+                     "kimi-linear-48b-a3b", "nemotron-3-nano-30b-a3b")
 SCALES = ("full", "startup", "tiny")
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import run_reference
-from kernels_pallas import cases
+from conftest import needs_hopper, run_reference
+from kernels_pallas import cases, registry
 from kernels_pallas.mamba2_ssd import api, reference
 
 # Float32 rounding of two different orders of the same sums (measured: about 3e-7).
@@ -265,3 +265,22 @@ class Mamba2SsdContract:
 
 class TestReference(Mamba2SsdContract):
     implementation = "reference"
+
+
+@pytest.mark.usefixtures("interpreter_on_cpu")
+class TestMosaicGpuInterpret(Mamba2SsdContract):
+    implementation = "mosaic_gpu_interpret"
+
+
+@needs_hopper
+class TestMosaicGpu(Mamba2SsdContract):
+    implementation = "mosaic_gpu"
+
+
+def test_the_kernel_declines_a_decode_step_and_float32():
+    x = make(80, 1, 1, 2, 64, 1, 64)
+    low = [a.astype(jnp.bfloat16) if n in ("x", "b", "c") else a for n, a in zip(NAMES, jnp_args(x))]
+    with pytest.raises(registry.KernelUnavailable, match="decode step"):
+        api.mamba2_ssd(*low, implementation="mosaic_gpu_interpret")
+    with pytest.raises(registry.KernelUnavailable, match="bfloat16 or all float16"):
+        api.mamba2_ssd(*jnp_args(make(81, 1, 8, 2, 64, 1, 64)), implementation="mosaic_gpu_interpret")

@@ -1,17 +1,24 @@
-"""The Mamba2 scan as state-space layers see it: `reference.mamba2_ssd` (the recurrent form for a decode step, the
-chunked form for prefill) everywhere for now; the pool is where a kernel goes."""
+"""The Mamba2 scan as state-space layers see it: on Hopper the Mosaic GPU kernel for prefill, else
+`reference.mamba2_ssd` (the recurrent form for a decode step, the chunked form for prefill)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 from kernels_pallas import registry
-from kernels_pallas.mamba2_ssd import reference
+from kernels_pallas.mamba2_ssd import pallas_mgpu, reference
 
-IMPLEMENTATIONS = {registry.REFERENCE: reference.mamba2_ssd}
-CANDIDATES: dict[str, tuple[str, ...]] = {}
-PALLAS: dict[str, str] = {}
-INTERPRET: dict[str, str] = {}
+IMPLEMENTATIONS = {
+    registry.REFERENCE: reference.mamba2_ssd,
+    "mosaic_gpu": pallas_mgpu.mamba2_ssd,
+    "mosaic_gpu_interpret": functools.partial(pallas_mgpu.mamba2_ssd, interpret=True),
+}
+# The kernel declines a decode step (T = 1): the reference's recurrent form takes it.
+CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("mosaic_gpu",)}
+PALLAS = {"mosaic_gpu": "cuda"}
+INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
 
 @jax.named_scope("ssm")

@@ -108,18 +108,25 @@ def recurrent(x: jax.Array, dt: jax.Array, A: jax.Array, b: jax.Array, c: jax.Ar
     return y.reshape(Bsz, T, N, H).astype(x.dtype), S.reshape(Bsz, N, H, -1)
 
 
+def own_outputs(x, dt, cum, b, c):
+    """The outputs of a chunk from its own tokens, for chunks in leading axes: x [..., C, G, r, H], dt and the
+    cumulative log decay from the chunk's start `cum` [..., C, G, r], b, c [..., C, G, Z] -> [..., C, G, r, H]:
+    y_i = sum_{j <= i} (c_i . b_j) exp(cum_i - cum_j) dt_j x_j."""
+    C = x.shape[-4]
+    causal = jnp.tril(jnp.ones((C, C), bool))[:, :, None, None]
+    # exp(cum_i - cum_j) for j <= i; -inf above the diagonal before exp, where the differences are positive.
+    decay = jnp.exp(jnp.where(causal, cum[..., :, None, :, :] - cum[..., None, :, :, :], -jnp.inf))
+    scores = jnp.einsum("...igz,...jgz->...ijg", c, b)  # [..., C, C, G]
+    return jnp.einsum("...ijg,...ijgr,...jgr,...jgrh->...igrh", scores, decay, dt, x)
+
+
 def intra_chunk(x, dt, A, b, c):
     """What each chunk computes without the incoming state, for chunks in leading axes: x [..., C, G, r, H],
     dt [..., C, G, r], A [G, r], b, c [..., C, G, Z] -> (the outputs from the chunk's own tokens [..., C, G, r, H],
     the chunk's contribution to the state at its end [..., G, r, H, Z], the decay from the chunk's start to each
     token [..., C, G, r] and to its end [..., G, r])."""
-    C = x.shape[-4]
     cum = jnp.cumsum(dt * A, axis=-3)  # [..., C, G, r] log decay from the chunk's start, through each token
-    causal = jnp.tril(jnp.ones((C, C), bool))[:, :, None, None]
-    # exp(cum_i - cum_j) for j <= i; -inf above the diagonal before exp, where the differences are positive.
-    decay = jnp.exp(jnp.where(causal, cum[..., :, None, :, :] - cum[..., None, :, :, :], -jnp.inf))
-    scores = jnp.einsum("...igz,...jgz->...ijg", c, b)  # [..., C, C, G]
-    y = jnp.einsum("...ijg,...ijgr,...jgr,...jgrh->...igrh", scores, decay, dt, x)
+    y = own_outputs(x, dt, cum, b, c)
     to_end = jnp.exp(cum[..., -1:, :, :] - cum) * dt  # [..., C, G, r]
     written = jnp.einsum("...jgr,...jgrh,...jgz->...grhz", to_end, x, b)
     return y, written, jnp.exp(cum), jnp.exp(cum[..., -1, :, :])
