@@ -365,7 +365,8 @@ FAMILIES = {
     # Granite 4, 3 layers: Mamba2 (4 heads x 32 from mamba_expand 2, one group, state 16, chunks of 8), attention with
     # RoPE, Mamba2; each followed by a top-2 MoE (softmax over the chosen logits) beside the shared SwiGLU MLP; the muP
     # multipliers (embeddings, attention scale, residual branches, logits). Legacy layer kinds, as IBM writes them.
-    "granitemoehybrid": ("granitemoehybrid", dict(TINY, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+    "granitemoehybrid": ("granitemoehybrid", dict(TINY, num_hidden_layers=3,
+                                                  layer_types=["mamba", "attention", "mamba"],
                                                   position_embedding_type="rope", num_local_experts=4,
                                                   num_experts_per_tok=2, intermediate_size=32,
                                                   shared_intermediate_size=48, mamba_n_heads=4, mamba_n_groups=1,

@@ -31,15 +31,17 @@ def scaled(path_pattern: str, factor: float):
 
 
 def rope(full: dict, sliding: dict) -> dict:
-    return {"full_attention": dict(rope_type="default", **full), "sliding_attention": dict(rope_type="default", **sliding)}
+    return {"full_attention": dict(rope_type="default", **full),
+            "sliding_attention": dict(rope_type="default", **sliding)}
 
 
 # name -> (family entry in tests/families.py, config.json overrides, parameter transform)
 MUTATIONS = {
     "nemotron_h ReLU-squared as ReLU": ("nemotron_h", dict(mlp_hidden_act="relu"), None),
     "nemotron_h routing without groups": ("nemotron_h", dict(n_group=1, topk_group=1), None),
-    "granitemoehybrid muP multipliers at 1": ("granitemoehybrid", dict(embedding_multiplier=1.0, residual_multiplier=1.0,
-                                                                     logits_scaling=1.0), None),
+    "granitemoehybrid muP multipliers at 1": ("granitemoehybrid", dict(embedding_multiplier=1.0,
+                                                                     residual_multiplier=1.0, logits_scaling=1.0),
+                                              None),
     "granitemoehybrid attention scale of head_dim": ("granitemoehybrid", dict(attention_multiplier=0.25), None),
     "falcon_h1 Mamba2 muP multipliers at 1": ("falcon_h1", dict(ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
                                                                 ssm_multipliers=None), None),
