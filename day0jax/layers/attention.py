@@ -173,8 +173,8 @@ class Attention(nnx.Module):
         """The attention op (cache-less forward) and the paged one (engine), q/k norms and RoPE."""
         N, H = self.q_proj.out_shape[0], self.head_dim
         shape = dict(N=N, K=self.k_proj.out_shape[0], H=H, Hv=self.v_head_dim, scale=self.scale,
-                     window=self.sliding_window,
-                     softcap=self.logit_softcap, sinks=self.sinks is not None, latent=False)
+                     window=self.sliding_window, softcap=self.logit_softcap, sinks=self.sinks is not None,
+                     latent=False)
         if self.chunk_size is not None:  # only where set: other families' calls (and flagships.json) unchanged
             shape["chunk"] = self.chunk_size
         if self.gate is not None or self.output_gate:  # applied outside the op, shown in reports
