@@ -3,7 +3,6 @@ decode step, in the model's head, group and state sizes."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from kernels_pallas.calls import OpCall
