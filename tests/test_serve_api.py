@@ -262,6 +262,12 @@ BAD = [
     ("unknown model", json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 400),
     ("a prompt far beyond the context", json.dumps({"model": MODEL, "messages": [
         {"role": "user", "content": "word " * 5000}]}).encode(), 400),
+    # Nesting that parses but would exhaust the stack of a recursive step after parsing.
+    ("template variables nested 980 deep", ('{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+                                            '{"x": ' + '{"a": ' * 980 + '1' + '}' * 980 + '}}').encode(), 400),
+    ("tool-call arguments nested 100000 deep", json.dumps({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}]}).encode(), 400),
 ]
 
 
@@ -296,7 +302,8 @@ def test_lone_surrogates_are_400s_naming_the_field(server, route, body, param):
     ("chat/completions", {"store": False, "service_tier": "auto", "modalities": ["text"]}, 200),  # neutral values
     ("completions", {"best_of": 3}, 400),
     ("completions", {"suffix": " the end"}, 400),
-    ("completions", {"best_of": 1, "suffix": None, "some_vendor_field": 1}, 200),
+    ("completions", {"echo": True}, 400),
+    ("completions", {"best_of": 1, "suffix": None, "echo": False, "some_vendor_field": 1}, 200),
 ])
 def test_unimplemented_openai_fields_are_refused_unless_neutral(server, route, extra, status):
     base = {"model": MODEL, "max_tokens": 2, **({"prompt": "x"} if route == "completions" else

@@ -110,6 +110,74 @@ def test_validate_refuses_with_the_field_named_before_any_work(make_state, field
     assert e.value.status == 400 and e.value.param == param, e.value.message
 
 
+def nested(depth: int, leaf=None) -> dict:
+    """An object nesting `depth` objects deep."""
+    value = leaf if leaf is not None else {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+def earlier_call(arguments: str) -> list[dict]:
+    """A conversation whose assistant turn called a tool with `arguments`."""
+    return USER + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": arguments}}]}, {"role": "tool", "tool_call_id": "c1", "content": "sun"}]
+
+
+def tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    # Nesting deep enough to exhaust the stack of a recursive step after validation (a 500 before).
+    ({"chat_template_kwargs": {"x": nested(5000)}}, "chat_template_kwargs", "more than 64 levels deep"),
+    ({"guided_json": nested(3000, {"type": "object"})}, "guided_json", "more than 64 levels deep"),
+    ({"messages": earlier_call("[" * 100_000)}, "messages[1].tool_calls[0].function.arguments", "levels deep"),
+    ({"messages": earlier_call("[" * 70 + "]" * 70)}, "messages[1].tool_calls[0].function.arguments", "levels deep"),
+    # Tool schemas the template would show the model as if they were valid.
+    ({"tools": [tool({"type": "object", "properties": 5})]}, "tools[0].function.parameters",
+     "'properties' at # must be an object"),
+    ({"tools": [tool({"type": "object", "properties": {"city": {"type": "string", "minLength": "3"}}})]},
+     "tools[0].function.parameters", "'minLength' at #/properties/city must be a non-negative integer"),
+    ({"tools": [tool({"type": "object", "properties": {"u": {"enum": "C"}, "p": {"pattern": 5}}})]},
+     "tools[0].function.parameters", "'enum' at #/properties/u must be a non-empty list"),
+    ({"tools": [tool({"type": "object", "properties": {"city": 7}})]}, "tools[0].function.parameters",
+     "must be an object or a boolean, not int"),
+    # A grammar with tools under tool_choice auto would forbid every tool call.
+    ({"tools": [WEATHER], "guided_regex": "a+"}, "guided_regex", "tool_choice auto"),
+    ({"tools": [WEATHER], "tool_choice": "auto", "response_format": {"type": "json_object"}}, "response_format",
+     "tool_choice auto"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only when stream is true"),
+])
+def test_hostile_chat_requests_are_400s_naming_the_field(make_state, fields, param, message):
+    state = make_state(template=HERMES)
+    with pytest.raises(APIError) as e:
+        validate.chat(state, chat_request(**fields))
+    assert (e.value.status, e.value.param) == (400, param) and message in e.value.message, e.value.message
+
+
+def test_hostile_tokenize_and_completion_requests_are_400s(make_state):
+    state = make_state(template=HERMES)
+    body = P.TokenizeRequest.model_validate({"messages": earlier_call("{\"a\": " * 100 + "1" + "}" * 100)})
+    with pytest.raises(APIError) as e:
+        validate.tokenize(state, body)
+    assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+    # echo (the prompt before the completion) is not implemented: refused, not ignored.
+    with pytest.raises(APIError) as e:
+        validate.completion(state, P.CompletionRequest.model_validate({"prompt": "hi", "echo": True}))
+    assert (e.value.param, e.value.code) == ("echo", "unsupported_parameter")
+    validate.completion(state, P.CompletionRequest.model_validate({"prompt": "hi", "echo": False}))
+
+
+def test_nesting_and_schemas_within_the_bounds_pass(make_state):
+    state = make_state(template=HERMES)
+    schema = nested(30, {"type": "object", "properties": {"city": {"type": "string", "minLength": 1}}})
+    validate.chat(state, chat_request(chat_template_kwargs={"x": nested(60)}, guided_json=schema,
+                                      messages=earlier_call(json.dumps(nested(60)))))
+    validate.chat(state, chat_request(tools=[WEATHER], tool_choice="none", guided_regex="a+"))
+    validate.chat(state, chat_request(tools=[WEATHER], tool_choice="required"))
+
+
 def test_render_gives_the_chat_templates_ids(make_state):
     state = make_state()
     tokenizer = state.tokenizer

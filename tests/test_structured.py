@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import day0jax  # noqa: E402
 from day0jax.engine import sampling  # noqa: E402
 from day0jax.engine.config import EngineConfig  # noqa: E402
-from day0jax.engine.grammar import GrammarError, unsupported_schema_keywords  # noqa: E402
+from day0jax.engine.grammar import (  # noqa: E402
+    GrammarError, malformed_schema_keywords, unsupported_schema_keywords)
 from day0jax.engine.requests import SamplingParams  # noqa: E402
 from launch import serving  # noqa: E402
 
@@ -83,6 +84,30 @@ def test_unsupported_schema_keywords_are_named_with_their_place():
     assert unsupported_schema_keywords(schema) == [
         "'dependentRequired' at #", "'contentEncoding' at #/properties/if", "'not' at #/properties/x/anyOf/1"]
     assert unsupported_schema_keywords(PERSON) == unsupported_schema_keywords(INVENTORY) == []
+
+
+
+def test_malformed_schema_keywords_are_named_with_what_they_must_be():
+    schema = {"type": "object", "required": "a", "properties": {
+        "a": {"type": "text", "minLength": -1, "maxLength": True, "pattern": 5},
+        "b": {"enum": [], "items": 3, "multipleOf": 0}, "c": 7}, "anyOf": []}
+    assert malformed_schema_keywords(schema) == [
+        "'required' at # must be a list of strings", "'anyOf' at # must be a non-empty list of schemas",
+        "'type' at #/properties/a must be one of string, number, integer, boolean, object, array, null or a "
+        "non-empty list of them", "'minLength' at #/properties/a must be a non-negative integer",
+        "'maxLength' at #/properties/a must be a non-negative integer",
+        "'pattern' at #/properties/a must be a string (a regular expression)",
+        "'enum' at #/properties/b must be a non-empty list", "'items' at #/properties/b must be a schema (an object "
+        "or a boolean)", "'multipleOf' at #/properties/b must be a number above 0",
+        "the schema at #/properties/c must be an object or a boolean, not int"]
+    assert malformed_schema_keywords(PERSON) == malformed_schema_keywords(INVENTORY) == []
+
+
+def test_schema_checks_walk_any_depth_without_recursion():
+    schema: dict = {"type": "string"}
+    for _ in range(5000):  # far past Python's recursion limit
+        schema = {"type": "array", "items": schema}
+    assert unsupported_schema_keywords(schema) == malformed_schema_keywords(schema) == []
 
 
 # --- Model.generate ------------------------------------------------------------------------------------------------

@@ -296,7 +296,9 @@ def test_file_urls_only_inside_the_allowed_folder(tmp_path):
                             (f"file://{media}/../outside/secret.png", "outside the allowed media folder"),
                             ((media / "link.png").as_uri(), "outside the allowed media folder"),
                             ((media / "missing.png").as_uri(), "no such file"),
-                            (f"file://otherhost{media}/a%20cat.png", "local file")]:
+                            (f"file://otherhost{media}/a%20cat.png", "local file"),
+                            (f"file://{media}/a%20cat.png%00.txt", "control character"),
+                            (f"file://{media}/a\x00cat.png", "control character")]:
         with pytest.raises(ImageError, match=message):
             load_image(source, allowed_media_dir=media)
     with pytest.raises(ImageError, match="no media folder is allowed"):

@@ -53,23 +53,76 @@ def unsupported_schema_keywords(schema: Any, path: str = "#") -> list[str]:
 
     A property *named* like a keyword (inside `properties`) is a name, not a keyword, and is not reported.
     """
-    if isinstance(schema, bool):
-        return []
-    if not isinstance(schema, dict):
-        return [f"{path} (a schema must be an object or a boolean, not {type(schema).__name__})"]
-    out = [f"{k!r} at {path}" for k in schema if k not in SCHEMA_KEYWORDS and k not in SCHEMA_ANNOTATIONS]
-    for key in _SUBSCHEMA:
-        if isinstance(schema.get(key), (dict, bool)):
-            out += unsupported_schema_keywords(schema[key], f"{path}/{key}")
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                out += unsupported_schema_keywords(sub, f"{path}/{key}/{i}")
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                out += unsupported_schema_keywords(sub, f"{path}/{key}/{name}")
+    out = []
+    for sub, where in _schemas(schema, path):
+        if not isinstance(sub, dict):
+            out.append(f"{where} (a schema must be an object or a boolean, not {type(sub).__name__})")
+        else:
+            out += [f"{k!r} at {where}" for k in sub if k not in SCHEMA_KEYWORDS and k not in SCHEMA_ANNOTATIONS]
     return out
+
+
+def malformed_schema_keywords(schema: Any, path: str = "#") -> list[str]:
+    """The keywords in `schema` whose value has the wrong type for JSON Schema (`properties` that is not an object,
+    `enum` that is not a list, `minLength` that is not a non-negative integer, ...), each with where it is and what
+    it must be: the grammar compiler would fail on them deep inside, or read them as something else."""
+    out = []
+    for sub, where in _schemas(schema, path):
+        if not isinstance(sub, dict):
+            out.append(f"the schema at {where} must be an object or a boolean, not {type(sub).__name__}")
+        else:
+            out += [f"{k!r} at {where} must be {_SHAPES[k][1]}" for k, v in sub.items()
+                    if k in _SHAPES and not _SHAPES[k][0](v)]
+    return out
+
+
+def _schemas(schema: Any, path: str):
+    """`schema` and every schema inside it, each with where it is, in the schema's order and without recursion (a
+    deep schema cannot exhaust the stack)."""
+    stack = [(schema, path)]
+    while stack:
+        sub, where = stack.pop()
+        if isinstance(sub, bool):
+            continue
+        yield sub, where
+        if not isinstance(sub, dict):
+            continue
+        found = [(sub[key], f"{where}/{key}") for key in _SUBSCHEMA if isinstance(sub.get(key), (dict, bool))]
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(sub.get(key), list):
+                found += [(item, f"{where}/{key}/{i}") for i, item in enumerate(sub[key])]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(sub.get(key), dict):
+                found += [(item, f"{where}/{key}/{name}") for name, item in sub[key].items()]
+        stack.extend(reversed(found))
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+# What each keyword's value must be: a test, and the words for the error.
+_SHAPES = {
+    "type": (lambda v: v in _TYPES or (isinstance(v, list) and bool(v) and all(t in _TYPES for t in v)),
+             f"one of {', '.join(_TYPES)} or a non-empty list of them"),
+    "required": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "enum": (lambda v: isinstance(v, list) and bool(v), "a non-empty list"),
+    "pattern": (lambda v: isinstance(v, str), "a string (a regular expression)"),
+    "format": (lambda v: isinstance(v, str), "a string"),
+    "$ref": (lambda v: isinstance(v, str), "a string"),
+    "multipleOf": (lambda v: _number(v) and v > 0, "a number above 0"),
+    **{k: (lambda v: isinstance(v, (dict, bool)), "a schema (an object or a boolean)") for k in _SUBSCHEMA},
+    **{k: (lambda v: isinstance(v, list) and bool(v), "a non-empty list of schemas") for k in _SUBSCHEMA_LISTS},
+    **{k: (lambda v: isinstance(v, dict), "an object mapping names to schemas") for k in _SUBSCHEMA_MAPS},
+    **{k: (_count, "a non-negative integer") for k in ("minItems", "maxItems", "minLength", "maxLength",
+                                                       "minProperties", "maxProperties")},
+    **{k: (_number, "a number") for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")},
+}
 
 
 @dataclass(frozen=True)
@@ -148,6 +201,9 @@ class GrammarCompiler:
         if bad:
             raise GrammarError(f"the JSON schema uses what structured output does not support: {', '.join(bad)}",
                                param)
+        malformed = malformed_schema_keywords(schema)
+        if malformed:
+            raise GrammarError(f"the JSON schema is malformed: {'; '.join(malformed)}", param)
         text = json.dumps(schema)  # key order kept: properties are generated in the schema's order
         return self._compile("json_schema", text, lambda: self._ll.LLMatcher.grammar_from_json_schema(
             text, defaults=JSON_FORMAT), param)

@@ -199,7 +199,6 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or a list of token ids."""
@@ -225,7 +224,8 @@ _CHAT_ONLY = {
     "service_tier": _NONE_OR("auto", "default")}
 UNIMPLEMENTED = {
     "ChatCompletionRequest": _CHAT_ONLY,
-    "CompletionRequest": {"suffix": _NONE_OR(""), "best_of": lambda v, body: v in (1, body.n)},
+    "CompletionRequest": {"suffix": _NONE_OR(""), "best_of": lambda v, body: v in (1, body.n),
+                          "echo": _NONE_OR(False)},
     "ResponsesRequest": {
         "background": _NONE_OR(False), "conversation": _NONE_OR(), "prompt": _NONE_OR(), "include": _NONE_OR([]),
         "truncation": _NONE_OR("disabled"), "top_logprobs": _NONE_OR(0), "max_tool_calls": _NONE_OR(),

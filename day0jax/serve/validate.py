@@ -9,10 +9,12 @@ outside the vocabulary (the engine, at submit).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 from day0jax.engine.async_engine import AsyncEngine
-from day0jax.engine.grammar import GrammarError
+from day0jax.engine.grammar import GrammarError, malformed_schema_keywords
 from day0jax.serve import protocol as P
 from day0jax.serve import tools as tools_lib
 from day0jax.serve.errors import APIError
@@ -23,6 +25,9 @@ MAX_PROMPTS = 32  # prompts in one /v1/completions request
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 MAX_STOPS = 16
 CHARS_PER_TOKEN = 64  # a text over this many characters per context token is refused before it is tokenized
+# Objects and arrays nested anywhere in a body (a message's parts count 3, a JSON schema's property 2): far beyond
+# any real schema or template variable, far below what the recursive steps after validation can take.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ def chat(state: ServerState, body: P.ChatCompletionRequest) -> Checked:
     """
     engine = _admitted(state, body)
     _check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
+    _check_tool_call_arguments(body.messages)
     _check_sequences(engine, body.n)
     _check_template_variables(state, body)
     tools = _offered_tools(state, body)
@@ -115,6 +121,7 @@ def tokenize(state: ServerState, body: P.TokenizeRequest) -> None:
         _check_chars(state, len(body.prompt), "prompt")
     else:
         _check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
+        _check_tool_call_arguments(body.messages)
         _check_images(state, body.chat())
     _check_template_variables(state, body)
 
@@ -204,21 +211,62 @@ def _check_fields(body) -> None:
 
 
 def _check_text(value, path: str) -> None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, f"{path} is not valid Unicode text (it holds a lone surrogate)", param=path) from None
-    elif isinstance(value, P.BaseModel):
-        for name in type(value).model_fields:
-            _check_text(getattr(value, name), f"{path}.{name}" if path else name)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_text(item, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, path)
-            _check_text(item, f"{path}.{key}")
+    """Walks a parsed body (without recursion: its depth is what is checked) for strings that are not valid Unicode
+    and for objects and arrays nested more than MAX_JSON_DEPTH deep, which recursive steps further on (the chat
+    template, the schema checks and compiler, JSON encoding) would run out of stack on: a 500, not a 400."""
+    stack = [(value, path, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            field = re.split(r"[.\[]", path, maxsplit=1)[0]
+            raise APIError(400, f"{field} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+                           param=field)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"{path} is not valid Unicode text (it holds a lone surrogate)",
+                               param=path) from None
+        elif isinstance(value, P.BaseModel):
+            for name, info in reversed(type(value).model_fields.items()):
+                name_in_body = info.alias or name
+                stack.append((getattr(value, name), f"{path}.{name_in_body}" if path else name_in_body, depth + 1))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack.append((item, f"{path}.{key}", depth + 1))
+                stack.append((key, path, depth + 1))
+
+
+def _check_tool_call_arguments(messages: list[P.ChatMessage]) -> None:
+    """Refuses earlier tool calls whose arguments (JSON text the template is given as objects) nest deeper than
+    MAX_JSON_DEPTH; arguments that are not JSON are passed on as text."""
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.tool_calls or []):
+            try:
+                too_deep = _depth(json.loads(call.function.arguments)) > MAX_JSON_DEPTH
+            except ValueError:
+                continue
+            except RecursionError:
+                too_deep = True
+            if too_deep:
+                param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                raise APIError(400, f"{param} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+                               param=param)
+
+
+def _depth(value) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(value, dict):
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+    return deepest
 
 
 def _check_sequences(engine: AsyncEngine, sequences: int) -> None:
@@ -256,7 +304,8 @@ def _check_template_variables(state: ServerState, body) -> None:
 def _offered_tools(state: ServerState, body: P.ChatCompletionRequest) -> OfferedTools | None:
     """The request's tools and the template's tool-call syntax, or None when it offers none or says tool_choice
     "none". Refuses tool_choice without tools, duplicate function names, a named tool_choice that is not among
-    the tools, and a template without tool support or with a syntax not parsed here."""
+    the tools, parameters that are not a valid JSON schema (the template shows them to the model even when no
+    grammar enforces them), and a template without tool support or with a syntax not parsed here."""
     choice = body.tool_choice
     if choice is not None and not body.tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -268,6 +317,11 @@ def _offered_tools(state: ServerState, body: P.ChatCompletionRequest) -> Offered
     if isinstance(choice, P.NamedToolChoice) and choice.function.name not in names:
         raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
                        f"({', '.join(names)})", param="tool_choice")
+    for i, tool in enumerate(body.tools):
+        malformed = malformed_schema_keywords(tool.function.parameters or {})
+        if malformed:
+            raise APIError(400, f"the parameters of {tool.function.name!r} are not a valid JSON schema: "
+                           f"{'; '.join(malformed)}", param=f"tools[{i}].function.parameters")
     try:
         syntax = tools_lib.syntax_of(state.tokenizer.chat_template)
     except GrammarError as e:
@@ -294,12 +348,20 @@ def _check_images(state: ServerState, body: P.ChatCompletionRequest) -> None:
 
 
 def _check_constraints(body) -> None:
-    """Refuses more than one field asking for a grammar, a json_schema response_format without its schema, and
+    """Refuses more than one field asking for a grammar, a grammar with tools the model may or may not call
+    (tool_choice auto), stream_options without stream, a json_schema response_format without its schema, and
     logit_bias keys that are not token ids (their range is the engine's to check)."""
     asked = body.grammar_fields()
     if len(asked) > 1:
         raise APIError(400, f"at most one of response_format, guided_json, guided_regex, guided_choice and a forced "
                        f"tool_choice; got {', '.join(asked)}", param=asked[1])
+    if asked and getattr(body, "tools", None) and body.tool_choice in (None, "auto"):
+        # The grammar would hold the whole output, leaving no room for the tool calls the tools offer.
+        raise APIError(400, f"{asked[0]} cannot be combined with tools under tool_choice auto: the output would have "
+                       f"to follow {asked[0]}, so no tool could be called; send tool_choice \"none\" (answer in "
+                       f"{asked[0]}) or \"required\" (call a tool), or leave {asked[0]} out", param=asked[0])
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is read only when stream is true", param="stream_options")
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
         raise APIError(400, "response_format of type json_schema needs json_schema.schema",

@@ -173,7 +173,8 @@ def allowed_path(url: str, allowed_media_dir: str | os.PathLike | None) -> str:
     anything about the file, even its size, is read).
 
     Raises:
-        ImageError: no folder is allowed, another host, a path outside the folder, or no such file.
+        ImageError: no folder is allowed, another host, a control character in the path, a path outside the
+            folder, or no such file.
     """
     if allowed_media_dir is None:
         raise ImageError("file:// image URLs are refused: no media folder is allowed (the server's "
@@ -181,7 +182,11 @@ def allowed_path(url: str, allowed_media_dir: str | os.PathLike | None) -> str:
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise ImageError(f"file:// URLs must name a local file, got host {parsed.netloc!r}")
-    path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    path = urllib.parse.unquote(parsed.path)
+    if any(ord(c) < 32 or c == "\x7f" for c in path):
+        # The OS takes no NUL in a path (a ValueError deep in realpath), and no media file needs control characters.
+        raise ImageError(f"file:// URL {url[:200]!r} holds a NUL or another control character")
+    path = os.path.realpath(path)
     root = os.path.realpath(allowed_media_dir)
     if os.path.commonpath([path, root]) != root:
         raise ImageError(f"file:// URL {url!r} is outside the allowed media folder {root}")
