@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from day0jax.engine.grammar import GrammarCompiler
+from day0jax.engine.grammar import MAX_OBJECT_PROPERTIES, MAX_PATTERN_CHARS, MAX_SCHEMA_NODES, GrammarCompiler
 from day0jax.engine.requests import TokenEvent
 from day0jax.serve import constrain, format, protocol as P, render, stream, submit, validate
 from day0jax.serve.errors import APIError
@@ -221,6 +221,47 @@ def test_constrain_builds_the_grammar_the_request_asks_for(make_state, fields, k
     constraints = asyncio.run(constrain.constraints(state, body, validate.chat(state, body).tools))
     assert (constraints.grammar and constraints.grammar.kind) == kind
     assert constraints.logit_bias == ((17, -100.0),)
+
+
+def wide_object(properties: int, prefix: str = "p") -> dict:
+    return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(properties)}}
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    # A compile's work grows with the square of an object's properties: bounded per object and in all.
+    ({"guided_json": wide_object(MAX_OBJECT_PROPERTIES + 1)}, "guided_json", "129 properties, more than 128"),
+    ({"guided_json": {"type": "object", "properties": {f"o{k}": wide_object(100) for k in range(21)}}},
+     "guided_json", "more than 2048 schemas"),
+    ({"guided_json": {"enum": list(range(MAX_SCHEMA_NODES))}}, "guided_json", "more than 2048 schemas"),
+    ({"guided_json": {"enum": ["x" * 70_000] * 4}}, "guided_json", "more than 262144 characters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "string", "pattern": "a" * (MAX_PATTERN_CHARS + 1)}}}}, "response_format.json_schema.schema",
+     "4097 characters"),
+    ({"guided_regex": "(ab|cd)" * 600}, "guided_regex", "more than 4096"),
+    ({"guided_choice": [f"option {i}" for i in range(MAX_SCHEMA_NODES + 1)]}, "guided_choice", "at most 2048"),
+    ({"tools": [tool(wide_object(200))], "tool_choice": "required"}, "tools[0].function.parameters",
+     "200 properties"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{k}", "parameters": wide_object(100)}}
+                for k in range(21)], "tool_choice": "required"}, "tools", "together are too large"),
+])
+def test_grammars_over_the_size_bounds_are_refused_before_any_build(make_state, monkeypatch, fields, param, message):
+    builds = []
+    monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, *args: builds.append(args))
+    state = make_state(template=HERMES)
+    body = chat_request(**fields)
+    with pytest.raises(APIError) as e:
+        asyncio.run(constrain.constraints(state, body, validate.chat(state, body).tools))
+    assert (e.value.status, e.value.param) == (400, param) and message in e.value.message, e.value.message
+    assert builds == []
+
+
+def test_grammars_at_the_size_bounds_compile(make_state):
+    state = make_state(template=HERMES)
+    for fields in ({"guided_json": wide_object(MAX_OBJECT_PROPERTIES)},
+                   {"guided_choice": [f"option {i}" for i in range(MAX_SCHEMA_NODES)]},
+                   {"tools": [tool(wide_object(MAX_OBJECT_PROPERTIES))], "tool_choice": "required"}):
+        body = chat_request(**fields)
+        assert asyncio.run(constrain.constraints(state, body, validate.chat(state, body).tools)).grammar is not None
 
 
 def serve(state: ServerState, body: P.ChatCompletionRequest):

@@ -35,6 +35,12 @@ _SUBSCHEMA = ("items", "additionalProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 CACHE_SIZE = 256  # compiled grammars kept, by source
+# What one grammar may hold, checked before anything is built: the compile's work grows with the schema, and with the
+# square of an object's optional properties (2000 of them take seconds), so a request cannot buy unbounded work.
+MAX_SCHEMA_NODES = 2048  # schemas, properties, enum values and choices in one grammar
+MAX_OBJECT_PROPERTIES = 128  # properties of one object
+MAX_PATTERN_CHARS = 4096  # one regular expression (guided_regex, a schema's pattern)
+MAX_LITERAL_CHARS = 256 * 1024  # the text of a grammar's enum values and choices together
 # JSON as models write it ({"a": 1, "b": [2, 3]}), with no other whitespace: a grammar that allowed any whitespace
 # lets a small model pad forever with newlines.
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -74,6 +80,29 @@ def malformed_schema_keywords(schema: Any, path: str = "#") -> list[str]:
             out += [f"{k!r} at {where} must be {_SHAPES[k][1]}" for k, v in sub.items()
                     if k in _SHAPES and not _SHAPES[k][0](v)]
     return out
+
+
+def schema_size_problem(schema: Any) -> str | None:
+    """What makes `schema` larger than one grammar may be (MAX_SCHEMA_NODES, MAX_OBJECT_PROPERTIES, MAX_PATTERN_CHARS,
+    MAX_LITERAL_CHARS), with where it is; None when it is within the bounds. Counts without building anything."""
+    nodes = literal_chars = 0
+    for sub, where in _schemas(schema, "#"):
+        nodes += 1
+        if not isinstance(sub, dict):
+            continue
+        properties, enum, pattern = sub.get("properties"), sub.get("enum"), sub.get("pattern")
+        if isinstance(properties, dict) and len(properties) > MAX_OBJECT_PROPERTIES:
+            return f"the object at {where} has {len(properties)} properties, more than {MAX_OBJECT_PROPERTIES}"
+        if isinstance(pattern, str) and len(pattern) > MAX_PATTERN_CHARS:
+            return f"the pattern at {where} has {len(pattern)} characters, more than {MAX_PATTERN_CHARS}"
+        for value in enum if isinstance(enum, list) else []:
+            nodes += 1
+            literal_chars += len(value) if isinstance(value, str) else 0
+        if nodes > MAX_SCHEMA_NODES:
+            return f"the schema holds more than {MAX_SCHEMA_NODES} schemas, properties and enum values"
+        if literal_chars > MAX_LITERAL_CHARS:
+            return f"the schema's enum values hold more than {MAX_LITERAL_CHARS} characters"
+    return None
 
 
 def _schemas(schema: Any, path: str):
@@ -192,7 +221,8 @@ class GrammarCompiler:
         """Output that validates against `schema` (see SCHEMA_KEYWORDS).
 
         Raises:
-            GrammarError: a keyword outside SCHEMA_KEYWORDS (named with its place), or a schema that does not compile.
+            GrammarError: a keyword outside SCHEMA_KEYWORDS (named with its place), a keyword of the wrong type, a
+                schema over the size bounds (`schema_size_problem`), or a schema that does not compile.
         """
         if schema is False:
             raise GrammarError("the JSON schema is `false`, which no output satisfies", param)
@@ -204,6 +234,9 @@ class GrammarCompiler:
         malformed = malformed_schema_keywords(schema)
         if malformed:
             raise GrammarError(f"the JSON schema is malformed: {'; '.join(malformed)}", param)
+        too_large = schema_size_problem(schema)
+        if too_large:
+            raise GrammarError(f"the JSON schema is too large for structured output: {too_large}", param)
         text = json.dumps(schema)  # key order kept: properties are generated in the schema's order
         return self._compile("json_schema", text, lambda: self._ll.LLMatcher.grammar_from_json_schema(
             text, defaults=JSON_FORMAT), param)
@@ -214,13 +247,27 @@ class GrammarCompiler:
             '{"type": "object"}', defaults=JSON_FORMAT), param)
 
     def regex(self, pattern: str, param: str = "guided_regex") -> Grammar:
-        """Output that matches `pattern` entirely."""
+        """Output that matches `pattern` entirely.
+
+        Raises:
+            GrammarError: a pattern of more than MAX_PATTERN_CHARS characters, or one that does not compile.
+        """
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise GrammarError(f"the regular expression has {len(pattern)} characters, more than {MAX_PATTERN_CHARS}",
+                               param)
         return self._compile("regex", pattern, lambda: self._ll.LLMatcher.grammar_from_regex(pattern), param)
 
     def choice(self, options: Sequence[str], param: str = "guided_choice") -> Grammar:
-        """Exactly one of `options`."""
+        """Exactly one of `options`.
+
+        Raises:
+            GrammarError: no options, an empty one, more than MAX_SCHEMA_NODES or more than MAX_LITERAL_CHARS in all.
+        """
         if not options or not all(isinstance(o, str) and o for o in options):
             raise GrammarError("the choices must be a non-empty list of non-empty strings", param)
+        if len(options) > MAX_SCHEMA_NODES or sum(map(len, options)) > MAX_LITERAL_CHARS:
+            raise GrammarError(f"at most {MAX_SCHEMA_NODES} choices of {MAX_LITERAL_CHARS} characters in all, got "
+                               f"{len(options)} of {sum(map(len, options))}", param)
         lark = "start: " + " | ".join(json.dumps(o) for o in options)
         return self._compile("choice", json.dumps(list(options)), lambda: self._ll.LLMatcher.grammar_from_lark(lark),
                              param)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from day0jax.engine.grammar import Grammar, GrammarError, unsupported_schema_keywords
+from day0jax.engine.grammar import Grammar, GrammarError, schema_size_problem, unsupported_schema_keywords
 from day0jax.serve import protocol as P
 from day0jax.serve.errors import APIError
 from day0jax.serve.reasoning import Reasoning
@@ -106,7 +106,8 @@ def _tool_call_grammar(state: ServerState, body: P.ChatCompletionRequest, tools:
     """The Lark grammar of a forced call (of the named function, or any) in the template's syntax.
 
     Raises:
-        GrammarError: a function's parameters use what the grammar cannot enforce (naming the tool).
+        GrammarError: a function's parameters use what the grammar cannot enforce (naming the tool), or the callable
+            tools' parameters together are over a grammar's size bounds.
     """
     for i, tool in enumerate(tools.specs):
         bad = unsupported_schema_keywords(tool["function"].get("parameters") or {})
@@ -115,6 +116,17 @@ def _tool_call_grammar(state: ServerState, body: P.ChatCompletionRequest, tools:
                                f"not support: {', '.join(bad)}", f"tools[{i}].function.parameters")
     choice = body.tool_choice
     only = choice.function.name if isinstance(choice, P.NamedToolChoice) else None
+    # The call's grammar holds the parameters of every tool it may call: each is bounded, and so are all together.
+    called = [(i, t["function"].get("parameters") or {}) for i, t in enumerate(tools.specs)
+              if only in (None, t["function"]["name"])]
+    for i, parameters in called:
+        too_large = schema_size_problem(parameters)
+        if too_large:
+            raise GrammarError(f"the parameters of {tools.specs[i]['function']['name']!r} are too large for a forced "
+                               f"call: {too_large}", f"tools[{i}].function.parameters")
+    too_large = schema_size_problem({"anyOf": [parameters for _, parameters in called]})
+    if too_large:
+        raise GrammarError(f"the tools' parameters together are too large for a forced call: {too_large}", "tools")
     return tools.syntax.grammar(tools.specs, only, _special_ids(state, tools.syntax.specials), body.parallel_tool_calls)
 
 
