@@ -297,6 +297,33 @@ def test_a_chat_request_through_every_step(make_state):
     assert all(finished for _, finished in state.engine.released) and state.in_flight == 0
 
 
+def test_a_stream_whose_client_left_before_it_began_releases_its_run(make_state):
+    """The client hung up while the request was rendered: the disconnect is waiting when the stream starts, and the
+    stream is cancelled before its first event; the run is still released (aborted) and no longer in flight."""
+    state = make_state(reply="It is sunny.")
+    body = chat_request(stream=True)
+    checked = validate.chat(state, body)
+    prompt, _ = asyncio.run(render.chat(state, body, None))
+    run = submit.submit(state, checked.engine, "chatcmpl-gone", body, [prompt], constrain.Constraints())
+    outputs = stream.Outputs(state, run, checked.stops, None, arrival=0.0)
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.sleep(0)  # a socket write gives way to other tasks, as a server's send does
+        sent.append(message)
+
+    async def answer():
+        response = await format.respond(Connected(), outputs, format.Chat(MODEL), body)
+        await response({"type": "http", "asgi": {"spec_version": "2.0"}}, receive, send)
+    assert state.in_flight == 1
+    asyncio.run(answer())
+    assert not any(m.get("body") for m in sent)  # it ended before its first event
+    assert state.in_flight == 0 and state.engine.released == [("chatcmpl-gone-0", False)]
+
+
 def test_a_forced_tool_call_through_every_step(make_state):
     """The call's text is parsed into `tool_calls`, whole and streamed, never sent as content."""
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

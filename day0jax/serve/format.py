@@ -327,8 +327,23 @@ async def respond(request: Request, out: Outputs, fmt: Formatter, body):
         await out.wait(request)
         return fmt.response(out)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(_events(out, fmt, include_usage), media_type="text/event-stream",
-                             headers=_STREAM_HEADERS)
+    return _RunStream(out, _events(out, fmt, include_usage), media_type="text/event-stream", headers=_STREAM_HEADERS)
+
+
+class _RunStream(StreamingResponse):
+    """The server-sent events of a run, which is released however the response ends. A client gone before the first
+    byte (it left during rendering or a grammar compile) cancels the stream before its generator starts, and a
+    generator that never started never runs its own cleanup: its sequences would run on, counted in flight."""
+
+    def __init__(self, out: Outputs, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.out = out
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.out.close()
 
 
 async def _events(out: Outputs, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:

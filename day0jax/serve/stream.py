@@ -187,6 +187,10 @@ class Outputs:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops following the events and releases the run (aborting what has not finished); again, a no-op."""
         for t in self._tasks:
             t.cancel()
         self.run.release(self._completed)

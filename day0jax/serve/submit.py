@@ -57,6 +57,7 @@ class Run:
     streams: list[AsyncIterator[TokenEvent]]
     n: int
     prompt_tokens: int
+    released: bool = False
 
     def abort(self, prompt: int | None = None, index: int | None = None) -> None:
         """Stops sequence `index` of prompt `prompt` (every sequence of every prompt by default)."""
@@ -64,7 +65,11 @@ class Run:
             self.engine.abort(f"{self.id}-{k}", index)
 
     def release(self, completed: bool) -> None:
-        """Forgets the engine requests, aborting them unless `completed`; the request is no longer in flight."""
+        """Forgets the engine requests, aborting them unless `completed`; the request is no longer in flight. Only the
+        first call counts: every way a response can end calls it."""
+        if self.released:
+            return
+        self.released = True
         self.state.in_flight -= 1
         for k in range(len(self.streams)):
             self.engine.release(f"{self.id}-{k}", finished=completed)
