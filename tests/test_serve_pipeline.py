@@ -324,6 +324,17 @@ def test_a_stream_whose_client_left_before_it_began_releases_its_run(make_state)
     assert state.in_flight == 0 and state.engine.released == [("chatcmpl-gone-0", False)]
 
 
+def test_health_shows_no_exception_text_of_a_failed_engine(make_state):
+    from day0jax.serve import routes
+
+    state = make_state()
+    state.engine.dead = "RuntimeError: device lost at /secret/path/weights"
+    response = asyncio.run(routes.health(state))
+    assert response.status_code == 503 and json.loads(response.body) == {"status": "failed",
+                                                                          "detail": "see the server's log"}
+    assert "device lost" in state.detail  # the state keeps it (the engine logged it); /health does not show it
+
+
 def test_a_forced_tool_call_through_every_step(make_state):
     """The call's text is parsed into `tool_calls`, whole and streamed, never sent as content."""
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

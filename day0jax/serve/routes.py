@@ -40,7 +40,9 @@ async def health(state: State):
     note_dead_engine(state)
     if state.status == "ready":
         return {"status": "ok"}
-    return JSONResponse({"status": state.status, "detail": state.detail}, status_code=503)
+    # /health answers anyone (no API key): a failure's exception text (paths, devices, internals) stays in the log.
+    detail = "see the server's log" if state.status == "failed" else state.detail
+    return JSONResponse({"status": state.status, "detail": detail}, status_code=503)
 
 
 @router.get("/metrics")
