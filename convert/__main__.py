@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="inputs per scale with --quantize (default: 32 for int8/int4, 128 for fp8)")
     parser.add_argument("--dequantize", action="store_true",
                         help="store a quantized source (GGUF, FP8) as float instead of keeping it quantized")
-    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace DST if it is a day0jax checkpoint or an empty folder")
     parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

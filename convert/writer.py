@@ -41,6 +41,14 @@ def _checkpointer():
     return ocp.PyTreeCheckpointer(use_compression=False, use_ocdbt=False)
 
 
+def _replaceable(path: Path) -> bool:
+    """Whether --force may delete `path`: a folder (not a link to one) holding a day0jax checkpoint's manifest, or
+    nothing at all."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return (path / checkpoint.MANIFEST).is_file() or not any(path.iterdir())
+
+
 def sha256_file(path: Path, block: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -53,7 +61,8 @@ class CheckpointWriter:
     """Context manager: `add(path, array)` streams parameters; `commit(...)` finishes atomically.
 
     Raises:
-        CheckpointError: the destination exists (without `force`) or cannot be written.
+        CheckpointError: the destination exists (without `force`, or with it but is neither a checkpoint nor an
+            empty folder) or cannot be written.
     """
 
     def __init__(self, dst: Path, *, force: bool = False, on_saved: Callable[[], None] | None = None):
@@ -65,6 +74,11 @@ class CheckpointWriter:
                 os.rename(old, self.dst)
         if self.dst.exists() and not force:
             raise CheckpointError(f"{self.dst}: already exists; pass --force to replace it")
+        if self.dst.exists() and not _replaceable(self.dst):
+            # --force deletes what it replaces: a mistyped destination must not take a home folder with it.
+            raise CheckpointError(f"{self.dst}: --force replaces only a day0jax checkpoint folder (one with "
+                                  f"{checkpoint.MANIFEST}) or an empty folder, and this is neither; remove it yourself "
+                                  "or choose another destination")
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         for stale in self.dst.parent.glob(f".{self.dst.name}.tmp-*"):
             pid = stale.name.rsplit("-", 2)[-2]

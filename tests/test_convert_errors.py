@@ -283,6 +283,24 @@ def test_destination_inside_or_containing_the_source_is_refused(hf, tmp_path):
     assert (hf / "config.json").is_file() and (hf / "model.safetensors").is_file()
 
 
+def test_force_replaces_only_a_checkpoint_or_an_empty_folder(hf, tmp_path):
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    (documents / "thesis.tex").write_text("years of work")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me")
+    (tmp_path / "link").symlink_to(documents)
+    for dst in (documents, a_file, tmp_path / "link"):
+        with pytest.raises(CheckpointError, match="replaces only a day0jax checkpoint folder"):
+            convert_checkpoint(hf, dst, progress=False, force=True)
+    assert (documents / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "keep me"
+    assert not list(tmp_path.glob(".*.tmp-*"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (convert_checkpoint(hf, empty, progress=False, force=True).dst / "day0jax.json").is_file()
+    convert_checkpoint(hf, empty, progress=False, force=True)  # over a checkpoint
+
+
 def test_force_keeps_the_old_output_until_the_new_one_is_complete(hf, tmp_path, monkeypatch):
     from convert import writer
 
