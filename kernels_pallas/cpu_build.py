@@ -3,8 +3,9 @@
 Each source file is built with the system's C++ compiler (`-O3 -march=native`) into `$DAY0JAX_CACHE/kernels`
 (default `~/.cache/day0jax/kernels`), named by a hash of the source, the compiler, the jaxlib headers and the CPU's
 flags, so a different machine or version rebuilds; the build is written to a temporary name and renamed, so
-processes building at once never load a half-written file. Without a compiler (or when the build fails) `register`
-returns False, with the reason in the log, and the candidate declines: the op's reference runs.
+processes building at once never load a half-written file. A folder or library that another user owns or could
+write is never loaded from; a library that does not load is built again, once. Without a compiler (or when the build
+fails) `register` returns False, with the reason in the log, and the candidate declines: the op's reference runs.
 """
 
 from __future__ import annotations
@@ -73,9 +74,14 @@ def library_path(source: Path) -> Path | None:
         log.info("%s: no C++ compiler found; the CPU kernel is unavailable, the reference runs", what)
         return None
     out = _library_file(source, cxx)
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    untrusted = _untrusted(out.parent) or (out.is_file() and _untrusted(out))
+    if untrusted:
+        # Loading a library runs its code: one that someone else could have written is never loaded.
+        log.warning("%s: %s; the CPU kernel is unavailable, the reference runs", what, untrusted)
+        return None
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     log.warning("%s: building the CPU kernel for this machine into %s (first use, a few seconds)", what, out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -83,6 +89,8 @@ def library_path(source: Path) -> Path | None:
            str(source), "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # on disk before its name is: a crash cannot leave a named, truncated library
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
         errors = [line for line in (getattr(e, "stderr", "") or "").splitlines() if "error" in line]
@@ -91,6 +99,17 @@ def library_path(source: Path) -> Path | None:
         return None
     log.info("%s: built the CPU kernel into %s", what, out)
     return out
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why `path` (the kernels' folder or a built library) must not be loaded from: owned by another user, or
+    writable by others; None when only this user can have written it."""
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{path} belongs to another user"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by other users (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 def _source(target: str) -> tuple[Path, str]:
@@ -102,11 +121,21 @@ def _source(target: str) -> tuple[Path, str]:
 def register(target: str) -> bool:
     """Registers the CPU kernel `target` (a key of `KERNELS`), building it if needed; False if it could not be."""
     source, symbol = _source(target)
-    path = library_path(source)
-    if path is None:
+    for attempt in range(2):
+        path = library_path(source)
+        if path is None:
+            return False
+        try:
+            handler = getattr(ctypes.cdll.LoadLibrary(str(path)), symbol)
+            break
+        except (OSError, AttributeError) as e:
+            # A corrupt or truncated file (a full disk, an old crash): removed and built again, once.
+            log.warning("%s: cannot load %s (%s)%s", target, path, e, "; rebuilding it" if attempt == 0 else "")
+            path.unlink(missing_ok=True)
+            library_path.cache_clear()
+    else:
         return False
-    library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return True
 
 
