@@ -194,6 +194,23 @@ def test_prefix_reuse_counts_hits_and_shares_pages(module):
     assert pool.num_used == 0
 
 
+def test_a_cache_salt_keeps_prefix_hits_among_its_own_requests(module):
+    """Requests with another salt (or none) never hit a salted request's blocks, nor it theirs; the same salt does."""
+    engine = fake_engine(module, 256, 4, 0)
+    system = list(range(10, 30))  # 20 tokens = 5 full pages
+
+    def cached(rid: str, salt: str | None) -> int:
+        engine.add_request(rid, system + [40, 41], SamplingParams(max_tokens=1, ignore_eos=True, cache_salt=salt))
+        engine.step()
+        tokens = engine.scheduler.running[0].cached_tokens
+        while engine.has_work():
+            engine.step()
+        return tokens
+    assert cached("alice-1", "alice") == 0
+    assert cached("bob", "bob") == 0 and cached("anyone", None) == 0
+    assert cached("alice-2", "alice") == 20 and cached("anyone-2", None) == 20
+
+
 def test_n_sequences_share_prompt_pages(module):
     engine = fake_engine(module, 256, 8, 0)
     prompt = list(range(2, 19))  # 17 tokens: 4 full pages and one partial

@@ -324,6 +324,14 @@ def test_a_stream_whose_client_left_before_it_began_releases_its_run(make_state)
     assert state.in_flight == 0 and state.engine.released == [("chatcmpl-gone-0", False)]
 
 
+def test_a_cache_salt_reaches_the_engine(make_state):
+    state = make_state(reply="Hi.")
+    serve(state, chat_request(cache_salt="tenant-7"))
+    assert state.engine.submitted[0][2].cache_salt == "tenant-7"
+    with pytest.raises(ValueError, match="cache_salt"):
+        chat_request(cache_salt="")
+
+
 def test_health_shows_no_exception_text_of_a_failed_engine(make_state):
     from day0jax.serve import routes
 

@@ -27,6 +27,15 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def salted_root(parent: bytes | None, salt: str) -> bytes:
+    """The hash a salted sequence's block chain starts from (after its images' digest, if any): a different salt,
+    a different chain, never a shared block."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(b"salt:" + salt.encode())
+    return h.digest()
+
+
 class BlockPool:
     """Free list, reference counts and prefix-cache map of `num_pages` pages (page 0 reserved).
 

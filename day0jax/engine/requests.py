@@ -48,6 +48,9 @@ class SamplingParams:
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), at most MAX_LOGIT_BIAS
     grammar: Any = None  # a `grammar.Grammar` the output must follow (None: free text)
+    # The prefix cache's scope: cached blocks are shared only between requests with the same salt (None: the
+    # unsalted scope), so a tenant cannot learn from cache hits or cached_tokens what another one sent.
+    cache_salt: str | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest naming the first parameter out of range."""

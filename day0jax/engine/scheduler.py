@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from day0jax.engine.block_pool import BlockPool, OutOfPages, block_hash
+from day0jax.engine.block_pool import BlockPool, OutOfPages, block_hash, salted_root
 from day0jax.engine.config import EngineConfig, EngineLayout, first_chunk
 from day0jax.engine.requests import SamplingParams, SequenceState
 from day0jax.vision.inputs import ImageInputs
@@ -175,8 +175,11 @@ class Scheduler:
         """The prefix-cache hashes of the sequence's first `upto_blocks` full blocks (computed once)."""
         while len(seq.hashes) < upto_blocks:
             i = len(seq.hashes)
-            # A sequence with images starts its chain from their digest: its blocks never match another's.
+            # A sequence with images starts its chain from their digest, a salted one from its salt: its blocks
+            # never match those of another's.
             parent = seq.hashes[-1] if seq.hashes else seq.images.digest if seq.images is not None else None
+            if not seq.hashes and seq.params.cache_salt is not None:
+                parent = salted_root(parent, seq.params.cache_salt)
             seq.hashes.append(block_hash(parent, seq.tokens[i * self.page_size:(i + 1) * self.page_size]))
         return seq.hashes[:upto_blocks]
 

@@ -121,6 +121,8 @@ class _SamplingFields(_Request):
     guided_json: dict[str, Any] | None = None
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[str] | None = Field(default=None, min_length=1)
+    # vLLM's: prefix-cache hits (and so cached_tokens) only between requests with the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def grammar_fields(self) -> list[str]:
         """The fields that ask for a grammar (at most one may: the validate step refuses more)."""
