@@ -328,6 +328,7 @@ def test_a_cache_salt_reaches_the_engine(make_state):
     state = make_state(reply="Hi.")
     serve(state, chat_request(cache_salt="tenant-7"))
     assert state.engine.submitted[0][2].cache_salt == "tenant-7"
+    assert P.ResponsesRequest.model_validate({"input": "hi", "cache_salt": "tenant-7"}).chat().cache_salt == "tenant-7"
     with pytest.raises(ValueError, match="cache_salt"):
         chat_request(cache_salt="")
 

@@ -353,6 +353,7 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def chat(self) -> "ChatCompletionRequest":
         """The chat request this asks for: `instructions` as the first (system) message, the input items as
@@ -360,7 +361,7 @@ class ResponsesRequest(_Request):
         tool messages), `text.format` as `response_format`, `max_output_tokens` as `max_completion_tokens`."""
         fields: dict[str, Any] = {
             "model": self.model, "messages": self._messages(), "stream": self.stream,
-            "temperature": self.temperature, "top_p": self.top_p, "user": self.user,
+            "temperature": self.temperature, "top_p": self.top_p, "user": self.user, "cache_salt": self.cache_salt,
             "max_completion_tokens": self.max_output_tokens, "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None}
         if self.tools:
