@@ -305,6 +305,20 @@ def test_file_urls_only_inside_the_allowed_folder(tmp_path):
         load_image(url)
 
 
+def test_a_link_swapped_in_after_the_check_is_not_followed(tmp_path, monkeypatch):
+    """The folder check resolves links; a link put in the file's place between the check and the open (simulated by
+    a check that returns the link's path) is refused, not read."""
+    from day0jax.vision import images
+
+    media, outside = tmp_path / "media", tmp_path / "outside"
+    media.mkdir(), outside.mkdir()
+    (outside / "secret.png").write_bytes(encode("png_rgba", 1))
+    os.symlink(outside / "secret.png", media / "cat.png")
+    monkeypatch.setattr(images, "allowed_path", lambda url, folder: str(media / "cat.png"))
+    with pytest.raises(ImageError, match="cannot read the file"):
+        load_image((media / "cat.png").as_uri(), allowed_media_dir=media)
+
+
 def _png_header_only(width, height):
     """A PNG that claims width x height pixels and holds none: a decompression bomb's header."""
     def chunk(kind, body):

@@ -170,7 +170,7 @@ def _sized_source(state: ServerState, url: str, param: str) -> str | bytes:
         APIError: 400 naming `param` for an image of more bytes than the limit, or a file that cannot be read.
         ImageError: a file:// URL outside --allowed-media-dir, without one, or naming no file.
     """
-    from day0jax.vision.images import allowed_path
+    from day0jax.vision.images import allowed_path, open_checked
 
     url = url.strip()
     scheme, _, rest = url.partition(":")
@@ -188,7 +188,7 @@ def _sized_source(state: ServerState, url: str, param: str) -> str | bytes:
         return url
     path = allowed_path(url, state.allowed_media_dir)
     try:
-        with open(path, "rb") as f:
+        with open_checked(path) as f:
             size = os.fstat(f.fileno()).st_size
             _check_bytes(size, limit, param)
             data = f.read(limit + 1)

@@ -141,7 +141,11 @@ def _from_url(url: str, allowed_media_dir: str | os.PathLike | None, max_pixels:
         return decode_image(_data_url_bytes(rest), max_pixels=max_pixels)
     if scheme == "file":
         path = allowed_path(url, allowed_media_dir)
-        with open(path, "rb") as f:
+        try:
+            f = open_checked(path)
+        except OSError as e:
+            raise ImageError(f"file:// URL {url[:200]!r}: cannot read the file ({e.strerror or e})") from None
+        with f:
             return decode_image(f, max_pixels=max_pixels)
     if scheme in ("http", "https"):
         raise ImageError(f"{scheme}:// image URLs are refused: day0jax never fetches from the network; send the "
@@ -166,6 +170,16 @@ def _data_url_bytes(rest: str) -> bytes:
     if not data:
         raise ImageError("the data URL holds no data")
     return data
+
+
+def open_checked(path: str):
+    """Opens for reading the file `allowed_path` returned, which has no link left in it, without following a link:
+    one swapped in for the file after the check (to point outside the media folder) fails to open.
+
+    Raises:
+        OSError: the file cannot be opened, or is now a link (ELOOP).
+    """
+    return os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
 
 
 def allowed_path(url: str, allowed_media_dir: str | os.PathLike | None) -> str:
