@@ -24,8 +24,9 @@ IMPLEMENTATIONS = {
     "mosaic_gpu_interpret": functools.partial(pallas_mgpu.grouped_matmul, interpret=True),
 }
 # On the CPU, XLA expands ragged_dot densely over all groups: the reference is cheaper there. The Mosaic GPU kernel
-# passes its tests' shapes but not selfcheck's serving-sized ones on an H200 (relative errors 0.2 to 0.7 at 128
-# experts): it is not chosen until it does; `implementation="mosaic_gpu"` still runs it.
+# passed its tests' shapes but not selfcheck's serving-sized ones on an H200 (relative errors 0.2 to 0.7 at 128
+# experts: its pipeline refilled a slot that an unawaited wgmma still read, since fixed); it is not chosen until a
+# device self-check passes at those shapes; `implementation="mosaic_gpu"` still runs it.
 CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("xla_ragged_dot",), "tpu": ("xla_ragged_dot",)}
 PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
