@@ -158,3 +158,23 @@ def test_pair_table_maps_every_row_to_its_own_groups_tile():
             continue
         p, within = divmod(source[r], bm)
         assert within == r % bm and block[p] == r // bm and starts[group[p]] <= r < ends[group[p]]
+
+
+def test_ragged_dot_on_a_gpu_declines_a_dense_expansion_too_large_for_it(monkeypatch):
+    """Without cuDNN 9.22 XLA:GPU expands ragged_dot over every expert: at DeepSeek-V3's prefill (32768 rows, 256
+    experts of width 2048) that is 32 GiB: declined, the op takes the reference; small shapes and newer cuDNN keep
+    it."""
+    from kernels_pallas import platform, registry
+
+    def shapes(M, G, D, F):
+        return (jax.ShapeDtypeStruct((M, D), jnp.bfloat16), jax.ShapeDtypeStruct((G, D, F), jnp.bfloat16),
+                jax.ShapeDtypeStruct((G,), jnp.int32))
+
+    deepseek, small = shapes(32768, 256, 7168, 2048), shapes(256, 8, 128, 128)
+    assert registry.accepts("moe", "xla_ragged_dot", *deepseek) is None  # the CPU: not XLA:GPU's expansion
+    with platform.assume(platform.HOPPER):
+        monkeypatch.setattr(api, "cudnn_version", lambda: 91000)
+        assert "32.0 GiB" in registry.accepts("moe", "xla_ragged_dot", *deepseek)
+        assert registry.accepts("moe", "xla_ragged_dot", *small) is None
+        monkeypatch.setattr(api, "cudnn_version", lambda: api.CUDNN_RAGGED_DOT)
+        assert registry.accepts("moe", "xla_ragged_dot", *deepseek) is None
