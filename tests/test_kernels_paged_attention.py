@@ -314,3 +314,19 @@ def test_decode_steps_take_the_cpu_kernel():
     for max_len in (100, 2100):
         args = decode_args([max_len], [max_len - 1])
         assert registry.chosen("paged_attention", *args) == "cpu_ffi" or jax.default_backend() != "cpu"
+
+
+def test_mla_decode_on_a_gpu_takes_the_blockwise_program_where_the_kernel_declines():
+    """DeepSeek-V3's absorbed MLA decode (keys 576 wide, values 512) over 4096 keys: the Mosaic kernel declines it,
+    and on a GPU the blockwise program is tried before the reference's whole-span gather."""
+    from kernels_pallas import platform
+
+    pages, width = 2 * 256 + 1, 256
+    args = (jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.bfloat16), jax.ShapeDtypeStruct((pages, 16, 1, 576),
+            jnp.bfloat16), jax.ShapeDtypeStruct((pages, 16, 1, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, width), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
+            jax.ShapeDtypeStruct((2, 1), jnp.int32))
+    with platform.assume(platform.HOPPER):
+        assert registry.accepts("paged_attention", "mosaic_gpu", *args) is not None
+        assert registry.accepts("paged_attention", "xla_blocks", *args) is None
+    assert registry.order(api.CANDIDATES, "gpu") == ("mosaic_gpu", "xla_blocks", registry.REFERENCE)
