@@ -73,9 +73,13 @@ if ((SMOKE)); then
 else
     SMOKE_FLAG=()
     BENCH=(--markdown)
-    # Every flagship's shapes: Gemma 2 (head 256, soft-cap, window), gpt-oss (head 64, sinks, window), DeepSeek-V3's
-    # MLA (head 576, declined by the Mosaic kernels) and the linear-attention families among them.
+    # Every family's shapes: Gemma 2 (head 256, soft-cap, window, paged head 256), gpt-oss (head 64, sinks,
+    # window), DeepSeek-V3's MLA (head 576: declined by the Mosaic kernels), linear attention, Mamba2.
     SELFCHECK=()
+    for family in llama-3-8b qwen3-30b-a3b gemma-2-9b gpt-oss-20b deepseek-v3 deepseek-v3.2 qwen3-next-80b-a3b \
+        kimi-linear-48b-a3b nemotron-3-nano-30b-a3b; do
+        SELFCHECK+=(--family "$family")
+    done
     KERNEL_TESTS=(tests/test_kernels_attention.py tests/test_kernels_paged_attention.py tests/test_kernels_moe.py
                   tests/test_kernels_rms_norm.py tests/test_kernels_gated_delta_rule.py
                   tests/test_kernels_mamba2_ssd.py)

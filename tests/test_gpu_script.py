@@ -102,3 +102,13 @@ def test_kernel_bench_past_its_budget_writes_skipped_rows(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl(rows_path)[1:]
     assert rows and all(r["detail"] == "skipped: budget" and r["ms"] is None for r in rows), rows
+
+
+def test_the_device_selfcheck_covers_every_family():
+    import re
+
+    from kernels_pallas import cases
+
+    script = (ROOT / "bench" / "gpu.sh").read_text()
+    listed = re.search(r"for family in ([^;]*); do", script).group(1).replace("\\\n", " ").split()
+    assert sorted(listed) == sorted(cases.families())
