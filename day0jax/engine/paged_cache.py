@@ -109,14 +109,15 @@ def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:
 
 
 def layer_caches(pools: list, stateful: list[bool], rings: list[int], block_tables: jax.Array, kv_lengths: jax.Array,
-                 positions: jax.Array, state_slots: jax.Array) -> list:
-    """Each layer's cache for one step: a `StateCache` for state layers, a `PagedKVCache` over the shared block
-    tables or, for a layer with a ring (`rings[i]` pages per slot), over its ring table; None for a layer that reads
-    another's keys and keeps nothing of its own."""
+                 positions: jax.Array, state_slots: jax.Array, state_targets: jax.Array | None = None) -> list:
+    """Each layer's cache for one step: a `StateCache` for state layers (`state_targets`: a verify step's slot for
+    the state after each token), a `PagedKVCache` over the shared block tables or, for a layer with a ring
+    (`rings[i]` pages per slot), over its ring table; None for a layer that reads another's keys and keeps nothing
+    of its own."""
     from day0jax.engine.state_cache import StateCache
 
     tables = {r: ring_table(state_slots, r, block_tables.shape[1]) for r in set(rings) if r}
-    return [StateCache.for_rows(p, state_slots, positions, kv_lengths) if state
+    return [StateCache.for_rows(p, state_slots, positions, kv_lengths, state_targets) if state
             else PagedKVCache.from_pools(p, tables.get(ring, block_tables), kv_lengths) if p else None
             for p, state, ring in zip(pools, stateful, rings)]
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.core.cache_layout import StateLayer
-from day0jax.layers.gated_delta_net import StateCache
+from day0jax.layers.gated_delta_net import StateCache, conv_states_per_token
 from day0jax.layers.linear import Linear, param
 from kernels_pallas.calls import OpCall
 from kernels_pallas.gated_delta_rule import api as conv_op
@@ -63,6 +63,8 @@ class ShortConv(nnx.Module):
         bias = None if self.conv.bias is None else self.conv.bias[...]
         out, new_state = conv_op.causal_conv1d(b * h, self.conv.weight[...], state, valid=valid, bias=bias,
                                                activation=None)
+        if cache is not None and cache.targets is not None:  # a verify step: the state after each token
+            new_state = conv_states_per_token(state, b * h, valid)
         if cache is not None:
             cache = cache.write((new_state,))
         return self.out_proj(c * out), cache

@@ -158,8 +158,11 @@ def finish_reason(reason: str | None) -> str | None:
 def usage(out: Outputs) -> P.Usage:
     """The token counts of a request."""
     prompt = out.run.prompt_tokens
+    drafted = sum(c.draft_tokens for c in out.choices)
+    spec = P.SpeculativeUsage(draft_tokens=drafted, accepted_tokens=sum(c.accepted_tokens for c in out.choices)) \
+        if drafted else None
     return P.Usage(prompt_tokens=prompt, completion_tokens=out.generated, total_tokens=prompt + out.generated,
-                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=out.cached_tokens))
+                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=out.cached_tokens), speculative=spec)
 
 
 def chat_logprobs(entries, detok: Detokenizer) -> P.ChatLogprobs | None:

@@ -247,11 +247,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class SpeculativeUsage(BaseModel):
+    """day0jax's extension of usage, with speculative decoding on: tokens drafted for the request and drafts the
+    model accepted."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    speculative: SpeculativeUsage | None = None
 
 
 class TopLogprob(BaseModel):
