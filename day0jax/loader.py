@@ -188,7 +188,9 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     with timeline.phase("build model") as info:
-        abstract = models.abstract_model(config, DTYPES[dtype], quantization=specs_from_config(hf))
+        spec = engine.speculative
+        abstract = models.abstract_model(config, DTYPES[dtype], quantization=specs_from_config(hf),
+                                         mtp=spec is not None and spec.method == "mtp")
         infos = {i.path: i for i in models.param_infos(abstract)}
         layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)

@@ -1,7 +1,7 @@
-"""Speculative decoding in the engine: greedy tokens with drafts equal those without, for every proposer and draft
-count, alone and in batches where some rows speculate and some do not, through the state slots of linear-attention
-layers; sampled tokens are distributed as without drafts; pages and state slots come back after accepts, rejections,
-preemptions and aborts, and the prefix cache never serves a rejected draft's keys.
+"""Speculative decoding in the engine: greedy tokens with drafts equal those without, for the ngram and draft
+proposers and 1 to k drafts, alone and in batches where some rows speculate and some do not (the MTP proposer and
+linear-attention layers: test_mtp.py); sampled tokens are distributed as without drafts; pages and state slots come
+back after accepts, rejections, preemptions and aborts, and the prefix cache never serves a rejected draft's keys.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from test_engine_paged import PROMPTS, cache_less_greedy, greedy
 CONTEXT = 128
 LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT)
-# Hybrid linear attention: Gated DeltaNet layers around a full-attention one (as tests/test_linear_attention.py).
+# Hybrid linear attention (test_mtp.py): Gated DeltaNet layers around a full-attention one.
 QWEN3_NEXT = dict(model_type="qwen3_next", vocab_size=256, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=CONTEXT,
@@ -142,20 +142,6 @@ def test_greedy_tokens_equal_plain_decoding(llama, llama_reference, k):
     assert collect(engine, {"r3": (PROMPTS[3], greedy())}) == {"r3": truth["r3"]}
     engine.spec.proposer = make_proposer(engine.config.speculative)
     assert collect(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}) == truth
-
-
-def test_linear_attention_state_ends_at_the_last_accepted_token():
-    """Qwen3-Next's Gated DeltaNet layers: a verify step keeps the state after each of its tokens in its own slot and
-    the accepted one becomes the sequence's; greedy tokens stay those of plain decoding."""
-    module = build(QWEN3_NEXT)
-    truth = {f"r{i}": ref for i, ref in enumerate(cache_less_greedy(module))}
-    engine = make_engine(module, SpeculativeConfig("ngram", num_tokens=3))
-    assert engine.scheduler.state_copies == 4
-    engine.spec.proposer = Oracle(truth, silent={"r2"}, most={"r0": 1}, seed=5)
-    assert collect(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}, stagger=2) == truth
-    stats = engine.spec.stats
-    assert 0 < stats.accepted_tokens < stats.draft_tokens and min(stats.accepted_per_position) > 0
-    assert sorted(engine.scheduler.free_slots) == list(range(1, engine.layout.state_slots))
 
 
 def total_variation(a: Counter, b: Counter) -> float:

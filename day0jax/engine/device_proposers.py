@@ -82,3 +82,31 @@ class MTPProposer(DeviceProposer):
     """The model's own multi-token-prediction layers (`ModelRunner.attach_mtp`, `ModelRunner.mtp_propose`)."""
 
     method = "mtp"
+
+    def _chunk(self, batch: Batch, seq: SequenceState, last: bool):
+        """The MTP layers over a prefill chunk: each position takes the target's hidden state there and the next
+        prompt token (after a prompt's last position, the sampled one: `override`)."""
+        s = int(batch.positions[0, 0])
+        m = int(batch.kv_lengths[0]) - s  # the chunk's real tokens
+        tokens = np.zeros(batch.tokens.shape, np.int32)
+        following = seq.tokens[s + 1:s + m + (0 if last else 1)]
+        tokens[0, :len(following)] = following
+        return tokens, np.array([m - 1], np.int32), np.array([s], np.int32)
+
+    def after_chunk(self, batch: Batch, seq: SequenceState) -> None:
+        tokens, accepted, base = self._chunk(batch, seq, last=False)
+        self.runner.propose(tokens, np.zeros(self.runner.layout.max_rows, np.int32), np.zeros(1, bool), accepted,
+                            base, batch.block_tables, self._slots([seq], 1))
+
+    def after_prompt(self, batch: Batch, seq: SequenceState, sampled: jax.Array) -> jax.Array:
+        tokens, accepted, base = self._chunk(batch, seq, last=True)
+        return self.runner.propose(tokens, sampled, np.ones(1, bool), accepted, base, batch.block_tables,
+                                   self._slots([seq], 1))
+
+    def after_verify(self, batch: Batch, seqs: Sequence[SequenceState], out: dict) -> jax.Array:
+        rows, T = batch.tokens.shape
+        base = np.zeros(rows, np.int32)
+        base[:len(seqs)] = [s.num_computed for s in seqs]  # the verify's first position (not advanced yet)
+        tables = self._tables(seqs, rows, [s.num_computed + T + self.k for s in seqs])
+        return self.runner.propose(out["tokens"], np.zeros(self.runner.layout.max_rows, np.int32),
+                                   np.zeros(rows, bool), out["accepted"], base, tables, self._slots(seqs, rows))

@@ -65,10 +65,12 @@ class ProgramCatalog:
         widths = L.decode_widths if widths is None else widths
         top = L.spec_rows if rows is None else min(smallest_bucket(L.batch_buckets, rows), L.spec_rows)
         out = [Program("propose", (b, L.spec_tokens + 1, w)) for w in widths for b in L.batch_buckets if b <= top]
-        out += [Program("propose", (1, 1, w)) for w in widths]
-        if self.proposer == "draft":
-            out += [Program("draft", (1, c, w)) for w in L.prefill_widths for c in
-                    (L.chunk_buckets if chunks is None else chunks)]
+        chunks = L.chunk_buckets if chunks is None else chunks
+        if self.proposer == "draft":  # its prefill chunks, and its drafting after a prompt's last one
+            out += [Program("propose", (1, 1, w)) for w in widths]
+            out += [Program("draft", (1, c, w)) for w in L.prefill_widths for c in chunks]
+        else:  # the MTP layers over each prefill chunk (drafting after a prompt's last one)
+            out += [Program("propose", (1, c, w)) for w in L.prefill_widths for c in chunks]
         return list(dict.fromkeys(out))
 
     def forward(self, shape: tuple[int, int, int]) -> list[Program]:
@@ -107,7 +109,7 @@ class ProgramCatalog:
                 [Program("sample", (r,), penalized, guided) for r in self.layout.sampler_batches()
                  for penalized in (False, True) for guided in (False, True)] + self.accepts() + self.encode() +
                 [p for p in self.proposing() if not limit or p.shape[2] * self.layout.page_size <= limit
-                 or p.name == "draft"])
+                 or p.name == "draft" or p.shape[1] not in (1, self.layout.spec_tokens + 1)])
 
     def ready(self) -> list[Program]:
         """What a server compiles before it is ready (`--warmup ready`): decode at the smallest span for one row and
@@ -122,10 +124,8 @@ class ProgramCatalog:
                         for p in self.verify((r, L.spec_tokens + 1, L.decode_widths[0]))]
             forward += [p for p in self.accepts() if not p.penalized and not p.guided
                         and p.shape[0] in (L.batch_buckets[0], L.spec_rows)]
-            forward += [p for p in self.proposing([L.decode_widths[0]]) if p.name == "propose"
-                        and p.shape[0] in (1, L.spec_rows)]
-            forward += [Program("draft", (1, c, L.prefill_widths[0])) for c in L.chunk_buckets
-                        if self.proposer == "draft"]
+            forward += [p for p in self.proposing([L.decode_widths[0]]) if p.shape[0] in (1, L.spec_rows)
+                        and p.shape[2] in (L.decode_widths[0], L.prefill_widths[0])]
         return forward + [Program("sample", (r,)) for r in sorted(set(rows) | {1})] + self.encode()
 
     def background(self, ready: list[Program], max_len: int | None = None) -> list[Program]:
@@ -165,8 +165,9 @@ class ProgramCatalog:
             forward += [p for p in self.accepts(top) if (p.penalized, p.guided) == (False, False)
                         or sampled and (penalized or not p.penalized) and (guided or not p.guided)]
             chunks = up_to(layout.chunk_buckets, longest_prompt)
+            widest = smallest_bucket(layout.prefill_widths, prompt_pages)
             forward += [p for p in self.proposing(up_to(layout.decode_widths, pages), top, chunks)
-                        if p.name == "propose" or p.shape[2] <= smallest_bucket(layout.prefill_widths, prompt_pages)]
+                        if p.shape[1] in (1, layout.spec_tokens + 1) and p.name == "propose" or p.shape[2] <= widest]
         samplers = [Program("sample", (r,), penalized, guided) for r in layout.sampler_batches()
                     if r <= smallest_bucket(layout.batch_buckets, top)]
         return forward + (samplers if sampled else [])

@@ -90,6 +90,12 @@ class ModelRunner:
         self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
         self.rings = layer_rings(cache_layout, layout)
         self._cache_layout = cache_layout
+        self._mtp_layout = module.mtp_cache_layout() if getattr(module, "mtp", None) is not None else []
+        # With the MTP proposer, the forward and verify programs also return the final hidden states [B, T, D]
+        # (`hidden`, the last call's), which the MTP layers read.
+        self.keep_hidden = False
+        self.hidden: jax.Array | None = None
+        self.mtp_pools: list | None = None
         self._stage_pools: list | None = None  # allocated by the engine (`allocate_pools`), not by `full_logits`
         self._stage_replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
         self._sample_mesh = self.links.sample_mesh
@@ -105,8 +111,8 @@ class ModelRunner:
         self._stage_jits = [jax.jit(functools.partial(self._stage_fn, s, False), donate_argnames=("pools",))
                             for s in range(self.stages.count)]
         # Verify programs: decode rows with their drafts, the logits of every position.
-        self._verify_jits = [jax.jit(functools.partial(self._stage_fn, s, True), donate_argnames=("pools",))
-                             for s in range(self.stages.count)]
+        self._verify_jits = [jax.jit(jax.named_scope("verify")(functools.partial(self._stage_fn, s, True)),
+                                     donate_argnames=("pools",)) for s in range(self.stages.count)]
         self._whole_jits = [jax.jit(functools.partial(self._whole_fn, s)) for s in range(self.stages.count)]
         self._encode = jax.jit(self._encode_fn)
         self._sample = jax.jit(self._sample_fn)
@@ -249,16 +255,17 @@ class ModelRunner:
             pools = [() if c is None else c.pools for c in caches]
             if not last:
                 return hidden, pools
+            kept = (hidden,) if self.keep_hidden else ()
             if every_position:
                 logits = model.logits(hidden)
                 logits = jax.lax.with_sharding_constraint(logits, self._stage_replicated[s])
-                return logits, pools
+                return (logits, *kept, pools)
             logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last_index])
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
         logits = jax.lax.with_sharding_constraint(logits, self._stage_replicated[s])
         with jax.named_scope("sampling"):
             greedy = self._padded(jnp.argmax(logits, axis=-1))
-        return logits, greedy, pools
+        return (logits, greedy, *kept, pools)
 
     def _whole_fn(self, s: int, params, x, seq_len, image):
         """Stage `s` of `Model.logits`' full forward pass (no cache)."""
@@ -339,6 +346,70 @@ class ModelRunner:
                 pos = pos + 1
         return jnp.stack(drafts, axis=1), pools
 
+    def _mtp_fn(self, k: int, params, pools, hidden, tokens, last_token, override, accepted, base, block_tables,
+                state_slots):
+        """The model's multi-token-prediction layers drafting after a verify step or over a prefill chunk, all on
+        the device (`layers/mtp.py`).
+
+        Catch-up: MTP layer 0 at positions base + column for columns 0..accepted, each taking the target's final
+        hidden state there (`hidden` [B, T, D], the verify's or the chunk's) and the token after it (`tokens`: the
+        kept drafts and the next token, or the chunk's next prompt tokens; with `override`, column `accepted`
+        replaced by `last_token`, the token the prompt's sampler drew), writing the MTP layer's keys. Its greedy
+        token at the last column is draft 1; then k - 1 steps, step j through MTP layer j mod n at the next position
+        on the last step's h' and draft, as vLLM and SGLang chain them. Returns (drafts [B, k] int32, pools).
+        """
+        from day0jax.engine.paged_cache import PagedKVCache
+
+        model = self._model(0, params)
+        B, T = tokens.shape
+        n = len(pools)
+        pad = block_tables.shape[1] * self.layout.page_size
+        col = jnp.arange(T, dtype=jnp.int32)[None, :]
+        tokens = jnp.where(override[:, None] & (col == accepted[:, None]), last_token[:B, None], tokens)
+        positions = jnp.where(col <= accepted[:, None], base[:, None] + col, pad).astype(jnp.int32)
+        kv = (base + accepted + 1).astype(jnp.int32)
+        rows = jnp.arange(B)
+        caches = [PagedKVCache.from_pools(p, block_tables, kv) for p in pools]
+        with exact_float32(self.dtype):
+            h, caches[0] = model.mtp_step(0, tokens, hidden, positions, caches[0], seq_len=jnp.max(kv))
+            last = h[rows, accepted]
+            draft = jnp.argmax(model.mtp_logits(0, last), axis=-1).astype(jnp.int32)
+            chain, drafts, pos = model.mtp_chained(0, last), [draft], kv
+            for j in range(1, k):
+                i = j % n
+                cache = PagedKVCache.from_pools(caches[i].pools, block_tables, pos + 1)
+                h, caches[i] = model.mtp_step(i, draft[:, None], chain[:, None], pos[:, None], cache,
+                                              seq_len=jnp.max(pos + 1))
+                draft = jnp.argmax(model.mtp_logits(i, h[:, 0]), axis=-1).astype(jnp.int32)
+                chain = model.mtp_chained(i, h[:, 0])
+                drafts.append(draft)
+                pos = pos + 1
+        return jnp.stack(drafts, axis=1), [c.pools for c in caches]
+
+    def attach_mtp(self) -> None:
+        """Makes the model's multi-token-prediction layers speculative decoding's proposer: their KV pools (in this
+        layout, under the same block tables), and the forward programs keep the final hidden states.
+
+        Raises:
+            GenerationError: a model built without them (`day0jax.load` builds them for speculative method
+                "mtp"), or split into pipeline stages.
+        """
+        from day0jax.core.errors import GenerationError
+
+        if not self._mtp_layout:
+            raise GenerationError("this model was built without its multi-token-prediction layers (day0jax.load "
+                                  "builds them when EngineConfig.speculative is 'mtp')")
+        if self.micro is not None:
+            raise GenerationError("speculative method 'mtp' with pipeline stages (pp > 1) is not implemented")
+        if self.mtp_pools is None:
+            L = self.layout
+            self.mtp_pools = new_pools(self._mtp_layout, L.num_pages, L.page_size, L.state_slots, self.dtype,
+                                       self.mesh)
+        self.keep_hidden = True
+        self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(self._mtp_fn,
+                                                                                 self.layout.spec_tokens)),
+                                    donate_argnames=("pools",))
+
     def attach_draft(self, module: nnx.Module) -> None:
         """Makes `module` (a smaller model with the same vocabulary, on this runner's mesh) the draft model of
         speculative decoding: its own KV pools, in this layout (the same pages and block tables as the target's).
@@ -361,7 +432,8 @@ class ModelRunner:
             raise GenerationError("a vision-language draft model is not implemented")
         draft.allocate_pools()
         self.draft = draft
-        self._propose_jit = jax.jit(functools.partial(draft._propose_fn, self.layout.spec_tokens),
+        self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(draft._propose_fn,
+                                                                                 self.layout.spec_tokens)),
                                     donate_argnames=("pools",))
 
     def draft_prefill(self, batch: Batch) -> None:
@@ -375,20 +447,24 @@ class ModelRunner:
 
     def propose(self, tokens, last_token, override: np.ndarray, accepted, base: np.ndarray, block_tables: np.ndarray,
                 state_slots: np.ndarray) -> jax.Array:
-        """The device proposer's drafts [B, k] after a verify step or a prompt's last chunk (see `_propose_fn`),
-        without waiting for them. `tokens`, `last_token` and `accepted` may be device arrays (the acceptance's or
-        the sampler's outputs)."""
+        """The device proposer's drafts [B, k] after a verify step or a prompt's chunk (`_propose_fn` for a draft
+        model, `_mtp_fn` on `hidden` for the MTP layers), without waiting for them. `tokens`, `last_token` and
+        `accepted` may be device arrays (the acceptance's or the sampler's outputs)."""
         B, T = tokens.shape
         key = (B, T, block_tables.shape[1])
         wanted = Program("propose", key)
         if wanted not in self.programs and self.ensure is not None:
             self.ensure(wanted)
-        draft = self.draft
         args = [self._put(x) if isinstance(x, np.ndarray) else x
                 for x in (tokens, last_token, override, accepted, base, block_tables, state_slots)]
+        run = self.programs.get(wanted, self._propose_jit)
         with jax.set_mesh(self.mesh):
-            drafts, draft.stage_pools[0] = self.links.settle(
-                self.programs.get(wanted, self._propose_jit)(draft.stage_params[0], draft.stage_pools[0], *args))
+            if self.draft is None:  # the MTP layers
+                drafts, self.mtp_pools = self.links.settle(run(self.stage_params[0], self.mtp_pools, self.hidden,
+                                                               *args))
+                return drafts
+            draft = self.draft
+            drafts, draft.stage_pools[0] = self.links.settle(run(draft.stage_params[0], draft.stage_pools[0], *args))
         return drafts
 
     # --- running -------------------------------------------------------------------------------------------------
@@ -419,6 +495,8 @@ class ModelRunner:
         logits, greedy = [], []
         for before, part in routed:
             out = self._through_stages(part, before, programs)
+            if self.keep_hidden:
+                self.hidden = out[2]
             logits.append(self.links.to_sampler(None if out is None else out[0], (rows, self.vocab_size),
                                                 jnp.float32, PartitionSpec()))
             greedy.append(self.links.to_sampler(None if out is None else out[1], (self.layout.max_rows,),
@@ -456,6 +534,8 @@ class ModelRunner:
         logits = []
         for before, part in routed:
             out = self._through_stages(part, before, programs, verify=True)
+            if self.keep_hidden:
+                self.hidden = out[1]
             logits.append(self.links.to_sampler(None if out is None else out[0], (rows, key[1], self.vocab_size),
                                                 jnp.float32, PartitionSpec()))
         if M == 1:
@@ -667,14 +747,19 @@ class ModelRunner:
 
     def _lower_propose(self, program: Program) -> jax.stages.Lowered:
         B, T, W = program.shape
-        draft = self.draft
-        pools = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                             draft.stage_pools[0])
+        shapes = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
         zeros = np.zeros(B, np.int32)
         args = [np.zeros((B, T), np.int32), np.zeros(self.layout.max_rows, np.int32), np.zeros(B, bool), zeros, zeros,
                 np.full((B, W), 0, np.int32), zeros]
         with jax.set_mesh(self.mesh):
-            return self._propose_jit.lower(draft.stage_params[0], pools, *[self._put(a) for a in args])
+            if self.draft is None:  # the MTP layers, on the target's hidden states
+                hidden = jax.ShapeDtypeStruct((B, T, self.hidden_size), jnp.dtype(self.dtype),
+                                              sharding=self._hidden_sharding(0, (B, T, self.hidden_size)))
+                return self._propose_jit.lower(self.stage_params[0], shapes(self.mtp_pools), hidden,
+                                               *[self._put(a) for a in args])
+            return self._propose_jit.lower(self.draft.stage_params[0], shapes(self.draft.stage_pools[0]),
+                                           *[self._put(a) for a in args])
 
     def _lower_accept(self, program: Program) -> jax.stages.Lowered:
         m = self._sample_mesh

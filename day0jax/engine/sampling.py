@@ -201,7 +201,7 @@ def accept_uniform(seeds: jax.Array, counters: jax.Array) -> jax.Array:
     return uniform(_mix32(row ^ jnp.uint32(0x5BD1E995)))
 
 
-@jax.named_scope("sampling")
+@jax.named_scope("accept")
 def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, seeds: jax.Array,
                   counters: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   min_p: jax.Array, penalties: tuple | None = None, guidance: tuple | None = None,

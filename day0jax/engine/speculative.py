@@ -17,6 +17,7 @@ accepted) skips a growing number of steps, so that the steps in between keep hos
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -119,6 +120,7 @@ class Speculation:
         self.config, self.proposer, self.max_model_len, self.backoff = config, proposer, max_model_len, backoff
         self.k = config.num_tokens
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
+        self.propose_seconds = 0.0  # the host proposer's time (profiling)
         # Test hook: every draft counts as accepted (to time a verify step at full acceptance; the tokens are then
         # the drafts, not the target's).
         self.force_accept = False
@@ -161,7 +163,9 @@ class Speculation:
                 return
             seq.drafts, state.next = state.next[:self.limit(seq)], None
             return
+        t0 = time.perf_counter()
         drafts = self.proposer.propose(seq, self.limit(seq))
+        self.propose_seconds += time.perf_counter() - t0
         seq.drafts = drafts
         if not drafts:
             self._failed(seq)
