@@ -12,7 +12,6 @@ import random
 from collections import Counter
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -85,8 +84,9 @@ class Oracle(Proposer):
         return truth[:right] + [(t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab for t in truth[right:]]
 
 
-def collect(engine: Engine, requests: dict, stagger: int = 0, check=None) -> dict[str, list[int]]:
-    """Runs requests to completion (one more every `stagger` steps if > 0); returns tokens per request id."""
+def collect(engine: Engine, requests: dict, stagger: int = 0, check=None, events=None) -> dict[str, list[int]]:
+    """Runs requests to completion (one more every `stagger` steps if > 0); returns tokens per request id (and
+    appends every event to `events`, if given)."""
     out: dict[str, list[int]] = {}
     pending = list(requests.items())
     step = 0
@@ -98,6 +98,8 @@ def collect(engine: Engine, requests: dict, stagger: int = 0, check=None) -> dic
         for ev in engine.step():
             if ev.token is not None:
                 out.setdefault(ev.request_id, []).append(ev.token)
+            if events is not None:
+                events.append(ev)
         if check is not None:
             check(engine)
         step += 1
@@ -130,18 +132,61 @@ def test_acceptance_keeps_the_greedy_run_and_adds_the_target_token():
 def test_greedy_tokens_equal_plain_decoding(llama, llama_reference, k):
     """Planted mistakes at every draft position; prompts join one by one, rows of two requests never draft and the
     others draft 1 to k tokens; then a prompt alone (batch 1). And prompt lookup (ngram) itself on the same
-    prompts."""
+    prompts. The counts reach each request's events and /metrics; every speculative program lowers."""
+    from types import SimpleNamespace
+
+    from day0jax.serve.metrics import Metrics
+
     truth = {f"r{i}": ref for i, ref in enumerate(llama_reference)}
     engine = make_engine(llama, SpeculativeConfig("ngram", num_tokens=k))
     engine.spec.proposer = Oracle(truth, silent={"r1"}, most={"r0": 1, "r2": 2, "r3": 3}, seed=k)
-    out = collect(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}, stagger=2)
+    events = []
+    out = collect(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}, stagger=2, events=events)
     assert out == truth
     stats = engine.spec.stats
     assert stats.drafts > 0 and 0 < stats.accepted_tokens < stats.draft_tokens
     assert min(stats.accepted_per_position) > 0  # every draft position accepted sometimes
+    last = {ev.request_id: ev for ev in events}
+    assert sum(ev.num_draft_tokens for ev in last.values()) == stats.draft_tokens and last["r1"].num_draft_tokens == 0
+    assert sum(ev.num_accepted_tokens for ev in last.values()) == stats.accepted_tokens
+    metrics = Metrics(SimpleNamespace(engine=SimpleNamespace(engine=engine), timeline=None)).render().decode()
+    assert f"day0jax_spec_decode_num_accepted_tokens_total {float(stats.accepted_tokens)}" in metrics
+    assert f'day0jax_spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} ' \
+           f"{float(stats.accepted_per_position[0])}" in metrics
     assert collect(engine, {"r3": (PROMPTS[3], greedy())}) == {"r3": truth["r3"]}
     engine.spec.proposer = make_proposer(engine.config.speculative)
     assert collect(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}) == truth
+    for program in engine.programs():
+        if program.name in ("verify", "accept"):
+            engine.runner.lower(program)
+
+
+def test_speculative_flags():
+    import argparse
+
+    from day0jax import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-max", "5",
+                              "--spec-max-batch", "2"])
+    assert cli.engine_config_from_args(args).speculative == SpeculativeConfig("ngram", num_tokens=3, ngram_min=2,
+                                                                             ngram_max=5, max_batch=2)
+    assert cli.engine_config_from_args(parser.parse_args([])).speculative is None
+    assert EngineConfig(speculative="mtp").speculative == SpeculativeConfig("mtp")
+    with pytest.raises(SystemExit):
+        cli.engine_config_from_args(parser.parse_args(["--speculative", "draft"]))
+
+
+def test_usage_reports_the_drafts_of_each_choice():
+    from types import SimpleNamespace
+
+    from day0jax.serve.format import usage
+
+    choices = [SimpleNamespace(draft_tokens=8, accepted_tokens=5), SimpleNamespace(draft_tokens=4, accepted_tokens=1)]
+    out = SimpleNamespace(run=SimpleNamespace(prompt_tokens=10), generated=20, cached_tokens=0, choices=choices)
+    assert usage(out).speculative.model_dump() == {"draft_tokens": 12, "accepted_tokens": 6}
+    assert usage(SimpleNamespace(**{**vars(out), "choices": []})).speculative is None
 
 
 def total_variation(a: Counter, b: Counter) -> float:
@@ -163,8 +208,8 @@ class Fixed(Proposer):
 
 def test_sampled_tokens_are_distributed_as_without_drafts():
     """Temperature 1 with top-p 0.9, on the tiny model with its logits scaled up 8 times (peaked, as trained models
-    are, so that a few thousand draws tell distributions apart): tokens 2 and 3 after a fixed prompt (one verify step scores both drafts) over
-    N seeded draws each way. With P = Q, TV(P_N, Q_N) <= TV(P_N, P) + TV(Q_N, P), each of mean at most
+    are, so that a few thousand draws tell distributions apart): tokens 2 and 3 after a fixed prompt (one verify
+    step scores both drafts) over N seeded draws each way. With P = Q, TV(P_N, Q_N) <= TV(P_N, P) + TV(Q_N, P), each of mean at most
     1/2 sum_i sqrt(p_i / N) and within sqrt(ln(1/delta) / 2N) of it but for probability delta (McDiarmid: one
     draw moves it by 1/N at most); so TV <= sum_i sqrt(p_i / N) + 2 sqrt(ln(1/delta) / 2N) but for probability
     2 delta, p estimated by the pooled frequencies, delta = 1e-3. Keeping every draft instead (the test hook) is

@@ -306,8 +306,8 @@ class Engine:
 
     def _plan_drafts(self) -> list[TokenEvent]:
         """Gives this step's decode rows their drafts (`seq.drafts`), when the batch is small enough to speculate
-        and the row's request and record allow it; reads the tokens still on the device first when a row that
-        drafts needs its last one. Returns the events of that read."""
+        and the row's request and record allow it; with a device proposer, whose drafts come with a row's last
+        tokens, reads the tokens still on the device first. Returns the events of that read."""
         spec, s = self.spec, self.scheduler
         for seq in s.running:
             seq.drafts = []
@@ -315,7 +315,8 @@ class Engine:
         if not spec.active(len(rows)):
             return []
         wanted = [q for q in rows if spec.wants(q)]
-        events = self._read_in_flight() if any(q.in_flight for q in wanted) else []
+        device = spec.proposer.on_device
+        events = self._read_in_flight() if device and any(q.in_flight for q in wanted) else []
         for q in wanted:
             if not q.finished:
                 spec.propose(q)

@@ -5,13 +5,14 @@ A proposer drafts up to k tokens per row; the engine's verify step scores them w
 
 - `ngram` (`NgramProposer`): prompt lookup, on the host. The longest n-gram (ngram_max down to ngram_min) ending the
   row's tokens that occurred before in them; its most recent earlier occurrence's continuation is the draft. Free,
-  and right where the output copies its input (rewriting, summarizing, editing code).
+  and right where the output copies its input (rewriting, summarizing, editing code). It drafts without waiting for
+  the row's last token (the continuation guesses it), so steps without drafts keep host and device work overlapped.
 - `draft` and `mtp` draft on the device, right after each verify (a small model with its own KV pages, or the
   model's own multi-token-prediction layers): see `day0jax.engine.device_proposers`.
 
 `Speculation` is the engine's policy: a row speculates while the decode batch is at most `max_batch` rows, its request
 allows it, and its drafts keep being accepted; a host proposer's row that keeps failing (no match, or nothing
-accepted) skips a growing number of steps, so that the steps in between keep host and device work overlapped.
+accepted) skips a growing number of steps.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ MAX_FAILURES = 8
 
 class Proposer:
     """Drafts tokens for decode rows. Host proposers draft from the row's tokens when the step is planned
-    (`propose`); device proposers (`on_device`) leave their drafts in each row's `drafts` when the engine reads a
-    verify step's outputs."""
+    (`propose`; the row's last token may still be on the device, `seq.in_flight`); device proposers (`on_device`)
+    leave their drafts for each row when the engine reads a verify step's outputs."""
 
     method: str = ""
     on_device: bool = False
 
     def propose(self, seq: SequenceState, limit: int) -> list[int]:
-        """Up to `limit` drafted tokens to follow the row's tokens (all read: none on the device)."""
+        """Up to `limit` drafted tokens to follow the row's tokens and the `seq.in_flight` ones still on the
+        device."""
         raise NotImplementedError
 
 
@@ -59,7 +61,10 @@ class NgramProposer(Proposer):
         self.ngram_min, self.ngram_max, self.lookback = ngram_min, ngram_max, lookback
 
     def propose(self, seq: SequenceState, limit: int) -> list[int]:
-        return ngram_drafts(seq.tokens[-self.lookback:], self.ngram_min, self.ngram_max, limit)
+        # A token still on the device: the match's continuation guesses it and the drafts follow the guess (a wrong
+        # guess only costs rejected drafts: the verify step scores them after the real token).
+        skip = seq.in_flight
+        return ngram_drafts(seq.tokens[-self.lookback:], self.ngram_min, self.ngram_max, limit + skip)[skip:]
 
 
 def ngram_drafts(tokens: Sequence[int], ngram_min: int, ngram_max: int, limit: int) -> list[int]:
