@@ -157,3 +157,74 @@ def write_tiny_vision_checkpoint(root: Path, text_config: dict = CONFIG, vision_
     dst = root / name
     convert_checkpoint(hf, dst, progress=False)
     return dst
+
+
+# --- reasoning models: SmolLM2's tokenizer with the markup of reasoning templates ----------------------------------
+
+# As the families' tokenizers hold them: Qwen's <think> and tool-call tags and MiniMax's tool-call tags are added
+# tokens decoded as text; harmony's (gpt-oss), Gemma 4's and Mistral's markers are special tokens.
+REASONING_TOKENS = [(t, False) for t in ("<think>", "</think>", "<tool_call>", "</tool_call>", "<minimax:tool_call>",
+                                         "</minimax:tool_call>")] + \
+    [(t, True) for t in ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+                         "<|call|>", "<|channel>", "<channel|>", "[THINK]", "[/THINK]")]
+
+
+def write_reasoning_tokenizer(folder: Path, chat_template: str | None = None) -> Path:
+    """Writes SmolLM2's tokenizer plus REASONING_TOKENS (and `chat_template`, if given) into `folder`; returns it."""
+    from day0jax.default_model import default_checkpoint
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    source = default_checkpoint(progress=False)
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    first = 1 + max(max(tokenizer["model"]["vocab"].values()), max(t["id"] for t in tokenizer["added_tokens"]))
+    for i, (content, special) in enumerate(REASONING_TOKENS):
+        tokenizer["added_tokens"].append({"id": first + i, "content": content, "single_word": False, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "special": special})
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    shutil.copy(source / "tokenizer_config.json", folder / "tokenizer_config.json")
+    if chat_template is not None:
+        (folder / "chat_template.jinja").write_text(chat_template)
+    return folder
+
+
+def write_scripted_checkpoint(root: Path, chat_template: str, script: dict[str, str], seed: int = 0,
+                              name: str = "tiny-reasoning") -> Path:
+    """Writes and converts a tiny Llama whose greedy output follows `script` (token -> next token, each a single
+    token of the reasoning tokenizer): the layers add nothing to the residual (their output projections are zero),
+    so the last position holds its token's embedding, and the untied LM head scores only the scripted successor of
+    each token (every other token's logit is exactly 0, so a grammar's choice among them is the lowest id).
+
+    Returns:
+        The day0jax checkpoint folder.
+    """
+    from safetensors.numpy import save_file
+
+    from convert import convert_checkpoint
+    from day0jax.weights.tokenizer import Tokenizer
+
+    root = Path(root)
+    hf = write_reasoning_tokenizer(root / f"{name}-hf", chat_template)
+    tokenizer = Tokenizer(hf)
+    config = dict(CONFIG, vocab_size=tokenizer.vocab_size, tie_word_embeddings=False, max_position_embeddings=512)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, scale=None):
+        return (rng.standard_normal(shape) * (scale or shape[-1] ** -0.5)).astype(np.float32)
+
+    tensors = _llama_tensors(config, w)
+    for key in tensors:
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[key] = np.zeros_like(tensors[key])
+    embed = tensors["model.embed_tokens.weight"]
+    head = np.zeros_like(embed)
+    for token, successor in script.items():
+        (x,), (y,) = tokenizer.encode(token, add_special_tokens=False), tokenizer.encode(successor,
+                                                                                          add_special_tokens=False)
+        head[y] += 10.0 * embed[x] / np.linalg.norm(embed[x])
+    tensors["lm_head.weight"] = head
+    save_file(tensors, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps(config))
+    dst = root / name
+    convert_checkpoint(hf, dst, progress=False)
+    return dst

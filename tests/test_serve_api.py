@@ -1,6 +1,6 @@
 """The OpenAI-compatible server, live on loopback, driven by the official `openai` client, raw HTTP and
-schemathesis: chat and completions (plain and streamed), concurrency, clients that disconnect, the bad-input
-matrix, the API key, metrics.
+schemathesis: chat and completions (plain and streamed), the Responses API, /tokenize and /detokenize, concurrency,
+clients that disconnect, the bad-input matrix, the API key, metrics.
 
 One server per module (a tiny random Llama with SmolLM2's tokenizer and chat template; a few compiled shapes).
 """
@@ -79,6 +79,69 @@ def test_chat_plain_and_streamed_give_the_same_text(client):
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     # The second call reused the first one's prompt pages.
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+         "additionalProperties": False}
+
+
+def test_responses_text_whole_and_streamed(client):
+    """The Responses API on a model without reasoning: the greedy text chat completions give, as one message item
+    whole and as its events streamed (created first, the deltas spelling the text, incomplete last when
+    max_output_tokens cut it)."""
+    question = "Name a color."
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                          max_tokens=12, temperature=0)
+    r = client.responses.create(model=MODEL, input=question, max_output_tokens=12, temperature=0)
+    assert r.output_text == chat.choices[0].message.content and [i.type for i in r.output] == ["message"]
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    with client.responses.stream(model=MODEL, input=question, max_output_tokens=12, temperature=0) as stream:
+        events = list(stream)
+    assert events[0].type == "response.created" and events[-1].type == f"response.{r.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output[0].content[0].text == r.output_text
+
+
+def test_responses_json_schema(client):
+    """text.format as a JSON schema, whole, streamed and through the client's parse helper."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    fmt = {"format": {"type": "json_schema", "name": "color", "schema": COLOR, "strict": True}}
+    r = client.responses.create(model=MODEL, input="Pick a color.", text=fmt, max_output_tokens=32, temperature=0)
+    assert r.status == "completed" and json.loads(r.output_text)["color"] in ("red", "blue")
+    with client.responses.stream(model=MODEL, input="Pick a color.", text=fmt, max_output_tokens=32,
+                                 temperature=0) as stream:
+        assert stream.get_final_response().output_text == r.output_text
+
+    class Color(BaseModel):
+        color: Literal["red", "blue"]
+
+    parsed = client.responses.parse(model=MODEL, input="Pick a color.", text_format=Color, max_output_tokens=32,
+                                    temperature=0)
+    assert isinstance(parsed.output_parsed, Color)
+
+
+def test_model_is_optional_and_tokenize_round_trips(server):
+    """Without `model` every route serves the one model (as vLLM and llama.cpp do); /tokenize and /detokenize."""
+    for route, body in [("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                        ("completions", {"prompt": "hi", "max_tokens": 2}),
+                        ("responses", {"input": "hi", "max_output_tokens": 2})]:
+        r = httpx.post(f"{server.url}/v1/{route}", json=body, headers=headers(), timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    prompt = "Once upon a time, naïve 🤗"
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=headers()).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 3 and tokens["max_model_len"] == 256
+    back = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, headers=headers())
+    assert back.json() == {"prompt": prompt}
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": prompt}]},
+                      headers=headers()).json()
+    assert chat["count"] > tokens["count"]  # the template's turn markers around it
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
 
 
 def test_completions_with_logprobs_n_and_stop(client):
@@ -329,7 +392,7 @@ def test_schemathesis_finds_no_server_error(server, mode, with_key):
         @__import__("hypothesis").given(case=strategy)
         def check(case):
             if isinstance(case.body, dict):  # keep generated requests short: this is about validation
-                for k in ("max_tokens", "max_completion_tokens"):
+                for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if isinstance(case.body.get(k), int) and case.body[k] > 8:
                         case.body[k] = 8
                 if isinstance(case.body.get("n"), int) and case.body["n"] > 2:

@@ -20,7 +20,7 @@ def feed(choice: Choice, text: str) -> tuple[list[str], bool]:
     detok, sent, stopped = Detokenizer(ByteTokenizer()), [], False
     for b in text.encode():
         stopped = choice.add(TokenEvent("r", 0, b), detok)
-        sent.append(choice.sendable())
+        sent.append(choice.sendable()[1])
         if stopped:
             break
     return sent, stopped
@@ -33,7 +33,7 @@ def test_a_stop_string_cuts_the_text_and_its_prefix_is_never_streamed():
     assert "".join(sent) == "one EN two "[:len("".join(sent))]  # never more than the final text
     assert "EN" not in "".join(sent[:6])  # "EN" was held back while it could have begun "END"
     choice.finish_reason = "stop"
-    assert "".join(sent) + choice.sendable() == "one EN two "
+    assert "".join(sent) + choice.sendable()[1] == "one EN two "
 
 
 def test_an_unfinished_utf8_character_is_held_back():
@@ -67,7 +67,7 @@ def test_a_stop_string_in_the_token_that_completes_a_character_is_found():
     stopped = False
     for i in range(len(pieces)):
         stopped = choice.add(TokenEvent("r", 0, i), detok)
-        assert "\ufffd" not in choice.sendable()
+        assert "\ufffd" not in choice.sendable()[1]
     assert stopped and choice.text == "ab€"
 
 

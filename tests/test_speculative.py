@@ -184,7 +184,8 @@ def test_usage_reports_the_drafts_of_each_choice():
     from day0jax.serve.format import usage
 
     choices = [SimpleNamespace(draft_tokens=8, accepted_tokens=5), SimpleNamespace(draft_tokens=4, accepted_tokens=1)]
-    out = SimpleNamespace(run=SimpleNamespace(prompt_tokens=10), generated=20, cached_tokens=0, choices=choices)
+    out = SimpleNamespace(run=SimpleNamespace(prompt_tokens=10), generated=20, cached_tokens=0, choices=choices,
+                          reasoning=None)
     assert usage(out).speculative.model_dump() == {"draft_tokens": 12, "accepted_tokens": 6}
     assert usage(SimpleNamespace(**{**vars(out), "choices": []})).speculative is None
 

@@ -140,8 +140,7 @@ def test_syntax_is_read_from_the_template():
                        ("<minimax:tool_call>", "minimax_m2"), ("<|tool_call_start|>", "lfm2"),
                        ("<|tool_call>", "gemma4"), ("[TOOL_CALLS]{{ name }}[ARGS]", "mistral_args")]:
         assert T.syntax_of("{% if tools %}<tool_call>" + mark + "{% endif %}").name == name, mark
-    with pytest.raises(GrammarError, match="harmony"):
-        T.syntax_of("{% if tools %}<|start|>assistant to=functions.{{ name }}{% endif %}")
+    assert T.syntax_of("{% if tools %}<|start|>assistant to=functions.{{ name }}{% endif %}").name == "harmony"
 
 
 PARSE_CASES = [
@@ -202,6 +201,13 @@ PARSE_CASES = [
     ("gemma4", '<|tool_call>call:get_time{zone:<|"|>UTC+0}<tool_call|>', None, []),  # unterminated string
     ("mistral_args", '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC-1"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", '
      '"unit": "celsius"}', "", [("get_time", {"zone": "UTC-1"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+    ("harmony", '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": "UTC+1"}', "",
+     [("get_time", {"zone": "UTC+1"})]),
+    # The recipient before the channel, as the template writes earlier calls, after text of the final channel.
+    ("harmony", 'Sure.<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC-2"}'
+     '<|call|>', "Sure.", [("get_time", {"zone": "UTC-2"})]),
+    ("harmony", '<|channel|>commentary to=functions.rm <|constrain|>json<|message|>{}', None, []),
+    ("harmony", '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": ', None, []),
 ]
 
 
@@ -417,6 +423,27 @@ def test_named_tool_choice_and_tool_history(client):
     follow = client.chat.completions.create(model="tiny-chat", messages=history, tools=TOOLS, tool_choice="none",
                                             max_tokens=8, temperature=0)
     assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.tool_calls is None
+
+
+def test_responses_function_call_round_trip(hermes_client):
+    """The Responses API: a forced call comes back as a function_call item (its arguments streamed in one delta),
+    and that item with its output, sent back as input, renders through the template for the next answer."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    first = hermes_client.responses.create(model="tiny-chat", input=MESSAGES, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1, first.output
+    check_call(calls[0].name, calls[0].arguments)
+    follow = MESSAGES + [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "12:00"}]
+    second = hermes_client.responses.create(model="tiny-chat", input=follow, tools=tools, tool_choice="none",
+                                            max_output_tokens=8, temperature=0)
+    assert [item.type for item in second.output] == ["message"]
+    with hermes_client.responses.stream(model="tiny-chat", input=MESSAGES, tools=tools, tool_choice="required",
+                                        parallel_tool_calls=False, max_output_tokens=120, temperature=0) as stream:
+        events = list(stream)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [calls[0].arguments]
 
 
 def test_history_renders_arguments_as_objects(server):

@@ -81,6 +81,7 @@ class Grammar:
     source: str
     _template: Any = field(repr=False, compare=False)  # an llguidance LLMatcher at the start state
     _words: int = field(repr=False, compare=False)  # int32 words in a mask row
+    _definition: str = field(default="", repr=False, compare=False)  # llguidance's grammar text (JSON or Lark)
 
     def matcher(self) -> "Matcher":
         return Matcher(self._template.deep_copy(), self._words)
@@ -177,6 +178,20 @@ class GrammarCompiler:
         """Output in a Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON schema)."""
         return self._compile("lark", grammar, lambda: self._ll.LLMatcher.grammar_from_lark(grammar), param)
 
+    def around(self, outer: str, inner: Grammar, param: str) -> Grammar:
+        """Output in the Lark grammar `outer`, in which `@answer` stands for output in `inner` (a grammar this compiler
+        made): free text before a constrained part, for instance. The result keeps `inner`'s kind.
+
+        Raises:
+            GrammarError: `outer` is invalid.
+        """
+        definition = inner._definition
+        parts = json.loads(definition)["grammars"] if definition.lstrip().startswith("{") else [
+            {"lark_grammar": definition}]
+        parts = [dict(parts[0], name="answer"), *parts[1:]]
+        text = json.dumps({"grammars": [{"name": "outer", "lark_grammar": outer}, *parts]})
+        return self._compile(inner.kind, f"{outer}\n@answer: {inner.source}", lambda: text, param)
+
     def _compile(self, kind: str, source: str, make, param: str) -> Grammar:
         key = (kind, source)
         with self._lock:
@@ -193,7 +208,7 @@ class GrammarCompiler:
         template = self._ll.LLMatcher(self.tokenizer, text, log_level=0)
         if template.is_error():
             raise GrammarError(f"invalid {kind.replace('_', ' ')}: {template.get_error()}", param)
-        grammar = Grammar(kind, source, template, self.words)
+        grammar = Grammar(kind, source, template, self.words, text)
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > CACHE_SIZE:

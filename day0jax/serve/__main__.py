@@ -58,6 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "('ready', the default), every program ('all': no compile after ready) or nothing; the "
                         "rest compile in the background once serving")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--reasoning-parser", metavar="NAME|none",
+                   help="how a reasoning model's output splits into its reasoning and its answer: think (<think>...), "
+                        "seed_oss, hunyuan, mistral ([THINK]...), gemma4, harmony (gpt-oss), or vLLM's names for "
+                        "them (deepseek_r1, qwen3, glm45, minimax_m2, kimi_k2, gpt_oss, ...); 'none' leaves the "
+                        "reasoning in the content (default: read from the chat template)")
     logs.add_argument(p)
     cli.add_compile_cache_arguments(p)
     cli.add_engine_arguments(p)
@@ -70,6 +75,7 @@ def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
     """Loads and warms up the engine, starts it on `loop` and marks the server ready, updating `state.status`,
     `state.detail` and `state.timeline` as it goes."""
     from day0jax.engine.async_engine import AsyncEngine
+    from day0jax.serve import reasoning
     from day0jax.start import start_engine
     from day0jax.startup.warmup import compile_totals
 
@@ -83,6 +89,7 @@ def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
     if model.tokenizer is None:
         raise SystemExit(f"{model.path} has no tokenizer.json: the server needs one to read text")
     state.tokenizer, state.max_model_len, state.model = model.tokenizer, started.engine.max_model_len, model
+    state.reasoning = reasoning.choose(args.reasoning_parser, model.tokenizer)
     state.engine = AsyncEngine(started.engine)
     state.engine.start(loop)
     state.timeline.mark_ready()
@@ -138,6 +145,14 @@ def main(argv=None) -> int:
             log.error("--allowed-media-dir %s: not a folder", args.allowed_media_dir)
             return 2
         media_dir = str(args.allowed_media_dir.resolve())
+    if args.reasoning_parser is not None:
+        from day0jax.serve import reasoning
+
+        try:
+            reasoning.by_name(args.reasoning_parser)
+        except ValueError as e:
+            log.error("--reasoning-parser: %s", e)
+            return 2
     if args.max_images_per_request < 0:
         log.error("--max-images-per-request must be >= 0, got %d", args.max_images_per_request)
         return 2

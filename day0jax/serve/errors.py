@@ -55,11 +55,20 @@ async def _api_error(request: Request, e: APIError):
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
+def _field_path(loc) -> list[str]:
+    """A validation error's location as field names and indices: without the "body" prefix and the labels pydantic
+    gives the members of a union ("str", "list[...]", "function-after[...]")."""
+    return [str(x) for x in loc if x != "body" and not (isinstance(x, str) and (
+        "[" in x or x in ("str", "int", "float", "bool", "dict", "list", "none")))]
+
+
 async def _validation_error(request: Request, e: RequestValidationError):
-    # The first error is enough to act on; `param` names the field as a dotted path without the "body" prefix.
+    # One error is enough to act on: the one deepest in the body (a union's members each report one, and the
+    # deepest names the field at fault); `param` names the field as a dotted path.
     errors = e.errors()
-    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    first = max(errors, key=lambda err: len(_field_path(err.get("loc", ()))), default=None) if errors else None
+    first = first or {"msg": "invalid request", "loc": ()}
+    loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":

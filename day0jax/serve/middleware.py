@@ -21,7 +21,7 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 # The /v1 routes the metrics name; any other path counts as "other", so probing unknown paths cannot grow the
 # metrics without bound.
-ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
+ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 class GuardMiddleware:

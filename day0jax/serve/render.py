@@ -1,12 +1,14 @@
 """Render: a request's prompt as token ids and, for a vision-language model, its images as the engine's image inputs.
 
 A completion's prompts are tokenized (or taken as token ids). A chat goes one path: the messages (and the offered
-tools) through the chat template, then tokenized. Image parts are decoded (data: URLs, or file:// URLs inside the
-server's --allowed-media-dir; nothing is fetched), shown to the template as `{"type": "image"}` parts, each
-placeholder expanded as the model family's processor expands it, and the images preprocessed for the engine
-(`_image_inputs`, the one place the model's image methods are called). Each image's encoded size (--max-image-bytes)
-and then its declared pixel count (--max-image-pixels, read from the header) are checked before its pixels are
-decoded. Rendering runs off the event loop: a long chat or a large image takes milliseconds other streams would wait.
+tools, and the request's template variables: `chat_template_kwargs`, `reasoning_effort`) through the chat template,
+then tokenized; for a reasoning model, the end of the prompt says where its output starts (`reasoning`). Image parts
+are decoded (data: URLs, or file:// URLs inside the server's --allowed-media-dir; nothing is fetched), shown to the
+template as `{"type": "image"}` parts, each placeholder expanded as the model family's processor expands it, and the
+images preprocessed for the engine (`_image_inputs`, the one place the model's image methods are called). Each
+image's encoded size (--max-image-bytes) and then its declared pixel count (--max-image-pixels, read from the header)
+are checked before its pixels are decoded. Rendering runs off the event loop: a long chat or a large image takes
+milliseconds other streams would wait.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from day0jax.core.errors import GenerationError
 from day0jax.serve import protocol as P
 from day0jax.serve.errors import APIError
+from day0jax.serve.reasoning import Reasoning
 from day0jax.serve.state import ServerState
 from day0jax.vision.images import ImageError, load_image
 from day0jax.vision.inputs import ImageInputs
@@ -40,14 +43,15 @@ async def completion(state: ServerState, prompts: list[str | list[int]]) -> list
     return ids
 
 
-async def chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] | None
-               ) -> tuple[list[int], ImageInputs | None]:
+async def chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] | None,
+               add_generation_prompt: bool = True) -> tuple[list[int], ImageInputs | None]:
     """The prompt of a chat request.
 
     Args:
         state: the server state (tokenizer, model, image limits and media folder).
         body: the chat request, validated.
         tools: the offered tools as the template takes them (`validate.OfferedTools.specs`), or None.
+        add_generation_prompt: end with the assistant turn's opening (what generation needs; /tokenize may not).
     Returns:
         (token ids, with each image's placeholder tokens expanded; the preprocessed images, or None without any).
     Raises:
@@ -56,16 +60,26 @@ async def chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[di
             encoded bytes than `state.max_image_bytes` or more pixels than `state.max_image_pixels`), a chat template
             that fails or does not show each image once, or text that spells the image placeholder.
     """
-    return await asyncio.to_thread(_chat, state, body, tools)
+    return await asyncio.to_thread(_chat, state, body, tools, add_generation_prompt)
 
 
-def _chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] | None
+def reasoning(state: ServerState, prompt: list[int]) -> Reasoning | None:
+    """For a reasoning model (`state.reasoning`), where the output of `prompt` starts: in the reasoning (the template
+    opened it), in the answer (it closed it: thinking switched off), or either; None for other models."""
+    if state.reasoning is None:
+        return None
+    tail = state.tokenizer.decode(prompt[-16:], skip_special_tokens=False)
+    return Reasoning(state.reasoning, state.reasoning.start(tail))
+
+
+def _chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] | None, add_generation_prompt: bool
           ) -> tuple[list[int], ImageInputs | None]:
     images = [_load_image(state, part.image_url.url, f"messages[{i}].content[{j}].image_url")
               for i, j, part in body.image_parts()]
     messages = [template_message(m) for m in body.messages]
+    kwargs = body.template_kwargs() | ({"tools": tools} if tools else {})
     try:
-        text = state.tokenizer.render_chat(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
+        text = state.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - a template choking on odd messages is the request's problem
@@ -86,7 +100,8 @@ def _chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] |
 def template_message(m: P.ChatMessage) -> dict:
     """A chat message as chat templates take it (as transformers passes them): an assistant's tool-call arguments
     as objects, not JSON text; a message with images keeps its parts, each image as `{"type": "image"}`, else its
-    content is its text."""
+    content is its text; an assistant's reasoning as `reasoning_content` (Qwen3, GLM, MiniMax, Kimi, DeepSeek read
+    it) and `thinking` (gpt-oss), only when given (templates test whether the key is there)."""
     content: Any = m.text()
     if m.images():
         content = [{"type": "image"} if isinstance(part, P.ImagePart) else {"type": "text", "text": part.text}
@@ -99,6 +114,9 @@ def template_message(m: P.ChatMessage) -> dict:
             "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None and m.role == "assistant":
+        out["reasoning_content"] = out["thinking"] = reasoning
     return out
 
 

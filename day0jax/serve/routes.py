@@ -1,18 +1,24 @@
-"""The HTTP routes: /health, /metrics, /v1/models, /v1/chat/completions and /v1/completions.
+"""The HTTP routes: /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /tokenize and
+/detokenize.
 
 A generation route composes the request path's steps, each in its own module, in order: parse (FastAPI, with the
-`protocol` schemas) -> `validate` -> `render` -> `constrain` -> `submit` -> `stream` -> `format`.
+`protocol` schemas) -> `validate` -> `render` -> `constrain` -> `submit` -> `stream` -> `format`. A Responses API
+request takes the chat path as the chat request it amounts to, with its own formatter; its errors name its own
+fields.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from day0jax.serve import constrain, format, protocol as P, render, stream, submit, validate
+from day0jax.serve.errors import APIError
 from day0jax.serve.state import ServerState, note_dead_engine
 from day0jax.serve.validate import ready
 
@@ -50,14 +56,37 @@ async def list_models(state: State):
 
 @router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=_ERRORS)
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, state: State):
+    return await _chat(state, body, request, format.Chat(state.model_name, body.include_reasoning),
+                       P.new_id("chatcmpl"))
+
+
+@router.post("/v1/responses", response_model=P.ResponseObject, responses=_ERRORS)
+async def responses(body: P.ResponsesRequest, request: Request, state: State):
+    try:
+        validate.responses(state, body)
+        try:
+            chat = body.chat()
+        except ValidationError as e:  # what the chat request refuses beyond the Responses schema
+            error = e.errors()[0]
+            raise APIError(400, f"input: {error['msg']}", param=".".join(map(str, error["loc"]))) from None
+        return await _chat(state, chat, request, format.Responses(state.model_name, body), P.new_id("resp", "_"))
+    except APIError as e:
+        e.param = P.responses_param(e.param)
+        raise
+
+
+async def _chat(state: ServerState, body: P.ChatCompletionRequest, request: Request, fmt: format.Formatter,
+                rid: str):
+    """A chat request through every step, answered by `fmt`."""
     arrival = time.monotonic()
     checked = validate.chat(state, body)
     prompt, images = await render.chat(state, body, checked.tools.specs if checked.tools else None)
-    constraints = await constrain.constraints(state, body, checked.tools)
-    run = submit.submit(state, checked.engine, P.new_id("chatcmpl"), body, [prompt], constraints,
+    reasoning = render.reasoning(state, prompt)
+    constraints = await constrain.constraints(state, body, checked.tools, reasoning)
+    run = submit.submit(state, checked.engine, rid, body, [prompt], constraints,
                         [images] if images is not None else None)
-    outputs = stream.Outputs(state, run, checked.stops, checked.tools, arrival)
-    return await format.respond(request, outputs, format.Chat(state.model_name), body)
+    outputs = stream.Outputs(state, run, checked.stops, checked.tools, arrival, reasoning)
+    return await format.respond(request, outputs, fmt, body)
 
 
 @router.post("/v1/completions", response_model=P.CompletionResponse, responses=_ERRORS)
@@ -69,3 +98,24 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
     run = submit.submit(state, checked.engine, P.new_id("cmpl"), body, prompts, constraints)
     outputs = stream.Outputs(state, run, checked.stops, None, arrival)
     return await format.respond(request, outputs, format.Completion(state.model_name), body)
+
+
+@router.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS)
+async def tokenize(body: P.TokenizeRequest, state: State):
+    validate.tokenize(state, body)
+    tokenizer = state.tokenizer
+    if body.messages is None:
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens is not False)
+    else:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids, _ = await render.chat(state, body.chat(), tools, add_generation_prompt=body.add_generation_prompt)
+        if body.add_special_tokens:  # the tokenizer's own additions (a BOS) before the template's text
+            ids = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False))
+    strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+    return P.TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+
+@router.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS)
+async def detokenize(body: P.DetokenizeRequest, state: State):
+    validate.detokenize(state, body)
+    return P.DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))

@@ -7,6 +7,7 @@ from typing import Any
 
 from day0jax.engine.async_engine import AsyncEngine
 from day0jax.serve.metrics import Metrics
+from day0jax.serve.reasoning import ReasoningSyntax
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     tokenizer: Any = None
     model: Any = None  # the loaded `Model` (its grammar compiler, for structured output)
+    reasoning: ReasoningSyntax | None = None  # how outputs are split into reasoning and answer (None: not split)
     max_model_len: int = 0
     metrics: Metrics | None = None
     in_flight: int = 0

@@ -1,8 +1,9 @@
 """Stream: a submitted request's engine events become each choice's text as its tokens arrive.
 
 A choice's text passes, in order: incremental detokenization (each token decoded with a few before it as context; a
-token may complete a multi-byte character), stop strings (the text is cut before one, the sequence aborted), then
-tool-call parsing (a call's text is held back while streaming and parsed into `tool_calls` when the choice ends).
+token may complete a multi-byte character), stop strings (the text is cut before one, the sequence aborted), the
+reasoning split of a reasoning model (the reasoning apart from the answer, `reasoning.Splitter`), then tool-call
+parsing of the answer (a call's text is held back while streaming and parsed into `tool_calls` when the choice ends).
 What can still change is never sent (`Choice.sendable`). Token metrics (time to first token, inter-token latency,
 finish reasons) are counted here. Choices are numbered prompt-major, as OpenAI numbers them.
 """
@@ -19,6 +20,7 @@ from fastapi import Request
 from day0jax.engine.async_engine import EngineDead
 from day0jax.engine.requests import TokenEvent
 from day0jax.serve.errors import APIError
+from day0jax.serve.reasoning import Reasoning, Splitter
 from day0jax.serve.state import ServerState
 from day0jax.serve.submit import Run
 from day0jax.serve.tools import ToolCall
@@ -29,16 +31,21 @@ class Detokenizer:
     """Token ids to text, with the single-token texts (logprobs' `token` fields) cached.
 
     Args:
-        tokenizer: the model's tokenizer (`decode(ids, skip_special_tokens=...)`).
+        tokenizer: the model's tokenizer (`decode(ids, skip_special_tokens=...)`, `special_ids`).
         keep_special: keep special tokens in the text (a tool-call marker such as Mistral's [TOOL_CALLS] is one).
+        keep: special tokens kept in the text when the others are left out (a reasoning syntax's markers, such as
+            harmony's <|channel|>).
     """
 
-    def __init__(self, tokenizer, keep_special: bool = False):
+    def __init__(self, tokenizer, keep_special: bool = False, keep: frozenset[int] = frozenset()):
         self.tok, self.keep_special = tokenizer, keep_special
+        self._drop = frozenset() if keep_special or not keep else tokenizer.special_ids - keep
         self._cache: dict[int, str] = {}
 
     def text(self, ids: list[int]) -> str:
-        """The text of a sequence of ids, special tokens left out unless `keep_special`."""
+        """The text of a sequence of ids, special tokens left out unless `keep_special` (or kept in `keep`)."""
+        if self._drop:
+            return self.tok.decode([i for i in ids if i not in self._drop], skip_special_tokens=False)
         return self.tok.decode(ids, skip_special_tokens=not self.keep_special)
 
     def token(self, token_id: int) -> str:
@@ -54,10 +61,15 @@ class Choice:
 
     index: int
     stops: list[str]
-    tools: OfferedTools | None = None  # the offered tools: calls in the text become `tool_calls`
+    tools: OfferedTools | None = None  # the offered tools: calls in the answer become `tool_calls`
+    splitter: Splitter | None = None  # a reasoning model's: the reasoning apart from the answer
     ids: list[int] = field(default_factory=list)
-    text: str = ""  # text so far (stop strings cut away)
-    sent: int = 0  # characters of `text` already streamed
+    text: str = ""  # text so far (stop strings cut away); once finished, the content (reasoning and calls apart)
+    sent: int = 0  # characters of the content already streamed
+    reasoning: str = ""  # the reasoning, once finished
+    reasoning_sent: int = 0  # characters of the reasoning already streamed
+    reasoning_tokens: int = 0  # tokens of the reasoning (markup included), once finished
+    starts: list[int] = field(default_factory=list)  # where each token's text starts in `text`
     finish_reason: str | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     sent_logprobs: int = 0
@@ -84,6 +96,7 @@ class Choice:
         settled = len(self._settled)
         if event.token is not None and not event.stop_token:
             self.ids.append(event.token)
+            self.starts.append(len(self.text))
             # Incremental: decode only the tokens since the last settled text, with the chunk before them as
             # context (a tokenizer may render a token differently at the start of a text), so a long output costs
             # linear time. Text ending in U+FFFD is an unfinished character: it settles with a later token.
@@ -102,26 +115,40 @@ class Choice:
                 self.text, stopped = self.text[:pos], True
         return stopped
 
-    def sendable(self) -> str:
-        """Returns the new text safe to stream, marked as sent: all that is left once the choice finished, else holding
-        back an unfinished UTF-8 character, a possible stop-string prefix or a tool call (later tokens settle them)."""
-        text = self.text
-        end = len(text)
-        if self.finish_reason is None:
-            while end > self.sent and text[end - 1] == "\ufffd":
+    def sendable(self) -> tuple[str, str]:
+        """Returns the new reasoning and the new content safe to stream, marked as sent: all that is left once the
+        choice finished, else holding back an unfinished UTF-8 character, a possible stop-string prefix, what may
+        still be a reasoning marker, or a tool call (later tokens settle them)."""
+        if self.finish_reason is not None:
+            reasoning, content = self.reasoning, self.text
+            end = len(content)
+        else:
+            text = self.text
+            end = len(text)
+            while end > 0 and text[end - 1] == "\ufffd":
                 end -= 1
-            hold = max((len(s) - 1 for s in self.stops), default=0)
-            end = max(self.sent, end - hold)
+            end = max(0, end - max((len(s) - 1 for s in self.stops), default=0))
+            reasoning, content = "", text
+            if self.splitter is not None:  # the split of what later tokens cannot change
+                split = self.splitter.split(text[:end], final=False)
+                reasoning, content = split.reasoning, split.answer
+                end = len(content)
             if self.tools is not None:  # a tool call's text is never streamed as content
-                end = max(self.sent, min(end, self.tools.syntax.hold_back(text)))
-        new = text[self.sent:end]
-        self.sent = end
-        return new
+                end = min(end, self.tools.syntax.hold_back(content))
+        end = max(self.sent, end)
+        new_reasoning, new = reasoning[self.reasoning_sent:], content[self.sent:end]
+        self.reasoning_sent, self.sent = max(self.reasoning_sent, len(reasoning)), end
+        return new_reasoning, new
 
     def finish(self, reason: str) -> None:
-        """Ends the choice: the tool calls in its text become `tool_calls` (the text keeps the content before them)
-        and the finish reason "tool_calls"."""
+        """Ends the choice: a reasoning model's reasoning goes apart from the text (it keeps the answer), the tool
+        calls in the answer become `tool_calls` (the text keeps the content before them) and the finish reason
+        "tool_calls"."""
         self.finish_reason = reason
+        if self.splitter is not None:
+            split = self.splitter.split(self.text, final=True)
+            self.reasoning, self.text = split.reasoning, split.answer
+            self.reasoning_tokens = sum(any(a <= at < b for a, b in split.spans) for at in self.starts)
         if self.tools is None:
             return
         content, calls = self.tools.syntax.parse(self.text, self.tools.parameters)
@@ -139,12 +166,17 @@ class Outputs:
         stops: the stop strings.
         tools: the offered tools, or None.
         arrival: `time.monotonic()` when the request arrived (latency metrics count from there).
+        reasoning: a reasoning model's reasoning (`render.reasoning`), or None: the text is all answer.
     """
 
-    def __init__(self, state: ServerState, run: Run, stops: list[str], tools: OfferedTools | None, arrival: float):
-        self.state, self.run, self.arrival = state, run, arrival
-        self.choices = [Choice(k * run.n + j, stops, tools) for k in range(len(run.streams)) for j in range(run.n)]
-        self.detok = Detokenizer(state.tokenizer, keep_special=tools is not None)
+    def __init__(self, state: ServerState, run: Run, stops: list[str], tools: OfferedTools | None, arrival: float,
+                 reasoning: Reasoning | None = None):
+        self.state, self.run, self.arrival, self.reasoning = state, run, arrival, reasoning
+        self.choices = [Choice(k * run.n + j, stops, tools, reasoning.splitter() if reasoning else None)
+                        for k in range(len(run.streams)) for j in range(run.n)]
+        keep = frozenset(i for t in reasoning.syntax.specials if (i := state.tokenizer.token_id(t)) is not None) \
+            if reasoning else frozenset()
+        self.detok = Detokenizer(state.tokenizer, keep_special=tools is not None, keep=keep)
         self.cached_tokens = 0  # prompt tokens taken from the prefix cache
         self._tasks: list[asyncio.Task] = []
         self._completed = False

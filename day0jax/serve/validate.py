@@ -19,6 +19,8 @@ from day0jax.serve.errors import APIError
 from day0jax.serve.state import ServerState, note_dead_engine
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
+# Template variables the server sets itself; chat_template_kwargs may not name them.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 MAX_STOPS = 16
 CHARS_PER_TOKEN = 64  # a text over this many characters per context token is refused before it is tokenized
 
@@ -63,17 +65,72 @@ def chat(state: ServerState, body: P.ChatCompletionRequest) -> Checked:
         APIError: 503 while not ready, 429 when the queue is full, else 400 naming the field: another model, an
             unimplemented OpenAI field, text that is not valid Unicode or too long, more sequences than the queue
             holds, tools the template cannot call, top_logprobs without logprobs, images the model or the server
-            does not take, more than one grammar, a logit_bias key that is not a token id, bad stop strings.
+            does not take, more than one grammar, a logit_bias key that is not a token id, bad stop strings, template
+            variables the server sets itself, a reasoning_effort the template does not read.
     """
     engine = _admitted(state, body)
     _check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
     _check_sequences(engine, body.n)
+    _check_template_variables(state, body)
     tools = _offered_tools(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     _check_images(state, body)
     _check_constraints(body)
     return Checked(engine, _stops(body.stop), tools)
+
+
+def responses(state: ServerState, body: P.ResponsesRequest) -> None:
+    """Checks what a Responses API request asks beyond the chat request it amounts to (which `chat` then checks).
+
+    Raises:
+        APIError: 400 for an unimplemented OpenAI field (naming it), text that is not valid Unicode, or a request for
+            stored responses (`previous_response_id`, `store: true`): nothing is stored.
+    """
+    _check_fields(body)
+    if body.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the whole "
+                       "conversation in input (earlier output items included)", param="previous_response_id",
+                       code="unsupported_parameter")
+    if body.store:
+        raise APIError(400, "store: this server stores no responses; send store: false (or leave it out)",
+                       param="store", code="unsupported_parameter")
+
+
+def tokenize(state: ServerState, body: P.TokenizeRequest) -> None:
+    """Checks a /tokenize request.
+
+    Raises:
+        APIError: 503 while not ready, else 400 for another model, text that is not valid Unicode or too long, both
+            or neither of prompt and messages, continue_final_message, template variables the server sets.
+    """
+    _served(state, body)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send either prompt or messages", param="prompt" if body.prompt is not None else
+                       "messages")
+    if body.continue_final_message:
+        raise APIError(400, "continue_final_message is not supported", param="continue_final_message",
+                       code="unsupported_parameter")
+    if body.prompt is not None:
+        _check_chars(state, len(body.prompt), "prompt")
+    else:
+        _check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
+        _check_images(state, body.chat())
+    _check_template_variables(state, body)
+
+
+def detokenize(state: ServerState, body: P.DetokenizeRequest) -> None:
+    """Checks a /detokenize request.
+
+    Raises:
+        APIError: 503 while not ready, else 400 for another model or a token id outside the vocabulary.
+    """
+    _served(state, body)
+    size = state.tokenizer.vocab_size
+    for i, token in enumerate(body.tokens):
+        if not 0 <= token < size:
+            raise APIError(400, f"token id {token} is outside the vocabulary (0 to {size - 1})",
+                           param=f"tokens[{i}]")
 
 
 def completion(state: ServerState, body: P.CompletionRequest) -> Checked:
@@ -109,17 +166,30 @@ def ready(state: ServerState) -> AsyncEngine:
 
 def _admitted(state: ServerState, body) -> AsyncEngine:
     """The engine, for a generation request it may take: the fields are served, the server is ready, its queue has
-    room and `body.model` is the served model."""
+    room and `body.model` is the served model (or left out)."""
     _check_fields(body)
     engine = ready(state)
     e = engine.engine
     if e.num_waiting >= e.config.max_waiting:
         raise APIError(429, f"the server is at capacity ({e.num_waiting} requests queued); retry later",
                        "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-    if body.model != state.model_name:
+    _check_model(state, body)
+    return engine
+
+
+def _served(state: ServerState, body) -> AsyncEngine:
+    """The engine, for a request whose fields are served, once the server is ready and `body.model` (when given) is
+    the served model."""
+    _check_fields(body)
+    engine = ready(state)
+    _check_model(state, body)
+    return engine
+
+
+def _check_model(state: ServerState, body) -> None:
+    if body.model is not None and body.model != state.model_name:
         raise APIError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
-    return engine
 
 
 def _check_fields(body) -> None:
@@ -167,6 +237,20 @@ def _check_chars(state: ServerState, n: int, param: str) -> None:
         raise APIError(400, f"the {param} has {n} characters, more than this server accepts ({limit}; "
                        f"the model's context is {state.max_model_len} tokens)", param=param,
                        code="context_length_exceeded")
+
+
+def _check_template_variables(state: ServerState, body) -> None:
+    """Refuses chat_template_kwargs naming a variable the server sets (messages, tools, add_generation_prompt), and
+    a reasoning_effort for a template that never reads it (it would be silently ignored)."""
+    for key in body.chat_template_kwargs or {}:
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise APIError(400, f"chat_template_kwargs may not set {key!r}: the request's own fields do",
+                           param=f"chat_template_kwargs.{key}")
+    if getattr(body, "reasoning_effort", None) is not None and "reasoning_effort" not in (
+            state.tokenizer.chat_template or ""):
+        raise APIError(400, "reasoning_effort is not supported by this model: its chat template does not read it "
+                       "(where the template reads a thinking switch, such as enable_thinking, set it with "
+                       "chat_template_kwargs)", param="reasoning_effort", code="unsupported_parameter")
 
 
 def _offered_tools(state: ServerState, body: P.ChatCompletionRequest) -> OfferedTools | None:

@@ -49,6 +49,7 @@ class Tokenizer:
         self.special_tokens = {k: _token_text(self.config.get(k)) for k in SPECIAL_KEYS if self.config.get(k)}
         self.chat_template = self._find_template(folder)
         self._compiled = None
+        self._special_ids: frozenset[int] | None = None
 
     def _find_template(self, folder: Path) -> str | None:
         if (folder / "chat_template.jinja").is_file():
@@ -72,6 +73,13 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special tokens (those decoding leaves out with skip_special_tokens)."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -91,8 +99,9 @@ class Tokenizer:
         if self._compiled is None:
             self._compiled = _environment().from_string(self.chat_template)
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **kwargs)
+            # The request's template variables may name a special token too: theirs win, as in transformers.
+            return self._compiled.render(**{**self.special_tokens, **kwargs, "messages": messages,
+                                            "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
 

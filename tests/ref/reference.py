@@ -33,13 +33,24 @@ Jobs (each a dict with "op"):
                REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
                layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
                transformers' own (float64), the rest written out here.
+  mamba2       {inputs, out}: transformers' own torch functions of Mamba2 layers (NemotronH's module; Falcon-H1's and
+               Granite 4's are the same code) on the arrays of the INPUTS .npz, layouts as day0jax's: x [B, T, N, H],
+               dt [B, T, N], A, D, dt_bias [N], b, c [B, T, G, Z], state [B, N, H, Z], `chunk` and `limit` [2].
+               Writes `chunk_out`, `chunk_state` (mamba2_chunk_scan from the state) and `step_out`, `step_state`
+               (mamba2_selective_state_update on token 0 from the state); with y, z [B, T, I] and norm_weight [I],
+               `gated_norm` (NemotronH's gate-then-norm over `norm_groups` groups) and `norm_gated` (Falcon-H1's
+               norm-before-gate).
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
-               {content, calls: [[name, arguments]]}.
+               {content, reasoning, calls: [[name, arguments]]}.
+  render_chat  {cases: [{model, messages, tools?, kwargs?}], out}: the chat template of the tokenizer folder `model`
+               applied to `messages` with a generation prompt (`apply_chat_template(..., tokenize=False, **kwargs)`);
+               OUT is a JSON list of the rendered texts.
 """
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -141,6 +152,8 @@ def tiny_hf(job):
                 p.normal_(1.0, 0.1)
             elif name.endswith("router.gate.weight") and not p.any():
                 p.normal_(0.0, config.initializer_range)
+            elif re.search(r"\.(mixer|mamba)\.(A_log|D|dt_bias)$", name):  # Mamba2's per-head constants at init
+                p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's image projection, 0 at init
                 p.normal_(0.0, 0.2)
             elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
@@ -494,6 +507,41 @@ def mtp(job):
     np.savez(job["reference"], **result)
 
 
+def mamba2(job):
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+    from transformers.models.nemotron_h import modeling_nemotron_h as mod
+
+    plain = lambda f: getattr(f, "__wrapped__", f)  # the torch code itself, not a hub or mamba_ssm kernel
+    x = {k: torch.from_numpy(v) for k, v in np.load(job["inputs"]).items()}
+    result = {}
+    with torch.no_grad():
+        if "x" in x:
+            B, T, N, H = x["x"].shape
+            G, Z = x["b"].shape[2:]
+            chunk, limit = int(x["chunk"]), tuple(float(v) for v in x["limit"])
+            out, final = plain(mod.mamba2_chunk_scan)(
+                x["x"], x["dt"], x["A"], x["b"], x["c"], chunk_size=chunk, D=x["D"], dt_bias=x["dt_bias"],
+                initial_states=x["state"].clone(), dt_softplus=True, dt_limit=limit, return_final_states=True)
+            result["chunk_out"], result["chunk_state"] = out.numpy(), final.numpy()
+            # As mamba2_scan_forward calls it for a decode step: per-head values expanded over the head dim.
+            state = x["state"].clone()
+            out = plain(mod.mamba2_selective_state_update)(
+                state, x["x"][:, 0], x["dt"][:, :1].transpose(1, 2).expand(-1, -1, H),
+                x["A"][:, None, None].expand(-1, H, Z), x["b"][:, 0], x["c"][:, 0], x["D"][:, None].expand(-1, H),
+                z=None, dt_bias=x["dt_bias"][:, None].expand(-1, H), dt_softplus=True)
+            result["step_out"], result["step_state"] = out.numpy(), state.numpy()
+        if "y" in x:
+            groups = int(x["norm_groups"])
+            I = x["y"].shape[-1]
+            norm = mod.NemotronHRMSNormGated(I, group_size=I // groups, eps=1e-5)
+            norm.weight.copy_(x["norm_weight"])
+            result["gated_norm"] = norm(x["y"], x["z"]).numpy()
+            norm = FalconH1RMSNormGated(I, eps=1e-5, n_groups=groups, norm_before_gate=True)
+            norm.weight.copy_(x["norm_weight"])
+            result["norm_gated"] = norm(x["y"], x["z"]).numpy()
+    np.savez(job["out"], **result)
+
+
 def parse_tools(job):
     from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
     from transformers.utils.chat_parsing.response_parser import parse_response
@@ -505,9 +553,21 @@ def parse_tools(job):
         anchor = template["start_anchor"]
         message = parse_response(case["text"], template, prefix=anchor if isinstance(anchor, str) else anchor[0],
                                  tools=case["tools"])
-        out.append({"content": message.get("content", ""),
+        out.append({"content": message.get("content", ""), "reasoning": message.get("reasoning_content"),
                     "calls": [[c["function"]["name"], c["function"]["arguments"]]
                               for c in message.get("tool_calls") or []]})
+    json.dump(out, open(job["out"], "w"))
+
+
+def render_chat(job):
+    tokenizers = {}
+    out = []
+    for case in job["cases"]:
+        if case["model"] not in tokenizers:
+            tokenizers[case["model"]] = _load(case["model"], "tokenizer")
+        out.append(tokenizers[case["model"]].apply_chat_template(
+            case["messages"], tools=case.get("tools"), tokenize=False, add_generation_prompt=True,
+            **case.get("kwargs", {})))
     json.dump(out, open(job["out"], "w"))
 
 

@@ -1,9 +1,9 @@
 """Tool calling: which tool-call syntax a chat template teaches its model, parsing that syntax out of the output, and
 the grammar that forces a call (tool_choice "required" or a named function) with arguments that validate.
 
-Syntaxes live by kind: JSON arguments (`json_calls`), XML-like tags (`tagged`), Python calls (`pythonic`) and Gemma 4's
-own notation (`gemma4`). A template that mentions tools in another syntax is refused by name rather than served with
-calls left in the text.
+Syntaxes live by kind: JSON arguments (`json_calls`), XML-like tags (`tagged`), Python calls (`pythonic`), Gemma 4's
+own notation (`gemma4`) and gpt-oss's harmony messages (`harmony`). A template that mentions tools in another syntax
+is refused by name rather than served with calls left in the text.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import re
 
 from day0jax.engine.grammar import GrammarError
-from day0jax.serve.tools import gemma4, pythonic, tagged
+from day0jax.serve.tools import gemma4, harmony, pythonic, tagged
 from day0jax.serve.tools.base import ToolCall, ToolSyntax, Tools
 from day0jax.serve.tools.json_calls import JsonSyntax, MistralArgsSyntax, SectionSyntax
 
 __all__ = ["SYNTAXES", "ToolCall", "ToolSyntax", "Tools", "syntax_of"]
 
 SYNTAXES: dict[str, ToolSyntax] = {
-    "hermes": JsonSyntax("hermes", "<tool_call>", "arguments"),
+    "hermes": JsonSyntax("hermes", "<tool_call>", "arguments", "</tool_call>"),
     "mistral": JsonSyntax("mistral", "[TOOL_CALLS]", "arguments"),
     "mistral_args": MistralArgsSyntax("mistral_args", "[TOOL_CALLS]"),
     "llama3_json": JsonSyntax("llama3_json", "", "parameters"),
@@ -33,19 +33,18 @@ SYNTAXES: dict[str, ToolSyntax] = {
     "kimi_k2": SectionSyntax("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                              "<|tool_call_begin|>", "functions.", ":{i}<|tool_call_argument_begin|>",
                              "<|tool_call_end|>"),
-    **tagged.SYNTAXES, **pythonic.SYNTAXES, **gemma4.SYNTAXES,
+    **tagged.SYNTAXES, **pythonic.SYNTAXES, **gemma4.SYNTAXES, **harmony.SYNTAXES,
 }
 
-# Tool-call syntaxes of released templates that are recognized but not parsed, by a mark in the template.
-UNPARSED = {"to=functions.": "gpt-oss's harmony messages (to=functions.NAME)"}
 PARSED = ("Hermes <tool_call> JSON, Qwen3-Coder/Qwen3.5 <function=...>, GLM <arg_key>, MiniMax-M2 <invoke>, Seed-OSS, "
           "DeepSeek V3/V3.1 sections and V3.2 DSML, Kimi K2, Llama 3 JSON, Mistral [TOOL_CALLS], LFM2 pythonic and "
-          "Gemma 4 calls")
+          "Gemma 4 calls, gpt-oss harmony messages")
 # The first mark found in a template names its syntax (more specific marks first: GLM's and Qwen3.5's templates
-# also contain Hermes's <tool_call>).
+# also contain Hermes's <tool_call>; gpt-oss's writes "to=" and "functions." apart, and ends calls with <|call|>).
 MARKS = [
-    ("｜DSML｜", "deepseek_v32"), ("<|tool_calls_section_begin|>", "kimi_k2"),
-    ("<arg_key>", "glm"), ("<minimax:tool_call>", "minimax_m2"), ("<seed:tool_call>", "seed_oss"),
+    ("to=functions.", "harmony"), ("<|call|>", "harmony"), ("｜DSML｜", "deepseek_v32"),
+    ("<|tool_calls_section_begin|>", "kimi_k2"), ("<arg_key>", "glm"), ("<minimax:tool_call>", "minimax_m2"),
+    ("<seed:tool_call>", "seed_oss"),
     ("<function=", "qwen3_coder"), ("<|tool_call_start|>", "lfm2"), ("<|tool_list_start|>", "lfm2"),
     ("<|tool_call>", "gemma4"), ("[ARGS]", "mistral_args"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
     ("<|python_tag|>", "llama3_json"), ("ipython", "llama3_json"),
@@ -60,10 +59,6 @@ def syntax_of(template: str | None) -> ToolSyntax:
     """
     if not template or not re.search(r"\btools\b", template):
         raise GrammarError("this model's chat template has no tool support (it never reads `tools`)", "tools")
-    for mark, what in UNPARSED.items():
-        if mark in template:
-            raise GrammarError(f"this model's chat template calls tools with {what}, which day0jax does not parse "
-                               f"yet (it parses {PARSED})", "tools")
     if "tool▁calls▁begin" in template:  # V3 wraps the arguments in a json code block, V3.1 writes them bare
         return SYNTAXES["deepseek_v3" if "```json" in template else "deepseek_v31"]
     for mark, name in MARKS:

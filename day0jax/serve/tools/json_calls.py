@@ -26,6 +26,11 @@ class JsonSyntax(ToolSyntax):
     """Each call a JSON object with the function's name and its arguments under `arguments_key`."""
 
     arguments_key: str = "arguments"
+    close: str = ""  # what ends each call (Hermes's </tool_call>, a token in Qwen's tokenizers)
+
+    @property
+    def specials(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.marker, self.close) if s)
 
     def parse(self, text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
         start = text.find(self.marker) if self.marker else _json_start(text)
@@ -82,7 +87,8 @@ class JsonSyntax(ToolSyntax):
         body = json_value({"anyOf": variants} if len(variants) > 1 else variants[0])
         marker = lark_text(self.marker, special_ids)
         if self.name == "hermes":
-            return (f'start: call{"+" if parallel else ""}\ncall: {marker} "\\n" body "\\n</tool_call>" "\\n"?\n'
+            close = lark_text(self.close, special_ids)
+            return (f'start: call{"+" if parallel else ""}\ncall: {marker} "\\n" body "\\n" {close} "\\n"?\n'
                     f'body: {body}\n')
         if self.name == "mistral":
             more = '(", " body)*' if parallel else ""
