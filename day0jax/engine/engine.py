@@ -30,7 +30,7 @@ from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueF
                                      TokenEvent)
 from day0jax.engine.runner import ModelRunner
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
-from day0jax.engine.speculative import Speculation, make_proposer
+from day0jax.engine.speculative import Speculation, make_proposer, refuse_unverifiable_state
 from day0jax.startup.warmup import BackgroundCompiler, compile_programs
 from day0jax.vision.inputs import ImageInputs
 
@@ -84,6 +84,7 @@ class Engine:
         self.config = config
         self.spec = None
         if config.speculative is not None and self.layout.spec_tokens:
+            refuse_unverifiable_state(module)
             if self.runner.has_state and self.layout.rings:
                 raise GenerationError("speculative decoding is not implemented for models with both linear-attention "
                                       "layers and sliding-window layers that keep only their window (window_kv)")

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from day0jax.core.errors import GenerationError
 from day0jax.engine.config import SpeculativeConfig
 from day0jax.engine.requests import SequenceState
 
@@ -210,6 +211,21 @@ class Speculation:
     def turn_off(self, seq: SequenceState) -> None:
         """The row stops speculating for good (a device proposer's row that missed a step its state needed)."""
         self.row(seq).off = True
+
+
+def refuse_unverifiable_state(module) -> None:
+    """Refuses speculative decoding on a model with a per-sequence state its layers cannot keep token by token: a
+    verify step must leave the state after each of its tokens (`StateCache.targets`) so that the accepted one can
+    become the sequence's; a layer that writes only the state after the last token would keep rejected drafts in it.
+
+    Raises:
+        GenerationError: such a layer (one with a `state_layout` but without `per_token_states`), named.
+    """
+    lacking = sorted({type(m).__name__ for _, m in module.iter_modules()
+                      if hasattr(m, "state_layout") and not getattr(m, "per_token_states", False)})
+    if lacking:
+        raise GenerationError(f"speculative decoding is not implemented for models with {', '.join(lacking)} "
+                              "layers (their state after each verified token is not kept)")
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:

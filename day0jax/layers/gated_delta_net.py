@@ -59,6 +59,9 @@ class DeltaRuleMixer(nnx.Module):
     """What both delta-rule layers share: the per-sequence state and its layout, the convolutions over q/k/v and the
     recurrence. Subclasses set `self.shape` = (Nk, Nv, Hk, Hv, W)."""
 
+    # A speculative verify step can keep the state after each of its tokens (`StateCache.targets`).
+    per_token_states = True
+
     def state_layout(self) -> StateLayer:
         """Per sequence: the last W-1 inputs of each convolution, and the [Nv, Hk, Hv] recurrent state."""
         Nk, Nv, Hk, Hv, W = self.shape

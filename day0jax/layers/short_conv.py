@@ -40,6 +40,9 @@ class ShortConv(nnx.Module):
         use_bias: biases on in_proj, the convolution and out_proj (HF's `conv_bias`, all three).
     """
 
+    # A speculative verify step can keep the state after each of its tokens (`StateCache.targets`).
+    per_token_states = True
+
     def __init__(self, *, hidden_size: int, kernel_size: int, use_bias: bool, dtype=jnp.float32, rngs: nnx.Rngs):
         D, W = hidden_size, kernel_size
         # [3, D] outputs: HF's in_proj [3D, D] rows are B, C, x in that order, so conversion is a reshape.
