@@ -226,11 +226,11 @@ class Fixed(Proposer):
 def test_sampled_tokens_are_distributed_as_without_drafts():
     """Temperature 1 with top-p 0.9, on the tiny model with its logits scaled up 8 times (peaked, as trained models
     are, so that a few thousand draws tell distributions apart): tokens 2 and 3 after a fixed prompt (one verify
-    step scores both drafts) over N seeded draws each way. With P = Q, TV(P_N, Q_N) <= TV(P_N, P) + TV(Q_N, P), each of mean at most
-    1/2 sum_i sqrt(p_i / N) and within sqrt(ln(1/delta) / 2N) of it but for probability delta (McDiarmid: one
-    draw moves it by 1/N at most); so TV <= sum_i sqrt(p_i / N) + 2 sqrt(ln(1/delta) / 2N) but for probability
-    2 delta, p estimated by the pooled frequencies, delta = 1e-3. Keeping every draft instead (the test hook) is
-    far outside the bound."""
+    step scores both drafts) over N seeded draws each way. With P = Q, TV(P_N, Q_N) <= TV(P_N, P) + TV(Q_N, P),
+    each of mean at most 1/2 sum_i sqrt(p_i / N) and within sqrt(ln(1/delta) / 2N) of it but for probability delta
+    (McDiarmid: one draw moves it by 1/N at most); so TV <= sum_i sqrt(p_i / N) + 2 sqrt(ln(1/delta) / 2N) but for
+    probability 2 delta, p estimated by the pooled frequencies, delta = 1e-3. Keeping every draft instead (the test
+    hook) is far outside the bound."""
     N = 1600
     prompt = PROMPTS[0]
     llama = build(LLAMA)
