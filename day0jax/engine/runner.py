@@ -581,8 +581,8 @@ class ModelRunner:
         """Stage `s`'s forward program (`program`, else its jit; `verify`: the verify program) on one micro-batch;
         returns its outputs before the pools (the residual stream, or the logits and greedy tokens on the last
         stage)."""
-        if s == 0:
-            previous = self._no_previous if previous is None else previous
+        # Only the first stage reads input tokens from a sampler output; the others take the residual stream.
+        previous = (self._no_previous if previous is None else previous) if s == 0 else None
         inputs = [None if a is None else self._put(a, self.meshes[s]) for a in part.arrays()]
         jitted = (self._verify_jits if verify else self._stage_jits)[s]
         # The mesh is the context while tracing, for `sharding.rules.constrain` inside the model.
