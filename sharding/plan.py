@@ -38,6 +38,8 @@ class ModelShape:
     ffn_per_token: int  # F a token passes through, the most of any layer (MoE: k x expert F, plus shared experts)
     context_length: int  # the model's own
     moe_top_k: tuple[int, ...] = ()  # experts each token visits, one entry per MoE layer
+    # The multi-token-prediction layers' caches (speculative decoding): pages beside the layers', same pool layout
+    mtp_cache_layout: tuple[KVLayer, ...] = ()
 
     @classmethod
     def from_model(cls, model: Any, params: Sequence[Any], context_length: int) -> "ModelShape":
@@ -63,7 +65,8 @@ class ModelShape:
         V, D = getattr(model, "language_model", model).model.embed_tokens.weight.shape
         return cls(params=tuple(params), cache_layout=tuple(model.cache_layout()),
                    hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
-                   context_length=int(context_length), moe_top_k=tuple(top_k.values()))
+                   context_length=int(context_length), moe_top_k=tuple(top_k.values()),
+                   mtp_cache_layout=tuple(getattr(model, "mtp_cache_layout", list)()))
 
     @property
     def kv_layers(self) -> list[KVLayer]:
@@ -202,7 +205,8 @@ def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtyp
                    window_slots: dict[int, int] | None = None) -> int:
     """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer (sliding-window layers: see
     `layer_kv_bytes`)."""
-    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype, window_slots) for x in shape.cache_layout)
+    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype, window_slots)
+               for x in shape.cache_layout + shape.mtp_cache_layout)
 
 
 def state_bytes(shape: ModelShape, sizes: dict[str, int], state_slots: int) -> int:

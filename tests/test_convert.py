@@ -305,9 +305,12 @@ def test_sigkill_midway_leaves_no_destination(tiny, tmp_path):
 
 
 def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_path):
-    """Released DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` extra layers after the last one."""
+    """Released DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` extra layers after the last one: kept by
+    default (whole, or the conversion names what is missing; tests/test_mtp.py), dropped with `--no-mtp`, and a
+    layer past them is no MTP layer."""
     from safetensors.numpy import save_file
 
+    from convert.convert import Options
     from day0jax.core.errors import CheckpointError
 
     src = tmp_path / "src"
@@ -316,11 +319,13 @@ def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_
     tensors = load_file(str(src / "model.safetensors"))
     mtp = {f"model.layers.{layers}.eh_proj.weight": np.ones((4, 8), np.float32)}
     save_file(dict(tensors, **mtp), str(src / "model.safetensors"))
-    convert_checkpoint(src, tmp_path / "ok", progress=False)
+    convert_checkpoint(src, tmp_path / "ok", progress=False, options=Options(no_mtp=True))
+    with pytest.raises(CheckpointError, match=rf"tensor 'model\.layers\.{layers}\..*is missing"):
+        convert_checkpoint(src, tmp_path / "partial", progress=False)
     save_file(dict(tensors, **{f"model.layers.{layers + 1}.eh_proj.weight": np.ones((4, 8), np.float32)}),
               str(src / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"model\.layers\.{layers + 1}\.eh_proj\.weight.*is not used"):
-        convert_checkpoint(src, tmp_path / "bad", progress=False)
+        convert_checkpoint(src, tmp_path / "bad", progress=False, options=Options(no_mtp=True))
 
 
 def test_kimi_linear_moonshot_layout_converts_to_the_same_model(tiny, tmp_path):

@@ -109,18 +109,19 @@ def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:
 
 
 def layer_caches(pools: list, stateful: list[int], rings: list[int], block_tables: jax.Array, kv_lengths: jax.Array,
-                 positions: jax.Array, state_slots: jax.Array) -> list:
+                 positions: jax.Array, state_slots: jax.Array, state_targets: jax.Array | None = None) -> list:
     """Each layer's cache for one step: a `StateCache` for state layers (`stateful[i]`: the number of their state
-    arrays, the first of their pools), a `PagedKVCache` over the shared block tables or, for a layer with a ring
-    (`rings[i]` pages per slot), over its ring table; a `ParallelCache` of both for a state layer that also attends
-    (pools beyond its state arrays); None for a layer that keeps nothing of its own."""
+    arrays, the first of their pools; `state_targets`: a verify step's slot for the state after each token), a
+    `PagedKVCache` over the shared block tables or, for a layer with a ring (`rings[i]` pages per slot), over its
+    ring table; a `ParallelCache` of both for a state layer that also attends (pools beyond its state arrays); None
+    for a layer that keeps nothing of its own."""
     from day0jax.engine.state_cache import ParallelCache, StateCache
 
     tables = {r: ring_table(state_slots, r, block_tables.shape[1]) for r in set(rings) if r}
     caches = []
     for p, n, ring in zip(pools, stateful, rings):
         kv = PagedKVCache.from_pools(p[n:], tables.get(ring, block_tables), kv_lengths) if p[n:] else None
-        state = StateCache.for_rows(p[:n], state_slots, positions, kv_lengths) if n else None
+        state = StateCache.for_rows(p[:n], state_slots, positions, kv_lengths, state_targets) if n else None
         caches.append(ParallelCache(state, kv) if state is not None and kv is not None else state or kv)
     return caches
 

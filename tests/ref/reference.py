@@ -27,6 +27,12 @@ Jobs (each a dict with "op"):
                [, state] `chunk_out`, `chunk_state`, `recurrent_out`, `recurrent_state`; from x, weight
                `conv_out` (causal_conv1d_fn, SiLU); from x_step, conv_state, weight `step_out`, `step_state`
                (causal_conv1d_update, SiLU).
+  mtp          {family, config, seed, out, prompts, reference}: a tiny random model saved like `tiny_hf`, plus one
+               multi-token-prediction layer in the checkpoint's own layout (DeepSeek-V3's `model.layers.{L}.` with
+               enorm, hnorm, eh_proj, shared_head and its copies of the embedding and head; Qwen3-Next's `mtp.`), random;
+               REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
+               layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
+               transformers' own (float64), the rest written out here.
   mamba2       {inputs, out}: transformers' own torch functions of Mamba2 layers (NemotronH's module; Falcon-H1's and
                Granite 4's are the same code) on the arrays of the INPUTS .npz, layouts as day0jax's: x [B, T, N, H],
                dt [B, T, N], A, D, dt_bias [N], b, c [B, T, G, Z], state [B, N, H, Z], `chunk` and `limit` [2].
@@ -401,6 +407,104 @@ def gdn(job):
                                                   activation="silu")
             result["step_out"], result["step_state"] = out.transpose(1, 2).numpy(), state.transpose(1, 2).numpy()
     np.savez(job["out"], **result)
+
+
+def mtp(job):
+    import importlib
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf(job)
+    family = job["family"]
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    model = _load(job["out"]).double()
+    config = model.config
+    # float64 needs the plain torch code paths (grouped matmuls take no doubles)
+    config._attn_implementation = config._experts_implementation = "eager"
+    L, D = config.num_hidden_layers, config.hidden_size
+    torch.manual_seed(job.get("seed", 0) + 1)
+    deepseek = family == "deepseek_v3"
+    if deepseek:
+        layer = mod.DeepseekV3DecoderLayer(config, layer_idx=L)
+        prefix = f"model.layers.{L}."
+    else:  # Qwen3-Next: a full-attention layer, its MLP as layer 0's (as vLLM builds it)
+        import copy
+
+        own = copy.deepcopy(config)
+        own.layer_types = ["full_attention"] + list(config.layer_types[1:])
+        layer = mod.Qwen3NextDecoderLayer(own, layer_idx=0)
+        prefix = "mtp.layers.0."
+    layer = layer.double()
+    offset = 1.0 if not deepseek else 0.0  # Qwen3-Next's norms scale by (1 + weight)
+    extra = {}
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 - offset, 0.1)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.2)
+        for name, b in layer.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+        norm = lambda: torch.randn(D, dtype=torch.float64) * 0.1 + 1.0 - offset  # noqa: E731
+        proj = torch.randn(D, 2 * D, dtype=torch.float64) * (2 * D) ** -0.5
+        if deepseek:
+            names = {"enorm.weight": norm(), "hnorm.weight": norm(), "eh_proj.weight": proj,
+                     "shared_head.norm.weight": norm(),
+                     "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+                     "shared_head.head.weight": model.lm_head.weight.detach().clone()}
+            extra = {prefix + k: v for k, v in names.items()}
+        else:
+            extra = {"mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),
+                     "mtp.fc.weight": proj, "mtp.norm.weight": norm()}
+        for k, v in layer.state_dict().items():  # fused experts saved as save_pretrained saves them, one per expert
+            if k.endswith("experts.gate_up_proj"):
+                F = v.shape[1] // 2
+                for e in range(v.shape[0]):
+                    extra[f"{prefix}{k[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = v[e, :F].clone()
+                    extra[f"{prefix}{k[:-len('gate_up_proj')]}{e}.up_proj.weight"] = v[e, F:].clone()
+            elif k.endswith("experts.down_proj"):
+                for e in range(v.shape[0]):
+                    extra[f"{prefix}{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e].clone()
+            else:
+                extra[prefix + k] = v.detach().clone()
+    path = os.path.join(job["out"], "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({k: v.float().contiguous() for k, v in extra.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+    def rms(x, w):
+        x = x.numpy()
+        return torch.from_numpy(x / np.sqrt((x * x).mean(-1, keepdims=True) + config.rms_norm_eps)
+                                * (w.numpy() + offset))
+
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids = torch.tensor([prompt])
+            T = len(prompt) - 1
+            hidden = model.model(ids).last_hidden_state[:, :T]
+            embeds = model.model.embed_tokens(ids[:, 1:])
+            if deepseek:
+                x = torch.cat([rms(embeds, extra[prefix + "enorm.weight"]),
+                               rms(hidden, extra[prefix + "hnorm.weight"])], -1) @ extra[prefix + "eh_proj.weight"].T
+            else:
+                x = torch.cat([rms(embeds, extra["mtp.pre_fc_norm_embedding.weight"]),
+                               rms(hidden, extra["mtp.pre_fc_norm_hidden.weight"])], -1) @ extra["mtp.fc.weight"].T
+            positions = torch.arange(T)[None]
+            mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+            y = layer(x, attention_mask=mask, position_ids=positions,
+                      position_embeddings=model.model.rotary_emb(x, positions))
+            y = y[0] if isinstance(y, tuple) else y
+            y = rms(y, extra[prefix + "shared_head.norm.weight"] if deepseek else extra["mtp.norm.weight"])
+            result[f"logits_{i}"] = (y @ model.lm_head.weight.T)[0].numpy()
+    config_path = os.path.join(job["out"], "config.json")
+    saved = json.load(open(config_path))
+    saved["num_nextn_predict_layers" if deepseek else "mtp_num_hidden_layers"] = 1
+    json.dump(saved, open(config_path, "w"), indent=1)
+    np.savez(job["reference"], **result)
 
 
 def mamba2(job):
