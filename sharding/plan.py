@@ -158,8 +158,9 @@ def fmt_bytes(n: int) -> str:
 
 def stored_dtype(p: Any, dtype: Any) -> Any:
     """The dtype parameter `p` (a `ParamInfo`) is stored and loaded as when the model's dtype is `dtype`: quantized
-    weights' codes, scales and offsets keep their own, every other parameter takes `dtype`."""
-    return p.dtype if p.metadata.get("quantized") else dtype
+    weights' codes, scales and offsets keep their own, and so do integer tables (DeepSeek-V4's token -> experts
+    table); every other parameter takes `dtype`."""
+    return p.dtype if p.metadata.get("quantized") or jnp.issubdtype(p.dtype, jnp.integer) else dtype
 
 
 def param_itemsize(p: Any, dtype: Any) -> int:

@@ -86,6 +86,7 @@ class ModelRunner:
         # Per layer, how many of its pools are per-sequence state (the first ones; 0 for KV layers).
         self.stateful = [len(x.arrays) if isinstance(x, StateLayer) else 0 for x in cache_layout]
         self.rings = layer_rings(cache_layout, layout)
+        self.compressed = [x.compressed if isinstance(x, StateLayer) else None for x in cache_layout]
         self._cache_layout = cache_layout
         self._stage_pools: list | None = None  # allocated by the engine (`allocate_pools`), not by `full_logits`
         self._stage_replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
@@ -222,7 +223,8 @@ class ModelRunner:
         # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
         # hands it its source's.
         caches = layer_caches(pools, self.stateful[layers.start:layers.stop], self.rings[layers.start:layers.stop],
-                              block_tables, kv_lengths, positions, state_slots)
+                              block_tables, kv_lengths, positions, state_slots,
+                              self.compressed[layers.start:layers.stop], self.layout.page_size)
         first, last = s == 0, s == self.stages.last
         if first:
             x = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)

@@ -138,6 +138,8 @@ def tiny_hf(job):
                 b.normal_(1.0, 0.1)
             elif name.endswith("feed_forward.expert_bias"):  # LFM2-MoE's routing bias, zero at init
                 b.normal_(0.0, 0.1)
+            elif name.endswith("gate.tid2eid"):  # DeepSeek-V4's token -> experts table, zero at init
+                b.copy_(torch.stack([torch.randperm(config.n_routed_experts)[:b.shape[1]] for _ in range(len(b))]))
         # AFMoE's and Laguna's routing biases are parameters, zero at init; AFMoE's router too.
         for name, p in model.named_parameters():
             if name.endswith(("expert_bias", "e_score_correction_bias")):
@@ -148,6 +150,11 @@ def tiny_hf(job):
                 p.normal_(0.0, config.initializer_range)
             elif re.search(r"\.(mixer|mamba)\.(A_log|D|dt_bias)$", name):  # Mamba2's per-head constants at init
                 p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
+            # Hyper-connections' biases (0, or one constant) and scales (1, or 0.01) at init (DeepSeek-V4, HY-V4).
+            elif re.search(r"(attn_hc|ffn_hc)\.(base|scale)$|hc_head\.hc_(base|scale)$", name):
+                p.normal_(1.0 if name.endswith("scale") else 0.0, 0.5)
+            elif name.endswith("position_bias"):  # DeepSeek-V4's compressors' per-offset gate bias, 0 at init
+                p.normal_(0.0, 0.5)
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's image projection, 0 at init
                 p.normal_(0.0, 0.2)
             elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
