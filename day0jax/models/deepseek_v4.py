@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.core.cache_layout import CompressedKV, KVLayer, StateLayer
@@ -186,7 +187,7 @@ class Config(HFConfig):
 
 
 class Model(HyperConnected, CausalLM):
-    def __init__(self, config: Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.hc_streams = config.hc_mult
         super().__init__(config, dtype=dtype, rngs=rngs)
         self.model.hc_head = HyperHead(config.hidden_size, config.hc_mult, norm_eps=config.rms_norm_eps,
