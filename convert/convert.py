@@ -224,7 +224,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
                                           module in plan.quant.from_source, shapes, module in plan.quant.experts)
             else:
                 array = np.asarray(s.combine([source.read(n) for n in s.names], info.shape))
-                arrays = {info.path: array.astype(out_dtype, copy=False)}
+                arrays = {info.path: array.astype(stored_dtype(info, out_dtype), copy=False)}
             for path, array in arrays.items():
                 if array.shape != plan.stored[path].shape:  # a family's combine is wrong: a bug, never write it
                     raise CheckpointError(f"parameter {path}: built shape {array.shape}, expected "

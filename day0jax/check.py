@@ -231,16 +231,22 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     from day0jax.core.cache_layout import SharedKV, StateLayer
     from sharding.plan import fmt_bytes
 
-    attention = {layer: call for layer, call in op_calls if call.op in ("paged_attention", "sparse_attention")}
+    attention = {layer: call for layer, call in op_calls
+                 if call.op in ("paged_attention", "sparse_attention", "compressed_attention")}
     rows: dict[tuple[str, str], list[int]] = {}
     for i, entry in enumerate(abstract.cache_layout()):
         if entry is None:
             key = ("MLP or MoE only (no token mixer)", "none")
         elif isinstance(entry, StateLayer):
             key = (entry.kind, f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
-            if entry.kv is not None:  # attention beside the state mixer (Falcon-H1)
-                key = (f"{entry.kind} + full attention",
+            if entry.kv is not None:  # attention beside the state mixer (Falcon-H1), or over a window (DeepSeek-V4)
+                window = entry.kv.window
+                key = (f"{entry.kind} + " + (f"sliding attention (window {window})" if window else "full attention"),
                        f"{key[1]}, KV {fmt_bytes(entry.kv.token_elements * itemsize)} per token")
+            c = entry.compressed
+            if c is not None:  # compressed entries (and index keys) per block of positions
+                index = f" + index key {fmt_bytes(c.index_dim * itemsize)}" if c.index_dim else ""
+                key = (key[0], f"{key[1]}, entry {fmt_bytes(c.dim * itemsize)}{index} per {c.ratio} positions")
         else:
             call = attention.get(i)
             window = call.get("window") if call is not None else None

@@ -162,7 +162,7 @@ def test_greedy_tokens_equal_plain_decoding(llama, llama_reference, k):
 
 
 def test_state_layers_that_keep_only_the_last_state_are_refused():
-    """Mamba2 layers write only the state after a step's last token, so a verify step would leave rejected drafts in
+    """Mamba2 and compressed-attention layers write only the state after a step's last token, so a verify step would leave rejected drafts in
     it: the engine refuses speculation for such a model, naming the layer; Gated DeltaNet and short convolutions
     keep the state after each token and pass."""
     from day0jax.core.errors import GenerationError
@@ -171,6 +171,9 @@ def test_state_layers_that_keep_only_the_last_state_are_refused():
 
     model_type, config, _ = FAMILIES["nemotron_h"]
     with pytest.raises(GenerationError, match="Mamba2Mixer"):
+        refuse_unverifiable_state(build(dict(config, model_type=model_type)))
+    model_type, config, _ = FAMILIES["deepseek_v4"]  # its compressors keep the tail of an incomplete block
+    with pytest.raises(GenerationError, match="compressed attention"):
         refuse_unverifiable_state(build(dict(config, model_type=model_type)))
     model_type, config, _ = FAMILIES["lfm2"]
     refuse_unverifiable_state(build(dict(config, model_type=model_type)))

@@ -222,7 +222,8 @@ class EngineLayout:
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
                         score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None, decode_in_place=cpu,
                         state_slots=self.state_slots,
-                        window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings))
+                        window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings),
+                        page_size=self.page_size)
 
     def sampler_batches(self) -> list[int]:
         """Every row count the sampler sees: decode batch buckets, and 1 for a prefill's last token."""

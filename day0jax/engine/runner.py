@@ -90,6 +90,7 @@ class ModelRunner:
         # Per layer, how many of its pools are per-sequence state (the first ones; 0 for KV layers).
         self.stateful = [len(x.arrays) if isinstance(x, StateLayer) else 0 for x in cache_layout]
         self.rings = layer_rings(cache_layout, layout)
+        self.compressed = [x.compressed if isinstance(x, StateLayer) else None for x in cache_layout]
         self._cache_layout = cache_layout
         self._mtp_layout = module.mtp_cache_layout() if getattr(module, "mtp", None) is not None else []
         # With the MTP proposer, the forward and verify programs also return the final hidden states [B, T, D]
@@ -240,7 +241,8 @@ class ModelRunner:
         # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
         # hands it its source's.
         caches = layer_caches(pools, self.stateful[layers.start:layers.stop], self.rings[layers.start:layers.stop],
-                              block_tables, kv_lengths, positions, state_slots, state_targets)
+                              block_tables, kv_lengths, positions, state_slots, state_targets,
+                              self.compressed[layers.start:layers.stop], self.layout.page_size)
         first, last = s == 0, s == self.stages.last
         if first:
             # A row's token still on the device is its first one (a verify row's drafts follow it from the host).
@@ -332,14 +334,15 @@ class ModelRunner:
         kv = (first + accepted + 1).astype(jnp.int32)
         rows = jnp.arange(B)
         with exact_float32(self.dtype):
-            caches = layer_caches(pools, self.stateful, self.rings, block_tables, kv, positions, state_slots)
+            caches = layer_caches(pools, self.stateful, self.rings, block_tables, kv, positions, state_slots,
+                                  compressed=self.compressed, page_size=self.layout.page_size)
             hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv))
             pools = [() if c is None else c.pools for c in caches]
             draft = jnp.argmax(model.logits(hidden[rows, accepted]), axis=-1).astype(jnp.int32)
             drafts, pos = [draft], kv
             for _ in range(k - 1):
                 caches = layer_caches(pools, self.stateful, self.rings, block_tables, pos + 1, pos[:, None],
-                                      state_slots)
+                                      state_slots, compressed=self.compressed, page_size=self.layout.page_size)
                 hidden, caches = model(draft[:, None], pos[:, None], caches, seq_len=jnp.max(pos + 1))
                 pools = [() if c is None else c.pools for c in caches]
                 draft = jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)

@@ -378,7 +378,12 @@ class CausalLM(nnx.Module):
                 new_caches.append(cache)
             if collect:
                 hidden.append(x)
-        return self.model.norm(x) if layers.stop == len(self.model.layers) else x, new_caches, hidden
+        return self.final_norm(x) if layers.stop == len(self.model.layers) else x, new_caches, hidden
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        """The last layer's output -> the normed hidden states [B, T, D] the head reads (a hyper-connected model
+        collapses its streams first: `layers.hyper.HyperConnected`)."""
+        return self.model.norm(x)
 
     def rope_tables(self, positions: jax.Array, seq_len: jax.Array | None) -> dict[Rope, tuple[jax.Array, jax.Array]]:
         """{Rope: (cos, sin)} for every RoPE of `ropes`, computed once per call; Mistral Large 4 scales its
@@ -387,7 +392,8 @@ class CausalLM(nnx.Module):
 
     def begin_carry(self, tokens: jax.Array, x: jax.Array) -> Any:
         """What the first layer that `carries` receives (layers that do take and return a carry beside x and their
-        cache): None, for GLM-5's top-k that one layer picks for the next; Gemma 4 starts its per-layer inputs."""
+        cache): None, for GLM-5's top-k that one layer picks for the next; Gemma 4 starts its per-layer inputs;
+        hyper-connected models the token ids (`layers.hyper.HyperCarry`)."""
         return None
 
     @jax.named_scope("vocab")

@@ -40,6 +40,12 @@ Jobs (each a dict with "op"):
                (mamba2_selective_state_update on token 0 from the state); with y, z [B, T, I] and norm_weight [I],
                `gated_norm` (NemotronH's gate-then-norm over `norm_groups` groups) and `norm_gated` (Falcon-H1's
                norm-before-gate).
+  deepseek_v4_ops {config, seed, attention, out}: transformers' own DeepSeek-V4 modules, built from `config` with
+               random weights (seed): a hyper-connection and the hyper head on random streams, the HCA and the CSA
+               compressor (with its indexer) on random hidden states without a cache; and eager_attention_forward
+               with sinks on the ATTENTION .npz (q [B, T, N, H], k [B, T, H] the window's keys, entries [B, C, H],
+               indices [B, T, Kt] (-1: none), sinks [N], window, ratio), masked as the CSA layer masks it. Writes
+               every module's weights under its own prefix (`hc.`, `head.`, `hca.`, `csa.`) and its inputs and outputs.
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
@@ -144,6 +150,8 @@ def tiny_hf(job):
                 b.normal_(1.0, 0.1)
             elif name.endswith("feed_forward.expert_bias"):  # LFM2-MoE's routing bias, zero at init
                 b.normal_(0.0, 0.1)
+            elif name.endswith("gate.tid2eid"):  # DeepSeek-V4's token -> experts table, zero at init
+                b.copy_(torch.stack([torch.randperm(config.n_routed_experts)[:b.shape[1]] for _ in range(len(b))]))
         # AFMoE's and Laguna's routing biases are parameters, zero at init; AFMoE's router too.
         for name, p in model.named_parameters():
             if name.endswith(("expert_bias", "e_score_correction_bias")):
@@ -154,6 +162,11 @@ def tiny_hf(job):
                 p.normal_(0.0, config.initializer_range)
             elif re.search(r"\.(mixer|mamba)\.(A_log|D|dt_bias)$", name):  # Mamba2's per-head constants at init
                 p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
+            # Hyper-connections' biases (0, or one constant) and scales (1, or 0.01) at init (DeepSeek-V4, HY-V4).
+            elif re.search(r"(attn_hc|ffn_hc)\.(base|scale)$|hc_head\.hc_(base|scale)$", name):
+                p.normal_(1.0 if name.endswith("scale") else 0.0, 0.5)
+            elif name.endswith("position_bias"):  # DeepSeek-V4's compressors' per-offset gate bias, 0 at init
+                p.normal_(0.0, 0.5)
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's image projection, 0 at init
                 p.normal_(0.0, 0.2)
             elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
@@ -569,6 +582,69 @@ def render_chat(job):
             case["messages"], tools=case.get("tools"), tokenize=False, add_generation_prompt=True,
             **case.get("kwargs", {})))
     json.dump(out, open(job["out"], "w"))
+
+
+def deepseek_v4_ops(job):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
+
+    torch.manual_seed(job["seed"])
+    config = AutoConfig.for_model("deepseek_v4", **job["config"])
+    B, T, n, D = 2, 21, config.hc_mult, config.hidden_size
+    out = {}
+
+    def weights(prefix, module):
+        for name, p in module.named_parameters():  # norms near 1, biases and scales that bend the sigmoids
+            if "norm" in name or name.endswith("scale"):
+                p.normal_(1.0, 0.3)
+            elif name.endswith(("base", "position_bias")):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+            out[f"{prefix}.{name}"] = p.numpy().copy()
+
+    with torch.no_grad():
+        hc, head = mod.DeepseekV4HyperConnection(config), mod.DeepseekV4HyperHead(config)
+        weights("hc", hc)
+        weights("head", head)
+        x = torch.randn(B, T, n, D)
+        post, comb, collapsed = hc(x)
+        y = torch.randn(B, T, D)  # a block's output, spread back as the decoder layer does
+        expanded = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x)
+        out.update(streams=x.numpy(), block_out=y.numpy(), post=post.numpy(), comb=comb.numpy(),
+                   collapsed=collapsed.numpy(), expanded=expanded.numpy(), head=head(x).numpy())
+
+        h, q_resid = torch.randn(B, T, D), torch.randn(B, T, config.q_lora_rank)
+        positions = torch.arange(T)[None].expand(B, -1)
+        out.update(hidden=h.numpy(), q_resid=q_resid.numpy())
+        for prefix, cls in (("hca", mod.DeepseekV4HCACompressor), ("csa", mod.DeepseekV4CSACompressor)):
+            compressor = cls(config)
+            weights(prefix, compressor)
+            entries, bias = compressor(h, q_resid, positions, None, 0)
+            out[f"{prefix}_entries"] = entries[:, 0].numpy()
+            out[f"{prefix}_visible"] = (bias[:, 0] == 0).numpy()  # [B, T, C]: entries each query attends to
+
+        a = {k: torch.from_numpy(v) for k, v in np.load(job["attention"]).items()}
+        q, k, entries, indices = a["q"], a["k"], a["entries"], a["indices"].long()
+        window, ratio = int(a["window"]), int(a["ratio"])
+        Bq, Tq, N, _ = q.shape
+        C = entries.shape[1]
+        pos = torch.arange(Tq)
+        sliding = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        mask = torch.zeros(Bq, 1, Tq, Tq).masked_fill(~sliding, float("-inf"))
+        # The CSA compressor's block bias: 0 at the valid chosen entries a query may see, -inf elsewhere.
+        threshold = (pos + 1) // ratio
+        valid = (indices >= 0) & (indices < threshold[None, :, None])
+        safe = torch.where(valid, indices, torch.full_like(indices, C))
+        block = torch.full((Bq, 1, Tq, C + 1), float("-inf")).scatter_(-1, safe.unsqueeze(1), 0.0)[..., :C]
+        kv = torch.cat([k, entries], dim=1)[:, None]
+        module = SimpleNamespace(num_key_value_groups=N, sinks=a["sinks"], training=False)
+        attn, _ = mod.eager_attention_forward(module, q.transpose(1, 2), kv, kv, torch.cat([mask, block], -1),
+                                              scaling=float(a["scale"]))
+        out["attention"] = attn.numpy()  # [B, T, N, H]
+    np.savez(job["out"], **out)
 
 
 def _op(name):
