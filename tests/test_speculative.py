@@ -162,9 +162,9 @@ def test_greedy_tokens_equal_plain_decoding(llama, llama_reference, k):
 
 
 def test_state_layers_that_keep_only_the_last_state_are_refused():
-    """Mamba2 and compressed-attention layers write only the state after a step's last token, so a verify step would leave rejected drafts in
-    it: the engine refuses speculation for such a model, naming the layer; Gated DeltaNet and short convolutions
-    keep the state after each token and pass."""
+    """Mamba2 and compressed-attention layers write only the state after a step's last token, so a verify step
+    would leave rejected drafts in it: the engine refuses speculation for such a model, naming the layer; Gated
+    DeltaNet and short convolutions keep the state after each token and pass."""
     from day0jax.core.errors import GenerationError
     from day0jax.engine.speculative import refuse_unverifiable_state
     from families import FAMILIES
