@@ -1,5 +1,5 @@
 """`python -m convert SRC DST [--dtype bfloat16|float32] [--quantize int8|int4|fp8 [--group-size N]] [--dequantize]
-[--force]` and `python -m convert --verify DST`."""
+[--no-mtp] [--force]` and `python -m convert --verify DST`."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="inputs per scale with --quantize (default: 32 for int8/int4, 128 for fp8)")
     parser.add_argument("--dequantize", action="store_true",
                         help="store a quantized source (GGUF, FP8) as float instead of keeping it quantized")
+    parser.add_argument("--no-mtp", action="store_true",
+                        help="leave out the multi-token-prediction layers a checkpoint ships (kept by default: "
+                             "speculative decoding's 'mtp' proposer runs them)")
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it is a day0jax checkpoint or an empty folder")
     parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.group_size is not None and not args.quantize:
             parser.error("--group-size needs --quantize")
         options = Options(dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
-                          dequantize=args.dequantize)
+                          dequantize=args.dequantize, no_mtp=args.no_mtp)
         print(convert_checkpoint(args.src, args.dst, force=args.force, progress=not args.quiet, options=options))
         return 0
     except Day0Error as e:

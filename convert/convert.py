@@ -102,12 +102,14 @@ def _check_destination(src: Path, dst: Path) -> None:
 @dataclass(frozen=True)
 class Options:
     """What the user asked for beyond SRC and DST: `dtype` of float parameters (default: the source's own),
-    `quantize` ('int8', 'int4', 'fp8') with `group_size`, and `dequantize` (a quantized source stored as float)."""
+    `quantize` ('int8', 'int4', 'fp8') with `group_size`, `dequantize` (a quantized source stored as float), and
+    `no_mtp` (leave out the multi-token-prediction layers a source ships for speculative decoding)."""
 
     dtype: str | None = None
     quantize: str | None = None
     group_size: int | None = None
     dequantize: bool = False
+    no_mtp: bool = False  # drop the multi-token-prediction layers (kept by default, where the source has them)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class _Plan:
     dtype: str
     quant: QuantPlan
     quantized: dict  # weight parameter path (`X.kernel`) -> the module path of each weight stored quantized
+    mtp: bool = False  # the multi-token-prediction layers are kept (`mtp.*` parameters, written last)
 
 
 def _plan(src: Path, options: Options) -> _Plan:
@@ -135,13 +138,18 @@ def _plan(src: Path, options: Options) -> _Plan:
     dtype = options.dtype or source.default_dtype()
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    abstract = models.abstract_model(config)
-    infos = models.param_infos(abstract)
+    pattern = models.mtp_tensors(config)
+    mtp = bool(pattern) and not options.no_mtp and any(re.fullmatch(pattern, n) for n in source.tensor_names())
+    if mtp:
+        log.info("keeping the multi-token-prediction layers (speculative decoding's 'mtp'; --no-mtp drops them)")
+    abstract = models.abstract_model(config, mtp=mtp)
+    # The multi-token-prediction layers last, in groups of their own: an optional part of the checkpoint.
+    infos = sorted(models.param_infos(abstract), key=lambda i: i.path.startswith(models.MTP_PREFIX))
     sources = plan_sources(fam, config, infos, source)
     quant = plan_quantization(abstract, sources, source, quantize_kind=options.quantize, group=options.group_size,
                               dequantize=options.dequantize)
-    stored = {i.path: i for i in models.param_infos(models.abstract_model(config, quantization=quant.specs))}
-    return _Plan(source, hf, config, infos, stored, sources, dtype, quant, quant.weight_paths(abstract))
+    stored = {i.path: i for i in models.param_infos(models.abstract_model(config, quantization=quant.specs, mtp=mtp))}
+    return _Plan(source, hf, config, infos, stored, sources, dtype, quant, quant.weight_paths(abstract), mtp)
 
 
 def _output_config(plan: _Plan) -> dict:
@@ -203,16 +211,20 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         hashes = {p.name: hasher.submit(sha256_file, p) for p in source.source_files()}
         bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)
-        n_params = 0
+        n_params, mtp_params = 0, 0
         for info in plan.infos:
             s = plan.sources[info.path]
+            if info.path.startswith(models.MTP_PREFIX) and not mtp_params:
+                writer.flush()  # the main model's last group ends here
+            if info.path.startswith(models.MTP_PREFIX):
+                mtp_params += math.prod(info.shape)
             if info.path in plan.quantized:
                 module = plan.quantized[info.path]
                 arrays = quantized_arrays(info.path, info.shape, plan.quant.specs[module], s, source,
                                           module in plan.quant.from_source, shapes, module in plan.quant.experts)
             else:
                 array = np.asarray(s.combine([source.read(n) for n in s.names], info.shape))
-                arrays = {info.path: array.astype(out_dtype, copy=False)}
+                arrays = {info.path: array.astype(stored_dtype(info, out_dtype), copy=False)}
             for path, array in arrays.items():
                 if array.shape != plan.stored[path].shape:  # a family's combine is wrong: a bug, never write it
                     raise CheckpointError(f"parameter {path}: built shape {array.shape}, expected "
@@ -234,5 +246,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         }
         if plan.quant.specs:
             manifest["quantization"] = plan.quant.summary()
+        if plan.mtp:
+            manifest["parts"] = {"mtp": {"prefix": models.MTP_PREFIX, "parameters": mtp_params}}
         writer.commit(manifest)
     return Summary(Path(dst), n_params, len(plan.infos), total_in, writer.bytes_written, time.perf_counter() - start)

@@ -48,6 +48,7 @@ class Report:
     op_calls: list[dict] = dataclasses.field(default_factory=list)  # the model's own description of its ops
     parameters: dict = dataclasses.field(default_factory=dict)
     vision: dict = dataclasses.field(default_factory=dict)  # a vision-language model's tower and image tokens
+    mtp: dict = dataclasses.field(default_factory=dict)  # multi-token-prediction layers the checkpoint ships
     quantization: str = ""            # which weights stay quantized in memory, and how
     memory: dict = dataclasses.field(default_factory=dict)
     cluster: dict = dataclasses.field(default_factory=dict)  # a described cluster: placement, traffic, fitting meshes
@@ -230,16 +231,22 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     from day0jax.core.cache_layout import SharedKV, StateLayer
     from sharding.plan import fmt_bytes
 
-    attention = {layer: call for layer, call in op_calls if call.op in ("paged_attention", "sparse_attention")}
+    attention = {layer: call for layer, call in op_calls
+                 if call.op in ("paged_attention", "sparse_attention", "compressed_attention")}
     rows: dict[tuple[str, str], list[int]] = {}
     for i, entry in enumerate(abstract.cache_layout()):
         if entry is None:
             key = ("MLP or MoE only (no token mixer)", "none")
         elif isinstance(entry, StateLayer):
             key = (entry.kind, f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
-            if entry.kv is not None:  # attention beside the state mixer (Falcon-H1)
-                key = (f"{entry.kind} + full attention",
+            if entry.kv is not None:  # attention beside the state mixer (Falcon-H1), or over a window (DeepSeek-V4)
+                window = entry.kv.window
+                key = (f"{entry.kind} + " + (f"sliding attention (window {window})" if window else "full attention"),
                        f"{key[1]}, KV {fmt_bytes(entry.kv.token_elements * itemsize)} per token")
+            c = entry.compressed
+            if c is not None:  # compressed entries (and index keys) per block of positions
+                index = f" + index key {fmt_bytes(c.index_dim * itemsize)}" if c.index_dim else ""
+                key = (key[0], f"{key[1]}, entry {fmt_bytes(c.dim * itemsize)}{index} per {c.ratio} positions")
         else:
             call = attention.get(i)
             window = call.get("window") if call is not None else None
@@ -320,7 +327,12 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     except Day0Error as e:
         report.reasons.append(str(e))
         stored_specs = {}
-    abstract = models.abstract_model(config, DTYPES[dtype], quantization=stored_specs)
+    from sharding.plan import param_itemsize
+
+    # Multi-token-prediction layers the checkpoint ships are listed (operators, parameters), and planned where the
+    # engine speculates with them.
+    mtp = _mtp_shipped(config, source)
+    abstract = models.abstract_model(config, DTYPES[dtype], quantization=stored_specs, mtp=mtp)
     infos = models.param_infos(abstract)
     tp = mesh_lib.parse_spec(mesh)["tp"] if mesh and mesh != "auto" else 1
     _report_ops(report, abstract, DTYPES[dtype], tp)
@@ -343,16 +355,41 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
             quantization = None
         if quantization and quantization.specs:
             report.quantization = quantization.summary()
-            abstract = models.abstract_model(config, DTYPES[dtype], quantization=quantization.specs)
+            stored_specs = quantization.specs
+            abstract = models.abstract_model(config, DTYPES[dtype], quantization=stored_specs, mtp=mtp)
             infos = models.param_infos(abstract)
             _report_ops(report, abstract, DTYPES[dtype], tp)  # with the quantized linear maps the weights will take
         elif source is None and hf.get("quantization_config") and not quantize:
             method = hf["quantization_config"].get("quant_method", "?")
             report.notes.append(f"config.json names {method} quantization; without the weights' headers the plan "
                                 f"counts every weight in {dtype} (--quantize KIND plans them quantized)")
-    report.memory = _memory(abstract, infos, config, mesh, engine or EngineConfig(), dtype, report, cluster, probe)
+    engine = engine or EngineConfig()
+    if mtp:
+        mtp_infos = [i for i in infos if i.path.startswith(models.MTP_PREFIX)]
+        report.mtp = {"layers": abstract.mtp_layers, "parameters": sum(math.prod(i.shape) for i in mtp_infos),
+                      "bytes": sum(math.prod(i.shape) * param_itemsize(i, DTYPES[dtype]) for i in mtp_infos),
+                      "kv_per_token": sum(x.token_elements for x in abstract.mtp_cache_layout())}
+        if engine.speculative is None or engine.speculative.method != "mtp":  # planned without them
+            abstract = models.abstract_model(config, DTYPES[dtype], quantization=stored_specs)
+            infos = models.param_infos(abstract)
+    report.memory = _memory(abstract, infos, config, mesh, engine, dtype, report, cluster, probe)
     report.supported = not report.reasons
     return report
+
+
+def _mtp_shipped(config, source) -> bool:
+    """Whether the checkpoint holds multi-token-prediction layers the family builds (a converted checkpoint's
+    optional part, or a source's tensors)."""
+    from day0jax import models
+
+    pattern = models.mtp_tensors(config)
+    import re
+
+    if not pattern or source is None or isinstance(source, _ReadableShards):
+        return False
+    if isinstance(source, dict):
+        return any(name.startswith(models.MTP_PREFIX) for name in source.get("params", {}))
+    return any(re.fullmatch(pattern, name) for name in source.tensor_names())
 
 
 def _report_ops(report: Report, abstract, dtype, tp: int) -> None:
@@ -575,6 +612,11 @@ def render(report: Report) -> str:
                   if on]
         out += ["", f"images: {v['tower']} tower, {size}" + "".join(f"; {x}" for x in extras) +
                 f"; {v['parameters']:,} vision parameters ({fmt_bytes(v['parameter_bytes'])})"]
+    if report.mtp:
+        t = report.mtp
+        out += ["", f"multi-token-prediction layers: {t['layers']} ({t['parameters']:,} parameters, "
+                    f"{fmt_bytes(t['bytes'])}; {t['kv_per_token']} cached numbers per token), for speculative "
+                    "decoding (--speculative mtp; convert --no-mtp leaves them out)"]
     if report.memory and not report.cluster:
         m = report.memory
         out += ["", f"memory per device ({m['visible_devices']} device(s) visible): {m['summary']}"]

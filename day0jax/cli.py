@@ -43,6 +43,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-window-kv", action="store_true",
                    help="sliding-window layers keep every page, not only their window's (keeps prefix caching on)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", choices=["mtp", "ngram", "draft"],
+                   help="draft tokens and verify them in one step: 'mtp' the model's multi-token-prediction layers, "
+                        "'ngram' prompt lookup in the request's own tokens, 'draft' a smaller model (--draft-model)")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens drafted per sequence and step (default 4)")
+    s.add_argument("--draft-model", metavar="PATH", help="the draft model's day0jax checkpoint (same tokenizer)")
+    s.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram the ngram proposer matches")
+    s.add_argument("--ngram-max", type=int, default=4, help="longest n-gram the ngram proposer matches")
+    s.add_argument("--spec-max-batch", type=int, default=None, metavar="B",
+                   help="speculation turns off while more sequences than this decode together (default: "
+                        "measured, see README)")
 
 
 def add_warmup_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,4 +78,19 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         kv_cache_tokens=args.kv_cache_tokens, max_waiting=args.max_waiting, chunk_buckets=chunks,
                         min_width=args.min_width, prefix_caching=not args.no_prefix_caching,
-                        window_kv=not args.no_window_kv)
+                        window_kv=not args.no_window_kv, speculative=speculative_config_from_args(args))
+
+
+def speculative_config_from_args(args: argparse.Namespace):
+    """The `SpeculativeConfig` the speculative flags describe (None without --speculative)."""
+    from day0jax.engine.config import SpeculativeConfig
+
+    method = getattr(args, "speculative", None)
+    if method is None:
+        if getattr(args, "draft_model", None) or getattr(args, "num_speculative_tokens", None):
+            raise SystemExit("--draft-model and --num-speculative-tokens need --speculative")
+        return None
+    if method == "draft" and not args.draft_model:
+        raise SystemExit("--speculative draft needs --draft-model PATH")
+    return SpeculativeConfig(method, num_tokens=args.num_speculative_tokens or 4, ngram_min=args.ngram_min,
+                             ngram_max=args.ngram_max, draft_model=args.draft_model, max_batch=args.spec_max_batch)

@@ -145,14 +145,35 @@ class Prepared:
 
     def engine(self):
         """The `Engine` the restored `Model` will run (made on first call: it allocates the KV page pool); until
-        `restore` its parameters are shapes, enough to compile its programs but not to run them."""
+        `restore` its parameters are shapes, enough to compile its programs but not to run them. With speculative
+        method "draft", the draft model is loaded here (its weights, on the same mesh)."""
         if self._engine is None:
             from day0jax.engine.engine import Engine
 
             self._engine = Engine(self.sharded_abstract(), self.mesh, jnp.dtype(self.dtype),
                                   context_length=self.layout.max_model_len, eos_token_ids=(),
-                                  config=self.engine_config)
+                                  config=self.engine_config, draft=self.draft_module())
         return self._engine
+
+    def draft_module(self):
+        """The draft model's module when the engine config speculates with one (`load_draft`), else None."""
+        spec = self.engine_config.speculative
+        if spec is None or spec.method != "draft":
+            return None
+        return load_draft(spec.draft_model, dtype=self.dtype, mesh=self.mesh, max_model_len=self.layout.max_model_len)
+
+
+def load_draft(path: str | Path, *, dtype: str, mesh: Mesh, max_model_len: int) -> nnx.Module:
+    """A speculative draft model's module, loaded on the target's mesh and dtype (its KV pools are the engine's, in
+    the target's layout, so its own plan is for one short sequence).
+
+    Raises:
+        As `load`.
+    """
+    engine = EngineConfig(max_model_len=max_model_len, max_num_seqs=1, kv_cache_tokens=max_model_len,
+                          chunk_buckets=(32,))
+    log.info("loading the draft model %s", path)
+    return load(path, dtype=dtype, mesh=mesh, engine=engine).module
 
 
 def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = None,
@@ -167,7 +188,9 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     with timeline.phase("build model") as info:
-        abstract = models.abstract_model(config, DTYPES[dtype], quantization=specs_from_config(hf))
+        spec = engine.speculative
+        abstract = models.abstract_model(config, DTYPES[dtype], quantization=specs_from_config(hf),
+                                         mtp=spec is not None and spec.method == "mtp")
         infos = {i.path: i for i in models.param_infos(abstract)}
         layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)
@@ -211,6 +234,8 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
                   eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
                   engine_config=prepared.engine_config, context_length=prepared.layout.max_model_len,
                   memory_plan=prepared.memory_plan, kernel_report=prepared.kernel_report)
+    model.draft_loader = lambda draft_path: load_draft(draft_path, dtype=dtype, mesh=mesh,
+                                                       max_model_len=prepared.layout.max_model_len)
     if prepared._engine is not None:
         model.adopt_engine(prepared._engine)
     return model

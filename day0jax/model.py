@@ -6,6 +6,7 @@ Equal prompts, parameters and seed give the same tokens from either; `logits` is
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -60,6 +61,8 @@ class Model:
         self._runner = None
         self.program_store = None
         self._grammars, self._grammar_lock = None, threading.Lock()
+        # Loads a speculative draft model's module by path on this model's mesh (set by `day0jax.load`).
+        self.draft_loader = None
         self._request_ids = itertools.count()
         self.vision = getattr(module, "vision_spec", None)
         self.images = ModelImages(self.vision, self.path, config.model_type,
@@ -83,8 +86,15 @@ class Model:
         if self._engine is None:
             from day0jax.engine.engine import Engine
 
+            spec = self.engine_config.speculative
+            draft = None
+            if spec is not None and spec.method == "draft" and self.runner.draft is None:
+                if self.draft_loader is None:
+                    raise GenerationError("speculative method 'draft' needs the model loaded by day0jax.load")
+                draft = self.draft_loader(spec.draft_model)
             self._engine = Engine(self.module, self.mesh, jnp.dtype(self.dtype), context_length=self.context_length,
-                                  eos_token_ids=self.eos_token_ids, config=self.engine_config, runner=self.runner)
+                                  eos_token_ids=self.eos_token_ids, config=self.engine_config, runner=self.runner,
+                                  draft=draft)
         return self._engine
 
     @property
@@ -190,14 +200,17 @@ class Model:
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, *,
                  json_schema: dict | bool | None = None, regex: str | None = None,
                  choice: Sequence[str] | None = None, logit_bias: dict[int, float] | None = None,
-                 images: Sequence[Sequence[Any]] | None = None) -> list[list[int]]:
+                 images: Sequence[Sequence[Any]] | None = None, speculative=None) -> list[list[int]]:
         """Generates up to `max_new_tokens` for each prompt (a list of token ids); returns only the new tokens. Each
         prompt is one engine request, ending after EOS (unless `ignore_eos`) or any of `stop_token_ids` (returned last).
         At most one of `json_schema` (output that validates against it; `{"type": "object"}` for any JSON object),
         `regex` (output matching it) and `choice` (exactly one of these strings) constrains the output; `logit_bias`
         adds a value in [-100, 100] to the logits of these token ids. `images`: a vision-language model's images, one
         list per prompt (PIL images or uint8 HxWx3 arrays, in order of appearance), the prompts' placeholders already
-        expanded (see `prepare`).
+        expanded (see `prepare`). `speculative`: None follows the engine config (`EngineConfig.speculative`); False
+        turns speculative decoding off for these prompts, True leaves it on; a method name ("ngram", "draft", "mtp")
+        or a `SpeculativeConfig` makes this model's engine speculate that way from now on (a new engine: its
+        programs compile anew). Greedy tokens are the same with or without it; sampled ones are distributed alike.
 
         Raises:
             GenerationError: invalid prompts or parameters, or a prompt too long for the context.
@@ -207,10 +220,13 @@ class Model:
             raise GenerationError("prompts must be a non-empty list of non-empty token-id lists")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if speculative is not None and not isinstance(speculative, bool):
+            self.speculate(speculative)
         params = SamplingParams(max_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
                                 top_k=int(top_k), seed=seed, stop_token_ids=tuple(stop_token_ids or ()),
                                 ignore_eos=ignore_eos, grammar=self._grammar(json_schema, regex, choice),
-                                logit_bias=tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()))
+                                logit_bias=tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()),
+                                speculative=speculative is not False)
         inputs = self.images.rows(images, prompts)
         engine = self.engine
         self._compile_for(prompts, params, inputs)
@@ -243,6 +259,24 @@ class Model:
             raise
         return [out[rid] for rid in ids]
 
+
+    def speculate(self, speculative) -> None:
+        """Makes this model's engine speculate as `speculative` says (a `SpeculativeConfig`, a method name, or None
+        for off); a new engine (and runner) replaces the current one when that changes its config.
+
+        Raises:
+            GenerationError: a speculative config that cannot work.
+        """
+        from day0jax.engine.config import SpeculativeConfig
+
+        spec = SpeculativeConfig(speculative) if isinstance(speculative, str) else speculative
+        if spec == self.engine_config.speculative:
+            return
+        if self._engine is not None and self._engine.has_work():
+            raise GenerationError("the engine is busy; change speculative decoding between generate calls")
+        self.engine_config = dataclasses.replace(self.engine_config, speculative=spec)
+        self.engine_config.layout(self.context_length)  # checks it
+        self._engine = self._runner = None
 
     def _grammar(self, json_schema, regex, choice):
         from day0jax.engine.grammar import GrammarError

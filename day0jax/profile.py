@@ -1,5 +1,5 @@
 """Where a step's time goes: `python -m day0jax.profile --model CKPT [--mesh SPEC] [--batch B] [--prompt-len T]
-[--new-tokens N] [--trace DIR]`.
+[--new-tokens N] [--trace DIR] [--speculative ngram|draft|mtp --num-speculative-tokens K [--draft-model PATH]]`.
 
 Runs `batch` random prompts of `prompt-len` tokens through the engine once to compile every program, then again
 under `jax.profiler`, prefill and decode each in its own trace. Each XLA operation the trace records is put in an
@@ -7,6 +7,9 @@ operator group by the named scope the model code gives it (`jax.named_scope("mlp
 read from the compiled program's op metadata); bytes moved per operation come from its operand and result shapes.
 Per phase it prints time per step, share, bytes and achieved GB/s per group, against the copy bandwidth measured in
 the same run; "host overhead" is the step's wall time that no operation covers (scheduling, dispatch, transfers).
+With speculative decoding, the decode phase shows the time of its programs apart: "speculative: propose" (a device
+proposer's drafting), "speculative: verify" (the target's forward over each row's drafts) and "speculative: accept"
+(the acceptance), and a line gives the host's own proposing (prompt lookup) per step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import numpy as np
 
 # Operator groups by named scope; an operation inside several takes the first listed (an MLP's projections are MLP,
 # the vocabulary projection is not "other projections").
-GROUPS = {"mlp": "MLP projections", "attention": "attention", "cache_write": "cache writes", "rope": "RoPE",
+GROUPS = {"propose": "speculative: propose", "verify": "speculative: verify", "accept": "speculative: accept",
+          "mlp": "MLP projections", "attention": "attention", "cache_write": "cache writes", "rope": "RoPE",
           "norm": "norms", "vocab": "vocabulary projection", "sampling": "sampling",
           "projection": "other projections"}
 OTHER, HOST = "other ops", "host overhead"
@@ -129,6 +133,7 @@ class Phase:
     groups: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, float] = field(default_factory=dict)
     trace: str = ""
+    host_propose_s: float | None = None  # speculative decoding: the host proposer's seconds per step
 
     @property
     def busy_s(self) -> float:
@@ -220,6 +225,8 @@ def profile(model, batch: int = 1, prompt_len: int = 128, new_tokens: int = 32, 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{i}", prompt, params)
     phases, first = [], set()
+    spec = engine.spec
+    host_propose = spec.propose_seconds if spec is not None else 0.0
     for name in ("prefill", "decode"):
         steps, t0 = 0, time.perf_counter()
         with jax.profiler.trace(str(trace_dir / name), create_perfetto_trace=True):
@@ -233,11 +240,14 @@ def profile(model, batch: int = 1, prompt_len: int = 128, new_tokens: int = 32, 
             jax.effects_barrier()
             elapsed = time.perf_counter() - t0
         phases.append(Phase(name, steps, elapsed / max(steps, 1), trace=str(trace_dir / name)))
+        if spec is not None and name == "decode":
+            phases[-1].host_propose_s = (spec.propose_seconds - host_propose) / max(steps, 1)
     runner = engine.runner
     # The programs the runs used: those warm-up installed, and those jit compiled on first use (their HLO, lowered
     # again for the same shapes, comes from the compilation cache).
-    compiled = list(runner.programs.values()) + [runner.compile(runner.lower(Program("forward", key)))
-                                                 for key in runner.compiled]
+    compiled = list(runner.programs.values()) + [
+        runner.compile(runner.lower(Program(key[0], key[1:]) if isinstance(key[0], str) else Program("forward", key)))
+        for key in runner.compiled if not isinstance(key[0], str) or key[0] == "verify"]
     programs = [hlo_ops(c.as_text()) for c in compiled]
     for phase in phases:
         phase.groups, phase.bytes = attribute(read_trace(Path(phase.trace)), programs, phase.steps, phase.step_s)
@@ -254,6 +264,8 @@ def table(phase: Phase, bandwidth: float) -> str:
         rows.append(f"| {group} | {seconds * 1e3:.3f} | {seconds / phase.step_s:.1%} | {moved / 1e6:.2f} | "
                     + (f"{rate:.1f} | {rate * 1e9 / bandwidth:.0%} |" if rate else "| |"))
     rows.append(f"| total | {sum(phase.groups.values()) * 1e3:.3f} | | | | |")
+    if phase.host_propose_s is not None:
+        rows.append(f"(host proposing, within host overhead: {phase.host_propose_s * 1e3:.3f} ms per step)")
     return "\n".join(rows)
 
 
@@ -268,14 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--trace", type=Path, default=None, help="where to write the Perfetto traces (default: a new "
                     "temporary folder)")
+    ap.add_argument("--speculative", choices=["mtp", "ngram", "draft"], help="profile speculative decoding")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K")
+    ap.add_argument("--draft-model", metavar="PATH")
     args = ap.parse_args(argv)
 
     import day0jax
-    from day0jax.engine.config import EngineConfig
+    from day0jax.engine.config import EngineConfig, SpeculativeConfig
 
     max_len = args.prompt_len + args.new_tokens
+    spec = None if args.speculative is None else SpeculativeConfig(
+        args.speculative, num_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+        max_batch=args.batch)
     model = day0jax.load(args.model, dtype=args.dtype, mesh=args.mesh, engine=EngineConfig(
-        max_num_seqs=args.batch, max_model_len=max_len, min_width=max_len))
+        max_num_seqs=args.batch, max_model_len=max_len, min_width=max_len, speculative=spec))
     phases = profile(model, args.batch, args.prompt_len, args.new_tokens, args.trace)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (float32 elementwise, read + write): {bandwidth / 1e9:.1f} GB/s\n")

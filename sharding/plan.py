@@ -38,6 +38,8 @@ class ModelShape:
     ffn_per_token: int  # F a token passes through, the most of any layer (MoE: k x expert F, plus shared experts)
     context_length: int  # the model's own
     moe_top_k: tuple[int, ...] = ()  # experts each token visits, one entry per MoE layer
+    # The multi-token-prediction layers' caches (speculative decoding): pages beside the layers', same pool layout
+    mtp_cache_layout: tuple[KVLayer, ...] = ()
 
     @classmethod
     def from_model(cls, model: Any, params: Sequence[Any], context_length: int) -> "ModelShape":
@@ -63,7 +65,8 @@ class ModelShape:
         V, D = getattr(model, "language_model", model).model.embed_tokens.weight.shape
         return cls(params=tuple(params), cache_layout=tuple(model.cache_layout()),
                    hidden_size=D, num_heads=heads, vocab_size=V, ffn_per_token=max(ffn.values(), default=0),
-                   context_length=int(context_length), moe_top_k=tuple(top_k.values()))
+                   context_length=int(context_length), moe_top_k=tuple(top_k.values()),
+                   mtp_cache_layout=tuple(getattr(model, "mtp_cache_layout", list)()))
 
     @property
     def kv_layers(self) -> list[KVLayer]:
@@ -93,6 +96,8 @@ class Workload:
     # (window, token slots) of sliding-window layers whose pool holds only their window (per sequence), in place of
     # `kv_slots`
     window_slots: tuple[tuple[int, int], ...] = ()
+    # Token slots per page: compressed entries are kept per page of the pool (`CompressedKV.per_page`).
+    page_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -158,8 +163,9 @@ def fmt_bytes(n: int) -> str:
 
 def stored_dtype(p: Any, dtype: Any) -> Any:
     """The dtype parameter `p` (a `ParamInfo`) is stored and loaded as when the model's dtype is `dtype`: quantized
-    weights' codes, scales and offsets keep their own, every other parameter takes `dtype`."""
-    return p.dtype if p.metadata.get("quantized") else dtype
+    weights' codes, scales and offsets keep their own, and so do integer tables (DeepSeek-V4's token -> experts
+    table); every other parameter takes `dtype`."""
+    return p.dtype if p.metadata.get("quantized") or jnp.issubdtype(p.dtype, jnp.integer) else dtype
 
 
 def param_itemsize(p: Any, dtype: Any) -> int:
@@ -173,17 +179,20 @@ def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
 
 
 def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], kv_slots: int, dtype: Any,
-                   window_slots: dict[int, int] | None = None) -> int:
+                   window_slots: dict[int, int] | None = None, page_size: int = 16) -> int:
     """Bytes of one layer's KV page pool on one device: `kv_slots` token slots, or for a sliding-window layer its
     window's (`window_slots`: window -> token slots, where the engine keeps only the window); 0 for a state layer
-    (its `kv` part's for one that also attends) or one that keeps nothing (None)."""
+    (its `kv` part's for one that also attends, and its compressed entries', one page of them per page of
+    `page_size` slots, never split) or one that keeps nothing (None)."""
     item = jnp.dtype(dtype).itemsize
     if isinstance(layer, KVLayer) and layer.window and window_slots and layer.window in window_slots:
         kv_slots = window_slots[layer.window]
     if isinstance(layer, SharedKV):
         return kv_slots * layer.index_dim * item
     if isinstance(layer, StateLayer) and layer.kv is not None:
-        return layer_kv_bytes(layer.kv, sizes, kv_slots, dtype, window_slots)
+        c = layer.compressed
+        entries = 0 if c is None else c.entries(kv_slots, page_size) * (c.dim + c.index_dim) * item
+        return entries + layer_kv_bytes(layer.kv, sizes, kv_slots, dtype, window_slots)
     if layer is None or isinstance(layer, StateLayer):
         return 0
     _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
@@ -199,10 +208,11 @@ def layer_state_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, i
 
 
 def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any,
-                   window_slots: dict[int, int] | None = None) -> int:
-    """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer (sliding-window layers: see
-    `layer_kv_bytes`)."""
-    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype, window_slots) for x in shape.cache_layout)
+                   window_slots: dict[int, int] | None = None, page_size: int = 16) -> int:
+    """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer (sliding-window layers and
+    compressed entries: see `layer_kv_bytes`)."""
+    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype, window_slots, page_size)
+               for x in shape.cache_layout + shape.mtp_cache_layout)
 
 
 def state_bytes(shape: ModelShape, sizes: dict[str, int], state_slots: int) -> int:
@@ -219,7 +229,7 @@ def stage_split(shape: ModelShape, sizes: dict[str, int], workload: Workload, dt
     from sharding.pipeline import param_bytes, plan_stages
 
     inner = {a: n for a, n in sizes.items() if a != "pp"}
-    kv = [layer_kv_bytes(x, inner, workload.kv_slots, dtype, dict(workload.window_slots))
+    kv = [layer_kv_bytes(x, inner, workload.kv_slots, dtype, dict(workload.window_slots), workload.page_size)
           for x in shape.cache_layout]
     state = [layer_state_bytes(x, inner, workload.state_slots) for x in shape.cache_layout]
     layers = len(shape.cache_layout)
@@ -338,7 +348,7 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
         ranges = tuple((r.start, r.stop) for r in stages.ranges)
     else:
         params = params_bytes(shape, sizes, dtype)
-        kv = kv_cache_bytes(shape, sizes, workload.kv_slots, dtype, dict(workload.window_slots))
+        kv = kv_cache_bytes(shape, sizes, workload.kv_slots, dtype, dict(workload.window_slots), workload.page_size)
         state, ranges = state_bytes(shape, sizes, workload.state_slots), ()
     return Plan(mesh=mesh_lib.format_spec(sizes), sizes=sizes, devices=math.prod(sizes.values()),
                 dtype=str(dtype), kv_slots=workload.kv_slots, max_num_seqs=workload.max_num_seqs,

@@ -416,6 +416,28 @@ FAMILIES = {
                                           "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)),
                 True),
+    # DeepSeek-V4, 4 layers (attention / MoE): 0 sliding (window 8) / hash-routed; 1 CSA (entries of 4 overlapping
+    # windows of 8, an 8-head lightning indexer keeping the top 2, so the longer prompts drop entries) / hash-routed;
+    # 2 HCA (entries of 8) / sqrt(softplus) top-2 with the score bias; 3 CSA / top-2. Four residual streams mixed by
+    # Sinkhorn-projected hyper-connections, the grouped low-rank output projection (2 groups), sinks, a quarter of
+    # each head rotated (interleaved pairs), YaRN on the compressed branch, clamps small enough to bite. Larger
+    # weights (initializer_range) so that the streams' mixing, the router and the sinks matter. Eight indexer heads:
+    # with four, a query's scores of two entries both came out exactly 0 (every head's relu zero), a tie whose order
+    # in the top-k is each implementation's own.
+    "deepseek_v4": ("deepseek_v4", dict({k: v for k, v in TINY.items() if k != "intermediate_size"},
+                                        num_hidden_layers=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+                                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                     "heavily_compressed_attention", "compressed_sparse_attention"],
+                                        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+                                        compress_rates={"compressed_sparse_attention": 4,
+                                                        "heavily_compressed_attention": 8},
+                                        sliding_window=8, n_routed_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, routed_scaling_factor=1.5, hc_mult=4,
+                                        hc_sinkhorn_iters=20, o_groups=2, o_lora_rank=16, index_n_heads=8,
+                                        index_head_dim=16, index_topk=2, partial_rotary_factor=0.25,
+                                        swiglu_limit=0.5, compress_rope_theta=1000.0, initializer_range=0.1,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32}), True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

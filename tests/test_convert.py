@@ -7,6 +7,7 @@ transformers reading the same file.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -305,9 +306,12 @@ def test_sigkill_midway_leaves_no_destination(tiny, tmp_path):
 
 
 def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_path):
-    """Released DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` extra layers after the last one."""
+    """Released DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` extra layers after the last one: kept by
+    default (whole, or the conversion names what is missing; tests/test_mtp.py), dropped with `--no-mtp`, and a
+    layer past them is no MTP layer."""
     from safetensors.numpy import save_file
 
+    from convert.convert import Options
     from day0jax.core.errors import CheckpointError
 
     src = tmp_path / "src"
@@ -316,11 +320,13 @@ def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_
     tensors = load_file(str(src / "model.safetensors"))
     mtp = {f"model.layers.{layers}.eh_proj.weight": np.ones((4, 8), np.float32)}
     save_file(dict(tensors, **mtp), str(src / "model.safetensors"))
-    convert_checkpoint(src, tmp_path / "ok", progress=False)
+    convert_checkpoint(src, tmp_path / "ok", progress=False, options=Options(no_mtp=True))
+    with pytest.raises(CheckpointError, match=rf"tensor 'model\.layers\.{layers}\..*is missing"):
+        convert_checkpoint(src, tmp_path / "partial", progress=False)
     save_file(dict(tensors, **{f"model.layers.{layers + 1}.eh_proj.weight": np.ones((4, 8), np.float32)}),
               str(src / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"model\.layers\.{layers + 1}\.eh_proj\.weight.*is not used"):
-        convert_checkpoint(src, tmp_path / "bad", progress=False)
+        convert_checkpoint(src, tmp_path / "bad", progress=False, options=Options(no_mtp=True))
 
 
 def test_kimi_linear_moonshot_layout_converts_to_the_same_model(tiny, tmp_path):
@@ -349,3 +355,28 @@ def test_kimi_linear_moonshot_layout_converts_to_the_same_model(tiny, tmp_path):
     for i, prompt in enumerate(PROMPTS):
         ours, ref = model.logits([prompt])[0], tiny["kimi_linear"]["ref"][f"logits_{i}"]
         assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max(), f"prompt {i}"
+
+
+def test_deepseek_v4_released_tensor_names_convert_to_the_same_model(tiny, tmp_path):
+    """DeepSeek-V4 as DeepSeek publishes it: transformers' own save without the `model.` prefix, the embeddings as
+    `embed`, the hyper head's tensors as `hc_head_fn|base|scale`, and multi-token-prediction layers (`mtp.*`),
+    dropped. The same weights give transformers' logits."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny["deepseek_v4"]["hf"], src)
+
+    def released(name: str) -> str:
+        name = "embed.weight" if name == "model.embed_tokens.weight" else name
+        return re.sub(r"^model\.", "", re.sub(r"^model\.hc_head\.hc_", "hc_head_", name))
+
+    tensors = {released(k): v for k, v in load_file(str(src / "model.safetensors")).items()}
+    assert {"embed.weight", "hc_head_fn", "layers.0.attn.wq_a.weight", "layers.0.ffn.experts.0.w1.weight"} <= set(
+        tensors)
+    tensors["mtp.0.emb.tok_emb.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(src / "model.safetensors"))
+    model = day0jax.load(convert_checkpoint(src, tmp_path / "d0", progress=False).dst, dtype="float32")
+    for i, prompt in enumerate(PROMPTS):
+        ours, ref = model.logits([prompt])[0], tiny["deepseek_v4"]["ref"][f"logits_{i}"]
+        # Float32, as test_models.py's parity (about 1.6e-6 relative seen).
+        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), f"prompt {i}"

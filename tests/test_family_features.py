@@ -1,11 +1,12 @@
-"""What each distinctive feature of the state-space hybrids and the per-layer-attention families does to the logits:
-the tiny checkpoint of tests/families.py, converted, with one feature taken away (a config value the family reads,
-or a parameter set to what the feature's absence means), must no longer match transformers' logits. Each table entry
-is a feature the parity test in test_models.py would catch if the implementation dropped it; where removing a
-feature changes the parameters' shapes (a latent MoE's projections, per-layer head counts), the converter's shape
-checks catch it instead. The operators' own features (the D skip, the grouped gated norm, the convolution's state
-across calls) are tested in test_kernels_mamba2_ssd.py. Then what these families do not run is refused, naming the
-config key, and the state-space families not implemented are refused by name.
+"""What each distinctive feature of the state-space hybrids, the per-layer-attention families and DeepSeek-V4 does to
+the logits: the tiny checkpoint of tests/families.py, converted, with one feature taken away (a config value the
+family reads, or a parameter set to what the feature's absence means), must no longer match transformers' logits.
+Each table entry is a feature the parity test in test_models.py would catch if the implementation dropped it; where
+removing a feature changes the parameters' shapes (a latent MoE's projections, per-layer head counts), the
+converter's shape checks catch it instead. The operators' own features (the D skip, the grouped gated norm, the
+convolution's state across calls) are tested in test_kernels_mamba2_ssd.py, DeepSeek-V4's in
+test_deepseek_v4_ops.py. Then what these families do not run is refused, naming the config key, and the state-space
+families not implemented are refused by name.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ MUTATIONS = {
         dict(rope_theta=10000.0, partial_rotary_factor=0.5), dict(rope_theta=10000.0, partial_rotary_factor=0.5))),
         None),
     "step3p7 constant head gates": ("step3p7", {}, scaled("self_attn.g_proj.kernel", 0.0)),
+    "deepseek_v4 hash layers routed by one expert pair": ("deepseek_v4", {}, lambda params: {
+        k: np.zeros_like(v) + np.arange(v.shape[1], dtype=v.dtype) if k.endswith("gate.tid2eid") else v
+        for k, v in params.items()}),
+    "deepseek_v4 indexer keeping every entry": ("deepseek_v4", dict(index_topk=64), None),
+    "deepseek_v4 one Sinkhorn normalization": ("deepseek_v4", dict(hc_sinkhorn_iters=1), None),
 }
 
 
@@ -117,6 +123,9 @@ REFUSALS = [
     ("mimo_v2_flash", dict(rope_theta=10000.0), "rope_theta=10000.0"),
     ("step3p7", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("step3p7", dict(per_layer_config={"1": {"head_dim": 8}}), "per_layer_config"),
+    ("deepseek_v4", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+    ("deepseek_v4", dict(scoring_func="relu"), "scoring_func='relu'"),
+    ("deepseek_v4", dict(layer_types=["full_attention"] * 4), "layer_types"),
 ]
 
 

@@ -39,6 +39,7 @@ from families import FAMILIES as TEST_FAMILIES, MULTIMODAL  # noqa: E402
 OVERRIDES = {
     "deepseek_v3": dict(num_key_value_heads=8),
     "deepseek_v32": dict(num_key_value_heads=8),
+    "deepseek_v4": dict(o_groups=8),  # the grouped output projection splits by group, like the heads
     "glm_moe_dsa": dict(num_key_value_heads=8),
     "mistral4": dict(num_key_value_heads=8),
     "mistral_large4_text": dict(num_key_value_heads=8),

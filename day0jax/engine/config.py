@@ -6,13 +6,64 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 import jax
 
 from day0jax.core.errors import GenerationError
 from kernels_pallas.paged_attention import xla_blocks
 from sharding.plan import Workload
+
+
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+# Speculation stops above this many decode rows unless `SpeculativeConfig.max_batch` says otherwise. Measured on a
+# 2-core CPU with SmolLM2-135M and k = 4 (bench/speculative.py): a verify step costs 1.5, 1.7, 3.0 and 4.4 plain
+# steps at 1, 2, 4 and 8 rows (past 16 rows of tokens the linear maps leave the CPU kernel); a rewriting task keeps
+# about 4.7 tokens per row and step, 1.8-2.3x plain at 4 rows but only 1.5x at 8 with every row copying the same
+# text, so mixed traffic past 4 rows loses more on rejected drafts than it gains. Not measured on accelerators.
+DEFAULT_SPEC_MAX_BATCH = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts up to `num_tokens` tokens per decode row, and one engine step scores
+    them all with the target model, keeping the longest prefix the target agrees with plus its own next token.
+
+    Attributes:
+        method: "ngram" (prompt lookup: the continuation of the longest recent n-gram match in the request's own
+            tokens), "draft" (a smaller day0jax checkpoint with the same tokenizer, `draft_model`) or "mtp" (the
+            model's own multi-token-prediction layers, kept by conversion).
+        num_tokens: k, drafts per row and step (the verify programs score k + 1 tokens per row).
+        ngram_min, ngram_max: the n-gram lengths the ngram proposer matches, longest first.
+        draft_model: the draft checkpoint's folder (method "draft").
+        max_batch: speculation turns off while more decode rows than this run (None: DEFAULT_SPEC_MAX_BATCH).
+    """
+
+    method: str
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str | None = None
+    max_batch: int | None = None
+
+    def check(self) -> None:
+        """Raises GenerationError naming the first value that cannot work."""
+        if self.method not in SPECULATIVE_METHODS:
+            raise GenerationError(f"speculative method {self.method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_tokens <= 16:
+            raise GenerationError(f"num_speculative_tokens must be in 1..16, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise GenerationError(f"ngram_min ({self.ngram_min}) and ngram_max ({self.ngram_max}) must satisfy "
+                                  "1 <= ngram_min <= ngram_max")
+        if self.method == "draft" and not self.draft_model:
+            raise GenerationError("speculative method 'draft' needs a draft model (--draft-model PATH)")
+        if self.max_batch is not None and self.max_batch < 0:
+            raise GenerationError(f"spec_max_batch must be >= 0, got {self.max_batch}")
+
+    @property
+    def rows(self) -> int:
+        """The most decode rows that speculate."""
+        return DEFAULT_SPEC_MAX_BATCH if self.max_batch is None else self.max_batch
 
 
 @dataclass(frozen=True)
@@ -43,6 +94,12 @@ class EngineConfig:
     # cache stops growing past the window; their pages then cannot be shared, which turns prefix caching off. False:
     # they keep every page, like full-attention layers.
     window_kv: bool = True
+    # Speculative decoding (None: off); a method name alone ("ngram", "draft", "mtp") takes the defaults.
+    speculative: Union[SpeculativeConfig, str, None] = None
+
+    def __post_init__(self):
+        if isinstance(self.speculative, str):
+            object.__setattr__(self, "speculative", SpeculativeConfig(self.speculative))
 
     def step_tokens(self, platform: str) -> int:
         """`prefill_step_tokens`, resolved for the devices' platform ('cpu', 'gpu', 'tpu'...)."""
@@ -67,6 +124,9 @@ class EngineConfig:
             raise GenerationError(f"chunk sizes must be positive integers, got {self.chunk_buckets}")
         if self.prefill_step_tokens is not None and self.prefill_step_tokens < 0:
             raise GenerationError(f"prefill_step_tokens must be >= 0, got {self.prefill_step_tokens}")
+        spec = self.speculative
+        if spec is not None:
+            spec.check()
         max_len = min(self.max_model_len or context_length, context_length)
         page = self.page_size
         max_pages_per_seq = -(-max_len // page)
@@ -82,13 +142,15 @@ class EngineConfig:
         # tokens, over whole pages (+1: they need not start at a page boundary). One ring per sequence slot (the
         # most running sequences, and the trash slot): only where that is fewer pages than the shared pool.
         rings = tuple((w, -(-(w + chunks[-1]) // page) + 1) for w in sorted({w for w in windows if w}))
-        slots = batches[-1] + 1
+        k = spec.num_tokens if spec is not None and spec.rows > 0 else 0
+        slots = batches[-1] * (k + 1) + 1  # `EngineLayout.state_slots`
         rings = tuple((w, r) for w, r in rings if slots * r < num_pages) if self.window_kv else ()
         return EngineLayout(
             max_model_len=max_len, page_size=page, num_pages=num_pages, batch_buckets=batches,
             chunk_buckets=chunks,
             decode_widths=_widths(self.min_width // page, self.fine_width // page, max_pages_per_seq),
-            prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings)
+            prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings,
+            spec_tokens=k, spec_rows=smallest_bucket(batches, spec.rows) if k else 0)
 
 
 @dataclass(frozen=True)
@@ -105,6 +167,10 @@ class EngineLayout:
     # (window, pages per sequence) of sliding-window layers that keep only their window: a ring of pages per
     # sequence slot (see `paged_cache.ring_table`), slot 0's ring holding the trash page
     rings: tuple[tuple[int, int], ...] = ()
+    # Speculative decoding: k drafts per row (0: off), scored by verify programs of k + 1 tokens per row for batch
+    # buckets up to `spec_rows`.
+    spec_tokens: int = 0
+    spec_rows: int = 0
 
     def ring_pages(self, window: int) -> int:
         """Pages per sequence of a layer with this sliding window that keeps only its window (0: it keeps every
@@ -113,8 +179,22 @@ class EngineLayout:
 
     @property
     def state_slots(self) -> int:
-        """Sequence slots of linear-attention state: one per running sequence, plus the trash slot."""
-        return self.batch_buckets[-1] + 1
+        """Sequence slots of linear-attention state: one per running sequence (k + 1 with speculation: a verify
+        step keeps the state after each of its k + 1 tokens, and the accepted one becomes the sequence's), plus the
+        trash slot."""
+        return self.batch_buckets[-1] * self.state_copies + 1
+
+    @property
+    def state_copies(self) -> int:
+        """State slots each running sequence holds."""
+        return self.spec_tokens + 1
+
+    def verify_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, width in pages) of the verify programs: decode rows with their drafts."""
+        if not self.spec_tokens:
+            return []
+        return [(b, self.spec_tokens + 1, w) for w in self.decode_widths for b in self.batch_buckets
+                if b <= self.spec_rows]
 
     @property
     def max_rows(self) -> int:
@@ -137,11 +217,13 @@ class EngineLayout:
         # where paged attention's xla_blocks takes prefill chunks, and its C++ kernel decode steps
         cpu = (platform or jax.default_backend()) == "cpu"
         return Workload(kv_slots=self.num_pages * self.page_size,
-                        forward_shapes=tuple((r, t, w * self.page_size) for r, t, w in self.forward_shapes()),
+                        forward_shapes=tuple((r, t, w * self.page_size)
+                                             for r, t, w in self.forward_shapes() + self.verify_shapes()),
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
                         score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None, decode_in_place=cpu,
                         state_slots=self.state_slots,
-                        window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings))
+                        window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings),
+                        page_size=self.page_size)
 
     def sampler_batches(self) -> list[int]:
         """Every row count the sampler sees: decode batch buckets, and 1 for a prefill's last token."""

@@ -4,6 +4,10 @@
 The host never waits for a step before dispatching the next: sampled tokens stay on the device for the next forward and
 are read while it runs, so a sequence that ended on a stop token computes one extra position, whose token is dropped.
 When the plan needs the tokens (a preemption, penalties), the step reads them first.
+
+With speculative decoding (`EngineConfig.speculative`), a decode row may carry drafts (`engine/speculative.py`): the
+step then runs the verify program over every decode row (its input token and drafts, [B, k + 1]) and the acceptance,
+and reads the outcome before it ends, since how many tokens each row keeps decides the next step's positions.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from day0jax.core.cache_layout import layer_windows
+from day0jax.core.errors import GenerationError
 from day0jax.engine.config import EngineConfig
+from day0jax.engine.device_proposers import DraftModelProposer, MTPProposer
 from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueFull, SamplingParams, SequenceState,
                                      TokenEvent)
 from day0jax.engine.runner import ModelRunner
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
+from day0jax.engine.speculative import Speculation, make_proposer, refuse_unverifiable_state
 from day0jax.startup.warmup import BackgroundCompiler, compile_programs
 from day0jax.vision.inputs import ImageInputs
 
@@ -31,10 +39,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Sampled:
-    """One sampler call whose output is still on the device: row i belongs to seqs[i]."""
+    """One sampler call whose output is still on the device: row i belongs to seqs[i]. A verify step's acceptance
+    (`drafted`: each row's number of drafts) gives each row its kept drafts and the next token."""
 
     seqs: list[SequenceState]
     out: dict[str, jax.Array]
+    drafted: list[int] | None = None
+    drafts: jax.Array | None = None  # a device proposer's next drafts for each row [rows, k]
 
 
 class Engine:
@@ -49,12 +60,13 @@ class Engine:
         config: the `EngineConfig`.
         runner: a `ModelRunner` already made for this model and config's layout (`Model.runner`, which may have
             compiled programs), instead of a new one.
+        draft: the draft model (an nnx module on the same mesh) of speculative method "draft".
     Raises:
         GenerationError: a config value that cannot work (a pool smaller than one sequence, ...).
     """
 
     def __init__(self, module, mesh, dtype, *, context_length: int, eos_token_ids: Sequence[int] = (),
-                 config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None):
+                 config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None, draft=None):
         self.layout = config.layout(context_length, layer_windows(module.cache_layout()))
         self.max_model_len, self.page_size = self.layout.max_model_len, self.layout.page_size
         if runner is not None and runner.layout != self.layout:
@@ -70,7 +82,18 @@ class Engine:
                      "so cached pages would lack their keys")
             config = dataclasses.replace(config, prefix_caching=False)
         self.config = config
-        self.scheduler = Scheduler(config, self.layout, eos_token_ids, platform=mesh.devices.flat[0].platform)
+        self.spec = None
+        if config.speculative is not None and self.layout.spec_tokens:
+            refuse_unverifiable_state(module)
+            if self.runner.has_state and self.layout.rings:
+                raise GenerationError("speculative decoding is not implemented for models with both linear-attention "
+                                      "layers and sliding-window layers that keep only their window (window_kv)")
+            self.spec = Speculation(config.speculative, self._proposer(config.speculative, draft),
+                                    self.layout.max_model_len)
+        copies = self.layout.state_copies if self.runner.has_state else 1
+        reach = self.layout.spec_tokens if self.spec is not None and self.spec.proposer.on_device else 0
+        self.scheduler = Scheduler(config, self.layout, eos_token_ids, platform=mesh.devices.flat[0].platform,
+                                   state_copies=copies, draft_reach=reach)
         self.vocab_size = self.runner.vocab_size
         self._commands: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -79,6 +102,21 @@ class Engine:
         self._undelivered: list[TokenEvent] = []  # events of a step that then failed, for `recover` to return
         # Metrics counters, read from other threads (plain ints are safe to read).
         self.prompt_tokens_computed = self.generated_tokens = self.num_steps = 0
+
+    def _proposer(self, spec, draft):
+        if spec.method == "ngram":
+            return make_proposer(spec)
+        if spec.method == "draft":
+            if draft is None and self.runner.draft is None:
+                raise GenerationError("speculative method 'draft' needs the draft model loaded (day0jax.load does "
+                                      "it from EngineConfig.speculative.draft_model)")
+            if draft is not None:
+                self.runner.attach_draft(draft)
+            self.runner.catalog.proposer = "draft"
+            return DraftModelProposer(self.runner)
+        self.runner.attach_mtp()
+        self.runner.catalog.proposer = "mtp"
+        return MTPProposer(self.runner)
 
     def attach(self, module, eos_token_ids: Sequence[int]) -> None:
         """Gives an engine built on an abstract model (see `loader.Prepared.engine`) its restored weights and the
@@ -170,6 +208,8 @@ class Engine:
             if apply_commands:
                 self._apply_commands(events)
             self.scheduler.admit()
+            if self.spec is not None:
+                events += self._plan_drafts()
             try:
                 work = self.scheduler.schedule()
                 previous = self._previous_tokens(work.decode)
@@ -178,6 +218,10 @@ class Engine:
                 work, previous = self.scheduler.schedule(), None
             sampled = self._run(work, previous)
             events += self._read_in_flight()  # the previous step's programs ran before this step's
+            if any(x.drafted is not None for x in sampled):
+                # A verify step's outcome decides the next step's positions: read now.
+                self._in_flight, sampled = sampled, []
+                events += self._read_in_flight()
         except BaseException:
             self._undelivered += events  # what happened before the failure still reaches its requests
             raise
@@ -261,14 +305,42 @@ class Engine:
             raise NeedTokens("input tokens in several sampler outputs")
         return next(iter(outputs.values())).out["tokens"] if outputs else None
 
+    def _plan_drafts(self) -> list[TokenEvent]:
+        """Gives this step's decode rows their drafts (`seq.drafts`), when the batch is small enough to speculate
+        and the row's request and record allow it; with a device proposer, whose drafts come with a row's last
+        tokens, reads the tokens still on the device first. Returns the events of that read."""
+        spec, s = self.spec, self.scheduler
+        for seq in s.running:
+            seq.drafts = []
+        rows = [q for q in s.running if not q.finished and q.pending == 1 and not s._exhausted(q)]
+        if not spec.active(len(rows)):
+            return []
+        wanted = [q for q in rows if spec.wants(q)]
+        device = spec.proposer.on_device
+        events = self._read_in_flight() if device and any(q.in_flight for q in wanted) else []
+        for q in wanted:
+            if not q.finished:
+                spec.propose(q)
+        return events
+
     def _run(self, work: Work, previous: jax.Array | None) -> list[_Sampled]:
         sampled = []
-        if work.decode:
+        device = self.spec is not None and self.spec.proposer.on_device
+        if work.decode and any(s.drafts for s in work.decode):
+            sampled.append(self._verify(work.decode, previous))
+        elif work.decode:
+            if device:  # their proposer misses these tokens
+                for s in work.decode:
+                    self.spec.turn_off(s)
             sampled.append(self._sample(work.decode, *self._run_decode(work.decode, previous)))
         for seq, n in work.prefill:
-            outputs = self._run_prefill(seq, n)
+            batch, outputs = self._run_prefill(seq, n)
             if seq.num_computed == seq.length:  # the whole prompt is in: the last logits give a token
                 sampled.append(self._sample([seq], *outputs))
+                if device:
+                    sampled[-1].drafts = self.spec.proposer.after_prompt(batch, seq, sampled[-1].out["tokens"])
+            elif device:
+                self.spec.proposer.after_chunk(batch, seq)
         self.num_steps += bool(work.decode or work.prefill)
         return sampled
 
@@ -280,12 +352,27 @@ class Engine:
             self.scheduler.register_blocks(s)
         return outputs
 
+    def _verify(self, seqs: list[SequenceState], previous: jax.Array | None) -> _Sampled:
+        """Dispatches the verify program and the acceptance over the decode rows (reading nothing)."""
+        inputs = self.runner.inputs
+        batch = inputs.verify(seqs, lambda s: self._sources[s][1])
+        logits = self.runner.verify(batch, previous)
+        rows, T = batch.tokens.shape
+        drafts, counts = inputs.drafts(seqs, rows)
+        force = counts > 0 if self.spec.force_accept else None
+        out = self.runner.accept(logits, inputs.sampling(seqs, rows, positions=T), drafts, counts, force=force)
+        proposed = self.spec.proposer.after_verify(batch, seqs, out) if self.spec.proposer.on_device else None
+        for s in seqs:
+            s.in_flight += 1
+        return _Sampled(seqs, out, drafted=[len(s.drafts) for s in seqs], drafts=proposed)
+
     def _run_prefill(self, seq: SequenceState, n: int):
-        outputs = self.runner.forward(self.runner.inputs.prefill(seq, n))
+        batch = self.runner.inputs.prefill(seq, n)
+        outputs = self.runner.forward(batch)
         seq.num_computed += n
         self.prompt_tokens_computed += n
         self.scheduler.register_blocks(seq)
-        return outputs
+        return batch, outputs
 
     def _sample(self, seqs: list[SequenceState], logits, greedy) -> _Sampled:
         """Dispatches the sampler (reading nothing) for the leading rows of `logits`, one per sequence. The forward
@@ -302,6 +389,11 @@ class Engine:
         events = []
         for sampled in self._in_flight:
             out = self.runner.read(sampled.out)
+            if sampled.drafts is not None:
+                self.spec.store_drafts(sampled.seqs, np.asarray(sampled.drafts))
+            if sampled.drafted is not None:
+                events += self._read_verified(sampled, out)
+                continue
             for i, seq in enumerate(sampled.seqs):
                 seq.in_flight -= 1
                 if self._sources.get(seq, (None,))[0] is sampled:
@@ -314,6 +406,29 @@ class Engine:
                     top = [(int(t), float(v)) for t, v in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])]
                 events.append(self._append_token(seq, int(out["tokens"][i]), lp, top))
         self._in_flight = []
+        return events
+
+    def _read_verified(self, sampled: _Sampled, out: dict) -> list[TokenEvent]:
+        """Each verify row's kept drafts and next token, through `_append_token` one at a time (so EOS, stop tokens,
+        max_tokens and grammars end the run where plain decoding would); the row's verified positions, state slot
+        and acceptance counts move on."""
+        events = []
+        for i, seq in enumerate(sampled.seqs):
+            seq.in_flight -= 1
+            if seq.finished:
+                continue
+            accepted, drafted = int(out["accepted"][i]), sampled.drafted[i]
+            seq.num_computed += accepted + 1  # its input token and the kept drafts
+            self.scheduler.commit_state(seq, accepted)
+            self.spec.record(seq, drafted, accepted)
+            for j in range(accepted + 1):
+                lp = top = None
+                if "logprob" in out and seq.params.logprobs is not None:
+                    lp, k = float(out["logprob"][i, j]), seq.params.logprobs
+                    top = [(int(t), float(v)) for t, v in zip(out["top_ids"][i, j][:k], out["top_logprobs"][i, j][:k])]
+                events.append(self._append_token(seq, int(out["tokens"][i, j]), lp, top))
+                if seq.finished:
+                    break
         return events
 
     def _append_token(self, seq: SequenceState, token: int, logprob, top) -> TokenEvent:
@@ -337,14 +452,21 @@ class Engine:
         if finish:
             self.scheduler.finish(seq)
         return TokenEvent(seq.request_id, seq.index, token, finish, is_stop, logprob, top,
-                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.cached_tokens)
+                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.cached_tokens,
+                          num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
 
     def stats(self) -> dict[str, int]:
         """Gauges and counters for metrics: queue, batch, pages, prefix cache, tokens."""
         s, pool = self.scheduler, self.scheduler.pool
-        return dict(waiting=self.num_waiting, running=len(s.running), kv_blocks_used=pool.num_used,
-                    kv_blocks_free=pool.num_free, kv_blocks_total=pool.usable, prefix_hit_blocks=pool.hits,
-                    prefix_query_blocks=pool.queries, prefix_hit_tokens=s.prefix_hit_tokens,
-                    preemptions=s.num_preemptions, prompt_tokens_computed=self.prompt_tokens_computed,
-                    generated_tokens=self.generated_tokens, steps=self.num_steps)
+        out = dict(waiting=self.num_waiting, running=len(s.running), kv_blocks_used=pool.num_used,
+                   kv_blocks_free=pool.num_free, kv_blocks_total=pool.usable, prefix_hit_blocks=pool.hits,
+                   prefix_query_blocks=pool.queries, prefix_hit_tokens=s.prefix_hit_tokens,
+                   preemptions=s.num_preemptions, prompt_tokens_computed=self.prompt_tokens_computed,
+                   generated_tokens=self.generated_tokens, steps=self.num_steps)
+        if self.spec is not None:
+            st = self.spec.stats
+            out.update(spec_drafts=st.drafts, spec_draft_tokens=st.draft_tokens,
+                       spec_accepted_tokens=st.accepted_tokens, spec_mean_acceptance_length=st.mean_acceptance_length,
+                       spec_accepted_per_position=list(st.accepted_per_position))
+        return out
 

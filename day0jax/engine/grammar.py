@@ -184,6 +184,11 @@ class Matcher:
         """Advances past `token`; False when the grammar does not allow it (the matcher is then in error)."""
         return self._m.consume_token(int(token))
 
+    def rollback(self, n: int) -> None:
+        """Undoes the last `n` tokens consumed (speculative drafts scored against the grammar)."""
+        if n:
+            self._m.rollback(int(n))
+
     @property
     def done(self) -> bool:
         """Nothing but end-of-sequence can follow (the grammar is complete, or the matcher is in error)."""

@@ -3,7 +3,9 @@
 `InputBatch` (owned by the runner, which knows the layout and the vision tower) makes the forward's `Batch` for the
 decode rows or one prefill chunk (tokens, positions, block tables, lengths, state slots, and a vision-language
 model's image features and RoPE positions) and the sampler's `SamplingMetadata` (per-row seeds and settings, and
-only where some row needs them the penalty arrays and the grammar masks with logit biases).
+only where some row needs them the penalty arrays and the grammar masks with logit biases); with speculative
+decoding, the verify batch (each decode row's input token and its drafts) and what the acceptance takes (the drafts,
+and a grammar mask per position).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Batch:
     last_index: np.ndarray  # [B] which of the T positions to return logits for
     token_source: np.ndarray  # [B] row of `previous` holding the row's input token, -1: `tokens` holds it
     state_slots: np.ndarray  # [B] each row's slot in the linear-attention state pools (TRASH_SLOT: padding)
+    # Verify batches only: [B, T] the slot for each row's state after each of its tokens (see state_cache.py)
+    state_targets: np.ndarray | None = None
     # Vision-language models only: [B, T, D] image features, put in place of the embeddings where [B, T] is set;
     # [B, T, 3] multimodal RoPE positions and [k, B, T, D] DeepStack features where the model has them.
     image_features: np.ndarray | None = None
@@ -45,7 +49,7 @@ class Batch:
         image = tuple(x for x in (self.image_features, self.image_mask, self.rope_positions, self.deepstack)
                       if x is not None)
         return (self.tokens, self.positions, self.block_tables, self.kv_lengths, self.last_index, self.token_source,
-                self.state_slots) + image
+                self.state_slots, self.state_targets) + image
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) (a pipeline's micro-batch; DeepStack features keep their layer axis first)."""
@@ -82,8 +86,9 @@ class InputBatch:
                  encode: Callable[[ImageInputs], tuple[np.ndarray, np.ndarray | None]]):
         self.layout, self.vision, self.vocab_size, self._encode = layout, vision, vocab_size, encode
 
-    def empty(self, rows: int, tokens: int, width: int) -> Batch:
-        """A batch of padding only: every token goes to the trash page."""
+    def empty(self, rows: int, tokens: int, width: int, verify: bool = False) -> Batch:
+        """A batch of padding only: every token goes to the trash page (`verify`: a verify batch, whose state
+        targets are the trash slot)."""
         pad = width * self.layout.page_size  # beyond every block table: the trash page
         v = self.vision
         image = {} if v is None else dict(
@@ -94,13 +99,15 @@ class InputBatch:
                      block_tables=np.full((rows, width), TRASH_PAGE, np.int32),
                      kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
                      token_source=np.full(rows, -1, np.int32), state_slots=np.full(rows, TRASH_SLOT, np.int32),
-                     **image)
+                     state_targets=np.full((rows, tokens), TRASH_SLOT, np.int32) if verify else None, **image)
 
     def padded(self, batch: Batch, shape: tuple[int, int, int]) -> Batch:
         """`batch` grown to `shape` with padding: rows and tokens that write to the trash page, and block-table
         columns holding it (a running row's positions never reach them)."""
-        out = self.empty(*shape)
+        out = self.empty(*shape, verify=batch.state_targets is not None)
         B, T = batch.tokens.shape
+        if batch.state_targets is not None:
+            out.state_targets[:B, :T] = batch.state_targets
         out.tokens[:B, :T], out.positions[:B, :T] = batch.tokens, batch.positions
         out.block_tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
         for name in ("kv_lengths", "last_index", "token_source", "state_slots"):
@@ -133,6 +140,50 @@ class InputBatch:
             batch.state_slots[i] = s.slot
         batch.block_tables[:] = self._table(seqs, rows, width)
         return batch
+
+    def verify(self, seqs: Sequence[SequenceState], token_source: Callable[[SequenceState], int]) -> Batch:
+        """Each decode row's input token at its next position, then its drafts (`seq.drafts`) at the positions
+        after it: [rows, k + 1] in the smallest verify batch and width buckets that hold them, rows with fewer
+        drafts padded. A row whose input token is still on the device reads it as `decode` does. Each row's state
+        after its j-th token goes to its j-th state slot (`seq.slots`)."""
+        L = self.layout
+        T = L.spec_tokens + 1
+        rows = smallest_bucket(L.batch_buckets, len(seqs))
+        width = smallest_bucket(L.decode_widths, max((s.num_computed + len(s.drafts)) // L.page_size + 1
+                                                     for s in seqs))
+        batch = self.empty(rows, T, width, verify=True)
+        for i, s in enumerate(seqs):
+            n, d = s.num_computed, len(s.drafts)
+            if n < len(s.tokens):
+                batch.tokens[i, 0] = s.tokens[n]
+            else:
+                batch.token_source[i] = token_source(s)
+            batch.tokens[i, 1:1 + d] = s.drafts
+            batch.positions[i, :1 + d] = np.arange(n, n + 1 + d)
+            if batch.rope_positions is not None:
+                delta = s.images.rope_delta if s.images is not None else 0
+                batch.rope_positions[i, :1 + d] = (np.arange(n, n + 1 + d) + delta)[:, None]
+            batch.kv_lengths[i] = n + 1 + d
+            batch.state_slots[i] = s.slot
+            owned = s.slots or [s.slot]
+            batch.state_targets[i] = (owned * T)[:T]
+        batch.block_tables[:] = self._table(seqs, rows, width)
+        return batch
+
+    def block_tables(self, seqs: Sequence[SequenceState], rows: int, last: int) -> np.ndarray:
+        """The rows' block tables in the smallest decode width holding position `last`."""
+        L = self.layout
+        width = smallest_bucket(L.decode_widths, last // L.page_size + 1)
+        return self._table(seqs, rows, width)
+
+    def drafts(self, seqs: Sequence[SequenceState], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The acceptance's drafts [rows, k] (0 past each row's) and their counts [rows]."""
+        k = self.layout.spec_tokens
+        drafts, counts = np.zeros((rows, k), np.int32), np.zeros(rows, np.int32)
+        for i, s in enumerate(seqs):
+            drafts[i, :len(s.drafts)] = s.drafts
+            counts[i] = len(s.drafts)
+        return drafts, counts
 
     def prefill(self, seq: SequenceState, n: int) -> Batch:
         """The sequence's next `n` prompt tokens as one chunk, in the smallest chunk and width buckets."""
@@ -221,9 +272,10 @@ class InputBatch:
                                      f"tokens are prefilled in one chunk, and the engine's largest chunk is {chunk} "
                                      "(EngineConfig.chunk_buckets)", "images")
 
-    def sampling(self, seqs: Sequence[SequenceState], rows: int) -> SamplingMetadata:
+    def sampling(self, seqs: Sequence[SequenceState], rows: int, positions: int = 0) -> SamplingMetadata:
         """The sampler's inputs for the leading rows of a [rows, V] logits array, one per sequence (the padding rows
-        greedy and unpenalized)."""
+        greedy and unpenalized); `positions`: the acceptance's for a [rows, positions, V] verify, whose grammar masks
+        are one per position (the grammar advanced through the row's drafts before it)."""
         pad = rows - len(seqs)
         p = [s.params for s in seqs]
 
@@ -237,7 +289,10 @@ class InputBatch:
                       top_p=col((q.top_p for q in p), np.float32, 1.0),
                       min_p=col((q.min_p for q in p), np.float32, 0.0))
         penalties = self._penalty_arrays(seqs, rows) if any(q.penalized for q in p) else None
-        guidance = self._guidance_arrays(seqs, rows) if any(q.guided for q in p) else None
+        guidance = None
+        if any(q.guided for q in p):
+            guidance = self._guidance_arrays(seqs, rows) if not positions else \
+                self._draft_guidance_arrays(seqs, rows, positions)
         return SamplingMetadata(arrays, penalties, guidance, sampled=any(q.sampled for q in p),
                                 logprobs=any(q.logprobs is not None for q in p))
 
@@ -268,6 +323,32 @@ class InputBatch:
                 if seq.matcher is None:
                     seq.matcher = q.grammar.matcher()
                 seq.matcher.fill(allowed[i])
+            for j, (token, value) in enumerate(q.logit_bias):
+                bias_ids[i, j], bias[i, j] = token, value
+        return allowed, bias_ids, bias
+
+    def _draft_guidance_arrays(self, seqs: Sequence[SequenceState], B: int, T: int) -> tuple:
+        """As `_guidance_arrays`, with a grammar mask per position: the matcher advanced through the row's drafts
+        (as far as its grammar allows them: past a draft it refuses, the draft is rejected and the masks unused),
+        then rolled back."""
+        allowed, bias_ids, bias = self.neutral_guidance(B)
+        allowed = np.repeat(allowed[:, None], T, axis=1)
+        for i, seq in enumerate(seqs):
+            q = seq.params
+            if q.grammar is not None:
+                if seq.matcher is None:
+                    seq.matcher = q.grammar.matcher()
+                consumed = 0
+                for t in range(len(seq.drafts) + 1):
+                    row = allowed[i, t]
+                    seq.matcher.fill(row)
+                    if t == len(seq.drafts) or seq.matcher.done:
+                        break
+                    token = seq.drafts[t]
+                    if not (row[token // 32] >> (token % 32)) & 1 or not seq.matcher.consume(token):
+                        break
+                    consumed += 1
+                seq.matcher.rollback(consumed)
             for j, (token, value) in enumerate(q.logit_bias):
                 bias_ids[i, j], bias[i, j] = token, value
         return allowed, bias_ids, bias

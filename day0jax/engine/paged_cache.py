@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.compressed_attention import api as compressed_op
 from kernels_pallas.paged_attention import api as paged_op
 from kernels_pallas.sparse_attention import api as sparse_op
 
@@ -85,6 +86,15 @@ class PagedKVCache:
         return paged_op.paged_attention(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
                                         positions, **kwargs)
 
+    def attend_compressed(self, q: jax.Array, positions: jax.Array, indices: jax.Array | None = None, *,
+                          window: int, ratio: int, sinks: jax.Array | None, scale: float) -> jax.Array:
+        """A compressed-attention layer without entries (DeepSeek-V4's sliding layers): queries [B, T, N, H] over the
+        window of one head that is also the value (`compressed_cache.CompressedCache` for the layers with entries)."""
+        P, page, _, H = self.k_pages.shape
+        return compressed_op.paged_compressed_attention(q, self.k_pages.reshape(P, page, H), self.block_tables, None,
+                                                        None, self.kv_lengths, positions, None, window=window,
+                                                        ratio=ratio, sinks=sinks, scale=scale)
+
     def index_topk(self, k: jax.Array, q: jax.Array, weights: jax.Array, positions: jax.Array, *, topk: int,
                    scale: float) -> tuple["PagedKVCache", jax.Array]:
         """Writes the indexer keys k [B, T, Di] at `positions`, then picks each query's top-k cached positions
@@ -109,18 +119,27 @@ def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:
 
 
 def layer_caches(pools: list, stateful: list[int], rings: list[int], block_tables: jax.Array, kv_lengths: jax.Array,
-                 positions: jax.Array, state_slots: jax.Array) -> list:
+                 positions: jax.Array, state_slots: jax.Array, state_targets: jax.Array | None = None,
+                 compressed: list | None = None, page_size: int = 0) -> list:
     """Each layer's cache for one step: a `StateCache` for state layers (`stateful[i]`: the number of their state
-    arrays, the first of their pools), a `PagedKVCache` over the shared block tables or, for a layer with a ring
-    (`rings[i]` pages per slot), over its ring table; a `ParallelCache` of both for a state layer that also attends
-    (pools beyond its state arrays); None for a layer that keeps nothing of its own."""
+    arrays, the first of their pools; `state_targets`: a verify step's slot for the state after each token), a
+    `PagedKVCache` over the shared block tables or, for a layer with a ring (`rings[i]` pages per slot), over its
+    ring table; a `ParallelCache` of both for a state layer that also attends (pools beyond its state arrays); a
+    `CompressedCache` for a layer with compressed entries (`compressed[i]`, its `CompressedKV`, with the pool's
+    `page_size`); None for a layer that keeps nothing of its own."""
+    from day0jax.engine.compressed_cache import CompressedCache
     from day0jax.engine.state_cache import ParallelCache, StateCache
 
     tables = {r: ring_table(state_slots, r, block_tables.shape[1]) for r in set(rings) if r}
     caches = []
-    for p, n, ring in zip(pools, stateful, rings):
+    for i, (p, n, ring) in enumerate(zip(pools, stateful, rings)):
+        if compressed and compressed[i] is not None:
+            caches.append(CompressedCache.from_pools(p, n, compressed[i].ratio, page_size, block_tables,
+                                                     tables.get(ring, block_tables), kv_lengths, positions,
+                                                     state_slots))
+            continue
         kv = PagedKVCache.from_pools(p[n:], tables.get(ring, block_tables), kv_lengths) if p[n:] else None
-        state = StateCache.for_rows(p[:n], state_slots, positions, kv_lengths) if n else None
+        state = StateCache.for_rows(p[:n], state_slots, positions, kv_lengths, state_targets) if n else None
         caches.append(ParallelCache(state, kv) if state is not None and kv is not None else state or kv)
     return caches
 
@@ -129,7 +148,8 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
               ring_pages=None) -> list[tuple]:
     """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
     ([P, page_size, K, H] each, split like the kv heads), for a `StateLayer` one float32 [S, *shape] pool per
-    state array (split like its heads), then its `kv` part's pools if it has one, for a `SharedKV` layer only its
+    state array (split like its heads), then its `kv` part's pools if it has one and its compressed entries' if it
+    has some ([P, entries per page, dim], and the index keys'), for a `SharedKV` layer only its
     indexer's keys, if it has an indexer, and nothing for a layer that keeps nothing (None).
 
     Args:
@@ -164,7 +184,11 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
                          if entry.index_dim else ())
         elif isinstance(entry, StateLayer):
             state = tuple(zeros((state_slots,) + shape, (None,) + axes, jnp.float32) for shape, axes in entry.arrays)
-            pools.append(state + (kv_pools(entry.kv) if entry.kv is not None else ()))
+            c = entry.compressed
+            # Compressed entries (and index keys), numbered as the page pool: one K=V head, never split.
+            entries = () if c is None else tuple(zeros((num_pages, c.per_page(page_size), d), (None, None, None),
+                                                       dtype) for d in (c.dim, c.index_dim) if d)
+            pools.append(state + (kv_pools(entry.kv) if entry.kv is not None else ()) + entries)
         else:
             pools.append(kv_pools(entry))
     return pools

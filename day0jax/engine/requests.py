@@ -48,6 +48,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), at most MAX_LOGIT_BIAS
     grammar: Any = None  # a `grammar.Grammar` the output must follow (None: free text)
+    speculative: bool = True  # False: this request never speculates, even on an engine that does
     # The prefix cache's scope: cached blocks are shared only between requests with the same salt (None: the
     # unsalted scope), so a tenant cannot learn from cache hits or cached_tokens what another one sent.
     cache_salt: str | None = None
@@ -114,6 +115,9 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    # Speculative decoding, so far in this sequence: tokens drafted for it and drafts the target accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -132,6 +136,7 @@ class SequenceState:
     stops: frozenset
     pages: list[int] = field(default_factory=list)
     slot: int = 0  # its linear-attention state slot while running (0: none)
+    slots: list[int] = field(default_factory=list)  # every state slot it holds (k + 1 with speculation)
     num_computed: int = 0
     num_hashed: int = 0  # leading full blocks registered in the prefix cache
     hashes: list[bytes] = field(default_factory=list)
@@ -143,6 +148,12 @@ class SequenceState:
     seen: np.ndarray | None = None  # penalties: tokens in prompt or output
     matcher: Any = None  # its place in `params.grammar` (a `grammar.Matcher`), made on its first sampling
     images: ImageInputs | None = None  # a vision-language model's images, features placed at the image tokens
+    # Speculative decoding: this step's drafts (tokens after its input token, scored by the verify step), the
+    # proposer's state for it, and its counts.
+    drafts: list[int] = field(default_factory=list)
+    spec: Any = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def length(self) -> int:

@@ -28,7 +28,7 @@ from day0jax.engine.config import EngineLayout
 from day0jax.engine.input_batch import ROW_ARRAYS, Batch, InputBatch, SamplingMetadata
 from day0jax.engine.paged_cache import layer_caches, new_pools
 from day0jax.engine.programs import Program, ProgramCatalog
-from day0jax.engine.sampling import sample
+from day0jax.engine.sampling import accept_drafts, sample
 from day0jax.engine.stages import MicroBatches, leaf_paths, pipeline_refusal, placed_stages
 from day0jax.layers.linear import exact_float32
 from day0jax.vision.spec import encode_host
@@ -37,6 +37,10 @@ from sharding.pipeline import Links, Stages
 from sharding.rules import ACTIVATION, constrain, named_sharding, put
 
 log = logging.getLogger(__name__)
+
+
+# The acceptance closes over nothing of a runner: one jit for the process, so engines share its compiled shapes.
+_ACCEPT = jax.jit(accept_drafts)
 
 
 def layer_rings(cache_layout: list, layout: EngineLayout) -> list[int]:
@@ -86,7 +90,14 @@ class ModelRunner:
         # Per layer, how many of its pools are per-sequence state (the first ones; 0 for KV layers).
         self.stateful = [len(x.arrays) if isinstance(x, StateLayer) else 0 for x in cache_layout]
         self.rings = layer_rings(cache_layout, layout)
+        self.compressed = [x.compressed if isinstance(x, StateLayer) else None for x in cache_layout]
         self._cache_layout = cache_layout
+        self._mtp_layout = module.mtp_cache_layout() if getattr(module, "mtp", None) is not None else []
+        # With the MTP proposer, the forward and verify programs also return the final hidden states [B, T, D]
+        # (`hidden`, the last call's), which the MTP layers read.
+        self.keep_hidden = False
+        self.hidden: jax.Array | None = None
+        self.mtp_pools: list | None = None
         self._stage_pools: list | None = None  # allocated by the engine (`allocate_pools`), not by `full_logits`
         self._stage_replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
         self._sample_mesh = self.links.sample_mesh
@@ -99,11 +110,15 @@ class ModelRunner:
         self.inputs = InputBatch(layout, self.vision, self.vocab_size, self.encode_images)
         self.catalog = ProgramCatalog(layout, None if self.micro is None else self.local,
                                       self.vision.encoder.keys() if self.vision is not None else ())
-        self._stage_jits = [jax.jit(functools.partial(self._stage_fn, s), donate_argnames=("pools",))
+        self._stage_jits = [jax.jit(functools.partial(self._stage_fn, s, False), donate_argnames=("pools",))
                             for s in range(self.stages.count)]
+        # Verify programs: decode rows with their drafts, the logits of every position.
+        self._verify_jits = [jax.jit(jax.named_scope("verify")(functools.partial(self._stage_fn, s, True)),
+                                     donate_argnames=("pools",)) for s in range(self.stages.count)]
         self._whole_jits = [jax.jit(functools.partial(self._whole_fn, s)) for s in range(self.stages.count)]
         self._encode = jax.jit(self._encode_fn)
         self._sample = jax.jit(self._sample_fn)
+        self._accept = _ACCEPT
         self.compiled: set[tuple] = set()  # shapes traced by jit (not installed): logged once each
         self.programs: dict[Program, jax.stages.Compiled] = {}  # installed by warm-up
         # Set while programs are still compiling in the background (`startup.warmup.BackgroundCompiler.ensure`):
@@ -112,6 +127,10 @@ class ModelRunner:
         self.ensure: Callable[[Program], None] | None = None
         self._context: str | None = None  # see `signature`
         self._split = None  # the last forward's logits, rows per micro-batch and each micro-batch's: see `sample`
+        # Speculative decoding's device proposers: a draft model's runner (`attach_draft`), whose programs this
+        # runner runs and compiles ("draft": its prefill chunks, "propose": its drafting after each verify).
+        self.draft: ModelRunner | None = None
+        self._propose_jit = None
 
     # --- parameters and pools ------------------------------------------------------------------------------------
 
@@ -215,17 +234,20 @@ class ModelRunner:
             leaves[i] = value
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, leaves))
 
-    def _stage_fn(self, s: int, params, pools, x, previous, tokens, positions, block_tables, kv_lengths, last_index,
-                  token_source, state_slots, *image):
+    def _stage_fn(self, s: int, every_position: bool, params, pools, x, previous, tokens, positions, block_tables,
+                  kv_lengths, last_index, token_source, state_slots, state_targets, *image):
         model = self._model(s, params)
         layers = self.stages.ranges[s]
         # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
         # hands it its source's.
         caches = layer_caches(pools, self.stateful[layers.start:layers.stop], self.rings[layers.start:layers.stop],
-                              block_tables, kv_lengths, positions, state_slots)
+                              block_tables, kv_lengths, positions, state_slots, state_targets,
+                              self.compressed[layers.start:layers.stop], self.layout.page_size)
         first, last = s == 0, s == self.stages.last
         if first:
-            x = jnp.where(token_source[:, None] >= 0, previous[token_source][:, None], tokens)
+            # A row's token still on the device is its first one (a verify row's drafts follow it from the host).
+            from_previous = (token_source[:, None] >= 0) & (jnp.arange(tokens.shape[1])[None, :] == 0)
+            x = jnp.where(from_previous, previous[token_source][:, None], tokens)
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         seq_len = jnp.max(kv_lengths)
         with exact_float32(self.dtype):
@@ -236,12 +258,17 @@ class ModelRunner:
             pools = [() if c is None else c.pools for c in caches]
             if not last:
                 return hidden, pools
+            kept = (hidden,) if self.keep_hidden else ()
+            if every_position:
+                logits = model.logits(hidden)
+                logits = jax.lax.with_sharding_constraint(logits, self._stage_replicated[s])
+                return (logits, *kept, pools)
             logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last_index])
         # Replicated logits: the sampler's programs are compiled ahead of time for exactly this input sharding.
         logits = jax.lax.with_sharding_constraint(logits, self._stage_replicated[s])
         with jax.named_scope("sampling"):
             greedy = self._padded(jnp.argmax(logits, axis=-1))
-        return logits, greedy, pools
+        return (logits, greedy, *kept, pools)
 
     def _whole_fn(self, s: int, params, x, seq_len, image):
         """Stage `s` of `Model.logits`' full forward pass (no cache)."""
@@ -288,6 +315,162 @@ class ModelRunner:
         mesh = self.mesh if mesh is None else mesh
         return np.asarray(x) if mesh.size == 1 else put(x, mesh)
 
+    def _propose_fn(self, k: int, params, pools, tokens, last_token, override, accepted, base, block_tables,
+                    state_slots):
+        """A draft model's drafting after a verify step (or a prompt's last chunk), all on the device.
+
+        Catch-up: the row's tokens the target just kept (`tokens` [B, T], the kept drafts and the next token, columns
+        0..accepted; with `override`, column `accepted` replaced by `last_token`, the token a prompt's sampler drew)
+        at positions base + 1 + column, writing the draft model's keys; its greedy token after the last is draft 1.
+        Then k - 1 one-token steps, each drafting from the last. Returns (drafts [B, k] int32, pools).
+        """
+        model = self._model(0, params)
+        B, T = tokens.shape
+        pad = block_tables.shape[1] * self.layout.page_size  # beyond the table: the trash page
+        col = jnp.arange(T, dtype=jnp.int32)[None, :]
+        tokens = jnp.where(override[:, None] & (col == accepted[:, None]), last_token[:B, None], tokens)
+        first = base + 1
+        positions = jnp.where(col <= accepted[:, None], first[:, None] + col, pad).astype(jnp.int32)
+        kv = (first + accepted + 1).astype(jnp.int32)
+        rows = jnp.arange(B)
+        with exact_float32(self.dtype):
+            caches = layer_caches(pools, self.stateful, self.rings, block_tables, kv, positions, state_slots,
+                                  compressed=self.compressed, page_size=self.layout.page_size)
+            hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv))
+            pools = [() if c is None else c.pools for c in caches]
+            draft = jnp.argmax(model.logits(hidden[rows, accepted]), axis=-1).astype(jnp.int32)
+            drafts, pos = [draft], kv
+            for _ in range(k - 1):
+                caches = layer_caches(pools, self.stateful, self.rings, block_tables, pos + 1, pos[:, None],
+                                      state_slots, compressed=self.compressed, page_size=self.layout.page_size)
+                hidden, caches = model(draft[:, None], pos[:, None], caches, seq_len=jnp.max(pos + 1))
+                pools = [() if c is None else c.pools for c in caches]
+                draft = jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
+                drafts.append(draft)
+                pos = pos + 1
+        return jnp.stack(drafts, axis=1), pools
+
+    def _mtp_fn(self, k: int, params, pools, hidden, tokens, last_token, override, accepted, base, block_tables,
+                state_slots):
+        """The model's multi-token-prediction layers drafting after a verify step or over a prefill chunk, all on
+        the device (`layers/mtp.py`).
+
+        Catch-up: MTP layer 0 at positions base + column for columns 0..accepted, each taking the target's final
+        hidden state there (`hidden` [B, T, D], the verify's or the chunk's) and the token after it (`tokens`: the
+        kept drafts and the next token, or the chunk's next prompt tokens; with `override`, column `accepted`
+        replaced by `last_token`, the token the prompt's sampler drew), writing the MTP layer's keys. Its greedy
+        token at the last column is draft 1; then k - 1 steps, step j through MTP layer j mod n at the next position
+        on the last step's h' and draft, as vLLM and SGLang chain them. Returns (drafts [B, k] int32, pools).
+        """
+        from day0jax.engine.paged_cache import PagedKVCache
+
+        model = self._model(0, params)
+        B, T = tokens.shape
+        n = len(pools)
+        pad = block_tables.shape[1] * self.layout.page_size
+        col = jnp.arange(T, dtype=jnp.int32)[None, :]
+        tokens = jnp.where(override[:, None] & (col == accepted[:, None]), last_token[:B, None], tokens)
+        positions = jnp.where(col <= accepted[:, None], base[:, None] + col, pad).astype(jnp.int32)
+        kv = (base + accepted + 1).astype(jnp.int32)
+        rows = jnp.arange(B)
+        caches = [PagedKVCache.from_pools(p, block_tables, kv) for p in pools]
+        with exact_float32(self.dtype):
+            h, caches[0] = model.mtp_step(0, tokens, hidden, positions, caches[0], seq_len=jnp.max(kv))
+            last = h[rows, accepted]
+            draft = jnp.argmax(model.mtp_logits(0, last), axis=-1).astype(jnp.int32)
+            chain, drafts, pos = model.mtp_chained(0, last), [draft], kv
+            for j in range(1, k):
+                i = j % n
+                cache = PagedKVCache.from_pools(caches[i].pools, block_tables, pos + 1)
+                h, caches[i] = model.mtp_step(i, draft[:, None], chain[:, None], pos[:, None], cache,
+                                              seq_len=jnp.max(pos + 1))
+                draft = jnp.argmax(model.mtp_logits(i, h[:, 0]), axis=-1).astype(jnp.int32)
+                chain = model.mtp_chained(i, h[:, 0])
+                drafts.append(draft)
+                pos = pos + 1
+        return jnp.stack(drafts, axis=1), [c.pools for c in caches]
+
+    def attach_mtp(self) -> None:
+        """Makes the model's multi-token-prediction layers speculative decoding's proposer: their KV pools (in this
+        layout, under the same block tables), and the forward programs keep the final hidden states.
+
+        Raises:
+            GenerationError: a model built without them (`day0jax.load` builds them for speculative method
+                "mtp"), or split into pipeline stages.
+        """
+        from day0jax.core.errors import GenerationError
+
+        if not self._mtp_layout:
+            raise GenerationError("this model was built without its multi-token-prediction layers (day0jax.load "
+                                  "builds them when EngineConfig.speculative is 'mtp')")
+        if self.micro is not None:
+            raise GenerationError("speculative method 'mtp' with pipeline stages (pp > 1) is not implemented")
+        if self.mtp_pools is None:
+            L = self.layout
+            self.mtp_pools = new_pools(self._mtp_layout, L.num_pages, L.page_size, L.state_slots, self.dtype,
+                                       self.mesh)
+        self.keep_hidden = True
+        self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(self._mtp_fn,
+                                                                                 self.layout.spec_tokens)),
+                                    donate_argnames=("pools",))
+
+    def attach_draft(self, module: nnx.Module) -> None:
+        """Makes `module` (a smaller model with the same vocabulary, on this runner's mesh) the draft model of
+        speculative decoding: its own KV pools, in this layout (the same pages and block tables as the target's).
+
+        Raises:
+            GenerationError: a draft model it cannot run (another vocabulary, state layers, a split mesh).
+        """
+        from day0jax.core.errors import GenerationError
+
+        if int(module.config.vocab_size) != self.vocab_size:
+            raise GenerationError(f"the draft model's vocabulary ({module.config.vocab_size} tokens) is not the "
+                                  f"target's ({self.vocab_size}); a draft model must share the tokenizer")
+        if self.micro is not None:
+            raise GenerationError("a draft model with pipeline stages (pp > 1) is not implemented")
+        draft = ModelRunner(module, self.mesh, self.dtype, self.layout)
+        if draft.has_state:
+            raise GenerationError("a draft model with linear-attention layers is not implemented (its state would "
+                                  "have to follow every rejected draft back)")
+        if draft.vision is not None:
+            raise GenerationError("a vision-language draft model is not implemented")
+        draft.allocate_pools()
+        self.draft = draft
+        self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(draft._propose_fn,
+                                                                                 self.layout.spec_tokens)),
+                                    donate_argnames=("pools",))
+
+    def draft_prefill(self, batch: Batch) -> None:
+        """The draft model's forward over a prefill chunk of the target's (the same batch), writing its keys."""
+        key = batch.tokens.shape + (batch.block_tables.shape[1],)
+        program = self.programs.get(Program("draft", key))
+        if program is None and self.ensure is not None:
+            self.ensure(Program("draft", key))
+            program = self.programs.get(Program("draft", key))
+        self.draft.run_stage(0, program, batch, None, None)
+
+    def propose(self, tokens, last_token, override: np.ndarray, accepted, base: np.ndarray, block_tables: np.ndarray,
+                state_slots: np.ndarray) -> jax.Array:
+        """The device proposer's drafts [B, k] after a verify step or a prompt's chunk (`_propose_fn` for a draft
+        model, `_mtp_fn` on `hidden` for the MTP layers), without waiting for them. `tokens`, `last_token` and
+        `accepted` may be device arrays (the acceptance's or the sampler's outputs)."""
+        B, T = tokens.shape
+        key = (B, T, block_tables.shape[1])
+        wanted = Program("propose", key)
+        if wanted not in self.programs and self.ensure is not None:
+            self.ensure(wanted)
+        args = [self._put(x) if isinstance(x, np.ndarray) else x
+                for x in (tokens, last_token, override, accepted, base, block_tables, state_slots)]
+        run = self.programs.get(wanted, self._propose_jit)
+        with jax.set_mesh(self.mesh):
+            if self.draft is None:  # the MTP layers
+                drafts, self.mtp_pools = self.links.settle(run(self.stage_params[0], self.mtp_pools, self.hidden,
+                                                               *args))
+                return drafts
+            draft = self.draft
+            drafts, draft.stage_pools[0] = self.links.settle(run(draft.stage_params[0], draft.stage_pools[0], *args))
+        return drafts
+
     # --- running -------------------------------------------------------------------------------------------------
 
     def forward(self, batch: Batch, previous: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -316,6 +499,8 @@ class ModelRunner:
         logits, greedy = [], []
         for before, part in routed:
             out = self._through_stages(part, before, programs)
+            if self.keep_hidden:
+                self.hidden = out[2]
             logits.append(self.links.to_sampler(None if out is None else out[0], (rows, self.vocab_size),
                                                 jnp.float32, PartitionSpec()))
             greedy.append(self.links.to_sampler(None if out is None else out[1], (self.layout.max_rows,),
@@ -331,7 +516,57 @@ class ModelRunner:
         self._split = (all_logits, rows, logits) if M > 1 else None
         return all_logits, tokens
 
-    def _through_stages(self, part: Batch, previous, programs: dict):
+    def verify(self, batch: Batch, previous: jax.Array | None = None) -> jax.Array:
+        """Runs one verify call (decode rows, each its input token then its drafts; `previous` as in `forward`),
+        writing their keys and values; returns, on device, the logits of every position [B, T, V]. Rows of a model
+        with state layers leave the state after each of their tokens in `batch.state_targets` (see
+        `state_cache.StateCache`)."""
+        key = batch.tokens.shape + (batch.block_tables.shape[1],)
+        wanted = self.catalog.verify(key)
+        if self.ensure is not None:
+            for p in wanted:
+                if p not in self.programs:
+                    self.ensure(p)
+        programs = {s: self.programs.get(p) for s, p in zip(self.local, wanted)}
+        if None in programs.values() and ("verify",) + key not in self.compiled:
+            log.info("compiling the verify program for batch %d x %d tokens, %d pages", *key)
+            self.compiled.add(("verify",) + key)
+        M = self.micro.count(key[0]) if self.micro else 1
+        rows = key[0] // M
+        parts = [batch] if M == 1 else [batch.rows(j * rows, (j + 1) * rows) for j in range(M)]
+        routed = self.micro.sources(previous, parts, rows) if self.micro else [(previous, batch)]
+        logits = []
+        for before, part in routed:
+            out = self._through_stages(part, before, programs, verify=True)
+            if self.keep_hidden:
+                self.hidden = out[1]
+            logits.append(self.links.to_sampler(None if out is None else out[0], (rows, key[1], self.vocab_size),
+                                                jnp.float32, PartitionSpec()))
+        if M == 1:
+            return logits[0]
+        with jax.set_mesh(self._sample_mesh):
+            return jnp.concatenate(logits)
+
+    def accept(self, logits: jax.Array, meta: SamplingMetadata, drafts: np.ndarray, num_drafts: np.ndarray,
+               force: np.ndarray | None = None) -> dict[str, jax.Array]:
+        """The target's verdict on each row's drafts (`sampling.accept_drafts`) without waiting for it: device
+        arrays "tokens" [B, T], "accepted" [B] and the logprob outputs (zeros unless `meta.logprobs`). `force`: the
+        test hook that keeps every draft of those rows (runs through jit)."""
+        B, T = logits.shape[:2]
+        m = self._sample_mesh
+        pen, guide = (None if x is None else tuple(self._put(a, m) for a in x) for x in (meta.penalties, meta.guidance))
+        args = [self._put(drafts, m), self._put(num_drafts, m)] + [self._put(meta.rows[k], m) for k in ROW_ARRAYS]
+        wanted = Program("accept", (B, T), meta.penalties is not None, meta.guidance is not None)
+        if wanted not in self.programs and self.ensure is not None:
+            self.ensure(wanted)
+        with jax.set_mesh(m):
+            if force is not None:
+                return self.links.settle(self._accept(logits, *args, pen, guide, self._put(np.bool_(meta.logprobs), m),
+                                                      self._put(force, m)))
+            return self.links.settle(self.programs.get(wanted, self._accept)(
+                logits, *args, pen, guide, self._put(np.bool_(meta.logprobs), m)))
+
+    def _through_stages(self, part: Batch, previous, programs: dict, verify: bool = False):
         """Dispatches one micro-batch through every stage (this process's programs, and every move between
         stages); returns the last stage's (logits, greedy tokens), or None where that stage is not local."""
         x = None
@@ -341,20 +576,22 @@ class ModelRunner:
             if not self.links.local[s]:
                 x = None
                 continue
-            x = self.run_stage(s, programs.get(s), part, previous, x)
+            x = self.run_stage(s, programs.get(s), part, previous, x, verify=verify)
             x = x[0] if s < self.stages.last else x
         return x
 
-    def run_stage(self, s: int, program, part: Batch, previous, x):
-        """Stage `s`'s forward program (`program`, else its jit) on one micro-batch; returns its outputs before the
-        pools (the residual stream, or the logits and greedy tokens on the last stage)."""
+    def run_stage(self, s: int, program, part: Batch, previous, x, verify: bool = False):
+        """Stage `s`'s forward program (`program`, else its jit; `verify`: the verify program) on one micro-batch;
+        returns its outputs before the pools (the residual stream, or the logits and greedy tokens on the last
+        stage)."""
         # Only the first stage reads input tokens from a sampler output; the others take the residual stream.
         previous = (self._no_previous if previous is None else previous) if s == 0 else None
-        inputs = [self._put(a, self.meshes[s]) for a in part.arrays()]
+        inputs = [None if a is None else self._put(a, self.meshes[s]) for a in part.arrays()]
+        jitted = (self._verify_jits if verify else self._stage_jits)[s]
         # The mesh is the context while tracing, for `sharding.rules.constrain` inside the model.
         with jax.set_mesh(self.meshes[s]):
             *out, self.stage_pools[s] = self.links.settle(
-                (program or self._stage_jits[s])(self.stage_params[s], self.stage_pools[s], x, previous, *inputs))
+                (program or jitted)(self.stage_params[s], self.stage_pools[s], x, previous, *inputs))
         return out
 
     def send_hidden(self, x, s: int, rows_tokens: tuple[int, int]):
@@ -472,6 +709,12 @@ class ModelRunner:
         """Traces and lowers `program` on padding inputs of its shape (nothing runs)."""
         if program.name == "sample":
             return self._lower_sample(program)
+        if program.name == "accept":
+            return self._lower_accept(program)
+        if program.name == "draft":
+            return self.draft.lower(Program("forward", program.shape))
+        if program.name == "propose":
+            return self._lower_propose(program)
         if program.name == "encode":
             with jax.set_mesh(self.mesh):
                 example = self.vision.encoder.example(program.shape)
@@ -485,10 +728,13 @@ class ModelRunner:
         # The pools as shapes: while serving, the step running meanwhile may have donated these arrays.
         pools = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                              self.stage_pools[s])
-        inputs = [self._put(a, self.meshes[s]) for a in self.inputs.empty(rows, T, W).arrays()]
+        verify = program.name == "verify"
+        empty = self.inputs.empty(rows, T, W, verify=verify)
+        inputs = [None if a is None else self._put(a, self.meshes[s]) for a in empty.arrays()]
         previous = self._no_previous if s == 0 else None
         with jax.set_mesh(self.meshes[s]):
-            return self._stage_jits[s].lower(self.stage_params[s], pools, x, previous, *inputs)
+            return (self._verify_jits if verify else self._stage_jits)[s].lower(self.stage_params[s], pools, x,
+                                                                                previous, *inputs)
 
     def _lower_sample(self, program: Program) -> jax.stages.Lowered:
         m = self._sample_mesh
@@ -502,6 +748,39 @@ class ModelRunner:
                                                   np.ones(rows, np.float32))) if program.penalized else None
             guide = tuple(self._put(x, m) for x in self.inputs.neutral_guidance(rows)) if program.guided else None
             return self._sample.lower(logits, *args, pen, guide, self._put(np.bool_(False), m))
+
+    def _lower_propose(self, program: Program) -> jax.stages.Lowered:
+        B, T, W = program.shape
+        shapes = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+        zeros = np.zeros(B, np.int32)
+        args = [np.zeros((B, T), np.int32), np.zeros(self.layout.max_rows, np.int32), np.zeros(B, bool), zeros, zeros,
+                np.full((B, W), 0, np.int32), zeros]
+        with jax.set_mesh(self.mesh):
+            if self.draft is None:  # the MTP layers, on the target's hidden states
+                hidden = jax.ShapeDtypeStruct((B, T, self.hidden_size), jnp.dtype(self.dtype),
+                                              sharding=self._hidden_sharding(0, (B, T, self.hidden_size)))
+                return self._propose_jit.lower(self.stage_params[0], shapes(self.mtp_pools), hidden,
+                                               *[self._put(a) for a in args])
+            return self._propose_jit.lower(self.draft.stage_params[0], shapes(self.draft.stage_pools[0]),
+                                           *[self._put(a) for a in args])
+
+    def _lower_accept(self, program: Program) -> jax.stages.Lowered:
+        m = self._sample_mesh
+        with jax.set_mesh(m):
+            (rows, T), V = program.shape, self.vocab_size
+            logits = jax.ShapeDtypeStruct((rows, T, V), jnp.float32, sharding=self._replicated)
+            neutral = self.inputs.neutral_rows(rows)
+            args = [self._put(np.zeros((rows, T - 1), np.int32), m), self._put(np.zeros(rows, np.int32), m)]
+            args += [self._put(neutral[k], m) for k in ROW_ARRAYS]
+            pen = tuple(self._put(x, m) for x in (np.zeros((rows, V), np.float32), np.zeros((rows, V), bool),
+                                                  np.zeros(rows, np.float32), np.zeros(rows, np.float32),
+                                                  np.ones(rows, np.float32))) if program.penalized else None
+            guide = None
+            if program.guided:
+                allowed, ids, bias = self.inputs.neutral_guidance(rows)
+                guide = tuple(self._put(x, m) for x in (np.repeat(allowed[:, None], T, axis=1), ids, bias))
+            return self._accept.lower(logits, *args, pen, guide, self._put(np.bool_(False), m))
 
     def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         """Compiles (or loads from JAX's persistent cache) a lowered program; safe to call from several threads."""

@@ -192,3 +192,114 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
     values = with_logprobs() if logprobs is True else jax.lax.cond(logprobs, with_logprobs, without)
     out["logprob"], out["top_ids"], out["top_logprobs"] = values
     return out
+
+
+def accept_uniform(seeds: jax.Array, counters: jax.Array) -> jax.Array:
+    """A uniform in (0, 1) per row from its (seed, counter), independent of `gumbel_noise`'s for the same pair: the
+    coin of speculative acceptance at output index `counter`."""
+    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(counters.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+    return uniform(_mix32(row ^ jnp.uint32(0x5BD1E995)))
+
+
+@jax.named_scope("accept")
+def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, seeds: jax.Array,
+                  counters: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array, penalties: tuple | None = None, guidance: tuple | None = None,
+                  logprobs: bool | jax.Array = False, force_accept: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Speculative verification: which of each row's drafted tokens the target keeps, and the token after them.
+
+    Position t of a row scores the draft at t + 1 (`drafts[:, t]`) against the target's distribution there, as
+    `sample` would draw output index `counters + t`: penalties counting the drafts before t, the logit biases, the
+    grammar's mask for position t, temperature, then min_p, top-k and top-p. A greedy row (temperature 0) keeps a
+    draft while it equals the argmax. A sampled row keeps it with probability min(1, p/q), q being the draft's
+    probability under its proposer: the proposers draft their argmax, so q is one-hot and the test is u < p(draft),
+    with u the row's own uniform for that output index (`accept_uniform`). At the first rejected position the token
+    comes from max(p - q, 0) normalized (p without the draft), after the last accepted draft from p itself; both
+    through the Gumbel noise of that output index. Every token is then distributed as plain sampling's, whatever the
+    drafts, and depends only on the row's seed and positions, never on the batch.
+
+    Args:
+        logits: [B, T, V] float32, the target's logits at each row's last token and its T - 1 draft slots.
+        drafts: [B, T - 1] int32 drafted tokens (any value past a row's `num_drafts`).
+        num_drafts: [B] int32, 0..T-1.
+        seeds, counters, temperature, top_k, top_p, min_p: per row as in `sample`; `counters` is the output index
+            of position 0.
+        penalties: None, or (counts, seen, presence, frequency, repetition) as in `apply_penalties`, before the drafts.
+        guidance: None, or (allowed [B, T, words], bias_ids, bias): a grammar mask per position (the grammar advanced
+            through the drafts before it), logit biases as in `apply_guidance`.
+        logprobs: also return the target's log-probabilities of each output token (and the top ones), as `sample`.
+        force_accept: [B] bool, a test hook: those rows keep every draft (to time full acceptance).
+    Returns:
+        {"tokens": [B, T] int32 (the accepted drafts, then the next token; the rest 0), "accepted": [B] int32 drafts
+        kept} and, with logprobs, "logprob" [B, T], "top_ids" and "top_logprobs" [B, T, TOP_LOGPROBS].
+    """
+    B, T, V = logits.shape
+    raw = logits
+    flat = logits.reshape(B * T, V)
+    per_pos = lambda x: jnp.repeat(x, T, axis=0)  # noqa: E731 - a row's value at each of its positions
+    position = jnp.arange(T, dtype=jnp.int32)
+    in_run = position[None, :-1] < num_drafts[:, None]  # [B, T - 1] real drafts
+    if penalties is not None:
+        counts, seen, presence, frequency, repetition = penalties
+        # The drafts before each position count as generated there.
+        onehot = jax.nn.one_hot(jnp.where(in_run, drafts, -1), V, dtype=jnp.float32)  # [B, T - 1, V]
+        before = jnp.concatenate([jnp.zeros((B, 1, V), jnp.float32), jnp.cumsum(onehot, axis=1)], axis=1)
+        flat = apply_penalties(flat, (counts[:, None] + before).reshape(B * T, V),
+                               (seen[:, None] | (before > 0)).reshape(B * T, V), per_pos(presence),
+                               per_pos(frequency), per_pos(repetition))
+    if guidance is not None:
+        allowed, bias_ids, bias = guidance
+        flat = apply_guidance(flat, allowed.reshape(B * T, -1), per_pos(bias_ids), per_pos(bias))
+    greedy = jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(B, T)
+    # What each position proposes to keep: the draft after it (none after the last).
+    proposed = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1).astype(jnp.int32)
+    has_draft = jnp.concatenate([in_run, jnp.zeros((B, 1), bool)], axis=1)
+    temp = per_pos(temperature)
+    index = (counters[:, None] + position[None, :]).reshape(B * T)
+
+    def greedy_branch():
+        return greedy, has_draft & (proposed == greedy)
+
+    def draw(filtered: bool):
+        def branch():
+            scaled = flat / jnp.maximum(temp, 1e-6)[:, None]
+            if filtered:
+                scaled = filter_logits(scaled, per_pos(top_k), per_pos(top_p), per_pos(min_p))
+            p = jax.nn.softmax(scaled, axis=-1)
+            p_draft = jnp.take_along_axis(p, proposed.reshape(B * T, 1), axis=-1)[:, 0].reshape(B, T)
+            coin = accept_uniform(per_pos(seeds), index).reshape(B, T)
+            keep = has_draft & (coin < p_draft)
+            # Where the draft is rejected, the residual max(p - onehot(draft), 0) is p without the draft.
+            residual = jnp.where(has_draft.reshape(B * T, 1) & (jnp.arange(V)[None, :] == proposed.reshape(B * T, 1)),
+                                 -jnp.inf, scaled)
+            residual = jnp.where(jnp.isfinite(residual).any(axis=-1, keepdims=True), residual, scaled)
+            noise = gumbel_noise(per_pos(seeds), index, V)
+            drawn = jnp.argmax(residual + noise, axis=-1).astype(jnp.int32).reshape(B, T)
+            sampled = (temperature > 0)[:, None]
+            return jnp.where(sampled, drawn, greedy), jnp.where(sampled, keep, has_draft & (proposed == greedy))
+        return branch
+
+    tokens, keep = jax.lax.switch(mode_index(temperature, top_k, top_p, min_p),
+                                  [greedy_branch, draw(False), draw(True)])
+    accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    if force_accept is not None:
+        accepted = jnp.where(force_accept, num_drafts, accepted)
+    # The kept drafts, then the position's own token where the run stops.
+    tokens = jnp.where(position[None, :] < accepted[:, None], proposed,
+                       jnp.where(position[None, :] == accepted[:, None], tokens, 0)).astype(jnp.int32)
+    out = {"tokens": tokens, "accepted": accepted}
+    if logprobs is False:
+        return out
+
+    def with_logprobs():
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, V))
+        return jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0], top_ids, top_lp
+
+    def without():
+        k = min(TOP_LOGPROBS, V)
+        return jnp.zeros((B, T), jnp.float32), jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), jnp.float32)
+
+    values = with_logprobs() if logprobs is True else jax.lax.cond(logprobs, with_logprobs, without)
+    out["logprob"], out["top_ids"], out["top_logprobs"] = values
+    return out

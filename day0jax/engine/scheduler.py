@@ -2,6 +2,11 @@
 
 A decode row that finds no free page preempts the most recently admitted sequence: its pages are released (full blocks
 stay cached) and it waits to be recomputed from its prompt plus what it generated, which it keeps.
+
+With speculative decoding a decode row also gets the pages its drafts are written to (and those its proposer's own
+look-ahead writes to). Only positions the target has verified count as computed (`num_computed`), so a page is
+offered to the prefix cache only once every token in it is verified: a rejected draft's keys, which the row
+overwrites later, are never shared.
 """
 
 from __future__ import annotations
@@ -43,8 +48,12 @@ class Scheduler:
         platform: of the devices, for `EngineConfig.step_tokens`.
     """
 
-    def __init__(self, config: EngineConfig, layout: EngineLayout, eos_token_ids: Sequence[int], platform: str):
+    def __init__(self, config: EngineConfig, layout: EngineLayout, eos_token_ids: Sequence[int], platform: str,
+                 state_copies: int = 1, draft_reach: int = 0):
         self.config, self.layout, self.page_size = config, layout, layout.page_size
+        # State slots per running sequence (k + 1 for a model with state layers that speculates), and how far past
+        # its last draft a speculating row's proposer writes keys (its own look-ahead).
+        self.state_copies, self.draft_reach = state_copies, draft_reach
         self.step_tokens = config.step_tokens(platform)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = BlockPool(layout.num_pages, layout.page_size)
@@ -92,7 +101,8 @@ class Scheduler:
             self.waiting.popleft()
             self.pool.take_cached(hits, queried)
             seq.pages = list(hits) + [self.pool.allocate() for _ in range(needed)]
-            seq.slot = self.free_slots.pop()
+            seq.slots = [self.free_slots.pop() for _ in range(self.state_copies)]
+            seq.slot = seq.slots[0]
             seq.num_computed, seq.num_hashed = len(hits) * page, len(hits)
             if seq.num_generated == 0:
                 seq.cached_tokens = len(hits) * page
@@ -114,11 +124,17 @@ class Scheduler:
                 continue
             if seq.in_flight and (seq.params.penalized or seq.params.grammar is not None):
                 raise NeedTokens("penalties count, and a grammar advances past, the token still on the device")
-            # The token to write sits at position num_computed; it may need a new page.
-            while seq.num_computed // page >= len(seq.pages):
+            # The token to write sits at position num_computed, its drafts after it; they may need new pages.
+            last = seq.num_computed + len(seq.drafts) + (self.draft_reach if seq.drafts else 0)
+            last = min(last, self.layout.max_model_len - 1)
+            while last // page >= len(seq.pages):
                 try:
                     seq.pages.append(self.pool.allocate())
                 except OutOfPages:
+                    if seq.num_computed // page < len(seq.pages):
+                        # Its own token fits: it keeps the drafts that fit rather than preempt anyone for them.
+                        del seq.drafts[max(len(seq.pages) * page - 1 - seq.num_computed, 0):]
+                        break
                     victim = self.running[-1]
                     if victim.in_flight:
                         raise NeedTokens("a preempted sequence keeps every token it generated") from None
@@ -151,7 +167,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.pages)
         self._release_slot(seq)
-        seq.pages, seq.num_computed, seq.num_hashed = [], 0, 0
+        seq.pages, seq.num_computed, seq.num_hashed, seq.drafts = [], 0, 0, []
         self.waiting.appendleft(seq)
 
     def finish(self, seq: SequenceState) -> None:
@@ -168,8 +184,14 @@ class Scheduler:
             self.by_request.pop(seq.request_id, None)
 
     def _release_slot(self, seq: SequenceState) -> None:
-        self.free_slots.append(seq.slot)
-        seq.slot = 0
+        self.free_slots.extend(seq.slots or [seq.slot])
+        seq.slot, seq.slots = 0, []
+
+    def commit_state(self, seq: SequenceState, accepted: int) -> None:
+        """After a verify step that kept `accepted` drafts: the state slot after the last accepted token (the verify
+        wrote the state after its j-th token into `seq.slots[j]`) becomes the sequence's."""
+        if len(seq.slots) > 1:
+            seq.slot = seq.slots[accepted]
 
     def hashes(self, seq: SequenceState, upto_blocks: int) -> list[bytes]:
         """The prefix-cache hashes of the sequence's first `upto_blocks` full blocks (computed once)."""

@@ -4,6 +4,11 @@ Each running sequence owns one slot (its index into every state pool) from admis
 every layer. Slot 0, like the trash page, belongs to no sequence: padding rows read and write it. A row whose first
 position is 0 starts from zeros whatever its slot held, and padding tokens at the end of a row leave its state as
 it was, so one program serves prefill chunks and decode rows alike.
+
+A speculative verify step cannot overwrite a rejected token's state the way it overwrites its keys: the state after
+the last accepted token must survive. So with speculation each sequence holds k + 1 slots, and a verify step
+(`targets` set) writes the state after each of its k + 1 tokens into a slot of its own; the engine then makes the
+slot after the last accepted token the sequence's (`Scheduler.commit_state`), without copying anything.
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ class StateCache:
     slots: jax.Array  # [B] int32 each row's slot
     fresh: jax.Array  # [B] bool: the row starts its sequence here, from a zero state
     valid: jax.Array  # [B] int32 real tokens of the row in this step; the rest of its T positions are padding
+    # [B, T] int32 a verify step's slot for the state after each token (None: the new state goes to `slots`)
+    targets: jax.Array | None = None
 
     @classmethod
     def for_rows(cls, pools: tuple[jax.Array, ...], slots: jax.Array, positions: jax.Array,
-                 kv_lengths: jax.Array) -> "StateCache":
+                 kv_lengths: jax.Array, targets: jax.Array | None = None) -> "StateCache":
         """From the engine's batch: a row's real tokens sit at positions [p0, kv_length), padding beyond."""
         start = positions[:, 0]
         valid = jnp.clip(kv_lengths - start, 0, positions.shape[1]).astype(jnp.int32)
-        return cls(tuple(pools), slots, start == 0, valid)
+        return cls(tuple(pools), slots, start == 0, valid, targets)
 
     def read(self) -> tuple[jax.Array, ...]:
         """Each state array for this step's rows, [B, *shape]; zeros for rows that start their sequence."""
@@ -45,9 +52,11 @@ class StateCache:
         return tuple(out)
 
     def write(self, states: tuple[jax.Array, ...]) -> "StateCache":
-        """The cache with each row's new state stored in its slot."""
-        pools = tuple(pool.at[self.slots].set(s.astype(pool.dtype)) for pool, s in zip(self.pools, states))
-        return StateCache(pools, self.slots, self.fresh, self.valid)
+        """The cache with each row's new state stored in its slot ([B, *shape] per array), or with `targets`, the
+        state after each token ([B, T, *shape]) in that token's target slot."""
+        where = self.slots if self.targets is None else self.targets
+        pools = tuple(pool.at[where].set(s.astype(pool.dtype)) for pool, s in zip(self.pools, states))
+        return StateCache(pools, self.slots, self.fresh, self.valid, self.targets)
 
     def token_mask(self, tokens: int) -> jax.Array:
         """[B, T] bool: which positions of each row are real tokens."""

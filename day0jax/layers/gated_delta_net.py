@@ -25,9 +25,11 @@ from kernels_pallas.gated_delta_rule import api as gdr_op
 
 
 class StateCache(Protocol):
-    """What the layer needs of the engine's per-sequence state (engine/state_cache.py)."""
+    """What the layer needs of the engine's per-sequence state (engine/state_cache.py). With `targets` set (a
+    speculative verify step), `write` takes the state after each of the T tokens, [B, T, *shape] per array."""
 
     valid: jax.Array
+    targets: jax.Array | None
 
     def read(self) -> tuple[jax.Array, ...]: ...
 
@@ -36,9 +38,29 @@ class StateCache(Protocol):
     def token_mask(self, tokens: int) -> jax.Array: ...
 
 
+def conv_states_per_token(state: jax.Array, x: jax.Array, valid: jax.Array) -> jax.Array:
+    """A causal convolution's state after each token of x: [B, T, W - 1, C], the last W - 1 inputs of
+    state ++ x[:min(t + 1, valid)] for token t (a speculative verify step keeps them all; see `StateCache`).
+
+    Args:
+        state: [B, W - 1, C], the inputs before x.
+        x: [B, T, C].
+        valid: [B] int32, each row's real tokens (padding after them leaves the state as it was).
+    """
+    B, T, _ = x.shape
+    width = state.shape[1]
+    full = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, W - 1 + T, C]
+    ends = jnp.minimum(jnp.arange(1, T + 1, dtype=jnp.int32)[None, :], valid[:, None])  # [B, T]
+    index = ends[:, :, None] + jnp.arange(width, dtype=jnp.int32)[None, None, :]  # [B, T, W - 1]
+    return jax.vmap(lambda row, ix: row[ix])(full, index)
+
+
 class DeltaRuleMixer(nnx.Module):
     """What both delta-rule layers share: the per-sequence state and its layout, the convolutions over q/k/v and the
     recurrence. Subclasses set `self.shape` = (Nk, Nv, Hk, Hv, W)."""
+
+    # A speculative verify step can keep the state after each of its tokens (`StateCache.targets`).
+    per_token_states = True
 
     def state_layout(self) -> StateLayer:
         """Per sequence: the last W-1 inputs of each convolution, and the [Nv, Hk, Hv] recurrent state."""
@@ -63,6 +85,7 @@ class DeltaRuleMixer(nnx.Module):
         """
         B, T = qkv[0].shape[:2]
         W = self.shape[-1]
+        per_token = cache is not None and cache.targets is not None
         if cache is None:
             conv_states, recurrent, valid = (None, None, None), None, None
         else:
@@ -79,8 +102,20 @@ class DeltaRuleMixer(nnx.Module):
             out, new_state = conv_op.causal_conv1d(y.reshape(B, T, heads * dim), weight[...].reshape(heads * dim, W),
                                                    flat_state, valid=valid)
             mixed.append(out.reshape(B, T, heads, dim))
-            new_conv.append(new_state.reshape(B, W - 1, heads, dim))
-        out, recurrent = gdr_op.gated_delta_rule(*mixed, g, beta, recurrent)
+            if per_token:
+                new_state = conv_states_per_token(flat_state, y.reshape(B, T, heads * dim), valid)
+            new_conv.append(new_state.reshape(new_state.shape[:-1] + (heads, dim)))
+        if per_token:
+            # One token at a time, keeping the state after each (padding tokens neither decay nor write it).
+            outs, states = [], []
+            for t in range(T):
+                o, recurrent = gdr_op.gated_delta_rule(*(m[:, t:t + 1] for m in mixed), g[:, t:t + 1],
+                                                       beta[:, t:t + 1], recurrent)
+                outs.append(o)
+                states.append(recurrent)
+            out, recurrent = jnp.concatenate(outs, axis=1), jnp.stack(states, axis=1)
+        else:
+            out, recurrent = gdr_op.gated_delta_rule(*mixed, g, beta, recurrent)
         if cache is not None:
             cache = cache.write((*new_conv, recurrent))
         return out, cache

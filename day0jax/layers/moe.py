@@ -18,7 +18,10 @@ from day0jax.layers.quantized import QuantizedExperts
 from kernels_pallas.calls import OpCall
 from kernels_pallas.moe import api as moe_op
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "topk_sigmoid", "softmax_grouped")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "topk_sigmoid", "softmax_grouped", "scored_topk")
+# DeepSeek-V4's `scoring_func`s: an expert's score from its router logit.
+SCORES = {"sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)), "sigmoid": jax.nn.sigmoid,
+          "softmax": lambda x: jax.nn.softmax(x, axis=-1)}
 
 
 class Router(nnx.Module):
@@ -38,28 +41,41 @@ class Router(nnx.Module):
         logit_softcap: if set, the logits go through cap * tanh(logits / cap) before any scoring (Laguna).
         score_bias: "softmax_topk" chooses by score + `e_score_correction_bias` ("sigmoid_grouped" always does).
         norm_min: "softmax_topk" renormalizes by max(sum, norm_min) where set (ERNIE 4.5 MoE's `moe_norm_min`).
+        score_fn: "scored_topk"'s scores (`SCORES`).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, routing: str, norm_topk_prob: bool = False,
                  use_bias: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  norm_eps: float = 1e-20, logit_softcap: float | None = None, score_bias: bool = False,
-                 norm_min: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
-        assert routing in ROUTINGS, routing
+                 norm_min: float | None = None, score_fn: str = "sigmoid", dtype=jnp.float32, rngs: nnx.Rngs):
+        assert routing in ROUTINGS and score_fn in SCORES, (routing, score_fn)
         E = num_experts
         # HF's [experts, hidden] layout, like every Linear kernel.
         self.kernel = param(rngs, (E, hidden_size), (None, "embed"), dtype, 1 / math.sqrt(hidden_size), in_ndim=1)
         self.bias = param(rngs, (E,), (None,), dtype, 0.0) if use_bias else None
         self.e_score_correction_bias = (param(rngs, (E,), (None,), jnp.float32, 0.0)
-                                        if routing == "sigmoid_grouped" or score_bias else None)
+                                        if routing in ("sigmoid_grouped", "scored_topk") or score_bias else None)
         self.routing, self.top_k, self.norm_topk_prob = routing, top_k, norm_topk_prob
         self.n_group, self.topk_group, self.scale = n_group, topk_group, routed_scaling_factor
         self.norm_eps = norm_eps
         self.logit_softcap = logit_softcap
         self.norm_min = norm_min
+        self.score_fn = score_fn
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x [M, D] -> float32 router logits [M, E]."""
+        return jnp.einsum("md,ed->me", x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+
+    def weigh(self, scores: jax.Array, experts: jax.Array) -> jax.Array:
+        """The chosen experts' scores [M, k], renormalized when `norm_topk_prob`, times `routed_scaling_factor`."""
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + self.norm_eps)
+        return weights * self.scale
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [M, D] -> (weights [M, k] float32, expert ids [M, k] int32)."""
-        logits = jnp.einsum("md,ed->me", x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+        logits = self.logits(x)
         if self.bias is not None:
             logits = logits + self.bias[...].astype(jnp.float32)
         if self.logit_softcap:
@@ -81,6 +97,10 @@ class Router(nnx.Module):
         elif self.routing == "topk_sigmoid":
             top, experts = jax.lax.top_k(logits, k)
             weights = jax.nn.sigmoid(top)
+        elif self.routing == "scored_topk":
+            scores = SCORES[self.score_fn](logits)
+            _, experts = jax.lax.top_k(scores + self.e_score_correction_bias[...], k)
+            weights = self.weigh(scores, experts)
         else:
             scores = jax.nn.sigmoid(logits) if self.routing == "sigmoid_grouped" else jax.nn.softmax(logits, axis=-1)
             choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias[...]
@@ -91,11 +111,30 @@ class Router(nnx.Module):
             keep = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(M)[:, None], best].set(True)
             choice = jnp.where(jnp.repeat(keep, E // self.n_group, axis=1), choice, -jnp.inf)
             _, experts = jax.lax.top_k(choice, k)
-            weights = jnp.take_along_axis(scores, experts, axis=-1)
-            if self.norm_topk_prob:
-                weights = weights / (weights.sum(-1, keepdims=True) + self.norm_eps)
-            weights = weights * self.scale
+            weights = self.weigh(scores, experts)
         return weights, experts.astype(jnp.int32)
+
+
+class HashRouter(Router):
+    """Hash routing (DeepSeek-V4's first layers): a fixed table `tid2eid` [V, k] names each token id's k experts;
+    the learned router only weighs them (`score_fn` of its logits, renormalized when `norm_topk_prob`, times
+    `routed_scaling_factor`). HF's `gate.weight` and `gate.tid2eid` (an integer table, never split)."""
+
+    takes_tokens = True
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, vocab_size: int, *, score_fn: str,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        super().__init__(hidden_size, num_experts, top_k, routing="softmax_topk", norm_topk_prob=norm_topk_prob,
+                         routed_scaling_factor=routed_scaling_factor, score_fn=score_fn, dtype=dtype, rngs=rngs)
+        self.routing = "hash"
+        init = nnx.with_partitioning(nnx.initializers.zeros, (None, None))
+        self.tid2eid = nnx.Param(init(rngs.params(), (vocab_size, top_k), jnp.int32))
+
+    def __call__(self, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [M, D], tokens [M] int -> (weights [M, k] float32, expert ids [M, k] int32)."""
+        experts = jnp.take(self.tid2eid[...], tokens, axis=0, mode="clip").astype(jnp.int32)
+        return self.weigh(SCORES[self.score_fn](self.logits(x)), experts), experts
 
 
 def swiglu(act: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
@@ -117,6 +156,12 @@ def limited_swiglu(act: str, limit: float) -> Callable[[jax.Array, jax.Array], j
     """Step-3.7: min(act(gate), limit) * clip(up, -limit, limit), the clamps after the activation."""
     fn = activation(act)
     return lambda gate, up: jnp.minimum(fn(gate), limit) * jnp.clip(up, -limit, limit)
+
+
+def clipped_swiglu(act: str, limit: float) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """DeepSeek-V4, HY-V4: act(min(gate, limit)) * clip(up, -limit, limit), the clamps before the activation."""
+    fn = activation(act)
+    return lambda gate, up: fn(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
 def ungated(act: str) -> Callable[[jax.Array], jax.Array]:
@@ -215,11 +260,20 @@ class MoE(nnx.Module):
         self.has_shared, self.has_shared_gate = shared is not None, shared_gate is not None
         self.fc1_latent_proj, self.fc2_latent_proj = latent if latent is not None else (None, None)
 
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether the router reads the token ids (hash routing): the block then needs them beside x."""
+        return getattr(getattr(self, self.router_name), "takes_tokens", False)
+
     @jax.named_scope("mlp")
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [B, T, D] -> [B, T, D]."""
+    def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D] (and the token ids [B, T] for hash routing) -> [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
-        weights, experts = getattr(self, self.router_name)(flat)
+        router = getattr(self, self.router_name)
+        if self.takes_tokens:
+            weights, experts = router(flat, tokens.reshape(-1))
+        else:
+            weights, experts = router(flat)
         if self.fc1_latent_proj is None:
             out = self.experts(flat, weights, experts)
         else:
@@ -242,5 +296,7 @@ class MoE(nnx.Module):
             extra["gated"] = False
         if self.fc1_latent_proj is not None:
             extra["latent_of"] = self.fc1_latent_proj.in_shape[0]
-        calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=router.routing, shared=shared, **extra)]
+        routing = {"scored_topk": f"{router.score_fn}_topk", "hash": f"hash ({router.score_fn} weights)"}.get(
+            router.routing, router.routing)
+        calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=routing, shared=shared, **extra)]
         return calls + (getattr(self, self.shared_name).op_calls() if self.has_shared else [])

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.core.cache_layout import StateLayer
-from day0jax.layers.gated_delta_net import StateCache
+from day0jax.layers.gated_delta_net import StateCache, conv_states_per_token
 from day0jax.layers.linear import Linear, param
 from kernels_pallas.calls import OpCall
 from kernels_pallas.causal_conv1d import api as conv_op
@@ -40,6 +40,9 @@ class ShortConv(nnx.Module):
         use_bias: biases on in_proj, the convolution and out_proj (HF's `conv_bias`, all three).
     """
 
+    # A speculative verify step can keep the state after each of its tokens (`StateCache.targets`).
+    per_token_states = True
+
     def __init__(self, *, hidden_size: int, kernel_size: int, use_bias: bool, dtype=jnp.float32, rngs: nnx.Rngs):
         D, W = hidden_size, kernel_size
         # [3, D] outputs: HF's in_proj [3D, D] rows are B, C, x in that order, so conversion is a reshape.
@@ -63,6 +66,8 @@ class ShortConv(nnx.Module):
         bias = None if self.conv.bias is None else self.conv.bias[...]
         out, new_state = conv_op.causal_conv1d(b * h, self.conv.weight[...], state, valid=valid, bias=bias,
                                                activation=None)
+        if cache is not None and cache.targets is not None:  # a verify step: the state after each token
+            new_state = conv_states_per_token(state, b * h, valid)
         if cache is not None:
             cache = cache.write((new_state,))
         return self.out_proj(c * out), cache

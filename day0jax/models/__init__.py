@@ -35,6 +35,7 @@ FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.mode
 FAMILIES.update({"gemma4": "day0jax.models.gemma4", "gemma4_text": "day0jax.models.gemma4"})
 FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
                  "mistral_large4_text": "day0jax.models.mistral_large4"})
+FAMILIES.update({"deepseek_v4": "day0jax.models.deepseek_v4"})
 
 
 def family(model_type: str) -> Family:
@@ -64,21 +65,42 @@ def config_from_hf(hf: dict) -> Any:
     return family(hf.get("model_type")).config.from_hf(hf)
 
 
-def abstract_model(config: Any, dtype=jnp.float32, quantization: dict | None = None) -> nnx.Module:
+def abstract_model(config: Any, dtype=jnp.float32, quantization: dict | None = None, mtp: bool = False) -> nnx.Module:
     """The model with `jax.ShapeDtypeStruct`s for parameters: shapes and logical axes, no memory.
 
     Args:
         config: the family's config.
         dtype: of float parameters.
         quantization: module path -> `layers.quantized.QuantSpec`, the modules whose weights stay quantized.
+        mtp: with the multi-token-prediction layers (`mtp.*`, speculative decoding's "mtp" proposer).
+    Raises:
+        UnsupportedArchitecture: `mtp` for a family or config without them.
     """
     from day0jax.layers.quantized import quantize_modules
 
     fam = family(config.model_type)
+    if mtp and not has_mtp(config):
+        raise UnsupportedArchitecture(f"this {config.model_type} config declares no multi-token-prediction layers; "
+                                      "speculative method 'mtp' needs them (use 'ngram' or 'draft')")
+    kwargs = {"mtp": True} if mtp else {}
     # Logical axis names are resolved by sharding/rules.py, not by flax's eager sharding.
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: quantize_modules(fam.model(config, dtype=dtype, rngs=nnx.Rngs(0)),
+        return nnx.eval_shape(lambda: quantize_modules(fam.model(config, dtype=dtype, rngs=nnx.Rngs(0), **kwargs),
                                                        quantization or {}))
+
+
+MTP_PREFIX = "mtp."  # runtime parameter paths of multi-token-prediction layers: an optional part of a checkpoint
+
+
+def mtp_tensors(config: Any) -> str | None:
+    """The regex of the multi-token-prediction tensors a checkpoint of this config ships (None: none)."""
+    fam = family(config.model_type)
+    return fam.mtp(config) if fam.mtp is not None else None
+
+
+def has_mtp(config: Any) -> bool:
+    """Whether the family builds multi-token-prediction layers for this config."""
+    return bool(mtp_tensors(config))
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ from day0jax.core import hf_config as config_lib
 from day0jax.core.cache_layout import KVLayer, StateLayer
 from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
-from day0jax.core.hf_tensors import Source
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.linear import Embedding, Linear, linear_op_calls
 from day0jax.layers.mlp import activation
+from day0jax.layers.mtp import NextN, NextNStack
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.quantized import quantized_op_calls
 from day0jax.layers.rope import Rope, rope_parameters
@@ -224,9 +225,10 @@ class Backbone(nnx.Module):
 
 class CausalLM(nnx.Module):
     """Token ids -> hidden states (with an optional per-layer KV cache) -> float32 logits. Subclasses implement
-    `make_layer`; hooks: `make_rope`/`make_ropes`, `make_norm`, `embed`, `logits`, `cache_layout`."""
+    `make_layer`; hooks: `make_rope`/`make_ropes`, `make_norm`, `embed`, `logits`, `cache_layout`, and `make_mtp`
+    for families whose checkpoints ship multi-token-prediction layers (built with `mtp=True`: `mtp_step`)."""
 
-    def __init__(self, config: Any, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: Any, *, dtype=jnp.float32, rngs: nnx.Rngs, mtp: bool = False):
         self.config = config
         D = config.hidden_size
         self.rope = self.make_rope()
@@ -236,6 +238,44 @@ class CausalLM(nnx.Module):
                               self.make_norm(D, dtype=dtype, rngs=rngs))
         self.lm_head = None if config.tie_word_embeddings else Linear(
             (D,), (config.vocab_size,), ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        self.mtp = self.make_mtp(dtype=dtype, rngs=rngs) if mtp else None
+
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The multi-token-prediction layers (`layers.mtp`) the family's checkpoints ship.
+
+        Raises:
+            UnsupportedArchitecture: the family has none (or this config declares none).
+        """
+        raise UnsupportedArchitecture(f"{self.config.model_type} has no multi-token-prediction layers that day0jax "
+                                      "runs; use speculative method 'ngram' or 'draft'")
+
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction layers built (0: none)."""
+        return 0 if self.mtp is None else len(self.mtp)
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        """What the engine allocates for each multi-token-prediction layer (its attention's keys and values)."""
+        if self.mtp is None:
+            return []
+        kv = next(x for x in self.cache_layout() if isinstance(x, KVLayer))  # full attention, like theirs
+        return [KVLayer(kv.kv_heads, kv.k_dim, kv.v_dim, kv.index_dim)] * self.mtp_layers
+
+    def mtp_step(self, index: int, tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache=None,
+                 seq_len: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """MTP layer `index` at `positions` [B, T]: `hidden` [B, T, D] the model's final hidden state there (or the
+        previous MTP step's, chained), `tokens` [B, T] the token after each position. Returns (h' [B, T, D], the
+        layer's updated cache); `mtp_logits` turns h' into the logits of the token after that one, `mtp_chained`
+        into the next step's hidden state."""
+        rope_tables = self.rope_tables(positions, seq_len)
+        return self.mtp.step(index, self.embed(tokens), hidden, positions, rope_tables, cache)
+
+    def mtp_logits(self, index: int, h: jax.Array) -> jax.Array:
+        """float32 logits [..., V] from MTP layer `index`'s h' (the model's own head)."""
+        return self.logits(self.mtp.head_input(index, h))
+
+    def mtp_chained(self, index: int, h: jax.Array) -> jax.Array:
+        return self.mtp.chained(index, h)
 
     def make_rope(self) -> Rope:
         c = self.config
@@ -272,8 +312,12 @@ class CausalLM(nnx.Module):
         norm and the output projection): the one description of the model's operators that the readiness report,
         the kernel self-test and the memory planner read."""
         calls = [(i, call) for i, layer in enumerate(self.model.layers) for call in layer.op_calls()]
+        L = len(self.model.layers)
+        # Multi-token-prediction layers, numbered after the last layer as checkpoints number them.
+        mtp = [] if self.mtp is None else [(L + i, call) for i in range(len(self.mtp))
+                                           for call in self.mtp.op_calls(i)]
         tied = self.model.embed_tokens.attend_calls() if self.lm_head is None else []
-        return (calls + [(None, call) for call in self.model.norm.op_calls()] + quantized_op_calls(self)
+        return (calls + mtp + [(None, call) for call in self.model.norm.op_calls()] + quantized_op_calls(self)
                 + linear_op_calls(self) + [(None, call) for call in tied])
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, caches: Sequence[Any] | None = None,
@@ -334,7 +378,12 @@ class CausalLM(nnx.Module):
                 new_caches.append(cache)
             if collect:
                 hidden.append(x)
-        return self.model.norm(x) if layers.stop == len(self.model.layers) else x, new_caches, hidden
+        return self.final_norm(x) if layers.stop == len(self.model.layers) else x, new_caches, hidden
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        """The last layer's output -> the normed hidden states [B, T, D] the head reads (a hyper-connected model
+        collapses its streams first: `layers.hyper.HyperConnected`)."""
+        return self.model.norm(x)
 
     def rope_tables(self, positions: jax.Array, seq_len: jax.Array | None) -> dict[Rope, tuple[jax.Array, jax.Array]]:
         """{Rope: (cos, sin)} for every RoPE of `ropes`, computed once per call; Mistral Large 4 scales its
@@ -343,7 +392,8 @@ class CausalLM(nnx.Module):
 
     def begin_carry(self, tokens: jax.Array, x: jax.Array) -> Any:
         """What the first layer that `carries` receives (layers that do take and return a carry beside x and their
-        cache): None, for GLM-5's top-k that one layer picks for the next; Gemma 4 starts its per-layer inputs."""
+        cache): None, for GLM-5's top-k that one layer picks for the next; Gemma 4 starts its per-layer inputs;
+        hyper-connected models the token ids (`layers.hyper.HyperCarry`)."""
         return None
 
     @jax.named_scope("vocab")
@@ -401,3 +451,51 @@ def fused_experts_source(path: str, shape: tuple[int, ...]) -> Source | None:
 def per_expert_hf_source(config: Any, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
     """The `contract.Family.hf_source` of MoE checkpoints with HF's own names (Qwen-MoE, DeepSeek)."""
     return per_expert_source(path, shape)
+
+
+# --- multi-token prediction stored as layers after the last one (DeepSeek-V3, GLM-4.5) ---------------------------
+
+def nextn_mtp(model: CausalLM, count: int, *, dtype, rngs: nnx.Rngs) -> NextNStack:
+    """`count` DeepSeek-style MTP layers for `model`, each around the decoder layer `make_layer(L + i)` builds (as
+    the checkpoint's layer L + i is built: MoE where the family's layers at that index are).
+
+    Raises:
+        UnsupportedArchitecture: the config declares none.
+    """
+    if not count:
+        raise UnsupportedArchitecture(f"this {model.config.model_type} config declares no multi-token-prediction "
+                                      "layers")
+    L, D = model.config.num_hidden_layers, model.config.hidden_size
+    return NextNStack([NextN(model.make_layer(L + i, dtype=dtype, rngs=rngs), model.make_norm, D, dtype=dtype,
+                             rngs=rngs) for i in range(count)])
+
+
+def nextn_tensors(config: Any, count: int) -> str | None:
+    """The regex of the MTP layers' tensors, `model.layers.{L + i}.*` (None: none)."""
+    if not count:
+        return None
+    L = config.num_hidden_layers
+    return rf"model\.layers\.({'|'.join(str(L + i) for i in range(count))})\..*"
+
+
+def nextn_dropped(config: Any, count: int) -> dict[str, str]:
+    """The `Family.dropped_for` of DeepSeek-style MTP layers: their copies of the embedding and of the output head
+    (the model's own, shared in training) always; the rest where the model is built without them."""
+    pattern = nextn_tensors(config, count)
+    if pattern is None:
+        return {}
+    L = config.num_hidden_layers
+    indices = "|".join(str(L + i) for i in range(count))
+    return {rf"model\.layers\.({indices})\.(embed_tokens|shared_head\.head)\.weight":
+            "the multi-token-prediction layer's copy of the model's embedding or output head (shared)",
+            pattern: "multi-token-prediction layers, used only for speculative decoding (converted without them)"}
+
+
+def nextn_source(config: Any, path: str, shape: tuple[int, ...], metadata: dict, inner) -> Source | None:
+    """The Source of an MTP parameter `mtp.layers.{i}.[decoder.]X`: the checkpoint's `model.layers.{L + i}.X`, read
+    as `inner` (the family's `hf_source`) or HF's plain naming reads a main layer's; None for other paths."""
+    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(decoder\.)?(.*)", path)
+    if not m:
+        return None
+    renamed = f"model.layers.{config.num_hidden_layers + int(m[1])}.{m[3]}"
+    return inner(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)

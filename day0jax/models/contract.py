@@ -34,6 +34,8 @@ class Family:
             HF naming or layout differs, or None for `core.hf_tensors.default_source` (the default, for every parameter).
         renames: (regex, replacement) pairs that turn the tensor names of older checkpoints of the family into the
             names `hf_source` reads (HF's `_checkpoint_conversion_mapping`), applied where they match.
+        mtp: config -> the regex of the multi-token-prediction tensors its checkpoints ship, for families whose model
+            builds them (`make_mtp`; None: the family has none). Conversion keeps them unless `--no-mtp`.
     """
 
     model_types: tuple[str, ...]
@@ -43,3 +45,4 @@ class Family:
     dropped_for: Callable[[Any], Mapping[str, str]] = no_config_dependent_drops
     hf_source: Callable[[Any, str, tuple[int, ...], dict], Source | None] = plain_hf_names
     renames: tuple[tuple[str, str], ...] = ()
+    mtp: Callable[[Any], str | None] | None = None

@@ -15,7 +15,8 @@ from day0jax.layers.mla import MLAttention
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, per_expert_hf_source
+from day0jax.models.base import (HFConfig, nextn_dropped, nextn_mtp, nextn_source, nextn_tensors,
+                                  per_expert_hf_source, per_expert_source)
 from day0jax.models.contract import Family
 
 
@@ -133,16 +134,22 @@ class Model(llama.LlamaLike):
         d = c.kv_lora_rank + c.qk_rope_head_dim
         return [KVLayer(1, d, d)] * c.num_hidden_layers
 
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs):
+        """The multi-token-prediction layers released checkpoints store after the last decoder layer."""
+        return nextn_mtp(self, self.config.num_nextn_predict_layers, dtype=dtype, rngs=rngs)
+
 
 def dropped(config: Config) -> dict[str, str]:
-    """Released checkpoints store the multi-token-prediction layers after the last decoder layer."""
-    L, n = config.num_hidden_layers, config.num_nextn_predict_layers
-    if not n:
-        return {}
-    indices = "|".join(str(L + i) for i in range(n))
-    return {rf"model\.layers\.({indices})\..*": "multi-token-prediction layers, used only for speculative decoding"}
+    """Released checkpoints store the multi-token-prediction layers after the last decoder layer (families built on
+    this one drop them all: they build none)."""
+    return nextn_dropped(config, config.num_nextn_predict_layers)
+
+
+def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict):
+    return nextn_source(config, path, shape, metadata, per_expert_hf_source) or per_expert_source(path, shape)
 
 
 # Kimi K2's checkpoints name their own model_type but are DeepseekV3ForCausalLM (its remote code is DeepSeek-V3's).
 FAMILY = Family(model_types=("deepseek_v3", "kimi_k2"), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=dropped, hf_source=per_expert_hf_source)
+                dropped_for=dropped, hf_source=hf_source,
+                mtp=lambda c: nextn_tensors(c, c.num_nextn_predict_layers))

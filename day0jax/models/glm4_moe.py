@@ -14,7 +14,8 @@ from flax import nnx
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, per_expert_hf_source
+from day0jax.models.base import (HFConfig, nextn_dropped, nextn_mtp, nextn_source, nextn_tensors,
+                                  per_expert_hf_source, per_expert_source)
 from day0jax.models.contract import Family
 
 
@@ -47,7 +48,7 @@ class Config(HFConfig):
     first_k_dense_replace: int = 1
     norm_topk_prob: bool = True
     use_qk_norm: bool = False
-    num_nextn_predict_layers: int = 1  # multi-token-prediction layers: dropped (see `dropped`), never run here
+    num_nextn_predict_layers: int = 1  # multi-token-prediction layers (speculative method "mtp")
     model_type: str = "glm4_moe"
 
     def __post_init__(self):
@@ -83,15 +84,15 @@ class Model(llama.LlamaLike):
                                    rngs=rngs),
                    shared_name="shared_experts")
 
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs):
+        """The multi-token-prediction layers released checkpoints store after the last decoder layer."""
+        return nextn_mtp(self, self.config.num_nextn_predict_layers, dtype=dtype, rngs=rngs)
 
-def dropped(config: Config) -> dict[str, str]:
-    """Released checkpoints store the multi-token-prediction layers after the last decoder layer."""
-    L, n = config.num_hidden_layers, config.num_nextn_predict_layers
-    if not n:
-        return {}
-    indices = "|".join(str(L + i) for i in range(n))
-    return {rf"model\.layers\.({indices})\..*": "multi-token-prediction layers, used only for speculative decoding"}
+
+def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict):
+    return nextn_source(config, path, shape, metadata, per_expert_hf_source) or per_expert_source(path, shape)
 
 
 FAMILY = Family(model_types=("glm4_moe",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=dropped, hf_source=per_expert_hf_source)
+                dropped_for=lambda c: nextn_dropped(c, c.num_nextn_predict_layers), hf_source=hf_source,
+                mtp=lambda c: nextn_tensors(c, c.num_nextn_predict_layers))

@@ -77,4 +77,4 @@ def hf_source(config, path: str, shape: tuple[int, ...], metadata: dict) -> Sour
 
 
 FAMILY = Family(model_types=("qwen3_5_text",), config=Config, model=Model, dropped=qwen3_next.DROPPED,
-                hf_source=hf_source)
+                hf_source=hf_source, mtp=qwen3_next.mtp_tensors)

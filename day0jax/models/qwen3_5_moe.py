@@ -29,4 +29,4 @@ class Config(qwen3_5.Qwen35, qwen3_next.HybridConfig):
 
 
 FAMILY = Family(model_types=("qwen3_5_moe_text",), config=Config, model=qwen3_5.Model, dropped=qwen3_next.DROPPED,
-                hf_source=qwen3_5.hf_source)
+                hf_source=qwen3_5.hf_source, mtp=qwen3_next.mtp_tensors)

@@ -18,6 +18,7 @@ from day0jax.core.cache_layout import KVLayer, StateLayer
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source
 from day0jax.layers.gated_delta_net import GatedDeltaNet
+from day0jax.layers.mtp import FusedMTP
 from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama, qwen2_moe
 from day0jax.models.base import DecoderLayer, HFConfig, per_expert_source
@@ -53,10 +54,15 @@ class HybridConfig(HFConfig):
     linear_num_value_heads: int = 32
     layer_types: list | None = None
     full_attention_interval: int = 4
+    # Multi-token-prediction layers (`mtp.*`, speculative method "mtp"); HF's config class leaves them unset.
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         self._check_derived("layer_kinds")
+        self._refuse_if("mtp_use_dedicated_embeddings", bool, "is not implemented (the MTP layers share the model's "
+                        "embedding)")
         # The convolution and the gated norm use hidden_act too, and only SiLU is implemented there.
         self._refuse_if("hidden_act", lambda a: a != "silu", "is not implemented for linear attention (only silu)")
         self._refuse_if("linear_num_value_heads", lambda n: n % self.linear_num_key_heads,
@@ -129,6 +135,15 @@ class Model(qwen2_moe.Model):
         return [layer.mixer.state_layout() if kind == "linear_attention" else full
                 for kind, layer in zip(c.layer_kinds, self.model.layers)]
 
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> FusedMTP:
+        """`mtp.*`: full-attention decoder layers (their MLP as the model's layer of the same index would have it,
+        as vLLM builds them) between the shared input projection and the final norm."""
+        c = self.config
+        if not c.mtp_num_hidden_layers:
+            refuse("mtp_num_hidden_layers", 0, "declares no multi-token-prediction layers")
+        layers = [llama.LlamaLike.make_layer(self, i, dtype=dtype, rngs=rngs) for i in range(c.mtp_num_hidden_layers)]
+        return FusedMTP(layers, self.make_norm, c.hidden_size, dtype=dtype, rngs=rngs)
+
 
 # --- checkpoint layout ---------------------------------------------------------------------------------------
 # The convolution weight [C, 1, W] runs over the channels [q (Nk*Hk) | k (Nk*Hk) | v (Nv*Hv)]; the runtime keeps
@@ -179,6 +194,13 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     return per_expert_source(path, shape) or linear_attention_source(config, path, fused_projection_source)
 
 
-DROPPED = {**llama.ROPE_BUFFERS, r"mtp\..*": "multi-token prediction layers (used for speculation, not decoding)"}
+DROPPED = {**llama.ROPE_BUFFERS,
+           r"mtp\..*": "multi-token-prediction layers, used only for speculative decoding (converted without them)"}
 
-FAMILY = Family(model_types=("qwen3_next",), config=Config, model=Model, dropped=DROPPED, hf_source=hf_source)
+
+def mtp_tensors(config) -> str | None:
+    return r"mtp\..*" if config.mtp_num_hidden_layers else None
+
+
+FAMILY = Family(model_types=("qwen3_next",), config=Config, model=Model, dropped=DROPPED, hf_source=hf_source,
+                mtp=mtp_tensors)

@@ -382,11 +382,14 @@ def finish_reason(reason: str | None) -> str | None:
 def usage(out: Outputs) -> P.Usage:
     """The token counts of a request (a reasoning model's reasoning tokens among the completion's)."""
     prompt = out.run.prompt_tokens
+    drafted = sum(c.draft_tokens for c in out.choices)
+    spec = P.SpeculativeUsage(draft_tokens=drafted, accepted_tokens=sum(c.accepted_tokens for c in out.choices)) \
+        if drafted else None
     details = None if out.reasoning is None else P.CompletionTokensDetails(
         reasoning_tokens=sum(c.reasoning_tokens for c in out.choices))
     return P.Usage(prompt_tokens=prompt, completion_tokens=out.generated, total_tokens=prompt + out.generated,
                    prompt_tokens_details=P.PromptTokensDetails(cached_tokens=out.cached_tokens),
-                   completion_tokens_details=details)
+                   completion_tokens_details=details, speculative=spec)
 
 
 def chat_logprobs(entries, detok: Detokenizer) -> P.ChatLogprobs | None:

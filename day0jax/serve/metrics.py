@@ -27,6 +27,12 @@ _ENGINE_COUNTERS = [
     ("day0jax_num_preemptions", "Sequences preempted for lack of KV pages.", "preemptions"),
     ("day0jax_engine_steps", "Engine steps run.", "steps"),
 ]
+# Speculative decoding (only with --speculative): counters, then the mean acceptance length as a gauge.
+_SPEC_COUNTERS = [
+    ("day0jax_spec_decode_num_drafts", "Verify steps of a sequence that carried drafts.", "spec_drafts"),
+    ("day0jax_spec_decode_num_draft_tokens", "Tokens drafted.", "spec_draft_tokens"),
+    ("day0jax_spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.", "spec_accepted_tokens"),
+]
 
 
 class Metrics:
@@ -60,8 +66,24 @@ class Metrics:
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
         for name, doc, key in _ENGINE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        if "spec_drafts" in stats:
+            yield from self._speculative(stats)
         if self.state.timeline is not None:
             yield from self._startup()
+
+    @staticmethod
+    def _speculative(stats: dict):
+        for name, doc, key in _SPEC_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats[key])
+        per = CounterMetricFamily("day0jax_spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts accepted at each draft position (0: a row's first draft).",
+                                  labels=["position"])
+        for i, n in enumerate(stats["spec_accepted_per_position"]):
+            per.add_metric([str(i)], n)
+        yield per
+        yield GaugeMetricFamily("day0jax_spec_decode_mean_acceptance_length",
+                                "Tokens per verify step of a sequence that drafted: 1 + accepted drafts per step.",
+                                value=stats["spec_mean_acceptance_length"])
 
     def _startup(self):
         timeline = self.state.timeline

@@ -496,6 +496,14 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class SpeculativeUsage(BaseModel):
+    """day0jax's extension of usage, with speculative decoding on: tokens drafted for the request and drafts the
+    model accepted."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
@@ -506,6 +514,7 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
+    speculative: SpeculativeUsage | None = None
 
 
 class TopLogprob(BaseModel):

@@ -74,6 +74,8 @@ class Choice:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     sent_logprobs: int = 0
     generated: int = 0  # tokens generated (stop tokens included), for usage
+    draft_tokens: int = 0  # speculative decoding: tokens drafted for this choice and drafts accepted, for usage
+    accepted_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed when the choice finished
@@ -231,6 +233,7 @@ class Outputs:
         now = time.monotonic()
         if ev.token is not None:
             choice.generated += 1
+            choice.draft_tokens, choice.accepted_tokens = ev.num_draft_tokens, ev.num_accepted_tokens
             metrics.generation_tokens.inc()
             if choice.first_token_at is None:
                 choice.first_token_at = now

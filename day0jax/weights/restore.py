@@ -35,16 +35,28 @@ def manifest_problems(manifest: dict, infos) -> list[str]:
         One line per missing parameter, shape mismatch and parameter the model does not know; empty when they match.
     """
     params = manifest.get("params", {})
+    optional = optional_prefixes(manifest)
     problems = []
     for info in infos:
-        if info.path not in params:
+        if info.path not in params and info.path.startswith("mtp."):
+            problems.append(f"parameter {info.path} is not in the checkpoint: it was converted without the "
+                            "multi-token-prediction layers (--no-mtp, or a source without them), which speculative "
+                            "method 'mtp' runs")
+        elif info.path not in params:
             problems.append(f"parameter {info.path} is not in the checkpoint (converted by another version of the "
                             "model code?)")
         elif tuple(params[info.path]["shape"]) != info.shape:
             problems.append(f"parameter {info.path} has shape {tuple(params[info.path]['shape'])} in the checkpoint, "
                             f"the model expects {info.shape}")
     known = {info.path for info in infos}
-    return problems + [f"checkpoint parameter {name} is unknown to the model" for name in sorted(set(params) - known)]
+    return problems + [f"checkpoint parameter {name} is unknown to the model" for name in sorted(set(params) - known)
+                       if not name.startswith(optional)]
+
+
+def optional_prefixes(manifest: dict) -> tuple[str, ...]:
+    """The parameter-name prefixes of the checkpoint's optional parts (its multi-token-prediction layers), which a
+    model built without them leaves unread."""
+    return tuple(part["prefix"] for part in manifest.get("parts", {}).values())
 
 
 def restore_arrays(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype, stages: Stages | None = None
@@ -60,6 +72,8 @@ def restore_arrays(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype, s
     for group, names in checkpoint.groups(manifest).items():
         targets, restore_args = {}, {}
         for name in names:
+            if name not in infos:  # an optional part the model is built without (`optional_prefixes`)
+                continue
             info = infos[name]
             sharding = param_sharding(info, mesh, stages)
             as_dtype = plan_lib.stored_dtype(info, dtype)

@@ -27,6 +27,12 @@ Jobs (each a dict with "op"):
                [, state] `chunk_out`, `chunk_state`, `recurrent_out`, `recurrent_state`; from x, weight
                `conv_out` (causal_conv1d_fn, SiLU); from x_step, conv_state, weight `step_out`, `step_state`
                (causal_conv1d_update, SiLU).
+  mtp          {family, config, seed, out, prompts, reference}: a tiny random model saved like `tiny_hf`, plus one
+               multi-token-prediction layer in the checkpoint's own layout (DeepSeek-V3's `model.layers.{L}.` with
+               enorm, hnorm, eh_proj, shared_head and its copies of the embedding and head; Qwen3-Next's `mtp.`), random;
+               REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
+               layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
+               transformers' own (float64), the rest written out here.
   mamba2       {inputs, out}: transformers' own torch functions of Mamba2 layers (NemotronH's module; Falcon-H1's and
                Granite 4's are the same code) on the arrays of the INPUTS .npz, layouts as day0jax's: x [B, T, N, H],
                dt [B, T, N], A, D, dt_bias [N], b, c [B, T, G, Z], state [B, N, H, Z], `chunk` and `limit` [2].
@@ -34,6 +40,12 @@ Jobs (each a dict with "op"):
                (mamba2_selective_state_update on token 0 from the state); with y, z [B, T, I] and norm_weight [I],
                `gated_norm` (NemotronH's gate-then-norm over `norm_groups` groups) and `norm_gated` (Falcon-H1's
                norm-before-gate).
+  deepseek_v4_ops {config, seed, attention, out}: transformers' own DeepSeek-V4 modules, built from `config` with
+               random weights (seed): a hyper-connection and the hyper head on random streams, the HCA and the CSA
+               compressor (with its indexer) on random hidden states without a cache; and eager_attention_forward
+               with sinks on the ATTENTION .npz (q [B, T, N, H], k [B, T, H] the window's keys, entries [B, C, H],
+               indices [B, T, Kt] (-1: none), sinks [N], window, ratio), masked as the CSA layer masks it. Writes
+               every module's weights under its own prefix (`hc.`, `head.`, `hca.`, `csa.`) and its inputs and outputs.
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
@@ -138,6 +150,8 @@ def tiny_hf(job):
                 b.normal_(1.0, 0.1)
             elif name.endswith("feed_forward.expert_bias"):  # LFM2-MoE's routing bias, zero at init
                 b.normal_(0.0, 0.1)
+            elif name.endswith("gate.tid2eid"):  # DeepSeek-V4's token -> experts table, zero at init
+                b.copy_(torch.stack([torch.randperm(config.n_routed_experts)[:b.shape[1]] for _ in range(len(b))]))
         # AFMoE's and Laguna's routing biases are parameters, zero at init; AFMoE's router too.
         for name, p in model.named_parameters():
             if name.endswith(("expert_bias", "e_score_correction_bias")):
@@ -148,6 +162,11 @@ def tiny_hf(job):
                 p.normal_(0.0, config.initializer_range)
             elif re.search(r"\.(mixer|mamba)\.(A_log|D|dt_bias)$", name):  # Mamba2's per-head constants at init
                 p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
+            # Hyper-connections' biases (0, or one constant) and scales (1, or 0.01) at init (DeepSeek-V4, HY-V4).
+            elif re.search(r"(attn_hc|ffn_hc)\.(base|scale)$|hc_head\.hc_(base|scale)$", name):
+                p.normal_(1.0 if name.endswith("scale") else 0.0, 0.5)
+            elif name.endswith("position_bias"):  # DeepSeek-V4's compressors' per-offset gate bias, 0 at init
+                p.normal_(0.0, 0.5)
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's image projection, 0 at init
                 p.normal_(0.0, 0.2)
             elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
@@ -403,6 +422,104 @@ def gdn(job):
     np.savez(job["out"], **result)
 
 
+def mtp(job):
+    import importlib
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf(job)
+    family = job["family"]
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    model = _load(job["out"]).double()
+    config = model.config
+    # float64 needs the plain torch code paths (grouped matmuls take no doubles)
+    config._attn_implementation = config._experts_implementation = "eager"
+    L, D = config.num_hidden_layers, config.hidden_size
+    torch.manual_seed(job.get("seed", 0) + 1)
+    deepseek = family == "deepseek_v3"
+    if deepseek:
+        layer = mod.DeepseekV3DecoderLayer(config, layer_idx=L)
+        prefix = f"model.layers.{L}."
+    else:  # Qwen3-Next: a full-attention layer, its MLP as layer 0's (as vLLM builds it)
+        import copy
+
+        own = copy.deepcopy(config)
+        own.layer_types = ["full_attention"] + list(config.layer_types[1:])
+        layer = mod.Qwen3NextDecoderLayer(own, layer_idx=0)
+        prefix = "mtp.layers.0."
+    layer = layer.double()
+    offset = 1.0 if not deepseek else 0.0  # Qwen3-Next's norms scale by (1 + weight)
+    extra = {}
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 - offset, 0.1)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.2)
+        for name, b in layer.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+        norm = lambda: torch.randn(D, dtype=torch.float64) * 0.1 + 1.0 - offset  # noqa: E731
+        proj = torch.randn(D, 2 * D, dtype=torch.float64) * (2 * D) ** -0.5
+        if deepseek:
+            names = {"enorm.weight": norm(), "hnorm.weight": norm(), "eh_proj.weight": proj,
+                     "shared_head.norm.weight": norm(),
+                     "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+                     "shared_head.head.weight": model.lm_head.weight.detach().clone()}
+            extra = {prefix + k: v for k, v in names.items()}
+        else:
+            extra = {"mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),
+                     "mtp.fc.weight": proj, "mtp.norm.weight": norm()}
+        for k, v in layer.state_dict().items():  # fused experts saved as save_pretrained saves them, one per expert
+            if k.endswith("experts.gate_up_proj"):
+                F = v.shape[1] // 2
+                for e in range(v.shape[0]):
+                    extra[f"{prefix}{k[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = v[e, :F].clone()
+                    extra[f"{prefix}{k[:-len('gate_up_proj')]}{e}.up_proj.weight"] = v[e, F:].clone()
+            elif k.endswith("experts.down_proj"):
+                for e in range(v.shape[0]):
+                    extra[f"{prefix}{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e].clone()
+            else:
+                extra[prefix + k] = v.detach().clone()
+    path = os.path.join(job["out"], "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({k: v.float().contiguous() for k, v in extra.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+    def rms(x, w):
+        x = x.numpy()
+        return torch.from_numpy(x / np.sqrt((x * x).mean(-1, keepdims=True) + config.rms_norm_eps)
+                                * (w.numpy() + offset))
+
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids = torch.tensor([prompt])
+            T = len(prompt) - 1
+            hidden = model.model(ids).last_hidden_state[:, :T]
+            embeds = model.model.embed_tokens(ids[:, 1:])
+            if deepseek:
+                x = torch.cat([rms(embeds, extra[prefix + "enorm.weight"]),
+                               rms(hidden, extra[prefix + "hnorm.weight"])], -1) @ extra[prefix + "eh_proj.weight"].T
+            else:
+                x = torch.cat([rms(embeds, extra["mtp.pre_fc_norm_embedding.weight"]),
+                               rms(hidden, extra["mtp.pre_fc_norm_hidden.weight"])], -1) @ extra["mtp.fc.weight"].T
+            positions = torch.arange(T)[None]
+            mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+            y = layer(x, attention_mask=mask, position_ids=positions,
+                      position_embeddings=model.model.rotary_emb(x, positions))
+            y = y[0] if isinstance(y, tuple) else y
+            y = rms(y, extra[prefix + "shared_head.norm.weight"] if deepseek else extra["mtp.norm.weight"])
+            result[f"logits_{i}"] = (y @ model.lm_head.weight.T)[0].numpy()
+    config_path = os.path.join(job["out"], "config.json")
+    saved = json.load(open(config_path))
+    saved["num_nextn_predict_layers" if deepseek else "mtp_num_hidden_layers"] = 1
+    json.dump(saved, open(config_path, "w"), indent=1)
+    np.savez(job["reference"], **result)
+
+
 def mamba2(job):
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
     from transformers.models.nemotron_h import modeling_nemotron_h as mod
@@ -465,6 +582,69 @@ def render_chat(job):
             case["messages"], tools=case.get("tools"), tokenize=False, add_generation_prompt=True,
             **case.get("kwargs", {})))
     json.dump(out, open(job["out"], "w"))
+
+
+def deepseek_v4_ops(job):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
+
+    torch.manual_seed(job["seed"])
+    config = AutoConfig.for_model("deepseek_v4", **job["config"])
+    B, T, n, D = 2, 21, config.hc_mult, config.hidden_size
+    out = {}
+
+    def weights(prefix, module):
+        for name, p in module.named_parameters():  # norms near 1, biases and scales that bend the sigmoids
+            if "norm" in name or name.endswith("scale"):
+                p.normal_(1.0, 0.3)
+            elif name.endswith(("base", "position_bias")):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+            out[f"{prefix}.{name}"] = p.numpy().copy()
+
+    with torch.no_grad():
+        hc, head = mod.DeepseekV4HyperConnection(config), mod.DeepseekV4HyperHead(config)
+        weights("hc", hc)
+        weights("head", head)
+        x = torch.randn(B, T, n, D)
+        post, comb, collapsed = hc(x)
+        y = torch.randn(B, T, D)  # a block's output, spread back as the decoder layer does
+        expanded = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x)
+        out.update(streams=x.numpy(), block_out=y.numpy(), post=post.numpy(), comb=comb.numpy(),
+                   collapsed=collapsed.numpy(), expanded=expanded.numpy(), head=head(x).numpy())
+
+        h, q_resid = torch.randn(B, T, D), torch.randn(B, T, config.q_lora_rank)
+        positions = torch.arange(T)[None].expand(B, -1)
+        out.update(hidden=h.numpy(), q_resid=q_resid.numpy())
+        for prefix, cls in (("hca", mod.DeepseekV4HCACompressor), ("csa", mod.DeepseekV4CSACompressor)):
+            compressor = cls(config)
+            weights(prefix, compressor)
+            entries, bias = compressor(h, q_resid, positions, None, 0)
+            out[f"{prefix}_entries"] = entries[:, 0].numpy()
+            out[f"{prefix}_visible"] = (bias[:, 0] == 0).numpy()  # [B, T, C]: entries each query attends to
+
+        a = {k: torch.from_numpy(v) for k, v in np.load(job["attention"]).items()}
+        q, k, entries, indices = a["q"], a["k"], a["entries"], a["indices"].long()
+        window, ratio = int(a["window"]), int(a["ratio"])
+        Bq, Tq, N, _ = q.shape
+        C = entries.shape[1]
+        pos = torch.arange(Tq)
+        sliding = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        mask = torch.zeros(Bq, 1, Tq, Tq).masked_fill(~sliding, float("-inf"))
+        # The CSA compressor's block bias: 0 at the valid chosen entries a query may see, -inf elsewhere.
+        threshold = (pos + 1) // ratio
+        valid = (indices >= 0) & (indices < threshold[None, :, None])
+        safe = torch.where(valid, indices, torch.full_like(indices, C))
+        block = torch.full((Bq, 1, Tq, C + 1), float("-inf")).scatter_(-1, safe.unsqueeze(1), 0.0)[..., :C]
+        kv = torch.cat([k, entries], dim=1)[:, None]
+        module = SimpleNamespace(num_key_value_groups=N, sinks=a["sinks"], training=False)
+        attn, _ = mod.eager_attention_forward(module, q.transpose(1, 2), kv, kv, torch.cat([mask, block], -1),
+                                              scaling=float(a["scale"]))
+        out["attention"] = attn.numpy()  # [B, T, N, H]
+    np.savez(job["out"], **out)
 
 
 def _op(name):

@@ -1,0 +1,108 @@
+"""Multi-token-prediction (MTP, "NextN") layers, as flagship checkpoints ship them beside the model for speculative
+decoding. Each one predicts the token after next from the model's hidden state at a position and the embedding of
+the token that follows it:
+
+    h' = layer(proj([norm_e(embed(t_{p+1})) ; norm_h(h_p)]))      logits = head(norm_out(h'))
+
+with the model's own embedding and output head. Chained for more drafts, h' and the drafted token take the place of
+h and t (as vLLM and SGLang chain them). Two layouts in released checkpoints:
+
+- `NextNStack`, DeepSeek-V3 and GLM-4.5 style: each MTP layer is stored as a decoder layer after the last one
+  (`model.layers.{L + i}.`) with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` beside the decoder layer's own
+  tensors (their copies of the embedding and the head are the model's, shared); h' is the decoder layer's output.
+- `FusedMTP`, Qwen3-Next and Qwen3.5 style (`mtp.`): `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`,
+  decoder layers `layers.{i}` and one final `norm`, applied to h' before it is chained.
+
+h is the model's final hidden state, after its last norm (what the inference engines hand their MTP modules).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from day0jax.layers.linear import Linear
+from kernels_pallas.calls import OpCall
+
+
+class SharedHead(nnx.Module):
+    """HF's `shared_head`: the norm before the (shared) output head."""
+
+    def __init__(self, norm: nnx.Module):
+        self.norm = norm
+
+
+class NextN(nnx.Module):
+    """One DeepSeek-style MTP layer: a decoder layer (its modules under their own HF names, the layer itself called
+    as `decoder`) with the embedding and hidden-state norms, their projection and the head's norm."""
+
+    def __init__(self, decoder: nnx.Module, make_norm, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        D = hidden_size
+        self.decoder = decoder
+        self.enorm, self.hnorm = make_norm(D, dtype=dtype, rngs=rngs), make_norm(D, dtype=dtype, rngs=rngs)
+        self.eh_proj = Linear((2 * D,), (D,), (None, "embed"), dtype=dtype, rngs=rngs)
+        self.shared_head = SharedHead(make_norm(D, dtype=dtype, rngs=rngs))
+
+
+class NextNStack(nnx.Module):
+    """DeepSeek-V3 / GLM-4.5 MTP layers (`layers.{i}`, stored as `model.layers.{L + i}`)."""
+
+    def __init__(self, layers: list[NextN]):
+        self.layers = nnx.List(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def step(self, index: int, embeds: jax.Array, hidden: jax.Array, positions: jax.Array, rope_tables: dict,
+             cache=None):
+        """embeds, hidden [B, T, D] -> (h' [B, T, D], cache)."""
+        m = self.layers[index]
+        x = m.eh_proj(jnp.concatenate([m.enorm(embeds), m.hnorm(hidden.astype(embeds.dtype))], axis=-1))
+        return m.decoder(x, positions, rope_tables, cache)
+
+    def head_input(self, index: int, h: jax.Array) -> jax.Array:
+        return self.layers[index].shared_head.norm(h)
+
+    def chained(self, index: int, h: jax.Array) -> jax.Array:
+        """What the next MTP step takes as its hidden state: h' itself."""
+        return h
+
+    def op_calls(self, index: int) -> list[OpCall]:
+        m = self.layers[index]
+        return m.decoder.op_calls() + m.enorm.op_calls() + m.hnorm.op_calls() + m.shared_head.norm.op_calls()
+
+
+class FusedMTP(nnx.Module):
+    """Qwen3-Next / Qwen3.5 MTP layers (`mtp.`): one input projection `fc` and its two norms, decoder layers
+    `layers.{i}`, one final `norm`."""
+
+    def __init__(self, layers: list[nnx.Module], make_norm, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        D = hidden_size
+        self.pre_fc_norm_embedding = make_norm(D, dtype=dtype, rngs=rngs)
+        self.pre_fc_norm_hidden = make_norm(D, dtype=dtype, rngs=rngs)
+        self.fc = Linear((2 * D,), (D,), (None, "embed"), dtype=dtype, rngs=rngs)
+        self.layers = nnx.List(layers)
+        self.norm = make_norm(D, dtype=dtype, rngs=rngs)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def step(self, index: int, embeds: jax.Array, hidden: jax.Array, positions: jax.Array, rope_tables: dict,
+             cache=None):
+        x = jnp.concatenate([self.pre_fc_norm_embedding(embeds),
+                             self.pre_fc_norm_hidden(hidden.astype(embeds.dtype))], axis=-1)
+        return self.layers[index](self.fc(x), positions, rope_tables, cache)
+
+    def head_input(self, index: int, h: jax.Array) -> jax.Array:
+        return self.norm(h)
+
+    def chained(self, index: int, h: jax.Array) -> jax.Array:
+        """What the next MTP step takes as its hidden state: h' after the final norm."""
+        return self.norm(h)
+
+    def op_calls(self, index: int) -> list[OpCall]:
+        calls = self.layers[index].op_calls()
+        if index == 0:  # the shared input projection's norms and the final norm, counted once
+            calls += self.pre_fc_norm_embedding.op_calls() + self.pre_fc_norm_hidden.op_calls() + self.norm.op_calls()
+        return calls

@@ -1,0 +1,175 @@
+"""Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored
+as layers after the last one; Qwen3-Next / Qwen3.5 style, `mtp.*`). Greedy tokens equal plain decoding's, the drafts
+the engine reads after each step are the MTP chain's over the verified tokens (its KV pages caught up over every
+kept token, rejected positions rewritten), and conversion keeps the layers (`--no-mtp` drops them) as an optional
+part of the checkpoint that `check` lists and `load` reads only for speculative method "mtp".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from day0jax import models
+from day0jax.engine.config import EngineConfig, SpeculativeConfig
+from day0jax.engine.engine import Engine
+from sharding.mesh import make_mesh
+from test_engine_paged import PROMPTS, cache_less_greedy, greedy
+from test_speculative import QWEN3_NEXT, Oracle, collect
+
+CONTEXT = 128
+# Layer 0 dense, layer 1 MoE; the MTP layer (index 2) is an MoE layer, as in DeepSeek-V3.
+DEEPSEEK = dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_group=2, topk_group=1,
+                first_k_dense_replace=1, max_position_embeddings=CONTEXT, num_nextn_predict_layers=1)
+QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=CONTEXT, layer_types=["linear_attention", "full_attention"],
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+               mtp_num_hidden_layers=1)
+
+
+def build(hf: dict):
+    cfg = models.config_from_hf(hf)
+    with nnx.use_eager_sharding(False):
+        return models.family(hf["model_type"]).model(cfg, rngs=nnx.Rngs(0), mtp=True)
+
+
+def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray:
+    """The MTP chain over `tokens` without a cache, fed the engine's own `drafts` (teacher forcing): the logits of
+    each draft [k, V]. Layer 0 at positions 0..n-2 takes the model's final hidden state and the next token; step j
+    at position n - 2 + j the previous step's chained h' and draft j. Padded to the context (causal: harmless), so
+    that one compiled program serves every length."""
+    graphdef, state = nnx.split(module)
+    k = len(drafts)
+
+    @jax.jit
+    def chain(padded, n, drafts):
+        model = nnx.merge(graphdef, state)
+        positions = jnp.arange(CONTEXT, dtype=jnp.int32)
+        hidden, _ = model(padded[None], positions[None])
+        following = jnp.where(positions < n - 1, jnp.roll(padded, -1), 0)
+        states, out = hidden, []
+        for j in range(k):
+            i = j % model.mtp_layers
+            h, _ = model.mtp_step(i, following[None], states, positions[None])
+            last = h[0, n - 2 + j]
+            out.append(model.mtp_logits(i, last))
+            following = following.at[n - 1 + j].set(drafts[j])
+            states = states.at[0, n - 1 + j].set(model.mtp_chained(i, last))
+        return jnp.stack(out)
+
+    padded = np.zeros(CONTEXT, np.int32)
+    padded[:len(tokens)] = tokens
+    return np.asarray(chain(padded, len(tokens), jnp.asarray(drafts, jnp.int32)))
+
+
+@pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1)],
+                         ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1"])
+def test_mtp_drafts_and_greedy_tokens(hf, k):
+    """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
+    and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
+    drafts, rows of another never speculate. Greedy tokens equal plain decoding's (through Gated DeltaNet layers,
+    whose state after the last accepted token each verify step keeps in a slot of its own), and each draft read is
+    the cache-less MTP chain's argmax over the tokens verified so far (within 1e-4 of the best logit)."""
+    module = build(hf)
+    truth = {f"r{i}": ref for i, ref in enumerate(cache_less_greedy(module))}
+    engine = Engine(module, make_mesh(None), jnp.float32, context_length=CONTEXT, config=EngineConfig(
+        page_size=8, max_num_seqs=4, batch_buckets=(4,), kv_cache_tokens=512, chunk_buckets=(32,),
+        min_width=CONTEXT, speculative=SpeculativeConfig("mtp", num_tokens=k)))  # few programs: one of each kind
+    spec = engine.spec
+    spec.backoff = False
+    oracle = Oracle(truth, seed=k)
+    propose, seen = spec.propose, []
+
+    def planted(seq):
+        state = spec.row(seq)
+        if state.next is not None:
+            seen.append((list(seq.tokens), list(state.next)))
+        propose(seq)
+        if seq.request_id != "r0":
+            seq.drafts = oracle.propose(seq, len(seq.drafts))
+
+    spec.propose = planted
+    requests = {f"r{i}": (p, greedy(12)) for i, p in enumerate(PROMPTS)}
+    requests["r2"] = (PROMPTS[2], dataclasses.replace(greedy(12), speculative=False))
+    out = collect(engine, requests, stagger=2)
+    assert out == {rid: t[:12] for rid, t in truth.items()}
+    assert 0 < spec.stats.accepted_tokens < spec.stats.draft_tokens
+    assert len(seen) > 10
+    for tokens, drafts in random.Random(k).sample(seen, 6):
+        for draft, logits in zip(drafts, reference_drafts(module, tokens, drafts)):
+            assert logits[draft] >= logits.max() - 1e-4, (len(tokens), drafts)
+    if engine.runner.has_state:
+        assert engine.scheduler.state_copies == k + 1
+        assert sorted(engine.scheduler.free_slots) == list(range(1, engine.layout.state_slots))
+
+
+MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in range(12)]]
+HF_CONFIGS = {"deepseek_v3": {k: v for k, v in DEEPSEEK.items() if k not in ("model_type", "num_nextn_predict_layers")},
+              "qwen3_next": {k: v for k, v in QWEN3_NEXT.items() if k != "model_type"}}
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoints(tmp_path_factory):
+    """Tiny random DeepSeek-V3 and Qwen3-Next folders with one MTP layer each in their checkpoints' layouts, and
+    the reference MTP logits (float64; the decoder layer transformers' own)."""
+    from conftest import run_reference
+
+    root = tmp_path_factory.mktemp("mtp")
+    run_reference([{"op": "mtp", "family": family, "config": config, "seed": 0, "out": str(root / family),
+                    "prompts": MTP_PROMPTS, "reference": str(root / f"{family}.npz")}
+                   for family, config in HF_CONFIGS.items()], root)
+    return {family: (root / family, dict(np.load(root / f"{family}.npz"))) for family in HF_CONFIGS}
+
+
+@pytest.mark.parametrize("family", list(HF_CONFIGS))
+def test_mtp_layers_convert_load_and_match_the_reference(mtp_checkpoints, family, tmp_path):
+    import day0jax
+    from convert import convert_checkpoint
+    from convert.convert import Options
+    from day0jax.check import check
+    from day0jax.core.errors import CheckpointError
+
+    hf, reference = mtp_checkpoints[family]
+    ckpt = convert_checkpoint(hf, tmp_path / "with", progress=False).dst
+    manifest = json.loads((ckpt / "day0jax.json").read_text())
+    mtp_params = [name for name in manifest["params"] if name.startswith("mtp.")]
+    assert mtp_params and manifest["parts"]["mtp"]["prefix"] == "mtp."
+    groups = {manifest["params"][name]["group"] for name in mtp_params}
+    assert not groups & {p["group"] for name, p in manifest["params"].items() if not name.startswith("mtp.")}
+    bare = convert_checkpoint(hf, tmp_path / "without", progress=False, options=Options(no_mtp=True)).dst
+    assert not any(name.startswith("mtp.") for name in json.loads((bare / "day0jax.json").read_text())["params"])
+    # check lists them (operators of layer L, parameters), from the source and from the checkpoint.
+    for path in (hf, ckpt):
+        report = check(path, dtype="float32")
+        assert report.supported, report.reasons
+        assert report.mtp["layers"] == 1 and report.mtp["parameters"] > 0
+        L = HF_CONFIGS[family]["num_hidden_layers"]
+        assert any(str(L) in str(row["layers"]) for row in report.ops if "attention" in row["op"])  # 0-L
+    engine = EngineConfig(max_num_seqs=1, chunk_buckets=(32,), max_model_len=64, min_width=64)
+    load = lambda path, **kw: day0jax.load(path, dtype="float32", kernels="reference",  # noqa: E731
+                                           engine=dataclasses.replace(engine, **kw))
+    plain = load(ckpt)  # its optional part left unread
+    assert plain.module.mtp is None
+    with pytest.raises(CheckpointError, match="--no-mtp"):
+        load(bare, speculative="mtp")
+    model = load(ckpt, speculative="mtp")
+    assert model.memory_plan.kv_cache_bytes > plain.memory_plan.kv_cache_bytes  # the MTP layers' pages planned
+    module = model.module
+    for i, prompt in enumerate(MTP_PROMPTS):
+        T = len(prompt) - 1
+        ids = jnp.asarray(prompt, jnp.int32)[None]
+        hidden, _ = module(ids, jnp.arange(T + 1, dtype=jnp.int32)[None])
+        h, _ = module.mtp_step(0, ids[:, 1:], hidden[:, :T], jnp.arange(T, dtype=jnp.int32)[None])
+        ours, ref = np.asarray(module.mtp_logits(0, h))[0], reference[f"logits_{i}"]
+        assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max(), (i, np.abs(ours - ref).max())
