@@ -384,6 +384,15 @@ QWEN_VL_PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", patch_siz
 QWEN_VL_TOWER = dict(model_type="qwen3_vl_vision", depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+# Kimi K2.5: 4-pixel patches at the image's own size within 64 patches (10 a side), padded to 8-pixel multiples;
+# MoonViT's 4 x 4 position table resampled bicubically to each grid, heads of 16 turned by the 2-D rotary, 2x2
+# blocks merged. Larger weights (initializer_range) so that attention, and with it the rotary, varies by patch.
+KIMI_PROCESSOR = dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=4, merge_size=2, max_patches=64,
+                      size={"max_height": 10, "max_width": 10}, resample=3, image_mean=[0.5, 0.5, 0.5],
+                      image_std=[0.5, 0.5, 0.5])
+MOONVIT_TOWER = dict(model_type="kimi_k25_vision", patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4,
+                     num_attention_heads=2, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                     merge_kernel_size=[2, 2], initializer_range=0.2)
 
 
 @dataclass(frozen=True)
@@ -430,6 +439,14 @@ MULTIMODAL = {
             model_type="qwen3_5_vision"),
         image_token_id=IMAGE_TOKEN, video_token_id=251, vision_start_token_id=BOI, vision_end_token_id=EOI),
         QWEN_VL_PROCESSOR, None, ([BOI], [EOI])),
+    # Kimi K2.5: MoonViT over a DeepSeek-V3 language model (MLA; a dense layer, then sigmoid top-2 of 8 experts in
+    # one group with a shared expert, as Kimi K2 routes), untied as published.
+    "kimi_k25": VLCase("kimi_k25", dict(
+        text_config=dict(FAMILIES["deepseek_v3"][1], num_hidden_layers=2, n_group=1, topk_group=1,
+                         initializer_range=0.1, model_type="deepseek_v3"),
+        vision_config=MOONVIT_TOWER, projection_hidden_size=32, image_token_id=IMAGE_TOKEN, video_token_id=251,
+        vision_start_token_id=BOI, vision_end_token_id=EOI, tie_word_embeddings=False, initializer_range=0.1),
+        KIMI_PROCESSOR, None, ([BOI], [EOI])),
 }
 
 

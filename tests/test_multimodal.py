@@ -1,7 +1,7 @@
 """Vision-language families against transformers at float32: image features, logits and greedy decoding with
 images, through `Model.logits`, `Model.generate` (the engine) and `Model.prepare`.
 
-Tolerance: max |ours - transformers| <= 1e-3 * max |transformers| (relative to the scale, as the text families;
+Tolerance: max |ours - transformers| <= 1e-5 * max |transformers| (relative to the scale, as the text families;
 observed differences are around 1e-6). Images go through day0jax's preprocessing on both sides (transformers gets
 the same pixel arrays), so these tests see the model alone; tests/test_vision_preprocess.py compares the pixels.
 """
@@ -19,7 +19,7 @@ from conftest import run_reference
 from day0jax.core.errors import GenerationError
 from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_tokens
 
-RTOL = 1e-3
+RTOL = 1e-5
 NEW_TOKENS = 16
 
 def images(seed: int, count: int) -> list[np.ndarray]:
@@ -320,3 +320,82 @@ def test_warm_up_makes_the_tower_ready_for_every_image_size(family):
     assert {Program("encode", key) for key in needed} <= set(encode)  # every size within a warmed-up bucket
     assert model.generate(prompts, 2, ignore_eos=True, images=[[p] for p in pictures])
     assert not [k for k in runner.compiled - traced if k[0] == "encode"], runner.compiled - traced
+
+
+@pytest.mark.parametrize("family", ["kimi_k25"], indirect=True)
+@pytest.mark.parametrize("broken", ["no_rotary", "rotary_axes_swapped", "nearest_position_table", "raster_merge"])
+def test_moonvit_grid_dependence_is_checked(family, monkeypatch, broken):
+    """MoonViT's grid-dependent pieces, each done wrong on the host, move the features far past the tolerance: the
+    2-D rotary (off, or rows and columns exchanged), the bicubic resampling of the position table (nearest row
+    instead), and the patch merger's 2x2 blocks (four consecutive patches instead)."""
+    from day0jax.vision import moonvit
+
+    name, model, ref = family
+    original = moonvit.grid_inputs
+
+    def grid_inputs(grid, side, merge):
+        d = dict(original(grid, side, merge))
+        if broken == "no_rotary":
+            d["rotary"] = np.zeros_like(d["rotary"])
+        elif broken == "rotary_axes_swapped":
+            d["rotary"] = np.ascontiguousarray(d["rotary"][:, ::-1])
+        elif broken == "nearest_position_table":
+            nearest = np.take_along_axis(d["taps"], d["weights"].argmax(-1)[:, None], -1)
+            d["taps"], d["weights"] = np.repeat(nearest, 16, -1), np.full_like(d["weights"], 1 / 16)
+        else:
+            d["merged"] = np.arange(len(d["merged"]), dtype=np.int32)
+        return d
+    monkeypatch.setattr(moonvit, "grid_inputs", grid_inputs)
+    for i, (_, imgs) in enumerate(ref["cases"]):
+        if imgs:
+            assert rel_err(model.images.features(imgs), ref["ref"][f"features_{i}"]) > 1e-2, (broken, i)
+
+
+def test_kimi_k25_published_layout_converts_to_the_same_model(reference, tmp_path):
+    """The published checkpoint's own tensor names (`language_model.model.layers.`, `vision_tower.patch_embed.`,
+    `mm_projector.pre_norm.`) and its config keys (`vt_*`, `init_pos_emb_*`, `media_placeholder_token_id`) give the
+    checkpoint transformers' saved layout gives."""
+    from safetensors.numpy import load_file, save_file
+
+    from convert import convert_checkpoint
+    from day0jax.weights import checkpoint
+
+    src = reference["kimi_k25"]["hf"]
+    published = tmp_path / "published"
+    published.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (published / f.name).write_bytes(f.read_bytes())
+    names = {r"^language_model\.model\.blocks\.": "language_model.model.layers.",
+             r"^vision_tower\.encoder\.patch_embed\.": "vision_tower.patch_embed.",
+             r"^model\.mm_projector\.": "mm_projector."}
+    tensors = {}
+    for name, array in load_file(str(src / "model.safetensors")).items():
+        for pattern, replacement in names.items():
+            name = re.sub(pattern, replacement, name)
+        tensors[name] = array
+    assert "vision_tower.patch_embed.proj.weight" in tensors and "mm_projector.pre_norm.weight" in tensors
+    save_file(tensors, str(published / "model.safetensors"))
+    hf = json.loads((src / "config.json").read_text())
+    v = hf.pop("vision_config")
+    hf["media_placeholder_token_id"] = hf.pop("image_token_id")
+    hf["vision_config"] = dict(
+        model_type="", patch_size=v["patch_size"], init_pos_emb_height=v["pos_emb_height"],
+        init_pos_emb_width=v["pos_emb_width"], init_pos_emb_time=v["pos_emb_time"],
+        vt_hidden_size=v["hidden_size"], vt_intermediate_size=v["intermediate_size"],
+        vt_num_attention_heads=v["num_attention_heads"], vt_num_hidden_layers=v["num_hidden_layers"],
+        merge_kernel_size=v["merge_kernel_size"], merge_type="sd2_tpool", pos_emb_type="divided_fixed",
+        video_attn_type="spatial_temporal", mm_projector_type="patchmerger", projector_hidden_act="gelu",
+        projector_ln_eps=1e-5, mm_hidden_size=v["hidden_size"], text_hidden_size=hf["text_config"]["hidden_size"])
+    hf.update(ignore_index=-100, use_unified_vision_chunk=True, video_placeholder="<|kimi_k25_video_placeholder|>")
+    (published / "config.json").write_text(json.dumps(hf))
+    a = convert_checkpoint(src, tmp_path / "a", progress=False).dst
+    b = convert_checkpoint(published, tmp_path / "b", progress=False).dst
+    pa, pb = checkpoint.read_params(a), checkpoint.read_params(b)
+    assert sorted(pa) == sorted(pb)
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    bad = dict(hf, vision_config=dict(hf["vision_config"], merge_type="sd2"))
+    (published / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(Exception, match="merge_type"):
+        convert_checkpoint(published, tmp_path / "c", progress=False)

@@ -160,7 +160,9 @@ class ModelImages:
             ImageError: an image that cannot be read; GenerationError: a text-only model.
         """
         processor = self.processor
-        return ImageInputs(*self.spec.pack([processor.preprocess(load_image(im)) for im in images]))
+        # Arrays go to the processor as they are: a torchvision-backend processor converts RGBA arrays its own way.
+        return ImageInputs(*self.spec.pack([processor.preprocess(im if isinstance(im, np.ndarray) else load_image(im))
+                                            for im in images]))
 
     def expand(self, text: str, images: Sequence[Any], tokenizer) -> tuple[str, "ImageInputs"]:
         """A rendered chat `text` with each image's placeholder expanded to its tokens, and the images'

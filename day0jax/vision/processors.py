@@ -6,6 +6,9 @@
 then float32), normalize (float32), and the model's own steps (LLaVA's pad to a square, Gemma 3's pan and scan,
 Qwen-VL's smart resize and patch layout).
 
+Processors transformers has only for its torchvision backend (Kimi K2.5's) are in `torchvision_processors`, on
+the same base, and `image_processor` finds them too.
+
 Values resolve as in transformers' processors: a key the config leaves out takes the class default, a key set to
 null is None (its step off); the model's processor's own image keywords (Gemma3Processor's) come over the config,
 and options given to `image_processor` over everything, as call-time keywords do.
@@ -354,6 +357,7 @@ PROCESSORS = {cls.TYPE: cls for cls in (CLIPImageProcessor, SiglipImageProcessor
 # config.json model types -> processor, for the rare processor config that names no type (transformers' auto map).
 BY_MODEL_TYPE = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor", "paligemma": "SiglipImageProcessor",
                  "llava": "LlavaImageProcessor", "gemma3": "Gemma3ImageProcessor",
+                 "kimi_k25": "Kimi_K25ImageProcessor",
                  **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"),
                                  "Qwen2VLImageProcessor")}
 
@@ -381,12 +385,15 @@ def image_processor(source: str | os.PathLike | dict[str, Any], **options: Any) 
         config = read_processor_config(source)
     if isinstance(config.get("image_processor"), dict):
         config = config["image_processor"]
+    from day0jax.vision import torchvision_processors  # imports this module: loaded on first use
+
+    known = {**PROCESSORS, **torchvision_processors.PROCESSORS}
     name = _type_name(config, folder)
     base = name.removesuffix("Fast").removesuffix("Pil")
-    if base not in PROCESSORS:
+    if base not in known:
         raise UnsupportedArchitecture(f"image_processor_type {name!r} is not implemented; implemented: "
-                                      f"{', '.join(sorted(PROCESSORS))}")
-    return PROCESSORS[base](config, **options)
+                                      f"{', '.join(sorted(known))}")
+    return known[base](config, **options)
 
 
 def read_processor_config(source: str | os.PathLike) -> dict[str, Any]:

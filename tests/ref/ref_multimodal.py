@@ -17,9 +17,13 @@ def _inputs(model, data, i):
     kwargs = {}
     if f"pixels_{i}" in data:
         kwargs["pixel_values"] = torch.tensor(data[f"pixels_{i}"])
-        if f"grid_{i}" in data:  # Qwen-VL: the grids, and which tokens are images (for multimodal RoPE)
+        if f"grid_{i}" in data:  # images of their own size: their grids
             kwargs["image_grid_thw"] = torch.tensor(data[f"grid_{i}"].astype(np.int64))
-            kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+            if model.config.model_type == "kimi_k25":  # MoonViT's Conv2d takes each patch as [3, p, p]
+                p = model.config.vision_config.patch_size
+                kwargs["pixel_values"] = kwargs["pixel_values"].reshape(-1, 3, p, p)
+            else:  # Qwen-VL: which tokens are images (for multimodal RoPE)
+                kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
             kwargs["token_type_ids"] = (ids == model.config.image_token_id).long()
     return ids, kwargs

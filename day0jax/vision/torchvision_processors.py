@@ -1,0 +1,122 @@
+"""Image processors that transformers has only for its torchvision backend, in numpy: Kimi K2.5's (MoonViT).
+
+transformers' torchvision backend differs from its PIL one in four places these processors follow: images are
+resized by torchvision's uint8 kernels (`vision.resize`, not PIL's), padding is zeros added to the uint8 image
+before normalizing, rescaling is fused into normalizing (mean and std divided by the rescale factor, in float32:
+(x - mean / f) / (std / f), not (x * f - mean) / std), and an RGBA array is blended onto white in float32 and
+truncated back to uint8 (PIL images are converted as the PIL backend converts them). tests/test_vision_preprocess.py runs transformers' own
+processor code on a plain-torch rendering of torchvision and compares the pixels exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from day0jax.core.errors import ConfigError
+from day0jax.vision import resize
+from day0jax.vision.images import ImageError, load_image
+from day0jax.vision.processors import BICUBIC, BILINEAR, HALF, ImageProcessor, ProcessedImage, _per_channel
+
+MODES = {BILINEAR: "bilinear", BICUBIC: "bicubic"}  # PIL filter numbers -> torchvision's uint8 kernels
+
+
+class TorchvisionProcessor(ImageProcessor):
+    """transformers' `TorchvisionBackend` steps (resize, pad, fused rescale and normalize) for the subclasses."""
+
+    CENTER_CROP = False
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.do_resize and self.resample not in MODES:
+            raise ConfigError(f"{self.TYPE} resample={self.resample!r}: only bilinear (2) and bicubic (3) are "
+                              "implemented for the torchvision backend's processors")
+
+    def _uint8_chw(self, image: Any) -> np.ndarray:
+        if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 4 and self.do_convert_rgb:
+            load_image(image)  # the checks every image gets
+            # torchvision's `to_dtype` both ways (times 1/255; times 255.999, truncated) around the blend.
+            x = image.astype(np.float32) * np.float32(1 / 255)
+            rgb = x[..., :3] * x[..., 3:] + (np.float32(1) - x[..., 3:])
+            return (rgb * np.float32(255 + 1.0 - 1e-3)).astype(np.uint8).transpose(2, 0, 1)
+        return super()._uint8_chw(image)
+
+    def _torch_resize(self, x: np.ndarray, height: int, width: int) -> np.ndarray:
+        return resize.resize(x, height, width, MODES[self.resample])
+
+    def _rescale_normalize(self, x: np.ndarray) -> np.ndarray:
+        """`TorchvisionBackend.rescale_and_normalize`: in float32, rescaling fused into the mean and std."""
+        channels = x.shape[0]
+        if self.do_normalize:
+            mean = np.array(_per_channel(self.image_mean, channels), np.float32)
+            std = np.array(_per_channel(self.image_std, channels), np.float32)
+            if self.do_rescale:
+                inverse = np.float32(1.0 / self.rescale_factor)
+                mean, std = mean * inverse, std * inverse
+            return np.ascontiguousarray((x.astype(np.float32) - mean[:, None, None]) / std[:, None, None])
+        if self.do_rescale:
+            return np.ascontiguousarray(x.astype(np.float32) * np.float32(self.rescale_factor))
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def navit_size(height: int, width: int, patch: int, merge: int, max_patches: int,
+               max_per_side: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """transformers' Kimi K2.5 `navit_resize`: ((height, width) resized, (height, width) padded). The image shrinks
+    (never grows) to at most `max_patches` patches and `max_per_side` patches a side, then is padded up to
+    multiples of patch * merge."""
+    patches_h, patches_w = max(1.0, height // patch), max(1.0, width // patch)
+    scale = min(1.0, math.sqrt(max_patches / (patches_h * patches_w)), max_per_side * patch / height,
+                max_per_side * patch / width)
+    new_h = min(max(1, int(height * scale)), max_per_side * patch)
+    new_w = min(max(1, int(width * scale)), max_per_side * patch)
+    factor = merge * patch
+    return (new_h, new_w), (new_h + (factor - new_h % factor) % factor, new_w + (factor - new_w % factor) % factor)
+
+
+class KimiK25ImageProcessor(TorchvisionProcessor):
+    """Kimi K2.5 (MoonViT): an image at its own size, shrunk to a patch budget, padded to whole merge blocks, as
+    patches of [3, p, p] in raster order (flattened to 3 * p * p values each); grid (1, rows, columns)."""
+
+    TYPE = "Kimi_K25ImageProcessor"
+    DEFAULTS = dict(ImageProcessor.DEFAULTS, size={"max_height": 512, "max_width": 512}, do_center_crop=None,
+                    crop_size=None, image_mean=HALF, image_std=HALF, max_patches=16384, patch_size=14, merge_size=2)
+
+    def _validate(self) -> None:
+        super()._validate()
+        for key in ("max_patches", "patch_size", "merge_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"Kimi K2.5 image processor {key}={value!r} must be a positive integer")
+        s = self.size or {}
+        if self.do_resize and (s.get("max_height") is None or s.get("max_height") != s.get("max_width")):
+            raise ConfigError(f"Kimi K2.5 image processor size={self.size!r} must give max_height and max_width, "
+                              "equal (transformers refuses other sizes too)")
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
+        """(1, rows, columns) of patches for an image of `height` x `width` pixels."""
+        if not self.do_resize:
+            return 1, height // self.patch_size, width // self.patch_size
+        _, (h, w) = navit_size(height, width, self.patch_size, self.merge_size, self.max_patches,
+                               self.size["max_height"])
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def _process(self, x: np.ndarray) -> ProcessedImage:
+        p = self.patch_size
+        if self.do_resize:
+            (h, w), (ph, pw) = navit_size(*x.shape[1:], p, self.merge_size, self.max_patches,
+                                          self.size["max_height"])
+            x = self._torch_resize(x, h, w)
+            x = np.pad(x, ((0, 0), (0, ph - h), (0, pw - w)))
+        c, height, width = x.shape
+        if height % (p * self.merge_size) or width % (p * self.merge_size):
+            raise ImageError(f"image of {height}x{width} pixels is not a multiple of patch_size * merge_size = "
+                             f"{p * self.merge_size} (the config turns resizing off)")
+        x = self._rescale_normalize(x)
+        gh, gw = height // p, width // p
+        patches = x.reshape(c, gh, p, gw, p).transpose(1, 3, 0, 2, 4).reshape(gh * gw, c * p * p)
+        return ProcessedImage(np.ascontiguousarray(patches), grid_thw=(1, gh, gw))
+
+
+PROCESSORS = {cls.TYPE: cls for cls in (KimiK25ImageProcessor,)}
