@@ -126,6 +126,11 @@ class VisionConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def name(self) -> str:
+        """The tower's name in reports (the published config's model_type is empty)."""
+        return self.model_type or "kimi_k25_vision"
+
+    @property
     def theta(self) -> float:
         return float((self.rope_parameters or {}).get("rope_theta", 10000.0))
 
