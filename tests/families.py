@@ -439,6 +439,17 @@ MULTIMODAL = {
             model_type="qwen3_5_vision"),
         image_token_id=IMAGE_TOKEN, video_token_id=251, vision_start_token_id=BOI, vision_end_token_id=EOI),
         QWEN_VL_PROCESSOR, None, ([BOI], [EOI])),
+    # Qwen3-VL-MoE: Qwen3-VL's tower and DeepStack over Qwen3-MoE layers (layer 0 dense, then softmax top-2 of 4
+    # experts, fused as released: 2F = 96 differs from D = 64, so a transposed layout cannot pass for the right one).
+    "qwen3_vl_moe": VLCase("qwen3_vl_moe", dict(
+        text_config=dict(TINY, model_type="qwen3_vl_moe_text", num_hidden_layers=3, head_dim=16,
+                         max_position_embeddings=512, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                         mlp_only_layers=[0], initializer_range=0.1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(QWEN_VL_TOWER, model_type="qwen3_vl_moe_vision"), image_token_id=IMAGE_TOKEN,
+        video_token_id=251, vision_start_token_id=BOI, vision_end_token_id=EOI), QWEN_VL_PROCESSOR, None,
+        ([BOI], [EOI])),
     # Kimi K2.5: MoonViT over a DeepSeek-V3 language model (MLA; a dense layer, then sigmoid top-2 of 8 experts in
     # one group with a shared expert, as Kimi K2 routes), untied as published.
     "kimi_k25": VLCase("kimi_k25", dict(

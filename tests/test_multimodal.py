@@ -399,3 +399,29 @@ def test_kimi_k25_published_layout_converts_to_the_same_model(reference, tmp_pat
     (published / "config.json").write_text(json.dumps(bad))
     with pytest.raises(Exception, match="merge_type"):
         convert_checkpoint(published, tmp_path / "c", progress=False)
+
+
+def test_qwen3_vl_moe_released_expert_layout_converts_to_the_same_model(reference, tmp_path):
+    """Released Qwen3-VL-MoE checkpoints store the fused experts as [E, D, 2F] and [E, F, D], transformers 5 saves
+    them transposed: both give the same checkpoint."""
+    from safetensors.numpy import load_file, save_file
+
+    from convert import convert_checkpoint
+    from day0jax.weights import checkpoint
+
+    src = reference["qwen3_vl_moe"]["hf"]
+    released = tmp_path / "released"
+    released.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (released / f.name).write_bytes(f.read_bytes())
+    tensors = {name: np.ascontiguousarray(a.swapaxes(1, 2)) if ".experts." in name else a
+               for name, a in load_file(str(src / "model.safetensors")).items()}
+    assert tensors["model.language_model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 96)
+    save_file(tensors, str(released / "model.safetensors"))
+    a = convert_checkpoint(src, tmp_path / "a", progress=False).dst
+    b = convert_checkpoint(released, tmp_path / "b", progress=False).dst
+    pa, pb = checkpoint.read_params(a), checkpoint.read_params(b)
+    assert sorted(pa) == sorted(pb)
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)

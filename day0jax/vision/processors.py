@@ -358,7 +358,7 @@ PROCESSORS = {cls.TYPE: cls for cls in (CLIPImageProcessor, SiglipImageProcessor
 BY_MODEL_TYPE = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor", "paligemma": "SiglipImageProcessor",
                  "llava": "LlavaImageProcessor", "gemma3": "Gemma3ImageProcessor",
                  "kimi_k25": "Kimi_K25ImageProcessor",
-                 **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"),
+                 **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
                                  "Qwen2VLImageProcessor")}
 
 
