@@ -393,6 +393,10 @@ KIMI_PROCESSOR = dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=
 MOONVIT_TOWER = dict(model_type="kimi_k25_vision", patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4,
                      num_attention_heads=2, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                      merge_kernel_size=[2, 2], initializer_range=0.2)
+PIXTRAL_PROCESSOR = dict(image_processor_type="PixtralImageProcessor", patch_size={"height": 8, "width": 8},
+                         size={"longest_edge": 48}, resample=3)
+PIXTRAL_TOWER = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, patch_size=4, image_size=48, hidden_act="gelu", initializer_range=0.2)
 
 
 @dataclass(frozen=True)
@@ -402,6 +406,8 @@ class VLCase:
     processor: dict
     per_image: int | None  # tokens per image; None: as many as its merged patches (`image_tokens`)
     around: tuple[list[int], list[int]] = ([], [])  # tokens before and after each image's tokens
+    merge: int = 2  # a token per merge x merge patches of the processor's grid (images of their own size)
+    row_ends: tuple[int, int] | None = None  # the tokens ending each row of an image's tokens, and the last one
 
 
 MULTIMODAL = {
@@ -450,6 +456,20 @@ MULTIMODAL = {
         vision_config=dict(QWEN_VL_TOWER, model_type="qwen3_vl_moe_vision"), image_token_id=IMAGE_TOKEN,
         video_token_id=251, vision_start_token_id=BOI, vision_end_token_id=EOI), QWEN_VL_PROCESSOR, None,
         ([BOI], [EOI])),
+    # Mistral 3: Pixtral (2-D rotary over the patch grid, gated MLPs, RMSNorms) over Mistral with a sliding window;
+    # 2x2 patches of 4 pixels merged (the processor's patches are the merged 8-pixel ones), rows of image tokens
+    # ended by [IMG_BREAK] and [IMG_END]. Larger weights (initializer_range) so that attention varies by patch.
+    "mistral3": VLCase("mistral3", dict(
+        text_config=dict(TINY, model_type="mistral", sliding_window=8, initializer_range=0.1),
+        vision_config=PIXTRAL_TOWER, image_token_index=IMAGE_TOKEN, spatial_merge_size=2, tie_word_embeddings=False,
+        initializer_range=0.1), PIXTRAL_PROCESSOR, None, merge=1, row_ends=(BOI, EOI)),
+    # On Ministral (sliding, then full attention), the tower's second-to-last hidden state (its last layer then
+    # never runs), projector biases.
+    "mistral3_ministral": VLCase("mistral3", dict(
+        text_config=dict(FAMILIES["ministral"][1], model_type="ministral", initializer_range=0.1),
+        vision_config=dict(PIXTRAL_TOWER, num_hidden_layers=3), image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-2, multimodal_projector_bias=True, projector_hidden_act="gelu_pytorch_tanh",
+        initializer_range=0.1), PIXTRAL_PROCESSOR, None, merge=1, row_ends=(BOI, EOI)),
     # Kimi K2.5: MoonViT over a DeepSeek-V3 language model (MLA; a dense layer, then sigmoid top-2 of 8 experts in
     # one group with a shared expert, as Kimi K2 routes), untied as published.
     "kimi_k25": VLCase("kimi_k25", dict(
@@ -468,4 +488,16 @@ def image_tokens(case: VLCase, image) -> int:
     from day0jax.vision.processors import image_processor
 
     t, h, w = image_processor(case.processor).preprocess(image).grid_thw
-    return t * h * w // 4  # 2x2 merge
+    return t * h * w // case.merge ** 2
+
+
+def image_placeholders(case: VLCase, image, token: int) -> list[int]:
+    """`image`'s placeholder tokens in `case`'s model: `token` repeated, or row by row where each row ends with
+    a token of its own (Mistral 3)."""
+    if case.row_ends is None:
+        return [token] * image_tokens(case, image)
+    from day0jax.vision.processors import image_processor
+
+    _, rows, cols = image_processor(case.processor).preprocess(image).grid_thw
+    out = ([token] * cols + [case.row_ends[0]]) * rows
+    return out[:-1] + [case.row_ends[1]]

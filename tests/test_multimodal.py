@@ -17,7 +17,7 @@ import pytest
 import day0jax
 from conftest import run_reference
 from day0jax.core.errors import GenerationError
-from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_tokens
+from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_placeholders, image_tokens
 
 RTOL = 1e-5
 NEW_TOKENS = 16
@@ -31,7 +31,7 @@ def images(seed: int, count: int) -> list[np.ndarray]:
 
 def placeholders(case, image) -> list[int]:
     before, after = case.around
-    return before + [IMAGE_TOKEN] * image_tokens(case, image) + after
+    return before + image_placeholders(case, image, IMAGE_TOKEN) + after
 
 
 def cases(case) -> list[tuple[list[int], list[np.ndarray]]]:
@@ -294,6 +294,12 @@ def test_placeholders_expand_as_each_family_processor_does():
     assert built["llava"].expand_image_placeholders("<img>\nhi", [4], tok) == "<img>" * 4 + "\nhi"
     with pytest.raises(GenerationError, match="rendered 1 image placeholder"):
         built["qwen3_vl"].expand_image_placeholders("<img>", [2, 3], tok)
+    # PixtralProcessor: each image's rows of [IMG], ended by [IMG_BREAK], the last by [IMG_END].
+    mistral3 = models.abstract_model(models.config_from_hf(dict(VL_FAMILIES["mistral3"].config,
+                                                                model_type="mistral3")))
+    pixtral_tok = _Tokens({IMAGE_TOKEN: "[IMG]"})
+    assert mistral3.expand_image_placeholders("a[IMG]b[IMG]", [6, 1], pixtral_tok, grids=[(1, 2, 3), (1, 1, 1)]) == \
+        "a" + "[IMG]" * 3 + "[IMG_BREAK]" + "[IMG]" * 3 + "[IMG_END]b[IMG][IMG_END]"
 
 
 def test_warm_up_makes_the_tower_ready_for_every_image_size(family):
@@ -346,6 +352,29 @@ def test_moonvit_grid_dependence_is_checked(family, monkeypatch, broken):
             d["merged"] = np.arange(len(d["merged"]), dtype=np.int32)
         return d
     monkeypatch.setattr(moonvit, "grid_inputs", grid_inputs)
+    for i, (_, imgs) in enumerate(ref["cases"]):
+        if imgs:
+            assert rel_err(model.images.features(imgs), ref["ref"][f"features_{i}"]) > 1e-2, (broken, i)
+
+
+@pytest.mark.parametrize("family", ["mistral3"], indirect=True)
+@pytest.mark.parametrize("broken", ["no_rotary", "rotary_axes_swapped", "raster_merge"])
+def test_pixtral_grid_dependence_is_checked(family, monkeypatch, broken):
+    """Pixtral's 2-D rotary (off, or rows and columns exchanged) and Mistral 3's patch merger (four consecutive
+    patches instead of 2x2 blocks), each done wrong on the host, move the features far past the tolerance."""
+    from day0jax.vision import pixtral
+
+    name, model, ref = family
+    original = pixtral.grid_inputs
+
+    def grid_inputs(rows, cols, merge):
+        positions, blocks = original(rows, cols, merge)
+        if broken == "no_rotary":
+            return np.zeros_like(positions), blocks
+        if broken == "rotary_axes_swapped":
+            return np.ascontiguousarray(positions[:, ::-1]), blocks
+        return positions, np.arange(blocks.size, dtype=np.int32).reshape(blocks.shape)
+    monkeypatch.setattr(pixtral, "grid_inputs", grid_inputs)
     for i, (_, imgs) in enumerate(ref["cases"]):
         if imgs:
             assert rel_err(model.images.features(imgs), ref["ref"][f"features_{i}"]) > 1e-2, (broken, i)

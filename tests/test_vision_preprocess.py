@@ -30,14 +30,17 @@ HALF = [0.5, 0.5, 0.5]
 PAS = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8)  # the other two: Gemma3Processor's (4 crops, 1.2)
 
 
-def spec(layout, config, options=None, model_processor=None, files_only=False, backend="pil"):
+def spec(layout, config, options=None, model_processor=None, files_only=False, backend="pil", processor=None,
+         ref_options=None):
     """A processor under test: its config saved as `layout` ("preprocessor": flat preprocessor_config.json,
     "processor": nested in processor_config.json as transformers 5 saves it), the options given to
     `image_processor` (the reference's call keywords), the transformers processor whose image keywords apply,
     whether it takes only the PIL images opened from files (not arrays and data URLs, which load_image makes RGB),
-    and transformers' backend that defines it ("pil", or "torchvision" for processors that have no other)."""
+    and transformers' backend that defines it ("pil", or "torchvision" for processors that have no other);
+    `processor`: processor_config.json's own keys beside the nested image processor, and `ref_options` the call
+    keywords the model's transformers processor derives from them (day0jax derives them itself)."""
     return dict(layout=layout, config=config, options=options or {}, model_processor=model_processor,
-                files_only=files_only, backend=backend)
+                files_only=files_only, backend=backend, processor=processor or {}, ref_options=ref_options or {})
 
 
 PROCESSORS = {
@@ -87,6 +90,15 @@ PROCESSORS = {
     "qwen3_vl_budget": spec("processor", dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16,
                                               size={"shortest_edge": 2048, "longest_edge": 16384}),
                             dict(size={"shortest_edge": 1024, "longest_edge": 4096})),
+    # Pixtral: the longest edge shrunk to 40, sides rounded up to whole 8-pixel patches.
+    "pixtral": spec("preprocessor", dict(image_processor_type="PixtralImageProcessor",
+                                         patch_size={"height": 8, "width": 8}, size={"longest_edge": 40})),
+    # As Mistral 3 checkpoints save it: PixtralProcessor's patch_size (4) times its spatial_merge_size (2) over the
+    # image processor's own patch_size (6), as the processor passes it.
+    "pixtral_mistral3": spec("processor", dict(image_processor_type="PixtralImageProcessorFast", patch_size=6,
+                                               size={"longest_edge": 36}, resample=2),
+                             processor=dict(patch_size=4, spatial_merge_size=2),
+                             ref_options=dict(patch_size={"height": 8, "width": 8})),
     # Kimi K2.5 (torchvision only): shrunk to 64 patches of 4 pixels, 10 a side, padded to 8-pixel multiples.
     "kimi_k25": spec("preprocessor", dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=4,
                                           merge_size=2, max_patches=64, size={"max_height": 10, "max_width": 10}),
@@ -209,7 +221,8 @@ def ref(tmp_path_factory):
     for name, p in PROCESSORS.items():
         folder = root / name
         folder.mkdir()
-        config = {"processor_class": "P", "image_processor": p["config"]} if p["layout"] == "processor" else p["config"]
+        config = ({"processor_class": "P", **p["processor"], "image_processor": p["config"]}
+                  if p["layout"] == "processor" else p["config"])
         (folder / f"{p['layout']}_config.json").write_text(json.dumps(config))
         cases[name] = []
         for label, ours, path, array in images:
@@ -217,8 +230,8 @@ def ref(tmp_path_factory):
                 continue
             backend = jobs[p["backend"]]
             cases[name].append((label, ours, f"{p['backend']}_{len(backend)}"))
-            backend.append({"processor": str(folder), "image": str(path), "array": array, "kwargs": p["options"],
-                            "model_processor": p["model_processor"]})
+            backend.append({"processor": str(folder), "image": str(path), "array": array,
+                            "kwargs": {**p["options"], **p["ref_options"]}, "model_processor": p["model_processor"]})
     resizes = []
     for i, (size_in, size_out, mode, channels_last) in enumerate(RESIZES):
         path = root / f"resize_{i}.npy"
@@ -241,7 +254,7 @@ def refused(name, label):
     mode other than RGB where RGB conversion is off."""
     if name == "siglip_no_rgb":
         return not label.startswith(("RGB ", "RGB_transparency "))
-    return label.endswith("extreme") and (name.startswith("qwen") or name in ("clip_bounds", "clip_maxhw"))
+    return label.endswith("extreme") and (name.startswith(("qwen", "pixtral")) or name in ("clip_bounds", "clip_maxhw"))
 
 
 @pytest.mark.parametrize("name", list(PROCESSORS))
@@ -257,7 +270,11 @@ def test_processor_matches_transformers(name, ref):
             continue
         got = processor.preprocess(ours())
         expected = out[f"pixel_values_{i}"]
-        if got.grid_thw is not None and expected.ndim == 4:  # Kimi K2.5's patches as [3, p, p]: ours flattened
+        if name.startswith("pixtral"):  # the one image [1, 3, H, W]: ours as patches of the grid, raster order
+            _, rows, cols = got.grid_thw
+            p = expected.shape[2] // rows
+            expected = expected[0].reshape(3, rows, p, cols, p).transpose(1, 3, 0, 2, 4).reshape(rows * cols, -1)
+        elif got.grid_thw is not None and expected.ndim == 4:  # Kimi K2.5's patches as [3, p, p]: ours flattened
             expected = expected.reshape(len(expected), -1)
         values = got.pixel_values if got.grid_thw is not None or got.pixel_values.ndim == 4 else got.pixel_values[None]
         assert values.dtype == np.float32, f"{name} {label}"
@@ -265,8 +282,9 @@ def test_processor_matches_transformers(name, ref):
         # Exact: the same resize of the same uint8 pixels (PIL's, or torch's kernel and its rendering), then the
         # same float steps.
         np.testing.assert_array_equal(values, expected, err_msg=f"{name} {label}")
-        if f"grid_thw_{i}" in out:
-            assert got.grid_thw == tuple(out[f"grid_thw_{i}"].tolist()), f"{name} {label}"
+        if f"grid_thw_{i}" in out or name.startswith("pixtral"):
+            if f"grid_thw_{i}" in out:
+                assert got.grid_thw == tuple(out[f"grid_thw_{i}"].tolist()), f"{name} {label}"
             image = ours()
             size = image.shape[:2] if isinstance(image, np.ndarray) else image.size[::-1]
             assert processor.grid_thw(*size) == got.grid_thw, f"{name} {label}"
@@ -401,8 +419,8 @@ def test_unsupported_formats_and_size_limit():
 
 
 def test_processor_configs(tmp_path):
-    with pytest.raises(UnsupportedArchitecture, match="PixtralImageProcessor"):
-        image_processor({"image_processor_type": "PixtralImageProcessor"})
+    with pytest.raises(UnsupportedArchitecture, match="Idefics3ImageProcessor"):
+        image_processor({"image_processor_type": "Idefics3ImageProcessor"})
     with pytest.raises(ConfigError, match="no image processor config"):
         image_processor(tmp_path)
     with pytest.raises(ConfigError, match="names no image_processor_type"):

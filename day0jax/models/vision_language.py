@@ -131,10 +131,11 @@ class VisionLanguageModel(nnx.Module):
         them (`day0jax.verify` compares them layer by layer)."""
         return self.vision_tower.vision_model(pixels)
 
-    def expand_image_placeholders(self, text: str, counts: Sequence[int], tokenizer) -> str:
+    def expand_image_placeholders(self, text: str, counts: Sequence[int], tokenizer, grids=None) -> str:
         """The rendered chat `text` with each image's placeholder expanded as the family's HF processor does
         (default: the image token's text, once per image in the template, repeated as many times as the image has
-        tokens, `counts` in order).
+        tokens, `counts` in order; `grids`, each image's (t, rows, columns) where images keep their size, for
+        families that lay the tokens out by row).
 
         Raises:
             GenerationError: the template does not show each image exactly once.

@@ -120,7 +120,7 @@ class ModelImages:
         spec: the model's `VisionSpec`, or None for a text-only model (every image is then refused).
         path: the checkpoint folder (its preprocessor_config.json / processor_config.json).
         model_type: for messages.
-        expand: the family's `expand_image_placeholders(text, counts, tokenizer)`.
+        expand: the family's `expand_image_placeholders(text, counts, tokenizer, grids=...)`.
         encode: `ImageInputs` -> (features, DeepStack features): the runner's vision tower.
     """
 
@@ -173,7 +173,7 @@ class ModelImages:
             ImageError: an image that cannot be read.
         """
         inputs = self.inputs(images)
-        return self._expand(text, inputs.counts, tokenizer), inputs
+        return self._expand(text, inputs.counts, tokenizer, grids=inputs.grids), inputs
 
     def encode(self, inputs: "ImageInputs") -> tuple[np.ndarray, np.ndarray | None]:
         """`ImageInputs` through the vision tower and projector: (features [n, D], DeepStack features [k, n, D] or

@@ -67,6 +67,12 @@ class ImageProcessor:
     # The image keywords the model's transformers processor passes on every call, over the config's values.
     MODEL_PROCESSOR_KWARGS: ClassVar[dict[str, Any]] = {}
 
+    @staticmethod
+    def processor_options(processor: dict[str, Any]) -> dict[str, Any]:
+        """The image keywords the model's transformers processor derives from its own saved keys (`processor`:
+        processor_config.json's top level), over the config's values (none by default)."""
+        return {}
+
     def __init__(self, config: dict[str, Any], **options: Any):
         """Args:
             config: the image processor's keys (preprocessor_config.json, or "image_processor" in
@@ -330,6 +336,61 @@ class Qwen2VLImageProcessor(ImageProcessor):
         return ProcessedImage(patches.reshape(gh * gw, c * t * p * p), grid_thw=(1, gh, gw))
 
 
+class PixtralImageProcessor(ImageProcessor):
+    """Pixtral (Mistral 3): the longest edge shrunk to `size` (never grown), both sides then rounded up to whole
+    patches; the image as patches of `patch_size` in raster order, grid (1, rows, columns). PixtralProcessor hands
+    its own patch_size * spatial_merge_size (processor_config.json) over the image processor's, so that a patch is
+    one merged token (`processor_options`)."""
+
+    TYPE = "PixtralImageProcessor"
+    CENTER_CROP = False
+    DEFAULTS = dict(ImageProcessor.DEFAULTS, size={"longest_edge": 1024}, default_to_square=True,
+                    do_center_crop=None, crop_size=None, do_pad=True, patch_size={"height": 16, "width": 16})
+
+    @staticmethod
+    def processor_options(processor: dict[str, Any]) -> dict[str, Any]:
+        if "patch_size" not in processor and "spatial_merge_size" not in processor:
+            return {}
+        side = processor.get("patch_size", 16) * processor.get("spatial_merge_size", 1)
+        return {"patch_size": {"height": side, "width": side}}
+
+    def __init__(self, config: dict[str, Any], **options: Any):
+        super().__init__(config, **options)
+        self.patch_size = _size_dict(self.patch_size, True, "patch_size")
+        if self.patch_size is None or self.patch_size["height"] != self.patch_size["width"]:
+            raise ConfigError(f"Pixtral image processor patch_size={self.patch_size!r}: square patches only")
+
+    def _check_size(self) -> None:
+        s = self.size
+        if not (s.get("longest_edge") or (s.get("height") and s.get("width"))):
+            raise ConfigError(f"Pixtral image processor size={s!r} needs longest_edge, or height and width")
+
+    def _target_size(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' Pixtral `get_resize_output_image_size`."""
+        s, p = self.size, self.patch_size["height"]
+        max_h, max_w = (s["longest_edge"],) * 2 if s.get("longest_edge") else (s["height"], s["width"])
+        ratio = max(height / max_h, width / max_w)
+        if ratio > 1:
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        return ((height - 1) // p + 1) * p, ((width - 1) // p + 1) * p
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
+        h, w = self._target_size(height, width) if self.do_resize else (height, width)
+        return 1, h // self.patch_size["height"], w // self.patch_size["height"]
+
+    def _process(self, x: np.ndarray) -> ProcessedImage:
+        if self.do_resize:
+            x = _resize(x, self._target_size(*x.shape[1:]), self.resample)
+        x = self._rescale_normalize(x)
+        c, height, width = x.shape
+        p = self.patch_size["height"]
+        if height % p or width % p:
+            raise ImageError(f"image of {height}x{width} pixels is not a multiple of the patch size {p} (the config "
+                             "turns resizing off)")
+        patches = x.reshape(c, height // p, p, width // p, p).transpose(1, 3, 0, 2, 4).reshape(-1, c * p * p)
+        return ProcessedImage(np.ascontiguousarray(patches), grid_thw=(1, height // p, width // p))
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen-VL `smart_resize`: (height, width) in multiples of `factor`, about the same aspect ratio,
     with min_pixels <= height * width <= max_pixels.
@@ -353,11 +414,11 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 PROCESSORS = {cls.TYPE: cls for cls in (CLIPImageProcessor, SiglipImageProcessor, LlavaImageProcessor,
-                                        Gemma3ImageProcessor, Qwen2VLImageProcessor)}
+                                        Gemma3ImageProcessor, Qwen2VLImageProcessor, PixtralImageProcessor)}
 # config.json model types -> processor, for the rare processor config that names no type (transformers' auto map).
 BY_MODEL_TYPE = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor", "paligemma": "SiglipImageProcessor",
                  "llava": "LlavaImageProcessor", "gemma3": "Gemma3ImageProcessor",
-                 "kimi_k25": "Kimi_K25ImageProcessor",
+                 "kimi_k25": "Kimi_K25ImageProcessor", "mistral3": "PixtralImageProcessor",
                  **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
                                  "Qwen2VLImageProcessor")}
 
@@ -377,12 +438,14 @@ def image_processor(source: str | os.PathLike | dict[str, Any], **options: Any) 
             refuses too.
         UnsupportedArchitecture: an image processor type that is not implemented.
     """
-    folder = None
+    folder, outer = None, {}
     if isinstance(source, dict):
         config = source
     else:
         folder = os.fspath(source) if os.path.isdir(source) else os.path.dirname(os.fspath(source))
         config = read_processor_config(source)
+        if os.path.isfile(os.path.join(folder, "processor_config.json")):
+            outer = _read_json(os.path.join(folder, "processor_config.json"))
     if isinstance(config.get("image_processor"), dict):
         config = config["image_processor"]
     from day0jax.vision import torchvision_processors  # imports this module: loaded on first use
@@ -393,7 +456,8 @@ def image_processor(source: str | os.PathLike | dict[str, Any], **options: Any) 
     if base not in known:
         raise UnsupportedArchitecture(f"image_processor_type {name!r} is not implemented; implemented: "
                                       f"{', '.join(sorted(known))}")
-    return known[base](config, **options)
+    cls = known[base]
+    return cls(config, **{**cls.processor_options(outer), **options})
 
 
 def read_processor_config(source: str | os.PathLike) -> dict[str, Any]:

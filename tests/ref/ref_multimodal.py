@@ -22,6 +22,9 @@ def _inputs(model, data, i):
             if model.config.model_type == "kimi_k25":  # MoonViT's Conv2d takes each patch as [3, p, p]
                 p = model.config.vision_config.patch_size
                 kwargs["pixel_values"] = kwargs["pixel_values"].reshape(-1, 3, p, p)
+            elif model.config.model_type == "mistral3":  # Pixtral takes images, padded to the largest, and sizes
+                kwargs["pixel_values"], kwargs["image_sizes"] = _images(data[f"pixels_{i}"], data[f"grid_{i}"])
+                del kwargs["image_grid_thw"]
             else:  # Qwen-VL: which tokens are images (for multimodal RoPE)
                 kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
@@ -29,8 +32,25 @@ def _inputs(model, data, i):
     return ids, kwargs
 
 
+def _images(patches, grids):
+    """Images [I, 3, H, W] (zero-padded to the largest) and their sizes [I, 2] from patches of side p in raster
+    order, one (1, rows, columns) grid per image."""
+    p = int(round((patches.shape[1] / 3) ** 0.5))
+    images, start = [], 0
+    for _, rows, cols in grids:
+        n = rows * cols
+        images.append(patches[start:start + n].reshape(rows, cols, 3, p, p).transpose(2, 0, 3, 1, 4)
+                      .reshape(3, rows * p, cols * p))
+        start += n
+    H, W = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
+    batch = np.zeros((len(images), 3, H, W), np.float32)
+    for k, im in enumerate(images):
+        batch[k, :, :im.shape[1], :im.shape[2]] = im
+    return torch.tensor(batch), torch.tensor([im.shape[1:] for im in images], dtype=torch.long)
+
+
 def _features(model, kwargs):
-    args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw")}
+    args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw", "image_sizes")}
     out = model.model.get_image_features(**args)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     if isinstance(feats, (list, tuple)):
