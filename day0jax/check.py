@@ -376,7 +376,8 @@ def _vision(abstract, infos, itemsize: int) -> dict:
         return {}
     v = abstract.config.vision
     count = sum(math.prod(i.shape) for i in infos if not i.path.startswith("language_model."))
-    tower = f"{getattr(v, 'name', v.model_type)} ({getattr(v, 'num_hidden_layers', getattr(v, 'depth', '?'))} layers x {v.hidden_size})"
+    layers = getattr(v, "num_hidden_layers", getattr(v, "depth", "?"))
+    tower = f"{getattr(v, 'name', v.model_type)} ({layers} layers x {v.hidden_size})"
     return {"tower": tower, "tokens_per_image": spec.tokens_per_image,
             "pixels": None if spec.pixel_shape is None else list(spec.pixel_shape), "merge": spec.merge,
             "multimodal_rope": spec.mrope is not None, "deepstack_layers": spec.deepstack,

@@ -4,8 +4,8 @@ transformers' torchvision backend differs from its PIL one in four places these 
 resized by torchvision's uint8 kernels (`vision.resize`, not PIL's), padding is zeros added to the uint8 image
 before normalizing, rescaling is fused into normalizing (mean and std divided by the rescale factor, in float32:
 (x - mean / f) / (std / f), not (x * f - mean) / std), and an RGBA array is blended onto white in float32 and
-truncated back to uint8 (PIL images are converted as the PIL backend converts them). tests/test_vision_preprocess.py runs transformers' own
-processor code on a plain-torch rendering of torchvision and compares the pixels exactly.
+truncated back to uint8 (PIL images are converted as the PIL backend converts them). tests/test_vision_preprocess.py
+runs transformers' own processor code on a plain-torch rendering of torchvision and compares the pixels exactly.
 """
 
 from __future__ import annotations
