@@ -314,7 +314,7 @@ def test_warm_up_makes_the_tower_ready_for_every_image_size(family):
     assert encode and set(encode) <= set(runner.catalog.ready()) and set(encode) <= set(runner.catalog.all())
     compile_programs(runner, [p for p in encode if not runner.installed(p)])
     traced = set(runner.compiled)
-    shapes = [(20, 30), (57, 41), (40, 40)]
+    shapes = [(20, 30), (57, 41), (40, 40), (300, 451), (23, 400)]  # the last two shrink to the processor's limits
     rng = np.random.default_rng(5)
     pictures = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
     case = VL_FAMILIES[name]
@@ -454,3 +454,33 @@ def test_qwen3_vl_moe_released_expert_layout_converts_to_the_same_model(referenc
     assert sorted(pa) == sorted(pb)
     for k in pa:
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+@pytest.mark.parametrize("family", ["kimi_k25"], indirect=True)
+def test_an_image_sent_again_runs_no_tower_call(family):
+    """One tower call per distinct image: the same pixels again (in another request, or twice in one) come from the
+    runner's feature cache with the same features; other pixels run the tower; a cache of 0 bytes keeps nothing."""
+    from day0jax.vision.spec import FeatureCache
+
+    name, model, ref = family
+    cache = model.runner.feature_cache
+    a, b = images(7, 2)
+    first = model.images.features([a])
+    hits, misses = cache.hits, cache.misses
+    again = model.images.features([b, a, a])
+    assert (cache.hits - hits, cache.misses - misses) == (2, 1)
+    np.testing.assert_array_equal(again[-2 * len(first):], np.concatenate([first, first]))
+    tokens = [1, 2] + placeholders(VL_FAMILIES[name], a) + [3]
+    hits = cache.hits
+    assert model.generate([tokens], 2, ignore_eos=True, images=[[a]]) == \
+        model.generate([tokens], 2, ignore_eos=True, images=[[a]])
+    assert cache.hits - hits == 2
+    empty = FeatureCache(0)
+    empty.put(b"k", np.zeros((4, 4), np.float32), None)
+    assert len(empty) == 0 and empty.get(b"k") is None
+    small = FeatureCache(3 * 64)  # room for three [4, 4] float32 entries: the least recently used goes
+    for k in (b"1", b"2", b"3"):
+        small.put(k, np.zeros((4, 4), np.float32), None)
+    small.get(b"1")
+    small.put(b"4", np.zeros((4, 4), np.float32), None)
+    assert small.get(b"2") is None and small.get(b"1") is not None and len(small) == 3

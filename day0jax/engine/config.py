@@ -43,6 +43,9 @@ class EngineConfig:
     # cache stops growing past the window; their pages then cannot be shared, which turns prefix caching off. False:
     # they keep every page, like full-attention layers.
     window_kv: bool = True
+    # A vision-language model's encoded images kept on the host (`vision.spec.FeatureCache`), MiB: an image sent
+    # again runs no tower call. 0 turns it off.
+    image_cache_mb: int = 256
 
     def step_tokens(self, platform: str) -> int:
         """`prefill_step_tokens`, resolved for the devices' platform ('cpu', 'gpu', 'tpu'...)."""
@@ -88,7 +91,8 @@ class EngineConfig:
             max_model_len=max_len, page_size=page, num_pages=num_pages, batch_buckets=batches,
             chunk_buckets=chunks,
             decode_widths=_widths(self.min_width // page, self.fine_width // page, max_pages_per_seq),
-            prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings)
+            prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings,
+            image_cache_bytes=max(self.image_cache_mb, 0) << 20)
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class EngineLayout:
     # (window, pages per sequence) of sliding-window layers that keep only their window: a ring of pages per
     # sequence slot (see `paged_cache.ring_table`), slot 0's ring holding the trash page
     rings: tuple[tuple[int, int], ...] = ()
+    image_cache_bytes: int = 256 << 20  # host memory for encoded images (`vision.spec.FeatureCache`)
 
     def ring_pages(self, window: int) -> int:
         """Pages per sequence of a layer with this sliding window that keeps only its window (0: it keeps every

@@ -87,7 +87,7 @@ class Model(VisionLanguageModel):
     def vision_spec(self) -> VisionSpec:
         c = self.config
         return VisionSpec(c.image_token_id, None, None, c.text.hidden_size, merge=c.vision.merge,
-                          encoder=moonvit.PatchBuckets(c.vision))
+                          encoder=moonvit.PatchBuckets(c.vision, limit=self.image_patch_limit))
 
     @jax.named_scope("vision")
     def encode_images(self, *inputs: jax.Array) -> tuple[jax.Array, None]:

@@ -116,7 +116,8 @@ class Model(VisionLanguageModel):
         c = self.config
         # The image processor's patches are the merged blocks: one token each.
         return VisionSpec(c.image_token_id, None, None, c.text.hidden_size, merge=1,
-                          encoder=pixtral.PatchBuckets(c.vision, merge=c.spatial_merge_size))
+                          encoder=pixtral.PatchBuckets(c.vision, limit=self.image_patch_limit,
+                                                           merge=c.spatial_merge_size))
 
     @jax.named_scope("vision")
     def encode_images(self, patches, positions, segments, blocks) -> tuple[jax.Array, None]:

@@ -103,6 +103,9 @@ class VisionLanguageModel(nnx.Module):
 
     def __init__(self, config: VisionLanguageConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
+        # The most patches the checkpoint's image processor makes of one image (`loader.prepare` reads it), for
+        # towers of any image size: their programs cover up to it. None: unknown.
+        self.image_patch_limit: int | None = None
         self.language_model = models.family(config.text.model_type).model(config.text, dtype=dtype, rngs=rngs)
         self.make_vision(dtype=dtype, rngs=rngs)
 

@@ -137,6 +137,9 @@ class PatchBuckets(qwen_vit.PatchBuckets):
     config: VisionConfig
     merge: int = 1
 
+    def tower_patches(self, patches: int) -> int:
+        return patches * self.merge ** 2
+
     def inputs(self, patches: np.ndarray, grid) -> tuple[tuple[int], tuple[np.ndarray, ...], int]:
         c, m = self.config, self.merge
         t, gh, gw = (int(v) for v in grid)

@@ -114,6 +114,11 @@ class ImageProcessor:
             raise ConfigError(f"image processor do_center_crop needs crop_size with height and width, "
                               f"got {self.crop_size!r}")
 
+    def most_patches(self) -> int | None:
+        """The most patches (grid cells) one image can have after preprocessing, for processors of images of any
+        size (None: unbounded, or images of one size)."""
+        return None
+
     def preprocess(self, image: Any) -> ProcessedImage:
         """The pixel values of one image.
 
@@ -307,6 +312,9 @@ class Qwen2VLImageProcessor(ImageProcessor):
             raise ConfigError(f"Qwen-VL image processor size={self.size!r} needs shortest_edge (min pixels) and "
                               "longest_edge (max pixels)")
 
+    def most_patches(self) -> int | None:
+        return self.size["longest_edge"] // self.patch_size ** 2 if self.do_resize else None
+
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) in patches of an image of `height` x `width` pixels (before preprocessing).
 
@@ -377,6 +385,13 @@ class PixtralImageProcessor(ImageProcessor):
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         h, w = self._target_size(height, width) if self.do_resize else (height, width)
         return 1, h // self.patch_size["height"], w // self.patch_size["height"]
+
+    def most_patches(self) -> int | None:
+        if not self.do_resize:
+            return None
+        s, p = self.size, self.patch_size["height"]
+        h, w = (s["longest_edge"],) * 2 if s.get("longest_edge") else (s["height"], s["width"])
+        return -(-h // p) * -(-w // p)
 
     def _process(self, x: np.ndarray) -> ProcessedImage:
         if self.do_resize:
@@ -458,6 +473,15 @@ def image_processor(source: str | os.PathLike | dict[str, Any], **options: Any) 
                                       f"{', '.join(sorted(known))}")
     cls = known[base]
     return cls(config, **{**cls.processor_options(outer), **options})
+
+
+def patch_limit(folder: str | os.PathLike) -> int | None:
+    """The most patches the image processor of the checkpoint `folder` makes of one image (None: no processor
+    config, one that cannot be read, or no bound; the processor's own errors come when images are preprocessed)."""
+    try:
+        return image_processor(folder).most_patches()
+    except Exception:  # noqa: BLE001 - any refusal is reported again, with its reason, when images are sent
+        return None
 
 
 def read_processor_config(source: str | os.PathLike) -> dict[str, Any]:

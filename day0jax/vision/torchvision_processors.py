@@ -94,6 +94,14 @@ class KimiK25ImageProcessor(TorchvisionProcessor):
             raise ConfigError(f"Kimi K2.5 image processor size={self.size!r} must give max_height and max_width, "
                               "equal (transformers refuses other sizes too)")
 
+    def most_patches(self) -> int | None:
+        """A bound: `max_patches` (10% over, for sides that are not whole patches), plus the padding to whole merge
+        blocks along both sides of at most `max_height` patches."""
+        if not self.do_resize:
+            return None
+        m, side = self.merge_size, self.size["max_height"]
+        return int(self.max_patches * 1.1) + 2 * m * side + m * m
+
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         """(1, rows, columns) of patches for an image of `height` x `width` pixels."""
         if not self.do_resize:
