@@ -397,6 +397,11 @@ PIXTRAL_PROCESSOR = dict(image_processor_type="PixtralImageProcessor", patch_siz
                          size={"longest_edge": 48}, resample=3)
 PIXTRAL_TOWER = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=2, patch_size=4, image_size=48, hidden_act="gelu", initializer_range=0.2)
+GEMMA4_TOWER = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                    position_embedding_size=64, standardize=True, initializer_range=0.2)
+GEMMA4_PROCESSOR = dict(image_processor_type="Gemma4ImageProcessor", patch_size=4, max_soft_tokens=70,
+                        pooling_kernel_size=2)
 
 
 @dataclass(frozen=True)
@@ -470,6 +475,15 @@ MULTIMODAL = {
         vision_config=dict(PIXTRAL_TOWER, num_hidden_layers=3), image_token_index=IMAGE_TOKEN,
         vision_feature_layer=-2, multimodal_projector_bias=True, projector_hidden_act="gelu_pytorch_tanh",
         initializer_range=0.1), PIXTRAL_PROCESSOR, None, merge=1, row_ends=(BOI, EOI)),
+    # Gemma 4: its tower (2-D rotary over column and row halves, q/k/v norms, one kv head for two, 2x2 pooling,
+    # standardized) over the gemma4 text entry (KV sharing, per-layer inputs); an image's tokens attend both ways in
+    # the sliding layers. The processor fills 70 soft tokens' patches (the fewest it takes).
+    "gemma4": VLCase("gemma4", dict(
+        text_config=dict(FAMILIES["gemma4"][1], model_type="gemma4_text", max_position_embeddings=512,
+                         use_bidirectional_attention="vision"),
+        vision_config=GEMMA4_TOWER, image_token_id=IMAGE_TOKEN, boi_token_id=BOI, eoi_token_id=EOI,
+        video_token_id=251, audio_token_id=247, boa_token_id=246, eoa_token_index=245, initializer_range=0.1),
+        GEMMA4_PROCESSOR, None, ([BOI], [EOI])),
     # Kimi K2.5: MoonViT over a DeepSeek-V3 language model (MLA; a dense layer, then sigmoid top-2 of 8 experts in
     # one group with a shared expert, as Kimi K2 routes), untied as published.
     "kimi_k25": VLCase("kimi_k25", dict(

@@ -238,6 +238,9 @@ FAMILY_TOKENS = {
     "kimi_k25": (["<|media_pad|>", "<|media_begin|>", "<|media_content|>", "<|media_end|>"],
                  ["image_token_id"], "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"),
     "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], ["image_token_index"], "[IMG]"),
+    "gemma4": (["<|image|>", "<|image>", "<image|>", "<|video|>", "<|audio|>", "<|audio>", "<audio|>"],
+               ["image_token_id", "boi_token_id", "eoi_token_id", "video_token_id", "audio_token_id", "boa_token_id",
+                "eoa_token_index"], "<|image|>"),
     "qwen3_vl_moe": (["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"],
                      ["image_token_id", "vision_start_token_id", "vision_end_token_id"],
                      "<|vision_start|><|image_pad|><|vision_end|>"),
@@ -267,8 +270,11 @@ def write_family_vision_checkpoints(root: Path, names: list[str], run_reference)
         tokens, keys, _ = FAMILY_TOKENS[case.model_type]
         ids = {t: first + i for i, t in enumerate(tokens)}
         hf = Path(root) / name / "hf"
-        config = dict(case.config, text_config=dict(case.config["text_config"], vocab_size=first + len(tokens),
-                                                    bos_token_id=1, eos_token_id=2, pad_token_id=2))
+        text = dict(case.config["text_config"], vocab_size=first + len(tokens), bos_token_id=1, eos_token_id=2,
+                    pad_token_id=2)
+        if "vocab_size_per_layer_input" in text:  # Gemma 4's per-layer table covers every token too
+            text["vocab_size_per_layer_input"] = text["vocab_size"]
+        config = dict(case.config, text_config=text)
         config.update({k: ids[t] for k, t in zip(keys, tokens)})
         jobs.append({"op": "tiny_hf", "family": case.model_type, "config": config, "seed": 0, "out": str(hf)})
         folders[name] = (hf, tokens, ids)

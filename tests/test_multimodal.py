@@ -17,6 +17,8 @@ import pytest
 import day0jax
 from conftest import run_reference
 from day0jax.core.errors import GenerationError
+from day0jax.layers.attention import ContextKV
+from day0jax.models.gemma3 import visible_until as gemma3_visible_until
 from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_placeholders, image_tokens
 
 RTOL = 1e-5
@@ -163,20 +165,25 @@ def test_placeholder_and_image_counts_must_match(family):
 
 
 def test_image_tokens_attend_both_ways_across_small_chunks(family):
-    """With prefill chunks of 8 tokens, the engine still prefills each image whole where its tokens attend to each
-    other (Gemma 3: a chunk that would cut the second image ends before it), and the tokens match transformers."""
+    """With prefill chunks of 8 tokens (or the fewest multiple of 8 that holds an image of the family whose tokens
+    attend both ways: Gemma 4's hold 60 and more), the engine still prefills each image whole where its tokens attend
+    to each other (a chunk that would cut the second image ends before it), and the tokens match transformers."""
     from day0jax.engine.config import EngineConfig
 
-    name, _, ref = family
-    small = day0jax.load(ref["dst"], dtype="float32", engine=EngineConfig(chunk_buckets=(8,)))
+    name, model, ref = family
+    run = max(image_tokens(VL_FAMILIES[name], im) for _, imgs in ref["cases"] for im in imgs)
+    chunk = 8 if not model.vision.bidirectional else -(-run // 8) * 8
+    small = day0jax.load(ref["dst"], dtype="float32", engine=EngineConfig(chunk_buckets=(chunk,)))
     prompts = [t for t, _ in ref["cases"]]
     outs = small.generate(prompts, NEW_TOKENS, ignore_eos=True, images=[imgs for _, imgs in ref["cases"]])
     for i, out in enumerate(outs):
         assert out == ref["ref"][f"generated_{i}"].tolist(), f"{name} case {i}"
-    if small.vision.bidirectional:
-        too_long = [1] + [IMAGE_TOKEN] * 12  # 12 image tokens in one run cannot fit a chunk of 8
+    if small.vision.bidirectional:  # adjacent images: one run of image tokens longer than a chunk
+        count = next(n for n in range(1, 10) if sum(image_tokens(VL_FAMILIES[name], im)
+                                                    for im in images(0, n)) > chunk)
+        too_long = [1] + [IMAGE_TOKEN] * sum(image_tokens(VL_FAMILIES[name], im) for im in images(0, count))
         with pytest.raises(GenerationError, match="one chunk"):
-            small.generate([too_long], 1, images=[images(0, 3)])
+            small.generate([too_long], 1, images=[images(0, count)])
 
 
 def test_current_key_layout_converts_to_the_same_model(reference, tmp_path):
@@ -380,6 +387,51 @@ def test_pixtral_grid_dependence_is_checked(family, monkeypatch, broken):
             assert rel_err(model.images.features(imgs), ref["ref"][f"features_{i}"]) > 1e-2, (broken, i)
 
 
+@pytest.mark.parametrize("family", ["gemma4"], indirect=True)
+@pytest.mark.parametrize("broken", ["no_rotary", "rotary_axes_swapped", "raster_pooling", "causal_images",
+                                    "bidirectional_everywhere"])
+def test_gemma4_vision_features_are_checked(family, monkeypatch, broken):
+    """Gemma 4's 2-D rotary (off, or columns and rows exchanged) and its 2x2 pooling (four consecutive patches
+    instead) move the features far past the tolerance; an image's tokens attending causally, or both ways in the
+    global layers too (Gemma 3's rule), move the logits."""
+    from day0jax.models import gemma4_vl
+    from day0jax.vision import gemma4_vit
+
+    name, model, ref = family
+    if broken in ("causal_images", "bidirectional_everywhere"):
+        original = gemma4_vl.Model._inputs
+
+        def inputs(self, tokens, positions, caches, image_mask):  # the cache-less forward's (`logits`)
+            text, layer_caches = original(self, tokens, positions, caches, image_mask)
+            if caches is not None or layer_caches is None:
+                return text, layer_caches
+            if broken == "causal_images":
+                return text, None
+            return text, [ContextKV(visible_until=gemma3_visible_until(positions, image_mask)) for _ in layer_caches]
+        monkeypatch.setattr(gemma4_vl.Model, "_inputs", inputs)
+        jax.clear_caches()
+        try:
+            tokens, imgs = ref["cases"][0]
+            assert rel_err(model.logits([tokens], images=[imgs])[0], ref["ref"]["logits_0"]) > 1e-3, broken
+        finally:
+            monkeypatch.undo()
+            jax.clear_caches()
+        return
+    original_grid = gemma4_vit.grid_inputs
+
+    def grid_inputs(rows, cols, k):
+        positions, pooled = original_grid(rows, cols, k)
+        if broken == "no_rotary":
+            return np.zeros_like(positions), pooled
+        if broken == "rotary_axes_swapped":
+            return np.ascontiguousarray(positions[:, ::-1]), pooled
+        return positions, (np.arange(len(pooled)) // (k * k)).astype(np.int32)
+    monkeypatch.setattr(gemma4_vit, "grid_inputs", grid_inputs)
+    for i, (_, imgs) in enumerate(ref["cases"]):
+        if imgs:
+            assert rel_err(model.images.features(imgs), ref["ref"][f"features_{i}"]) > 1e-2, (broken, i)
+
+
 def test_kimi_k25_published_layout_converts_to_the_same_model(reference, tmp_path):
     """The published checkpoint's own tensor names (`language_model.model.layers.`, `vision_tower.patch_embed.`,
     `mm_projector.pre_norm.`) and its config keys (`vt_*`, `init_pos_emb_*`, `media_placeholder_token_id`) give the
@@ -484,3 +536,29 @@ def test_an_image_sent_again_runs_no_tower_call(family):
     small.get(b"1")
     small.put(b"4", np.zeros((4, 4), np.float32), None)
     assert small.get(b"2") is None and small.get(b"1") is not None and len(small) == 3
+
+
+def test_gemma4_audio_tower_is_dropped_by_name_and_images_still_match(reference, tmp_path, caplog):
+    """A Gemma 4 checkpoint with its audio tower: the audio tensors are dropped with a log line saying audio is not
+    implemented, and the images' logits still match transformers' (run with the audio tower present)."""
+    import logging
+
+    from convert import convert_checkpoint
+
+    case = VL_FAMILIES["gemma4"]
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32,
+                 subsampling_conv_channels=[8, 4])
+    hf, inputs = tmp_path / "hf", reference["gemma4"]["hf"].parent / "gemma4.inputs.npz"
+    run_reference([{"op": "tiny_hf", "family": "gemma4", "config": dict(case.config, audio_config=audio), "seed": 0,
+                    "out": str(hf), "multimodal": True},
+                   {"op": "vl_run", "model": str(hf), "inputs": str(inputs), "generate": 0,
+                    "out": str(tmp_path / "ref.npz")}], tmp_path)
+    (hf / "preprocessor_config.json").write_text(json.dumps(case.processor))
+    with caplog.at_level(logging.INFO, logger="convert"):
+        dst = convert_checkpoint(hf, tmp_path / "d0", progress=False).dst
+    assert "audio_tower" in caplog.text and "audio input is not implemented" in caplog.text
+    model = day0jax.load(dst, dtype="float32")
+    tokens, imgs = reference["gemma4"]["cases"][0]
+    err = rel_err(model.logits([tokens], images=[imgs])[0], np.load(tmp_path / "ref.npz")["logits_0"])
+    assert err < RTOL, f"relative error {err:.2e}"
+

@@ -351,7 +351,7 @@ def test_a_text_only_model_refuses_images(tmp_path):
 
 # --- this year's vision-language families through the server --------------------------------------------------
 
-SERVED_FAMILIES = ["kimi_k25", "mistral3", "qwen3_vl_moe"]
+SERVED_FAMILIES = ["kimi_k25", "mistral3", "qwen3_vl_moe", "gemma4"]
 
 
 @pytest.fixture(scope="module")
@@ -364,10 +364,11 @@ def family_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name", SERVED_FAMILIES)
 def test_families_serve_images_as_the_model_runs_them(family_checkpoints, name):
-    """Kimi K2.5 (MoonViT), Mistral 3 (Pixtral: rows of [IMG] ended by [IMG_BREAK] and [IMG_END]) and Qwen3-VL-MoE
-    (3-D RoPE, DeepStack) served: two images of odd sizes in one message, through the official client, plain and
-    streamed, give the tokens and log-probabilities of the model's own `prepare` + `generate`; the prompt holds each
-    image's expanded placeholders."""
+    """Kimi K2.5 (MoonViT), Mistral 3 (Pixtral: rows of [IMG] ended by [IMG_BREAK] and [IMG_END]), Qwen3-VL-MoE
+    (3-D RoPE, DeepStack) and Gemma 4 (an image's tokens attending both ways in sliding layers, each image prefilled
+    whole) served: two images of odd sizes in one message, through the official client, plain and streamed, give
+    the tokens and log-probabilities of the model's own `prepare` + `generate`; the prompt holds each image's
+    expanded placeholders."""
     ckpt = family_checkpoints[name]
     model = day0jax.load(ckpt, dtype="float32")
     with serving(["--model", str(ckpt), "--warmup", "none", *FLAGS]) as proc:

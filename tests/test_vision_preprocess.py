@@ -99,6 +99,10 @@ PROCESSORS = {
                                                size={"longest_edge": 36}, resample=2),
                              processor=dict(patch_size=4, spatial_merge_size=2),
                              ref_options=dict(patch_size={"height": 8, "width": 8})),
+    # Gemma 4: resized to fill 70 soft tokens of 2x2 patches of 4 pixels (up or down), rescaled only; patches
+    # [p, p, 3], padded to 280 by transformers (not by day0jax, which pads in the tower's call).
+    "gemma4": spec("processor", dict(image_processor_type="Gemma4ImageProcessor", patch_size=4, max_soft_tokens=70,
+                                     pooling_kernel_size=2)),
     # Kimi K2.5 (torchvision only): shrunk to 64 patches of 4 pixels, 10 a side, padded to 8-pixel multiples.
     "kimi_k25": spec("preprocessor", dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=4,
                                           merge_size=2, max_patches=64, size={"max_height": 10, "max_width": 10}),
@@ -270,7 +274,11 @@ def test_processor_matches_transformers(name, ref):
             continue
         got = processor.preprocess(ours())
         expected = out[f"pixel_values_{i}"]
-        if name.startswith("pixtral"):  # the one image [1, 3, H, W]: ours as patches of the grid, raster order
+        if name == "gemma4":  # [1, 280, d] padded: ours the image's own patches, the rest zeros there
+            n = len(got.pixel_values)
+            assert not expected[0, n:].any() and n == int(out["num_soft_tokens_per_image_" + i]) * 4
+            expected = expected[0, :n]
+        elif name.startswith("pixtral"):  # the one image [1, 3, H, W]: ours as patches of the grid, raster order
             _, rows, cols = got.grid_thw
             p = expected.shape[2] // rows
             expected = expected[0].reshape(3, rows, p, cols, p).transpose(1, 3, 0, 2, 4).reshape(rows * cols, -1)
@@ -282,7 +290,7 @@ def test_processor_matches_transformers(name, ref):
         # Exact: the same resize of the same uint8 pixels (PIL's, or torch's kernel and its rendering), then the
         # same float steps.
         np.testing.assert_array_equal(values, expected, err_msg=f"{name} {label}")
-        if f"grid_thw_{i}" in out or name.startswith("pixtral"):
+        if f"grid_thw_{i}" in out or name.startswith("pixtral") or name == "gemma4":
             if f"grid_thw_{i}" in out:
                 assert got.grid_thw == tuple(out[f"grid_thw_{i}"].tolist()), f"{name} {label}"
             image = ours()

@@ -32,7 +32,7 @@ FAMILIES.update({"qwen3_5_text": "day0jax.models.qwen3_5", "qwen3_5_moe_text": "
                  "qwen3_5": "day0jax.models.qwen3_5_vl", "qwen3_5_moe": "day0jax.models.qwen3_5_vl"})
 FAMILIES.update({"kimi_k2": "day0jax.models.deepseek_v3"})
 FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.models.llama4"})
-FAMILIES.update({"gemma4": "day0jax.models.gemma4", "gemma4_text": "day0jax.models.gemma4"})
+FAMILIES.update({"gemma4": "day0jax.models.gemma4_vl", "gemma4_text": "day0jax.models.gemma4"})
 FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
                  "mistral_large4_text": "day0jax.models.mistral_large4"})
 

@@ -406,6 +406,74 @@ class PixtralImageProcessor(ImageProcessor):
         return ProcessedImage(np.ascontiguousarray(patches), grid_thw=(1, height // p, width // p))
 
 
+class Gemma4ImageProcessor(ImageProcessor):
+    """Gemma 4: the image resized, keeping its aspect ratio, to the largest multiples of pooling_kernel_size *
+    patch_size within max_soft_tokens * pooling_kernel_size^2 patches, rescaled (not normalized, by default), as
+    patches of [p, p, 3] (channels last) in raster order; grid (1, rows, columns)."""
+
+    TYPE = "Gemma4ImageProcessor"
+    CENTER_CROP = False
+    SOFT_TOKENS = (70, 140, 280, 560, 1120)
+    DEFAULTS = dict(ImageProcessor.DEFAULTS, size=None, do_center_crop=None, crop_size=None, do_normalize=False,
+                    image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0], patch_size=16, max_soft_tokens=280,
+                    pooling_kernel_size=3)
+
+    def _validate(self) -> None:
+        if self.max_soft_tokens not in self.SOFT_TOKENS:
+            raise ConfigError(f"Gemma 4 image processor max_soft_tokens={self.max_soft_tokens!r} must be one of "
+                              f"{self.SOFT_TOKENS} (transformers refuses others)")
+        for key in ("patch_size", "pooling_kernel_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"Gemma 4 image processor {key}={value!r} must be a positive integer")
+        do_resize, self.do_resize = self.do_resize, False  # its own sizes: no `size` to check
+        super()._validate()
+        self.do_resize = do_resize
+
+    def most_patches(self) -> int:
+        return self.max_soft_tokens * self.pooling_kernel_size ** 2
+
+    def _target_size(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' Gemma 4 `get_aspect_ratio_preserving_size`.
+
+        Raises:
+            ImageError: an image that would shrink to nothing, or past the patch budget (transformers refuses it).
+        """
+        p, k = self.patch_size, self.pooling_kernel_size
+        max_patches = self.most_patches()
+        target_px = max_patches * p * p
+        factor = math.sqrt(target_px / (height * width))
+        side = k * p
+        th, tw = int(math.floor(factor * height / side)) * side, int(math.floor(factor * width / side)) * side
+        if th == 0 and tw == 0:
+            raise ImageError(f"image of {height}x{width} pixels resizes to 0x0 (sides are multiples of {side})")
+        longest = (max_patches // k ** 2) * side
+        if th == 0:
+            th, tw = side, min(int(math.floor(width / height)) * side, longest)
+        elif tw == 0:
+            th, tw = min(int(math.floor(height / width)) * side, longest), side
+        if th * tw > target_px:
+            raise ImageError(f"image of {height}x{width} pixels would resize to {th}x{tw}, past the "
+                             f"{max_patches} patches of {p} pixels")
+        return th, tw
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
+        h, w = self._target_size(height, width) if self.do_resize else (height, width)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def _process(self, x: np.ndarray) -> ProcessedImage:
+        if self.do_resize:
+            target = self._target_size(*x.shape[1:])
+            if target != x.shape[1:]:
+                x = _resize(x, target, self.resample)
+        x = self._rescale_normalize(x)
+        c, height, width = x.shape
+        p = self.patch_size
+        rows, cols = height // p, width // p
+        patches = x[:, :rows * p, :cols * p].reshape(c, rows, p, cols, p).transpose(1, 3, 2, 4, 0)
+        return ProcessedImage(np.ascontiguousarray(patches.reshape(rows * cols, -1)), grid_thw=(1, rows, cols))
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen-VL `smart_resize`: (height, width) in multiples of `factor`, about the same aspect ratio,
     with min_pixels <= height * width <= max_pixels.
@@ -429,11 +497,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 PROCESSORS = {cls.TYPE: cls for cls in (CLIPImageProcessor, SiglipImageProcessor, LlavaImageProcessor,
-                                        Gemma3ImageProcessor, Qwen2VLImageProcessor, PixtralImageProcessor)}
+                                        Gemma3ImageProcessor, Qwen2VLImageProcessor, PixtralImageProcessor,
+                                        Gemma4ImageProcessor)}
 # config.json model types -> processor, for the rare processor config that names no type (transformers' auto map).
 BY_MODEL_TYPE = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor", "paligemma": "SiglipImageProcessor",
                  "llava": "LlavaImageProcessor", "gemma3": "Gemma3ImageProcessor",
                  "kimi_k25": "Kimi_K25ImageProcessor", "mistral3": "PixtralImageProcessor",
+                 "gemma4": "Gemma4ImageProcessor",
                  **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
                                  "Qwen2VLImageProcessor")}
 

@@ -25,6 +25,11 @@ def _inputs(model, data, i):
             elif model.config.model_type == "mistral3":  # Pixtral takes images, padded to the largest, and sizes
                 kwargs["pixel_values"], kwargs["image_sizes"] = _images(data[f"pixels_{i}"], data[f"grid_{i}"])
                 del kwargs["image_grid_thw"]
+            elif model.config.model_type == "gemma4":  # patches padded per image, (column, row) positions
+                kwargs["pixel_values"], kwargs["image_position_ids"] = _gemma4_patches(data[f"pixels_{i}"],
+                                                                                       data[f"grid_{i}"])
+                kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
+                del kwargs["image_grid_thw"]
             else:  # Qwen-VL: which tokens are images (for multimodal RoPE)
                 kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
@@ -49,8 +54,26 @@ def _images(patches, grids):
     return torch.tensor(batch), torch.tensor([im.shape[1:] for im in images], dtype=torch.long)
 
 
+def _gemma4_patches(patches, grids):
+    """Gemma 4's pixel_values [I, P, d] (each image's patches, zero-padded to the most of them) and
+    image_position_ids [I, P, 2] ((column, row), -1 on padding), from patches one after another and their grids."""
+    sizes = [rows * cols for _, rows, cols in grids]
+    P = max(sizes)
+    values = np.zeros((len(sizes), P, patches.shape[1]), np.float32)
+    positions = np.full((len(sizes), P, 2), -1, np.int64)
+    start = 0
+    for k, (_, rows, cols) in enumerate(grids):
+        n = rows * cols
+        values[k, :n] = patches[start:start + n]
+        r, c = np.divmod(np.arange(n), cols)
+        positions[k, :n] = np.stack([c, r], -1)
+        start += n
+    return torch.tensor(values), torch.tensor(positions)
+
+
 def _features(model, kwargs):
-    args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw", "image_sizes")}
+    args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw", "image_sizes",
+                                                     "image_position_ids")}
     out = model.model.get_image_features(**args)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     if isinstance(feats, (list, tuple)):
