@@ -402,6 +402,14 @@ GEMMA4_TOWER = dict(model_type="gemma4_vision", hidden_size=32, intermediate_siz
                     position_embedding_size=64, standardize=True, initializer_range=0.2)
 GEMMA4_PROCESSOR = dict(image_processor_type="Gemma4ImageProcessor", patch_size=4, max_soft_tokens=70,
                         pooling_kernel_size=2)
+# LFM2-VL: SigLIP2 NaFlex with an 8 x 8 position table resized to each grid, 4-pixel patches, images resized to
+# between 4 and 16 tokens of 2x2 patches; past twice the most pixels (about 45 x 45), split into 2 to 4 tiles of
+# 16 pixels and a thumbnail.
+SIGLIP2_TOWER = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, patch_size=4, num_patches=64, vision_use_head=False)
+LFM2_VL_PROCESSOR = dict(image_processor_type="Lfm2VlImageProcessor", encoder_patch_size=4, downsample_factor=2,
+                         min_image_tokens=4, max_image_tokens=16, tile_size=16, max_tiles=4, max_pixels_tolerance=2.0,
+                         do_convert_rgb=True)
 
 
 @dataclass(frozen=True)
@@ -484,6 +492,13 @@ MULTIMODAL = {
         vision_config=GEMMA4_TOWER, image_token_id=IMAGE_TOKEN, boi_token_id=BOI, eoi_token_id=EOI,
         video_token_id=251, audio_token_id=247, boa_token_id=246, eoa_token_index=245, initializer_range=0.1),
         GEMMA4_PROCESSOR, None, ([BOI], [EOI])),
+    # LFM2-VL: SigLIP2 NaFlex, the pixel unshuffle and a LayerNorm'd two-layer projector over LFM2 (convolutions
+    # beside attention).
+    "lfm2_vl": VLCase("lfm2_vl", dict(
+        text_config=dict(FAMILIES["lfm2"][1], model_type="lfm2", max_position_embeddings=512),
+        vision_config=SIGLIP2_TOWER,
+        image_token_id=IMAGE_TOKEN, projector_hidden_size=48, projector_hidden_act="gelu"),
+        LFM2_VL_PROCESSOR, None, ([BOI], [EOI])),
     # Kimi K2.5: MoonViT over a DeepSeek-V3 language model (MLA; a dense layer, then sigmoid top-2 of 8 experts in
     # one group with a shared expert, as Kimi K2 routes), untied as published.
     "kimi_k25": VLCase("kimi_k25", dict(
@@ -501,8 +516,9 @@ def image_tokens(case: VLCase, image) -> int:
         return case.per_image
     from day0jax.vision.processors import image_processor
 
-    t, h, w = image_processor(case.processor).preprocess(image).grid_thw
-    return t * h * w // case.merge ** 2
+    grid = image_processor(case.processor).preprocess(image).grid_thw
+    tiles = grid[3] * grid[4] * (grid[5] // case.merge) ** 2 if len(grid) == 6 else 0  # LFM2-VL's tiles
+    return grid[0] * grid[1] * grid[2] // case.merge ** 2 + tiles
 
 
 def image_placeholders(case: VLCase, image, token: int) -> list[int]:

@@ -241,6 +241,7 @@ FAMILY_TOKENS = {
     "gemma4": (["<|image|>", "<|image>", "<image|>", "<|video|>", "<|audio|>", "<|audio>", "<audio|>"],
                ["image_token_id", "boi_token_id", "eoi_token_id", "video_token_id", "audio_token_id", "boa_token_id",
                 "eoa_token_index"], "<|image|>"),
+    "lfm2_vl": (["<image>", "<|image_start|>", "<|image_end|>"], ["image_token_id"], "<image>"),
     "qwen3_vl_moe": (["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"],
                      ["image_token_id", "vision_start_token_id", "vision_end_token_id"],
                      "<|vision_start|><|image_pad|><|vision_end|>"),

@@ -62,7 +62,7 @@ def reference(tmp_path_factory):
                 data[f"pixels_{i}"] = np.stack([p.pixel_values for p in processed])
             elif processed:  # images of their own size: their patches one after another, and their grids
                 data[f"pixels_{i}"] = np.concatenate([p.pixel_values for p in processed])
-                data[f"grid_{i}"] = np.array([p.grid_thw for p in processed])
+                data[f"grid_{i}"] = grid_array([p.grid_thw for p in processed])
         np.savez(root / f"{name}.inputs.npz", **data)
         jobs.append({"op": "tiny_hf", "family": case.model_type, "config": case.config, "seed": 0,
                      "out": str(root / name), "multimodal": True})
@@ -74,6 +74,12 @@ def reference(tmp_path_factory):
         (root / name / "preprocessor_config.json").write_text(json.dumps(case.processor))
         out[name]["ref"] = np.load(root / f"{name}.npz")
     return out
+
+
+def grid_array(grids) -> np.ndarray:
+    """Images' grids as one int array, zero-padded to the longest (LFM2-VL's tiled images have 6 entries)."""
+    width = max(map(len, grids))
+    return np.array([tuple(g) + (0,) * (width - len(g)) for g in grids])
 
 
 def day0jax_image(array):
@@ -562,3 +568,33 @@ def test_gemma4_audio_tower_is_dropped_by_name_and_images_still_match(reference,
     err = rel_err(model.logits([tokens], images=[imgs])[0], np.load(tmp_path / "ref.npz")["logits_0"])
     assert err < RTOL, f"relative error {err:.2e}"
 
+
+@pytest.mark.parametrize("family", ["lfm2_vl"], indirect=True)
+@pytest.mark.parametrize("broken", ["positions_not_resized", "blocks_in_patch_order", "padding_attended"])
+def test_lfm2_vl_vision_features_are_checked(family, monkeypatch, broken):
+    """SigLIP2's position table resized to each grid (taken as its top-left corner instead), the pixel unshuffle's
+    2x2 blocks (four consecutive patches instead) and the mask on padding patches (attended instead) each move the
+    features far past the tolerance. The cases hold an image split into tiles and a thumbnail, and one that is not."""
+    from day0jax.vision import siglip2
+
+    name, model, ref = family
+    grids = [model.images.inputs(imgs).grids for _, imgs in ref["cases"] if imgs]
+    assert {len(g) for gs in grids for g in gs} == {3, 6}
+    if broken == "positions_not_resized":
+        def weights(rows, cols, side):
+            r, c = np.divmod(np.arange(rows * cols), cols)
+            return np.eye(side * side, dtype=np.float32)[(r % side) * side + c % side]
+        monkeypatch.setattr(siglip2, "position_weights", weights)
+    elif broken == "blocks_in_patch_order":
+        monkeypatch.setattr(siglip2, "merge_blocks", lambda rows, cols, m, size: np.minimum(
+            np.arange(size * m * m), rows * cols - 1).reshape(size, m * m).astype(np.int32))
+    else:
+        inputs = siglip2.Patches.inputs
+
+        def attended(self, patches, grid):
+            key, arrays, tokens = inputs(self, patches, grid)
+            return key, (arrays[0], arrays[1], np.ones_like(arrays[2]), arrays[3]), tokens
+        monkeypatch.setattr(siglip2.Patches, "inputs", attended)
+    for i, (_, imgs) in enumerate(ref["cases"]):
+        if imgs:
+            assert rel_err(model.images.features(imgs), ref["ref"][f"features_{i}"]) > 1e-2, (broken, i)

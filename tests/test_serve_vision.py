@@ -351,7 +351,7 @@ def test_a_text_only_model_refuses_images(tmp_path):
 
 # --- this year's vision-language families through the server --------------------------------------------------
 
-SERVED_FAMILIES = ["kimi_k25", "mistral3", "qwen3_vl_moe", "gemma4"]
+SERVED_FAMILIES = ["kimi_k25", "mistral3", "qwen3_vl_moe", "gemma4", "lfm2_vl"]
 
 
 @pytest.fixture(scope="module")
@@ -365,8 +365,8 @@ def family_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("name", SERVED_FAMILIES)
 def test_families_serve_images_as_the_model_runs_them(family_checkpoints, name):
     """Kimi K2.5 (MoonViT), Mistral 3 (Pixtral: rows of [IMG] ended by [IMG_BREAK] and [IMG_END]), Qwen3-VL-MoE
-    (3-D RoPE, DeepStack) and Gemma 4 (an image's tokens attending both ways in sliding layers, each image prefilled
-    whole) served: two images of odd sizes in one message, through the official client, plain and streamed, give
+    (3-D RoPE, DeepStack), Gemma 4 (an image's tokens attending both ways in sliding layers, each image prefilled
+    whole) and LFM2-VL (SigLIP2 NaFlex, each image between <|image_start|> and <|image_end|>) served: two images of odd sizes in one message, through the official client, plain and streamed, give
     the tokens and log-probabilities of the model's own `prepare` + `generate`; the prompt holds each image's
     expanded placeholders."""
     ckpt = family_checkpoints[name]
@@ -382,4 +382,7 @@ def test_families_serve_images_as_the_model_runs_them(family_checkpoints, name):
             tok = model.tokenizer
             brk, end = (tok.encode(t)[-1] for t in ("[IMG_BREAK]", "[IMG_END]"))
             assert ids.count(end) == 2 and ids.count(brk) == sum(g[1] - 1 for g in inputs.grids)
+        if name == "lfm2_vl":
+            start, end = (model.tokenizer.encode(t)[-1] for t in ("<|image_start|>", "<|image_end|>"))
+            assert ids.count(start) == ids.count(end) == 2
         check_served(vision, messages)

@@ -103,6 +103,17 @@ PROCESSORS = {
     # [p, p, 3], padded to 280 by transformers (not by day0jax, which pads in the tower's call).
     "gemma4": spec("processor", dict(image_processor_type="Gemma4ImageProcessor", patch_size=4, max_soft_tokens=70,
                                      pooling_kernel_size=2)),
+    # LFM2-VL (torchvision only): 4-pixel patches, between 4 and 16 tokens of 2x2 patches; the long images are split
+    # into 16-pixel tiles and a thumbnail, the extreme one is not (its rounded size is small enough).
+    "lfm2_vl": spec("preprocessor", dict(image_processor_type="Lfm2VlImageProcessor", encoder_patch_size=4,
+                                         downsample_factor=2, min_image_tokens=4, max_image_tokens=16, tile_size=16,
+                                         max_tiles=4, max_pixels_tolerance=4.0, do_convert_rgb=True),
+                    backend="torchvision"),
+    # Without splitting, the long images shrink to the token budget instead.
+    "lfm2_vl_no_split": spec("preprocessor", dict(image_processor_type="Lfm2VlImageProcessor", encoder_patch_size=4,
+                                                  min_image_tokens=4, max_image_tokens=16, do_image_splitting=False,
+                                                  image_mean=CLIP_MEAN, image_std=CLIP_STD, do_convert_rgb=True),
+                             backend="torchvision"),
     # Kimi K2.5 (torchvision only): shrunk to 64 patches of 4 pixels, 10 a side, padded to 8-pixel multiples.
     "kimi_k25": spec("preprocessor", dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=4,
                                           merge_size=2, max_patches=64, size={"max_height": 10, "max_width": 10}),
@@ -272,9 +283,19 @@ def test_processor_matches_transformers(name, ref):
             with pytest.raises(ImageError):
                 processor.preprocess(ours())
             continue
-        got = processor.preprocess(ours())
         expected = out[f"pixel_values_{i}"]
-        if name == "gemma4":  # [1, 280, d] padded: ours the image's own patches, the rest zeros there
+        got = processor.preprocess(ours())
+        if name.startswith("lfm2_vl"):  # [tiles (+ thumbnail), most patches, d], each padded: ours one after another
+            shapes = out[f"spatial_shapes_{i}"].tolist()
+            tiled = len(shapes) > 1
+            assert tiled == (name == "lfm2_vl" and label.endswith(("wide", "tall"))), f"{name} {label}"
+            grid = got.grid_thw
+            want = [[grid[5]] * 2] * (grid[3] * grid[4]) + [list(grid[1:3])] if tiled else [list(grid[1:])]
+            assert shapes == want, f"{name} {label}"
+            sizes = [h * w for h, w in shapes]
+            assert not any(e[n:].any() for e, n in zip(expected, sizes))
+            expected = np.concatenate([e[:n] for e, n in zip(expected, sizes)])
+        elif name == "gemma4":  # [1, 280, d] padded: ours the image's own patches, the rest zeros there
             n = len(got.pixel_values)
             assert not expected[0, n:].any() and n == int(out["num_soft_tokens_per_image_" + i]) * 4
             expected = expected[0, :n]
@@ -290,7 +311,7 @@ def test_processor_matches_transformers(name, ref):
         # Exact: the same resize of the same uint8 pixels (PIL's, or torch's kernel and its rendering), then the
         # same float steps.
         np.testing.assert_array_equal(values, expected, err_msg=f"{name} {label}")
-        if f"grid_thw_{i}" in out or name.startswith("pixtral") or name == "gemma4":
+        if f"grid_thw_{i}" in out or name.startswith(("pixtral", "lfm2_vl")) or name == "gemma4":
             if f"grid_thw_{i}" in out:
                 assert got.grid_thw == tuple(out[f"grid_thw_{i}"].tolist()), f"{name} {label}"
             image = ours()

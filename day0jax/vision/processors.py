@@ -504,6 +504,7 @@ BY_MODEL_TYPE = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor",
                  "llava": "LlavaImageProcessor", "gemma3": "Gemma3ImageProcessor",
                  "kimi_k25": "Kimi_K25ImageProcessor", "mistral3": "PixtralImageProcessor",
                  "gemma4": "Gemma4ImageProcessor",
+                 "lfm2_vl": "Lfm2VlImageProcessor",
                  **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
                                  "Qwen2VLImageProcessor")}
 

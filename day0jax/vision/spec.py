@@ -50,16 +50,25 @@ class VisionSpec:
             return pixels, [self.tokens_per_image] * len(processed), None
         grids = tuple(tuple(int(v) for v in p.grid_thw) for p in processed)
         pixels = np.concatenate([np.asarray(p.pixel_values, np.float32) for p in processed])
-        return pixels, [t * h * w // self.merge ** 2 for t, h, w in grids], grids
+        return pixels, [self._tokens(g) for g in grids], grids
+
+    def _tokens(self, grid: tuple) -> int:
+        """An image's tokens: its grid's patches / merge^2, or as its encoder counts them (`grid_tokens`)."""
+        count = getattr(self.encoder, "grid_tokens", None)
+        return count(grid) if count is not None else grid[0] * grid[1] * grid[2] // self.merge ** 2
 
     def encoder_calls(self, pixels: np.ndarray, grids: tuple | None) -> list[tuple[tuple, tuple, int]]:
-        """One (program key, tower inputs, token count) per image of packed `pixels` (see `pack`)."""
+        """One (program key, tower inputs, token count) per tower call of packed `pixels` (see `pack`): one per
+        image, or each of an image's calls where its encoder splits it (`grid_calls`: LFM2-VL's tiles)."""
         if grids is None:
             return [self.encoder.inputs(p, None) for p in pixels]
         calls, start = [], 0
-        for t, h, w in grids:
-            calls.append(self.encoder.inputs(pixels[start:start + t * h * w], (t, h, w)))
-            start += t * h * w
+        split = getattr(self.encoder, "grid_calls", None)  # encoders that run an image in several calls (tiles)
+        for grid in grids:
+            n = self.encoder.grid_patches(grid) if split is not None else grid[0] * grid[1] * grid[2]
+            part = pixels[start:start + n]
+            calls.extend(split(part, grid) if split is not None else [self.encoder.inputs(part, grid)])
+            start += n
         return calls
 
 

@@ -127,4 +127,110 @@ class KimiK25ImageProcessor(TorchvisionProcessor):
         return ProcessedImage(np.ascontiguousarray(patches), grid_thw=(1, gh, gw))
 
 
-PROCESSORS = {cls.TYPE: cls for cls in (KimiK25ImageProcessor,)}
+def round_by_factor(number: float, factor: int) -> int:
+    return round(number / factor) * factor
+
+
+class Lfm2VlImageProcessor(TorchvisionProcessor):
+    """LFM2-VL (SigLIP2 NaFlex): an image resized, keeping about its aspect ratio, to multiples of encoder_patch_size
+    * downsample_factor between min_image_tokens and max_image_tokens tokens, as patches of [p, p, 3] (channels last)
+    in raster order; grid (1, rows, columns). An image too large for that (with `do_image_splitting`) is resized to
+    a grid of tile_size tiles of the aspect ratio closest to its own and split, row by row, then followed by that
+    resized image as a thumbnail (`use_thumbnail`): its patches are each tile's, then the thumbnail's, and its grid
+    (1, rows, columns, tile rows, tile columns, patches per tile side), rows and columns the thumbnail's."""
+
+    TYPE = "Lfm2VlImageProcessor"
+    # transformers converts no image to RGB unless the config says so (other modes then fail there).
+    DEFAULTS = dict(ImageProcessor.DEFAULTS, do_convert_rgb=None, size={"height": 512, "width": 512}, resample=BILINEAR,
+                    do_center_crop=None, crop_size=None, image_mean=HALF, image_std=HALF, do_pad=True,
+                    downsample_factor=2, do_image_splitting=True, min_tiles=2, max_tiles=10, use_thumbnail=True,
+                    min_image_tokens=64, max_image_tokens=256, encoder_patch_size=16, tile_size=512,
+                    max_pixels_tolerance=2.0, return_row_col_info=False)
+
+    def _validate(self) -> None:
+        super()._validate()
+        for key in ("downsample_factor", "min_image_tokens", "max_image_tokens", "encoder_patch_size", "tile_size",
+                    "min_tiles", "max_tiles"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"LFM2-VL image processor {key}={value!r} must be a positive integer")
+        if not self.do_resize:
+            raise ConfigError("LFM2-VL image processor do_resize=false: transformers resizes every image anyway, "
+                              "which day0jax does not follow silently")
+
+    @property
+    def splits(self) -> bool:
+        return bool(self.do_image_splitting) and not self.min_tiles == self.max_tiles == 1
+
+    def most_patches(self) -> int:
+        """transformers' `max_num_patches`: what it pads every image to."""
+        tile = (self.tile_size // self.encoder_patch_size) ** 2 if self.do_image_splitting else 0
+        return max(self.max_image_tokens * self.downsample_factor ** 2, tile)
+
+    def _tiles(self, height: int, width: int) -> tuple[int, int] | None:
+        """(tile rows, tile columns) where transformers splits the image (`_get_split_layout`), else None."""
+        p, m = self.encoder_patch_size, self.downsample_factor
+        h, w = max(p, round_by_factor(height, p * m)), max(p, round_by_factor(width, p * m))
+        if not self.splits or h * w <= self.max_image_tokens * p ** 2 * m ** 2 * self.max_pixels_tolerance:
+            return None
+        ratios = sorted({(a, b) for n in range(self.min_tiles, self.max_tiles + 1) for a in range(1, n + 1)
+                         for b in range(1, n + 1) if self.min_tiles <= a * b <= self.max_tiles},
+                        key=lambda r: r[0] * r[1])  # transformers' `_target_ratios`, set order and all
+        best, best_diff, aspect = (1, 1), float("inf"), width / height
+        for ratio in ratios:  # `find_closest_aspect_ratio`: ties go to the larger grid if the image fills half
+            diff = abs(aspect - ratio[0] / ratio[1])
+            if diff < best_diff:
+                best_diff, best = diff, ratio
+            elif diff == best_diff and height * width > 0.5 * self.tile_size ** 2 * ratio[0] * ratio[1]:
+                best = ratio
+        if best == (1, 1):  # transformers then counts the thumbnail's tokens for the one tile's features
+            raise ImageError(f"an image of {height}x{width} pixels splits into a single tile with min_tiles=1, "
+                             "which transformers' LFM2-VL processor lays out inconsistently; day0jax refuses it")
+        return best[1], best[0]
+
+    def _target_size(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' `smart_resize` (height, width): the whole image's, or the thumbnail's of a split one."""
+        p, m = self.encoder_patch_size, self.downsample_factor
+        factor = p * m
+        min_pixels = self.min_image_tokens * p ** 2 * m ** 2
+        max_pixels = self.max_image_tokens * p ** 2 * m ** 2
+        h_bar, w_bar = max(factor, round_by_factor(height, factor)), max(factor, round_by_factor(width, factor))
+        if h_bar * w_bar > max_pixels:
+            beta = math.sqrt((height * width) / max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, ...]:
+        p, tiles = self.encoder_patch_size, self._tiles(height, width)
+        h, w = self._target_size(height, width)
+        if tiles is None:
+            return 1, h // p, w // p
+        thumbnail = (h // p, w // p) if self.use_thumbnail else (0, 0)
+        return (1, *thumbnail, *tiles, self.tile_size // p)
+
+    def _patches(self, x: np.ndarray) -> np.ndarray:
+        """A uint8 [3, H, W] image rescaled, normalized, as patches [H/p * W/p, p * p * 3] in raster order."""
+        x, p = self._rescale_normalize(x), self.encoder_patch_size
+        rows, cols = x.shape[1] // p, x.shape[2] // p
+        return x.reshape(3, rows, p, cols, p).transpose(1, 3, 2, 4, 0).reshape(rows * cols, -1)
+
+    def _process(self, x: np.ndarray) -> ProcessedImage:
+        grid = self.grid_thw(*x.shape[1:])
+        p, parts = self.encoder_patch_size, []
+        if len(grid) > 3:  # `crop_image_to_patches`: the tiles, row by row, from the image resized to their grid
+            _, _, _, tr, tc, side = grid
+            t = side * p
+            tiled = self._torch_resize(x, tr * t, tc * t)
+            parts += [self._patches(tiled[:, i * t:(i + 1) * t, j * t:(j + 1) * t]) for i in range(tr)
+                      for j in range(tc)]
+        if grid[1]:  # the whole image, or the thumbnail of a split one
+            parts.append(self._patches(self._torch_resize(x, grid[1] * p, grid[2] * p)))
+        return ProcessedImage(np.ascontiguousarray(np.concatenate(parts)), grid_thw=grid)
+
+
+PROCESSORS = {cls.TYPE: cls for cls in (KimiK25ImageProcessor, Lfm2VlImageProcessor)}

@@ -30,6 +30,12 @@ def _inputs(model, data, i):
                                                                                        data[f"grid_{i}"])
                 kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
                 del kwargs["image_grid_thw"]
+            elif model.config.model_type == "lfm2_vl":  # patches padded per tile, a mask and (rows, columns)
+                parts = _lfm2_parts(data[f"grid_{i}"])
+                kwargs["pixel_values"], positions = _gemma4_patches(data[f"pixels_{i}"], parts)
+                kwargs["pixel_attention_mask"] = (positions[..., 0] >= 0).long()
+                kwargs["spatial_shapes"] = torch.tensor([[h, w] for _, h, w in parts], dtype=torch.long)
+                del kwargs["image_grid_thw"]
             else:  # Qwen-VL: which tokens are images (for multimodal RoPE)
                 kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
@@ -55,7 +61,7 @@ def _images(patches, grids):
 
 
 def _gemma4_patches(patches, grids):
-    """Gemma 4's pixel_values [I, P, d] (each image's patches, zero-padded to the most of them) and
+    """Gemma 4's (and LFM2-VL's) pixel_values [I, P, d] (each image's patches, zero-padded to the most of them) and
     image_position_ids [I, P, 2] ((column, row), -1 on padding), from patches one after another and their grids."""
     sizes = [rows * cols for _, rows, cols in grids]
     P = max(sizes)
@@ -71,9 +77,19 @@ def _gemma4_patches(patches, grids):
     return torch.tensor(values), torch.tensor(positions)
 
 
+def _lfm2_parts(grids):
+    """LFM2-VL's grids (zero-padded to 6 entries: (1, rows, columns, tile rows, tile columns, tile side)) -> the
+    (1, rows, columns) of each tile, row by row, then of the image or thumbnail."""
+    parts = []
+    for grid in grids.tolist():
+        grid = grid + [0] * (6 - len(grid))
+        parts += [(1, grid[5], grid[5])] * (grid[3] * grid[4]) + ([tuple(grid[:3])] if grid[1] * grid[2] else [])
+    return parts
+
+
 def _features(model, kwargs):
     args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw", "image_sizes",
-                                                     "image_position_ids")}
+                                                     "image_position_ids", "pixel_attention_mask", "spatial_shapes")}
     out = model.model.get_image_features(**args)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     if isinstance(feats, (list, tuple)):

@@ -59,6 +59,8 @@ def image_processor_outputs(job):
             result[f"grid_thw_{i}"] = np.asarray(out["image_grid_thw"][0])
         if "num_crops" in out:
             result[f"num_crops_{i}"] = np.asarray(out["num_crops"][0])
+        if "spatial_shapes" in out:  # LFM2-VL: (rows, columns) of patches per tile
+            result[f"spatial_shapes_{i}"] = np.asarray(out["spatial_shapes"])
         if "num_soft_tokens_per_image" in out:  # Gemma 4
             result[f"num_soft_tokens_per_image_{i}"] = np.asarray(out["num_soft_tokens_per_image"][0])
     np.savez(job["out"], **result)
