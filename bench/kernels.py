@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels_pallas import cases, platform, registry  # noqa: E402
+from kernels_pallas import cases, ops, platform, registry  # noqa: E402
 from kernels_pallas.attention import pallas_mgpu as attention_mgpu  # noqa: E402
 from kernels_pallas.moe import pallas_mgpu as moe_mgpu  # noqa: E402
 from kernels_pallas.paged_attention import pallas_mgpu as paged_mgpu  # noqa: E402
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--only", action="append", choices=sorted(registry.OPS))
+    p.add_argument("--only", action="append", choices=ops.kernel_ops())
     p.add_argument("--json", type=Path, help="write the rows and ceilings here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown (for bench/RESULTS.md)")
     p.add_argument("--tune", action="store_true", help="sweep block sizes and print tuning-table entries")

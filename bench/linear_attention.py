@@ -1,16 +1,19 @@
-"""Decode tokens/s of a hybrid linear-attention model (Qwen3.5 layout) against transformers, and what its state
-costs per sequence against full attention at a long context.
+"""Decode tokens/s of a hybrid model with a fixed state per sequence (linear attention in the Qwen3.5 layout, or
+Mamba2 in the NemotronH layout) against transformers, and what its state costs per sequence against full attention
+at a long context.
 
-    .venv/bin/python bench/linear_attention.py [--repeats 5] [--new-tokens 64] [--batches 1,8] [--context 8192]
+    .venv/bin/python bench/linear_attention.py [--layout qwen3_5|nemotron_h] [--repeats 5] [--new-tokens 64]
+        [--batches 1,8] [--context 8192]
 
-The model is random but wide enough for the weights to dominate (hidden 1024, 8 layers: 6 Gated DeltaNet, 2 gated
-full attention, 16 value heads of 64), built by transformers in .venv-ref and converted; float32, CPU. Workers and
-timing as bench/decode.py (decode rate = batch * (N - 1) / (time for N - time for 1), alternated, after a warm-up
-of the same shapes); greedy tokens are compared and their agreement printed (random weights leave near-ties that
-float rounding may break differently). Then the planner's bytes per sequence at `--context` tokens: this model's
-state plus its full-attention layers' KV, against the same model with every layer full attention.
+The models are random but wide enough for the weights to dominate (hidden 1024, 8 layers), built by transformers in
+.venv-ref and converted; float32, CPU. qwen3_5: 6 Gated DeltaNet, 2 gated full attention, 16 value heads of 64.
+nemotron_h: 4 Mamba2 (32 heads of 64 in 8 groups, state 128), 1 attention layer without positions, 3 ReLU-squared
+MLPs. Workers and timing as bench/decode.py (decode rate = batch * (N - 1) / (time for N - time for 1), alternated,
+after a warm-up of the same shapes); greedy tokens are compared and their agreement printed (random weights leave
+near-ties that float rounding may break differently). Then the planner's bytes per sequence at `--context` tokens:
+this model's state plus its full-attention layers' KV, against the same model with every token-mixing layer full
+attention.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -27,19 +30,29 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from decode import Worker  # noqa: E402
 
-CONFIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-              num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-6,
-              linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
-              full_attention_interval=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+COMMON = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
+              head_dim=128, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LAYOUTS = {  # model_type, config, what the table calls it
+    "qwen3_5": ("qwen3_5_text", dict(COMMON, num_hidden_layers=8, rms_norm_eps=1e-6, linear_num_key_heads=8,
+                                     linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+                                     full_attention_interval=4), "hybrid Qwen3.5 layout (6 linear + 2 full layers)"),
+    "nemotron_h": ("nemotron_h", dict(COMMON, layer_norm_epsilon=1e-5, mamba_num_heads=32, mamba_head_dim=64,
+                                      n_groups=8, ssm_state_size=128, conv_kernel=4, chunk_size=128,
+                                      layers_block_type=["linear_attention", "mlp", "linear_attention", "mlp",
+                                                         "linear_attention", "full_attention", "linear_attention",
+                                                         "mlp"]),
+                   "Mamba2 NemotronH layout (4 Mamba2 + 1 attention + 3 MLP layers)"),
+}
 PROMPT = [1] + [(37 * i + 11) % 8000 + 3 for i in range(31)]
 
 
-def build(work: Path) -> tuple[Path, Path]:
+def build(work: Path, layout: str) -> tuple[Path, Path]:
     """The HF folder (random weights, seed 0) and its day0jax conversion."""
     from convert.convert import convert_checkpoint
 
     hf, ckpt = work / "hf", work / "day0jax"
-    job = [{"op": "tiny_hf", "family": "qwen3_5_text", "config": CONFIG, "seed": 0, "out": str(hf)}]
+    model_type, config, _ = LAYOUTS[layout]
+    job = [{"op": "tiny_hf", "family": model_type, "config": config, "seed": 0, "out": str(hf)}]
     (work / "jobs.json").write_text(json.dumps(job))
     subprocess.run([str(ROOT / ".venv-ref/bin/python"), str(ROOT / "tests/ref/reference.py"),
                     str(work / "jobs.json")], check=True, stdout=subprocess.DEVNULL)
@@ -48,7 +61,8 @@ def build(work: Path) -> tuple[Path, Path]:
 
 
 def bytes_per_sequence(ckpt: Path, context: int) -> tuple[int, int]:
-    """(this model, the same model with full attention everywhere): float32 bytes per sequence of `context`."""
+    """(this model, the same model with full attention in every layer that mixes tokens): float32 bytes per
+    sequence of `context`."""
     from day0jax import models
     from day0jax.core import hf_config
     from sharding.plan import ModelShape
@@ -58,12 +72,14 @@ def bytes_per_sequence(ckpt: Path, context: int) -> tuple[int, int]:
     shape = ModelShape.from_model(abstract, models.param_infos(abstract), config.max_position_embeddings)
     kv_token = sum(x.token_elements * 4 for x in shape.kv_layers)
     hybrid = sum(x.bytes_per_sequence for x in shape.state_layers) + kv_token * context
-    full = config.num_hidden_layers * config.kv_heads * 2 * config.head_size * 4 * context
+    mixers = sum(x is not None for x in shape.cache_layout)  # NemotronH's MLP layers keep nothing
+    full = mixers * config.kv_heads * 2 * config.head_size * 4 * context
     return hybrid, full
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="qwen3_5")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8")
@@ -72,7 +88,7 @@ def main() -> None:
     batches, n = [int(b) for b in args.batches.split(",")], args.new_tokens
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf, ckpt = build(Path(tmp))
+        hf, ckpt = build(Path(tmp), args.layout)
         python = str(ROOT / ".venv/bin/python")
         workers = {"day0jax": Worker([python, "-P", str(ROOT / "bench/decode_worker.py"), str(ckpt)],
                                      {"PYTHONPATH": str(ROOT)}),
@@ -99,7 +115,7 @@ def main() -> None:
             w.close()
         hybrid, full = bytes_per_sequence(ckpt, args.context)
 
-    print(f"\nGreedy decode, hybrid Qwen3.5 layout (hidden 1024, 6 linear + 2 full layers) float32, {n} new tokens, "
+    print(f"\nGreedy decode, {LAYOUTS[args.layout][2]}, hidden 1024, float32, {n} new tokens, "
           f"median of {args.repeats} (tokens/s)\n")
     print("| batch | day0jax | transformers | day0jax / transformers | greedy tokens equal (leading share) |")
     print("|---|---|---|---|---|")
@@ -107,8 +123,9 @@ def main() -> None:
         a, b = (statistics.median(rates[(x, batch)]) for x in ("day0jax", "transformers"))
         print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {min(agree[batch]):.2f} |")
     mib = 1 << 20
-    print(f"\nPer sequence at {args.context} tokens (float32): {hybrid / mib:.1f} MiB (state + 2 full-attention "
-          f"layers' KV) against {full / mib:.1f} MiB with every layer full attention ({full / hybrid:.1f}x)")
+    print(f"\nPer sequence at {args.context} tokens (float32): {hybrid / mib:.1f} MiB (state + the full-attention "
+          f"layers' KV) against {full / mib:.1f} MiB with full attention in every token-mixing layer "
+          f"({full / hybrid:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -160,29 +160,19 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-OP_TITLES = {"attention": "attention (cache-less forward)", "paged_attention": "paged attention (engine)",
-             "moe": "moe grouped matmul", "rms_norm": "rms_norm", "mlp": "mlp", "rope": "rope",
-             "gated_delta_rule": "gated delta rule (linear attention)", "causal_conv1d": "causal conv1d",
-             "sparse_attention": "sparse attention (engine)"}
-
-
 def _implementation(call, dtype, tp: int) -> str:
     """The implementation the op's dispatch takes for this call's shapes here, and why others declined (each
-    candidate traced on abstract inputs in the registry's order: nothing runs)."""
-    from kernels_pallas import cases
-    from kernels_pallas.calls import PLAIN_OPS
+    candidate traced on abstract inputs in the registry's order: nothing runs), per phase where the op's spec splits
+    them (paged attention: decode steps and prefill chunks)."""
+    from kernels_pallas import cases, ops
 
-    if call.op in PLAIN_OPS:
+    spec = ops.spec(call.op)
+    if spec.api is None:
         return "jax.numpy (no kernel op)"
     case = cases.cases_from_calls([call], dtype, scale="startup", tp=tp)[0]
-    if call.op == "paged_attention":  # the case is a decode step; the engine's prefill chunks may choose otherwise
-        chunk = dataclasses.replace(case, spec=dict(case.spec, B=1, T=PREFILL_CHUNK[0], max_len=PREFILL_CHUNK[1]))
-        return f"decode: {_chosen(case)} | prefill chunks: {_chosen(chunk)}"
-    return _chosen(case)
-
-
-# A prefill chunk as the engine runs one deep into a long prompt: 256 tokens over a 4096-token table.
-PREFILL_CHUNK = (256, 4096)
+    if spec.phases is None:
+        return _chosen(case)
+    return " | ".join(f"{label}: {_chosen(phase)}" for label, phase in spec.phases(call, case))
 
 
 def _chosen(case) -> str:
@@ -219,10 +209,12 @@ def _layer_ranges(layers: list[int]) -> str:
 
 def _ops(op_calls, dtype, tp: int) -> list[dict]:
     """One row per distinct op call, with the layers that make it and the implementation it takes."""
+    from kernels_pallas import ops
+
     rows: dict[object, dict] = {}
     for layer, call in op_calls:
         if call not in rows:
-            rows[call] = {"op": OP_TITLES.get(call.op, call.op), "variant": call.describe(), "layers": [],
+            rows[call] = {"op": ops.spec(call.op).title, "variant": call.describe(), "layers": [],
                           "implementation": _implementation(call, dtype, tp)}
         rows[call]["layers"].append("final" if layer is None else layer)
     for row in rows.values():
@@ -241,8 +233,13 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     attention = {layer: call for layer, call in op_calls if call.op in ("paged_attention", "sparse_attention")}
     rows: dict[tuple[str, str], list[int]] = {}
     for i, entry in enumerate(abstract.cache_layout()):
-        if isinstance(entry, StateLayer):
+        if entry is None:
+            key = ("MLP or MoE only (no token mixer)", "none")
+        elif isinstance(entry, StateLayer):
             key = (entry.kind, f"state {fmt_bytes(entry.bytes_per_sequence)} per sequence")
+            if entry.kv is not None:  # attention beside the state mixer (Falcon-H1)
+                key = (f"{entry.kind} + full attention",
+                       f"{key[1]}, KV {fmt_bytes(entry.kv.token_elements * itemsize)} per token")
         else:
             call = attention.get(i)
             window = call.get("window") if call is not None else None

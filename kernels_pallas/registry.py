@@ -1,7 +1,7 @@
 """The candidate pool: each op's implementations and, per backend, the order in which to try them.
 
-Each op's `api.py` declares its pool (`IMPLEMENTATIONS`, `CANDIDATES`, `PALLAS`, `INTERPRET`; docs/adding_a_kernel.md)
-and calls `dispatch`: the candidates in order (a kernel declines inputs with `NotImplementedError`), then the
+Each op's `api.py` (named by its spec, `ops.py`) declares its pool (`IMPLEMENTATIONS`, `CANDIDATES`, `PALLAS`,
+`INTERPRET`; docs/adding_a_kernel.md) and calls `dispatch`: the candidates in order (a kernel declines inputs with `NotImplementedError`), then the
 reference, which takes everything. Dispatch and the process-wide `Policy` (normally set by the startup self-test)
 act at trace time: nothing per call under `jax.jit`, and a policy governs what is traced after it.
 """
@@ -18,20 +18,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
+from kernels_pallas import ops
+
 log = logging.getLogger(__name__)
 
 REFERENCE = "reference"
 MODES = ("auto", "strict", "reference")
-# op name, as each api passes it to `dispatch` -> the api module that declares its pool.
-OPS = {
-    "attention": "kernels_pallas.attention.api",
-    "paged_attention": "kernels_pallas.paged_attention.api",
-    "moe": "kernels_pallas.moe.api",
-    "rms_norm": "kernels_pallas.rms_norm.api",
-    "gated_delta_rule": "kernels_pallas.gated_delta_rule.api",
-    "sparse_attention": "kernels_pallas.sparse_attention.api",
-    "quantized_linear": "kernels_pallas.quantized_linear.api",
-}
 
 
 class KernelUnavailable(RuntimeError):
@@ -85,10 +77,15 @@ def use_policy(policy: Policy) -> Iterator[Policy]:
 
 
 def api(op: str) -> ModuleType:
-    """The api module of `op` (its `IMPLEMENTATIONS`, `CANDIDATES` and the op function)."""
-    if op not in OPS:
-        raise KeyError(f"unknown op {op!r}; known: {sorted(OPS)}")
-    return importlib.import_module(OPS[op])
+    """The api module of `op` (its `IMPLEMENTATIONS`, `CANDIDATES` and the op function).
+
+    Raises:
+        KeyError: no op of that name, or one the layers write in plain jax.numpy (no pool).
+    """
+    module = ops.spec(op).api
+    if module is None:
+        raise KeyError(f"op {op!r} is plain jax.numpy: it has no candidate pool")
+    return importlib.import_module(module)
 
 
 def order(candidates: Mapping[str, Sequence[str]], backend: str | None = None, *, op: str | None = None,

@@ -1,8 +1,9 @@
 """`python -m kernels_pallas.selfcheck [--interpret] [--lower cuda] [--json]`: every candidate of every op on the
 supported families' shapes, compared with the reference.
 
-By default every implementation (kernels, cuDNN, `ragged_dot`) runs on each case with fresh random inputs and is
-compared with the reference; those that cannot take a case (no Hopper GPU here, a head dim a kernel lacks) are
+The cases are each op spec's own, made from the flagship models' op calls (or a model's). By default every
+implementation (Pallas and C++ kernels, cuDNN, `ragged_dot`) runs on each case with fresh random inputs and is
+compared with the reference (as the startup self-test does, through `selftest.Trial`); those that cannot take a case (no Hopper GPU here, a head dim a kernel lacks) are
 listed as unavailable, with why. `--lower cuda` traces as if for an H100 and runs nothing: a GPU-less machine's
 check of the GPU build. `--json` rows have at least op, implementation, ok (true, false, or null for unavailable);
 the exit status is 1 if any row has ok false.
@@ -22,28 +23,26 @@ from typing import Any
 import jax
 
 from kernels_pallas import cases as cases_lib
-from kernels_pallas import platform, registry, selftest
+from kernels_pallas import ops, platform, registry, selftest
 from kernels_pallas.calls import OpCall
 
 
-def _run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> list[dict[str, Any]]:
+def run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> list[dict[str, Any]]:
+    """Every implementation of each case's op (the interpreter variants only with `interpret`) against the reference.
+
+    Returns:
+        `selftest.Trial` rows; ok None (with why) for an implementation that declines the case.
+    """
     rows = []
-    for i, case in enumerate(case_list):
-        mod = registry.api(case.op)
+    for trial in selftest.trials(case_list, seed):
+        mod = registry.api(trial.case.op)
         interpreted = set(mod.INTERPRET.values())
-        names = [n for n in mod.IMPLEMENTATIONS if n != registry.REFERENCE and (interpret or n not in interpreted)]
-        args, kwargs = case.build(seed * 1000 + i)
-        reference_out = None
-        for name in names:
-            reason = registry.accepts(case.op, name, *args, **kwargs)
-            if reason is not None:
-                rows.append(dict(op=case.op, case=case.name, implementation=name, dtype=case.dtype,
-                                 tolerance=case.tolerance, max_rel_error=None, ok=None, seconds=0.0,
-                                 detail=f"unavailable: {reason}"))
+        for name in mod.IMPLEMENTATIONS:
+            if name == registry.REFERENCE or (name in interpreted and not interpret):
                 continue
-            if reference_out is None:
-                reference_out = selftest.run(mod.IMPLEMENTATIONS[registry.REFERENCE], args, kwargs)
-            rows.append(selftest.check(case, name, args, kwargs, reference_out))
+            reason = trial.accepts(name)
+            rows.append(trial.check(name) if reason is None else
+                        trial.row(name, max_rel_error=None, ok=None, seconds=0.0, detail=f"unavailable: {reason}"))
     return rows
 
 
@@ -113,25 +112,25 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(cases_lib.DEFAULT_FLAGSHIPS)})")
     p.add_argument("--calls", metavar="FILE", help="a model's op calls instead: `python -m day0jax.check --json` "
                                                    "output, or a JSON list of op calls")
-    p.add_argument("--op", action="append", choices=sorted(registry.OPS), help="ops to check (repeatable)")
+    p.add_argument("--op", action="append", choices=ops.kernel_ops(), help="ops to check (repeatable)")
     p.add_argument("--scale", choices=cases_lib.SCALES,
                    help="case sizes (default: full on a GPU and for --lower, tiny otherwise)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(cases_lib.TOLERANCE))
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh per run)")
     a = p.parse_args(argv)
-    ops = tuple(a.op) if a.op else None
+    only = tuple(a.op) if a.op else None
     scale = a.scale or ("full" if a.lower or (jax.default_backend() == "gpu" and not a.interpret) else "tiny")
     if a.calls:
         case_list = cases_lib.cases_from_calls(read_calls(a.calls), a.dtype, scale=scale, name=Path(a.calls).stem,
-                                               ops=ops)
+                                               ops=only)
     else:
         case_list = cases_lib.flagship_cases(tuple(a.family or cases_lib.DEFAULT_FLAGSHIPS), a.dtype, scale=scale,
-                                             ops=ops)
+                                             ops=only)
     if a.lower:
         rows = lower_rows(case_list, a.lower)
     else:
         seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
-        rows = _run_rows(case_list, a.interpret, seed)
+        rows = run_rows(case_list, a.interpret, seed)
     as_json = json.dumps([{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
                           for r in rows], indent=1)
     if a.save:

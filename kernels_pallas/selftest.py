@@ -4,21 +4,23 @@ shapes (short sequences) and is compared with the reference.
 Mode 'auto' (default) logs a kernel that disagrees (or fails to compile or run), disables it in the policy and
 checks the next candidate the same way, down to the reference; 'strict' raises `KernelMismatch` instead;
 'reference' runs no kernel. The policy is installed with `registry.set_policy`, governing all traced afterwards.
-Where the backend has no candidates (the CPU), nothing runs and every op reports 'reference'.
+An op with no candidates on the backend runs nothing and reports 'reference'. The cases are the op specs' own
+(`cases.cases_from_calls` at 'startup' scale), run through `Trial`, which `selfcheck` shares.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 
 from kernels_pallas import cases as cases_lib
-from kernels_pallas import registry
+from kernels_pallas import ops, registry
 from kernels_pallas.calls import OpCall
 
 log = logging.getLogger(__name__)
@@ -30,14 +32,14 @@ class Report:
 
     mode: str  # the policy mode
     chosen: dict[str, list[str]] = field(default_factory=dict)  # op -> implementations chosen (usually one)
-    rows: list[dict[str, Any]] = field(default_factory=list)  # one `check` row per check
+    rows: list[dict[str, Any]] = field(default_factory=list)  # one `Trial.check` row per check
     disabled: list[tuple[str, str]] = field(default_factory=list)  # (op, implementation) pairs that disagreed
 
     def summary(self) -> str:
-        ops = " ".join(f"{op}={'+'.join(names)}" for op, names in sorted(self.chosen.items()))
+        chosen = " ".join(f"{op}={'+'.join(names)}" for op, names in sorted(self.chosen.items()))
         off = f"; disabled after disagreeing: {', '.join(f'{o}.{i}' for o, i in self.disabled)}" if self.disabled \
             else ""
-        return f"kernels ({self.mode}): {ops}{off}"
+        return f"kernels ({self.mode}): {chosen}{off}"
 
 
 def run(fn, args: tuple, kwargs: dict) -> Any:
@@ -46,27 +48,61 @@ def run(fn, args: tuple, kwargs: dict) -> Any:
     return jax.block_until_ready(jax.jit(call)(*arrays))
 
 
-def check(case: cases_lib.Case, implementation: str, args: tuple, kwargs: dict, reference_out: Any) -> dict[str, Any]:
-    """Runs one implementation on one case and compares it with the reference's output `reference_out`.
+@dataclass
+class Trial:
+    """One case run against its reference: its inputs built once from `seed` and the reference's output computed
+    once, when first needed. The startup self-test and `selfcheck` both compare implementations through it."""
 
-    Returns:
-        A row: op, case, implementation, dtype, quantized (the case's weights are quantized), max_rel_error,
-        tolerance, ok, seconds, detail.
-    """
-    impls = registry.api(case.op).IMPLEMENTATIONS
-    row = dict(op=case.op, case=case.name, implementation=implementation, dtype=case.dtype, tolerance=case.tolerance,
-               quantized=case.op == "quantized_linear" or bool(case.spec.get("quantized")))
-    t0 = time.perf_counter()
-    try:
-        out = run(impls[implementation], args, kwargs)
-        err = cases_lib.max_relative_error(out, reference_out)
-        row.update(max_rel_error=err, ok=bool(err <= case.tolerance), detail="")
-    except NotImplementedError as e:
-        row.update(max_rel_error=None, ok=None, detail=f"unavailable: {e}")
-    except Exception as e:  # a kernel that fails to compile or run is as unusable as a wrong one
-        row.update(max_rel_error=math.inf, ok=False, detail=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-    row["seconds"] = round(time.perf_counter() - t0, 3)
-    return row
+    case: cases_lib.Case
+    seed: int
+
+    @functools.cached_property
+    def inputs(self) -> tuple[tuple, dict]:
+        return self.case.build(self.seed)
+
+    @functools.cached_property
+    def reference(self) -> Any:
+        args, kwargs = self.inputs
+        return run(registry.api(self.case.op).IMPLEMENTATIONS[registry.REFERENCE], args, kwargs)
+
+    def row(self, implementation: str, **result: Any) -> dict[str, Any]:
+        """A `check` row: op, case, implementation, dtype, tolerance, quantized (the case's weights are), and
+        `result` (max_rel_error, ok, seconds, detail)."""
+        case = self.case
+        quantized = ops.spec(case.op).quantized or bool(case.spec.get("quantized"))
+        return dict(op=case.op, case=case.name, implementation=implementation, dtype=case.dtype,
+                    tolerance=case.tolerance, quantized=quantized, **result)
+
+    def accepts(self, implementation: str) -> str | None:
+        """None if `implementation` takes the inputs (traced abstractly), else why not."""
+        args, kwargs = self.inputs
+        return registry.accepts(self.case.op, implementation, *args, **kwargs)
+
+    def check(self, implementation: str) -> dict[str, Any]:
+        """Runs `implementation` on the inputs and compares it with the reference.
+
+        Returns:
+            A row (`row`): ok None and the reason in detail where it declined; ok False where it disagreed, failed
+            to compile or failed to run.
+        """
+        args, kwargs = self.inputs
+        reference = self.reference  # before the clock starts: a row times its implementation only
+        t0 = time.perf_counter()
+        try:
+            out = run(registry.api(self.case.op).IMPLEMENTATIONS[implementation], args, kwargs)
+            err = cases_lib.max_relative_error(out, reference)
+            result = dict(max_rel_error=err, ok=bool(err <= self.case.tolerance), detail="")
+        except NotImplementedError as e:
+            result = dict(max_rel_error=None, ok=None, detail=f"unavailable: {e}")
+        except Exception as e:  # a kernel that fails to compile or run is as unusable as a wrong one
+            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            result = dict(max_rel_error=math.inf, ok=False, detail=detail)
+        return self.row(implementation, **result, seconds=round(time.perf_counter() - t0, 3))
+
+
+def trials(case_list: list[cases_lib.Case], seed: int) -> Iterator[Trial]:
+    """A `Trial` per case, each with its own seed derived from `seed`."""
+    return (Trial(case, seed * 1000 + i) for i, case in enumerate(case_list))
 
 
 def startup(op_calls: list[OpCall], *, dtype: Any, mode: str = "auto", tp: int = 1, seed: int = 0,
@@ -94,21 +130,18 @@ def startup(op_calls: list[OpCall], *, dtype: Any, mode: str = "auto", tp: int =
     dtype_name = jax.numpy.dtype(dtype).name
     todo = case_list if case_list is not None else cases_lib.cases_from_calls(op_calls, dtype_name, scale="startup",
                                                                               tp=tp)
-    for i, case in enumerate(todo):
-        mod = registry.api(case.op)
-        if registry.order(mod.CANDIDATES, op=case.op, policy=policy) == (registry.REFERENCE,):
+    for trial in trials(todo, seed):
+        case = trial.case
+        if registry.order(registry.api(case.op).CANDIDATES, op=case.op, policy=policy) == (registry.REFERENCE,):
             _note(report, case.op, registry.REFERENCE)  # nothing but the reference could run: nothing to test
             continue
-        args, kwargs = case.build(seed * 1000 + i)
-        reference_out = None
+        args, kwargs = trial.inputs
         while True:
             name = registry.chosen(case.op, *args, policy=policy, **kwargs)
             if name == registry.REFERENCE:
                 _note(report, case.op, name)
                 break
-            if reference_out is None:
-                reference_out = run(mod.IMPLEMENTATIONS[registry.REFERENCE], args, kwargs)
-            row = check(case, name, args, kwargs, reference_out)
+            row = trial.check(name)
             report.rows.append(row)
             if row["ok"]:
                 _note(report, case.op, name)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from day0jax.core.cache_layout import KVLayer, SharedKV, StateLayer
+from day0jax.core.cache_layout import KVLayer, SharedKV, StateLayer, kv_part
 from day0jax.core.errors import Day0Error, OutOfMemoryPlan
 from sharding import mesh as mesh_lib
 from sharding.rules import KV_POOL, shard_shape
@@ -67,7 +67,8 @@ class ModelShape:
 
     @property
     def kv_layers(self) -> list[KVLayer]:
-        return [x for x in self.cache_layout if isinstance(x, KVLayer)]
+        """What every layer that caches keys and values caches (a state layer's `kv` part included)."""
+        return [kv for kv in map(kv_part, self.cache_layout) if kv is not None]
 
     @property
     def state_layers(self) -> list[StateLayer]:
@@ -174,13 +175,16 @@ def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
 def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], kv_slots: int, dtype: Any,
                    window_slots: dict[int, int] | None = None) -> int:
     """Bytes of one layer's KV page pool on one device: `kv_slots` token slots, or for a sliding-window layer its
-    window's (`window_slots`: window -> token slots, where the engine keeps only the window); 0 for a state layer."""
+    window's (`window_slots`: window -> token slots, where the engine keeps only the window); 0 for a state layer
+    (its `kv` part's for one that also attends) or one that keeps nothing (None)."""
     item = jnp.dtype(dtype).itemsize
     if isinstance(layer, KVLayer) and layer.window and window_slots and layer.window in window_slots:
         kv_slots = window_slots[layer.window]
     if isinstance(layer, SharedKV):
         return kv_slots * layer.index_dim * item
-    if isinstance(layer, StateLayer):
+    if isinstance(layer, StateLayer) and layer.kv is not None:
+        return layer_kv_bytes(layer.kv, sizes, kv_slots, dtype, window_slots)
+    if layer is None or isinstance(layer, StateLayer):
         return 0
     _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
     return kv_slots * (k * (layer.k_dim + layer.v_dim) + layer.index_dim) * item

@@ -29,6 +29,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "q_lora": None,   # MLA's compressed query rank: small, and each tp rank needs all of it
     "kv_lora": None,  # MLA's compressed kv rank (and its rope part): shared by every head
+    # Mamba2's groups of heads sharing the state's input and output maps: split with the heads where they divide
+    # tp (each device's heads then use only its groups), else whole on every device.
+    "ssm_groups": "tp",
     # feed-forward
     "mlp": "tp",
     "experts": "ep",

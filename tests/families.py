@@ -350,6 +350,72 @@ FAMILIES = {
                                                                             "mscale_all_dim": 0.5,
                                                                             "original_max_position_embeddings": 8}),
                                True),
+    # NemotronH, 4 layers (HF's default kinds): Mamba2 (8 heads x 8 in 2 groups, state 16, chunks of 8 so the prompts
+    # cross chunk boundaries, the convolution's bias), a latent MoE (sigmoid scores with the score bias in 4 groups of
+    # 2, best 2, top-2 scaled; ungated ReLU-squared experts in a 24-dim latent space; a shared MLP), attention without
+    # positions, a ReLU-squared MLP. Larger weights (initializer_range) so that the router and attention are not
+    # uniform.
+    "nemotron_h": ("nemotron_h", dict({k: v for k, v in TINY.items() if k not in ("num_hidden_layers", "rms_norm_eps")},
+                                      layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                                      layer_norm_epsilon=1e-5, head_dim=16, mamba_num_heads=8, mamba_head_dim=8,
+                                      n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8, n_routed_experts=8,
+                                      num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+                                      moe_shared_expert_intermediate_size=48, moe_latent_size=24,
+                                      routed_scaling_factor=2.0, initializer_range=0.1), True),
+    # Granite 4, 3 layers: Mamba2 (4 heads x 32 from mamba_expand 2, one group, state 16, chunks of 8), attention with
+    # RoPE, Mamba2; each followed by a top-2 MoE (softmax over the chosen logits) beside the shared SwiGLU MLP; the muP
+    # multipliers (embeddings, attention scale, residual branches, logits). Legacy layer kinds, as IBM writes them.
+    "granitemoehybrid": ("granitemoehybrid", dict(TINY, num_hidden_layers=3,
+                                                  layer_types=["mamba", "attention", "mamba"],
+                                                  position_embedding_type="rope", num_local_experts=4,
+                                                  num_experts_per_tok=2, intermediate_size=32,
+                                                  shared_intermediate_size=48, mamba_n_heads=4, mamba_n_groups=1,
+                                                  mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8,
+                                                  embedding_multiplier=6.0, attention_multiplier=0.2,
+                                                  residual_multiplier=0.4, logits_scaling=3.0,
+                                                  initializer_range=0.1), True),
+    # Falcon-H1, 2 layers each running Mamba2 (4 heads x 16 in 2 groups, state 16, chunks of 8, the gated norm after the
+    # scan and before the gate) and attention with RoPE side by side; every muP multiplier away from 1.
+    "falcon_h1": ("falcon_h1", dict(TINY, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=2,
+                                    mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=True,
+                                    mamba_norm_before_gate=True, embedding_multiplier=3.0, lm_head_multiplier=0.5,
+                                    mlp_multipliers=[0.8, 1.3], key_multiplier=0.7, attention_in_multiplier=1.2,
+                                    attention_out_multiplier=0.9, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7],
+                                    ssm_in_multiplier=1.3, ssm_out_multiplier=0.6, initializer_range=0.1), True),
+    # MiMo-V2-Flash, HF's default kinds over 3 layers: full attention with a dense MLP, then two sliding layers (window
+    # 8) with twice the kv heads and sinks, and MoEs (sigmoid scores with the score bias in 4 groups of 2, best 2,
+    # top-2 scaled, no shared expert); queries and keys of 24 dims, values of 16 scaled by 0.6; a RoPE per kind (the
+    # full layers' over HF's default 0.334 of the head, the sliding ones' over half, with another theta). Larger
+    # weights (initializer_range) so that the router and the sinks matter.
+    "mimo_v2_flash": ("mimo_v2_flash", dict(TINY, num_hidden_layers=3, num_key_value_heads=1, head_dim=24,
+                                            v_head_dim=16, sliding_window=8, attention_value_scale=0.6,
+                                            n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                            moe_intermediate_size=32, routed_scaling_factor=2.0,
+                                            initializer_range=0.1,
+                                            rope_parameters={"full_attention": {"rope_type": "default",
+                                                                                "rope_theta": 50000.0},
+                                                             "sliding_attention": {"rope_type": "default",
+                                                                                   "rope_theta": 100.0,
+                                                                                   "partial_rotary_factor": 0.5}}),
+                      True),
+    # Step-3.7's language model in its multimodal checkpoint (a one-layer vision tower, dropped), 3 layers: full,
+    # sliding (window 8, 8 query heads against the full layers' 4) and full attention, each with (1 + w) q/k norms, a
+    # sigmoid gate per head and scores scaled by query_pre_attn_scalar; a RoPE per kind (the full layers' over half of
+    # each head); layer 0 a dense MLP, then MoEs (sigmoid scores chosen with the score bias, renormalized, times 2)
+    # beside a shared expert; clamps after the activation small enough to bite, per layer (0: none). Larger weights
+    # (initializer_range) so that the gates, the router and the clamps matter.
+    "step3p7": ("step3p7", dict(
+        text_config=dict(TINY, num_hidden_layers=3, head_dim=16, sliding_window=8, num_sliding_attention_heads=8,
+                         layer_types=["full_attention", "sliding_attention", "full_attention"],
+                         mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, share_expert_dim=48, moe_router_scaling_factor=2.0,
+                         query_pre_attn_scalar=24, swiglu_limits=[0, 0.5, 0.8], swiglu_limits_shared=[0.6, 0, 0.7],
+                         initializer_range=0.06,
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)),
+                True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

@@ -1,6 +1,7 @@
-"""The gated delta rule and its causal convolution: the chunked form against the token-by-token form, against a
-NumPy loop written from the definition, and against transformers' own torch functions (Qwen3-Next's per-head
-decay, Kimi Linear's per-channel decay, the causal conv1d of both), all in float32; then the shared contract test
+"""The gated delta rule: the chunked form against the token-by-token form, against a NumPy loop written from the
+definition, and against transformers' own torch functions (Qwen3-Next's per-head decay, Kimi Linear's per-channel
+decay, and the causal conv1d op in front of both, which rides along on the same reference run), all in float32;
+then the shared contract test
 every implementation runs (the Mosaic GPU kernel in the interpreter on the CPU, compiled on a Hopper GPU).
 
 Errors are max|out - ref| / max|ref| over outputs and states (`cases.max_relative_error`); the tolerance of each
@@ -14,7 +15,9 @@ import pytest
 
 from conftest import needs_hopper, run_reference
 from kernels_pallas import cases, registry
+from kernels_pallas.causal_conv1d import reference as conv_reference
 from kernels_pallas.gated_delta_rule import api, reference
+from test_kernels_causal_conv1d import conv_inputs
 
 # Float32 rounding of two different orders of the same sums (measured: about 3e-7).
 SAME_MATH = 2e-5
@@ -137,52 +140,6 @@ def test_the_api_takes_bfloat16_and_returns_its_dtype():
     assert err <= cases.TOLERANCE["bfloat16"], f"bfloat16 output: max relative error {err}"
 
 
-# --- causal conv1d -------------------------------------------------------------------------------------------
-
-def conv_inputs(seed, B, T, C, W):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, T, C)).astype(np.float32), rng.standard_normal((C, W)).astype(np.float32),
-            rng.standard_normal((B, W - 1, C)).astype(np.float32))
-
-
-def test_causal_conv1d_valid_keeps_padding_out_of_the_state():
-    x, w, state = conv_inputs(50, 3, 6, 5, 4)
-    valid = np.array([6, 2, 0], np.int32)
-    out, new_state = reference.causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(state),
-                                             valid=jnp.asarray(valid))
-    full_out, _ = reference.causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(state))
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(full_out))  # valid changes only the state
-    for b, n in enumerate(valid):
-        np.testing.assert_array_equal(np.asarray(new_state[b]), np.concatenate([state[b], x[b, :n]])[-3:])
-    # A prompt in two pieces, the first one padded: the second piece sees only the real tokens before it.
-    _, s1 = reference.causal_conv1d(jnp.asarray(x[:1, :4]), jnp.asarray(w), jnp.asarray(state[:1]),
-                                    valid=jnp.asarray([2]))
-    out2, _ = reference.causal_conv1d(jnp.asarray(x[:1, 2:]), jnp.asarray(w), s1)
-    np.testing.assert_allclose(np.asarray(out2), np.asarray(full_out[:1, 2:]), rtol=1e-6, atol=1e-6)
-
-
-def test_causal_conv1d_bias_without_activation():
-    """LFM's form: a bias and no SiLU, against a NumPy loop over the definition; a prompt then decode steps, each
-    from the state the previous call left, give the whole sequence's outputs; SiLU is the only difference."""
-    B, T, C, W = 2, 7, 5, 3
-    x, w, state = conv_inputs(51, B, T, C, W)
-    bias = np.random.default_rng(52).standard_normal(C).astype(np.float32)
-    full = np.concatenate([state, x], axis=1)
-    want = np.stack([sum(full[:, t + j] * w[:, j] for j in range(W)) + bias for t in range(T)], axis=1)
-    out, new_state = reference.causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(state),
-                                             bias=jnp.asarray(bias), activation=None)
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(new_state), full[:, -(W - 1):])
-    pieces, s = [], jnp.asarray(state)
-    for start, end in ((0, 4), (4, 5), (5, 6), (6, 7)):
-        o, s = reference.causal_conv1d(jnp.asarray(x[:, start:end]), jnp.asarray(w), s, bias=jnp.asarray(bias),
-                                       activation=None)
-        pieces.append(np.asarray(o))
-    np.testing.assert_allclose(np.concatenate(pieces, axis=1), want, rtol=1e-6, atol=1e-6)
-    silu, _ = reference.causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(state), bias=jnp.asarray(bias))
-    np.testing.assert_allclose(np.asarray(silu), want / (1 + np.exp(-want)), rtol=1e-6, atol=1e-6)
-
-
 # --- against transformers -----------------------------------------------------------------------------------
 
 # name -> (family, B, T, Nk, Nv, Hk, Hv, per-channel decay, initial state)
@@ -225,12 +182,12 @@ def test_gated_delta_rule_matches_transformers(hf, name):
 
 def test_causal_conv1d_matches_transformers(hf):
     x, ref = hf[sorted(HF_CASES)[0]]
-    out, state = reference.causal_conv1d(jnp.asarray(x["x"]), jnp.asarray(x["weight"]))
+    out, state = conv_reference.causal_conv1d(jnp.asarray(x["x"]), jnp.asarray(x["weight"]))
     err = cases.max_relative_error(out, ref["conv_out"])
     assert err <= 1e-6, f"causal_conv1d_fn: max relative error {err}"
     np.testing.assert_array_equal(np.asarray(state), x["x"][:, -(CONV[3] - 1):])
-    out, state = reference.causal_conv1d(jnp.asarray(x["x_step"]), jnp.asarray(x["weight"]),
-                                         jnp.asarray(x["conv_state"]))
+    out, state = conv_reference.causal_conv1d(jnp.asarray(x["x_step"]), jnp.asarray(x["weight"]),
+                                              jnp.asarray(x["conv_state"]))
     err = cases.max_relative_error(out, ref["step_out"])
     assert err <= 1e-6, f"causal_conv1d_update: max relative error {err}"
     np.testing.assert_array_equal(np.asarray(state), ref["step_state"])

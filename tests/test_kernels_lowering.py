@@ -4,19 +4,22 @@ budget) runs fully here, so most of what would break the GPU build breaks this t
 
 The shapes are flagship models' own op calls (`kernels_pallas/flagships.json`): Llama-3-8B and Qwen3-30B-A3B layers,
 Gemma 2 (head dim 256, window, soft-cap) and gpt-oss (head dim 64, sinks, window); the gated delta rule's prefill
-at Qwen3-Next's (per-head decay) and Kimi Linear's (per-channel decay) shapes (`cases.PENDING_FAMILIES`).
+at Qwen3-Next's (per-head decay) and Kimi Linear's (per-channel decay) shapes and the Mamba2 scan's prefill at
+Nemotron 3 Nano's (`cases.PENDING_FAMILIES`).
 DeepSeek-V3's absorbed MLA attention (head dim 576) must be declined, not mis-lowered.
 """
 
 import pytest
 
-from kernels_pallas import cases, selfcheck
+from kernels_pallas import cases, ops, registry, selfcheck
 
+PALLAS_OPS = tuple(op for op in ops.kernel_ops() if registry.api(op).PALLAS)  # the ops with Pallas kernels
 LOWERED = [c for c in cases.flagship_cases(("llama-3-8b", "qwen3-30b-a3b", "gemma-2-9b", "gpt-oss-20b"),
-                                           scale="full")
+                                           scale="full", ops=PALLAS_OPS)
            if not (c.name.startswith(("gemma", "gpt-oss")) and c.op in ("moe", "rms_norm"))]
-LOWERED += [c for c in cases.flagship_cases(tuple(cases.PENDING_FAMILIES), scale="full", ops=("gated_delta_rule",))
-            if c.spec["T"] > 1]  # the kernel is the prefill's; a decode step is declined (below)
+LOWERED += [c for c in cases.flagship_cases(tuple(cases.PENDING_FAMILIES), scale="full",
+                                            ops=("gated_delta_rule", "mamba2_ssd"))
+            if c.spec["T"] > 1]  # the kernels are the prefill's; a decode step is declined (below)
 
 
 @pytest.mark.parametrize("case", LOWERED, ids=lambda c: f"{c.op}:{c.name}")
@@ -47,8 +50,9 @@ def test_unsupported_shapes_are_declined_not_mislowered():
     assert rows and all(r["ok"] is None and "576" in r["detail"] for r in rows), rows
 
 
-def test_gated_delta_rule_decode_step_is_declined():
-    decode = [c for c in cases.flagship_cases(("qwen3-next-80b-a3b",), scale="full", ops=("gated_delta_rule",))
+def test_gated_delta_rule_and_mamba2_decode_steps_are_declined():
+    decode = [c for c in cases.flagship_cases(("qwen3-next-80b-a3b", "nemotron-3-nano-30b-a3b"), scale="full",
+                                              ops=("gated_delta_rule", "mamba2_ssd"))
               if c.spec["T"] == 1]
     rows = selfcheck.lower_rows(decode, "cuda")
     assert rows and all(r["ok"] is None and "decode step" in r["detail"] for r in rows), rows

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import needs_hopper
 from kernels_pallas import cases
-from kernels_pallas.moe import api, pallas_mgpu, reference
+from kernels_pallas.moe import api, pallas_mgpu, reference, spec
 from kernels_pallas.quantized_linear.reference import dequantize
 from kernels_pallas.registry import KernelUnavailable
 
@@ -51,7 +51,7 @@ class QuantizedExpertsContract:
         """Quantized experts (each expert's [F, D] map, as quantized_linear stores it) against float64 products of
         their dequantized weights, row by row: float32-tight (float32 sums of 128 terms)."""
         M, D, F, sizes = CASES["straddling-empty-trailing"]
-        (lhs, rhs, group_sizes), _ = cases._moe(cases._Random(7, False), jnp.float32, M=M, G=len(sizes), D=D, F=F,
+        (lhs, rhs, group_sizes), _ = spec.build(cases.Random(7, False), jnp.float32, M=M, G=len(sizes), D=D, F=F,
                                                 k=2, quantized=fmt)
         group_sizes = jnp.asarray(sizes, jnp.int32)
         got = np.asarray(api.grouped_matmul(lhs, rhs, group_sizes, implementation=self.implementation))
@@ -77,7 +77,7 @@ class TestXlaRaggedDot(GroupedMatmulContract, QuantizedExpertsContract):
 
 
 def test_mosaic_gpu_declines_quantized_experts():
-    (lhs, rhs, sizes), _ = cases._moe(cases._Random(0, False), jnp.bfloat16, M=32, G=4, D=128, F=128, k=2,
+    (lhs, rhs, sizes), _ = spec.build(cases.Random(0, False), jnp.bfloat16, M=32, G=4, D=128, F=128, k=2,
                                       quantized="int8/32")
     with pytest.raises(KernelUnavailable, match="quantized"):
         api.grouped_matmul(lhs, rhs, sizes, implementation="mosaic_gpu_interpret")

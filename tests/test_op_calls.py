@@ -79,10 +79,22 @@ def test_cases_come_from_the_calls():
         model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=64))]
     built = cases.cases_from_calls(calls, "float32", scale="startup", tp=2)
-    assert {c.op for c in built} == {"attention", "paged_attention", "rms_norm"}
+    assert {c.op for c in built} == {"attention", "paged_attention", "rms_norm", "linear"}
     assert all(c.spec["N"] == 4 and c.spec["K"] == 1 and c.spec["H"] == 16 for c in built if "N" in c.spec)
     assert [c.spec["D"] for c in built if c.op == "rms_norm"] == [64]
 
+
+def test_linear_maps_report_their_weights():
+    """Every float projection is a `linear` call of its [O x I] weight: q, k and v, o, the MLP's three, and the tied
+    embeddings as the output projection."""
+    calls = models.abstract_model(models.config_from_hf(dict(
+        model_type="llama", vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=True))).op_calls()
+    linear = [(layer, c["O"], c["I"]) for layer, c in calls if c.op == "linear"]
+    assert set(linear) == {(layer, O, I) for layer in (0, 1) for O, I in ((128, 64), (32, 64), (64, 128), (96, 64),
+                                                                         (64, 96))} | {(None, 80, 64)}
+    assert len(linear) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer
 
 
 def test_chunked_attention_calls():

@@ -48,14 +48,15 @@ OVERRIDES = {
     "kimi_linear": dict(num_key_value_heads=8, linear_num_heads=8),
     # Its own query heads per layer, each a multiple of 8 too.
     "laguna": dict(num_attention_heads_per_layer=[8, 16, 8]),
+    "step3p7": dict(num_sliding_attention_heads=16),
 }
 # Vision towers with 8 heads too, so that tp=8 splits them (their MLPs, 64 wide, split as well).
 VISION_OVERRIDES = {"kimi_k25": dict(num_attention_heads=8), "mistral3": dict(num_attention_heads=8)}
 # The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA, a hybrid
-# linear-attention and a sparse-attention model, and vision-language ones (towers of one and of any image size).
-# Adding a family is adding its model_type here.
+# linear-attention, a sparse-attention and a Mamba2 hybrid model, and vision-language ones (towers of one and of
+# any image size). Adding a family is adding its model_type here.
 MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "gemma4_text",
-                         "gemma3", "qwen3_vl", "kimi_k25", "mistral3"]
+                         "gemma3", "qwen3_vl", "nemotron_h", "kimi_k25", "mistral3"]
 # One model_type per family module (a family may implement several: a multimodal one and its text model).
 FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 
@@ -67,6 +68,9 @@ def sharding_config(model_type: str) -> dict:
         KeyError: tests/families.py has no config of that model_type (every family must have one).
     """
     for mt, config, _ in TEST_FAMILIES.values():
+        if mt == model_type and "text_config" in config:  # a multimodal checkpoint read as its language model
+            text = dict(config["text_config"], num_attention_heads=8, **OVERRIDES.get(model_type, {}))
+            return dict(config, model_type=model_type, text_config=text)
         if mt == model_type:
             return dict(config, model_type=model_type, num_attention_heads=8, **OVERRIDES.get(model_type, {}))
     for case in MULTIMODAL.values():  # a vision-language family: its language model gets the 8 heads

@@ -39,7 +39,8 @@ NEW_TOKENS = 6
 # (MLA's latent cache, one kv head replicated over tp, is exercised by deepseek_v3; qwen3_moe's is plain GQA.)
 GENERATE_ON = {"llama": ["tp=2,ep=2,dp=2", "tp=8"], "deepseek_v3": ["tp=2,ep=2,dp=2"],
                "qwen3_5_moe_text": ["tp=2,ep=4"], "deepseek_v32": ["tp=2,ep=2,dp=2"], "gemma4_text": ["tp=2,dp=4"],
-               "gemma3": ["tp=2,dp=4"], "qwen3_vl": ["tp=2,ep=2,dp=2"], "kimi_k25": ["tp=8"], "mistral3": ["tp=8"]}
+               "gemma3": ["tp=2,dp=4"], "qwen3_vl": ["tp=2,ep=2,dp=2"], "nemotron_h": ["tp=2,ep=4"],
+               "kimi_k25": ["tp=8"], "mistral3": ["tp=8"]}
 # A dense model whose linear weights and embeddings stay quantized (int4 with offsets, embeddings int8, groups of 16):
 # codes and scales split over tp like the kernels they stand for. Hidden size 128, so that every projection's
 # groups (128 / 16 = 8) split over tp=8.
@@ -108,8 +109,9 @@ def job_meshes(job: dict) -> dict:
             params = runner.params
             devices = list(model.mesh.devices.flat)
             plan = model.memory_plan
-            cache_arrays = jax.tree.leaves([p for p, state in zip(runner.pools, runner.stateful) if not state])
-            state_arrays = jax.tree.leaves([p for p, state in zip(runner.pools, runner.stateful) if state])
+            # Each layer's first `stateful` pools are per-sequence state, the rest keys and values.
+            cache_arrays = jax.tree.leaves([p[n:] for p, n in zip(runner.pools, runner.stateful)])
+            state_arrays = jax.tree.leaves([p[:n] for p, n in zip(runner.pools, runner.stateful)])
             entry = {
                 "rel_err": float(np.abs(logits - ref).max() / np.abs(ref).max()),
                 "param_bytes_per_device": [_device_bytes(params, d) for d in devices],

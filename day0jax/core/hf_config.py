@@ -69,7 +69,22 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
     if "model_type" not in data:
         raise ConfigError(f"{path}: no 'model_type' field, so the architecture cannot be known")
-    return data
+    return decode_special_floats(data)
+
+
+SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(obj: Any) -> Any:
+    """`obj` with transformers 5's encoding of the floats JSON lacks (`{"__float__": "Infinity"}`, which it writes
+    for Mamba2's default `time_step_limit`) read back as floats."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[obj["__float__"]]
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v) for v in obj]
+    return obj
 
 
 def refuse(key: str, value: Any, why: str = "is not implemented") -> NoReturn:

@@ -108,24 +108,29 @@ def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:
     return (slots[:, None] * ring_pages + jnp.arange(width, dtype=jnp.int32)[None, :] % ring_pages).astype(jnp.int32)
 
 
-def layer_caches(pools: list, stateful: list[bool], rings: list[int], block_tables: jax.Array, kv_lengths: jax.Array,
+def layer_caches(pools: list, stateful: list[int], rings: list[int], block_tables: jax.Array, kv_lengths: jax.Array,
                  positions: jax.Array, state_slots: jax.Array) -> list:
-    """Each layer's cache for one step: a `StateCache` for state layers, a `PagedKVCache` over the shared block
-    tables or, for a layer with a ring (`rings[i]` pages per slot), over its ring table; None for a layer that reads
-    another's keys and keeps nothing of its own."""
-    from day0jax.engine.state_cache import StateCache
+    """Each layer's cache for one step: a `StateCache` for state layers (`stateful[i]`: the number of their state
+    arrays, the first of their pools), a `PagedKVCache` over the shared block tables or, for a layer with a ring
+    (`rings[i]` pages per slot), over its ring table; a `ParallelCache` of both for a state layer that also attends
+    (pools beyond its state arrays); None for a layer that keeps nothing of its own."""
+    from day0jax.engine.state_cache import ParallelCache, StateCache
 
     tables = {r: ring_table(state_slots, r, block_tables.shape[1]) for r in set(rings) if r}
-    return [StateCache.for_rows(p, state_slots, positions, kv_lengths) if state
-            else PagedKVCache.from_pools(p, tables.get(ring, block_tables), kv_lengths) if p else None
-            for p, state, ring in zip(pools, stateful, rings)]
+    caches = []
+    for p, n, ring in zip(pools, stateful, rings):
+        kv = PagedKVCache.from_pools(p[n:], tables.get(ring, block_tables), kv_lengths) if p[n:] else None
+        state = StateCache.for_rows(p[:n], state_slots, positions, kv_lengths) if n else None
+        caches.append(ParallelCache(state, kv) if state is not None and kv is not None else state or kv)
+    return caches
 
 
 def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dtype, mesh=None,
               ring_pages=None) -> list[tuple]:
     """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
     ([P, page_size, K, H] each, split like the kv heads), for a `StateLayer` one float32 [S, *shape] pool per
-    state array (split like its heads), and for a `SharedKV` layer only its indexer's keys, if it has an indexer.
+    state array (split like its heads), then its `kv` part's pools if it has one, for a `SharedKV` layer only its
+    indexer's keys, if it has an indexer, and nothing for a layer that keeps nothing (None).
 
     Args:
         layout: the model's `cache_layout()`.
@@ -142,19 +147,24 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
     def zeros(shape, axes, dt):
         return jnp.zeros(shape, dt, device=None if mesh is None else named_sharding(axes, shape, mesh))
 
+    def kv_pools(entry):
+        ring = ring_pages(entry.window) if ring_pages else 0
+        pages = state_slots * ring if ring else num_pages
+        pool = [zeros((pages, page_size, entry.kv_heads, d), KV_POOL, dtype) for d in entry[1:3]]
+        if entry.index_dim:  # the indexer's keys: one head, never split
+            pool.append(zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype))
+        return tuple(pool)
+
     pools = []
     for entry in layout:
-        if isinstance(entry, SharedKV):
+        if entry is None:
+            pools.append(())
+        elif isinstance(entry, SharedKV):
             pools.append((zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype),)
                          if entry.index_dim else ())
         elif isinstance(entry, StateLayer):
-            pools.append(tuple(zeros((state_slots,) + shape, (None,) + axes, jnp.float32)
-                               for shape, axes in entry.arrays))
+            state = tuple(zeros((state_slots,) + shape, (None,) + axes, jnp.float32) for shape, axes in entry.arrays)
+            pools.append(state + (kv_pools(entry.kv) if entry.kv is not None else ()))
         else:
-            ring = ring_pages(entry.window) if ring_pages else 0
-            pages = state_slots * ring if ring else num_pages
-            pool = [zeros((pages, page_size, entry.kv_heads, d), KV_POOL, dtype) for d in entry[1:3]]
-            if entry.index_dim:  # the indexer's keys: one head, never split
-                pool.append(zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype))
-            pools.append(tuple(pool))
+            pools.append(kv_pools(entry))
     return pools

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from day0jax.core.cache_layout import KVLayer, StateLayer
+from day0jax.core.cache_layout import StateLayer, kv_part
 from day0jax.core.errors import MeshError
 from day0jax.engine.config import EngineLayout
 from day0jax.engine.input_batch import ROW_ARRAYS, Batch, InputBatch, SamplingMetadata
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def layer_rings(cache_layout: list, layout: EngineLayout) -> list[int]:
     """Per layer, the pages per sequence of its ring (a sliding-window layer that keeps only its window), else 0."""
-    return [layout.ring_pages(x.window) if isinstance(x, KVLayer) else 0 for x in cache_layout]
+    return [layout.ring_pages(kv.window) if kv is not None else 0 for kv in map(kv_part, cache_layout)]
 
 
 class ModelRunner:
@@ -83,7 +83,8 @@ class ModelRunner:
         self._needs = [list(range(len(leaves)))] if self.stages.count == 1 else \
             [[i for i, p in enumerate(self._paths) if s in self.stages.holders(p)] for s in range(self.stages.count)]
         self._place(leaves)
-        self.stateful = [isinstance(x, StateLayer) for x in cache_layout]
+        # Per layer, how many of its pools are per-sequence state (the first ones; 0 for KV layers).
+        self.stateful = [len(x.arrays) if isinstance(x, StateLayer) else 0 for x in cache_layout]
         self.rings = layer_rings(cache_layout, layout)
         self._cache_layout = cache_layout
         self._stage_pools: list | None = None  # allocated by the engine (`allocate_pools`), not by `full_logits`
@@ -189,12 +190,12 @@ class ModelRunner:
     @property
     def pool_bytes(self) -> int:
         """Bytes of the KV page pools."""
-        return sum(x.nbytes for pools, state in zip(self.pools, self.stateful) if not state for x in pools)
+        return sum(x.nbytes for pools, n in zip(self.pools, self.stateful) for x in pools[n:])
 
     @property
     def state_bytes(self) -> int:
         """Bytes of the linear-attention state pools."""
-        return sum(x.nbytes for pools, state in zip(self.pools, self.stateful) if state for x in pools)
+        return sum(x.nbytes for pools, n in zip(self.pools, self.stateful) for x in pools[:n])
 
     @property
     def param_bytes(self) -> int:

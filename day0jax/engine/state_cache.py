@@ -8,7 +8,9 @@ it was, so one program serves prefill chunks and decode rows alike.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,3 +52,21 @@ class StateCache:
     def token_mask(self, tokens: int) -> jax.Array:
         """[B, T] bool: which positions of each row are real tokens."""
         return jnp.arange(tokens)[None, :] < self.valid[:, None]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ParallelCache:
+    """The caches of a layer that runs a state mixer and attention side by side (Falcon-H1): the layer hands each
+    part to its mixer and returns `with_parts` of their updates."""
+
+    state: StateCache
+    kv: Any  # the attention's `PagedKVCache`
+
+    @property
+    def pools(self) -> tuple:
+        """The layer's pools in `paged_cache.new_pools`' order: the state arrays, then the keys and values."""
+        return self.state.pools + self.kv.pools
+
+    def with_parts(self, state: StateCache, kv: Any) -> "ParallelCache":
+        return dataclasses.replace(self, state=state, kv=kv)

@@ -85,6 +85,8 @@ class Attention(nnx.Module):
         chunk_size: chunked local attention, passed to the attention op (Llama 4's RoPE layers).
         attn_temperature: (floor_scale, attn_scale): queries times 1 + attn_scale * log1p(floor((p + 1) /
             floor_scale)) at absolute position p, after RoPE and norms (Llama 4's NoPE layers).
+        v_head_dim: Hv, the values' head dim where it differs from the queries' and keys' H (MiMo-V2-Flash).
+        value_scale: the values times it before they are cached (MiMo-V2-Flash's `attention_value_scale`).
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope | None,
@@ -93,14 +95,16 @@ class Attention(nnx.Module):
                  sinks: bool = False, gate: OutputGate | None = None, output_gate: bool = False,
                  sliding_window: int | None = None, logit_softcap: float | None = None,
                  scale: float | None = None, qk_norm_weight: bool = True, chunk_size: int | None = None,
-                 attn_temperature: tuple[float, float] | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+                 attn_temperature: tuple[float, float] | None = None, v_head_dim: int | None = None,
+                 value_scale: float = 1.0, dtype=jnp.float32, rngs: nnx.Rngs):
         D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
+        Hv = H if v_head_dim is None else v_head_dim
         self.q_proj = Linear((D,), (N, 2 * H if output_gate else H), ("embed", "heads", "head_dim"),
                              use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         kv_axes = ("embed", "kv_heads", "head_dim")
         self.k_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear((D,), (K, H), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear((D,), (K, Hv), kv_axes, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear((N, Hv), (D,), ("heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype, rngs=rngs)
         if gate is not None:
             shape, axes = ((N,), ("embed", "heads")) if gate.per_head else ((N, H), ("embed", "heads", "head_dim"))
             setattr(self, gate.name, Linear((D,), shape, axes, dtype=dtype, rngs=rngs))
@@ -122,12 +126,15 @@ class Attention(nnx.Module):
         self.rope = rope
         self.sliding_window, self.logit_softcap, self.scale = sliding_window, logit_softcap, scale
         self.chunk_size, self.attn_temperature = chunk_size, attn_temperature
+        self.v_head_dim, self.value_scale = Hv, value_scale
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict[Rope, tuple[jax.Array, jax.Array]],
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache). `rope_tables`: {Rope: (cos, sin)} for
         every RoPE of the model; this layer takes its own."""
         q, k, v = project_together(x, (self.q_proj, self.k_proj, self.v_proj))  # [B, T, N|K, H]
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
         if self.output_gate:
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
         if self.q_norm is not None and not self.qk_norm_after_rope:
@@ -165,8 +172,9 @@ class Attention(nnx.Module):
     def op_calls(self) -> list[OpCall]:
         """The attention op (cache-less forward) and the paged one (engine), q/k norms and RoPE."""
         N, H = self.q_proj.out_shape[0], self.head_dim
-        shape = dict(N=N, K=self.k_proj.out_shape[0], H=H, Hv=H, scale=self.scale, window=self.sliding_window,
-                     softcap=self.logit_softcap, sinks=self.sinks is not None, latent=False)
+        shape = dict(N=N, K=self.k_proj.out_shape[0], H=H, Hv=self.v_head_dim, scale=self.scale,
+                     window=self.sliding_window, softcap=self.logit_softcap, sinks=self.sinks is not None,
+                     latent=False)
         if self.chunk_size is not None:  # only where set: other families' calls (and flagships.json) unchanged
             shape["chunk"] = self.chunk_size
         if self.gate is not None or self.output_gate:  # applied outside the op, shown in reports

@@ -1,6 +1,7 @@
 """Delta-rule linear attention: Gated DeltaNet (Qwen3-Next, Qwen3.5) and Kimi Delta Attention (Kimi Linear, the
 same with one decay per key channel). Projections, a short causal convolution over q/k/v, the gated delta rule
-through the `kernels_pallas` op, a gated RMSNorm and the output projection.
+through the `kernels_pallas` op (and the convolution through its own, `causal_conv1d`), a gated RMSNorm and the
+output projection.
 
 Projections keep heads as their own axis (q/k [Nk, Hk], v/z [Nv, Hv]) and the convolution is one weight per
 projection, so tensor parallelism splits all of them, and the per-sequence state, by heads. Checkpoints that fuse
@@ -19,6 +20,7 @@ from day0jax.core.cache_layout import StateLayer
 from day0jax.layers.linear import Linear, param
 from day0jax.layers.norms import RMSNorm
 from kernels_pallas.calls import OpCall
+from kernels_pallas.causal_conv1d import api as conv_op
 from kernels_pallas.gated_delta_rule import api as gdr_op
 
 
@@ -74,8 +76,8 @@ class DeltaRuleMixer(nnx.Module):
         for y, weight, state in zip(qkv, convs, conv_states):
             heads, dim = y.shape[-2:]
             flat_state = None if state is None else state.reshape(B, W - 1, heads * dim)
-            out, new_state = gdr_op.causal_conv1d(y.reshape(B, T, heads * dim), weight[...].reshape(heads * dim, W),
-                                                  flat_state, valid=valid)
+            out, new_state = conv_op.causal_conv1d(y.reshape(B, T, heads * dim), weight[...].reshape(heads * dim, W),
+                                                   flat_state, valid=valid)
             mixed.append(out.reshape(B, T, heads, dim))
             new_conv.append(new_state.reshape(B, W - 1, heads, dim))
         out, recurrent = gdr_op.gated_delta_rule(*mixed, g, beta, recurrent)

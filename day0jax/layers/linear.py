@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import string
 from typing import Sequence
 
 import jax
@@ -12,11 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.layers.quantized import QuantizedKernel
-from kernels_pallas import registry
-from kernels_pallas.quantized_linear import cpu_ffi
-
-# Up to this many rows (tokens), the CPU path computes kernel @ x (see `project`).
-NARROW_ROWS = 64
+from kernels_pallas.calls import OpCall
+from kernels_pallas.linear import api as linear_op
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dtype, stddev: float,
@@ -26,72 +22,21 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None], dt
     return nnx.Param(init(rngs.params(), shape, dtype))
 
 
-def project(x: jax.Array, kernel: jax.Array, in_ndim: int) -> jax.Array:
-    """x [..., *in] times kernel [*out, *in] -> [..., *out].
-
-    Up to `cpu_ffi.DENSE_MAX_ROWS` rows (16 of float32, 8 of bfloat16) on the CPU take the C++ kernel quantized
-    weights use, which streams the weight once per call (a chain of SmolLM2's 210 projections: 18.8 ms against XLA's
-    22.5 at 1 row, 23.3 against 30.2 at 8), unless kernels are off (`kernels="reference"`) or the mesh has several
-    devices; at one row only float32 weights up to 2 MiB do, as XLA streams larger ones as fast (SmolLM2's MLP and
-    vocabulary projections: a decode step 24.4 ms this way, 26.2 with every weight in the kernel; at 8 rows 38.5
-    against 42.5 the other way), while bfloat16 weights of any size do (XLA:CPU's bfloat16 matrix-vector product is
-    10x slower than the kernel's). Otherwise XLA:CPU multiplies a few rows by a large weight twice as fast with the
-    weight as left operand and the result as [*out, rows] (measured: 8 rows x 90 SmolLM2-sized weights, 35 ms against
-    65 ms); the barrier keeps XLA from folding the transpose back into the dot. Prefill-sized inputs on the CPU take
-    one 2-D product: written as a contraction over a kernel with heads as their own axes, XLA:CPU copied the kernel
-    into its matmul layout on every call (a SigLIP-base tower 155 -> 130 ms, a 256-token SmolLM2 prefill with it
-    520 -> 420 ms). Other backends take the plain contraction.
-    """
-    letters = string.ascii_lowercase
-    o, i = letters[:kernel.ndim - in_ndim], letters[kernel.ndim - in_ndim:kernel.ndim]
-    rows = math.prod(x.shape[:x.ndim - in_ndim])
-    n_out, n_in = kernel.shape[:kernel.ndim - in_ndim], kernel.shape[kernel.ndim - in_ndim:]
-    if _cpu_kernel_takes(rows, kernel):
-        try:
-            y = cpu_ffi.dense_matmul(x.reshape(rows, math.prod(n_in)), kernel.reshape(math.prod(n_out), -1))
-            return y.astype(jnp.result_type(x, kernel)).reshape(*x.shape[:x.ndim - in_ndim], *n_out)
-        except NotImplementedError:
-            pass  # another dtype, too many rows, a mesh, no compiler: XLA's product below
-    if jax.default_backend() == "cpu" and rows <= NARROW_ROWS:
-        y = jax.lax.optimization_barrier(jnp.einsum(f"{o}{i},...{i}->{o}...", kernel, x))
-        return jnp.moveaxis(y, tuple(range(len(o))), tuple(range(-len(o), 0)))
-    if jax.default_backend() == "cpu":
-        y = x.reshape(rows, math.prod(n_in)) @ kernel.reshape(math.prod(n_out), math.prod(n_in)).T
-        return y.reshape(*x.shape[:x.ndim - in_ndim], *n_out)
-    return jnp.einsum(f"...{i},{o}{i}->...{o}", x, kernel)
-
-
-def _cpu_kernel_takes(rows: int, kernel: jax.Array) -> bool:
-    """Whether `project` sends `rows` rows times `kernel` to the C++ kernel (when its checks pass; see `project`)."""
-    return jax.default_backend() == "cpu" and registry.get_policy().mode != "reference" and (
-        rows > 1 or kernel.dtype == jnp.bfloat16 or kernel.size * kernel.dtype.itemsize <= 2**21)
-
-
 def project_together(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:
     """[linear(x) for linear in linears], for `Linear`s of the same input (a layer's q, k and v; gate and up).
 
-    Where `project` would send each of them to the CPU's C++ kernel, one call streams all their weights (a SmolLM2
-    decode step on a 2-core Zen 4: q, k and v took 61, 25 and 22 us as three calls; bench/RESULTS.md has the whole
-    step before and after); otherwise each takes its own path.
+    Float maps go to the `linear` op in one call, which takes them together where it can (the CPU kernel streams all
+    their weights in one call: a SmolLM2 decode step's q, k and v took 61, 25 and 22 us as three calls;
+    bench/RESULTS.md has the whole step before and after); quantized ones, or maps of other inputs, each take their
+    own path.
     """
     n_in = linears[0].in_shape
-    rows = math.prod(x.shape[:x.ndim - len(n_in)])
     kernels = [linear.kernel for linear in linears]
-    if all(linear.in_shape == n_in and not isinstance(k, QuantizedKernel) and _cpu_kernel_takes(rows, k[...])
-           for linear, k in zip(linears, kernels)):
-        flat = [k[...].reshape(-1, math.prod(n_in)) for k in kernels]
-        try:
-            with jax.named_scope("projection"):
-                ys = cpu_ffi.dense_matmul_many(x.reshape(rows, math.prod(n_in)), flat)
-        except NotImplementedError:
-            pass  # as in `project`: XLA's products, one by one
-        else:
-            out = []
-            for linear, k, y in zip(linears, flat, ys):
-                y = y.astype(jnp.result_type(x, k)).reshape(*x.shape[:x.ndim - len(n_in)], *linear.out_shape)
-                out.append(y if linear.bias is None else y + linear.bias[...])
-            return out
-    return [linear(x) for linear in linears]
+    if any(linear.in_shape != n_in or isinstance(k, QuantizedKernel) for linear, k in zip(linears, kernels)):
+        return [linear(x) for linear in linears]
+    with jax.named_scope("projection"):
+        ys = linear_op.linear(x, [k[...] for k in kernels], len(n_in))
+    return [y if linear.bias is None else y + linear.bias[...] for linear, y in zip(linears, ys)]
 
 
 def exact_float32(dtype):
@@ -105,7 +50,7 @@ class Linear(nnx.Module):
 
     `axes` names the dims in_shape + out_shape, as callers think of the map; the kernel is stored out_shape +
     in_shape, HF's [out, in] with heads as their own axes, so conversion is a reshape of HF's `weight` and the
-    kernel can be the matmul's left operand (fast CPU decoding, see `project`).
+    kernel can be the matmul's left operand (fast CPU decoding, see `kernels_pallas.linear.reference`).
     """
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], axes: Sequence[str | None], *,
@@ -114,7 +59,7 @@ class Linear(nnx.Module):
         n_in = len(self.in_shape)
         assert len(axes) == n_in + len(self.out_shape), (axes, in_shape, out_shape)
         kernel_axes = tuple(axes[n_in:]) + tuple(axes[:n_in])
-        # `in_ndim` tells the converter and `project` where the input dims start.
+        # `in_ndim` tells the converter where the input dims start.
         self.kernel = param(rngs, self.out_shape + self.in_shape, kernel_axes, dtype,
                             1 / math.sqrt(math.prod(in_shape)), in_ndim=n_in)
         self.bias = param(rngs, self.out_shape, axes[n_in:], dtype, 0.0) if use_bias else None
@@ -125,7 +70,7 @@ class Linear(nnx.Module):
         if isinstance(self.kernel, QuantizedKernel):
             y = self.kernel.matmul(x)
         else:
-            y = project(x, self.kernel[...], len(self.in_shape))
+            y = linear_op.linear(x, [self.kernel[...]], len(self.in_shape))[0]
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -144,4 +89,24 @@ class Embedding(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         if isinstance(self.weight, QuantizedKernel):
             return self.weight.matmul(x)
-        return project(x, self.weight[...], 1)
+        return linear_op.linear(x, [self.weight[...]])[0]
+
+    def attend_calls(self) -> list[OpCall]:
+        """`attend`'s op call, for tied embeddings: a float table's; none for a quantized table, which reports with
+        every quantized weight (`quantized.quantized_op_calls`)."""
+        if isinstance(self.weight, QuantizedKernel):
+            return []
+        V, D = self.weight.shape
+        return [OpCall.of("linear", O=V, I=D)]
+
+
+def linear_op_calls(model: nnx.Module) -> list[tuple[int | None, OpCall]]:
+    """(layer index, call) of every float `Linear` a language model applies (None: outside the decoder layers, as
+    the output projection); quantized ones report through `quantized.quantized_op_calls`, and maps whose kernel a
+    layer reads itself (`quantizable` False) run no op."""
+    out = []
+    for path, m in nnx.iter_modules(model):
+        if isinstance(m, Linear) and m.quantizable and not isinstance(m.kernel, QuantizedKernel):
+            layer = path[2] if tuple(path[:2]) == ("model", "layers") else None
+            out.append((layer, OpCall.of("linear", O=math.prod(m.out_shape), I=math.prod(m.in_shape))))
+    return out

@@ -37,23 +37,31 @@ def activation(name: str, key: str = "hidden_act"):
 
 class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu; with `gated=False`, down(act(up(x))) and no
-    gate_proj (Arcee)."""
+    gate_proj (Arcee). `multipliers` (g, d): down(act(g * gate(x)) * up(x)) * d (Falcon-H1's muP `mlp_multipliers`).
+    `limit` L: down(min(act(gate(x)), L) * clip(up(x), -L, L)) (Step-3.7's per-layer clamps, after the activation)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, use_bias: bool = False,
-                 gated: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+                 gated: bool = True, multipliers: tuple[float, float] = (1.0, 1.0), limit: float | None = None,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         D, F = hidden_size, intermediate_size
         self.gate_proj = (Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
                           if gated else None)
         self.up_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear((F,), (D,), ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
         self.act, self.act_name = activation(act), act
+        self.multipliers, self.limit = tuple(multipliers), limit
 
     @jax.named_scope("mlp")
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
         gate, up = project_together(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(self.act(gate) * up)
+        g, d = self.multipliers
+        gate = self.act(gate if g == 1.0 else gate * g)
+        if self.limit is not None:
+            gate, up = jnp.minimum(gate, self.limit), jnp.clip(up, -self.limit, self.limit)
+        out = self.down_proj(gate * up)
+        return out if d == 1.0 else out * d
 
     def op_calls(self) -> list[OpCall]:
         ungated = {} if self.gate_proj is not None else dict(gated=False)

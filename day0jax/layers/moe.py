@@ -113,23 +113,37 @@ def clamped_swiglu(alpha: float, limit: float) -> Callable[[jax.Array, jax.Array
     return glu
 
 
+def limited_swiglu(act: str, limit: float) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """Step-3.7: min(act(gate), limit) * clip(up, -limit, limit), the clamps after the activation."""
+    fn = activation(act)
+    return lambda gate, up: jnp.minimum(fn(gate), limit) * jnp.clip(up, -limit, limit)
+
+
+def ungated(act: str) -> Callable[[jax.Array], jax.Array]:
+    """act(up), the unit of experts without gate_proj (NemotronH's ReLU squared)."""
+    return activation(act)
+
+
 class Experts(nnx.Module):
     """E experts' weights stacked: gate_proj, up_proj [E, D, F], down_proj [E, F, D].
 
     Args:
-        glu: (gate [.., F], up [.., F]) -> [.., F], e.g. `swiglu("silu")` or `clamped_swiglu(...)`.
+        glu: (gate [.., F], up [.., F]) -> [.., F], e.g. `swiglu("silu")` or `clamped_swiglu(...)`; with
+            `gated=False`, up [.., F] -> [.., F] (`ungated(act)`), and there is no gate_proj.
         use_bias: per-expert biases gate_proj_bias, up_proj_bias [E, F] and down_proj_bias [E, D] (gpt-oss).
         scale_inputs: each routing weight multiplies the token going into its expert, not what comes out (Llama 4;
             the experts are not linear, so the two differ).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 glu: Callable[[jax.Array, jax.Array], jax.Array], *, use_bias: bool = False,
-                 scale_inputs: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 glu: Callable[..., jax.Array], *, use_bias: bool = False, scale_inputs: bool = False,
+                 gated: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
         E, D, F = num_experts, hidden_size, intermediate_size
-        self.gate_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
+        self.gate_proj = (param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
+                          if gated else None)
         self.up_proj = param(rngs, (E, D, F), ("experts", "embed", "expert_mlp"), dtype, 1 / math.sqrt(D))
         self.down_proj = param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), dtype, 1 / math.sqrt(F))
+        assert gated or not use_bias
         self.gate_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0) if use_bias else None
         self.up_proj_bias = param(rngs, (E, F), ("experts", "expert_mlp"), dtype, 0.0) if use_bias else None
         self.down_proj_bias = param(rngs, (E, D), ("experts", "embed"), dtype, 0.0) if use_bias else None
@@ -153,12 +167,16 @@ class Experts(nnx.Module):
         row_weights = weights.reshape(-1)[order][:, None]
         if self.scale_inputs:
             rows = rows * row_weights.astype(rows.dtype)
-        gate = moe_op.grouped_matmul(rows, _weight(self.gate_proj), group_sizes)
         up = moe_op.grouped_matmul(rows, _weight(self.up_proj), group_sizes)
-        if self.gate_proj_bias is not None:
-            gate = gate + self.gate_proj_bias[...][sorted_expert]
-            up = up + self.up_proj_bias[...][sorted_expert]
-        out = moe_op.grouped_matmul(self.glu(gate, up), _weight(self.down_proj), group_sizes)  # [M*k, D]
+        if self.gate_proj is None:
+            hidden = self.glu(up)
+        else:
+            gate = moe_op.grouped_matmul(rows, _weight(self.gate_proj), group_sizes)
+            if self.gate_proj_bias is not None:
+                gate = gate + self.gate_proj_bias[...][sorted_expert]
+                up = up + self.up_proj_bias[...][sorted_expert]
+            hidden = self.glu(gate, up)
+        out = moe_op.grouped_matmul(hidden, _weight(self.down_proj), group_sizes)  # [M*k, D]
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[...][sorted_expert]
         if not self.scale_inputs:
@@ -179,10 +197,14 @@ class MoE(nnx.Module):
         shared: an MLP every token also goes through, named `shared_name` (Qwen2-MoE's `shared_expert`,
             DeepSeek's `shared_experts`), or None.
         shared_gate: Linear D -> 1; the shared output is scaled by sigmoid(shared_gate(x)) (Qwen2-MoE).
+        latent: (fc1_latent_proj D -> L, fc2_latent_proj L -> D): the routed experts work in an L-dim latent space,
+            the tokens projected into it after routing and their sum back out (NemotronH's `moe_latent_size`); the
+            router and the shared experts see x itself.
     """
 
     def __init__(self, router: Router, experts: Experts, *, router_name: str = "gate", shared: nnx.Module | None = None,
-                 shared_name: str = "shared_expert", shared_gate: Linear | None = None):
+                 shared_name: str = "shared_expert", shared_gate: Linear | None = None,
+                 latent: tuple[Linear, Linear] | None = None):
         setattr(self, router_name, router)
         self.experts = experts
         self.router_name, self.shared_name = router_name, shared_name
@@ -191,13 +213,17 @@ class MoE(nnx.Module):
         if shared_gate is not None:
             self.shared_expert_gate = shared_gate
         self.has_shared, self.has_shared_gate = shared is not None, shared_gate is not None
+        self.fc1_latent_proj, self.fc2_latent_proj = latent if latent is not None else (None, None)
 
     @jax.named_scope("mlp")
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = getattr(self, self.router_name)(flat)
-        out = self.experts(flat, weights, experts)
+        if self.fc1_latent_proj is None:
+            out = self.experts(flat, weights, experts)
+        else:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(flat), weights, experts))
         if self.has_shared:
             shared = getattr(self, self.shared_name)(flat)
             if self.has_shared_gate:
@@ -208,10 +234,13 @@ class MoE(nnx.Module):
     def op_calls(self) -> list[OpCall]:
         """The routed experts' grouped matmul, then the shared experts' own calls."""
         router = getattr(self, self.router_name)
-        E, D, F = self.experts.gate_proj.shape
+        E, D, F = self.experts.up_proj.shape  # D: what the experts see (the latent size of a latent MoE)
         shared = self.shared_name + (" (gated)" if self.has_shared_gate else "") if self.has_shared else None
-        weights = self.experts.gate_proj
-        quantized = dict(quantized=weights.spec.describe()) if isinstance(weights, QuantizedExperts) else {}
-        calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=router.routing, shared=shared,
-                           **quantized)]
+        weights = self.experts.up_proj
+        extra = dict(quantized=weights.spec.describe()) if isinstance(weights, QuantizedExperts) else {}
+        if self.experts.gate_proj is None:  # only where set: other families' calls (and flagships.json) unchanged
+            extra["gated"] = False
+        if self.fc1_latent_proj is not None:
+            extra["latent_of"] = self.fc1_latent_proj.in_shape[0]
+        calls = [OpCall.of("moe", E=E, k=router.top_k, D=D, F=F, routing=router.routing, shared=shared, **extra)]
         return calls + (getattr(self, self.shared_name).op_calls() if self.has_shared else [])

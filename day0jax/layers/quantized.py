@@ -222,7 +222,7 @@ def quantizable(model: nnx.Module) -> dict[str, QuantTarget]:
         elif isinstance(m, Embedding) and name.endswith("embed_tokens"):
             out[name] = QuantTarget(m, "weight")
         elif isinstance(m, Experts):
-            out.update({f"{name}.{w}": QuantTarget(m, w) for w in EXPERT_WEIGHTS})
+            out.update({f"{name}.{w}": QuantTarget(m, w) for w in EXPERT_WEIGHTS if getattr(m, w) is not None})
     return out
 
 

@@ -2,7 +2,7 @@
 B * x over the last W tokens, without activation; C times its output; out_proj. HF names kept (`in_proj`,
 `conv.weight`, `out_proj`); reference: transformers/models/lfm2/modeling_lfm2.py, `Lfm2ShortConv`.
 
-The convolution is the `kernels_pallas` gated delta rule op's `causal_conv1d` (activation None), and its
+The convolution is the `kernels_pallas` op `causal_conv1d` (activation None), and its
 per-sequence state (the last W - 1 inputs) lives in the engine's state cache like linear attention's. Its channels
 are split by tensor parallelism like an MLP's hidden units: every step between in_proj and out_proj is per channel.
 """
@@ -17,7 +17,7 @@ from day0jax.core.cache_layout import StateLayer
 from day0jax.layers.gated_delta_net import StateCache
 from day0jax.layers.linear import Linear, param
 from kernels_pallas.calls import OpCall
-from kernels_pallas.gated_delta_rule import api as conv_op
+from kernels_pallas.causal_conv1d import api as conv_op
 
 # The logical axis of the convolution's channels.
 CHANNELS = "mlp"

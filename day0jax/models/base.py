@@ -19,7 +19,7 @@ from day0jax.core.cache_layout import KVLayer, StateLayer
 from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source
-from day0jax.layers.linear import Embedding, Linear
+from day0jax.layers.linear import Embedding, Linear, linear_op_calls
 from day0jax.layers.mlp import activation
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.quantized import quantized_op_calls
@@ -268,10 +268,13 @@ class CausalLM(nnx.Module):
         return self.model.embed_tokens(tokens)
 
     def op_calls(self) -> list[tuple[int | None, OpCall]]:
-        """(layer index, call) for every op call of the forward pass (None: the final norm): the one description
-        of the model's operators that the readiness report, the kernel self-test and the memory planner read."""
+        """(layer index, call) for every op call of the forward pass (None: outside the decoder layers, as the final
+        norm and the output projection): the one description of the model's operators that the readiness report,
+        the kernel self-test and the memory planner read."""
         calls = [(i, call) for i, layer in enumerate(self.model.layers) for call in layer.op_calls()]
-        return calls + [(None, call) for call in self.model.norm.op_calls()] + quantized_op_calls(self)
+        tied = self.model.embed_tokens.attend_calls() if self.lm_head is None else []
+        return (calls + [(None, call) for call in self.model.norm.op_calls()] + quantized_op_calls(self)
+                + linear_op_calls(self) + [(None, call) for call in tied])
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, caches: Sequence[Any] | None = None,
                  seq_len: jax.Array | None = None, **inputs: Any) -> tuple[jax.Array, list[Any] | None]:

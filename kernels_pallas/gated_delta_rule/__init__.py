@@ -1,2 +1,1 @@
-"""Gated delta-rule linear attention (Qwen3-Next, Kimi Linear's per-channel variant) and its short causal
-convolution."""
+"""Gated delta-rule linear attention (Qwen3-Next, Kimi Linear's per-channel variant)."""

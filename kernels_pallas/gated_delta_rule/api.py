@@ -1,6 +1,5 @@
 """The gated delta rule as linear-attention layers see it: on Hopper the Mosaic GPU kernel for prefill, else
-`reference.gated_delta_rule` (the recurrent form for a decode step, the chunked form for prefill); and its causal
-convolution (plain jax.numpy: cheap, no kernel)."""
+`reference.gated_delta_rule` (the recurrent form for a decode step, the chunked form for prefill)."""
 
 from __future__ import annotations
 
@@ -10,9 +9,6 @@ import jax
 
 from kernels_pallas import registry
 from kernels_pallas.gated_delta_rule import pallas_mgpu, reference
-from kernels_pallas.gated_delta_rule.reference import causal_conv1d
-
-__all__ = ["gated_delta_rule", "causal_conv1d", "IMPLEMENTATIONS", "CANDIDATES", "PALLAS", "INTERPRET"]
 
 IMPLEMENTATIONS = {
     registry.REFERENCE: reference.gated_delta_rule,

@@ -27,6 +27,13 @@ Jobs (each a dict with "op"):
                [, state] `chunk_out`, `chunk_state`, `recurrent_out`, `recurrent_state`; from x, weight
                `conv_out` (causal_conv1d_fn, SiLU); from x_step, conv_state, weight `step_out`, `step_state`
                (causal_conv1d_update, SiLU).
+  mamba2       {inputs, out}: transformers' own torch functions of Mamba2 layers (NemotronH's module; Falcon-H1's and
+               Granite 4's are the same code) on the arrays of the INPUTS .npz, layouts as day0jax's: x [B, T, N, H],
+               dt [B, T, N], A, D, dt_bias [N], b, c [B, T, G, Z], state [B, N, H, Z], `chunk` and `limit` [2].
+               Writes `chunk_out`, `chunk_state` (mamba2_chunk_scan from the state) and `step_out`, `step_state`
+               (mamba2_selective_state_update on token 0 from the state); with y, z [B, T, I] and norm_weight [I],
+               `gated_norm` (NemotronH's gate-then-norm over `norm_groups` groups) and `norm_gated` (Falcon-H1's
+               norm-before-gate).
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
@@ -37,6 +44,7 @@ Jobs (each a dict with "op"):
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -138,6 +146,8 @@ def tiny_hf(job):
                 p.normal_(1.0, 0.1)
             elif name.endswith("router.gate.weight") and not p.any():
                 p.normal_(0.0, config.initializer_range)
+            elif re.search(r"\.(mixer|mamba)\.(A_log|D|dt_bias)$", name):  # Mamba2's per-head constants at init
+                p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3's image projection, 0 at init
                 p.normal_(0.0, 0.2)
             elif name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequency factors, 0 at init
@@ -390,6 +400,41 @@ def gdn(job):
             out = plain(mod.causal_conv1d_update)(x["x_step"].transpose(1, 2), state, x["weight"],
                                                   activation="silu")
             result["step_out"], result["step_state"] = out.transpose(1, 2).numpy(), state.transpose(1, 2).numpy()
+    np.savez(job["out"], **result)
+
+
+def mamba2(job):
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+    from transformers.models.nemotron_h import modeling_nemotron_h as mod
+
+    plain = lambda f: getattr(f, "__wrapped__", f)  # the torch code itself, not a hub or mamba_ssm kernel
+    x = {k: torch.from_numpy(v) for k, v in np.load(job["inputs"]).items()}
+    result = {}
+    with torch.no_grad():
+        if "x" in x:
+            B, T, N, H = x["x"].shape
+            G, Z = x["b"].shape[2:]
+            chunk, limit = int(x["chunk"]), tuple(float(v) for v in x["limit"])
+            out, final = plain(mod.mamba2_chunk_scan)(
+                x["x"], x["dt"], x["A"], x["b"], x["c"], chunk_size=chunk, D=x["D"], dt_bias=x["dt_bias"],
+                initial_states=x["state"].clone(), dt_softplus=True, dt_limit=limit, return_final_states=True)
+            result["chunk_out"], result["chunk_state"] = out.numpy(), final.numpy()
+            # As mamba2_scan_forward calls it for a decode step: per-head values expanded over the head dim.
+            state = x["state"].clone()
+            out = plain(mod.mamba2_selective_state_update)(
+                state, x["x"][:, 0], x["dt"][:, :1].transpose(1, 2).expand(-1, -1, H),
+                x["A"][:, None, None].expand(-1, H, Z), x["b"][:, 0], x["c"][:, 0], x["D"][:, None].expand(-1, H),
+                z=None, dt_bias=x["dt_bias"][:, None].expand(-1, H), dt_softplus=True)
+            result["step_out"], result["step_state"] = out.numpy(), state.numpy()
+        if "y" in x:
+            groups = int(x["norm_groups"])
+            I = x["y"].shape[-1]
+            norm = mod.NemotronHRMSNormGated(I, group_size=I // groups, eps=1e-5)
+            norm.weight.copy_(x["norm_weight"])
+            result["gated_norm"] = norm(x["y"], x["z"]).numpy()
+            norm = FalconH1RMSNormGated(I, eps=1e-5, n_groups=groups, norm_before_gate=True)
+            norm.weight.copy_(x["norm_weight"])
+            result["norm_gated"] = norm(x["y"], x["z"]).numpy()
     np.savez(job["out"], **result)
 
 
