@@ -62,8 +62,8 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
     available = {n: source.tensor_shape(n) for n in source.tensor_names()}
     plan, used = {}, set()
     for info in infos:
-        src = fam.hf_source(config, info.path, info.shape, info.metadata) \
-            or default_source(info.path, info.shape, info.metadata)
+        src = (fam.hf_source(config, info.path, info.shape, info.metadata)
+               or default_source(info.path, info.shape, info.metadata)).matching(available)
         for name, want in zip(src.names, src.shapes):
             if name not in available:
                 raise CheckpointError(f"{source.path}: tensor {name!r} (for parameter {info.path}, shape {want}) "

@@ -28,7 +28,7 @@ from kernels_pallas.quantized_linear.reference import quantize
 
 KINDS = ("int8", "int4", "fp8")
 DEFAULT_GROUP = {"int8": 32, "int4": 32, "fp8": 128}
-VISION_MARKERS = ("vision", "visual", "multi_modal_projector", "merger")
+VISION_MARKERS = ("vision", "visual", "multi_modal_projector", "merger", "mm_projector")
 # Projections to fewer outputs stay float: gates such as Qwen's shared-expert gate (one output), whose few bytes
 # are not worth a rounding error on a decision.
 MIN_OUTPUTS = 16

@@ -349,7 +349,7 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
                                   "stored as its config.json says")
     elif not mapping:  # (a source whose tensors do not map has nothing to plan)
         try:
-            quantization = _source_quantization(fam, config, abstract, infos, source, quantize)
+            quantization = _source_quantization(fam, config, abstract, infos, source, quantize, hf)
         except Day0Error as e:
             report.reasons.append(str(e))
             quantization = None
@@ -410,7 +410,8 @@ def _vision(abstract, infos, itemsize: int) -> dict:
         return {}
     v = abstract.config.vision
     count = sum(math.prod(i.shape) for i in infos if not i.path.startswith("language_model."))
-    tower = f"{v.model_type} ({getattr(v, 'num_hidden_layers', getattr(v, 'depth', '?'))} layers x {v.hidden_size})"
+    layers = getattr(v, "num_hidden_layers", getattr(v, "depth", "?"))
+    tower = f"{getattr(v, 'name', v.model_type)} ({layers} layers x {v.hidden_size})"
     return {"tower": tower, "tokens_per_image": spec.tokens_per_image,
             "pixels": None if spec.pixel_shape is None else list(spec.pixel_shape), "merge": spec.merge,
             "multimodal_rope": spec.mrope is not None, "deepstack_layers": spec.deepstack,
@@ -418,10 +419,11 @@ def _vision(abstract, infos, itemsize: int) -> dict:
             "parameter_bytes": count * itemsize}
 
 
-def _source_quantization(fam, config, abstract, infos, source, quantize: str | None = None):
+def _source_quantization(fam, config, abstract, infos, source, quantize: str | None = None, hf: dict | None = None):
     """What converting `source` (with `--quantize quantize`) would keep quantized (a `convert.quantize.QuantPlan`),
     planned on the float model `abstract` with parameters `infos`; None for a converted checkpoint or an unreadable
-    source. A config.json alone is planned as a float source.
+    source. A config.json alone (`hf`) is planned as its compressed-tensors quantization says, else as a float
+    source.
 
     Raises:
         Day0Error: a quantization the runtime does not keep (named), or a malformed one.
@@ -429,7 +431,9 @@ def _source_quantization(fam, config, abstract, infos, source, quantize: str | N
     from convert.quantize import plan_quantization
 
     if source is None:
-        return plan_quantization(abstract, {}, None, quantize_kind=quantize) if quantize else None
+        if quantize:
+            return plan_quantization(abstract, {}, None, quantize_kind=quantize)
+        return _config_quantization(fam, config, abstract, infos, (hf or {}).get("quantization_config") or {})
     if isinstance(source, (dict, _ReadableShards)):
         return None
     from convert.convert import plan_sources
@@ -437,6 +441,52 @@ def _source_quantization(fam, config, abstract, infos, source, quantize: str | N
 
     source = RenamedSource(source, fam.renames) if fam.renames else source
     return plan_quantization(abstract, plan_sources(fam, config, infos, source), source, quantize_kind=quantize)
+
+
+def _config_quantization(fam, config, abstract, infos, q: dict):
+    """What a compressed-tensors checkpoint stores quantized, from its config.json alone (its weights not here):
+    every weight its scheme targets and its `ignore` list does not name, the vision side left float (those
+    checkpoints quantize the language model only); None for other quantization methods.
+
+    Raises:
+        Day0Error: a scheme the runtime does not keep (named).
+    """
+    import re
+
+    from convert.compressed_tensors import scheme
+    from convert.quantize import VISION_MARKERS, QuantPlan, quantizable
+    from day0jax.core.hf_tensors import default_source
+    from day0jax.layers.quantized import QuantSpec
+
+    if q.get("quant_method") != "compressed-tensors":
+        return None
+    s = scheme("config.json", q)
+    if s.fp8 or "Linear" not in next(iter(q["config_groups"].values())).get("targets", ["Linear"]):
+        return None
+    ignore = q.get("ignore") or []
+
+    def ignored(module: str) -> bool:
+        for entry in ignore:
+            if entry.startswith("re:") and re.match(entry[3:], module):
+                return True
+            if not entry.startswith("re:") and (module == entry or module.endswith("." + entry)):
+                return True
+        return False
+    by_path = {i.path: i for i in infos}
+    specs, kept = {}, {}
+    for key, t in quantizable(abstract).items():
+        info = by_path[t.param_path(key)]
+        src = fam.hf_source(config, info.path, info.shape, info.metadata) or default_source(info.path, info.shape,
+                                                                                          info.metadata)
+        modules = [n.removesuffix(".weight") for n in src.names]
+        if t.embedding or any(m in key for m in VISION_MARKERS) or any(ignored(m) for m in modules):
+            kept["not quantized by the checkpoint"] = kept.get("not quantized by the checkpoint", 0) + 1
+            continue
+        group = s.group or t.inputs
+        specs[key] = QuantSpec("int4" if s.bits == 4 else "int8", group, offset=not s.symmetric,
+                               scale_dtype="bfloat16" if s.symmetric else "float32")
+    experts = frozenset(k for k in specs if quantizable(abstract)[k].experts)
+    return QuantPlan(specs, frozenset(specs), kept, experts)
 
 
 def _mapping_problems(fam, config, infos, source) -> list[str]:

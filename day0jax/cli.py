@@ -41,6 +41,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="smallest attention span (tokens) compiled for decode; spans double up to 1024, then 4x")
     g.add_argument("--max-waiting", type=int, default=256, help="queued sequences before answering 429")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--image-cache-mb", type=int, default=256,
+                   help="host memory for the features of encoded images, so that an image sent again is not "
+                        "encoded again (vision-language models; 0: off)")
     g.add_argument("--no-window-kv", action="store_true",
                    help="sliding-window layers keep every page, not only their window's (keeps prefix caching on)")
     s = p.add_argument_group("speculative decoding")
@@ -78,7 +81,8 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(page_size=args.page_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         kv_cache_tokens=args.kv_cache_tokens, max_waiting=args.max_waiting, chunk_buckets=chunks,
                         min_width=args.min_width, prefix_caching=not args.no_prefix_caching,
-                        window_kv=not args.no_window_kv, speculative=speculative_config_from_args(args))
+                        window_kv=not args.no_window_kv, speculative=speculative_config_from_args(args),
+                        image_cache_mb=args.image_cache_mb)
 
 
 def speculative_config_from_args(args: argparse.Namespace):

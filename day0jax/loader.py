@@ -72,7 +72,7 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
     timeline = timeline or null_timeline()
     path, hf = read_checkpoint_config(path, timeline)
     prepared = prepare(hf, dtype=dtype, mesh=mesh, engine=engine, memory_budget=memory_budget, kernels=kernels,
-                       timeline=timeline)
+                       timeline=timeline, folder=path)
     return restore(prepared, path, timeline=timeline)
 
 
@@ -178,9 +178,10 @@ def load_draft(path: str | Path, *, dtype: str, mesh: Mesh, max_model_len: int) 
 
 def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = None,
             engine: EngineConfig | None = None, memory_budget: int | None = None, kernels: str = "auto",
-            timeline: Timeline | None = None) -> Prepared:
+            timeline: Timeline | None = None, folder: str | Path | None = None) -> Prepared:
     """The first half of `load`, from a config.json's contents alone: the abstract model, the memory plan, the
-    mesh and the kernel choices. Arguments and errors as `load`'s (but no checkpoint is read)."""
+    mesh and the kernel choices. Arguments and errors as `load`'s (but no checkpoint is read); `folder`, the
+    checkpoint's, where its image processor bounds the images a vision tower takes (its programs cover them)."""
     timeline = timeline or null_timeline()
     engine = engine or EngineConfig()
     config = models.config_from_hf(hf)
@@ -191,6 +192,10 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
         spec = engine.speculative
         abstract = models.abstract_model(config, DTYPES[dtype], quantization=specs_from_config(hf),
                                          mtp=spec is not None and spec.method == "mtp")
+        if folder is not None and hasattr(abstract, "image_patch_limit"):
+            from day0jax.vision.processors import patch_limit
+
+            abstract.image_patch_limit = patch_limit(folder)
         infos = {i.path: i for i in models.param_infos(abstract)}
         layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)

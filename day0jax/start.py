@@ -87,7 +87,7 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     path, hf, fingerprint, conversion = find_model(args, dtype, timeline)
     cache = enable_cache(args, fingerprint, timeline)
     prepared = loader.prepare(hf, dtype=dtype, mesh=args.mesh, engine=engine_config_from_args(args),
-                              kernels=args.kernels, timeline=timeline)
+                              kernels=args.kernels, timeline=timeline, folder=path)
     with timeline.phase("build engine", what="KV page pool"):
         engine = prepared.engine()
     store = None

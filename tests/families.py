@@ -472,6 +472,32 @@ QWEN_VL_PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", patch_siz
 QWEN_VL_TOWER = dict(model_type="qwen3_vl_vision", depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+# Kimi K2.5: 4-pixel patches at the image's own size within 64 patches (10 a side), padded to 8-pixel multiples;
+# MoonViT's 4 x 4 position table resampled bicubically to each grid, heads of 16 turned by the 2-D rotary, 2x2
+# blocks merged. Larger weights (initializer_range) so that attention, and with it the rotary, varies by patch.
+KIMI_PROCESSOR = dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=4, merge_size=2, max_patches=64,
+                      size={"max_height": 10, "max_width": 10}, resample=3, image_mean=[0.5, 0.5, 0.5],
+                      image_std=[0.5, 0.5, 0.5])
+MOONVIT_TOWER = dict(model_type="kimi_k25_vision", patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4,
+                     num_attention_heads=2, num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                     merge_kernel_size=[2, 2], initializer_range=0.2)
+PIXTRAL_PROCESSOR = dict(image_processor_type="PixtralImageProcessor", patch_size={"height": 8, "width": 8},
+                         size={"longest_edge": 48}, resample=3)
+PIXTRAL_TOWER = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, patch_size=4, image_size=48, hidden_act="gelu", initializer_range=0.2)
+GEMMA4_TOWER = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                    position_embedding_size=64, standardize=True, initializer_range=0.2)
+GEMMA4_PROCESSOR = dict(image_processor_type="Gemma4ImageProcessor", patch_size=4, max_soft_tokens=70,
+                        pooling_kernel_size=2)
+# LFM2-VL: SigLIP2 NaFlex with an 8 x 8 position table resized to each grid, 4-pixel patches, images resized to
+# between 4 and 16 tokens of 2x2 patches; past twice the most pixels (about 45 x 45), split into 2 to 4 tiles of
+# 16 pixels and a thumbnail.
+SIGLIP2_TOWER = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, patch_size=4, num_patches=64, vision_use_head=False)
+LFM2_VL_PROCESSOR = dict(image_processor_type="Lfm2VlImageProcessor", encoder_patch_size=4, downsample_factor=2,
+                         min_image_tokens=4, max_image_tokens=16, tile_size=16, max_tiles=4, max_pixels_tolerance=2.0,
+                         do_convert_rgb=True)
 
 
 @dataclass(frozen=True)
@@ -481,6 +507,8 @@ class VLCase:
     processor: dict
     per_image: int | None  # tokens per image; None: as many as its merged patches (`image_tokens`)
     around: tuple[list[int], list[int]] = ([], [])  # tokens before and after each image's tokens
+    merge: int = 2  # a token per merge x merge patches of the processor's grid (images of their own size)
+    row_ends: tuple[int, int] | None = None  # the tokens ending each row of an image's tokens, and the last one
 
 
 MULTIMODAL = {
@@ -518,6 +546,55 @@ MULTIMODAL = {
             model_type="qwen3_5_vision"),
         image_token_id=IMAGE_TOKEN, video_token_id=251, vision_start_token_id=BOI, vision_end_token_id=EOI),
         QWEN_VL_PROCESSOR, None, ([BOI], [EOI])),
+    # Qwen3-VL-MoE: Qwen3-VL's tower and DeepStack over Qwen3-MoE layers (layer 0 dense, then softmax top-2 of 4
+    # experts, fused as released: 2F = 96 differs from D = 64, so a transposed layout cannot pass for the right one).
+    "qwen3_vl_moe": VLCase("qwen3_vl_moe", dict(
+        text_config=dict(TINY, model_type="qwen3_vl_moe_text", num_hidden_layers=3, head_dim=16,
+                         max_position_embeddings=512, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                         mlp_only_layers=[0], initializer_range=0.1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(QWEN_VL_TOWER, model_type="qwen3_vl_moe_vision"), image_token_id=IMAGE_TOKEN,
+        video_token_id=251, vision_start_token_id=BOI, vision_end_token_id=EOI), QWEN_VL_PROCESSOR, None,
+        ([BOI], [EOI])),
+    # Mistral 3: Pixtral (2-D rotary over the patch grid, gated MLPs, RMSNorms) over Mistral with a sliding window;
+    # 2x2 patches of 4 pixels merged (the processor's patches are the merged 8-pixel ones), rows of image tokens
+    # ended by [IMG_BREAK] and [IMG_END]. Larger weights (initializer_range) so that attention varies by patch.
+    "mistral3": VLCase("mistral3", dict(
+        text_config=dict(TINY, model_type="mistral", sliding_window=8, initializer_range=0.1),
+        vision_config=PIXTRAL_TOWER, image_token_index=IMAGE_TOKEN, spatial_merge_size=2, tie_word_embeddings=False,
+        initializer_range=0.1), PIXTRAL_PROCESSOR, None, merge=1, row_ends=(BOI, EOI)),
+    # On Ministral (sliding, then full attention), the tower's second-to-last hidden state (its last layer then
+    # never runs), projector biases.
+    "mistral3_ministral": VLCase("mistral3", dict(
+        text_config=dict(FAMILIES["ministral"][1], model_type="ministral", initializer_range=0.1),
+        vision_config=dict(PIXTRAL_TOWER, num_hidden_layers=3), image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-2, multimodal_projector_bias=True, projector_hidden_act="gelu_pytorch_tanh",
+        initializer_range=0.1), PIXTRAL_PROCESSOR, None, merge=1, row_ends=(BOI, EOI)),
+    # Gemma 4: its tower (2-D rotary over column and row halves, q/k/v norms, one kv head for two, 2x2 pooling,
+    # standardized) over the gemma4 text entry (KV sharing, per-layer inputs); an image's tokens attend both ways in
+    # the sliding layers. The processor fills 70 soft tokens' patches (the fewest it takes).
+    "gemma4": VLCase("gemma4", dict(
+        text_config=dict(FAMILIES["gemma4"][1], model_type="gemma4_text", max_position_embeddings=512,
+                         use_bidirectional_attention="vision"),
+        vision_config=GEMMA4_TOWER, image_token_id=IMAGE_TOKEN, boi_token_id=BOI, eoi_token_id=EOI,
+        video_token_id=251, audio_token_id=247, boa_token_id=246, eoa_token_index=245, initializer_range=0.1),
+        GEMMA4_PROCESSOR, None, ([BOI], [EOI])),
+    # LFM2-VL: SigLIP2 NaFlex, the pixel unshuffle and a LayerNorm'd two-layer projector over LFM2 (convolutions
+    # beside attention).
+    "lfm2_vl": VLCase("lfm2_vl", dict(
+        text_config=dict(FAMILIES["lfm2"][1], model_type="lfm2", max_position_embeddings=512),
+        vision_config=SIGLIP2_TOWER,
+        image_token_id=IMAGE_TOKEN, projector_hidden_size=48, projector_hidden_act="gelu"),
+        LFM2_VL_PROCESSOR, None, ([BOI], [EOI])),
+    # Kimi K2.5: MoonViT over a DeepSeek-V3 language model (MLA; a dense layer, then sigmoid top-2 of 8 experts in
+    # one group with a shared expert, as Kimi K2 routes), untied as published.
+    "kimi_k25": VLCase("kimi_k25", dict(
+        text_config=dict(FAMILIES["deepseek_v3"][1], num_hidden_layers=2, n_group=1, topk_group=1,
+                         initializer_range=0.1, model_type="deepseek_v3"),
+        vision_config=MOONVIT_TOWER, projection_hidden_size=32, image_token_id=IMAGE_TOKEN, video_token_id=251,
+        vision_start_token_id=BOI, vision_end_token_id=EOI, tie_word_embeddings=False, initializer_range=0.1),
+        KIMI_PROCESSOR, None, ([BOI], [EOI])),
 }
 
 
@@ -527,5 +604,18 @@ def image_tokens(case: VLCase, image) -> int:
         return case.per_image
     from day0jax.vision.processors import image_processor
 
-    t, h, w = image_processor(case.processor).preprocess(image).grid_thw
-    return t * h * w // 4  # 2x2 merge
+    grid = image_processor(case.processor).preprocess(image).grid_thw
+    tiles = grid[3] * grid[4] * (grid[5] // case.merge) ** 2 if len(grid) == 6 else 0  # LFM2-VL's tiles
+    return grid[0] * grid[1] * grid[2] // case.merge ** 2 + tiles
+
+
+def image_placeholders(case: VLCase, image, token: int) -> list[int]:
+    """`image`'s placeholder tokens in `case`'s model: `token` repeated, or row by row where each row ends with
+    a token of its own (Mistral 3)."""
+    if case.row_ends is None:
+        return [token] * image_tokens(case, image)
+    from day0jax.vision.processors import image_processor
+
+    _, rows, cols = image_processor(case.processor).preprocess(image).grid_thw
+    out = ([token] * cols + [case.row_ends[0]]) * rows
+    return out[:-1] + [case.row_ends[1]]

@@ -228,3 +228,69 @@ def write_scripted_checkpoint(root: Path, chat_template: str, script: dict[str, 
     dst = root / name
     convert_checkpoint(hf, dst, progress=False)
     return dst
+
+
+# --- the vision-language families on SmolLM2's tokenizer: tiny random models built by transformers ----------------
+
+# Per family (a tests/families.py MULTIMODAL entry): its special tokens (the first is the image placeholder), the
+# config keys that name them, and how its chat template shows an image part (as the family's released template does).
+FAMILY_TOKENS = {
+    "kimi_k25": (["<|media_pad|>", "<|media_begin|>", "<|media_content|>", "<|media_end|>"],
+                 ["image_token_id"], "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"),
+    "mistral3": (["[IMG]", "[IMG_BREAK]", "[IMG_END]"], ["image_token_index"], "[IMG]"),
+    "gemma4": (["<|image|>", "<|image>", "<image|>", "<|video|>", "<|audio|>", "<|audio>", "<audio|>"],
+               ["image_token_id", "boi_token_id", "eoi_token_id", "video_token_id", "audio_token_id", "boa_token_id",
+                "eoa_token_index"], "<|image|>"),
+    "lfm2_vl": (["<image>", "<|image_start|>", "<|image_end|>"], ["image_token_id"], "<image>"),
+    "qwen3_vl_moe": (["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"],
+                     ["image_token_id", "vision_start_token_id", "vision_end_token_id"],
+                     "<|vision_start|><|image_pad|><|vision_end|>"),
+}
+
+
+def family_vision_template(image: str) -> str:
+    """SmolLM2's <|im_start|> format, image parts written as `image`."""
+    return VISION_TEMPLATE.replace("<image>", image)
+
+
+def write_family_vision_checkpoints(root: Path, names: list[str], run_reference) -> dict[str, Path]:
+    """Per family in `names`: a tiny random model of its MULTIMODAL config built by transformers (one reference
+    subprocess for all), its vocabulary SmolLM2's plus the family's special tokens, SmolLM2's tokenizer with them, a
+    chat template showing images as the family's does, its image processor; converted. Returns the day0jax
+    checkpoint folders (each named "tiny-vision", under root/<name>)."""
+    from convert import convert_checkpoint
+    from day0jax.default_model import default_checkpoint
+    from families import MULTIMODAL
+
+    source = default_checkpoint(progress=False)
+    base = json.loads((source / "tokenizer.json").read_text())
+    first = 1 + max(max(base["model"]["vocab"].values()), max(t["id"] for t in base["added_tokens"]))
+    jobs, folders = [], {}
+    for name in names:
+        case = MULTIMODAL[name]
+        tokens, keys, _ = FAMILY_TOKENS[case.model_type]
+        ids = {t: first + i for i, t in enumerate(tokens)}
+        hf = Path(root) / name / "hf"
+        text = dict(case.config["text_config"], vocab_size=first + len(tokens), bos_token_id=1, eos_token_id=2,
+                    pad_token_id=2)
+        if "vocab_size_per_layer_input" in text:  # Gemma 4's per-layer table covers every token too
+            text["vocab_size_per_layer_input"] = text["vocab_size"]
+        config = dict(case.config, text_config=text)
+        config.update({k: ids[t] for k, t in zip(keys, tokens)})
+        jobs.append({"op": "tiny_hf", "family": case.model_type, "config": config, "seed": 0, "out": str(hf)})
+        folders[name] = (hf, tokens, ids)
+    run_reference(jobs, Path(root))
+    out = {}
+    for name, (hf, tokens, ids) in folders.items():
+        case = MULTIMODAL[name]
+        tokenizer = json.loads(json.dumps(base))
+        tokenizer["added_tokens"] += [{"id": ids[t], "content": t, "single_word": False, "lstrip": False,
+                                       "rstrip": False, "normalized": False, "special": True} for t in tokens]
+        (hf / "tokenizer.json").write_text(json.dumps(tokenizer))
+        shutil.copy(source / "tokenizer_config.json", hf / "tokenizer_config.json")
+        (hf / "chat_template.jinja").write_text(family_vision_template(FAMILY_TOKENS[case.model_type][2]))
+        (hf / "preprocessor_config.json").write_text(json.dumps(case.processor))
+        (hf / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                               "pad_token_id": 2}))
+        out[name] = convert_checkpoint(hf, Path(root) / name / "tiny-vision", progress=False).dst
+    return out

@@ -88,6 +88,24 @@ def test_kimi_k2_needs_four_hosts_in_bfloat16_and_two_in_fp8():
     assert 0.5 < fp8.memory["params_bytes"] / bf16.memory["params_bytes"] < 0.53
 
 
+def test_kimi_k25_plans_with_its_tower_and_int4_experts_as_shipped():
+    """The published Kimi K2.5 config.json alone (its remote code's keys, a compressed-tensors quantization_config):
+    Kimi K2's language model behind the 27-layer MoonViT tower; the routed experts planned as stored (int4 in
+    groups of 32; attention, shared experts, the dense layer and lm_head bfloat16, as its `ignore` list says), which
+    fits 2 hosts of 8 H200, one replica per host."""
+    report = plan("kimi_k25_1t", 2, 8)
+    assert report.supported, report.reasons
+    assert report.family == "day0jax.models.kimi_k25"
+    text = check_lib.check(CONFIGS / "kimi_k2_1t").parameters["model"]
+    v = report.vision
+    assert v["tower"].startswith("kimi_k25_vision (27 layers x 1152)") and v["merge"] == 2
+    assert report.parameters["model"] == text + v["parameters"] and 400e6 < v["parameters"] < 500e6
+    # 60 MoE layers x 3 expert weights, and nothing else, stay int4.
+    assert report.quantization.startswith("quantized weights: 180 x int4/32")
+    assert report.cluster["fits"] and report.cluster["mesh"] == "dp=2,tp=8"
+    assert any(r["key"] == "vision_config.vt_hidden_size" and r["status"] == "used" for r in report.keys)
+
+
 def test_parameters_that_alone_do_not_fit_get_no_engine_hints():
     """Fewer sequences or a shorter context cannot help when the parameters alone overflow every device."""
     report = plan("deepseek_v3_671b", 1, 8)

@@ -138,15 +138,6 @@ MULTIMODAL = {
         image_size=32, patch_size=8, projector_input_dim=64, projector_output_dim=64)),
         ("vision_model", "multi_modal_projector", "images are not supported yet"),
         lambda c: c.layer_kinds == ("chunked_attention", "full_attention")),
-    # `model.language_model.`; vision and audio towers with their embedders.
-    "gemma4": ("gemma4", dict(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=2, head_dim=16),
-        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32,
-                          subsampling_conv_channels=[8, 4])),
-        ("vision_tower", "embed_vision", "audio_tower", "embed_audio", "images are not supported yet",
-         "audio is not supported"),
-        lambda c: c.kv_sources == (None, None, 0, 1)),
     # Mistral's own tensor names, the language model's beside a Pixtral tower and its projector.
     "mistral_large4": ("mistral_large4", dict(vision_config=dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,

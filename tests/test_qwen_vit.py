@@ -146,3 +146,15 @@ def test_bad_grids(tower, ref):
         tower(patches[:20], ((1, 4, 5),))
     with pytest.raises(ValueError, match="expected"):
         tower(patches, ((1, 4, 6),))
+
+
+def test_buckets_cover_the_image_processors_limit():
+    """Without a limit, the default sizes; with one, the buckets up to the one that holds it, grown 4x past the
+    largest size as `bucket` grows: every image up to the limit has its program among `keys`."""
+    buckets = qwen_vit.PatchBuckets(VisionConfig.from_hf(CONFIG))
+    assert buckets.keys() == [(256,), (1024,), (4096,)]
+    small = qwen_vit.PatchBuckets(VisionConfig.from_hf(CONFIG), limit=200)
+    assert small.keys() == [(256,)]
+    big = qwen_vit.PatchBuckets(VisionConfig.from_hf(CONFIG), limit=20000)
+    assert big.keys() == [(256,), (1024,), (4096,), (16384,), (65536,)]
+    assert all((big.bucket(n),) in big.keys() for n in (1, 300, 5000, 16385, 20000))

@@ -347,3 +347,42 @@ def test_a_text_only_model_refuses_images(tmp_path):
         # Text parts alone still work.
         r = post(proc.url, chat("Say hi."), model="tiny-chat")
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+
+
+# --- this year's vision-language families through the server --------------------------------------------------
+
+SERVED_FAMILIES = ["kimi_k25", "mistral3", "qwen3_vl_moe", "gemma4", "lfm2_vl"]
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    from conftest import run_reference
+    from serve_tiny import write_family_vision_checkpoints
+
+    return write_family_vision_checkpoints(tmp_path_factory.mktemp("serve-families"), SERVED_FAMILIES, run_reference)
+
+
+@pytest.mark.parametrize("name", SERVED_FAMILIES)
+def test_families_serve_images_as_the_model_runs_them(family_checkpoints, name):
+    """Kimi K2.5 (MoonViT), Mistral 3 (Pixtral: rows of [IMG] ended by [IMG_BREAK] and [IMG_END]), Qwen3-VL-MoE
+    (3-D RoPE, DeepStack), Gemma 4 (an image's tokens attending both ways in sliding layers, each image prefilled
+    whole) and LFM2-VL (SigLIP2 NaFlex, each image between <|image_start|> and <|image_end|>) served: two images of odd sizes in one message, through the official client, plain and streamed, give
+    the tokens and log-probabilities of the model's own `prepare` + `generate`; the prompt holds each image's
+    expanded placeholders."""
+    ckpt = family_checkpoints[name]
+    model = day0jax.load(ckpt, dtype="float32")
+    with serving(["--model", str(ckpt), "--warmup", "none", *FLAGS]) as proc:
+        vision = dict(model=model, client=openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0,
+                                                        timeout=120))
+        messages = chat("Compare", image_part(data_url(image(3))), "with", image_part(data_url(image(4))))
+        ids, _ = model.prepare(messages)
+        inputs = model.images.inputs([image(3), image(4)])
+        assert ids.count(model.vision.image_token_id) == sum(inputs.counts) and len(inputs.counts) == 2
+        if name == "mistral3":  # each image row by row: a break after every row but the last, which ends it
+            tok = model.tokenizer
+            brk, end = (tok.encode(t)[-1] for t in ("[IMG_BREAK]", "[IMG_END]"))
+            assert ids.count(end) == 2 and ids.count(brk) == sum(g[1] - 1 for g in inputs.grids)
+        if name == "lfm2_vl":
+            start, end = (model.tokenizer.encode(t)[-1] for t in ("<|image_start|>", "<|image_end|>"))
+            assert ids.count(start) == ids.count(end) == 2
+        check_served(vision, messages)

@@ -51,10 +51,13 @@ OVERRIDES = {
     "laguna": dict(num_attention_heads_per_layer=[8, 16, 8]),
     "step3p7": dict(num_sliding_attention_heads=16),
 }
+# Vision towers with 8 heads too, so that tp=8 splits them (their MLPs, 64 wide, split as well).
+VISION_OVERRIDES = {"kimi_k25": dict(num_attention_heads=8), "mistral3": dict(num_attention_heads=8)}
 # The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA, a hybrid
-# linear-attention, a sparse-attention and a Mamba2 hybrid model. Adding a family is adding its model_type here.
+# linear-attention, a sparse-attention and a Mamba2 hybrid model, and vision-language ones (towers of one and of
+# any image size). Adding a family is adding its model_type here.
 MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "gemma4_text",
-                         "gemma3", "qwen3_vl", "nemotron_h"]
+                         "gemma3", "qwen3_vl", "nemotron_h", "kimi_k25", "mistral3"]
 # One model_type per family module (a family may implement several: a multimodal one and its text model).
 FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 
@@ -74,7 +77,9 @@ def sharding_config(model_type: str) -> dict:
     for case in MULTIMODAL.values():  # a vision-language family: its language model gets the 8 heads
         if case.model_type == model_type:
             return dict(case.config, model_type=model_type,
-                        text_config=dict(case.config["text_config"], num_attention_heads=8))
+                        text_config=dict(case.config["text_config"], num_attention_heads=8,
+                                         **OVERRIDES.get(case.config["text_config"]["model_type"], {})),
+                        vision_config=dict(case.config["vision_config"], **VISION_OVERRIDES.get(model_type, {})))
         if case.config["text_config"]["model_type"] == model_type:  # a text model only multimodal ones test
             return dict(case.config["text_config"], num_attention_heads=8)
     raise KeyError(f"tests/families.py has no config for model_type {model_type!r}")

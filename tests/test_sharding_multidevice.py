@@ -39,7 +39,8 @@ NEW_TOKENS = 6
 # (MLA's latent cache, one kv head replicated over tp, is exercised by deepseek_v3; qwen3_moe's is plain GQA.)
 GENERATE_ON = {"llama": ["tp=2,ep=2,dp=2", "tp=8"], "deepseek_v3": ["tp=2,ep=2,dp=2"],
                "qwen3_5_moe_text": ["tp=2,ep=4"], "deepseek_v32": ["tp=2,ep=2,dp=2"], "gemma4_text": ["tp=2,dp=4"],
-               "gemma3": ["tp=2,dp=4"], "qwen3_vl": ["tp=2,ep=2,dp=2"], "nemotron_h": ["tp=2,ep=4"]}
+               "gemma3": ["tp=2,dp=4"], "qwen3_vl": ["tp=2,ep=2,dp=2"], "nemotron_h": ["tp=2,ep=4"],
+               "kimi_k25": ["tp=8"], "mistral3": ["tp=8"]}
 # A dense model whose linear weights and embeddings stay quantized (int4 with offsets, embeddings int8, groups of 16):
 # codes and scales split over tp like the kernels they stand for. Hidden size 128, so that every projection's
 # groups (128 / 16 = 8) split over tp=8.

@@ -1,9 +1,12 @@
-"""Image loading and preprocessing against transformers' PIL-backend image processors (reference venv).
+"""Image loading and preprocessing against transformers' image processors (reference venv).
 
 Every processor type runs on odd, very wide, very tall, tiny and too-elongated images, in every colour mode, on
-arrays and on PNG, JPEG, WebP and GIF data URLs. Pixel values must equal transformers' exactly: both sides run the
-same PIL resize on the same uint8 pixels, then the same float64/float32 numpy steps. One reference subprocess
-serves the whole module.
+arrays and on PNG, JPEG, WebP and GIF data URLs. Pixel values must equal transformers' exactly: for processors with
+a PIL backend, both sides run the same PIL resize on the same uint8 pixels, then the same float64/float32 numpy
+steps; processors transformers has only for torchvision (Kimi K2.5's) run there as transformers' own code on a
+plain-torch rendering of the torchvision functions (tests/ref/plain_torchvision), against day0jax's numpy rendering
+of torch's uint8 resize kernel, which is also compared with torch's kernel alone. Two reference subprocesses (one
+per backend) serve the whole module.
 """
 
 import base64
@@ -27,13 +30,17 @@ HALF = [0.5, 0.5, 0.5]
 PAS = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8)  # the other two: Gemma3Processor's (4 crops, 1.2)
 
 
-def spec(layout, config, options=None, model_processor=None, files_only=False):
+def spec(layout, config, options=None, model_processor=None, files_only=False, backend="pil", processor=None,
+         ref_options=None):
     """A processor under test: its config saved as `layout` ("preprocessor": flat preprocessor_config.json,
     "processor": nested in processor_config.json as transformers 5 saves it), the options given to
-    `image_processor` (the reference's call keywords), the transformers processor whose image keywords apply, and
-    whether it takes only the PIL images opened from files (not arrays and data URLs, which load_image makes RGB)."""
+    `image_processor` (the reference's call keywords), the transformers processor whose image keywords apply,
+    whether it takes only the PIL images opened from files (not arrays and data URLs, which load_image makes RGB),
+    and transformers' backend that defines it ("pil", or "torchvision" for processors that have no other);
+    `processor`: processor_config.json's own keys beside the nested image processor, and `ref_options` the call
+    keywords the model's transformers processor derives from them (day0jax derives them itself)."""
     return dict(layout=layout, config=config, options=options or {}, model_processor=model_processor,
-                files_only=files_only)
+                files_only=files_only, backend=backend, processor=processor or {}, ref_options=ref_options or {})
 
 
 PROCESSORS = {
@@ -83,6 +90,38 @@ PROCESSORS = {
     "qwen3_vl_budget": spec("processor", dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16,
                                               size={"shortest_edge": 2048, "longest_edge": 16384}),
                             dict(size={"shortest_edge": 1024, "longest_edge": 4096})),
+    # Pixtral: the longest edge shrunk to 40, sides rounded up to whole 8-pixel patches.
+    "pixtral": spec("preprocessor", dict(image_processor_type="PixtralImageProcessor",
+                                         patch_size={"height": 8, "width": 8}, size={"longest_edge": 40})),
+    # As Mistral 3 checkpoints save it: PixtralProcessor's patch_size (4) times its spatial_merge_size (2) over the
+    # image processor's own patch_size (6), as the processor passes it.
+    "pixtral_mistral3": spec("processor", dict(image_processor_type="PixtralImageProcessorFast", patch_size=6,
+                                               size={"longest_edge": 36}, resample=2),
+                             processor=dict(patch_size=4, spatial_merge_size=2),
+                             ref_options=dict(patch_size={"height": 8, "width": 8})),
+    # Gemma 4: resized to fill 70 soft tokens of 2x2 patches of 4 pixels (up or down), rescaled only; patches
+    # [p, p, 3], padded to 280 by transformers (not by day0jax, which pads in the tower's call).
+    "gemma4": spec("processor", dict(image_processor_type="Gemma4ImageProcessor", patch_size=4, max_soft_tokens=70,
+                                     pooling_kernel_size=2)),
+    # LFM2-VL (torchvision only): 4-pixel patches, between 4 and 16 tokens of 2x2 patches; the long images are split
+    # into 16-pixel tiles and a thumbnail, the extreme one is not (its rounded size is small enough).
+    "lfm2_vl": spec("preprocessor", dict(image_processor_type="Lfm2VlImageProcessor", encoder_patch_size=4,
+                                         downsample_factor=2, min_image_tokens=4, max_image_tokens=16, tile_size=16,
+                                         max_tiles=4, max_pixels_tolerance=4.0, do_convert_rgb=True),
+                    backend="torchvision"),
+    # Without splitting, the long images shrink to the token budget instead.
+    "lfm2_vl_no_split": spec("preprocessor", dict(image_processor_type="Lfm2VlImageProcessor", encoder_patch_size=4,
+                                                  min_image_tokens=4, max_image_tokens=16, do_image_splitting=False,
+                                                  image_mean=CLIP_MEAN, image_std=CLIP_STD, do_convert_rgb=True),
+                             backend="torchvision"),
+    # Kimi K2.5 (torchvision only): shrunk to 64 patches of 4 pixels, 10 a side, padded to 8-pixel multiples.
+    "kimi_k25": spec("preprocessor", dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=4,
+                                          merge_size=2, max_patches=64, size={"max_height": 10, "max_width": 10}),
+                     backend="torchvision"),
+    # A budget the small images fit (kept at their size, only padded), bilinear, rescaled without normalizing.
+    "kimi_k25_pad": spec("processor", dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=6,
+                                           merge_size=2, max_patches=4096, size={"max_height": 60, "max_width": 60},
+                                           resample=2, do_normalize=False), backend="torchvision"),
 }
 SIZES = {"odd": (37, 53), "wide": (23, 400), "tall": (400, 23), "tiny": (5, 7), "extreme": (2, 450)}  # (H, W)
 # mode -> (the mode PIL opens the saved file in, whether it carries transparency)
@@ -92,6 +131,13 @@ MODES = {"RGB": ("RGB", False), "RGBA": ("RGBA", True), "L": ("L", False), "LA":
 ENCODED = ["png_rgba", "jpeg", "webp_rgba", "webp", "gif", "gif_transparent", "jpeg_exif"]
 OPAQUE = {"jpeg", "webp", "gif", "jpeg_exif"}  # where transformers' load_image (alpha dropped) sees the same pixels
 KEY = (10, 200, 30)  # RGB_transparency's transparent colour
+# torch's uint8 resize kernel against its numpy rendering: (size in, size out, mode, channels-last), shrinking by
+# small and large factors, growing, one axis only, to and from a single pixel.
+RESIZES = [((37, 53), (20, 31), "bicubic", False), ((37, 53), (20, 31), "bilinear", True),
+           ((400, 23), (13, 5), "bicubic", True), ((23, 400), (40, 9), "bicubic", False),
+           ((5, 7), (61, 44), "bicubic", False), ((5, 7), (61, 44), "bilinear", False),
+           ((64, 48), (64, 17), "bicubic", False), ((64, 48), (3, 48), "bilinear", False),
+           ((1, 9), (7, 1), "bicubic", False), ((300, 301), (299, 150), "bicubic", True)]
 
 
 def pixels(h, w, channels, seed):
@@ -180,30 +226,42 @@ def ref(tmp_path_factory):
                        ("rgba", np.dstack([pixels(h, w, 3, 9), alpha(h, w, 9)]))]:
         path = root / f"array_{name}.npy"
         np.save(path, ours[..., None] if ours.ndim == 2 else ours)  # transformers takes no HxW array; HxWx1 it does
-        images.append((f"array {name}", lambda a=ours: load_image(a), path, True))
+        images.append((f"array {name}", lambda a=ours: a, path, True))  # the processor reads the array itself
     for seed, name in enumerate(ENCODED):
         path = root / f"encoded_{name}"
         path.write_bytes(encode(name, 20 + seed))
         if name != "jpeg_exif":  # processors take the file as opened, without EXIF rotation
             images.append((f"data URL {name}", lambda p=path: load_image(data_url(p.read_bytes())), path, False))
-    jobs, cases = [], {}
+    jobs, cases = {"pil": [], "torchvision": []}, {}
     for name, p in PROCESSORS.items():
         folder = root / name
         folder.mkdir()
-        config = {"processor_class": "P", "image_processor": p["config"]} if p["layout"] == "processor" else p["config"]
+        config = ({"processor_class": "P", **p["processor"], "image_processor": p["config"]}
+                  if p["layout"] == "processor" else p["config"])
         (folder / f"{p['layout']}_config.json").write_text(json.dumps(config))
         cases[name] = []
         for label, ours, path, array in images:
             if p["files_only"] and label not in files:
                 continue
-            cases[name].append((label, ours, len(jobs)))
-            jobs.append({"processor": str(folder), "image": str(path), "array": array, "kwargs": p["options"],
-                         "model_processor": p["model_processor"]})
-    run_reference([{"op": "image_processor_outputs", "cases": jobs, "out": str(root / "outputs.npz")},
+            backend = jobs[p["backend"]]
+            cases[name].append((label, ours, f"{p['backend']}_{len(backend)}"))
+            backend.append({"processor": str(folder), "image": str(path), "array": array,
+                            "kwargs": {**p["options"], **p["ref_options"]}, "model_processor": p["model_processor"]})
+    resizes = []
+    for i, (size_in, size_out, mode, channels_last) in enumerate(RESIZES):
+        path = root / f"resize_{i}.npy"
+        np.save(path, pixels(*size_in, 3, 40 + i).transpose(2, 0, 1).copy())
+        resizes.append({"image": str(path), "size": list(size_out), "mode": mode, "channels_last": channels_last})
+    run_reference([{"op": "image_processor_outputs", "cases": jobs["pil"], "out": str(root / "outputs.npz")},
                    {"op": "image_loads", "images": [str(root / f"encoded_{n}") for n in ENCODED],
                     "out": str(root / "loads.npz")}], root)
-    return {"root": root, "cases": cases, "out": dict(np.load(root / "outputs.npz")),
-            "loads": dict(np.load(root / "loads.npz"))}
+    run_reference([{"op": "image_processor_outputs", "cases": jobs["torchvision"], "torchvision": True,
+                    "out": str(root / "outputs_torchvision.npz")},
+                   {"op": "torch_resizes", "cases": resizes, "out": str(root / "resizes.npz")}], root)
+    out = {f"pil_{k}": v for k, v in np.load(root / "outputs.npz").items()}
+    out.update({f"torchvision_{k}": v for k, v in np.load(root / "outputs_torchvision.npz").items()})
+    return {"root": root, "cases": cases, "out": out, "loads": dict(np.load(root / "loads.npz")),
+            "resizes": dict(np.load(root / "resizes.npz"))}
 
 
 def refused(name, label):
@@ -211,34 +269,72 @@ def refused(name, label):
     mode other than RGB where RGB conversion is off."""
     if name == "siglip_no_rgb":
         return not label.startswith(("RGB ", "RGB_transparency "))
-    return label.endswith("extreme") and (name.startswith("qwen") or name in ("clip_bounds", "clip_maxhw"))
+    return label.endswith("extreme") and (name.startswith(("qwen", "pixtral")) or name in ("clip_bounds", "clip_maxhw"))
 
 
 @pytest.mark.parametrize("name", list(PROCESSORS))
 def test_processor_matches_transformers(name, ref):
     processor = image_processor(ref["root"] / name, **PROCESSORS[name]["options"])
-    out, crops = ref["out"], 0
-    for label, ours, i in ref["cases"][name]:
+    crops = 0
+    for label, ours, (backend, i) in ((c[0], c[1], c[2].split("_")) for c in ref["cases"][name]):
+        out = {k.removeprefix(f"{backend}_"): v for k, v in ref["out"].items() if k.startswith(f"{backend}_")}
         assert (f"error_{i}" in out) == refused(name, label), f"{name} {label}: {out.get(f'error_{i}')}"
         if refused(name, label):
             with pytest.raises(ImageError):
                 processor.preprocess(ours())
             continue
-        got = processor.preprocess(ours())
         expected = out[f"pixel_values_{i}"]
+        got = processor.preprocess(ours())
+        if name.startswith("lfm2_vl"):  # [tiles (+ thumbnail), most patches, d], each padded: ours one after another
+            shapes = out[f"spatial_shapes_{i}"].tolist()
+            tiled = len(shapes) > 1
+            assert tiled == (name == "lfm2_vl" and label.endswith(("wide", "tall"))), f"{name} {label}"
+            grid = got.grid_thw
+            want = [[grid[5]] * 2] * (grid[3] * grid[4]) + [list(grid[1:3])] if tiled else [list(grid[1:])]
+            assert shapes == want, f"{name} {label}"
+            sizes = [h * w for h, w in shapes]
+            assert not any(e[n:].any() for e, n in zip(expected, sizes))
+            expected = np.concatenate([e[:n] for e, n in zip(expected, sizes)])
+        elif name == "gemma4":  # [1, 280, d] padded: ours the image's own patches, the rest zeros there
+            n = len(got.pixel_values)
+            assert not expected[0, n:].any() and n == int(out["num_soft_tokens_per_image_" + i]) * 4
+            expected = expected[0, :n]
+        elif name.startswith("pixtral"):  # the one image [1, 3, H, W]: ours as patches of the grid, raster order
+            _, rows, cols = got.grid_thw
+            p = expected.shape[2] // rows
+            expected = expected[0].reshape(3, rows, p, cols, p).transpose(1, 3, 0, 2, 4).reshape(rows * cols, -1)
+        elif got.grid_thw is not None and expected.ndim == 4:  # Kimi K2.5's patches as [3, p, p]: ours flattened
+            expected = expected.reshape(len(expected), -1)
         values = got.pixel_values if got.grid_thw is not None or got.pixel_values.ndim == 4 else got.pixel_values[None]
         assert values.dtype == np.float32, f"{name} {label}"
         assert values.shape == expected.shape, f"{name} {label}"
-        # Exact: the same PIL resize of the same uint8 pixels, then the same float64 -> float32 numpy steps.
+        # Exact: the same resize of the same uint8 pixels (PIL's, or torch's kernel and its rendering), then the
+        # same float steps.
         np.testing.assert_array_equal(values, expected, err_msg=f"{name} {label}")
-        if f"grid_thw_{i}" in out:
-            assert got.grid_thw == tuple(out[f"grid_thw_{i}"].tolist()), f"{name} {label}"
-            assert processor.grid_thw(*ours().size[::-1]) == got.grid_thw, f"{name} {label}"
+        if f"grid_thw_{i}" in out or name.startswith(("pixtral", "lfm2_vl")) or name == "gemma4":
+            if f"grid_thw_{i}" in out:
+                assert got.grid_thw == tuple(out[f"grid_thw_{i}"].tolist()), f"{name} {label}"
+            image = ours()
+            size = image.shape[:2] if isinstance(image, np.ndarray) else image.size[::-1]
+            assert processor.grid_thw(*size) == got.grid_thw, f"{name} {label}"
         else:
             assert got.grid_thw is None
         assert got.num_crops == int(out.get(f"num_crops_{i}", 0)), f"{name} {label}"
         crops += got.num_crops
     assert (crops > 0) == (name == "gemma3_pas")  # the long images get crops there, so their math is exercised
+
+
+def test_torch_uint8_resize_rendered_exactly(ref):
+    """`vision.resize` gives torch's own uint8 kernel's pixels, level for level; PIL's filter (the same bicubic)
+    differs by a level on some of them, which is why the torchvision processors do not use it."""
+    from day0jax.vision.resize import resize
+
+    for i, (size_in, size_out, mode, _) in enumerate(RESIZES):
+        x = pixels(*size_in, 3, 40 + i).transpose(2, 0, 1).copy()
+        np.testing.assert_array_equal(resize(x, *size_out, mode), ref["resizes"][f"resized_{i}"], err_msg=str(i))
+    x, (h, w) = pixels(37, 53, 3, 40), RESIZES[0][1]
+    pil = np.array(Image.fromarray(x).resize((w, h), Image.BICUBIC)).transpose(2, 0, 1)
+    assert 0 < np.abs(pil.astype(int) - ref["resizes"]["resized_0"]).max() <= 1
 
 
 def test_colour_modes_are_what_they_claim(ref):
@@ -368,8 +464,8 @@ def test_unsupported_formats_and_size_limit():
 
 
 def test_processor_configs(tmp_path):
-    with pytest.raises(UnsupportedArchitecture, match="PixtralImageProcessor"):
-        image_processor({"image_processor_type": "PixtralImageProcessor"})
+    with pytest.raises(UnsupportedArchitecture, match="Idefics3ImageProcessor"):
+        image_processor({"image_processor_type": "Idefics3ImageProcessor"})
     with pytest.raises(ConfigError, match="no image processor config"):
         image_processor(tmp_path)
     with pytest.raises(ConfigError, match="names no image_processor_type"):

@@ -18,10 +18,24 @@ class Source:
     names: tuple[str, ...]
     combine: Callable[[list[np.ndarray], tuple[int, ...]], np.ndarray]
     shapes: tuple[tuple[int, ...], ...]
+    # The same parameter from tensors in another layout, taken where the checkpoint's tensors have its shapes
+    # instead (released checkpoints and transformers' saves of one family that store a tensor transposed).
+    alternative: "Source | None" = None
 
     def renamed(self, rename: Callable[[str], str]) -> "Source":
         """The same tensors under other names (a multimodal checkpoint's prefix for its language model)."""
-        return Source(tuple(rename(n) for n in self.names), self.combine, self.shapes)
+        return Source(tuple(rename(n) for n in self.names), self.combine, self.shapes,
+                      None if self.alternative is None else self.alternative.renamed(rename))
+
+    def matching(self, shapes: dict[str, tuple[int, ...]]) -> "Source":
+        """This source, or the first alternative whose tensors all have its shapes in `shapes` (name -> shape);
+        this one when none does (its mismatch is the one reported)."""
+        src = self
+        while src is not None:
+            if all(tuple(shapes.get(n, ())) == tuple(w) for n, w in zip(src.names, src.shapes)):
+                return src
+            src = src.alternative
+        return self
 
 
 def same(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:

@@ -94,6 +94,9 @@ class EngineConfig:
     # cache stops growing past the window; their pages then cannot be shared, which turns prefix caching off. False:
     # they keep every page, like full-attention layers.
     window_kv: bool = True
+    # A vision-language model's encoded images kept on the host (`vision.spec.FeatureCache`), MiB: an image sent
+    # again runs no tower call. 0 turns it off.
+    image_cache_mb: int = 256
     # Speculative decoding (None: off); a method name alone ("ngram", "draft", "mtp") takes the defaults.
     speculative: Union[SpeculativeConfig, str, None] = None
 
@@ -150,7 +153,8 @@ class EngineConfig:
             chunk_buckets=chunks,
             decode_widths=_widths(self.min_width // page, self.fine_width // page, max_pages_per_seq),
             prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings,
-            spec_tokens=k, spec_rows=smallest_bucket(batches, spec.rows) if k else 0)
+            spec_tokens=k, spec_rows=smallest_bucket(batches, spec.rows) if k else 0,
+            image_cache_bytes=max(self.image_cache_mb, 0) << 20)
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,7 @@ class EngineLayout:
     # buckets up to `spec_rows`.
     spec_tokens: int = 0
     spec_rows: int = 0
+    image_cache_bytes: int = 256 << 20  # host memory for encoded images (`vision.spec.FeatureCache`)
 
     def ring_pages(self, window: int) -> int:
         """Pages per sequence of a layer with this sliding window that keeps only its window (0: it keeps every

@@ -129,12 +129,12 @@ class ProgramCatalog:
         return forward + [Program("sample", (r,)) for r in sorted(set(rows) | {1})] + self.encode()
 
     def background(self, ready: list[Program], max_len: int | None = None) -> list[Program]:
-        """`all(max_len)` not in `ready`, most likely needed first: plain samplers, then forward programs by span
-        (the short spans every request starts with), the most rows first, then the samplers with penalties or
-        guidance."""
+        """`all(max_len)` not in `ready`, most likely needed first: the tower's, plain samplers, then forward
+        programs by span (the short spans every request starts with), the most rows first, then the samplers with
+        penalties or guidance."""
         def rank(p: Program):
-            if p.name == "encode":
-                return (0, p.shape)
+            if p.name == "encode":  # first: an image's prefill waits for its tower
+                return (-1, *p.shape)
             if p.name in ("sample", "accept"):
                 return (2 if p.penalized or p.guided else 0, p.shape[0], p.penalized, p.guided)
             rows, tokens, width = p.shape

@@ -31,7 +31,7 @@ from day0jax.engine.programs import Program, ProgramCatalog
 from day0jax.engine.sampling import accept_drafts, sample
 from day0jax.engine.stages import MicroBatches, leaf_paths, pipeline_refusal, placed_stages
 from day0jax.layers.linear import exact_float32
-from day0jax.vision.spec import encode_host
+from day0jax.vision.spec import FeatureCache, encode_host
 from kernels_pallas import registry as kernel_registry
 from sharding.pipeline import Links, Stages
 from sharding.rules import ACTIVATION, constrain, named_sharding, put
@@ -107,6 +107,7 @@ class ModelRunner:
         # A vision-language model's (never split into stages): its programs take image features, and it encodes
         # images (one program per image shape bucket).
         self.vision = getattr(module, "vision_spec", None)
+        self.feature_cache = FeatureCache(layout.image_cache_bytes) if self.vision is not None else None
         self.inputs = InputBatch(layout, self.vision, self.vocab_size, self.encode_images)
         self.catalog = ProgramCatalog(layout, None if self.micro is None else self.local,
                                       self.vision.encoder.keys() if self.vision is not None else ())
@@ -620,7 +621,8 @@ class ModelRunner:
 
     def encode_images(self, images) -> tuple[np.ndarray, np.ndarray | None]:
         """A request's `ImageInputs` -> (features [n, D], DeepStack features [k, n, D] or None), float32 on the
-        host: one tower call per image, on the program of its shape bucket (installed by warm-up).
+        host: one tower call per image, on the program of its shape bucket (installed by warm-up), except for images
+        whose features `feature_cache` holds (the same pixels encoded before).
 
         Raises:
             MeshError: a model split into pipeline stages (they run no vision tower).
@@ -635,7 +637,7 @@ class ModelRunner:
                 self.compiled.add(("encode", key))
             with jax.set_mesh(self.mesh):
                 return (program or self._encode)(self.stage_params[0], *[self._put(a) for a in arrays])
-        return encode_host(self.vision, images.pixels, images.grids, run)
+        return encode_host(self.vision, images.pixels, images.grids, run, self.feature_cache)
 
     def sample(self, logits: jax.Array, meta: SamplingMetadata) -> dict[str, jax.Array]:
         """Samples one token per row of `logits` without waiting for it (`meta`: the rows' settings, from

@@ -23,7 +23,8 @@ FAMILIES = {name: f"day0jax.models.{name}" for name in (
     "hunyuan_v1_dense", "hunyuan_v1_moe", "glm4", "arcee",
     "afmoe", "mistral4", "laguna",
     "qwen3_next", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
-    "lfm2", "lfm2_moe", "lfm3", "llava", "gemma3", "qwen3_vl", "qwen3_vl_text",
+    "lfm2", "lfm2_moe", "lfm3", "llava", "gemma3", "qwen3_vl", "qwen3_vl_text", "kimi_k25", "qwen3_vl_moe",
+    "qwen3_vl_moe_text", "mistral3", "lfm2_vl",
     "ministral", "exaone", "nemotron_h", "granitemoehybrid", "falcon_h1", "mimo_v2_flash")}
 # Model types a module implements besides its own name (the text model of a multimodal family); Qwen3.5's text
 # models and its released, multimodal checkpoints.
@@ -32,7 +33,7 @@ FAMILIES.update({"qwen3_5_text": "day0jax.models.qwen3_5", "qwen3_5_moe_text": "
 FAMILIES.update({"kimi_k2": "day0jax.models.deepseek_v3"})
 FAMILIES.update({"step3p7": "day0jax.models.step3p7", "step3p5": "day0jax.models.step3p7"})
 FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.models.llama4"})
-FAMILIES.update({"gemma4": "day0jax.models.gemma4", "gemma4_text": "day0jax.models.gemma4"})
+FAMILIES.update({"gemma4": "day0jax.models.gemma4_vl", "gemma4_text": "day0jax.models.gemma4"})
 FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
                  "mistral_large4_text": "day0jax.models.mistral_large4"})
 FAMILIES.update({"deepseek_v4": "day0jax.models.deepseek_v4"})

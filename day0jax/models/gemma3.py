@@ -124,7 +124,7 @@ class Model(VisionLanguageModel):
         features = self.multi_modal_projector(self.vision_tower.vision_model.last_hidden_state(pixels))
         return features.reshape(-1, features.shape[-1]), None
 
-    def expand_image_placeholders(self, text: str, counts, tokenizer) -> str:
+    def expand_image_placeholders(self, text: str, counts, tokenizer, grids=None) -> str:
         """HF's Gemma3Processor: each `<start_of_image>` becomes "\\n\\n<start_of_image>" + the image tokens +
         "<end_of_image>\\n\\n"."""
         c = self.config

@@ -1,4 +1,4 @@
-"""Gemma 4 (text; the language model of the multimodal `gemma4` checkpoints): Gemma 3's sandwich layers and
+"""Gemma 4 (text; the language model of the multimodal `gemma4` checkpoints, `gemma4_vl`): Gemma 3's sandwich layers and
 sliding/global pattern, with
 - plain `x * weight` RMSNorms (not Gemma's 1 + weight), q/k norms, a weightless norm on v, and a softmax scale of 1;
 - global layers of their own shape (`global_head_dim`, and `num_global_key_value_heads` where keys are also the
@@ -32,7 +32,7 @@ from day0jax.layers.moe import Experts, Router, swiglu
 from day0jax.layers.norms import L2Norm, RMSNorm
 from day0jax.layers.rope import Rope, rope_parameters
 from day0jax.models import gemma2, llama
-from day0jax.models.base import HFConfig, LayerTypes, fused_experts_source, in_language_model, vision_dropped
+from day0jax.models.base import HFConfig, LayerTypes, fused_experts_source
 from day0jax.models.contract import Family
 from kernels_pallas.calls import OpCall
 
@@ -49,7 +49,6 @@ def _ones(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, dtype) -> nnx.Par
 
 @dataclass(frozen=True, eq=False)
 class Config(LayerTypes, HFConfig):
-    COMPOSITE = ("gemma4",)
     vocab_size: int = 262_144
     hidden_size: int = 2304
     intermediate_size: int = 9216
@@ -371,19 +370,8 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     for ours, theirs in ((".router.kernel", ".router.proj.weight"), (".router.input_scale", ".router.scale")):
         if path.endswith(ours):
             src = Source((path[: -len(ours)] + theirs,), same, (shape,))
-    src = src or default_source(path, shape, metadata)
-    return in_language_model(src) if config.is_composite else src
+    return src or default_source(path, shape, metadata)
 
 
-AUDIO_DROPPED = "the audio tower: audio is not supported, this checkpoint runs as text only"
-
-
-def dropped_for(config: Config) -> dict[str, str]:
-    drops = vision_dropped(config, r"model\.vision_tower\..*", r"model\.embed_vision\..*")
-    if config.is_composite:
-        drops.update({r"model\.audio_tower\..*": AUDIO_DROPPED, r"model\.embed_audio\..*": AUDIO_DROPPED})
-    return drops
-
-
-FAMILY = Family(model_types=("gemma4_text", "gemma4"), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=dropped_for, hf_source=hf_source)
+FAMILY = Family(model_types=("gemma4_text",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
+                hf_source=hf_source)

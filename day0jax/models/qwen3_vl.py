@@ -95,7 +95,7 @@ class Model(VisionLanguageModel):
         merge = c.vision.spatial_merge_size
         return VisionSpec(c.image_token_id, None, None, c.text.hidden_size, merge=merge,
                           mrope=partial(rope_positions, image_token_id=c.image_token_id, merge=merge),
-                          deepstack=len(c.vision.deepstack_layers), encoder=qwen_vit.PatchBuckets(c.vision))
+                          deepstack=len(c.vision.deepstack_layers), encoder=qwen_vit.PatchBuckets(c.vision, limit=self.image_patch_limit))
 
     @jax.named_scope("vision")
     def encode_images(self, patches, taps, weights, rotary, segments) -> tuple[jax.Array, jax.Array | None]:

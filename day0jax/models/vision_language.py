@@ -103,6 +103,9 @@ class VisionLanguageModel(nnx.Module):
 
     def __init__(self, config: VisionLanguageConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
+        # The most patches the checkpoint's image processor makes of one image (`loader.prepare` reads it), for
+        # towers of any image size: their programs cover up to it. None: unknown.
+        self.image_patch_limit: int | None = None
         self.language_model = models.family(config.text.model_type).model(config.text, dtype=dtype, rngs=rngs)
         self.make_vision(dtype=dtype, rngs=rngs)
 
@@ -131,10 +134,11 @@ class VisionLanguageModel(nnx.Module):
         them (`day0jax.verify` compares them layer by layer)."""
         return self.vision_tower.vision_model(pixels)
 
-    def expand_image_placeholders(self, text: str, counts: Sequence[int], tokenizer) -> str:
+    def expand_image_placeholders(self, text: str, counts: Sequence[int], tokenizer, grids=None) -> str:
         """The rendered chat `text` with each image's placeholder expanded as the family's HF processor does
         (default: the image token's text, once per image in the template, repeated as many times as the image has
-        tokens, `counts` in order).
+        tokens, `counts` in order; `grids`, each image's (t, rows, columns) where images keep their size, for
+        families that lay the tokens out by row).
 
         Raises:
             GenerationError: the template does not show each image exactly once.

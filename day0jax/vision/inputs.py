@@ -120,7 +120,7 @@ class ModelImages:
         spec: the model's `VisionSpec`, or None for a text-only model (every image is then refused).
         path: the checkpoint folder (its preprocessor_config.json / processor_config.json).
         model_type: for messages.
-        expand: the family's `expand_image_placeholders(text, counts, tokenizer)`.
+        expand: the family's `expand_image_placeholders(text, counts, tokenizer, grids=...)`.
         encode: `ImageInputs` -> (features, DeepStack features): the runner's vision tower.
     """
 
@@ -160,7 +160,9 @@ class ModelImages:
             ImageError: an image that cannot be read; GenerationError: a text-only model.
         """
         processor = self.processor
-        return ImageInputs(*self.spec.pack([processor.preprocess(load_image(im)) for im in images]))
+        # Arrays go to the processor as they are: a torchvision-backend processor converts RGBA arrays its own way.
+        return ImageInputs(*self.spec.pack([processor.preprocess(im if isinstance(im, np.ndarray) else load_image(im))
+                                            for im in images]))
 
     def expand(self, text: str, images: Sequence[Any], tokenizer) -> tuple[str, "ImageInputs"]:
         """A rendered chat `text` with each image's placeholder expanded to its tokens, and the images'
@@ -171,7 +173,7 @@ class ModelImages:
             ImageError: an image that cannot be read.
         """
         inputs = self.inputs(images)
-        return self._expand(text, inputs.counts, tokenizer), inputs
+        return self._expand(text, inputs.counts, tokenizer, grids=inputs.grids), inputs
 
     def encode(self, inputs: "ImageInputs") -> tuple[np.ndarray, np.ndarray | None]:
         """`ImageInputs` through the vision tower and projector: (features [n, D], DeepStack features [k, n, D] or

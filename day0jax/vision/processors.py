@@ -6,6 +6,9 @@
 then float32), normalize (float32), and the model's own steps (LLaVA's pad to a square, Gemma 3's pan and scan,
 Qwen-VL's smart resize and patch layout).
 
+Processors transformers has only for its torchvision backend (Kimi K2.5's) are in `torchvision_processors`, on
+the same base, and `image_processor` finds them too.
+
 Values resolve as in transformers' processors: a key the config leaves out takes the class default, a key set to
 null is None (its step off); the model's processor's own image keywords (Gemma3Processor's) come over the config,
 and options given to `image_processor` over everything, as call-time keywords do.
@@ -64,6 +67,12 @@ class ImageProcessor:
     # The image keywords the model's transformers processor passes on every call, over the config's values.
     MODEL_PROCESSOR_KWARGS: ClassVar[dict[str, Any]] = {}
 
+    @staticmethod
+    def processor_options(processor: dict[str, Any]) -> dict[str, Any]:
+        """The image keywords the model's transformers processor derives from its own saved keys (`processor`:
+        processor_config.json's top level), over the config's values (none by default)."""
+        return {}
+
     def __init__(self, config: dict[str, Any], **options: Any):
         """Args:
             config: the image processor's keys (preprocessor_config.json, or "image_processor" in
@@ -104,6 +113,11 @@ class ImageProcessor:
                 self.crop_size)):
             raise ConfigError(f"image processor do_center_crop needs crop_size with height and width, "
                               f"got {self.crop_size!r}")
+
+    def most_patches(self) -> int | None:
+        """The most patches (grid cells) one image can have after preprocessing, for processors of images of any
+        size (None: unbounded, or images of one size)."""
+        return None
 
     def preprocess(self, image: Any) -> ProcessedImage:
         """The pixel values of one image.
@@ -298,6 +312,9 @@ class Qwen2VLImageProcessor(ImageProcessor):
             raise ConfigError(f"Qwen-VL image processor size={self.size!r} needs shortest_edge (min pixels) and "
                               "longest_edge (max pixels)")
 
+    def most_patches(self) -> int | None:
+        return self.size["longest_edge"] // self.patch_size ** 2 if self.do_resize else None
+
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) in patches of an image of `height` x `width` pixels (before preprocessing).
 
@@ -327,6 +344,136 @@ class Qwen2VLImageProcessor(ImageProcessor):
         return ProcessedImage(patches.reshape(gh * gw, c * t * p * p), grid_thw=(1, gh, gw))
 
 
+class PixtralImageProcessor(ImageProcessor):
+    """Pixtral (Mistral 3): the longest edge shrunk to `size` (never grown), both sides then rounded up to whole
+    patches; the image as patches of `patch_size` in raster order, grid (1, rows, columns). PixtralProcessor hands
+    its own patch_size * spatial_merge_size (processor_config.json) over the image processor's, so that a patch is
+    one merged token (`processor_options`)."""
+
+    TYPE = "PixtralImageProcessor"
+    CENTER_CROP = False
+    DEFAULTS = dict(ImageProcessor.DEFAULTS, size={"longest_edge": 1024}, default_to_square=True,
+                    do_center_crop=None, crop_size=None, do_pad=True, patch_size={"height": 16, "width": 16})
+
+    @staticmethod
+    def processor_options(processor: dict[str, Any]) -> dict[str, Any]:
+        if "patch_size" not in processor and "spatial_merge_size" not in processor:
+            return {}
+        side = processor.get("patch_size", 16) * processor.get("spatial_merge_size", 1)
+        return {"patch_size": {"height": side, "width": side}}
+
+    def __init__(self, config: dict[str, Any], **options: Any):
+        super().__init__(config, **options)
+        self.patch_size = _size_dict(self.patch_size, True, "patch_size")
+        if self.patch_size is None or self.patch_size["height"] != self.patch_size["width"]:
+            raise ConfigError(f"Pixtral image processor patch_size={self.patch_size!r}: square patches only")
+
+    def _check_size(self) -> None:
+        s = self.size
+        if not (s.get("longest_edge") or (s.get("height") and s.get("width"))):
+            raise ConfigError(f"Pixtral image processor size={s!r} needs longest_edge, or height and width")
+
+    def _target_size(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' Pixtral `get_resize_output_image_size`."""
+        s, p = self.size, self.patch_size["height"]
+        max_h, max_w = (s["longest_edge"],) * 2 if s.get("longest_edge") else (s["height"], s["width"])
+        ratio = max(height / max_h, width / max_w)
+        if ratio > 1:
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        return ((height - 1) // p + 1) * p, ((width - 1) // p + 1) * p
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
+        h, w = self._target_size(height, width) if self.do_resize else (height, width)
+        return 1, h // self.patch_size["height"], w // self.patch_size["height"]
+
+    def most_patches(self) -> int | None:
+        if not self.do_resize:
+            return None
+        s, p = self.size, self.patch_size["height"]
+        h, w = (s["longest_edge"],) * 2 if s.get("longest_edge") else (s["height"], s["width"])
+        return -(-h // p) * -(-w // p)
+
+    def _process(self, x: np.ndarray) -> ProcessedImage:
+        if self.do_resize:
+            x = _resize(x, self._target_size(*x.shape[1:]), self.resample)
+        x = self._rescale_normalize(x)
+        c, height, width = x.shape
+        p = self.patch_size["height"]
+        if height % p or width % p:
+            raise ImageError(f"image of {height}x{width} pixels is not a multiple of the patch size {p} (the config "
+                             "turns resizing off)")
+        patches = x.reshape(c, height // p, p, width // p, p).transpose(1, 3, 0, 2, 4).reshape(-1, c * p * p)
+        return ProcessedImage(np.ascontiguousarray(patches), grid_thw=(1, height // p, width // p))
+
+
+class Gemma4ImageProcessor(ImageProcessor):
+    """Gemma 4: the image resized, keeping its aspect ratio, to the largest multiples of pooling_kernel_size *
+    patch_size within max_soft_tokens * pooling_kernel_size^2 patches, rescaled (not normalized, by default), as
+    patches of [p, p, 3] (channels last) in raster order; grid (1, rows, columns)."""
+
+    TYPE = "Gemma4ImageProcessor"
+    CENTER_CROP = False
+    SOFT_TOKENS = (70, 140, 280, 560, 1120)
+    DEFAULTS = dict(ImageProcessor.DEFAULTS, size=None, do_center_crop=None, crop_size=None, do_normalize=False,
+                    image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0], patch_size=16, max_soft_tokens=280,
+                    pooling_kernel_size=3)
+
+    def _validate(self) -> None:
+        if self.max_soft_tokens not in self.SOFT_TOKENS:
+            raise ConfigError(f"Gemma 4 image processor max_soft_tokens={self.max_soft_tokens!r} must be one of "
+                              f"{self.SOFT_TOKENS} (transformers refuses others)")
+        for key in ("patch_size", "pooling_kernel_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"Gemma 4 image processor {key}={value!r} must be a positive integer")
+        do_resize, self.do_resize = self.do_resize, False  # its own sizes: no `size` to check
+        super()._validate()
+        self.do_resize = do_resize
+
+    def most_patches(self) -> int:
+        return self.max_soft_tokens * self.pooling_kernel_size ** 2
+
+    def _target_size(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' Gemma 4 `get_aspect_ratio_preserving_size`.
+
+        Raises:
+            ImageError: an image that would shrink to nothing, or past the patch budget (transformers refuses it).
+        """
+        p, k = self.patch_size, self.pooling_kernel_size
+        max_patches = self.most_patches()
+        target_px = max_patches * p * p
+        factor = math.sqrt(target_px / (height * width))
+        side = k * p
+        th, tw = int(math.floor(factor * height / side)) * side, int(math.floor(factor * width / side)) * side
+        if th == 0 and tw == 0:
+            raise ImageError(f"image of {height}x{width} pixels resizes to 0x0 (sides are multiples of {side})")
+        longest = (max_patches // k ** 2) * side
+        if th == 0:
+            th, tw = side, min(int(math.floor(width / height)) * side, longest)
+        elif tw == 0:
+            th, tw = min(int(math.floor(height / width)) * side, longest), side
+        if th * tw > target_px:
+            raise ImageError(f"image of {height}x{width} pixels would resize to {th}x{tw}, past the "
+                             f"{max_patches} patches of {p} pixels")
+        return th, tw
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
+        h, w = self._target_size(height, width) if self.do_resize else (height, width)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def _process(self, x: np.ndarray) -> ProcessedImage:
+        if self.do_resize:
+            target = self._target_size(*x.shape[1:])
+            if target != x.shape[1:]:
+                x = _resize(x, target, self.resample)
+        x = self._rescale_normalize(x)
+        c, height, width = x.shape
+        p = self.patch_size
+        rows, cols = height // p, width // p
+        patches = x[:, :rows * p, :cols * p].reshape(c, rows, p, cols, p).transpose(1, 3, 2, 4, 0)
+        return ProcessedImage(np.ascontiguousarray(patches.reshape(rows * cols, -1)), grid_thw=(1, rows, cols))
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen-VL `smart_resize`: (height, width) in multiples of `factor`, about the same aspect ratio,
     with min_pixels <= height * width <= max_pixels.
@@ -350,11 +497,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 PROCESSORS = {cls.TYPE: cls for cls in (CLIPImageProcessor, SiglipImageProcessor, LlavaImageProcessor,
-                                        Gemma3ImageProcessor, Qwen2VLImageProcessor)}
+                                        Gemma3ImageProcessor, Qwen2VLImageProcessor, PixtralImageProcessor,
+                                        Gemma4ImageProcessor)}
 # config.json model types -> processor, for the rare processor config that names no type (transformers' auto map).
 BY_MODEL_TYPE = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor", "paligemma": "SiglipImageProcessor",
                  "llava": "LlavaImageProcessor", "gemma3": "Gemma3ImageProcessor",
-                 **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"),
+                 "kimi_k25": "Kimi_K25ImageProcessor", "mistral3": "PixtralImageProcessor",
+                 "gemma4": "Gemma4ImageProcessor",
+                 "lfm2_vl": "Lfm2VlImageProcessor",
+                 **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
                                  "Qwen2VLImageProcessor")}
 
 
@@ -373,20 +524,35 @@ def image_processor(source: str | os.PathLike | dict[str, Any], **options: Any) 
             refuses too.
         UnsupportedArchitecture: an image processor type that is not implemented.
     """
-    folder = None
+    folder, outer = None, {}
     if isinstance(source, dict):
         config = source
     else:
         folder = os.fspath(source) if os.path.isdir(source) else os.path.dirname(os.fspath(source))
         config = read_processor_config(source)
+        if os.path.isfile(os.path.join(folder, "processor_config.json")):
+            outer = _read_json(os.path.join(folder, "processor_config.json"))
     if isinstance(config.get("image_processor"), dict):
         config = config["image_processor"]
+    from day0jax.vision import torchvision_processors  # imports this module: loaded on first use
+
+    known = {**PROCESSORS, **torchvision_processors.PROCESSORS}
     name = _type_name(config, folder)
     base = name.removesuffix("Fast").removesuffix("Pil")
-    if base not in PROCESSORS:
+    if base not in known:
         raise UnsupportedArchitecture(f"image_processor_type {name!r} is not implemented; implemented: "
-                                      f"{', '.join(sorted(PROCESSORS))}")
-    return PROCESSORS[base](config, **options)
+                                      f"{', '.join(sorted(known))}")
+    cls = known[base]
+    return cls(config, **{**cls.processor_options(outer), **options})
+
+
+def patch_limit(folder: str | os.PathLike) -> int | None:
+    """The most patches the image processor of the checkpoint `folder` makes of one image (None: no processor
+    config, one that cannot be read, or no bound; the processor's own errors come when images are preprocessed)."""
+    try:
+        return image_processor(folder).most_patches()
+    except Exception:  # noqa: BLE001 - any refusal is reported again, with its reason, when images are sent
+        return None
 
 
 def read_processor_config(source: str | os.PathLike) -> dict[str, Any]:

@@ -254,9 +254,21 @@ class PatchBuckets:
 
     config: VisionConfig
     sizes: tuple[int, ...] = (256, 1024, 4096)  # patches; 4096 16-pixel patches is a 1024 x 1024 image
+    # The most patches one image can have (the checkpoint's image processor bounds them): the programs stop at its
+    # bucket, past the largest size too, so that warm-up covers every image it can take. None: `sizes`.
+    limit: int | None = None
 
     def keys(self) -> list[tuple[int]]:
-        return [(s,) for s in self.sizes]
+        if self.limit is None:
+            return [(s,) for s in self.sizes]
+        top, sizes = self.bucket(self.tower_patches(self.limit)), list(self.sizes)
+        while sizes[-1] < top:  # the sizes `bucket` grows past the largest one to
+            sizes.append(sizes[-1] * 4)
+        return [(s,) for s in sizes if s <= top]
+
+    def tower_patches(self, patches: int) -> int:
+        """The tower's patches for an image of `patches` of the image processor's."""
+        return patches
 
     def bucket(self, patches: int) -> int:
         """The padded size for an image of `patches` patches (past the largest size, the next power of 4 of it)."""

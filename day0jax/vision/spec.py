@@ -1,9 +1,12 @@
 """What the engine and the forward pass need to know of a vision-language model's images (`VisionSpec`), how one
-image becomes a tower call (`WholeImages`; `qwen_vit.PatchBuckets` for towers of any image size), and encoding
-packed images call by call (`encode_host`)."""
+image becomes a tower call (`WholeImages`; `qwen_vit.PatchBuckets` for towers of any image size), encoding packed
+images call by call (`encode_host`), and the features of images already encoded (`FeatureCache`)."""
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -47,16 +50,25 @@ class VisionSpec:
             return pixels, [self.tokens_per_image] * len(processed), None
         grids = tuple(tuple(int(v) for v in p.grid_thw) for p in processed)
         pixels = np.concatenate([np.asarray(p.pixel_values, np.float32) for p in processed])
-        return pixels, [t * h * w // self.merge ** 2 for t, h, w in grids], grids
+        return pixels, [self._tokens(g) for g in grids], grids
+
+    def _tokens(self, grid: tuple) -> int:
+        """An image's tokens: its grid's patches / merge^2, or as its encoder counts them (`grid_tokens`)."""
+        count = getattr(self.encoder, "grid_tokens", None)
+        return count(grid) if count is not None else grid[0] * grid[1] * grid[2] // self.merge ** 2
 
     def encoder_calls(self, pixels: np.ndarray, grids: tuple | None) -> list[tuple[tuple, tuple, int]]:
-        """One (program key, tower inputs, token count) per image of packed `pixels` (see `pack`)."""
+        """One (program key, tower inputs, token count) per tower call of packed `pixels` (see `pack`): one per
+        image, or each of an image's calls where its encoder splits it (`grid_calls`: LFM2-VL's tiles)."""
         if grids is None:
             return [self.encoder.inputs(p, None) for p in pixels]
         calls, start = [], 0
-        for t, h, w in grids:
-            calls.append(self.encoder.inputs(pixels[start:start + t * h * w], (t, h, w)))
-            start += t * h * w
+        split = getattr(self.encoder, "grid_calls", None)  # encoders that run an image in several calls (tiles)
+        for grid in grids:
+            n = self.encoder.grid_patches(grid) if split is not None else grid[0] * grid[1] * grid[2]
+            part = pixels[start:start + n]
+            calls.extend(split(part, grid) if split is not None else [self.encoder.inputs(part, grid)])
+            start += n
         return calls
 
 
@@ -77,14 +89,74 @@ class WholeImages:
         return (np.zeros((1, *self.pixel_shape), np.float32),)
 
 
-def encode_host(spec: VisionSpec, pixels: np.ndarray, grids: tuple | None, run: Callable
-                ) -> tuple[np.ndarray, np.ndarray | None]:
+class FeatureCache:
+    """The features of images encoded before, by a digest of their tower call's inputs (an image's pixels, grid and
+    program), so that an image sent again, in this request or a later one, is not encoded again. The least recently
+    used entries go first once the features held pass `max_bytes` (0: nothing is kept). Thread-safe.
+
+    Attributes:
+        hits, misses: tower calls served from the cache and calls run.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = int(max_bytes), 0
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[bytes, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(program: tuple, arrays: Sequence[np.ndarray]) -> bytes:
+        h = hashlib.blake2b(repr(program).encode(), digest_size=16, person=b"day0jax-towers")
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            h.update(repr((a.shape, a.dtype.str)).encode())
+            h.update(a.data)
+        return h.digest()
+
+    def get(self, key: bytes) -> tuple[np.ndarray, np.ndarray | None] | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return found
+
+    def put(self, key: bytes, features: np.ndarray, deepstack: np.ndarray | None) -> None:
+        size = features.nbytes + (0 if deepstack is None else deepstack.nbytes)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = (features, deepstack)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (f, d) = self._entries.popitem(last=False)
+                self.bytes -= f.nbytes + (0 if d is None else d.nbytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def encode_host(spec: VisionSpec, pixels: np.ndarray, grids: tuple | None, run: Callable,
+                cache: FeatureCache | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Encodes packed images one call each: `run(key, arrays)` -> (features, DeepStack features or None) of one
-    (possibly padded) call; returns their real tokens concatenated: ([n, D], [k, n, D] or None), float32."""
+    (possibly padded) call, unless `cache` holds that call's features; returns their real tokens concatenated:
+    ([n, D], [k, n, D] or None), float32."""
     features, deepstack = [], []
     for key, arrays, tokens in spec.encoder_calls(pixels, grids):
-        f, d = run(key, arrays)
-        features.append(np.asarray(f, np.float32)[:tokens])
-        if d is not None:
-            deepstack.append(np.asarray(d, np.float32)[:, :tokens])
+        digest = None if cache is None else cache.key(key, arrays)
+        found = None if cache is None else cache.get(digest)
+        if found is None:
+            f, d = run(key, arrays)
+            f = np.array(np.asarray(f, np.float32)[:tokens])
+            d = None if d is None else np.array(np.asarray(d, np.float32)[:, :tokens])
+            if cache is not None:
+                cache.put(digest, f, d)
+            found = f, d
+        features.append(found[0])
+        if found[1] is not None:
+            deepstack.append(found[1])
     return np.concatenate(features), (np.concatenate(deepstack, axis=1) if deepstack else None)

@@ -17,16 +17,79 @@ def _inputs(model, data, i):
     kwargs = {}
     if f"pixels_{i}" in data:
         kwargs["pixel_values"] = torch.tensor(data[f"pixels_{i}"])
-        if f"grid_{i}" in data:  # Qwen-VL: the grids, and which tokens are images (for multimodal RoPE)
+        if f"grid_{i}" in data:  # images of their own size: their grids
             kwargs["image_grid_thw"] = torch.tensor(data[f"grid_{i}"].astype(np.int64))
-            kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+            if model.config.model_type == "kimi_k25":  # MoonViT's Conv2d takes each patch as [3, p, p]
+                p = model.config.vision_config.patch_size
+                kwargs["pixel_values"] = kwargs["pixel_values"].reshape(-1, 3, p, p)
+            elif model.config.model_type == "mistral3":  # Pixtral takes images, padded to the largest, and sizes
+                kwargs["pixel_values"], kwargs["image_sizes"] = _images(data[f"pixels_{i}"], data[f"grid_{i}"])
+                del kwargs["image_grid_thw"]
+            elif model.config.model_type == "gemma4":  # patches padded per image, (column, row) positions
+                kwargs["pixel_values"], kwargs["image_position_ids"] = _gemma4_patches(data[f"pixels_{i}"],
+                                                                                       data[f"grid_{i}"])
+                kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
+                del kwargs["image_grid_thw"]
+            elif model.config.model_type == "lfm2_vl":  # patches padded per tile, a mask and (rows, columns)
+                parts = _lfm2_parts(data[f"grid_{i}"])
+                kwargs["pixel_values"], positions = _gemma4_patches(data[f"pixels_{i}"], parts)
+                kwargs["pixel_attention_mask"] = (positions[..., 0] >= 0).long()
+                kwargs["spatial_shapes"] = torch.tensor([[h, w] for _, h, w in parts], dtype=torch.long)
+                del kwargs["image_grid_thw"]
+            else:  # Qwen-VL: which tokens are images (for multimodal RoPE)
+                kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
             kwargs["token_type_ids"] = (ids == model.config.image_token_id).long()
     return ids, kwargs
 
 
+def _images(patches, grids):
+    """Images [I, 3, H, W] (zero-padded to the largest) and their sizes [I, 2] from patches of side p in raster
+    order, one (1, rows, columns) grid per image."""
+    p = int(round((patches.shape[1] / 3) ** 0.5))
+    images, start = [], 0
+    for _, rows, cols in grids:
+        n = rows * cols
+        images.append(patches[start:start + n].reshape(rows, cols, 3, p, p).transpose(2, 0, 3, 1, 4)
+                      .reshape(3, rows * p, cols * p))
+        start += n
+    H, W = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
+    batch = np.zeros((len(images), 3, H, W), np.float32)
+    for k, im in enumerate(images):
+        batch[k, :, :im.shape[1], :im.shape[2]] = im
+    return torch.tensor(batch), torch.tensor([im.shape[1:] for im in images], dtype=torch.long)
+
+
+def _gemma4_patches(patches, grids):
+    """Gemma 4's (and LFM2-VL's) pixel_values [I, P, d] (each image's patches, zero-padded to the most of them) and
+    image_position_ids [I, P, 2] ((column, row), -1 on padding), from patches one after another and their grids."""
+    sizes = [rows * cols for _, rows, cols in grids]
+    P = max(sizes)
+    values = np.zeros((len(sizes), P, patches.shape[1]), np.float32)
+    positions = np.full((len(sizes), P, 2), -1, np.int64)
+    start = 0
+    for k, (_, rows, cols) in enumerate(grids):
+        n = rows * cols
+        values[k, :n] = patches[start:start + n]
+        r, c = np.divmod(np.arange(n), cols)
+        positions[k, :n] = np.stack([c, r], -1)
+        start += n
+    return torch.tensor(values), torch.tensor(positions)
+
+
+def _lfm2_parts(grids):
+    """LFM2-VL's grids (zero-padded to 6 entries: (1, rows, columns, tile rows, tile columns, tile side)) -> the
+    (1, rows, columns) of each tile, row by row, then of the image or thumbnail."""
+    parts = []
+    for grid in grids.tolist():
+        grid = grid + [0] * (6 - len(grid))
+        parts += [(1, grid[5], grid[5])] * (grid[3] * grid[4]) + ([tuple(grid[:3])] if grid[1] * grid[2] else [])
+    return parts
+
+
 def _features(model, kwargs):
-    args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw")}
+    args = {k: v for k, v in kwargs.items() if k in ("pixel_values", "image_grid_thw", "image_sizes",
+                                                     "image_position_ids", "pixel_attention_mask", "spatial_shapes")}
     out = model.model.get_image_features(**args)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     if isinstance(feats, (list, tuple)):

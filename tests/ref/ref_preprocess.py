@@ -9,6 +9,12 @@ Jobs (each a dict with "op"):
                Writes to OUT (.npz) `pixel_values_{i}` (as returned for one image: [1, 3, H, W], [1 + crops, 3, H, W]
                for Gemma 3 with pan and scan, [patches, dim] for Qwen-VL), `grid_thw_{i}` (Qwen-VL) and
                `num_crops_{i}` (Gemma 3), or `error_{i}`: the message of the ValueError transformers raised.
+               With `torchvision`, the processors' torchvision backend instead, on tests/ref/plain_torchvision (a
+               plain-torch rendering of the torchvision functions it calls): the job must come first in its
+               subprocess, before transformers is imported, for transformers to find that package.
+  torch_resizes {cases: [{image, size, mode, channels_last}], out}: torch's own antialiased `interpolate` of each
+               uint8 [C, H, W] array saved at `image` (.npy) to `size` (mode "bilinear" or "bicubic"), as torchvision
+               calls it on CPU tensors (optionally laid out channels-last); `resized_{i}` in OUT (.npz).
   image_loads  {images: [path], out}: for each encoded file i, `loaded_{i}`: transformers' `load_image` of the file
                as a data:image/...;base64 URL (EXIF rotation, then convert("RGB"), which drops alpha), and
                `converted_{i}`: `convert_to_rgb` of the file opened with PIL (alpha composited onto white, as image
@@ -16,11 +22,21 @@ Jobs (each a dict with "op"):
 """
 
 import base64
+import os
+import sys
 
 import numpy as np
 
+PLAIN_TORCHVISION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_torchvision")
+
 
 def image_processor_outputs(job):
+    backend = "pil"
+    if job.get("torchvision"):
+        if "transformers" in sys.modules:
+            raise RuntimeError("the torchvision-backend job must run before anything imports transformers")
+        sys.path.insert(0, PLAIN_TORCHVISION)
+        backend = "torchvision"
     import transformers
     from PIL import Image
     from transformers import AutoImageProcessor
@@ -28,7 +44,7 @@ def image_processor_outputs(job):
     processors, result = {}, {}
     for i, case in enumerate(job["cases"]):
         if case["processor"] not in processors:
-            processors[case["processor"]] = AutoImageProcessor.from_pretrained(case["processor"], backend="pil")
+            processors[case["processor"]] = AutoImageProcessor.from_pretrained(case["processor"], backend=backend)
         processor = processors[case["processor"]]
         image = np.load(case["image"]) if case.get("array") else Image.open(case["image"])
         kwargs = dict(getattr(transformers, case["model_processor"]).images_kwargs if case.get("model_processor")
@@ -43,6 +59,24 @@ def image_processor_outputs(job):
             result[f"grid_thw_{i}"] = np.asarray(out["image_grid_thw"][0])
         if "num_crops" in out:
             result[f"num_crops_{i}"] = np.asarray(out["num_crops"][0])
+        if "spatial_shapes" in out:  # LFM2-VL: (rows, columns) of patches per tile
+            result[f"spatial_shapes_{i}"] = np.asarray(out["spatial_shapes"])
+        if "num_soft_tokens_per_image" in out:  # Gemma 4
+            result[f"num_soft_tokens_per_image_{i}"] = np.asarray(out["num_soft_tokens_per_image"][0])
+    np.savez(job["out"], **result)
+
+
+def torch_resizes(job):
+    import torch
+    import torch.nn.functional as F
+
+    result = {}
+    for i, case in enumerate(job["cases"]):
+        x = torch.from_numpy(np.load(case["image"]))[None]
+        if case.get("channels_last"):
+            x = x.contiguous(memory_format=torch.channels_last)
+        out = F.interpolate(x, size=case["size"], mode=case["mode"], antialias=True, align_corners=False)
+        result[f"resized_{i}"] = out[0].contiguous().numpy()
     np.savez(job["out"], **result)
 
 
