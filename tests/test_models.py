@@ -92,8 +92,9 @@ def test_batched_logits_equal_single(family):
     together = model.logits(batch)
     for i, p in enumerate(PROMPTS):
         alone = model.logits([p])[0]
-        # A batch of 3 x 32 rows takes other matmul paths than 32 rows alone: float32 rounding, on the logit scale.
-        assert rel_err(together[i, :len(p)], alone) < tolerance(name), f"{name} prompt {i}"
+        # Not bit-equal: a batch of 5 rows and a single row take different matmul blockings (the CPU linear kernel
+        # and XLA's dot choose by row count). Worst seen: 1.4e-5 absolute on logits near 0.35 (ernie4_5_moe).
+        np.testing.assert_allclose(together[i, :len(p)], alone, rtol=1e-5, atol=3e-5)
 
 
 @pytest.mark.parametrize("family", ["mistral"], indirect=True)  # sliding window: the cache path must apply it too

@@ -246,7 +246,7 @@ def test_compile_command_fills_the_cache_and_prints_every_program(filled):
     folder = key_folder(root)
     key = json.loads((folder / "key.json").read_text())
     assert key["jax"] == jax.__version__ and key["mesh"] == "dp=1,ep=1,tp=1"
-    assert len(list(folder.glob("jit__forward_fn-*-cache"))) == len(FORWARD_SHAPES)
+    assert len(list(folder.glob("jit__stage_fn-*-cache"))) == len(FORWARD_SHAPES)
     assert len(list((folder / "programs").glob("*.program"))) == PROGRAMS
 
 
@@ -277,7 +277,7 @@ def test_damaged_entries_are_reported_rebuilt_and_startup_goes_on(ckpt, filled, 
     root = tmp_path / "cache"
     shutil.copytree(key_folder(filled[0]), root / key_folder(filled[0]).name)
     folder = key_folder(root)
-    forward = sorted(folder.glob("jit__forward_fn-*-cache"))
+    forward = sorted(folder.glob("jit__stage_fn-*-cache"))
     programs = sorted((folder / "programs").glob("*.program"))
     raw = forward[0].read_bytes()
     forward[0].write_bytes(raw[:len(raw) // 3])  # a write cut short

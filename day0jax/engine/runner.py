@@ -348,8 +348,8 @@ class ModelRunner:
     def run_stage(self, s: int, program, part: Batch, previous, x):
         """Stage `s`'s forward program (`program`, else its jit) on one micro-batch; returns its outputs before the
         pools (the residual stream, or the logits and greedy tokens on the last stage)."""
-        if s == 0:
-            previous = self._no_previous if previous is None else previous
+        # Only the first stage reads input tokens from a sampler output; the others take the residual stream.
+        previous = (self._no_previous if previous is None else previous) if s == 0 else None
         inputs = [self._put(a, self.meshes[s]) for a in part.arrays()]
         # The mesh is the context while tracing, for `sharding.rules.constrain` inside the model.
         with jax.set_mesh(self.meshes[s]):
