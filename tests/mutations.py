@@ -163,7 +163,7 @@ def mutated_logits(model, mutations: dict[str, Any], tokens: list[int], images: 
     """`model`'s logits [T, V] for `tokens` (and `images`, a vision-language model's, in order), unmutated (key None)
     and under each of `mutations` (feature -> one kind above, or a tuple of them), all from one compiled program:
     XLA compiles one program of several copies of a tiny model in a fraction of the time it takes for each copy
-    alone. Each copy is a new module sharing the loaded model's arrays, traced by `Model`'s own forward function,
+    alone. Each copy is a new module sharing the loaded model's arrays, traced by the forward pass of `Model.logits`,
     with its patches in place while it is traced only; the images are encoded once, by the loaded model. A mutation
     that cannot be applied or traced gives its exception in place of logits."""
     T = len(tokens)
