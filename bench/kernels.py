@@ -1,7 +1,11 @@
 """Kernel benchmark: each op's implementations on real layer shapes, against the chip's measured ceilings.
 
-    python bench/kernels.py [--json PATH] [--markdown] [--iters N] [--tune] [--only OP ...]
+    python bench/kernels.py [--json PATH] [--jsonl PATH] [--budget-s S] [--markdown] [--iters N] [--tune] [--only OP]
     python bench/kernels.py --cpu-smoke      # tiny shapes on the CPU: checks the script itself, times nothing real
+
+Each row is appended to `--jsonl` and flushed as soon as it is measured, and a case that fails is a row saying why,
+never the end of the run; past `--budget-s` seconds the cases left are rows marked "skipped: budget", so a run killed
+or cut short keeps every row it finished.
 
 Ceilings, measured in the same run: streaming bandwidth (y = x + 1 over 4 GiB of bf16, bytes read plus written)
 and the bf16 matmul rate (8192^3 on random data, float32 accumulation). Every implementation that accepts a shape
@@ -14,7 +18,9 @@ Figures: prefill attention and MoE prefill in TFLOP/s (causal attention counts h
 the matmul rate; paged decode, MoE decode and RMSNorm in GB/s (each input read once, each output written once) as a
 share of the copy bandwidth; speed-ups over the reference (XLA) and cuDNN / ragged_dot. Quantized linear maps
 (int4, int8, FP8 weights at Llama-3-8B's gate shape, 1 and 16 rows) in GB/s of the bytes they must read, beside a
-bfloat16 dense product of the same shape ("bfloat16 dense", the last column's comparison for these rows).
+bfloat16 dense product of the same shape ("bfloat16 dense", the last column's comparison for these rows). The gated
+delta rule (Qwen3-Next's prefill) in TFLOP/s of the recurrent form's four state products per token and value head.
+jax's own Mosaic GPU kernels shipped in its wheel (attention_mgpu, ragged_dot_mgpu: `baselines.py`) are rows too.
 Targets (H100/H200): paged decode >= 60% of copy bandwidth, prefill attention >= 50% of the matmul rate, MoE grouped
 matmul >= 45%. `--tune` sweeps each Pallas kernel's block sizes and prints entries for its `TABLE`, to paste.
 """
@@ -33,10 +39,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, no install needed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from baselines import BASELINES  # noqa: E402
 from kernels_pallas import cases, ops, platform, registry  # noqa: E402
 from kernels_pallas.attention import pallas_mgpu as attention_mgpu  # noqa: E402
 from kernels_pallas.moe import pallas_mgpu as moe_mgpu  # noqa: E402
@@ -64,13 +72,16 @@ def flagship_call(family: str, op: str):
     return next((c for c in calls if c.get("window") is None), calls[0])
 
 
-def attention_bench(family: str, B: int, T: int, dtype: str) -> Bench:
+def attention_bench(family: str, B: int, T: int, dtype: str, S: int | None = None) -> Bench:
+    """A prefill of T tokens; with S > T, a chunk of T tokens after S - T already cached (the last T positions)."""
     d = flagship_call(family, "attention")
-    spec = dict(B=B, T=T, S=T, N=d["N"], K=d["K"], H=d["H"], scale=d["scale"], window=None, softcap=None,
+    S = S or T
+    spec = dict(B=B, T=T, S=S, N=d["N"], K=d["K"], H=d["H"], scale=d["scale"], window=None, softcap=None,
                 sinks=d["sinks"], offsets=False)
-    flops = 4.0 * B * d["N"] * T * T * d["H"] / 2  # QK^T and PV, causal: half the score matrix
-    return Bench("attention", f"{family} prefill B={B} T={T}", cases.Case("attention", family, dtype, spec),
-                 lambda args, kwargs: (flops, 0.0), True)
+    flops = 4.0 * B * d["N"] * (T * S - T * T / 2) * d["H"]  # QK^T and PV over the keys each query sees (causal)
+    name = f"{family} prefill B={B} T={T}" if S == T else f"{family} prefill chunk B={B} T={T} after {S - T}"
+    return Bench("attention", name, cases.Case("attention", family, dtype, spec), lambda args, kwargs: (flops, 0.0),
+                 True)
 
 
 def paged_bench(family: str, B: int, length: int, dtype: str, page: int = 16) -> Bench:
@@ -86,8 +97,9 @@ def paged_bench(family: str, B: int, length: int, dtype: str, page: int = 16) ->
                  cases.Case("paged_attention", family, dtype, spec), work, False)
 
 
-def moe_bench(family: str, tokens: int, dtype: str, proj: str = "gate/up") -> Bench:
-    m = flagship_call(family, "moe")
+def moe_bench(family: str, tokens: int, dtype: str, proj: str = "gate/up", **tiny: int) -> Bench:
+    """`tiny` (E, D, F) overrides the flagship's sizes (--cpu-smoke)."""
+    m = {**dict(flagship_call(family, "moe").params), **tiny}
     D, F = (m["D"], m["F"]) if proj == "gate/up" else (m["F"], m["D"])
     M = tokens * m["k"]
     spec = dict(M=M, G=m["E"], D=D, F=F, k=m["k"])
@@ -126,29 +138,43 @@ def quantized_bench(fmt: str, rows: int, dtype: str, O: int = 14336, I: int = 40
                  cases.Case("quantized_linear", "llama-3-8b", dtype, spec), lambda args, kwargs: (0.0, nbytes), False)
 
 
+def gated_delta_bench(family: str, B: int, T: int, dtype: str) -> Bench:
+    g = flagship_call(family, "gated_delta_rule")
+    spec = dict(B=B, T=T, Nk=g["Nk"], Nv=g["Nv"], Hk=g["Hk"], Hv=g["Hv"], decay=g["decay"])
+    flops = 8.0 * B * T * g["Nv"] * g["Hk"] * g["Hv"]  # q.S, k.S, the rank-1 update, the decay: 2 FLOPs each
+    return Bench("gated_delta_rule", f"{family} prefill B={B} T={T} {g['decay']} decay",
+                 cases.Case("gated_delta_rule", family, dtype, spec), lambda args, kwargs: (flops, 0.0), True)
+
+
 DENSE = "bfloat16 dense"  # the row quantized benches add: x @ W.T with W in bfloat16, float32 accumulation
 
 
 def benches(dtype: str, tiny: bool = False) -> list[Bench]:
     if tiny:  # --cpu-smoke: exercise every path with toy sizes
-        return [attention_bench("llama-3-8b", 1, 128, dtype), paged_bench("llama-3-8b", 2, 128, dtype),
-                moe_bench("qwen3-30b-a3b", 16, dtype), rms_bench("llama-3-8b", 64, dtype),
-                quantized_bench("int4/32+offset", 2, dtype, O=256, I=512)]
-    return [
+        return [attention_bench("llama-3-8b", 1, 128, dtype), attention_bench("llama-3-8b", 1, 64, dtype, S=128),
+                paged_bench("llama-3-8b", 2, 128, dtype),
+                moe_bench("qwen3-30b-a3b", 16, dtype, E=8, D=128, F=128), rms_bench("llama-3-8b", 64, dtype),
+                quantized_bench("int4/32+offset", 2, dtype, O=256, I=512),
+                gated_delta_bench("qwen3-next-80b-a3b", 1, 80, dtype)]
+    return [  # in order of value: a run cut short by its budget has the first ones
+        paged_bench("llama-3-8b", 64, 1024, dtype),
+        paged_bench("llama-3-8b", 64, 8192, dtype),
+        paged_bench("llama-3-8b", 8, 32768, dtype),
+        attention_bench("llama-3-8b", 4, 256, dtype, S=4096),
+        attention_bench("llama-3-8b", 2, 2048, dtype, S=8192),
         attention_bench("llama-3-8b", 4, 4096, dtype),
+        moe_bench("qwen3-30b-a3b", 4096, dtype),
+        moe_bench("qwen3-30b-a3b", 32, dtype),
+        moe_bench("deepseek-v3", 4096, dtype),
+        moe_bench("deepseek-v3", 32, dtype),
+        *[quantized_bench(fmt, rows, dtype) for fmt in ("int4/128+offset", "int8/128", "fp8/128") for rows in (1, 16)],
+        gated_delta_bench("qwen3-next-80b-a3b", 2, 4096, dtype),
+        paged_bench("qwen3-30b-a3b", 64, 8192, dtype),
         attention_bench("qwen3-30b-a3b", 4, 4096, dtype),
         attention_bench("deepseek-v3", 1, 4096, dtype),
-        paged_bench("llama-3-8b", 64, 4096, dtype),
-        paged_bench("qwen3-30b-a3b", 64, 4096, dtype),
-        paged_bench("llama-3-8b", 8, 32768, dtype),
-        moe_bench("qwen3-30b-a3b", 4096, dtype),
         moe_bench("qwen3-30b-a3b", 4096, dtype, "down"),
-        moe_bench("deepseek-v3", 4096, dtype),
-        moe_bench("qwen3-30b-a3b", 32, dtype),
-        moe_bench("deepseek-v3", 32, dtype),
         rms_bench("llama-3-8b", 16384, dtype),
         rms_bench("deepseek-v3", 8192, dtype),
-        *[quantized_bench(fmt, rows, dtype) for fmt in ("int4/128+offset", "int8/128", "fp8/128") for rows in (1, 16)],
     ]
 
 
@@ -192,54 +218,111 @@ def ceilings(iters: int, tiny: bool) -> dict[str, float]:
     return {"copy": copy, "matmul": 2 * m ** 3 / (ms / 1e3)}
 
 
-def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int) -> list[dict[str, Any]]:
+Emit = Callable[[dict], None]
+
+
+def new_row(bench: Bench, name: str, detail: str = "") -> dict[str, Any]:
+    return dict(op=bench.op, shape=bench.name, implementation=name, ms=None, timer="", rate=None, unit="",
+                fraction=None, max_rel_error=None, detail=detail)
+
+
+def first_line(e: Exception, width: int = 160) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:width]}"
+
+
+def measure(row: dict, bench: Bench, fn: Callable, arrays: list, ref_out, work: tuple[float, float],
+            ceil: dict[str, float], iters: int) -> None:
+    """Checks fn(*arrays) against the reference's output, then times it; fills row (or its detail, on failure)."""
+    try:
+        out = jax.block_until_ready(fn(*arrays))
+        if ref_out is not None:
+            row["max_rel_error"] = cases.max_relative_error(out, ref_out)
+        ms, timer = time_ms(fn, arrays, iters)
+    except Exception as e:
+        row["detail"] = first_line(e)
+        return
+    flops, nbytes = work
+    amount, ceiling, scale, unit = (flops, "matmul", 1e12, "TFLOP/s") if bench.compute_bound else \
+        (nbytes, "copy", 1e9, "GB/s")
+    rate = amount / (ms / 1e3)
+    row.update(ms=ms, timer=timer, rate=rate / scale, unit=unit, fraction=rate / ceil[ceiling])
+
+
+def run_bench(bench: Bench, ceil: dict[str, float], iters: int, seed: int, emit: Emit,
+              deadline: float = math.inf) -> list[dict[str, Any]]:
+    """Every implementation of bench's op (and jax's baseline kernel for it), each row passed to `emit` when done;
+    past `deadline` (time.monotonic()) the implementations left are skipped."""
     mod = registry.api(bench.op)
     interpreted = set(mod.INTERPRET.values())
     args, kwargs = bench.case.build(seed)
-    flops, nbytes = bench.work(args, kwargs)
+    work = bench.work(args, kwargs)
     ref_fn, arrays = jitted(mod.IMPLEMENTATIONS[registry.REFERENCE], args, kwargs)
     try:
-        ref_out = jax.block_until_ready(ref_fn(*arrays))
+        ref_out, ref_error = jax.block_until_ready(ref_fn(*arrays)), ""
     except Exception as e:  # the reference may not fit (huge score matrices): time the others anyway
-        ref_out, ref_error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    else:
-        ref_error = ""
+        ref_out, ref_error = None, first_line(e, 120)
     rows = []
+
+    def done(row):
+        rows.append(row)
+        emit(row)
+
     for name in mod.IMPLEMENTATIONS:
         if name in interpreted:
             continue
-        row = dict(op=bench.op, shape=bench.name, implementation=name, ms=None, timer="", rate=None, unit="",
-                   fraction=None, max_rel_error=None, detail="")
-        rows.append(row)
-        reason = registry.accepts(bench.op, name, *args, **kwargs)
-        if reason is not None:
+        row = new_row(bench, name)
+        if time.monotonic() > deadline:
+            row["detail"] = "skipped: budget"
+        elif (reason := registry.accepts(bench.op, name, *args, **kwargs)) is not None:
             row["detail"] = f"unavailable: {reason[:100]}"
-            continue
-        if name == registry.REFERENCE and ref_out is None:
+        elif name == registry.REFERENCE and ref_out is None:
             row["detail"] = f"reference failed: {ref_error}"
-            continue
-        try:
-            fn, arrs = jitted(mod.IMPLEMENTATIONS[name], args, kwargs)
-            out = jax.block_until_ready(fn(*arrs))
-            if ref_out is not None:
-                row["max_rel_error"] = cases.max_relative_error(out, ref_out)
-            ms, timer = time_ms(fn, arrs, iters)
-        except Exception as e:
-            row["detail"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            continue
-        work, ceiling, scale, unit = (flops, "matmul", 1e12, "TFLOP/s") if bench.compute_bound else \
-            (nbytes, "copy", 1e9, "GB/s")
-        rate = work / (ms / 1e3)
-        row.update(ms=ms, timer=timer, rate=rate / scale, unit=unit, fraction=rate / ceil[ceiling])
+        else:
+            try:
+                fn, arrs = jitted(mod.IMPLEMENTATIONS[name], args, kwargs)
+            except Exception as e:
+                row["detail"] = first_line(e)
+            else:
+                measure(row, bench, fn, arrs, ref_out, work, ceil, iters)
+        done(row)
+    if bench.op in BASELINES:
+        done(baseline_row(bench, args, kwargs, ref_out, work, ceil, iters, deadline))
     if bench.op == "quantized_linear":
-        rows.append(dense_row(bench, args, ceil, iters))
+        done(dense_row(bench, args, ceil, iters) if time.monotonic() <= deadline else
+             new_row(bench, DENSE, "skipped: budget"))
+    compare(rows)
+    return rows
+
+
+def compare(rows: list[dict[str, Any]]) -> None:
+    """Speed-ups of each timed row of one bench over the reference, the vendor's program and jax's kernel."""
     by_name = {r["implementation"]: r["ms"] for r in rows if r["ms"]}
+    jax_kernel = next((by_name.get(name) for name, _ in BASELINES.values() if by_name.get(name)), None)
     for r in rows:
         if r["ms"]:
             r["vs_reference"] = by_name[registry.REFERENCE] / r["ms"] if by_name.get(registry.REFERENCE) else None
             vendor = by_name.get("cudnn") or by_name.get("xla_ragged_dot") or by_name.get(DENSE)
             r["vs_vendor"] = vendor / r["ms"] if vendor else None
-    return rows
+            r["vs_jax"] = jax_kernel / r["ms"] if jax_kernel else None
+
+
+def baseline_row(bench: Bench, args: tuple, kwargs: dict, ref_out, work: tuple[float, float],
+                 ceil: dict[str, float], iters: int, deadline: float) -> dict[str, Any]:
+    """jax's own Mosaic GPU kernel for bench's op, checked and timed like ours."""
+    name, baseline = BASELINES[bench.op]
+    row = new_row(bench, name)
+    if time.monotonic() > deadline:
+        row["detail"] = "skipped: budget"
+    elif jax.default_backend() != "gpu":
+        row["detail"] = "unavailable: a compiled Mosaic GPU kernel, needs a GPU"
+    else:
+        try:
+            fn, arrays = baseline(args, kwargs)
+        except NotImplementedError as e:
+            row["detail"] = f"unavailable: {e}"
+        else:
+            measure(row, bench, fn, arrays, ref_out, work, ceil, iters)
+    return row
 
 
 def dense_row(bench: Bench, args: tuple, ceil: dict[str, float], iters: int) -> dict[str, Any]:
@@ -255,8 +338,10 @@ def dense_row(bench: Bench, args: tuple, ceil: dict[str, float], iters: int) -> 
                 unit="GB/s", fraction=rate / ceil["copy"], max_rel_error=None, detail="baseline")
 
 
-def tune(dtype: str, iters: int) -> list[str]:
-    """Sweeps each Pallas kernel's blocks on the bench shapes; returns table-entry lines for the best."""
+def tune(dtype: str, iters: int, tiny: bool = False, only: list[str] | None = None,
+         deadline: float = math.inf) -> list[str]:
+    """Sweeps each Pallas kernel's blocks on the bench shapes (those with a sweep below); prints each table-entry
+    line for the best as soon as a shape's sweep ends, and returns them all."""
     kind = platform.current().kind
     today = datetime.date.today().isoformat()
     sweeps = {  # op -> (kernel, block configurations, shape class of a case spec)
@@ -272,11 +357,16 @@ def tune(dtype: str, iters: int) -> list[str]:
                      lambda s: rms_mgpu.shape_class(s["D"])),
     }
     lines = []
-    for bench in benches(dtype):
+    for bench in benches(dtype, tiny):
+        if bench.op not in sweeps or (only and bench.op not in only):
+            continue  # no block sizes to sweep (XLA programs), or not asked for
         fn, configs, cls = sweeps[bench.op]
         args, kwargs = bench.case.build(0)
         best = None
         for cfg in configs:
+            if time.monotonic() > deadline:
+                print(f"  {bench.name} {cfg}: skipped: budget", file=sys.stderr)
+                continue
             try:
                 f, arrays = jitted(lambda *a, **k: fn(*a, blocks=cfg, **k), args, kwargs)
                 ms, _ = time_ms(f, arrays, iters)
@@ -289,19 +379,22 @@ def tune(dtype: str, iters: int) -> list[str]:
         if best:
             lines.append(f'{bench.op}: ("{kind}", "{cls(bench.case.spec)}"): tuning.Entry({best[1]!r}, '
                          f'"measured {today} {best[0]:.3f} ms on {bench.name}"),')
+            print(lines[-1], flush=True)
+        else:
+            print(f"{bench.op}: {bench.name}: no configuration ran", flush=True)
     return lines
 
 
 def format_rows(rows: list[dict[str, Any]], ceil: dict[str, float], markdown: bool) -> str:
     head = ["op", "shape", "implementation", "ms", "rate", "of ceiling", "vs XLA ref", "vs cuDNN/ragged_dot/bf16 dense",
-            "max rel err", "note"]
+            "vs jax kernel", "max rel err", "note"]
 
     def cell(value, spec, suffix=""):
         return "-" if value is None else format(value, spec) + suffix
 
     body = [[r["op"], r["shape"], r["implementation"], cell(r["ms"], ".3f"), cell(r["rate"], ".1f", " " + r["unit"]),
              "-" if r["fraction"] is None else f"{100 * r['fraction']:.0f}%", cell(r.get("vs_reference"), ".2f", "x"),
-             cell(r.get("vs_vendor"), ".2f", "x"), cell(r["max_rel_error"], ".1e"),
+             cell(r.get("vs_vendor"), ".2f", "x"), cell(r.get("vs_jax"), ".2f", "x"), cell(r["max_rel_error"], ".1e"),
              (r["timer"] + " " + r["detail"]).strip()[:70]] for r in rows]
     lines = [f"ceilings: copy {ceil['copy'] / 1e9:.0f} GB/s (read+write), bf16 matmul {ceil['matmul'] / 1e12:.0f} "
              f"TFLOP/s"]
@@ -320,39 +413,65 @@ def format_rows(rows: list[dict[str, Any]], ceil: dict[str, float], markdown: bo
     return "\n".join(lines)
 
 
+def jsonl_writer(path: Path | None) -> Emit:
+    """Appends each row to `path` as one JSON line, flushed at once (a killed run keeps what it measured)."""
+    if path is None:
+        return lambda row: None
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(row: dict) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(row, default=plain) + "\n")
+
+    return emit
+
+
+def plain(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else str(value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--only", action="append", choices=ops.kernel_ops())
-    p.add_argument("--json", type=Path, help="write the rows and ceilings here")
+    p.add_argument("--json", type=Path, help="write the rows and ceilings here at the end")
+    p.add_argument("--jsonl", type=Path, help="append each row here as it is measured (and the ceilings first)")
+    p.add_argument("--budget-s", type=float, default=math.inf, help="past this many seconds, skip what is left")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown (for bench/RESULTS.md)")
     p.add_argument("--tune", action="store_true", help="sweep block sizes and print tuning-table entries")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: check the script runs")
     a = p.parse_args(argv)
+    deadline = started + a.budget_s
     if jax.default_backend() != "gpu" and not a.cpu_smoke:
         print("bench/kernels.py needs a GPU (jax.default_backend() is "
               f"{jax.default_backend()!r}); --cpu-smoke runs toy shapes to check the script.", file=sys.stderr)
         return 2
     target = platform.current()
     print(f"device: {target.device_kind} ({target.num_cores} SMs), jax {jax.__version__}, "
-          f"{datetime.date.today().isoformat()}")
+          f"{datetime.date.today().isoformat()}", flush=True)
     if a.tune:
-        print("\n".join(tune(a.dtype, a.iters)))
+        tune(a.dtype, a.iters, a.cpu_smoke, a.only, deadline)
         return 0
+    emit = jsonl_writer(a.jsonl)
     ceil = ceilings(a.iters, a.cpu_smoke)
+    emit({"ceilings": ceil, "device": target.device_kind, "date": datetime.date.today().isoformat()})
     rows = []
     for i, bench in enumerate(benches(a.dtype, a.cpu_smoke)):
         if a.only and bench.op not in a.only:
             continue
         print(f"... {bench.op}: {bench.name}", file=sys.stderr, flush=True)
-        rows += run_bench(bench, ceil, a.iters, seed=i)
+        try:
+            rows += run_bench(bench, ceil, a.iters, i, emit, deadline)
+        except Exception as e:  # building the inputs or the reference: this case fails, the others still run
+            row = new_row(bench, registry.REFERENCE, f"case failed: {first_line(e)}")
+            emit(row)
+            rows.append(row)
     print(format_rows(rows, ceil, a.markdown))
     if a.json:
         a.json.write_text(json.dumps({"device": target.device_kind, "date": datetime.date.today().isoformat(),
-                                      "ceilings": ceil, "rows": rows},
-                                     default=lambda v: None if isinstance(v, float) and not math.isfinite(v)
-                                     else str(v), indent=1))
+                                      "ceilings": ceil, "rows": rows}, default=plain, indent=1))
     bad = [r for r in rows if r["max_rel_error"] is not None and r["max_rel_error"] > cases.TOLERANCE[a.dtype]]
     for r in bad:
         print(f"WRONG: {r['op']} {r['implementation']} on {r['shape']}: max rel error {r['max_rel_error']:.2e}",

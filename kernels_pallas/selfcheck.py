@@ -6,7 +6,8 @@ implementation (Pallas and C++ kernels, cuDNN, `ragged_dot`) runs on each case w
 compared with the reference (as the startup self-test does, through `selftest.Trial`); those that cannot take a case (no Hopper GPU here, a head dim a kernel lacks) are
 listed as unavailable, with why. `--lower cuda` traces as if for an H100 and runs nothing: a GPU-less machine's
 check of the GPU build. `--json` rows have at least op, implementation, ok (true, false, or null for unavailable);
-the exit status is 1 if any row has ok false.
+the exit status is 1 if any row has ok false. `--jsonl PATH` appends each row as it is checked and `--budget-s S`
+skips what is left after S seconds (a short device loan keeps what it did).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -27,11 +28,15 @@ from kernels_pallas import ops, platform, registry, selftest
 from kernels_pallas.calls import OpCall
 
 
-def run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> list[dict[str, Any]]:
+def run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int,
+             emit: Callable[[dict], None] = lambda row: None, deadline: float = math.inf) -> list[dict[str, Any]]:
     """Every implementation of each case's op (the interpreter variants only with `interpret`) against the reference.
 
+    Args:
+        emit: called with each row as soon as it is checked (a run cut short keeps what it did).
+        deadline: a `time.monotonic()` past which the implementations left are skipped, each a row saying so.
     Returns:
-        `selftest.Trial` rows; ok None (with why) for an implementation that declines the case.
+        `selftest.Trial` rows; ok None (with why) for an implementation that declines the case or was skipped.
     """
     rows = []
     for trial in selftest.trials(case_list, seed):
@@ -40,10 +45,29 @@ def run_rows(case_list: list[cases_lib.Case], interpret: bool, seed: int) -> lis
         for name in mod.IMPLEMENTATIONS:
             if name == registry.REFERENCE or (name in interpreted and not interpret):
                 continue
-            reason = trial.accepts(name)
-            rows.append(trial.check(name) if reason is None else
-                        trial.row(name, max_rel_error=None, ok=None, seconds=0.0, detail=f"unavailable: {reason}"))
+            if time.monotonic() > deadline:
+                row = trial.row(name, max_rel_error=None, ok=None, seconds=0.0, detail="skipped: budget")
+            elif (reason := trial.accepts(name)) is None:
+                row = trial.check(name)
+            else:
+                row = trial.row(name, max_rel_error=None, ok=None, seconds=0.0, detail=f"unavailable: {reason}")
+            rows.append(row)
+            emit(row)
     return rows
+
+
+def jsonl_writer(path: str | None) -> Callable[[dict], None]:
+    """Appends each row to `path` as one JSON line, written out at once."""
+    def emit(row: dict) -> None:
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(finite(row)) + "\n")
+
+    return emit
+
+
+def finite(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
 def lower_rows(case_list: list[cases_lib.Case], target_platform: str = "cuda") -> list[dict[str, Any]]:
@@ -107,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lower", choices=["cuda"], help="only lower the Pallas kernels (and XLA programs ops name) for it")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--save", metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument("--jsonl", metavar="PATH", help="append each row to PATH as one JSON line, as it is checked")
+    p.add_argument("--budget-s", type=float, default=math.inf,
+                   help="past this many seconds, skip the checks left (each a row saying so)")
     p.add_argument("--family", action="append", choices=sorted(cases_lib.families()),
                    help=f"flagship models whose shapes to use (repeatable; default "
                         f"{', '.join(cases_lib.DEFAULT_FLAGSHIPS)})")
@@ -118,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(cases_lib.TOLERANCE))
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh per run)")
     a = p.parse_args(argv)
+    deadline = time.monotonic() + a.budget_s
     only = tuple(a.op) if a.op else None
     scale = a.scale or ("full" if a.lower or (jax.default_backend() == "gpu" and not a.interpret) else "tiny")
     if a.calls:
@@ -130,9 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = lower_rows(case_list, a.lower)
     else:
         seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
-        rows = run_rows(case_list, a.interpret, seed)
-    as_json = json.dumps([{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
-                          for r in rows], indent=1)
+        rows = run_rows(case_list, a.interpret, seed, jsonl_writer(a.jsonl), deadline)
+    as_json = json.dumps([finite(r) for r in rows], indent=1)
     if a.save:
         with open(a.save, "w") as f:
             f.write(as_json + "\n")

@@ -4,12 +4,13 @@ bfloat16 inputs against the float32 reference on the same values; tolerance `cas
 Group sizes include empty groups, groups that straddle row blocks and rows past sum(group_sizes) (must be 0).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import needs_hopper
-from kernels_pallas import cases
+from kernels_pallas import cases, selfcheck
 from kernels_pallas.moe import api, pallas_mgpu, reference, spec
 from kernels_pallas.quantized_linear.reference import dequantize
 from kernels_pallas.registry import KernelUnavailable
@@ -83,14 +84,62 @@ def test_mosaic_gpu_declines_quantized_experts():
         api.grouped_matmul(lhs, rhs, sizes, implementation="mosaic_gpu_interpret")
 
 
+# Serving-sized: 16 contraction steps through 4 shared-memory slots, 2 column blocks, 64 experts; the shape at
+# which an asynchronous wgmma still reading a slot that the pipeline refills shows (small shapes never refill).
+SERVING = dict(M=512, G=64, D=1024, F=256, k=4)
+# The same slot reuse (8 contraction steps through 2 slots) at a size the interpreter runs in seconds.
+SLOT_REUSE = (dict(M=80, G=3, D=512, F=128, k=1), pallas_mgpu.Blocks(64, 64, 64, 2))
+
+
+def check_against_reference(spec, implementation, **kwargs):
+    case = cases.Case("moe", "slots", "bfloat16", spec)
+    args, _ = case.build(0)
+    got = pallas_mgpu.grouped_matmul(*args, **kwargs) if implementation is None else \
+        api.grouped_matmul(*args, implementation=implementation)
+    lhs, rhs, sizes = args
+    want = reference.grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+    err = cases.max_relative_error(got, want)
+    assert err <= cases.TOLERANCE["bfloat16"], f"max relative error {err} at {spec}"
+
+
 @pytest.mark.usefixtures("interpreter_on_cpu")
 class TestMosaicGpuInterpret(GroupedMatmulContract):
     implementation = "mosaic_gpu_interpret"
+
+    def test_refilled_slots_give_the_reference(self):
+        spec, blocks = SLOT_REUSE
+        check_against_reference(spec, None, blocks=blocks, interpret=True)
 
 
 @needs_hopper
 class TestMosaicGpu(GroupedMatmulContract):
     implementation = "mosaic_gpu"
+
+    def test_serving_sized_shape(self):
+        check_against_reference(SERVING, "mosaic_gpu")
+
+
+def test_serving_sized_shape_lowers_for_cuda():
+    rows = selfcheck.lower_rows([cases.Case("moe", "serving", "bfloat16", SERVING)], "cuda")
+    assert [r["ok"] for r in rows] == [True], rows
+
+
+def test_pipeline_waits_for_the_previous_wgmma_before_its_slot_is_refilled():
+    """The interpreter runs a wgmma synchronously, so it cannot show this race: the kernel's program must hold
+    the wait (the slots' one-step-late release, delay_release=1, relies on it)."""
+    spec, blocks = SLOT_REUSE
+    (lhs, rhs, sizes), _ = cases.Case("moe", "slots", "bfloat16", spec).build(0)
+    pair_block, pair_group, pair_valid, _, _ = pallas_mgpu.pair_table(sizes, spec["M"], blocks.block_m)
+    lhs = jnp.pad(lhs, ((0, -spec["M"] % blocks.block_m), (0, 0)))
+    program = str(jax.make_jaxpr(lambda *a: pallas_mgpu._call(*a, blocks=blocks, interpret=True))(
+        lhs, rhs, pair_block, pair_group, pair_valid))
+    assert "wgmma_wait[n=1]" in program
+
+
+def test_one_slot_is_declined():
+    (lhs, rhs, sizes), _ = cases.Case("moe", "slots", "bfloat16", SLOT_REUSE[0]).build(0)
+    with pytest.raises(NotImplementedError, match="steps 1"):
+        pallas_mgpu.grouped_matmul(lhs, rhs, sizes, blocks=pallas_mgpu.Blocks(64, 64, 64, 1), interpret=True)
 
 
 def test_pair_table_maps_every_row_to_its_own_groups_tile():
@@ -109,3 +158,23 @@ def test_pair_table_maps_every_row_to_its_own_groups_tile():
             continue
         p, within = divmod(source[r], bm)
         assert within == r % bm and block[p] == r // bm and starts[group[p]] <= r < ends[group[p]]
+
+
+def test_ragged_dot_on_a_gpu_declines_a_dense_expansion_too_large_for_it(monkeypatch):
+    """Without cuDNN 9.22 XLA:GPU expands ragged_dot over every expert: at DeepSeek-V3's prefill (32768 rows, 256
+    experts of width 2048) that is 32 GiB: declined, the op takes the reference; small shapes and newer cuDNN keep
+    it."""
+    from kernels_pallas import platform, registry
+
+    def shapes(M, G, D, F):
+        return (jax.ShapeDtypeStruct((M, D), jnp.bfloat16), jax.ShapeDtypeStruct((G, D, F), jnp.bfloat16),
+                jax.ShapeDtypeStruct((G,), jnp.int32))
+
+    deepseek, small = shapes(32768, 256, 7168, 2048), shapes(256, 8, 128, 128)
+    assert registry.accepts("moe", "xla_ragged_dot", *deepseek) is None  # the CPU: not XLA:GPU's expansion
+    with platform.assume(platform.HOPPER):
+        monkeypatch.setattr(api, "cudnn_version", lambda: 91000)
+        assert "32.0 GiB" in registry.accepts("moe", "xla_ragged_dot", *deepseek)
+        assert registry.accepts("moe", "xla_ragged_dot", *small) is None
+        monkeypatch.setattr(api, "cudnn_version", lambda: api.CUDNN_RAGGED_DOT)
+        assert registry.accepts("moe", "xla_ragged_dot", *deepseek) is None

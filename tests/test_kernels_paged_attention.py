@@ -3,7 +3,7 @@
 bfloat16 inputs against the float32 reference on the same values; tolerance `cases.TOLERANCE["bfloat16"]`
 (2e-2 of the largest output magnitude). The Mosaic GPU kernel runs in the interpreter on the CPU (on every
 machine) and, compiled, on a Hopper GPU; the cases make it split rows' keys (some splits empty), gather several
-pages per key block, and need two query tiles.
+pages per key block, and need several query tiles (a prefill chunk's tiles each visit only their own key range).
 """
 
 import functools
@@ -24,6 +24,9 @@ CASES = {
     # 3 new tokens x 32 heads on one kv head: 96 query rows, two 64-row tiles; window, soft-cap, sinks.
     "mqa-multitoken-window-softcap-sinks": dict(B=1, T=3, N=32, K=1, H=128, page=64, max_len=150, scale=0.1,
                                                 window=40, softcap=20.0, sinks=True),
+    # A prefill chunk of 40 tokens x 4 heads: 3 query tiles, each with its own key range under a 48-token window.
+    "gqa-prefill-chunk-tiles-window": dict(B=2, T=40, N=8, K=2, H=64, page=16, max_len=200, scale=None, window=48,
+                                           softcap=None, sinks=False),
 }
 
 
@@ -53,6 +56,37 @@ class TestMosaicGpuInterpret(PagedAttentionContract):
 @needs_hopper
 class TestMosaicGpu(PagedAttentionContract):
     implementation = "mosaic_gpu"
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_each_query_tile_visits_exactly_the_key_blocks_its_tokens_see(window):
+    """A prefill chunk of 256 tokens x 4 heads (16 tiles) after 3840 cached keys, and a shorter ragged row: every
+    visible key lies in its tile's blocks, and the first and last of those blocks hold one (no wasted block)."""
+    T, G, bkv, lengths = 256, 4, 64, np.array([4096, 1000])
+    pos = lengths[:, None] - T + np.arange(T)[None]
+    row_pos = np.repeat(pos, G, axis=1).astype(np.int32)  # already whole tiles: 1024 rows
+    lo, hi, first, last = map(np.asarray, pallas_mgpu.tile_key_blocks(
+        jnp.asarray(row_pos), jnp.asarray(lengths, jnp.int32), window, bkv, num_blocks=4096 // bkv))
+    assert lo.shape == (2, 16)
+    for b in range(2):
+        for tile in range(16):
+            qpos = row_pos[b, tile * 64:(tile + 1) * 64]
+            key = np.arange(lengths[b])
+            seen = (key[None] <= qpos[:, None]) & (True if window is None else qpos[:, None] - key[None] < window)
+            blocks = np.unique(np.nonzero(seen.any(0))[0] // bkv)
+            assert (lo[b, tile], hi[b, tile]) == (blocks.min(), blocks.max() + 1), (b, tile)
+            assert (first[b, tile], last[b, tile]) == (qpos.min(), qpos.max())
+    assert (hi[0] - lo[0]).sum() < 16 * (hi[0] - lo[0]).max()  # less than the whole chunk's rectangle
+
+
+def test_prefill_chunk_lowers_for_cuda():
+    """Llama-3-8B's prefill chunk of 256 tokens (16 query tiles, each its own key range) after 3840 cached keys."""
+    from kernels_pallas import selfcheck
+
+    spec = dict(B=2, T=256, N=32, K=8, H=128, page=16, max_len=4096, scale=None, window=None, softcap=None,
+                sinks=False)
+    rows = selfcheck.lower_rows([cases.Case("paged_attention", "prefill chunk", "bfloat16", spec)], "cuda")
+    assert [r["ok"] for r in rows] == [True], rows
 
 
 def test_split_count_fills_the_chip_but_never_exceeds_the_blocks():
@@ -280,3 +314,19 @@ def test_decode_steps_take_the_cpu_kernel():
     for max_len in (100, 2100):
         args = decode_args([max_len], [max_len - 1])
         assert registry.chosen("paged_attention", *args) == "cpu_ffi" or jax.default_backend() != "cpu"
+
+
+def test_mla_decode_on_a_gpu_takes_the_blockwise_program_where_the_kernel_declines():
+    """DeepSeek-V3's absorbed MLA decode (keys 576 wide, values 512) over 4096 keys: the Mosaic kernel declines it,
+    and on a GPU the blockwise program is tried before the reference's whole-span gather."""
+    from kernels_pallas import platform
+
+    pages, width = 2 * 256 + 1, 256
+    args = (jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.bfloat16), jax.ShapeDtypeStruct((pages, 16, 1, 576),
+            jnp.bfloat16), jax.ShapeDtypeStruct((pages, 16, 1, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, width), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
+            jax.ShapeDtypeStruct((2, 1), jnp.int32))
+    with platform.assume(platform.HOPPER):
+        assert registry.accepts("paged_attention", "mosaic_gpu", *args) is not None
+        assert registry.accepts("paged_attention", "xla_blocks", *args) is None
+    assert registry.order(api.CANDIDATES, "gpu") == ("mosaic_gpu", "xla_blocks", registry.REFERENCE)

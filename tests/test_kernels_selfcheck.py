@@ -63,3 +63,13 @@ def test_load_runs_the_kernel_selftest(converted):
         with pytest.raises(ValueError, match="kernels='fastest'"):
             day0jax.load(converted["llama"], kernels="fastest")
     assert registry.get_policy() == registry.Policy()
+
+
+def test_rows_past_the_deadline_are_skipped_and_each_row_is_emitted():
+    from kernels_pallas import cases, selfcheck
+
+    case_list = cases.flagship_cases(("llama-3-8b",), scale="tiny", ops=("rms_norm",))
+    emitted = []
+    rows = selfcheck.run_rows(case_list, interpret=True, seed=0, emit=emitted.append, deadline=float("-inf"))
+    assert rows and emitted == rows
+    assert all(r["ok"] is None and r["detail"] == "skipped: budget" for r in rows), rows

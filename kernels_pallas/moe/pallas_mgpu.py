@@ -67,6 +67,8 @@ def _check(lhs, rhs, group_sizes, blocks: Blocks) -> None:
         raise NotImplementedError(f"output width {F} is not a multiple of block_n {blocks.block_n} (<= 256)")
     if blocks.block_m % 64:
         raise NotImplementedError(f"block_m {blocks.block_m} is not a multiple of 64")
+    if blocks.steps < 2:  # a slot is released one step after its wgmma: two slots at least
+        raise NotImplementedError(f"steps {blocks.steps} < 2")
 
 
 def pair_table(group_sizes: jax.Array, rows: int, block_m: int):
@@ -151,12 +153,18 @@ def _call(lhs, rhs, pair_block, pair_group, pair_valid, *, blocks: Blocks, inter
             blk, g = block_ref[p], group_ref[p]
 
             def tile(acc_ref):
+                def step(_, a_smem, b_smem):
+                    # The wgmma is asynchronous: wait for the previous step's (not this one's), so that its slots,
+                    # released one step late (delay_release=1), are never refilled while a wgmma still reads them.
+                    plgpu.wgmma(acc_ref, a_smem, b_smem)
+                    plgpu.wgmma_wait(1)
+
                 plgpu.emit_pipeline(
-                    lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem),
+                    step,
                     grid=(k_steps,),
-                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (blk, kk)),
-                              plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni))],
-                    max_concurrent_steps=min(blocks.steps, k_steps),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (blk, kk), delay_release=1),
+                              plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1)],
+                    max_concurrent_steps=blocks.steps,  # > delay_release; emit_pipeline caps it at k_steps
                 )(lhs_ref, rhs_ref.at[g])
                 return acc_ref[...]
 

@@ -2,14 +2,17 @@
 
 Decode is a read of the KV cache, so the kernel is built around moving pages, not around arithmetic:
 - One CUDA block per (row b, split s, kv head, 64-row tile). A tile's rows are the T new tokens x G query heads
-  sharing a kv head (64 is the smallest wgmma; most models need one tile), so each page is read once per kv head
-  and tile, not once per query head.
+  sharing a kv head (64 is the smallest wgmma; a decode step needs one tile), so each page is read once per kv
+  head and tile, not once per query head.
+- Each tile visits only the key blocks its own tokens see (`tile_key_blocks`): in a prefill chunk of many tiles,
+  the early tokens' tiles stop where their causal range does (and, with a window, the late ones start where
+  theirs does), so a chunk computes about the causal triangle, not the rectangle of the whole chunk's range.
 - A block walks its share of the row's key blocks: `block_kv` tokens gathered from block_kv / page_size pages by
   one TMA copy each, `steps` blocks in flight in a ring of shared-memory slots.
 - Splitting a row's keys over `splits` blocks keeps every SM busy when B x K is small (long contexts, few rows);
   each split writes its output normalized by its own sum, with its running max and sum, and a cheap jnp step
   combines the splits (and the sinks, which belong to no split) exactly.
-The blocks a row visits and their splits are computed in jnp from kv_lengths, q_positions and the window, so ragged
+The blocks a tile visits and their splits are computed in jnp from kv_lengths, q_positions and the window, so ragged
 batches and sliding windows read only the pages that matter. Interpret mode stages P in shared memory and adds
 P V, as in attention/pallas_mgpu.py.
 """
@@ -95,6 +98,26 @@ def num_splits(batch: int, kv_heads: int, num_blocks: int, cores: int, max_split
     return int(max(1, min(want, num_blocks, max_splits or 1)))
 
 
+def tile_key_blocks(row_pos: jax.Array, kv_len: jax.Array, window: int | None, block_kv: int, num_blocks: int):
+    """The key blocks each (row, query tile) must visit, and the positions that bound its queries.
+
+    Args:
+        row_pos: [B, Rp] int32, the position of each query row (token t's G heads share it), Rp a multiple of ROWS.
+        kv_len: [B] int32 keys cached per row.
+    Returns:
+        (lo [B, tiles], hi [B, tiles], first [B, tiles], last [B, tiles]): blocks lo..hi-1 hold every key a query
+        of the tile sees; first and last are its lowest and highest query position.
+    """
+    B, Rp = row_pos.shape
+    tiles = row_pos.reshape(B, Rp // ROWS, ROWS)
+    first, last = tiles.min(-1), tiles.max(-1)
+    end = jnp.minimum(last + 1, kv_len[:, None])
+    start = jnp.zeros_like(end) if window is None else jnp.maximum(first - window + 1, 0)
+    lo = jnp.clip(start // block_kv, 0, num_blocks)
+    hi = jnp.clip(-(-end // block_kv), lo, num_blocks)
+    return lo, hi, first, last
+
+
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     kv_lengths: jax.Array, q_positions: jax.Array, *, sliding_window: int | None = None,
                     logit_softcap: float | None = None, sinks: jax.Array | None = None, scale: float | None = None,
@@ -134,22 +157,19 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     kv_len = jnp.minimum(kv_lengths.astype(jnp.int32), Wp * page)
     q_positions = q_positions.astype(jnp.int32)
 
-    first, last = q_positions.min(-1), q_positions.max(-1)
-    end = jnp.minimum(last + 1, kv_len)
-    start = jnp.zeros_like(end) if sliding_window is None else jnp.maximum(first - sliding_window + 1, 0)
-    lo = jnp.clip(start // blocks.block_kv, 0, num_blocks)
-    hi = jnp.clip(-(-end // blocks.block_kv), lo, num_blocks)
     R = T * G
     Rp = -(-R // ROWS) * ROWS
-    n_split = splits or num_splits(B * (Rp // ROWS), K, num_blocks, target.num_cores, blocks.max_splits)
-    chunk = -(-(hi - lo) // n_split)
-    split_start = lo[:, None] + jnp.arange(n_split, dtype=jnp.int32)[None] * chunk[:, None]
-    split_count = jnp.clip(jnp.minimum(hi[:, None], split_start + chunk[:, None]) - split_start, 0)
-
-    # Query rows of one kv head: row t * G + g is token t, head kh * G + g; padded to whole wgmma tiles.
+    # Query rows of one kv head: row t * G + g is token t, head kh * G + g; padded to whole wgmma tiles (the
+    # padding repeats the last token's position, so it widens no tile's key range).
     rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R, H)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
     row_pos = jnp.pad(jnp.repeat(q_positions, G, axis=1), ((0, 0), (0, Rp - R)), mode="edge")
+
+    lo, hi, first, last = tile_key_blocks(row_pos, kv_len, sliding_window, blocks.block_kv, num_blocks)
+    n_split = splits or num_splits(B * (Rp // ROWS), K, num_blocks, target.num_cores, blocks.max_splits)
+    chunk = -(-(hi - lo) // n_split)  # [B, tiles]
+    split_start = lo[..., None] + jnp.arange(n_split, dtype=jnp.int32) * chunk[..., None]
+    split_count = jnp.clip(jnp.minimum(hi[..., None], split_start + chunk[..., None]) - split_start, 0)
 
     out, m, l = _call(rows, k_pages, v_pages, tables, split_start.astype(jnp.int32),
                       split_count.astype(jnp.int32), row_pos, first, last, kv_len, blocks=blocks,
@@ -178,7 +198,7 @@ def _call(rows, k_pages, v_pages, tables, split_start, split_count, row_pos, fir
 
     B, K, Rp, H = rows.shape
     page = k_pages.shape[1]
-    n_split = split_start.shape[1]
+    n_split = split_start.shape[2]
     bkv, steps = blocks.block_kv, blocks.steps
     ppb = bkv // page
     dtype = rows.dtype
@@ -190,9 +210,10 @@ def _call(rows, k_pages, v_pages, tables, split_start, split_count, row_pos, fir
         b = lax.axis_index("batch")
         s_idx = lax.axis_index("splits")
         kh = lax.axis_index("kv_heads")
-        rt = pl.ds(lax.axis_index("row_tiles") * ROWS, ROWS)
-        start, count, kv_len = start_ref[b, s_idx], count_ref[b, s_idx], len_ref[b]
-        first, last = first_ref[b], last_ref[b]
+        tile = lax.axis_index("row_tiles")
+        rt = pl.ds(tile * ROWS, ROWS)
+        start, count, kv_len = start_ref[b, tile, s_idx], count_ref[b, tile, s_idx], len_ref[b]
+        first, last = first_ref[b, tile], last_ref[b, tile]
         plgpu.copy_gmem_to_smem(q_ref.at[b, kh, rt], q_smem, q_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[b, rt], pos_smem, q_bar.at[1])
 
