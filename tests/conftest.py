@@ -174,9 +174,9 @@ def smollm2(tmp_path_factory):
 
 def pytest_terminal_summary(terminalreporter):
     """The measured logits error of every family, so each CI log records how close to transformers we are."""
-    module = sys.modules.get("test_models")
-    measured = getattr(module, "MEASURED", None)
-    if measured:
-        terminalreporter.section("max relative logits error against transformers (float32)")
-        for name, err in sorted(measured.items()):
-            terminalreporter.write_line(f"{name:24s} {err:.2e}")
+    for module, what in (("test_models", ""), ("test_multimodal", ", with images")):
+        measured = getattr(sys.modules.get(module), "MEASURED", None)
+        if measured:
+            terminalreporter.section(f"max relative logits error against transformers (float32{what})")
+            for name, err in sorted(measured.items()):
+                terminalreporter.write_line(f"{name:24s} {err:.2e}")

@@ -7,9 +7,12 @@ padded batch legitimately differs from one-prompt-at-a-time; those are compared 
 
 from dataclasses import dataclass
 
+# initializer_range: HF's default 0.02 leaves attention nearly uniform at this width (the scores' spread is about
+# hidden_size * initializer_range^2), where RoPE, soft-caps and softmax scales barely move the logits; 0.15 gives
+# scores of order 1 (tests/mutations.py checks that each feature shows).
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-            pad_token_id=0)
+            pad_token_id=0, initializer_range=0.15)
 
 FAMILIES = {
     "llama": ("llama", dict(TINY), True),
@@ -18,7 +21,8 @@ FAMILIES = {
     "llama_mqa_linear": ("llama", dict(TINY, num_key_value_heads=1,
                                        rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                         "rope_theta": 10000.0}), True),
-    "llama_dynamic": ("llama", dict(TINY, max_position_embeddings=24,
+    # Dynamic NTK stretches the base only past max_position_embeddings: the two longer prompts go past it.
+    "llama_dynamic": ("llama", dict(TINY, max_position_embeddings=16,
                                     rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                      "rope_theta": 10000.0}), False),
     "llama_yarn": ("llama", dict(TINY, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
@@ -105,8 +109,9 @@ FAMILIES = {
                                                 v_head_dim=16, n_group=2, topk_group=1, first_k_dense_replace=1,
                                                 n_shared_experts=2, rope_interleave=False, norm_topk_prob=False,
                                                 routed_scaling_factor=1.5), True),
+    # A SwiGLU limit that these activations reach, so that the clamp shows.
     "gpt_oss": ("gpt_oss", dict(TINY, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
-                                sliding_window=8,
+                                sliding_window=8, swiglu_limit=1.5,
                                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
                                                  "original_max_position_embeddings": 32, "beta_fast": 32.0,
                                                  "beta_slow": 1.0, "truncate": False}), True),
@@ -155,35 +160,32 @@ FAMILIES = {
     "exaone4_global": ("exaone4", dict(TINY, sliding_window=None, layer_types=["full_attention"] * 2,
                                        tie_word_embeddings=True), True),
     # Interleaved RoPE pairs; biases on every projection.
-    "ernie4_5": ("ernie4_5", dict(TINY, head_dim=16, use_bias=True, rope_theta=100.0, initializer_range=0.2), True),
+    "ernie4_5": ("ernie4_5", dict(TINY, head_dim=16, use_bias=True, rope_theta=100.0), True),
     "ernie4_5_tied": ("ernie4_5", dict(TINY, head_dim=32, num_key_value_heads=1, tie_word_embeddings=True), True),
     # Layer 0 dense, 1 and 2 MoE (start 1, end -1: the last); top-2 of 4 chosen by score + routing bias, two shared
-    # experts, biases everywhere (lm_head's too); larger weights so that RoPE's pairing shows in the logits.
+    # experts, biases everywhere (lm_head's too).
     "ernie4_5_moe": ("ernie4_5_moe", dict(TINY, num_hidden_layers=3, moe_num_experts=4, moe_k=2,
                                           moe_intermediate_size=32, moe_num_shared_experts=2, use_bias=True,
-                                          tie_word_embeddings=False, rope_theta=100.0, initializer_range=0.2), True),
+                                          tie_word_embeddings=False, rope_theta=100.0), True),
     # Only layer 1 is an MoE (interval 2 from 0, end 1); top-3, no shared experts, tied embeddings.
     "ernie4_5_moe_interval": ("ernie4_5_moe", dict(TINY, num_hidden_layers=3, moe_num_experts=4, moe_k=3,
                                                    moe_intermediate_size=32, moe_num_shared_experts=0,
                                                    moe_layer_start_index=0, moe_layer_end_index=1, moe_layer_interval=2,
                                                    tie_word_embeddings=True), True),
-    # q/k norms after RoPE; "dynamic" RoPE with an alpha (a fixed stretch of the base); biases. Larger weights
-    # (initializer_range) sharpen attention so that the order of norm and RoPE shows in the logits.
-    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(TINY, head_dim=16, attention_bias=True, initializer_range=0.2,
+    # q/k norms after RoPE; "dynamic" RoPE with an alpha (a fixed stretch of the base); biases.
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(TINY, head_dim=16, attention_bias=True,
                                                   rope_parameters={"rope_type": "dynamic", "alpha": 50.0,
                                                                    "factor": 1.0, "rope_theta": 100.0}), True),
     # An MoE on every layer: top-2 then top-3 of 4 experts (a per-layer moe_topk), always renormalized, beside the
-    # shared MLP; the dense family's q/k norms after RoPE and alpha RoPE, biases, larger weights as there.
+    # shared MLP; the dense family's q/k norms after RoPE and alpha RoPE, biases.
     "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(TINY, head_dim=16, num_experts=4, moe_topk=[2, 3], attention_bias=True,
-                                              initializer_range=0.2,
                                               rope_parameters={"rope_type": "dynamic", "alpha": 50.0,
                                                                "factor": 1.0, "rope_theta": 100.0}), True),
     # One moe_topk for every layer, top-1 (a weight of exactly 1), plain RoPE, tied embeddings.
     "hunyuan_v1_moe_top1": ("hunyuan_v1_moe", dict(TINY, head_dim=16, num_experts=4, moe_topk=1, rope_theta=1000.0,
                                                    tie_word_embeddings=True), True),
-    # Interleaved RoPE on half the head dims (HF's default), fused gate/up, four norms a layer, q/k/v biases;
-    # larger weights so that RoPE's pairing shows in the logits.
-    "glm4": ("glm4", dict(TINY, head_dim=16, rope_theta=100.0, initializer_range=0.2), True),
+    # Interleaved RoPE on half the head dims (HF's default), fused gate/up, four norms a layer, q/k/v biases.
+    "glm4": ("glm4", dict(TINY, head_dim=16, rope_theta=100.0), True),
     # A quarter of the dims rotated, no biases, tied embeddings.
     "glm4_quarter_rotary": ("glm4", dict(TINY, head_dim=16, partial_rotary_factor=0.25, attention_bias=False,
                                          tie_word_embeddings=True), True),
@@ -209,14 +211,13 @@ FAMILIES = {
                                              shared_expert_intermediate_size=48), True),
     # Kimi Linear, 3 layers: Kimi Delta Attention (2 heads x 16, a decay per key channel, the short convolution)
     # around an MLA layer without RoPE; layer 0's MLP dense (first_k_dense_replace), then MoE: sigmoid scores with
-    # the score bias in 4 groups of 2 (best 2), top-2 scaled, a shared expert. Larger weights (initializer_range)
-    # so that the decay's and the output gate's low-rank projections move with the tokens.
+    # the score bias in 4 groups of 2 (best 2), top-2 scaled, a shared expert.
     "kimi_linear": ("kimi_linear", dict(TINY, num_hidden_layers=3, num_key_value_heads=4,
                                         layer_types=["linear_attention", "full_attention", "linear_attention"],
                                         linear_num_heads=2, linear_head_dim=16, kv_lora_rank=16, qk_nope_head_dim=8,
                                         qk_rope_head_dim=8, v_head_dim=12, num_experts=8, num_experts_per_token=2,
                                         moe_intermediate_size=32, num_expert_group=4, topk_group=2,
-                                        first_k_dense_replace=1, routed_scaling_factor=2.0, initializer_range=0.1),
+                                        first_k_dense_replace=1, routed_scaling_factor=2.0),
                     True),
     # LFM2, 3 layers: gated short convolutions (width 3, with biases: conv_bias) around a full-attention layer with
     # per-head q/k norms; the MLPs sized by HF's rule (2/3 of 120, times 1.5, rounded up to a multiple of 32: 128).
@@ -224,32 +225,28 @@ FAMILIES = {
                           layer_types=["conv", "full_attention", "conv"], conv_bias=True, intermediate_size=120,
                           block_ffn_dim_multiplier=1.5, block_multiple_of=32), True),
     # LFM2-MoE, LFM2's 3 layers: layer 0's MLP dense (num_dense_layers), then sigmoid top-2 of 4 experts chosen with
-    # the routing bias, renormalized, times 2. Larger weights (initializer_range) so that the scores, not the bias
-    # alone, pick the experts.
+    # the routing bias, renormalized, times 2.
     "lfm2_moe": ("lfm2_moe", dict({k: v for k, v in TINY.items() if k != "rms_norm_eps"}, norm_eps=1e-5,
                                   num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                                   num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                  routed_scaling_factor=2.0, initializer_range=0.1), True),
+                                  routed_scaling_factor=2.0), True),
     # LFM3, 4 layers: short convolutions (width 7), a sliding layer (window 8, plain RoPE) and a full one
     # (proportional RoPE over half of each head), both with the per-head sigmoid gate on their output; sandwich
-    # norms. Larger weights (initializer_range) so that the gates move with the tokens.
-    "lfm3": ("lfm3", dict(TINY, num_hidden_layers=4, head_dim=16, sliding_window=8, initializer_range=0.1,
+    # norms.
+    "lfm3": ("lfm3", dict(TINY, num_hidden_layers=4, head_dim=16, sliding_window=8,
                           layer_types=["conv", "sliding_attention", "conv", "full_attention"]), True),
     # Layer 0: RoPE (interleaved pairs) with L2 q/k norms, attention in chunks of 8 positions, a dense MLP; layer 1:
     # global without positions, queries scaled by a temperature that grows every 4 positions, and an MoE (sigmoid
-    # top-2 of 4 experts scaling the experts' inputs, a shared expert). Larger weights (initializer_range) so that
-    # the experts' nonlinearity and the pairing of RoPE dims show in the logits.
+    # top-2 of 4 experts scaling the experts' inputs, a shared expert).
     "llama4": ("llama4_text", dict(TINY, intermediate_size=32, intermediate_size_mlp=128, head_dim=16,
                                    attention_chunk_size=8, no_rope_layer_interval=2, interleave_moe_layer_step=2,
-                                   num_local_experts=4, num_experts_per_tok=2, floor_scale=4, attn_scale=0.5,
-                                   initializer_range=0.2), True),
+                                   num_local_experts=4, num_experts_per_tok=2, floor_scale=4, attn_scale=0.5), True),
     # Maverick-like: no q/k norms, biases, top-1 MoE in every layer; layers given (layer 0 global, layer 1 chunked
     # with Llama 3 RoPE), tied embeddings.
     "llama4_bias_top1": ("llama4_text", dict(TINY, intermediate_size=32, intermediate_size_mlp=128, head_dim=16,
                                              attention_chunk_size=8, no_rope_layers=[0, 1], use_qk_norm=False,
                                              attention_bias=True, num_local_experts=4, num_experts_per_tok=1,
                                              floor_scale=2, attn_scale=0.3, tie_word_embeddings=True,
-                                             initializer_range=0.2,
                                              rope_parameters={"rope_type": "llama3", "factor": 8.0,
                                                               "rope_theta": 500000.0, "low_freq_factor": 1.0,
                                                               "high_freq_factor": 4.0,
@@ -267,12 +264,11 @@ FAMILIES = {
                                 num_shared_experts=2), True),
     # Laguna, 3 layers sliding/full/sliding: 4, 8 and 2 query heads over the same 2 kv heads; one softplus gate per
     # head; HF's default RoPEs (the full layer rotates half of each head, theta 5e5); layer 0 dense, then MoE
-    # (sigmoid scores, top-2 of 8 chosen with the routing bias, renormalized, a shared expert). Larger weights
-    # (initializer_range) so that the gates and the router logits differ between heads and experts.
+    # (sigmoid scores, top-2 of 8 chosen with the routing bias, renormalized, a shared expert).
     "laguna": ("laguna", dict(TINY, num_hidden_layers=3, head_dim=16, num_attention_heads_per_layer=[4, 8, 2],
                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                               sliding_window=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                              shared_expert_intermediate_size=48, initializer_range=0.1), True),
+                              shared_expert_intermediate_size=48), True),
     # A softplus gate per element; MoE in every layer (mlp_layer_types) with soft-capped router logits (tanh bends
     # at this cap) and the routed scale; YaRN over half of each head on the full layer; biases, tied embeddings.
     "laguna_element": ("laguna", dict(TINY, head_dim=16, num_attention_heads_per_layer=[2, 4], gating="per-element",
@@ -280,7 +276,7 @@ FAMILIES = {
                                       mlp_layer_types=["sparse", "sparse"], num_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                       moe_router_logit_softcapping=1.0, moe_routed_scaling_factor=2.5,
-                                      attention_bias=True, tie_word_embeddings=True, initializer_range=0.1,
+                                      attention_bias=True, tie_word_embeddings=True,
                                       rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0,
                                                                           "factor": 4.0, "partial_rotary_factor": 0.5,
                                                                           "original_max_position_embeddings": 32},
@@ -288,12 +284,11 @@ FAMILIES = {
                                                                              "rope_theta": 10000.0}}), True),
     # 3 layers: one dense, two MoE with softmax scores routed in groups (4 groups of 2, best 2), scaled weights, a
     # shared expert; YaRN whose mscale_all_dim scales the softmax, and a query temperature that grows every 8
-    # positions (llama_4_scaling_beta over original_max_position_embeddings). Larger weights (initializer_range)
-    # sharpen attention so that the softmax scale and the temperature show in the logits.
+    # positions (llama_4_scaling_beta over original_max_position_embeddings).
     "mistral4": ("mistral4", dict(TINY, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
                                   num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
                                   qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=12, n_group=4, topk_group=2,
-                                  first_k_dense_replace=1, routed_scaling_factor=2.0, initializer_range=0.1,
+                                  first_k_dense_replace=1, routed_scaling_factor=2.0,
                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 100.0,
                                                    "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                    "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5,
@@ -324,7 +319,7 @@ FAMILIES = {
     # layer 1 picked ("shared"); 3 RoPE, layer 0's latent with an indexer of its own ("reuse_but_indexer"); 4 NoPE,
     # layer 1's latent and layer 3's top-k (plain reuse). Layer 0 dense, then MoE (softmax scores in 4 groups of 2,
     # best 2, scaled). HF's default YaRN, top-8 of 16 indexer heads (see deepseek_v32), a soft-cap that bends these
-    # logits; larger weights (initializer_range) so that the learned query scales and RoPE factors show.
+    # logits.
     "mistral_large4": ("mistral_large4_text", dict(TINY, num_hidden_layers=5, num_key_value_heads=4, kv_lora_rank=16,
                                                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
                                                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -332,7 +327,7 @@ FAMILIES = {
                                                    index_head_dim=16, index_n_heads=16, no_rope_layers=[1, 0, 1, 1, 0],
                                                    kv_source_layers=[0, 1, 2, 0, 1],
                                                    indexer_types=["full", "full", "shared", "full", "shared"],
-                                                   final_logit_softcapping=2.0, initializer_range=0.1), True),
+                                                   final_logit_softcapping=2.0), True),
     # HF's derivations: every second layer NoPE (no_rope_layer_interval), layer 2 "shared" (index_topk_freq), no KV
     # sharing, two dense layers (first_k_dense_replace); YaRN whose mscale_all_dim scales the softmax, biases on the
     # latent and output projections, two shared experts, tied embeddings.
@@ -344,7 +339,6 @@ FAMILIES = {
                                                            index_n_heads=16, no_rope_layer_interval=2,
                                                            index_topk_freq=2, attention_bias=True,
                                                            tie_word_embeddings=True, final_logit_softcapping=3.0,
-                                                           initializer_range=0.1,
                                                            rope_parameters={"rope_type": "yarn", "rope_theta": 100.0,
                                                                             "factor": 4.0, "mscale": 1.0,
                                                                             "mscale_all_dim": 0.5,

@@ -1,9 +1,11 @@
 """Vision-language families against transformers at float32: image features, logits and greedy decoding with
 images, through `Model.logits`, `Model.generate` (the engine) and `Model.prepare`.
 
-Tolerance: max |ours - transformers| <= 1e-5 * max |transformers| (relative to the scale, as the text families;
-observed differences are around 1e-6). Images go through day0jax's preprocessing on both sides (transformers gets
-the same pixel arrays), so these tests see the model alone; tests/test_vision_preprocess.py compares the pixels.
+Tolerance: max |ours - transformers| <= RTOL * max |transformers| (relative to the scale, as the text families).
+Images go through day0jax's preprocessing on both sides (transformers gets the same pixel arrays), so these tests see
+the model alone; tests/test_vision_preprocess.py compares the pixels. What images bring to the language model
+(multimodal RoPE, DeepStack, Gemma 3's image spans), broken in day0jax alone, must move the logits by at least
+MUTATION_FACTOR times RTOL (tests/mutations.py).
 """
 
 import gc
@@ -15,14 +17,17 @@ import numpy as np
 import pytest
 
 import day0jax
+import mutations
 from conftest import run_reference
 from day0jax.core.errors import GenerationError
 from day0jax.layers.attention import ContextKV
 from day0jax.models.gemma3 import visible_until as gemma3_visible_until
 from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_placeholders, image_tokens
 
+# Worst observed 2.4e-6 (qwen3_5; the others 7e-7 to 1.3e-6), float32 on the CPU, with images.
 RTOL = 1e-5
 NEW_TOKENS = 16
+MEASURED: dict[str, float] = {}  # family -> worst relative logits error with images; conftest prints it after the run
 
 def images(seed: int, count: int) -> list[np.ndarray]:
     """`count` random uint8 RGB images of odd, differing sizes."""
@@ -95,7 +100,7 @@ def family(request, reference, tmp_path_factory):
     name = request.param
     dst = convert_checkpoint(reference[name]["hf"], tmp_path_factory.mktemp("vl-converted") / name,
                              progress=False).dst
-    yield name, day0jax.load(dst, dtype="float32"), dict(reference[name], dst=dst)
+    yield name, day0jax.load(dst, dtype="float32", kernels="strict"), dict(reference[name], dst=dst)
     jax.clear_caches()
     gc.collect()
 
@@ -118,6 +123,7 @@ def test_logits_with_images_match_transformers(family):
     for i, (tokens, imgs) in enumerate(ref["cases"]):
         ours = model.logits([tokens], images=[imgs])[0]
         err = rel_err(ours, ref["ref"][f"logits_{i}"])
+        MEASURED[name] = max(MEASURED.get(name, 0.0), err)
         assert err < RTOL, f"{name} case {i}: relative error {err:.2e}"
     # One batch of rows with other images (and one without) gives each row's logits.
     tokens = [t for t, _ in ref["cases"]]
@@ -126,6 +132,36 @@ def test_logits_with_images_match_transformers(family):
     batch = model.logits(padded, images=[imgs for _, imgs in ref["cases"]])
     for i, t in enumerate(tokens):
         assert rel_err(batch[i, :len(t)], ref["ref"][f"logits_{i}"]) < RTOL, f"{name} batched row {i}"
+
+
+# Each feature param is (family, feature): its value names one test alone, so that pytest, which groups the tests of
+# module-scoped params by value, keeps each family's tests together.
+VL_FEATURES = [pytest.param(name, (name, feature), id=mutations.feature_id(name, feature))
+               for name, features in mutations.VL_MUTATIONS.items() for feature, _ in features]
+_MUTATED: dict[str, dict] = {}  # family -> feature (None: unmutated) -> logits or the exception
+
+
+def test_every_family_lists_what_images_bring():
+    assert set(mutations.VL_MUTATIONS) == set(VL_FAMILIES)
+
+
+@pytest.mark.parametrize("family, feature", VL_FEATURES, indirect=["family"], scope="module")
+def test_image_feature_moves_logits(family, feature):
+    """What images bring to the language model, broken in day0jax alone (tests/mutations.py), moves the logits of
+    the two-image case by at least MUTATION_FACTOR times RTOL; an unmutated copy in the same program still matches."""
+    name, model, ref = family
+    feature = feature[1]
+    tokens, imgs = ref["cases"][mutations.VL_CASE]
+    if name not in _MUTATED:
+        _MUTATED.clear()
+        _MUTATED[name] = mutations.mutated_logits(model, dict(mutations.VL_MUTATIONS[name]), tokens, imgs)
+    out, theirs = _MUTATED[name], ref["ref"][f"logits_{mutations.VL_CASE}"]
+    assert rel_err(out[None], theirs) < RTOL, "the unmutated copy does not reproduce the parity logits"
+    if isinstance(out[feature], Exception):
+        raise out[feature]
+    assert np.isfinite(out[feature]).all()
+    moved = rel_err(out[feature], theirs)
+    assert moved >= mutations.MUTATION_FACTOR * RTOL, f"{name}: without {feature!r} the logits move by {moved:.2e}"
 
 
 def test_greedy_decode_with_images_matches_transformers(family):
@@ -179,7 +215,8 @@ def test_image_tokens_attend_both_ways_across_small_chunks(family):
     name, model, ref = family
     run = max(image_tokens(VL_FAMILIES[name], im) for _, imgs in ref["cases"] for im in imgs)
     chunk = 8 if not model.vision.bidirectional else -(-run // 8) * 8
-    small = day0jax.load(ref["dst"], dtype="float32", engine=EngineConfig(chunk_buckets=(chunk,)))
+    small = day0jax.load(ref["dst"], dtype="float32", engine=EngineConfig(chunk_buckets=(chunk,)),
+                         kernels="strict")
     prompts = [t for t, _ in ref["cases"]]
     outs = small.generate(prompts, NEW_TOKENS, ignore_eos=True, images=[imgs for _, imgs in ref["cases"]])
     for i, out in enumerate(outs):

@@ -55,7 +55,8 @@ def dequantized_copy(src, quantized_ckpt, dst):
 
 
 def compare(quantized_ckpt, float_ckpt, rtol=RTOL):
-    q, f = day0jax.load(quantized_ckpt, dtype="float32"), day0jax.load(float_ckpt, dtype="float32")
+    q = day0jax.load(quantized_ckpt, dtype="float32", kernels="strict")  # its quantized kernel, not a fallback
+    f = day0jax.load(float_ckpt, dtype="float32", kernels="strict")
     for p in PROMPTS[:3]:
         want = f.logits([p])[0]
         assert np.abs(q.logits([p])[0] - want).max() <= rtol * np.abs(want).max()

@@ -15,7 +15,8 @@ RTOL = 1e-3
 
 @pytest.fixture(scope="module", params=["ckpt_gguf", "ckpt_hf"])
 def model(request, smollm2):
-    return day0jax.load(smollm2[request.param], dtype="float32")  # a GPU's default is bfloat16
+    # float32: a GPU's default is bfloat16; strict: a kernel that fails its self-test fails here, not falls back.
+    return day0jax.load(smollm2[request.param], dtype="float32", kernels="strict")
 
 
 def test_greedy_32_tokens_and_logits_match_transformers(model, smollm2):

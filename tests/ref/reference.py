@@ -131,15 +131,23 @@ def _load(model, what="model"):
     return m.eval()
 
 
-def tiny_hf(job):
-    from transformers import AutoConfig, AutoModelForImageTextToText
+# Saved tensors that stay constant on purpose, each with why (`_check_randomized`): none so far. A pattern here must
+# name a tensor that the family's own code fixes, so that random values would test nothing the model computes.
+CONSTANT_ALLOWED: dict[str, str] = {}
 
-    torch.manual_seed(job.get("seed", 0))
-    config = AutoConfig.for_model(job["family"], **job["config"])
-    text_only = config.model_type in TEXT_IN_MULTIMODAL
-    auto = AutoModelForImageTextToText if job.get("multimodal") or text_only else _causal_lm(config)
-    model = auto.from_config(_multimodal_config(config) if text_only else config, dtype=torch.float32)
-    with torch.no_grad():  # HF inits norms to exactly 1 and biases to 0; random values test them for real
+
+def _constants(model) -> dict[str, float]:
+    """name -> value of every floating tensor in the state dict (what save_pretrained writes) whose elements are all
+    equal: HF initializes norms, biases, gates, sinks, routing biases and the like to such constants."""
+    return {name: float(t.flatten()[0]) for name, t in model.state_dict().items()
+            if t.is_floating_point() and t.numel() and bool((t == t.flatten()[0]).all())}
+
+
+def _randomize(model, config, initial: dict[str, float]):
+    """Random values for what HF initializes to a constant (`initial`, from `_constants`), so that the parity tests
+    exercise it: first the tensors whose meaning asks for a particular spread, then any other such tensor, as its
+    constant plus N(0, 0.1)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias") or "sinks" in name:
                 p.normal_(0.0 if name.endswith(".bias") else 1.0, 0.1)
@@ -176,11 +184,55 @@ def tiny_hf(job):
                 p.normal_(0.0, 0.3)
             elif name.endswith("softmax_scaling.bias"):
                 p.normal_(1.0, 0.2)
+        # Anything else HF made constant (gpt-oss's expert biases, Qwen3-Next's dt_bias...): its constant plus noise.
+        for name, t in model.state_dict().items():
+            if name in initial and bool((t == initial[name]).all()) and not _allowed(name):
+                t.add_(torch.randn_like(t) * 0.1)
+        # The rows HF zeroes for padding_idx: the forward pass reads them as any token's, and a zero row makes a
+        # generated pad token's hidden state 0 (in sparse attention, an indexer whose scores all tie).
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+                m.weight[m.padding_idx].normal_(0.0, float(m.weight.std()))
+
+
+def _allowed(name: str) -> bool:
+    return any(re.search(pattern, name) for pattern in CONSTANT_ALLOWED)
+
+
+def _check_randomized(folder: str) -> None:
+    """Raises if a saved tensor of more than one element is constant, or has a row of zeros, unless
+    `CONSTANT_ALLOWED` names it."""
+    from safetensors.torch import load_file
+
+    for path in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        for name, t in load_file(os.path.join(folder, path)).items():
+            if not t.is_floating_point() or t.numel() < 2 or _allowed(name):
+                continue
+            flat = t.flatten()
+            if bool((flat == flat[0]).all()):
+                raise AssertionError(f"tiny checkpoint tensor {name} {list(t.shape)} is constant ({flat[0]}): "
+                                     "randomize it in _randomize, or allow it in CONSTANT_ALLOWED with the reason")
+            if t.ndim > 1 and bool((t.flatten(1) == 0).all(1).any()):
+                raise AssertionError(f"tiny checkpoint tensor {name} {list(t.shape)} has a row of zeros: randomize it "
+                                     "in _randomize, or allow it in CONSTANT_ALLOWED with the reason")
+
+
+def tiny_hf(job):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(job.get("seed", 0))
+    config = AutoConfig.for_model(job["family"], **job["config"])
+    text_only = config.model_type in TEXT_IN_MULTIMODAL
+    auto = AutoModelForImageTextToText if job.get("multimodal") or text_only else _causal_lm(config)
+    model = auto.from_config(_multimodal_config(config) if text_only else config, dtype=torch.float32)
+    initial = _constants(model)
+    _randomize(model, config, initial)
     if job.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(job["out"])
     if text_only:
         _keep_language_model(job["out"], config)
+    _check_randomized(job["out"])
 
 
 def fp8_hf(job):
@@ -333,13 +385,25 @@ def from_gguf(job):
     _load(job["gguf"], "tokenizer").save_pretrained(job["out"])
 
 
+def _fresh_dynamic_rope(model):
+    """A model's dynamic RoPE as loaded: transformers' keeps the frequencies of the longest sequence it has seen
+    (down to the original ones only for a sequence shorter than the original context), so one prompt's result would
+    depend on the prompts before it; day0jax's, as a new model's, depends on the prompt alone."""
+    for m in model.modules():
+        if "dynamic" in str(getattr(m, "rope_type", "")) and hasattr(m, "original_inv_freq"):
+            m.register_buffer("inv_freq", m.original_inv_freq.clone(), persistent=False)
+            m.max_seq_len_cached = m.original_max_seq_len
+
+
 def run(job):
     model = _load(job["model"])
     result = {}
     with torch.no_grad():
         for i, prompt in enumerate(job["prompts"]):
             ids = torch.tensor([prompt])
+            _fresh_dynamic_rope(model)
             result[f"logits_{i}"] = model(ids).logits[0].float().numpy()
+            _fresh_dynamic_rope(model)
             if job.get("generate"):
                 out = model.generate(ids, max_new_tokens=job["generate"], do_sample=False, min_new_tokens=0,
                                      eos_token_id=None if job.get("ignore_eos", True) else model.config.eos_token_id,

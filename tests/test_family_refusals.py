@@ -1,0 +1,55 @@
+"""What the state-space hybrids, the per-layer-attention families and DeepSeek-V4 do not run is refused, naming the
+config key, and the state-space families not implemented are refused by name. Their features' effect on the logits is checked
+with every family's, in tests/test_models.py (test_feature_moves_logits, the table in tests/mutations.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from families import FAMILIES
+
+# (family entry, config.json changes, what the refusal names): values HF's model does not run, or runs otherwise.
+REFUSALS = [
+    ("nemotron_h", dict(mamba_hidden_act="gelu"), "mamba_hidden_act='gelu'"),
+    ("nemotron_h", dict(sliding_window=8), "sliding_window=8"),
+    ("nemotron_h", dict(layers_block_type=None, hybrid_override_pattern="M*X"), "hybrid_override_pattern"),
+    ("nemotron_h", dict(num_hidden_layers=7), "num_hidden_layers=7"),
+    ("granitemoehybrid", dict(position_embedding_type="alibi"), "position_embedding_type='alibi'"),
+    ("falcon_h1", dict(mamba_d_head=7), "mamba_d_head=7"),
+    ("falcon_h1", dict(ssm_multipliers=[1.0, 2.0]), "ssm_multipliers"),
+    ("mimo_v2_flash", dict(rope_theta=10000.0), "rope_theta=10000.0"),
+    ("step3p7", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("step3p7", dict(per_layer_config={"1": {"head_dim": 8}}), "per_layer_config"),
+    ("deepseek_v4", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+    ("deepseek_v4", dict(scoring_func="relu"), "scoring_func='relu'"),
+    ("deepseek_v4", dict(layer_types=["full_attention"] * 4), "layer_types"),
+]
+
+
+@pytest.mark.parametrize("family, changes, named", REFUSALS, ids=[f"{f}-{n}" for f, _, n in REFUSALS])
+def test_values_the_family_does_not_run_are_refused_by_name(family, changes, named):
+    from day0jax import models
+    from day0jax.core.errors import UnsupportedArchitecture
+
+    model_type, config, _ = FAMILIES[family]
+    hf = dict(config, model_type=model_type)
+    if "text_config" in hf:
+        hf["text_config"] = dict(hf["text_config"], **changes)
+    else:
+        hf.update(changes)
+    with pytest.raises(UnsupportedArchitecture, match=re.escape(named)):
+        models.config_from_hf(hf)
+
+
+# Mamba 1's selective scan (mamba, falcon_mamba, jamba) is another operator; bamba, zamba2 and plamo2 are not
+# implemented yet.
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "jamba", "bamba", "zamba2", "plamo2"])
+def test_other_state_space_families_are_refused_by_name(model_type):
+    from day0jax import models
+    from day0jax.core.errors import UnsupportedArchitecture
+
+    with pytest.raises(UnsupportedArchitecture, match=f"model_type '{model_type}' is not supported"):
+        models.family(model_type)
