@@ -1,6 +1,6 @@
 """What the state-space hybrids, the per-layer-attention families and DeepSeek-V4 do not run is refused, naming the
-config key, and the state-space families not implemented are refused by name. Their features' effect on the logits is checked
-with every family's, in tests/test_models.py (test_feature_moves_logits, the table in tests/mutations.py).
+config key, and the state-space families not implemented are refused by name. Their features' effect on the logits
+is checked with every family's, in tests/test_models.py (test_feature_moves_logits, the table in tests/mutations.py).
 """
 
 from __future__ import annotations
