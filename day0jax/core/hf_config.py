@@ -56,6 +56,20 @@ def from_hf(cls: type[C], hf: dict[str, Any]) -> C:
     return cls(**kwargs, unknown_keys=tuple(sorted(unknown)))
 
 
+def vision_from_hf(cls: type[C], hf: dict[str, Any], tower: str) -> C:
+    """`from_hf` for a `vision_config` dict, refusing every undeclared key.
+
+    Raises:
+        UnsupportedArchitecture: a key that is not implemented by `tower` (it may change the math), naming it.
+    """
+    config = from_hf(cls, hf)
+    if config.unknown_keys:
+        shown = ", ".join(f"{k}={hf[k]!r}" for k in config.unknown_keys)
+        raise UnsupportedArchitecture(f"vision_config key(s) not implemented by {tower}: {shown}. They may change "
+                                      "the math, so day0jax refuses to run them")
+    return config
+
+
 def read_config_json(path: Path) -> dict[str, Any]:
     """Reads a `config.json`, with a `ConfigError` naming the file when it is missing or malformed."""
     path = Path(path)

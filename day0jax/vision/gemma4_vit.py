@@ -26,7 +26,6 @@ import numpy as np
 from flax import nnx
 
 from day0jax.core import hf_config as config_lib
-from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.layers.linear import Linear, param
 from day0jax.layers.mlp import activation
@@ -66,12 +65,7 @@ class VisionConfig:
         Raises:
             UnsupportedArchitecture: a key that is not implemented, naming it, or a value the tower does not run.
         """
-        config = config_lib.from_hf(cls, dict(hf))
-        if config.unknown_keys:
-            shown = ", ".join(f"{k}={hf[k]!r}" for k in config.unknown_keys)
-            raise UnsupportedArchitecture(f"vision_config key(s) not implemented by Gemma 4's vision tower: {shown}."
-                                          " They may change the math, so day0jax refuses to run them")
-        return config
+        return config_lib.vision_from_hf(cls, dict(hf), "Gemma 4's vision tower")
 
     def __post_init__(self):
         if self.model_type != "gemma4_vision":

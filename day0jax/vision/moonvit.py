@@ -26,7 +26,6 @@ import numpy as np
 from flax import nnx
 
 from day0jax.core import hf_config as config_lib
-from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.linear import Linear, exact_float32, param
@@ -87,12 +86,7 @@ class VisionConfig:
         for alias, field in cls.ALIASES.items():
             if alias in hf:
                 hf.setdefault(field, hf.pop(alias))
-        config = config_lib.from_hf(cls, hf)
-        if config.unknown_keys:
-            shown = ", ".join(f"{k}={hf[k]!r}" for k in config.unknown_keys)
-            raise UnsupportedArchitecture(f"vision_config key(s) not implemented by the MoonViT tower: {shown}. "
-                                          "They may change the math, so day0jax refuses to run them")
-        return config
+        return config_lib.vision_from_hf(cls, hf, "the MoonViT tower")
 
     def __post_init__(self):
         if self.model_type not in ("kimi_k25_vision", "kimi_k25", ""):  # the published config writes ""
@@ -295,11 +289,7 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, segments) -> jax.Array:
         q = qwen_vit.rotate(self.q_proj(x), cos, sin)
         k = qwen_vit.rotate(self.k_proj(x), cos, sin)
-        v = self.v_proj(x)
-        scores = jnp.einsum("qnh,knh->nqk", q, k, preferred_element_type=jnp.float32) * self.scale
-        same_segment = segments[:, None] == segments[None, :]
-        probs = jax.nn.softmax(jnp.where(same_segment[None], scores, jnp.finfo(jnp.float32).min), axis=-1)
-        return self.proj(jnp.einsum("nqk,knh->qnh", probs.astype(v.dtype), v))
+        return self.proj(qwen_vit.segment_attention(q, k, self.v_proj(x), segments, self.scale))
 
 
 class MLP(nnx.Module):

@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from day0jax.core import hf_config as config_lib
-from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.linear import Linear
@@ -62,12 +61,7 @@ class VisionConfig:
         Raises:
             UnsupportedArchitecture: a key that is not implemented, naming it, or a value the tower does not run.
         """
-        config = config_lib.from_hf(cls, dict(hf))
-        if config.unknown_keys:
-            shown = ", ".join(f"{k}={hf[k]!r}" for k in config.unknown_keys)
-            raise UnsupportedArchitecture(f"vision_config key(s) not implemented by the Pixtral tower: {shown}. "
-                                          "They may change the math, so day0jax refuses to run them")
-        return config
+        return config_lib.vision_from_hf(cls, dict(hf), "the Pixtral tower")
 
     def __post_init__(self):
         if self.model_type != "pixtral":
@@ -191,11 +185,7 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, segments) -> jax.Array:
         q = qwen_vit.rotate(self.q_proj(x), cos, sin)
         k = qwen_vit.rotate(self.k_proj(x), cos, sin)
-        v = self.v_proj(x)
-        scores = jnp.einsum("qnh,knh->nqk", q, k, preferred_element_type=jnp.float32) * self.scale
-        same_segment = segments[:, None] == segments[None, :]
-        probs = jax.nn.softmax(jnp.where(same_segment[None], scores, jnp.finfo(jnp.float32).min), axis=-1)
-        return self.o_proj(jnp.einsum("nqk,knh->qnh", probs.astype(v.dtype), v))
+        return self.o_proj(qwen_vit.segment_attention(q, k, self.v_proj(x), segments, self.scale))
 
 
 class AttentionLayer(nnx.Module):

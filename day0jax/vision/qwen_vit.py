@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from day0jax.core import hf_config as config_lib
-from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.linear import Linear, exact_float32, param
@@ -81,12 +80,7 @@ class VisionConfig:
         for alias, field in cls.ALIASES.items():
             if alias in hf:
                 hf.setdefault(field, hf.pop(alias))
-        config = config_lib.from_hf(cls, hf)
-        if config.unknown_keys:
-            shown = ", ".join(f"{k}={hf[k]!r}" for k in config.unknown_keys)
-            raise UnsupportedArchitecture(f"vision_config key(s) not implemented by the Qwen3-VL vision tower: "
-                                          f"{shown}. They may change the math, so day0jax refuses to run them")
-        return config
+        return config_lib.vision_from_hf(cls, hf, "the Qwen3-VL vision tower")
 
     def __post_init__(self):
         """Refuses what the tower does not implement, naming the key."""
@@ -239,6 +233,16 @@ def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[ja
     return jnp.cos(freqs), jnp.sin(freqs)
 
 
+def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, scale: float) -> jax.Array:
+    """Whole-image attention of a tower's patches: q, k, v [P, N, H], segments [P]; a patch attends to the patches of
+    its own segment (its image or frame); returns [P, N, H]."""
+    scores = jnp.einsum("qnh,knh->nqk", q, k, preferred_element_type=jnp.float32) * scale
+    same = segments[:, None] == segments[None, :]
+    # A finite floor keeps padding rows (a segment of their own kind, outputs dropped) free of NaNs.
+    probs = jax.nn.softmax(jnp.where(same[None], scores, jnp.finfo(jnp.float32).min), axis=-1).astype(v.dtype)
+    return jnp.einsum("nqk,knh->qnh", probs, v)
+
+
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [P, N, H] turned by the per-patch angles, in float32 as HF does, back in x's dtype."""
     h = x.astype(jnp.float32)
@@ -338,12 +342,8 @@ class VisionAttention(nnx.Module):
         """x [P, D], segments [P]: a patch attends to the patches of its own segment (its frame); padding (-1) to
         none but others of its kind, whose outputs are dropped."""
         qkv = self.qkv(x)  # [P, 3, N, H]
-        q, k, v = rotate(qkv[:, 0], cos, sin), rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-        scores = jnp.einsum("qnh,knh->nqk", q, k, preferred_element_type=jnp.float32) * self.scale
-        same = segments[:, None] == segments[None, :]
-        # A finite floor keeps padding rows free of NaNs.
-        probs = jax.nn.softmax(jnp.where(same[None], scores, jnp.finfo(jnp.float32).min), axis=-1).astype(v.dtype)
-        return self.proj(jnp.einsum("nqk,knh->qnh", probs, v))
+        q, k = rotate(qkv[:, 0], cos, sin), rotate(qkv[:, 1], cos, sin)
+        return self.proj(segment_attention(q, k, qkv[:, 2], segments, self.scale))
 
 
 class VisionMLP(nnx.Module):
