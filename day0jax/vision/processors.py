@@ -485,6 +485,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         raise ImageError(f"image of {height}x{width} pixels: Qwen-VL takes aspect ratios up to 200, got "
                          f"{max(height, width) / min(height, width):.1f}")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    return fit_pixels(height, width, h_bar, w_bar, factor, min_pixels, max_pixels)
+
+
+def fit_pixels(height: int, width: int, h_bar: int, w_bar: int, factor: int, min_pixels: int, max_pixels: int
+               ) -> tuple[int, int]:
+    """`smart_resize`'s last step: (h_bar, w_bar), the image's size rounded to multiples of `factor`, scaled at the
+    image's aspect ratio down below max_pixels or up above min_pixels where it falls outside."""
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)

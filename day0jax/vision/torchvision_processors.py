@@ -18,7 +18,8 @@ import numpy as np
 from day0jax.core.errors import ConfigError
 from day0jax.vision import resize
 from day0jax.vision.images import ImageError, load_image
-from day0jax.vision.processors import BICUBIC, BILINEAR, HALF, ImageProcessor, ProcessedImage, _per_channel
+from day0jax.vision.processors import (BICUBIC, BILINEAR, HALF, ImageProcessor, ProcessedImage, _per_channel,
+                                       fit_pixels)
 
 MODES = {BILINEAR: "bilinear", BICUBIC: "bicubic"}  # PIL filter numbers -> torchvision's uint8 kernels
 
@@ -195,15 +196,7 @@ class Lfm2VlImageProcessor(TorchvisionProcessor):
         min_pixels = self.min_image_tokens * p ** 2 * m ** 2
         max_pixels = self.max_image_tokens * p ** 2 * m ** 2
         h_bar, w_bar = max(factor, round_by_factor(height, factor)), max(factor, round_by_factor(width, factor))
-        if h_bar * w_bar > max_pixels:
-            beta = math.sqrt((height * width) / max_pixels)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < min_pixels:
-            beta = math.sqrt(min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
+        return fit_pixels(height, width, h_bar, w_bar, factor, min_pixels, max_pixels)
 
     def grid_thw(self, height: int, width: int) -> tuple[int, ...]:
         p, tiles = self.encoder_patch_size, self._tiles(height, width)
