@@ -81,10 +81,11 @@ def test_the_api_refuses_what_the_contract_does_not_take():
 
 @dataclass
 class Slots:
-    """The engine's per-sequence state as the layer sees it (`gated_delta_net.StateCache`), for whole rows."""
+    """The engine's per-sequence state as the layer sees it (`engine.state_cache.StateCache`), for whole rows."""
 
     states: tuple
     valid: jax.Array
+    targets: None = None  # a verify step's per-token state slots: not one here
 
     def read(self):
         return self.states
