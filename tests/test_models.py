@@ -93,8 +93,10 @@ def test_batched_logits_equal_single(family):
     for i, p in enumerate(PROMPTS):
         alone = model.logits([p])[0]
         # Not bit-equal: a batch of 5 rows and a single row take different matmul blockings (the CPU linear kernel
-        # and XLA's dot choose by row count). Worst seen: 1.4e-5 absolute on logits near 0.35 (ernie4_5_moe).
-        np.testing.assert_allclose(together[i, :len(p)], alone, rtol=1e-5, atol=3e-5)
+        # and XLA's dot choose by row count), so the rounding differs as it does against transformers: the parity
+        # metric and tolerance apply. Worst seen: 1.35e-5 of the logit scale (qwen3_5, tolerance 3e-5: its chunked
+        # delta rule amplifies rounding), 3.8e-6 for gemma4, ernie4_5_moe's 1.4e-5 absolute well inside 1e-5.
+        assert rel_err(together[i, :len(p)], alone) < tolerance(name), (name, i)
 
 
 @pytest.mark.parametrize("family", ["mistral"], indirect=True)  # sliding window: the cache path must apply it too
