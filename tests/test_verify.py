@@ -24,7 +24,9 @@ def test_matching_model_passes_per_layer(tiny, converted, tmp_path):
     result = verify_lib.verify(converted["deepseek_v3"], tiny["deepseek_v3"]["hf"], prompts=prompts)
     assert result.passed, result.failures
     assert [d.name for d in result.layers] == ["embeddings", "layer 1", "layer 2", "layer 3 + final norm"]
-    assert all(d.max_rel < 1e-5 and d.mean_rel <= d.max_rel for d in result.layers)
+    # max_rel is max|diff| / max|ref|, mean_rel mean|diff| / mean|ref|: neither bounds the other (layer 2 here:
+    # 6.0e-7 and 7.0e-7).
+    assert all(d.max_rel < 1e-5 and d.mean_rel < 1e-5 for d in result.layers)
     assert result.tokens == sum(map(len, PROMPTS)) and result.top1_agreement == 1.0
     assert result.logits_max_rel < 1e-5 and 0 <= result.kl_mean < 1e-10
 
