@@ -474,7 +474,8 @@ def _config_quantization(fam, config, abstract, infos, q: dict):
         return False
     by_path = {i.path: i for i in infos}
     specs, kept = {}, {}
-    for key, t in quantizable(abstract).items():
+    targets = quantizable(abstract)  # one walk of the module tree (a 1T model has ~270k modules)
+    for key, t in targets.items():
         info = by_path[t.param_path(key)]
         src = fam.hf_source(config, info.path, info.shape, info.metadata) or default_source(info.path, info.shape,
                                                                                           info.metadata)
@@ -485,7 +486,7 @@ def _config_quantization(fam, config, abstract, infos, q: dict):
         group = s.group or t.inputs
         specs[key] = QuantSpec("int4" if s.bits == 4 else "int8", group, offset=not s.symmetric,
                                scale_dtype="bfloat16" if s.symmetric else "float32")
-    experts = frozenset(k for k in specs if quantizable(abstract)[k].experts)
+    experts = frozenset(k for k in specs if targets[k].experts)
     return QuantPlan(specs, frozenset(specs), kept, experts)
 
 
