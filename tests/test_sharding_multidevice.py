@@ -49,6 +49,23 @@ QUANTIZED = {"llama-int4": ("llama", dict(hidden_size=128, intermediate_size=256
              "qwen3_moe-int4": ("qwen3_moe", dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128))}
 GENERATE_ON["llama-int4"] = ["tp=2,ep=2,dp=2", "tp=8"]
 GENERATE_ON["qwen3_moe-int4"] = ["tp=2,ep=4"]
+# The meshes each family is compared on: llama (and its int4 copy) on all four; a model with experts on the two
+# that split them over ep, a dense one on the two without ep, each also on the meshes it generates on. Every
+# mesh still sees dense, MoE and vision-language models, at half the loads of all families on all meshes.
+EXPERT_MESHES, DENSE_MESHES = ["tp=2,ep=4", "tp=2,ep=2,dp=2"], ["tp=2,dp=4", "tp=8"]
+WITH_EXPERTS = {"qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "nemotron_h", "kimi_k25",
+                "qwen3_moe-int4"}
+
+
+def meshes_of(model_type: str) -> list[str]:
+    from test_sharding import MESHES
+
+    if model_type.startswith("llama"):
+        return list(MESHES)
+    base = EXPERT_MESHES if model_type in WITH_EXPERTS else DENSE_MESHES
+    return [m for m in MESHES if m in base or m in GENERATE_ON.get(model_type, [])]
+
+
 MULTIHOST_MESH = "tp=8"  # tensor parallelism across both processes: all-reduces cross the process boundary
 # Pipeline stages (a dense, an MoE and an MLA family, 4 layers each): pp=2 and pp=4 combined with tp, ep and dp, and
 # pp=2 across two processes (one stage each, the residual stream crossing between them).
@@ -102,7 +119,7 @@ def job_meshes(job: dict) -> dict:
                 res["one_device"]["image_tokens"] = one.generate(image_tokens.tolist(), NEW_TOKENS, ignore_eos=True,
                                                                  images=images)
         del one
-        for spec in job["meshes"]:
+        for spec in job["meshes"][model_type]:
             model = day0jax.load(ckpt, mesh=spec)
             logits = model.logits(np.array(TOKENS, np.int32))
             runner = model.engine.runner  # the parameters it runs on and the KV page pool it allocated
@@ -339,18 +356,17 @@ def quantized_checkpoint(hf: dict, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def meshes(checkpoints, tmp_path_factory):
-    from test_sharding import MESHES
-
     work = tmp_path_factory.mktemp("meshes")
-    proc = run_job({"job": "meshes", "checkpoints": checkpoints, "meshes": MESHES, "generate_on": GENERATE_ON},
+    meshes = {mt: meshes_of(mt) for mt in checkpoints}
+    proc = run_job({"job": "meshes", "checkpoints": checkpoints, "meshes": meshes, "generate_on": GENERATE_ON},
                    work, devices=8, name="meshes")
     return wait_job(proc, work, "meshes")
 
 
 def _cases():
-    from test_sharding import MESHES, MULTI_DEVICE_FAMILIES
+    from test_sharding import MULTI_DEVICE_FAMILIES
 
-    return [(mt, spec) for mt in MULTI_DEVICE_FAMILIES + list(QUANTIZED) for spec in MESHES]
+    return [(mt, spec) for mt in MULTI_DEVICE_FAMILIES + list(QUANTIZED) for spec in meshes_of(mt)]
 
 
 @pytest.mark.parametrize("model_type, spec", _cases())
