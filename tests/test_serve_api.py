@@ -25,16 +25,20 @@ from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
 from launch import ServerProcess  # noqa: E402
 
 KEY = "test-key-123"
+OTHER_KEY = "test-key-456"  # a second tenant's, from --api-key-file
 MODEL = "tiny-chat"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("serve"))
-    # The key comes from the environment, as a deployment would pass it.
+    # One key comes from the environment, as a deployment would pass it, a second tenant's from a file.
     # Few compiled shapes (batch 1/2/4/8, one attention span, chunks 32/128) keep the warm-up short.
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"\n{OTHER_KEY}\n")
     proc = ServerProcess(["--model", str(ckpt), "--max-num-seqs", "8", "--chunk-sizes", "32,128",
-                          "--max-model-len", "256", "--min-width", "256"], env={"DAY0JAX_API_KEY": KEY})
+                          "--max-model-len", "256", "--min-width", "256", "--api-key-file", str(keys)],
+                         env={"DAY0JAX_API_KEY": KEY})
     try:
         yield proc.wait_ready(900)
     finally:
@@ -359,6 +363,21 @@ def test_api_key_required(server):
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+
+
+def test_each_api_key_is_a_tenant_of_its_own_prefix_cache(server, client):
+    """Two keys, two tenants: a prompt one key's request cached is a prefix hit for that key's next request and
+    not for the other key's, whose own repeat then hits its own pages."""
+    other = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Tenants share no pages: " + "one two three four " * 12}]
+
+    def cached(c) -> int:
+        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+    assert cached(client) == 0
+    assert cached(client) > 0
+    assert cached(other) == 0
+    assert cached(other) > 0
 
 
 def test_oversized_body_is_refused(server):

@@ -328,6 +328,15 @@ def test_a_cache_salt_reaches_the_engine(make_state):
     state = make_state(reply="Hi.")
     serve(state, chat_request(cache_salt="tenant-7"))
     assert state.engine.submitted[0][2].cache_salt == "tenant-7"
+    # An API key's tenant salts the chain under the request's own salt: no request names another tenant's chain.
+    salts = set()
+    for tenant, salt in [(None, None), ("api-key-0", None), ("api-key-1", None), ("api-key-0", "s"),
+                         ("api-key-1", "s")]:
+        run = submit.submit(state, state.engine, f"r-{tenant}-{salt}", chat_request(cache_salt=salt), [[1, 2, 3]],
+                            constrain.Constraints(), tenant=tenant)
+        salts.add(state.engine.submitted[-1][2].cache_salt)
+        run.release(completed=True)
+    assert len(salts) == 5 and None in salts
     assert P.ResponsesRequest.model_validate({"input": "hi", "cache_salt": "tenant-7"}).chat().cache_salt == "tenant-7"
     with pytest.raises(ValueError, match="cache_salt"):
         chat_request(cache_salt="")
@@ -360,3 +369,28 @@ def test_a_forced_tool_call_through_every_step(make_state):
     assert not any(d.get("content") for d in deltas)
     calls = [t for d in deltas for t in d.get("tool_calls") or []]
     assert [t["function"]["name"] for t in calls] == ["get_weather"]
+
+
+def test_the_guard_names_the_tenant_of_each_key():
+    """With several API keys each is a tenant (`request.state.tenant`); with one there are no tenants; a wrong or
+    missing key is a 401 that never reaches the app."""
+    from day0jax.serve.middleware import GuardMiddleware
+
+    def call(keys: tuple[str, ...], token: str | None):
+        seen, sent = [], []
+
+        async def app(scope, receive, send):
+            seen.append(scope.get("state", {}).get("tenant"))
+
+        async def send(message):
+            sent.append(message)
+        headers = [(b"host", b"127.0.0.1")] + ([(b"authorization", f"Bearer {token}".encode())] if token else [])
+        scope = {"type": "http", "path": "/v1/models", "method": "GET", "headers": headers}
+        asyncio.run(GuardMiddleware(app, ServerState(model_name=MODEL, api_keys=keys))(scope, None, send))
+        return seen, [m["status"] for m in sent if m["type"] == "http.response.start"]
+
+    assert call(("a", "b"), "b") == (["api-key-1"], [])
+    assert call(("a", "b"), "a") == (["api-key-0"], [])
+    assert call(("a",), "a") == ([None], [])
+    assert call(("a", "b"), "c") == ([], [401])
+    assert call(("a", "b"), None) == ([], [401])

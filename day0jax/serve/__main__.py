@@ -35,7 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("DAY0JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                         "$DAY0JAX_API_KEY; prefer it or --api-key-file: a command line is visible to other users)")
-    p.add_argument("--api-key-file", type=Path, help="read the API key from this file (its first line)")
+    p.add_argument("--api-key-file", type=Path,
+                   help="read API keys from this file, one a line (with --api-key too, both are accepted); with "
+                        "several keys each is a tenant whose prefix-cache hits stay among its own requests")
     p.add_argument("--public-metrics", action="store_true", help="with an API key, serve /metrics without it")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--allowed-media-dir", type=Path, metavar="DIR",
@@ -132,13 +134,17 @@ def main(argv=None) -> int:
         from day0jax.default_model import NAME
 
         name = Path(args.model).resolve().name if args.model else NAME
-    api_key = args.api_key or None
+    api_keys = [args.api_key] if args.api_key else []
     if args.api_key_file is not None:
         try:
-            api_key = args.api_key_file.read_text().splitlines()[0].strip() or None
-        except (OSError, IndexError) as e:
-            log.error("--api-key-file %s: cannot read a key (%s)", args.api_key_file, e or "empty file")
+            from_file = [line.strip() for line in args.api_key_file.read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            log.error("--api-key-file %s: cannot read it (%s)", args.api_key_file, e)
             return 2
+        if not from_file:
+            log.error("--api-key-file %s: no key in it", args.api_key_file)
+            return 2
+        api_keys += [k for k in from_file if k not in api_keys]
     media_dir = None
     if args.allowed_media_dir is not None:
         if not args.allowed_media_dir.is_dir():
@@ -160,11 +166,11 @@ def main(argv=None) -> int:
         if value < 1:
             log.error("%s must be >= 1, got %d", flag, value)
             return 2
-    state = ServerState(model_name=name, api_key=api_key, max_body_bytes=args.max_body_bytes, timeline=timeline,
+    state = ServerState(model_name=name, api_keys=tuple(api_keys), max_body_bytes=args.max_body_bytes, timeline=timeline,
                         public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower(),
                         allowed_media_dir=media_dir, max_images_per_request=args.max_images_per_request,
                         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 
     @contextlib.asynccontextmanager

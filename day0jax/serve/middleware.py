@@ -4,7 +4,7 @@ refusals included.
 Without an API key the server trusts whoever can reach it, so it accepts only requests addressed to a loopback
 name or to the address it is bound to: a web page on another site whose name an attacker points at 127.0.0.1 (DNS
 rebinding) sends its own name as Host and is refused. With a key, every route but /health needs it (/metrics too,
-unless --public-metrics).
+unless --public-metrics). With several keys, each is a tenant whose prefix-cache hits stay its own.
 """
 
 from __future__ import annotations
@@ -46,20 +46,22 @@ class GuardMiddleware:
                 state.metrics.requests.labels(path if path in ROUTES else "other", str(message["status"])).inc()
             await send(message)
 
-        if not state.api_key and _host_name(headers.get(b"host", b"")) not in LOOPBACK_NAMES | {state.bound_host}:
+        if not state.api_keys and _host_name(headers.get(b"host", b"")) not in LOOPBACK_NAMES | {state.bound_host}:
             resp = JSONResponse(error_body("this server answers only requests addressed to it by a loopback name or "
                                            f"its address ({state.bound_host}); serve with an API key to accept "
                                            "others", "invalid_request_error", None, "host_not_allowed"),
                                 status_code=403)
             return await resp(scope, receive, counting_send)
         public = path == "/health" or (path == "/metrics" and state.public_metrics)
-        if state.api_key and not public:
+        if state.api_keys and not public:
             auth = headers.get(b"authorization", b"").decode("latin-1")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            key = matching_key(state.api_keys, auth[7:] if auth.lower().startswith("bearer ") else "")
+            if key is None:
                 resp = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer KEY')",
                                                "authentication_error", None, "invalid_api_key"), status_code=401)
                 return await resp(scope, receive, counting_send)
+            if len(state.api_keys) > 1:  # the routes read it as `request.state.tenant`
+                scope.setdefault("state", {})["tenant"] = f"api-key-{key}"
         limit = state.max_body_bytes
         length = headers.get(b"content-length")
         too_big = JSONResponse(error_body(f"the request body exceeds {limit} bytes", "invalid_request_error",
@@ -84,6 +86,16 @@ class GuardMiddleware:
                 return replay.pop() if replay else await receive()
             return await self.app(scope, replayed, counting_send)
         await self.app(scope, receive, counting_send)
+
+
+def matching_key(keys: tuple[str, ...], token: str) -> int | None:
+    """The index of the key `token` is, or None; every key is compared in full (constant time, no early exit), so
+    timing does not tell how many keys there are before the match or how much of a guess is right."""
+    match = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(token.encode(), key.encode()):
+            match = i
+    return match
 
 
 def _host_name(host: bytes) -> str:

@@ -77,6 +77,11 @@ async def responses(body: P.ResponsesRequest, request: Request, state: State):
         raise
 
 
+def tenant_of(request: Request) -> str | None:
+    """The tenant the guard found for the request's API key (set only when the server has several keys)."""
+    return getattr(request.state, "tenant", None)
+
+
 async def _chat(state: ServerState, body: P.ChatCompletionRequest, request: Request, fmt: format.Formatter,
                 rid: str):
     """A chat request through every step, answered by `fmt`."""
@@ -86,7 +91,7 @@ async def _chat(state: ServerState, body: P.ChatCompletionRequest, request: Requ
     reasoning = render.reasoning(state, prompt)
     constraints = await constrain.constraints(state, body, checked.tools, reasoning)
     run = submit.submit(state, checked.engine, rid, body, [prompt], constraints,
-                        [images] if images is not None else None)
+                        [images] if images is not None else None, tenant_of(request))
     outputs = stream.Outputs(state, run, checked.stops, checked.tools, arrival, reasoning)
     return await format.respond(request, outputs, fmt, body)
 
@@ -97,7 +102,8 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
     checked = validate.completion(state, body)
     prompts = await render.completion(state, body.prompts())
     constraints = await constrain.constraints(state, body)
-    run = submit.submit(state, checked.engine, P.new_id("cmpl"), body, prompts, constraints)
+    run = submit.submit(state, checked.engine, P.new_id("cmpl"), body, prompts, constraints,
+                        tenant=tenant_of(request))
     outputs = stream.Outputs(state, run, checked.stops, None, arrival)
     return await format.respond(request, outputs, format.Completion(state.model_name), body)
 

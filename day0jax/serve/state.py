@@ -15,7 +15,10 @@ class ServerState:
     """What the routes need; `engine` and `tokenizer` appear once loading is done."""
 
     model_name: str  # the id clients must send as `model`
-    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer <key>`
+    # When set, every route but /health needs `Authorization: Bearer <one of them>`. With several, each key is a
+    # tenant: prefix-cache hits (`cached_tokens`) stay among the requests sent with the same key, so one tenant
+    # cannot learn from response timing or usage what another has sent.
+    api_keys: tuple[str, ...] = ()
     public_metrics: bool = False  # with an API key: /metrics answers without it
     bound_host: str = "127.0.0.1"  # without an API key, only this and loopback names are accepted as Host
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
@@ -40,6 +43,14 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = Metrics(self)
+
+
+def tenant_salt(tenant: str | None, salt: str | None) -> str | None:
+    """The cache salt a request's prefix blocks are hashed with: its tenant's (its API key's, when the server has
+    several) joined with the request's own `cache_salt`, so that no request can name another tenant's chain."""
+    if tenant is None:
+        return salt
+    return f"{tenant}\x00{salt or ''}"
 
 
 def note_dead_engine(state: ServerState) -> None:

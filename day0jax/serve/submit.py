@@ -14,11 +14,12 @@ from day0jax.engine.async_engine import AsyncEngine, EngineDead
 from day0jax.engine.requests import InvalidRequest, QueueFull, SamplingParams, TokenEvent
 from day0jax.serve.constrain import Constraints
 from day0jax.serve.errors import APIError
-from day0jax.serve.state import ServerState
+from day0jax.serve.state import ServerState, tenant_salt
 from day0jax.vision.inputs import ImageInputs
 
 
-def sampling_params(state: ServerState, body, prompt_len: int, constraints: Constraints) -> SamplingParams:
+def sampling_params(state: ServerState, body, prompt_len: int, constraints: Constraints,
+                    tenant: str | None = None) -> SamplingParams:
     """The engine's `SamplingParams` for a chat or completion request (the engine checks their ranges).
 
     Args:
@@ -26,6 +27,7 @@ def sampling_params(state: ServerState, body, prompt_len: int, constraints: Cons
         body: the request.
         prompt_len: tokens of its longest prompt (a request without a token limit gets what the context leaves).
         constraints: its grammar and logit biases.
+        tenant: the API key's tenant, when the server has several keys (its prefix-cache hits stay its own).
     """
     max_tokens = body.max_new_tokens()
     if max_tokens is None:
@@ -36,7 +38,7 @@ def sampling_params(state: ServerState, body, prompt_len: int, constraints: Cons
         seed=None if body.seed is None else body.seed & 0xFFFFFFFF, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=body.logprob_count(),
-        n=body.n, grammar=constraints.grammar, logit_bias=constraints.logit_bias, cache_salt=body.cache_salt)
+        n=body.n, grammar=constraints.grammar, logit_bias=constraints.logit_bias, cache_salt=tenant_salt(tenant, body.cache_salt))
 
 
 @dataclass
@@ -76,7 +78,8 @@ class Run:
 
 
 def submit(state: ServerState, engine: AsyncEngine, rid: str, body, prompts: list[list[int]],
-           constraints: Constraints, images: list[ImageInputs | None] | None = None) -> Run:
+           constraints: Constraints, images: list[ImageInputs | None] | None = None, tenant: str | None = None
+           ) -> Run:
     """Queues one engine request per prompt, all or none.
 
     Args:
@@ -87,13 +90,14 @@ def submit(state: ServerState, engine: AsyncEngine, rid: str, body, prompts: lis
         prompts: token ids of each prompt (`render`).
         constraints: its grammar and logit biases (`constrain`).
         images: per prompt, its preprocessed images (shared by the prompt's `n` sequences), or None.
+        tenant: the API key's tenant (`sampling_params`).
     Returns:
         The `Run`, in flight.
     Raises:
         APIError: 400 for parameters the engine refuses (naming the field), 429 when its queue is full, 503 when it
             stopped serving.
     """
-    params = sampling_params(state, body, max(map(len, prompts)), constraints)
+    params = sampling_params(state, body, max(map(len, prompts)), constraints, tenant)
     streams = []
     try:
         for k, prompt in enumerate(prompts):
