@@ -394,3 +394,27 @@ def test_the_guard_names_the_tenant_of_each_key():
     assert call(("a",), "a") == ([None], [])
     assert call(("a", "b"), "c") == ([], [401])
     assert call(("a", "b"), None) == ([], [401])
+
+
+class GoneRequest:
+    """A request whose client has hung up (Starlette's `Request.is_disconnected`)."""
+
+    state = SimpleNamespace()
+
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_a_client_gone_before_submit_is_never_queued(make_state):
+    """A client that hangs up while its request is rendered and constrained gets nothing queued: no engine request,
+    nothing in flight (the 499 is never sent; no one is listening)."""
+    from day0jax.serve import routes
+
+    state = make_state(reply="Hi.")
+    with pytest.raises(APIError) as chat:
+        asyncio.run(routes._chat(state, chat_request(), GoneRequest(), format.Chat(MODEL), "chatcmpl-gone"))
+    with pytest.raises(APIError) as completion:
+        asyncio.run(routes.completions(P.CompletionRequest.model_validate({"model": MODEL, "prompt": "Hi"}),
+                                       GoneRequest(), state))
+    assert chat.value.status == completion.value.status == 499
+    assert state.engine.submitted == [] and state.in_flight == 0

@@ -77,6 +77,17 @@ async def responses(body: P.ResponsesRequest, request: Request, state: State):
         raise
 
 
+async def still_connected(request: Request) -> None:
+    """Raises APIError 499 (nginx's "client closed request", never sent: no one is listening) when the client hung
+    up while its request was rendered, its images decoded or its grammar compiled: it is not queued at all.
+
+    Raises:
+        APIError: 499 when the client disconnected.
+    """
+    if await request.is_disconnected():
+        raise APIError(499, "the client closed the connection before its request was queued", "client_closed_request")
+
+
 def tenant_of(request: Request) -> str | None:
     """The tenant the guard found for the request's API key (set only when the server has several keys)."""
     return getattr(request.state, "tenant", None)
@@ -90,6 +101,7 @@ async def _chat(state: ServerState, body: P.ChatCompletionRequest, request: Requ
     prompt, images = await render.chat(state, body, checked.tools.specs if checked.tools else None)
     reasoning = render.reasoning(state, prompt)
     constraints = await constrain.constraints(state, body, checked.tools, reasoning)
+    await still_connected(request)
     run = submit.submit(state, checked.engine, rid, body, [prompt], constraints,
                         [images] if images is not None else None, tenant_of(request))
     outputs = stream.Outputs(state, run, checked.stops, checked.tools, arrival, reasoning)
@@ -102,6 +114,7 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
     checked = validate.completion(state, body)
     prompts = await render.completion(state, body.prompts())
     constraints = await constrain.constraints(state, body)
+    await still_connected(request)
     run = submit.submit(state, checked.engine, P.new_id("cmpl"), body, prompts, constraints,
                         tenant=tenant_of(request))
     outputs = stream.Outputs(state, run, checked.stops, None, arrival)
