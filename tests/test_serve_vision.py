@@ -315,12 +315,53 @@ def test_image_limits_are_exact(vision):
             f"{width * height - 1} pixels", max_image_pixels=width * height - 1)
 
 
+def test_images_in_flight_share_the_servers_image_memory(vision):
+    """All requests' images count against one budget: decoded while a request renders, its preprocessed pixels until
+    it ends. Images that do not fit while another request holds its own get 429; images that never could, 400
+    naming the part; the memory comes back when a request ends or is only rendered (/tokenize)."""
+    from types import SimpleNamespace
+
+    from day0jax.serve import render, submit
+
+    model = vision["model"]
+    array = image(0)
+    body = P.ChatCompletionRequest.model_validate({"model": MODEL, "messages": chat("x", image_part(data_url(array)))})
+    decoded = array.shape[0] * array.shape[1] * 3  # RGB, one byte a channel
+
+    def state_with(limit: int) -> ServerState:
+        return ServerState(model_name=MODEL, tokenizer=model.tokenizer, model=model, max_image_memory=limit)
+
+    state = state_with(1 << 30)
+    _, images = asyncio.run(chat_prompt(state, body, None))
+    pixels = images.pixels.nbytes
+    assert state.image_memory.held == pixels  # the decoded image given back once preprocessed
+    render.release(state, images)
+    assert state.image_memory.held == 0
+
+    state = state_with(max(pixels, decoded))  # one request's images fit, not two requests'
+    _, first = asyncio.run(chat_prompt(state, body, None))
+    with pytest.raises(APIError) as busy:
+        asyncio.run(chat_prompt(state, body, None))
+    assert busy.value.status == 429 and busy.value.code == "image_memory_full"
+    assert state.image_memory.held == pixels  # the refused request holds nothing
+    run = submit.Run("r", SimpleNamespace(release=lambda *a, **k: None), state, [], 1, 1, image_bytes=pixels)
+    run.release(completed=True)  # the first request ends
+    assert state.image_memory.held == 0
+    _, second = asyncio.run(chat_prompt(state, body, None))
+    render.release(state, second)
+
+    with pytest.raises(APIError) as never:
+        asyncio.run(chat_prompt(state_with(decoded - 1), body, None))
+    assert never.value.status == 400 and never.value.param == "messages[1].content[1].image_url"
+
+
 def test_image_limit_flags_default_to_the_states_defaults():
     from day0jax.serve.__main__ import parse_args
 
     args, state = parse_args([]), ServerState(model_name=MODEL)
     assert (args.max_image_bytes, args.max_image_pixels) == (state.max_image_bytes, state.max_image_pixels)
     assert (state.max_image_bytes, state.max_image_pixels) == (20 << 20, 40_000_000)
+    assert args.max_image_memory_mb << 20 == state.max_image_memory == 1 << 30
     args = parse_args(["--max-image-bytes", "1000", "--max-image-pixels", "2000"])
     assert (args.max_image_bytes, args.max_image_pixels) == (1000, 2000)
 

@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "header before any pixel is decoded, so that a small file declaring a huge canvas "
                         "(a decompression bomb) is refused (default 40000000; Pillow's own ceiling of about 179 "
                         "million pixels applies above it)")
+    p.add_argument("--max-image-memory-mb", type=int, default=1024, metavar="MB",
+                   help="vision-language models: the memory all requests' images may hold together, decoded while "
+                        "a request renders and preprocessed until it ends (default 1024); a request whose images do "
+                        "not fit while others hold theirs gets 429, one that never could 400")
     p.add_argument("--warmup", choices=("ready", "all", "none"), default="ready",
                    help="what to compile before /health turns 200: the few programs the first requests need "
                         "('ready', the default), every program ('all': no compile after ready) or nothing; the "
@@ -162,14 +166,16 @@ def main(argv=None) -> int:
     if args.max_images_per_request < 0:
         log.error("--max-images-per-request must be >= 0, got %d", args.max_images_per_request)
         return 2
-    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels)):
+    for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels),
+                        ("--max-image-memory-mb", args.max_image_memory_mb)):
         if value < 1:
             log.error("%s must be >= 1, got %d", flag, value)
             return 2
-    state = ServerState(model_name=name, api_keys=tuple(api_keys), max_body_bytes=args.max_body_bytes, timeline=timeline,
-                        public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower(),
+    state = ServerState(model_name=name, api_keys=tuple(api_keys), max_body_bytes=args.max_body_bytes,
+                        timeline=timeline, public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower(),
                         allowed_media_dir=media_dir, max_images_per_request=args.max_images_per_request,
-                        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
+                        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                        max_image_memory=args.max_image_memory_mb << 20)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 

@@ -72,10 +72,36 @@ def reasoning(state: ServerState, prompt: list[int]) -> Reasoning | None:
     return Reasoning(state.reasoning, state.reasoning.start(tail))
 
 
+def release(state: ServerState, images: ImageInputs | None) -> None:
+    """Gives the server's image memory back what `chat` took for `images` (once the request ends, or at once where
+    they are not used)."""
+    if images is not None:
+        state.image_memory.give_back(images.pixels.nbytes)
+
+
 def _chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] | None, add_generation_prompt: bool
           ) -> tuple[list[int], ImageInputs | None]:
-    images = [_load_image(state, part.image_url.url, f"messages[{i}].content[{j}].image_url")
-              for i, j, part in body.image_parts()]
+    # The decoded images count against the server's image memory while the request renders, their preprocessed
+    # pixels from then until it ends (`release`).
+    decoded = []
+    try:
+        images = []
+        for i, j, part in body.image_parts():
+            param = f"messages[{i}].content[{j}].image_url"
+            image = _load_image(state, part.image_url.url, param)
+            state.image_memory.take(image.width * image.height * len(image.getbands()), param)
+            decoded.append(image.width * image.height * len(image.getbands()))
+            images.append(image)
+        ids, pixels = _render(state, body, tools, add_generation_prompt, images)
+    finally:
+        state.image_memory.give_back(sum(decoded))
+    if pixels is not None:
+        state.image_memory.take(pixels.pixels.nbytes, "messages")
+    return ids, pixels
+
+
+def _render(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] | None, add_generation_prompt: bool,
+            images: list) -> tuple[list[int], ImageInputs | None]:
     messages = [template_message(m) for m in body.messages]
     kwargs = body.template_kwargs() | ({"tools": tools} if tools else {})
     try:

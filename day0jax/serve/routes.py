@@ -99,11 +99,15 @@ async def _chat(state: ServerState, body: P.ChatCompletionRequest, request: Requ
     arrival = time.monotonic()
     checked = validate.chat(state, body)
     prompt, images = await render.chat(state, body, checked.tools.specs if checked.tools else None)
-    reasoning = render.reasoning(state, prompt)
-    constraints = await constrain.constraints(state, body, checked.tools, reasoning)
-    await still_connected(request)
-    run = submit.submit(state, checked.engine, rid, body, [prompt], constraints,
-                        [images] if images is not None else None, tenant_of(request))
+    try:
+        reasoning = render.reasoning(state, prompt)
+        constraints = await constrain.constraints(state, body, checked.tools, reasoning)
+        await still_connected(request)
+        run = submit.submit(state, checked.engine, rid, body, [prompt], constraints,
+                            [images] if images is not None else None, tenant_of(request))
+    except BaseException:  # not queued: its images' memory is free again (a run gives it back when it ends)
+        render.release(state, images)
+        raise
     outputs = stream.Outputs(state, run, checked.stops, checked.tools, arrival, reasoning)
     return await format.respond(request, outputs, fmt, body)
 
@@ -129,7 +133,8 @@ async def tokenize(body: P.TokenizeRequest, state: State):
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens is not False)
     else:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        ids, _ = await render.chat(state, body.chat(), tools, add_generation_prompt=body.add_generation_prompt)
+        ids, images = await render.chat(state, body.chat(), tools, add_generation_prompt=body.add_generation_prompt)
+        render.release(state, images)
         if body.add_special_tokens:  # the tokenizer's own additions (a BOS) before the template's text
             ids = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False))
     strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None

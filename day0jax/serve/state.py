@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from day0jax.engine.async_engine import AsyncEngine
@@ -27,6 +28,9 @@ class ServerState:
     max_image_bytes: int = 20 << 20  # one encoded image (a data URL's decoded payload, or a file), checked unread
     # width * height of one image, read from its header before decoding: a tiny file can declare a huge canvas
     max_image_pixels: int = 40_000_000
+    # All requests' images together, decoded and preprocessed, until each request ends: beyond it a request with
+    # images waits its turn (429) instead of growing the server's memory.
+    max_image_memory: int = 1 << 30
     status: str = "loading"  # "loading", "warming up", "ready", "draining" or "failed"
     detail: str = ""
     engine: AsyncEngine | None = None
@@ -40,9 +44,44 @@ class ServerState:
     # day0jax.startup.warmup.compile_totals() by path ("background", "request") when it became ready
     compiles_at_ready: dict[str, dict[str, int]] | None = None
     background: Any = None  # the engine's BackgroundCompiler once ready
+    image_memory: "ImageMemory" = field(init=False)
 
     def __post_init__(self):
         self.metrics = Metrics(self)
+        self.image_memory = ImageMemory(self.max_image_memory)
+
+
+class ImageMemory:
+    """The bytes the requests in flight hold in images (decoded while they render, preprocessed pixels until they end),
+    within a server-wide limit. Thread-safe: images are decoded off the event loop, several requests at once."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, param: str) -> None:
+        """Counts `nbytes` more.
+
+        Raises:
+            APIError: 400 naming `param` for more than the whole limit (it can never fit); 429 (retry) while the images
+                of other requests leave too little.
+        """
+        from day0jax.serve.errors import APIError
+
+        mb = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
+        if nbytes > self.limit:
+            raise APIError(400, f"the images take {mb(nbytes)}, more than the server's {mb(self.limit)} for images "
+                           "(--max-image-memory-mb); send fewer or smaller images", param=param)
+        with self._lock:
+            if self.held + nbytes > self.limit:
+                raise APIError(429, f"the images of the requests in flight hold {mb(self.held)} of the server's "
+                               f"{mb(self.limit)} for images; retry shortly", "rate_limit_error",
+                               code="image_memory_full", headers={"Retry-After": "1"})
+            self.held += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
 
 
 def tenant_salt(tenant: str | None, salt: str | None) -> str | None:

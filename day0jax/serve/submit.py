@@ -59,6 +59,7 @@ class Run:
     streams: list[AsyncIterator[TokenEvent]]
     n: int
     prompt_tokens: int
+    image_bytes: int = 0  # the server's image memory its images hold until it ends (`render.chat` took it)
     released: bool = False
 
     def abort(self, prompt: int | None = None, index: int | None = None) -> None:
@@ -73,6 +74,7 @@ class Run:
             return
         self.released = True
         self.state.in_flight -= 1
+        self.state.image_memory.give_back(self.image_bytes)
         for k in range(len(self.streams)):
             self.engine.release(f"{self.id}-{k}", finished=completed)
 
@@ -111,7 +113,8 @@ def submit(state: ServerState, engine: AsyncEngine, rid: str, body, prompts: lis
             raise APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
         raise APIError(400, str(e), param=e.param,
                        code="context_length_exceeded" if "context length" in str(e) else None) from None
-    run = Run(rid, engine, state, streams, params.n, sum(map(len, prompts)))
+    run = Run(rid, engine, state, streams, params.n, sum(map(len, prompts)),
+              sum(x.pixels.nbytes for x in images or () if x is not None))
     state.metrics.prompt_tokens.inc(run.prompt_tokens)
     state.in_flight += 1
     return run
