@@ -184,6 +184,18 @@ FAMILIES = {
     # One moe_topk for every layer, top-1 (a weight of exactly 1), plain RoPE, tied embeddings.
     "hunyuan_v1_moe_top1": ("hunyuan_v1_moe", dict(TINY, head_dim=16, num_experts=4, moe_topk=1, rope_theta=1000.0,
                                                    tie_word_embeddings=True), True),
+    # 3 layers MoE, dense, MoE (mlp_layer_types, not HF's default): sigmoid scores, top-2 of 8 chosen with the
+    # routing bias, renormalized, times router_scaling_factor (HF's default), beside two shared experts as one MLP;
+    # per-head q/k norms before RoPE; biases on attention, the dense MLP and the shared experts.
+    "hy_v3": ("hy_v3", dict(TINY, num_hidden_layers=3, head_dim=16, mlp_layer_types=["sparse", "dense", "sparse"],
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=2,
+                            attention_bias=True, mlp_bias=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), True),
+    # HF's defaults: the first layer dense, its RoPE base (11158840), one shared expert; top-3 of 4 with another
+    # routed scale, the shared experts added in the model's dtype, tied embeddings.
+    "hy_v3_default": ("hy_v3", dict(TINY, head_dim=16, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32,
+                                    router_scaling_factor=0.5, enable_moe_fp32_combine=False,
+                                    tie_word_embeddings=True), True),
     # Interleaved RoPE on half the head dims (HF's default), fused gate/up, four norms a layer, q/k/v biases.
     "glm4": ("glm4", dict(TINY, head_dim=16, rope_theta=100.0), True),
     # A quarter of the dims rotated, no biases, tied embeddings.

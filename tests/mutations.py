@@ -231,6 +231,9 @@ FLIP_RENORM = edit(Router, lambda r, root: setattr(r, "norm_topk_prob", not r.no
 NO_ROUTED_SCALE = set_(Router, scale=1.0)
 NO_SCORE_BIAS = set_(Router, e_score_correction_bias=None)
 NO_GROUP_LIMIT = set_(Router, n_group=1, topk_group=1)
+# "scored_topk" routers always add their bias: a zero one chooses by the plain scores.
+ZERO_SCORE_BIAS = edit(Router, lambda r, root: setattr(
+    r, "e_score_correction_bias", nnx.Param(jnp.zeros_like(r.e_score_correction_bias[...]))))
 SOFTMAX_SCORES = set_(Router, routing="softmax_grouped")  # for "sigmoid_grouped" routers
 SIGMOID_SCORES = set_(Router, routing="sigmoid_grouped")  # for "softmax_grouped" routers (no score bias)
 NO_SHARED = set_(MoE, has_shared=False)
@@ -438,6 +441,11 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
     "hunyuan_v1_moe": [("per-layer top-k", set_(Router, layers=(1,), top_k=2)), ("shared mlp", NO_SHARED),
                        ("q/k norms after rope", set_(Attention, qk_norm_after_rope=False))],
     "hunyuan_v1_moe_top1": [("top-1 renormalized", FLIP_RENORM)],
+    "hy_v3": [("q/k norms", NO_QK_NORM), ("q/k norms before rope", set_(Attention, qk_norm_after_rope=True)),
+              ("sigmoid scores", set_(Router, score_fn="softmax")), ("routing score bias", ZERO_SCORE_BIAS),
+              ("top-k renormalized", FLIP_RENORM), ("routed scaling", NO_ROUTED_SCALE), ("shared experts", NO_SHARED)],
+    "hy_v3_default": [("default rope theta", config(rope_parameters=rope(rope_theta=10000.0))),
+                      ("routed scaling", NO_ROUTED_SCALE), ("top-k renormalized", FLIP_RENORM)],
     "glm4": [("interleaved rope pairs", INTERLEAVED_PAIRS), ("partial rotary", FULL_ROTARY)],
     "glm4_quarter_rotary": [("partial rotary", FULL_ROTARY)],
     "arcee": [("relu2 mlp", set_(mlp_layers.GatedMLP, act=mlp_layers.ACTIVATIONS["silu"])),

@@ -338,6 +338,8 @@ def test_unknown_model_type_names_closest(tmp_path, tiny):
     ("hunyuan_v1_moe", {"num_shared_expert": [2, 2]}, r"num_shared_expert=\[2, 2\]"),
     ("hunyuan_v1_moe", {"moe_intermediate_size": 96}, "moe_intermediate_size=96 differs from intermediate_size"),
     ("hunyuan_v1_moe", {"moe_topk": [2]}, "fewer entries than num_hidden_layers"),
+    ("hy_v3", {"mlp_layer_types": ["sparse", "moe", "dense"]}, "mlp_layer_types='moe'"),
+    ("hy_v3", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias=False"),
     ("kimi_linear", {"mla_use_nope": False}, "mla_use_nope=False"),
     ("kimi_linear", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
      "rope_scaling.rope_type='yarn'"),

@@ -380,3 +380,37 @@ def test_deepseek_v4_released_tensor_names_convert_to_the_same_model(tiny, tmp_p
         ours, ref = model.logits([prompt])[0], tiny["deepseek_v4"]["ref"][f"logits_{i}"]
         # Float32, as test_models.py's parity (about 1.6e-6 relative seen).
         assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), f"prompt {i}"
+
+
+def test_hy_v3_transformers5_layout_converts_to_the_same_model(tiny, tmp_path):
+    """HY-V3 in the transformers 5 layout Tencent converts its release to: HF's module names (`mlp.gate`,
+    `mlp.e_score_correction_bias`, `mlp.shared_experts`), each layer's experts fused (`gate_up_proj` [E, 2F, D], gate
+    rows first, `down_proj` [E, D, F]), Tencent's own config keys with the values transformers' model runs, and a
+    multi-token-prediction layer after the last one, dropped. The same weights give transformers' logits."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny["hy_v3"]["hf"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    L = cfg["num_hidden_layers"]
+    cfg.update(moe_router_use_sigmoid=True, moe_router_enable_expert_bias=True, route_norm=True, qk_norm=True,
+               expert_hidden_dim=cfg["moe_intermediate_size"], num_nextn_predict_layers=1,
+               enable_attention_fp32_softmax=True, enable_lm_head_fp32=True, use_grouped_mm=True, eod_token_id=2)
+    (src / "config.json").write_text(json.dumps(cfg))
+    saved = load_file(str(src / "model.safetensors"))
+    tensors = {k.replace(".mlp.router.gate.", ".mlp.gate.").replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
+               .replace(".mlp.shared_mlp.", ".mlp.shared_experts."): v
+               for k, v in saved.items() if ".mlp.experts." not in k}
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        E = cfg["num_experts"]
+        tensors[f"{p}.gate_up_proj"] = np.stack([np.concatenate([saved[f"{p}.{e}.gate_proj.weight"],
+                                                                 saved[f"{p}.{e}.up_proj.weight"]]) for e in range(E)])
+        tensors[f"{p}.down_proj"] = np.stack([saved[f"{p}.{e}.down_proj.weight"] for e in range(E)])
+    tensors[f"model.layers.{L}.eh_proj.weight"] = np.ones((64, 128), np.float32)
+    save_file(tensors, str(src / "model.safetensors"))
+    model = day0jax.load(convert_checkpoint(src, tmp_path / "d0", progress=False).dst, dtype="float32")
+    for i, prompt in enumerate(PROMPTS):
+        ours, ref = model.logits([prompt])[0], tiny["hy_v3"]["ref"][f"logits_{i}"]
+        # Float32, as test_models.py's parity (about 1e-6 relative seen).
+        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), f"prompt {i}"

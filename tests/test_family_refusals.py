@@ -1,6 +1,7 @@
-"""What the state-space hybrids, the per-layer-attention families and DeepSeek-V4 do not run is refused, naming the
-config key, and the state-space families not implemented are refused by name. Their features' effect on the logits
-is checked with every family's, in tests/test_models.py (test_feature_moves_logits, the table in tests/mutations.py).
+"""What the state-space hybrids, the per-layer-attention families, DeepSeek-V4 and HY-V3 do not run is refused,
+naming the config key, and the state-space families not implemented are refused by name. Their features' effect on
+the logits is checked with every family's, in tests/test_models.py (test_feature_moves_logits, the table in
+tests/mutations.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ REFUSALS = [
     ("deepseek_v4", dict(num_key_value_heads=2), "num_key_value_heads=2"),
     ("deepseek_v4", dict(scoring_func="relu"), "scoring_func='relu'"),
     ("deepseek_v4", dict(layer_types=["full_attention"] * 4), "layer_types"),
+    ("hy_v3", dict(mlp_layer_types=["sparse", "moe", "dense"]), "mlp_layer_types='moe'"),
+    ("hy_v3", dict(mlp_layer_types=["sparse", "dense"]), "has 2 entries for num_hidden_layers=3"),
+    ("hy_v3", dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
+    ("hy_v3", dict(num_shared_experts=0), "num_shared_experts=0"),
+    ("hy_v3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5"),
+    # Keys of Tencent's own config.json that HF's model never reads: only the values that agree with it run.
+    ("hy_v3", dict(moe_router_use_sigmoid=False), "moe_router_use_sigmoid=False"),
+    ("hy_v3", dict(route_norm=False), "route_norm=False"),
+    ("hy_v3", dict(first_k_dense_replace=1), "first_k_dense_replace=1 disagrees"),
+    ("hy_v3", dict(expert_hidden_dim=64), "expert_hidden_dim=64 differs from moe_intermediate_size=32"),
 ]
 
 

@@ -20,7 +20,7 @@ FAMILIES = {name: f"day0jax.models.{name}" for name in (
     "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3",
     "olmo2", "deepseek_v3", "gpt_oss", "smollm3", "granite",
     "minimax_m2", "glm4_moe", "olmo3", "seed_oss", "exaone4", "ernie4_5", "ernie4_5_moe",
-    "hunyuan_v1_dense", "hunyuan_v1_moe", "glm4", "arcee",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "glm4", "arcee",
     "afmoe", "mistral4", "laguna",
     "qwen3_next", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
     "lfm2", "lfm2_moe", "lfm3", "llava", "gemma3", "qwen3_vl", "qwen3_vl_text", "kimi_k25", "qwen3_vl_moe",
