@@ -418,3 +418,30 @@ def test_a_client_gone_before_submit_is_never_queued(make_state):
                                        GoneRequest(), state))
     assert chat.value.status == completion.value.status == 499
     assert state.engine.submitted == [] and state.in_flight == 0
+
+
+def test_a_chunked_body_reaches_the_app_whole_and_within_the_limit():
+    """A body sent in many small chunks (no Content-Length) is handed on whole; one past the limit is a 413 before
+    the app sees it."""
+    from day0jax.serve.middleware import GuardMiddleware
+
+    def send_in_chunks(body: bytes, limit: int):
+        chunks = [body[i:i + 3] for i in range(0, len(body), 3)]
+        messages = [{"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)} for i, c in enumerate(chunks)]
+        got, sent = [], []
+
+        async def receive():
+            return messages.pop(0)
+
+        async def app(scope, receive, send):
+            got.append((await receive())["body"])
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": [(b"host", b"127.0.0.1")]}
+        asyncio.run(GuardMiddleware(app, ServerState(model_name=MODEL, max_body_bytes=limit))(scope, receive, send))
+        return got, [m["status"] for m in sent if m["type"] == "http.response.start"]
+
+    body = json.dumps({"model": MODEL, "prompt": "x" * 3000}).encode()
+    assert send_in_chunks(body, len(body)) == ([body], [])
+    assert send_in_chunks(body, len(body) - 1) == ([], [413])
