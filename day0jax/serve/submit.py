@@ -38,7 +38,8 @@ def sampling_params(state: ServerState, body, prompt_len: int, constraints: Cons
         seed=None if body.seed is None else body.seed & 0xFFFFFFFF, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=body.logprob_count(),
-        n=body.n, grammar=constraints.grammar, logit_bias=constraints.logit_bias, cache_salt=tenant_salt(tenant, body.cache_salt))
+        n=body.n, grammar=constraints.grammar, logit_bias=constraints.logit_bias,
+        cache_salt=tenant_salt(tenant, body.cache_salt))
 
 
 @dataclass
