@@ -1,7 +1,8 @@
 """HY-V4's operators against transformers' own modules (float32): the plain hyper-connection (no stream mixing,
 post scaled by `hc_magnitude`), the hyper head, and sparse attention with per-head sinks over the chosen keys (the
 reference and the engine's paged paths); each with the feature taken away, to show the comparison would catch its
-loss. Tolerances next to each test, near the errors seen.
+loss. Tolerances next to each test, near the errors seen. Then a checkpoint under transformers' module names, which
+converts as one under the original names.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermedi
               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
               qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, index_n_heads=4,
               index_head_dim=16, index_topk=4, hc_mult=4, hc_magnitude=HC_MAGNITUDE, hc_eps=HC_EPS,
-              rms_norm_eps=NORM_EPS, max_position_embeddings=64)
+              rms_norm_eps=NORM_EPS, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 FAR = 1e-3  # a feature taken away moves the output at least this far (relative), a hundred times the tolerances
 B, T, N, H, HV, KT, SCALE = 2, 20, 4, 16, 12, 5, 0.3
 
@@ -109,3 +110,39 @@ def test_sparse_attention_with_sinks_matches_transformers(hf):
         paged = impl(q[:, last], k_pages, v_pages, tables, lengths, positions[:, last], indices[:, last],
                      scale=SCALE, sinks=sinks)
         assert rel_err(paged, ref["attention"][:, last]) < 1e-5, impl.__module__
+
+
+# transformers' conversion mapping for hy_v4 (original checkpoint name -> its module name), in order.
+MODULE_NAMES = [(r"\.hc_pre\.hc_", ".hc_"), (r"\.learnable_sink_param", ".sinks"), (r"\.linear_gate", ".gate_proj"),
+                (r"\.hc_attn_layer\.hc_(fn|base|scale)", r".attn_hc.\1"),
+                (r"\.hc_mlp_layer\.hc_(fn|base|scale)", r".ffn_hc.\1"), (r"\.hc_head_(fn|base|scale)", r".hc_\1")]
+
+
+def test_checkpoint_under_module_names_converts_as_the_original(tmp_path):
+    """A checkpoint saved under transformers' module names (no conversion mapping applied) converts to the same
+    parameters as the original names."""
+    import re
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from convert import convert_checkpoint
+    from day0jax.weights.checkpoint import read_params
+
+    run_reference([{"op": "tiny_hf", "family": "hy_v4", "config": CONFIG, "seed": 0, "out": str(tmp_path / "hf")}],
+                  tmp_path)
+    shutil.copytree(tmp_path / "hf", tmp_path / "modules")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    renamed = {}
+    for name, value in tensors.items():
+        for pattern, repl in MODULE_NAMES:
+            name = re.sub(pattern, repl, name)
+        renamed[name] = value
+    assert "model.layers.0.attn_hc.fn" in renamed and "model.hc_head.hc_fn" in renamed
+    assert "model.layers.0.mlp.gate_proj.weight" in renamed and "model.layers.0.self_attn.sinks" in renamed
+    save_file(renamed, tmp_path / "modules" / "model.safetensors", metadata={"format": "pt"})
+    original = read_params(convert_checkpoint(tmp_path / "hf", tmp_path / "a", progress=False).dst)
+    modules = read_params(convert_checkpoint(tmp_path / "modules", tmp_path / "b", progress=False).dst)
+    assert original.keys() == modules.keys()
+    for name in original:
+        np.testing.assert_array_equal(np.asarray(original[name]), np.asarray(modules[name]), err_msg=name)

@@ -210,6 +210,8 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     return Source((name,), src.combine, src.shapes)
 
 
+# A checkpoint under transformers' module names (`attn_hc.fn`, `gate_proj`, `sinks`: saved without its conversion
+# mapping) reads as the original one: the same renames, which match no original name.
 FAMILY = Family(model_types=("hy_v4",), config=Config, model=Model,
                 dropped={r"model\.mtp_layers\..*": "multi-token-prediction layers, used only for speculative decoding"},
-                hf_source=hf_source)
+                hf_source=hf_source, renames=tuple(ORIGINAL_NAMES))
