@@ -448,7 +448,8 @@ FAMILIES = {
                                              "original_max_position_embeddings": 32, "mscale_all_dim": 1.0}), True),
     # HY-V4's other choices: two streams, biases on q_a_proj, kv_a_proj_with_mqa and o_proj, tied embeddings, two
     # shared experts, top-k weights not renormalized, the legacy rope_theta key (plain RoPE), and HF's default layer
-    # lists for 6 layers (layer 0 dense; indexers full on layers 0, 1 and 5, so layers 2-4 all reuse layer 1's top-k).
+    # lists for 6 layers, which transformers writes into config.json (layer 0 dense; indexers full on layers 0, 1 and
+    # 5, so layers 2-4 all reuse layer 1's top-k; tests/test_hy_v4_ops.py checks our derivation of the defaults).
     "hy_v4_bias_tied": ("hy_v4", dict(TINY, num_hidden_layers=6, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
                                       qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=32, n_shared_experts=2, index_topk=8, index_head_dim=16,

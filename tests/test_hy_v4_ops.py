@@ -146,3 +146,20 @@ def test_checkpoint_under_module_names_converts_as_the_original(tmp_path):
     assert original.keys() == modules.keys()
     for name in original:
         np.testing.assert_array_equal(np.asarray(original[name]), np.asarray(modules[name]), err_msg=name)
+
+
+def test_default_layer_lists_are_transformers(tmp_path):
+    """Without `mlp_layer_types` and `indexer_types` the config derives the lists transformers derives (and writes
+    into config.json): here over 10 layers, so that several shared runs follow each full layer."""
+    import json
+
+    from day0jax import models
+
+    config = dict(CONFIG, num_hidden_layers=10)
+    run_reference([{"op": "tiny_hf", "family": "hy_v4", "config": config, "seed": 0, "out": str(tmp_path / "hf")}],
+                  tmp_path)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    ours = models.config_from_hf(dict(config, model_type="hy_v4"))
+    assert list(ours.mlp_kinds) == written["mlp_layer_types"]
+    assert list(ours.indexer_kinds) == written["indexer_types"]
+    assert "shared" in ours.indexer_kinds and "dense" in ours.mlp_kinds and "sparse" in ours.mlp_kinds
