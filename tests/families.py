@@ -444,6 +444,29 @@ FAMILIES = {
                                         swiglu_limit=0.5, compress_rope_theta=1000.0, initializer_range=0.1,
                                         rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                          "original_max_position_embeddings": 32}), True),
+    # HY-V4, 5 layers: four residual streams joined by plain hyper-connections (post x hc_magnitude 1.5), layer 0
+    # dense then MoE (sigmoid top-2 of 8 with the score bias, one shared expert, clamps small enough to bite); sparse
+    # MLA with sinks and a sigmoid output gate, top-8 keys per query (the longer prompts attend over a subset), the
+    # indexer rotating the interleaved tail of its heads; layers 2 and 4 "shared" reuse the top-k of layers 1 and 3.
+    # 16 indexer heads, as deepseek_v32 (relu ties). YaRN scales the softmax by its mscale.
+    "hy_v4": ("hy_v4", dict(TINY, num_hidden_layers=5, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                            routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+                            indexer_types=["full", "full", "shared", "full", "shared"], index_topk=8,
+                            index_head_dim=16, index_n_heads=16, hc_mult=4, hc_magnitude=1.5, hc_eps=1e-6,
+                            learnable_sink_init=0.5, swiglu_limit=0.5, initializer_range=0.1,
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                             "original_max_position_embeddings": 32, "mscale_all_dim": 1.0}), True),
+    # HY-V4's other choices: two streams, biases on q_a_proj, kv_a_proj_with_mqa and o_proj, tied embeddings, two
+    # shared experts, top-k weights not renormalized, the legacy rope_theta key (plain RoPE), and HF's default layer
+    # lists for 6 layers, which transformers writes into config.json (layer 0 dense; indexers full on layers 0, 1 and
+    # 5, so layers 2-4 all reuse layer 1's top-k; tests/test_hy_v4_ops.py checks our derivation of the defaults).
+    "hy_v4_bias_tied": ("hy_v4", dict(TINY, num_hidden_layers=6, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                                      qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, n_shared_experts=2, index_topk=8, index_head_dim=16,
+                                      index_n_heads=16, hc_mult=2, attention_bias=True, tie_word_embeddings=True,
+                                      norm_topk_prob=False, rope_theta=1000.0), True),
 }
 
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.

@@ -36,6 +36,7 @@ from flax import nnx
 
 from day0jax import models
 from day0jax.layers import mlp as mlp_layers
+from day0jax.layers import hyper
 from day0jax.layers.attention import Attention
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.moe import Experts, HashRouter, MoE, Router, clamped_swiglu
@@ -45,6 +46,7 @@ from day0jax.models import base, gemma, gemma3, gemma4, glm_moe_dsa, mistral_lar
 from kernels_pallas.attention import api as attention_api
 from kernels_pallas.causal_conv1d import api as conv_api
 from kernels_pallas.gated_delta_rule import api as delta_rule_api
+from kernels_pallas.hyper_connection import api as hc_api
 
 MUTATION_FACTOR = 100
 
@@ -335,6 +337,24 @@ def _hand_on_received(call):
     return wrapped
 
 
+def _hyper_hands_on_received(call):
+    """A hyper-connected decoder layer; one marked `hands_on_received_topk` passes on the top-k it received instead
+    of its own, so the shared layer after it attends over an earlier full layer's picks."""
+    def wrapped(self, x, positions, rope_tables, cache=None, carry=None):
+        received = carry.topk
+        x, cache, carry = call(self, x, positions, rope_tables, cache, carry)
+        return x, cache, carry._replace(topk=received) if getattr(self, "hands_on_received_topk", False) else carry
+    return wrapped
+
+
+# The plain form's streams each keep their own residual; this mixes them, evenly, as an mHC comb matrix would.
+STREAMS_MIXED = patch(hc_api, "expand", lambda expand: lambda x, y, post, comb: expand(
+    x, y, post, jnp.full((*x.shape[:2], x.shape[2], x.shape[2]), 1.0 / x.shape[2]) if comb is None else comb))
+# The hyper head's learned weights replaced by the streams' mean.
+NO_HYPER_HEAD = patch(hyper.HyperConnected, "final_norm", lambda final: lambda self, x: self.model.norm(
+    x.mean(axis=-2)))
+
+
 def _without_per_layer_inputs(begin):
     def wrapped(self, tokens, x):
         carry = begin(self, tokens, x)
@@ -533,6 +553,19 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
                     full_attention=rope(rope_theta=10000.0, partial_rotary_factor=0.5),
                     sliding_attention=rope(rope_theta=10000.0, partial_rotary_factor=0.5)))),
                 ("per-head sigmoid gate", NO_GATE)],
+    # The plain hyper-connection and the hyper head against transformers' own modules: tests/test_hy_v4_ops.py.
+    "hy_v4": [("sparse top-k", DENSE_TOP_K), ("attention sinks", set_(SparseMLAttention, sinks=None)),
+              ("per-head sigmoid output gate", set_(SparseMLAttention, gate_proj=None)),
+              ("indexer rope on the heads' tail", set_(Indexer, rope_last=False)),
+              ("indexer rope interleaved", set_(Indexer, rope_interleave=False)),
+              ("interleaved rope", MLA_HALF_SPLIT), ("yarn softmax scale", MLA_PLAIN_SCALE),
+              ("top-k of the latest full layer", (
+                  set_(hyper.HyperDecoderLayer, layers=(3,), hands_on_received_topk=True),
+                  patch(hyper.HyperDecoderLayer, "__call__", _hyper_hands_on_received))),
+              ("streams kept apart (plain hyper-connection)", STREAMS_MIXED),
+              ("post scaled by hc_magnitude", config(hc_magnitude=2.0)), ("hyper head", NO_HYPER_HEAD),
+              ("clamped SwiGLU of routed experts", config(swiglu_limit=100.0)),
+              ("routed scaling", NO_ROUTED_SCALE), ("shared experts", NO_SHARED)],
     # Its operators' own features (the compressors' overlapping windows, sinks) are broken in
     # tests/test_deepseek_v4_ops.py against transformers' modules.
     "deepseek_v4": [("hash routing", edit(HashRouter, _one_expert_set)),

@@ -176,6 +176,22 @@ def test_sparse_attention_report(tiny):
     assert any("an earlier layer's indexer" in r["variant"] for r in glm.ops)
 
 
+def test_hy_v4_report(tiny):
+    """HY-V4: plain hyper-connections with post x hc_magnitude, sparse attention with sinks, the shared layers
+    caching no indexer keys, dense and MoE layers where `mlp_layer_types` puts them."""
+    report = check_lib.check(tiny["hy_v4"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    per_token = 2 * (16 + 8)  # latent + rope key, stored as key and value; full layers add their 16 index dims
+    assert report.layers == [
+        {"kind": "sparse attention (top-8 keys)", "layers": "0-1,3", "cache": f"KV {(per_token + 16) * 4} B per token"},
+        {"kind": "sparse attention (top-8 keys, shared)", "layers": "2,4", "cache": f"KV {per_token * 4} B per token"}]
+    rows = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
+    assert rows[("hyper-connection", "0-4")].endswith("plain residual per stream, post x 1.5")
+    assert rows[("sparse attention (engine)", "2,4")].endswith("an earlier layer's indexer, sinks")
+    assert rows[("mlp", "0,3")] == "gated MLP x 128 (silu)"
+    assert "top-2 sigmoid_grouped" in rows[("moe grouped matmul", "1-2,4")]
+
+
 def test_kv_sharing_report(tiny):
     """Gemma 4: the layers that read an earlier layer's keys and values cache nothing and say whose they read; the
     global layers' own head shape shows in their KV per token and operators, and the plan counts two layers' KV."""

@@ -1,6 +1,6 @@
-"""What the state-space hybrids, the per-layer-attention families, DeepSeek-V4 and HY-V3 do not run is refused,
-naming the config key, and the state-space families not implemented are refused by name. Their features' effect on
-the logits is checked with every family's, in tests/test_models.py (test_feature_moves_logits, the table in
+"""What the state-space hybrids, the per-layer-attention families, DeepSeek-V4, HY-V3 and HY-V4 do not run is
+refused, naming the config key, and the state-space families not implemented are refused by name. Their features'
+effect on the logits is checked with every family's, in tests/test_models.py (test_feature_moves_logits, the table in
 tests/mutations.py).
 """
 
@@ -38,6 +38,19 @@ REFUSALS = [
     ("hy_v3", dict(route_norm=False), "route_norm=False"),
     ("hy_v3", dict(first_k_dense_replace=1), "first_k_dense_replace=1 disagrees"),
     ("hy_v3", dict(expert_hidden_dim=64), "expert_hidden_dim=64 differs from moe_intermediate_size=32"),
+    ("hy_v4", dict(n_group=2, topk_group=1), "n_group=2"),
+    ("hy_v4", dict(topk_group=2), "topk_group=2"),
+    ("hy_v4", dict(n_shared_experts=0), "n_shared_experts=0"),
+    ("hy_v4", dict(swiglu_limit=0.0), "swiglu_limit=0.0"),
+    ("hy_v4", dict(layer_types=["full_attention"] * 5), "layer_types='full_attention'"),
+    ("hy_v4", dict(mlp_layer_types=["dense", "sparse", "moe", "dense", "sparse"]), "mlp_layer_types='moe'"),
+    ("hy_v4", dict(mlp_layer_types=["dense", "sparse"]), "mlp_layer_types"),
+    ("hy_v4", dict(indexer_types=["shared", "full", "shared", "full", "shared"]), "indexer_types='shared'"),
+    ("hy_v4", dict(indexer_types=["full", "skip", "shared", "full", "shared"]), "indexer_types='skip'"),
+    ("hy_v4", dict(index_head_dim=4), "index_head_dim=4"),
+    ("hy_v4", dict(hidden_act="relu6"), "hidden_act='relu6'"),
+    ("hy_v4", dict(rope_parameters={"rope_type": "made_up", "rope_theta": 10000.0}), "made_up"),
+    ("hy_v4", dict(hc_cross_stream=True), "hc_cross_stream=True"),
 ]
 
 

@@ -106,10 +106,12 @@ class PagedKVCache:
                                        kv_lengths=self.kv_lengths)
         return dataclasses.replace(self, index_pages=index_pages), indices
 
-    def attend_sparse(self, q: jax.Array, positions: jax.Array, indices: jax.Array, *, scale: float) -> jax.Array:
-        """Queries attend over their selected positions only (`indices` [B, T, Kt], from `index_topk`)."""
+    def attend_sparse(self, q: jax.Array, positions: jax.Array, indices: jax.Array, *, scale: float,
+                      sinks: jax.Array | None = None) -> jax.Array:
+        """Queries attend over their selected positions only (`indices` [B, T, Kt], from `index_topk`); `sinks` [N]
+        join each head's softmax denominator."""
         return sparse_op.paged_sparse_attention(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
-                                                positions, indices, scale=scale)
+                                                positions, indices, scale=scale, sinks=sinks)
 
 
 def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:

@@ -116,11 +116,12 @@ class MLAttention(nnx.Module):
             query = self.softmax_scaling(query, positions)
         return query
 
-    def output(self, out: jax.Array) -> jax.Array:
-        """Attention's output over the latent [B, T, N, R + P] -> [B, T, D] (W_uv, then o_proj)."""
+    def output(self, out: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+        """Attention's output over the latent [B, T, N, R + P] -> [B, T, D] (W_uv, times `gate` [B, T, N, U] where
+        given, then o_proj)."""
         R, _, C, _ = self.dims
         out = jnp.einsum("btnr,nur->btnu", out[..., :R], self.kv_b_proj.kernel[...][:, C:])  # [B, T, N, U]
-        return self.o_proj(out)
+        return self.o_proj(out if gate is None else out * gate.astype(out.dtype))
 
     def op_calls(self) -> list[OpCall]:
         """Multi-query attention over the latent (key = value = [latent ; rope key]), the norms and RoPE."""

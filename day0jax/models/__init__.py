@@ -36,7 +36,7 @@ FAMILIES.update({"llama4": "day0jax.models.llama4", "llama4_text": "day0jax.mode
 FAMILIES.update({"gemma4": "day0jax.models.gemma4_vl", "gemma4_text": "day0jax.models.gemma4"})
 FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
                  "mistral_large4_text": "day0jax.models.mistral_large4"})
-FAMILIES.update({"deepseek_v4": "day0jax.models.deepseek_v4"})
+FAMILIES.update({"deepseek_v4": "day0jax.models.deepseek_v4", "hy_v4": "day0jax.models.hy_v4"})
 
 
 def family(model_type: str) -> Family:

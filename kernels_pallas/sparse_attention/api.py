@@ -22,11 +22,12 @@ INTERPRET: dict[str, str] = {}
 @jax.named_scope("attention")
 def paged_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                            kv_lengths: jax.Array, q_positions: jax.Array, indices: jax.Array, *,
-                           scale: float | None = None, implementation: str | None = None) -> jax.Array:
+                           scale: float | None = None, sinks: jax.Array | None = None,
+                           implementation: str | None = None) -> jax.Array:
     """See `reference.paged_sparse_attention`; `implementation` forces one candidate by name.
 
     Raises:
         registry.KernelUnavailable: the named implementation cannot take these inputs.
     """
     return registry.dispatch("sparse_attention", IMPLEMENTATIONS, CANDIDATES, implementation, q, k_pages, v_pages,
-                             block_tables, kv_lengths, q_positions, indices, scale=scale)
+                             block_tables, kv_lengths, q_positions, indices, scale=scale, sinks=sinks)

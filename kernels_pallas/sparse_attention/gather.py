@@ -8,12 +8,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.sparse_attention.reference import FLOOR
+from kernels_pallas.sparse_attention.reference import FLOOR, softmax
 
 
 def paged_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                            kv_lengths: jax.Array, q_positions: jax.Array, indices: jax.Array, *,
-                           scale: float | None = None) -> jax.Array:
+                           scale: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Same contract as `reference.paged_sparse_attention`.
 
     Raises:
@@ -35,6 +35,6 @@ def paged_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     allowed = (indices <= q_positions[:, :, None]) & (indices < kv_lengths[:, None, None])  # [B, T, Kt]
     scores = jnp.einsum("btkgh,btskh->bkgts", q.reshape(B, T, K, G, H), k, preferred_element_type=jnp.float32)
     scores = jnp.where(allowed[:, None, None], scores * scale, FLOOR)
-    weights = jax.nn.softmax(scores, axis=-1)
+    weights = softmax(scores, sinks)
     out = jnp.einsum("bkgts,btskh->btkgh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)

@@ -3,7 +3,8 @@
 Two steps per layer: the lightning indexer scores every visible key for each query with its own small heads,
 score(t, s) = sum_i w[t, i] * relu(scale * q_i[t] . k[s]), and keeps the `topk` best positions; attention then
 runs over those positions only. When a query sees no more than `topk` keys it selects all of them, and
-`sparse_attention` is then dense causal attention, computed by the same operations (bit for bit).
+`sparse_attention` is then dense causal attention, computed by the same operations (bit for bit). Optional `sinks`
+(HY-V4): one learned logit per query head that joins every softmax denominator and takes no value.
 
 Letters: B batch, T queries, S key positions, N query heads, K kv heads, H head dim (Hv for values), I indexer
 heads, Di indexer head dim, Kt selected keys per query.
@@ -50,14 +51,28 @@ def index_topk(q: jax.Array, k: jax.Array, weights: jax.Array, *, topk: int, sca
     return jax.lax.top_k(scores, min(topk, k.shape[1]))[1].astype(jnp.int32)
 
 
+def softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """scores [B, K, G, T, S] float32 -> weights over S, with query head k * G + g's sink logit (sinks [N], or None)
+    in the denominator."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    B, K, G = scores.shape[:3]
+    sink = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
+    peak = jnp.maximum(scores.max(axis=-1, keepdims=True), sink)
+    weights = jnp.exp(scores - peak)
+    return weights / (weights.sum(axis=-1, keepdims=True) + jnp.exp(sink - peak))
+
+
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array, *, q_positions: jax.Array,
-                     kv_lengths: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+                     kv_lengths: jax.Array | None = None, scale: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of each query over its selected keys only.
 
     Args:
         q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv] (N a multiple of K; key s at position s).
         indices: [B, T, Kt] int32 selected positions per query (`index_topk`).
         q_positions: [B, T]; kv_lengths: [B] or None; scale: default H ** -0.5.
+        sinks: [N] per-head logits that join every softmax denominator (None: none).
     Returns:
         [B, T, N, Hv] in q's dtype.
     """
@@ -68,8 +83,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
                                                indices].set(True)
     allowed = selected & visible(q_positions, S, kv_lengths)
     scores = jnp.where(allowed[:, None, None], dense.grouped_scores(q, k) * scale, FLOOR)
-    weights = jax.nn.softmax(scores, axis=-1)
-    return dense.weighted_values(weights, v).astype(q.dtype)
+    return dense.weighted_values(softmax(scores, sinks), v).astype(q.dtype)
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -80,8 +94,8 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
 
 def paged_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                            kv_lengths: jax.Array, q_positions: jax.Array, indices: jax.Array, *,
-                           scale: float | None = None) -> jax.Array:
+                           scale: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`sparse_attention` over each row's pages (k_pages [P, page, K, H], v_pages [P, page, K, Hv], block tables
     [B, W]), as over them gathered contiguously."""
     return sparse_attention(q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables), indices,
-                            q_positions=q_positions, kv_lengths=kv_lengths, scale=scale)
+                            q_positions=q_positions, kv_lengths=kv_lengths, scale=scale, sinks=sinks)

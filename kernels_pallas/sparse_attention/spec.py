@@ -12,13 +12,13 @@ from kernels_pallas.ops import OpSpec
 PARAMS = {"N": "query heads", "K": "kv heads", "H": "key head dim", "Hv": "value head dim",
           "scale": "score scale (None: H ** -0.5)", "latent": "absorbed multi-head latent attention (bool)",
           "topk": "keys per query", "I": "indexer heads", "Di": "indexer head dim",
-          "indexer": "False: the layer reuses an earlier layer's top-k"}
+          "indexer": "False: the layer reuses an earlier layer's top-k", "sinks": "learned sink logits (bool)"}
 
 
 def describe(p: dict) -> str:
     source = f"a {p['I']}-head indexer x {p['Di']}" if p.get("indexer") else "an earlier layer's indexer"
     return (f"{'MLA (absorbed): ' if p.get('latent') else ''}{p['N']}q/{p['K']}kv heads x {p['H']} over the "
-            f"top-{p['topk']} keys of {source}")
+            f"top-{p['topk']} keys of {source}{', sinks' if p.get('sinks') else ''}")
 
 
 def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
@@ -31,10 +31,11 @@ def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Ca
     paged = {"full": dict(B=32, page=64, max_len=4 * topk), "startup": dict(B=4, page=16, max_len=2 * topk),
              "tiny": dict(B=2, page=16, max_len=3 * topk)}[scale]
     return [Case("sparse_attention", f"{prefix}decode top-{topk}", dtype,
-                 dict(N=N, K=K, H=H, Hv=Hv, topk=topk, scale=call["scale"], **paged))]
+                 dict(N=N, K=K, H=H, Hv=Hv, topk=topk, scale=call["scale"], sinks=bool(call.get("sinks")),
+                      **paged))]
 
 
-def build(rnd: Random, dtype, *, B, N, K, H, Hv, topk, page, max_len, scale):
+def build(rnd: Random, dtype, *, B, N, K, H, Hv, topk, page, max_len, scale, sinks=False):
     width = -(-max_len // page)
     pages = B * width + 1
     lengths = rnd.integers(topk, max_len + 1, (B,))
@@ -45,9 +46,9 @@ def build(rnd: Random, dtype, *, B, N, K, H, Hv, topk, page, max_len, scale):
     args = (rnd.normal((B, 1, N, H), dtype), rnd.normal((pages, page, K, H), dtype),
             rnd.normal((pages, page, K, Hv), dtype), jnp.asarray(tables), jnp.asarray(lengths),
             jnp.asarray(lengths[:, None] - 1), jnp.asarray(indices))
-    return args, dict(scale=scale)
+    return args, dict(scale=scale, sinks=rnd.normal((N,), jnp.float32) if sinks else None)
 
 
 SPEC = OpSpec("sparse_attention", "sparse attention (engine)", PARAMS, describe,
-              dict(N=8, K=1, H=24, Hv=16, scale=0.3, latent=True, topk=16, I=4, Di=16, indexer=True),
+              dict(N=8, K=1, H=24, Hv=16, scale=0.3, latent=True, topk=16, I=4, Di=16, indexer=True, sinks=True),
               api="kernels_pallas.sparse_attention.api", cases=cases, build=build)

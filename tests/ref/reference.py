@@ -46,6 +46,12 @@ Jobs (each a dict with "op"):
                with sinks on the ATTENTION .npz (q [B, T, N, H], k [B, T, H] the window's keys, entries [B, C, H],
                indices [B, T, Kt] (-1: none), sinks [N], window, ratio), masked as the CSA layer masks it. Writes
                every module's weights under its own prefix (`hc.`, `head.`, `hca.`, `csa.`) and its inputs and outputs.
+  hy_v4_ops    {config, seed, attention, out}: transformers' own HY-V4 modules, built from `config` with random
+               weights (seed): the plain hyper-connection (`hc.`) and the hyper head (`head.`) on random streams, the
+               streams after a random block output as the decoder layer spreads it (`expanded`); and
+               eager_attention_forward with sinks on the ATTENTION .npz (q [B, T, N, H], k [B, T, H], v [B, T, Hv],
+               indices [B, T, Kt], sinks [N], scale), masked as HYV4Attention masks it (causal, then the keys not
+               chosen): `attention` [B, T, N, Hv].
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
@@ -646,6 +652,53 @@ def render_chat(job):
             case["messages"], tools=case.get("tools"), tokenize=False, add_generation_prompt=True,
             **case.get("kwargs", {})))
     json.dump(out, open(job["out"], "w"))
+
+
+def hy_v4_ops(job):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.hy_v4 import modeling_hy_v4 as mod
+
+    torch.manual_seed(job["seed"])
+    config = AutoConfig.for_model("hy_v4", **job["config"])
+    B, T, n, D = 2, 21, config.hc_mult, config.hidden_size
+    out = {}
+
+    def weights(prefix, module):
+        for name, p in module.named_parameters():  # scales and biases that bend the sigmoids
+            if name.endswith("scale"):
+                p.normal_(1.0, 0.3)
+            elif name.endswith("base"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[-1]))
+            out[f"{prefix}.{name}"] = p.numpy().copy()
+
+    with torch.no_grad():
+        hc, head = mod.HYV4HyperConnection(config), mod.HYV4HyperHead(config)
+        weights("hc", hc)
+        weights("head", head)
+        x = torch.randn(B, T, n, D)
+        post, collapsed = hc(x)
+        y = torch.randn(B, T, D)  # a block's output, spread back as HYV4DecoderLayer does
+        expanded = post.unsqueeze(-1) * y.unsqueeze(-2) + x
+        out.update(streams=x.numpy(), block_out=y.numpy(), post=post.numpy(), collapsed=collapsed.numpy(),
+                   expanded=expanded.numpy(), head=head(x).numpy())
+
+        a = {k: torch.from_numpy(v) for k, v in np.load(job["attention"]).items()}
+        q, k, v, indices = a["q"], a["k"], a["v"], a["indices"].long()
+        Bq, Tq, N, _ = q.shape
+        low = torch.finfo(torch.float32).min
+        causal = torch.ones(Tq, Tq, dtype=torch.bool).tril()
+        mask = torch.zeros(Bq, 1, Tq, Tq).masked_fill(~causal, low)
+        index_mask = torch.ones(Bq, Tq, Tq, dtype=torch.bool).scatter(-1, indices, False).unsqueeze(1)
+        mask = mask.masked_fill(index_mask, low)
+        module = SimpleNamespace(num_key_value_groups=N, sinks=a["sinks"], training=False)
+        attn, _ = mod.eager_attention_forward(module, q.transpose(1, 2), k[:, None], v[:, None], mask,
+                                              scaling=float(a["scale"]))
+        out["attention"] = attn.numpy()  # [B, T, N, Hv]
+    np.savez(job["out"], **out)
 
 
 def deepseek_v4_ops(job):
