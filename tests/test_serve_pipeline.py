@@ -10,6 +10,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from day0jax.engine.grammar import MAX_OBJECT_PROPERTIES, MAX_PATTERN_CHARS, MAX_SCHEMA_NODES, GrammarCompiler
 from day0jax.engine.requests import TokenEvent
@@ -445,3 +446,60 @@ def test_a_chunked_body_reaches_the_app_whole_and_within_the_limit():
     body = json.dumps({"model": MODEL, "prompt": "x" * 3000}).encode()
     assert send_in_chunks(body, len(body)) == ([body], [])
     assert send_in_chunks(body, len(body) - 1) == ([], [413])
+
+
+# JSON schemas as clients send them, well- and ill-formed: the structured-output keywords with values of the right
+# and of the wrong types, nested a few levels (bounded sizes).
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(-1e3, 1e3, allow_nan=False),
+                    st.sampled_from(["", "a", "[a-z]+", "(", "\\d{2,3}", "string", "object", "date-time"]))
+KEYWORDS = ["type", "properties", "items", "enum", "const", "required", "additionalProperties", "minLength",
+            "maxLength", "pattern", "minimum", "maximum", "minItems", "maxItems", "anyOf", "oneOf", "allOf",
+            "format", "$ref", "$defs", "description", "title", "default", "not", "if"]
+TYPES = st.sampled_from(["object", "array", "string", "integer", "number", "boolean", "null"])
+SCHEMAS = st.recursive(
+    st.one_of(st.booleans(), st.fixed_dictionaries({"type": TYPES}), st.dictionaries(st.sampled_from(KEYWORDS),
+                                                                                      SCALARS, max_size=3)),
+    lambda inner: st.one_of(
+        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(
+            st.text("abcxyz_", min_size=1, max_size=4), inner, max_size=4)},
+            optional={"required": st.lists(st.text("abcxyz_", min_size=1, max_size=4), max_size=3),
+                      "additionalProperties": st.one_of(st.booleans(), inner)}),
+        st.fixed_dictionaries({"type": st.just("array"), "items": inner},
+                              optional={"minItems": SCALARS, "maxItems": SCALARS}),
+        st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
+        st.dictionaries(st.sampled_from(KEYWORDS), st.one_of(SCALARS, inner, st.lists(inner, max_size=3)),
+                        max_size=4)),
+    max_leaves=12)
+
+
+def test_any_schema_is_a_grammar_or_a_400(make_state):
+    """Whatever schema a client sends (as guided_json, a response_format, a forced tool call's parameters or an
+    offered tool's), the request path either builds its grammar or answers 400 naming the field: never another
+    exception. The generated schemas reach both outcomes, so both paths are exercised."""
+    state = make_state(template=HERMES)
+    outcomes = {"built": 0, "refused": 0}
+
+    @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(schema=SCHEMAS, path=st.sampled_from(["guided_json", "response_format", "tool_choice", "tools"]))
+    def request(schema, path):
+        fields = {"guided_json": {"guided_json": schema},
+                  "response_format": {"response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "s", "schema": schema}}},
+                  "tool_choice": {"tools": [tool(schema)], "tool_choice": "required"},
+                  "tools": {"tools": [tool(schema)]}}[path]
+        try:
+            body = chat_request(**fields)
+        except ValueError:  # the body's own schema refuses it: FastAPI's 400
+            outcomes["refused"] += 1
+            return
+        try:
+            checked = validate.chat(state, body)
+            asyncio.run(render.chat(state, body, checked.tools.specs if checked.tools else None))
+            asyncio.run(constrain.constraints(state, body, checked.tools))
+            outcomes["built"] += 1
+        except APIError as e:
+            assert e.status == 400 and e.param, (e.status, e.param, e.message)
+            outcomes["refused"] += 1
+
+    request()
+    assert outcomes["built"] >= 20 and outcomes["refused"] >= 20, outcomes
