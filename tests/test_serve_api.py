@@ -179,18 +179,57 @@ def test_32_concurrent_requests(client):
     assert all(reason in ("stop", "length") and n >= 1 for reason, n in results)
 
 
+def chat_body(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def called_with(arguments: str) -> list[dict]:
+    """A conversation whose assistant turn called a tool with `arguments`."""
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": arguments}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+
+
+def tool_with(parameters) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+# One request of each kind of hostile input, by route: malformed JSON, values out of range, lone surrogates,
+# unimplemented fields, too many sequences, token ids and biases out of range, a bad regex; deep nesting in a
+# body, in tool-call arguments and in a schema; malformed and oversized schemas; grammars the offered tools forbid;
+# a NUL in a media URL; images sent to a text model; echo; a body over the size limit; a wrong API key.
+HOSTILE = [
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": '),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "x", "top_p": 7}'),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "x\\ud800"}'),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "x", "best_of": 4}'),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": ["x", "y"], "n": 200}'),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": [999999]}'),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "x", "logit_bias": {"-3": 1}}'),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "x", "guided_regex": "("}'),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "x", "echo": true}'),
+    ("/v1/chat/completions", chat_body(chat_template_kwargs={"x": json.loads("[" * 500 + "]" * 500)})),
+    ("/v1/chat/completions", chat_body(messages=called_with("[" * 20000))),
+    ("/v1/chat/completions", chat_body(guided_json=json.loads('{"items": ' * 300 + "{}" + "}" * 300))),
+    ("/v1/chat/completions", chat_body(tools=tool_with({"type": "object", "properties": 5}))),
+    ("/v1/chat/completions", chat_body(guided_json={"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(400)}})),
+    ("/v1/chat/completions", chat_body(guided_choice=[str(i) for i in range(5000)])),
+    ("/v1/chat/completions", chat_body(tools=tool_with({"type": "object"}), guided_regex="a+")),
+    ("/v1/chat/completions", chat_body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///tmp/a\u0000.png"}}]}])),
+    ("/v1/chat/completions", chat_body(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "' + b"x" * (5 << 20) + b'"}'),
+    ("/v1/completions", b"wrong key"),
+]
+
+
 def test_a_storm_of_bad_requests_leaves_good_streams_untouched(server, client):
-    """Greedy streams running while bad requests (malformed, out of range, lone surrogates, unimplemented fields,
-    too many sequences) keep arriving: every good stream gets exactly the text it gets alone, every bad request a
-    4xx in OpenAI's shape, and nothing is a 5xx."""
+    """Greedy streams running while hostile requests (`HOSTILE`: one of each kind) keep arriving: every good stream
+    gets exactly the text it gets alone, every bad request a 4xx in OpenAI's shape, and nothing is a 5xx."""
     prompts = [f"Tell me about item {i}" for i in range(4)]
     alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0, extra_body={
         "ignore_eos": True}).choices[0].text for p in prompts]
-    bad = [b'{"model": "tiny-chat", "prompt": ', b'{"model": "tiny-chat", "prompt": "x", "top_p": 7}',
-           b'{"model": "tiny-chat", "prompt": "x\\ud800"}', b'{"model": "tiny-chat", "prompt": "x", "best_of": 4}',
-           b'{"model": "tiny-chat", "prompt": ["x", "y"], "n": 200}', b'{"model": "tiny-chat", "prompt": [999999]}',
-           b'{"model": "tiny-chat", "prompt": "x", "logit_bias": {"-3": 1}}',
-           b'{"model": "tiny-chat", "prompt": "x", "guided_regex": "("}']
 
     async def good(http, p):
         body = {"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
@@ -204,10 +243,12 @@ def test_a_storm_of_bad_requests_leaves_good_streams_untouched(server, client):
 
     async def storm(http):
         codes = []
-        for round_ in range(6):
-            for body in bad:
-                r = await http.post(server.url + "/v1/completions", content=body,
-                                    headers={"Content-Type": "application/json"})
+        for round_ in range(3):
+            for route, body in HOSTILE:
+                wrong_key = body == b"wrong key"
+                r = await http.post(server.url + route, content=b'{"prompt": "x"}' if wrong_key else body,
+                                    headers={"Content-Type": "application/json",
+                                             **({"Authorization": "Bearer wrong"} if wrong_key else {})})
                 codes.append(r.status_code)
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
         return codes
