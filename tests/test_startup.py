@@ -319,12 +319,16 @@ def test_unwritable_cache_folder_is_reported_and_generation_goes_on(ckpt, tmp_pa
 
 
 async def _requests(url: str) -> list[httpx.Response]:
-    """Requests that use every sampler mode, logprobs, penalties and a two-row decode batch."""
+    """Requests that use every sampler mode, logprobs, penalties, logit biases, a grammar and a two-row decode
+    batch."""
     bodies = [
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0},
         {"prompt": "Once upon", "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "logprobs": 2, "seed": 1},
         {"prompt": "The sky", "max_tokens": 6, "temperature": 1.0, "presence_penalty": 0.5, "seed": 2},
         {"prompt": "One two", "max_tokens": 6, "temperature": 0.7, "seed": 3, "stream": True},
+        {"prompt": "Red or", "max_tokens": 6, "temperature": 0, "logit_bias": {"5": -100, "17": 3}},
+        {"messages": [{"role": "user", "content": "Pick"}], "max_tokens": 6, "temperature": 0,
+         "guided_choice": ["yes", "no"]},
     ]
     async with httpx.AsyncClient(timeout=120) as http:
         calls = [http.post(url + ("/v1/chat/completions" if "messages" in b else "/v1/completions"),
