@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from launch import ServerProcess  # noqa: E402
 
 KEY = "test-key-123"
 OTHER_KEY = "test-key-456"  # a second tenant's, from --api-key-file
+MAX_CONNECTIONS = 48  # above the 32 concurrent requests a test sends
 MODEL = "tiny-chat"
 
 
@@ -37,7 +39,8 @@ def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"\n{OTHER_KEY}\n")
     proc = ServerProcess(["--model", str(ckpt), "--max-num-seqs", "8", "--chunk-sizes", "32,128",
-                          "--max-model-len", "256", "--min-width", "256", "--api-key-file", str(keys)],
+                          "--max-model-len", "256", "--min-width", "256", "--api-key-file", str(keys),
+                          "--max-connections", str(MAX_CONNECTIONS)],
                          env={"DAY0JAX_API_KEY": KEY})
     try:
         yield proc.wait_ready(900)
@@ -419,6 +422,27 @@ def test_each_api_key_is_a_tenant_of_its_own_prefix_cache(server, client):
     assert cached(client) > 0
     assert cached(other) == 0
     assert cached(other) > 0
+
+
+def test_idle_connections_past_the_limit_get_503_and_free_it_when_closed(server):
+    """--max-connections open sockets (idle: no request sent) leave no room: the next request is a 503 answered
+    before the app; once they close, requests are served again."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(MAX_CONNECTIONS)]
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # (the server accepts the idle sockets asynchronously)
+            r = httpx.get(server.url + "/health")
+            if r.status_code == 503 or time.monotonic() > deadline:
+                break
+        assert r.status_code == 503
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/v1/models", headers=headers()).status_code == 200
 
 
 def test_oversized_body_is_refused(server):

@@ -40,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "several keys each is a tenant whose prefix-cache hits stay among its own requests")
     p.add_argument("--public-metrics", action="store_true", help="with an API key, serve /metrics without it")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="open connections (idle keep-alive ones included) beyond which new requests get 503 at once, "
+                        "so that many slow or idle clients cannot exhaust the server's sockets and memory "
+                        "(default 1024)")
     p.add_argument("--allowed-media-dir", type=Path, metavar="DIR",
                    help="vision-language models: the one folder whose files `file://` image URLs may name (default: "
                         "none, file:// URLs are refused); images otherwise come inline as data:image/...;base64 "
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
         log.error("--max-images-per-request must be >= 0, got %d", args.max_images_per_request)
         return 2
     for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels),
-                        ("--max-image-memory-mb", args.max_image_memory_mb)):
+                        ("--max-image-memory-mb", args.max_image_memory_mb),
+                        ("--max-connections", args.max_connections)):
         if value < 1:
             log.error("%s must be >= 1, got %d", flag, value)
             return 2
@@ -228,8 +233,9 @@ def main(argv=None) -> int:
             return await super().on_tick(counter)
 
     # log_config=None: uvicorn's records go through logs.setup's handler (its INFO lines only at debug level).
+    # limit_concurrency: uvicorn answers 503 itself, before the app, once this many connections are open.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                            timeout_graceful_shutdown=5, access_log=False)
+                            timeout_graceful_shutdown=5, access_log=False, limit_concurrency=args.max_connections)
     server = Server(config)
     server.run()
     return server.exit_code
