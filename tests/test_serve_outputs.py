@@ -98,3 +98,35 @@ def test_incremental_text_equals_a_full_decode_at_linear_cost():
             choice.add(TokenEvent("r", 0, int(t)), detok)
         assert choice.text == tok.decode(ids, skip_special_tokens=True)
         assert Counting.decoded <= 16 * len(ids), Counting.decoded
+
+
+def test_runs_that_add_no_text_or_never_finish_a_character_cost_linear_time():
+    """Hostile outputs for an incremental detokenizer: a long run of special tokens (left out of the text) and a
+    long run of bytes that never make a character (each one U+FFFD in the end). The text equals the whole output's
+    decode, and decoding touched O(n) tokens: neither run is rescanned per token."""
+    from day0jax.default_model import default_checkpoint
+    from day0jax.weights.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_checkpoint(progress=False))
+    special = tok.token_id("<|im_end|>")
+
+    def counted(inner):
+        class Counting:
+            decoded = 0
+
+            def decode(self, ids, skip_special_tokens=False):
+                Counting.decoded += len(ids)
+                return inner.decode(ids, skip_special_tokens=skip_special_tokens)
+        return Counting()
+
+    cases = [(tok, tok.encode("Hello", add_special_tokens=False) + [special] * 2000
+              + tok.encode(" world", add_special_tokens=False)),
+             (ByteTokenizer(), list(b"ok ") + [0x80] * 2000 + list("é".encode()))]
+    for inner, ids in cases:
+        choice, detok = Choice(0, stops=[]), Detokenizer(counted(inner))
+        for t in ids:
+            choice.add(TokenEvent("r", 0, t), detok)
+        assert choice.text == inner.decode(ids, skip_special_tokens=True)
+        # Per token, the context (a settled chunk: at most MAX_UNFINISHED_TOKENS of U+FFFD bytes) and the window
+        # beyond it are decoded: ~20 ids a token here; rescanning the run would be ~1000.
+        assert detok.tok.decoded <= 32 * len(ids), detok.tok.decoded

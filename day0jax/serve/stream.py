@@ -27,6 +27,9 @@ from day0jax.serve.tools import ToolCall
 from day0jax.serve.validate import OfferedTools
 
 
+MAX_UNFINISHED_TOKENS = 8  # a UTF-8 character is at most 4 bytes, so at most 4 byte tokens
+
+
 class Detokenizer:
     """Token ids to text, with the single-token texts (logprobs' `token` fields) cached.
 
@@ -80,8 +83,10 @@ class Choice:
     last_token_at: float | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed when the choice finished
     _settled: str = ""  # text of finished characters
-    _prefix: int = 0  # ids[_prefix:_read] decode to the end of _settled (the context for the next tokens)
-    _read: int = 0
+    # The tokens decoded for each new one: _window[:_context] decode to the end of _settled (the context for the
+    # next tokens), the rest have not settled yet. Tokens that add no text leave it, so it stays short.
+    _window: list[int] = field(default_factory=list)
+    _context: int = 0
 
     def add(self, event: TokenEvent, detok: Detokenizer) -> bool:
         """Adds one engine event to the text and logprobs; returns True when a stop string ended the choice (the text
@@ -99,13 +104,18 @@ class Choice:
             self.starts.append(len(self.text))
             # Incremental: decode only the tokens since the last settled text, with the chunk before them as
             # context (a tokenizer may render a token differently at the start of a text), so a long output costs
-            # linear time. Text ending in U+FFFD is an unfinished character: it settles with a later token.
-            before = detok.text(self.ids[self._prefix:self._read])
-            now = detok.text(self.ids[self._prefix:])
+            # linear time. Text ending in U+FFFD is an unfinished character: it settles with a later token, or as
+            # it is once more tokens than any character takes have not finished it. Tokens that add nothing (special
+            # tokens left out of the text) leave the window: a run of them costs no more than one.
+            window, context = self._window, self._context
+            window.append(event.token)
+            before, now = detok.text(window[:context]), detok.text(window)
             new = now[len(before):] if len(now) > len(before) else ""
-            if new and not now.endswith("\ufffd"):
+            if new and (not now.endswith("\ufffd") or len(window) - context >= MAX_UNFINISHED_TOKENS):
                 self._settled += new
-                self._prefix, self._read, new = self._read, len(self.ids), ""
+                self._window, self._context, new = window[context:], len(window) - context, ""
+            elif now == before:
+                del window[context:]
             self.text = self._settled + new
         stopped = False
         for stop in self.stops:
