@@ -252,6 +252,10 @@ def make_state(loaded, grammars):
 
 
 class Connected:
+    """A request whose client stays (Starlette's `Request`: its `state`, `is_disconnected`)."""
+
+    state = SimpleNamespace()
+
     async def is_disconnected(self):
         return False
 

@@ -82,6 +82,10 @@ class FakeEngine:
 
 
 class Connected:
+    """A request whose client stays (Starlette's `Request`: its `state`, `is_disconnected`)."""
+
+    state = SimpleNamespace()
+
     async def is_disconnected(self):
         return False
 
