@@ -27,7 +27,7 @@ from launch import ServerProcess  # noqa: E402
 
 KEY = "test-key-123"
 OTHER_KEY = "test-key-456"  # a second tenant's, from --api-key-file
-MAX_CONNECTIONS = 48  # above the 32 concurrent requests a test sends
+MAX_CONNECTIONS = 128  # above the 40 concurrent streams a test opens, with the other tests' keep-alive connections
 MODEL = "tiny-chat"
 
 
@@ -413,7 +413,9 @@ def test_each_api_key_is_a_tenant_of_its_own_prefix_cache(server, client):
     """Two keys, two tenants: a prompt one key's request cached is a prefix hit for that key's next request and
     not for the other key's, whose own repeat then hits its own pages."""
     other = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=120)
-    messages = [{"role": "user", "content": "Tenants share no pages: " + "one two three four " * 12}]
+    # A system message of its own: no page of this prompt is one another test's requests cached.
+    messages = [{"role": "system", "content": "Tenants share no pages."},
+                {"role": "user", "content": "one two three four " * 12}]
 
     def cached(c) -> int:
         r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
