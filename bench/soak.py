@@ -4,10 +4,13 @@ early, some bad requests, then SIGTERM; does the server stay healthy, free every
     .venv/bin/python bench/soak.py [--requests 600] [--concurrency 12] [--model PATH] [-- extra serve flags]
 
 Mixed: chat and completions, streamed and not, greedy and sampled, some with a JSON schema, some with n=2; one in
-ten is bad (malformed JSON, out-of-range values, a lone surrogate, an unimplemented field). Reported: requests
-served, responses by status code (5xx must be 0), streams dropped on purpose, KV blocks in use once idle (must be
-0), the server's resident memory after warm-up (the first tenth of the requests) and at the end (growth under 5%),
-and the exit code of the drain after SIGTERM (must be 0).
+ten is bad or hostile (malformed JSON, out-of-range values, a lone surrogate, an unimplemented field; deep nesting
+in a body, in tool-call arguments and in a schema, malformed and oversized schemas, a huge choice list, a grammar
+the offered tools forbid, a NUL in a media URL, images to a text model). Reported: requests served, responses by
+status code (5xx must be 0), streams dropped on purpose, the good requests' latency and their streams' inter-token
+latency (median and p99), KV blocks in use once idle (must be 0), the server's resident memory after warm-up (the
+first tenth of the requests) and at the end (growth under 5%), and the exit code of the drain after SIGTERM (must be
+0).
 """
 
 from __future__ import annotations
@@ -27,12 +30,40 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the server launcher the tests use
 
 import httpx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from launch import ServerProcess  # noqa: E402
 
 BAD = [b'{"model": "M", "prompt": ', b'{"model": "M", "prompt": "x", "top_p": 9}',
        b'{"model": "M", "prompt": "x\\ud800"}', b'{"model": "M", "prompt": "x", "suffix": "y"}',
        b'{"model": "M", "prompt": "x", "guided_regex": "("}']
+
+
+def chat_body(**fields) -> bytes:
+    return json.dumps({"model": "M", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def _called_with(arguments: str) -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+
+
+def _tools(parameters) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+HOSTILE = [chat_body(chat_template_kwargs={"x": json.loads("[" * 500 + "]" * 500)}),
+           chat_body(messages=_called_with("[" * 20000)),
+           chat_body(guided_json=json.loads('{"items": ' * 300 + "{}" + "}" * 300)),
+           chat_body(tools=_tools({"type": "object", "properties": 5})),
+           chat_body(guided_json={"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(400)}}),
+           chat_body(guided_choice=[str(i) for i in range(5000)]),
+           chat_body(tools=_tools({"type": "object"}), guided_regex="a+"),
+           chat_body(messages=[{"role": "user", "content": [
+               {"type": "image_url", "image_url": {"url": "file:///tmp/a\u0000.png"}}]}]),
+           chat_body(messages=[{"role": "user", "content": [
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}}, "required": ["name", "age"]}
 
@@ -47,11 +78,14 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-async def one(http: httpx.AsyncClient, url: str, model: str, i: int, rng: random.Random) -> tuple[int | str, bool]:
-    """One request; returns (status code, dropped on purpose)."""
+async def one(http: httpx.AsyncClient, url: str, model: str, i: int, rng: random.Random,
+              latency: dict[str, list[float]]) -> tuple[int | str, bool]:
+    """One request; returns (status code, dropped on purpose); a good one's latency (whole, and between its stream's
+    chunks) goes into `latency`."""
     if i % 10 == 9:
-        r = await http.post(url + "/v1/completions", headers={"Content-Type": "application/json"},
-                            content=rng.choice(BAD).replace(b'"M"', json.dumps(model).encode()))
+        path, body = rng.choice([("/v1/completions", b) for b in BAD] + [("/v1/chat/completions", b) for b in HOSTILE])
+        r = await http.post(url + path, headers={"Content-Type": "application/json"},
+                            content=body.replace(b'"M"', json.dumps(model).encode()))
         return r.status_code, False
     chat = i % 2 == 0
     body = {"model": model, "max_tokens": rng.choice([8, 16, 32, 64]), "temperature": rng.choice([0.0, 0.8]),
@@ -64,17 +98,23 @@ async def one(http: httpx.AsyncClient, url: str, model: str, i: int, rng: random
         body["prompt"] = f"Item {i}: " + "word " * rng.randint(1, 120)
         body["n"] = 2 if i % 11 == 0 else 1
     path = "/v1/chat/completions" if chat else "/v1/completions"
+    start = time.perf_counter()
     if not body["stream"]:
         r = await http.post(url + path, json=body)
+        latency["request"].append(time.perf_counter() - start)
         return r.status_code, False
     drop = rng.random() < 0.2
     async with http.stream("POST", url + path, json=body) as r:
-        chunks = 0
+        chunks, last = 0, None
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                chunks += 1
+                now = time.perf_counter()
+                if last is not None:
+                    latency["inter-token"].append(now - last)
+                chunks, last = chunks + 1, now
                 if drop and chunks == 2:
                     return r.status_code, True
+        latency["request"].append(time.perf_counter() - start)
         return r.status_code, False
 
 
@@ -84,13 +124,14 @@ async def soak(url: str, model: str, n: int, concurrency: int, pid: int) -> dict
     dropped = 0
     rss_warm = None
     queue = list(range(n))
+    latency: dict[str, list[float]] = {"request": [], "inter-token": []}
 
     async def worker(http):
         nonlocal dropped, rss_warm
         while queue:
             i = queue.pop(0)
             try:
-                status, was_dropped = await one(http, url, model, i, rng)
+                status, was_dropped = await one(http, url, model, i, rng, latency)
             except httpx.HTTPError as e:
                 status, was_dropped = type(e).__name__, False
             statuses[status] += 1
@@ -107,7 +148,7 @@ async def soak(url: str, model: str, n: int, concurrency: int, pid: int) -> dict
                 break
             await asyncio.sleep(0.5)
     return {"statuses": dict(statuses), "dropped": dropped, "kv_blocks_idle": metric(text, "day0jax_kv_blocks_used"),
-            "rss_warm": rss_warm, "rss_end": rss_bytes(pid)}
+            "rss_warm": rss_warm, "rss_end": rss_bytes(pid), "latency": latency}
 
 
 def main() -> None:
@@ -136,6 +177,9 @@ def main() -> None:
     print(f"| served (200) | {served} | |")
     print(f"| other responses by status | {errors} | no 5xx |")
     print(f"| streams dropped by their client | {result['dropped']} | |")
+    for name, values in result["latency"].items():
+        p50, p99 = np.percentile(values, [50, 99]) * 1000 if values else (float("nan"),) * 2
+        print(f"| good requests' {name} latency, median / p99 | {p50:.0f} / {p99:.0f} ms | |")
     print(f"| KV blocks in use once idle | {result['kv_blocks_idle']:.0f} | 0 |")
     print(f"| server RSS after warm-up / at the end | {result['rss_warm'] / 2**20:.0f} / "
           f"{result['rss_end'] / 2**20:.0f} MiB ({growth:+.1%}) | < +5% |")
