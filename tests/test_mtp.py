@@ -1,8 +1,9 @@
 """Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored
-as layers after the last one; Qwen3-Next / Qwen3.5 style, `mtp.*`). Greedy tokens equal plain decoding's, the drafts
-the engine reads after each step are the MTP chain's over the verified tokens (its KV pages caught up over every
-kept token, rejected positions rewritten), and conversion keeps the layers (`--no-mtp` drops them) as an optional
-part of the checkpoint that `check` lists and `load` reads only for speculative method "mtp".
+as layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
+Qwen3-Next / Qwen3.5 style, `mtp.*`). Greedy tokens equal plain decoding's, the drafts the engine reads after each
+step are the MTP chain's over the verified tokens (its KV pages caught up over every kept token, rejected positions
+rewritten), and conversion keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that
+`check` lists and `load` reads only for speculative method "mtp".
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ DEEPSEEK = dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, interm
                 num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,
                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_group=2, topk_group=1,
                 first_k_dense_replace=1, max_position_embeddings=CONTEXT, num_nextn_predict_layers=1)
+# Sparse attention: the MTP layer has an indexer of its own (its keys cached in index pages, as the main layers');
+# top-8 keys per query, so the longer sequences attend over a subset. 16 indexer heads to avoid relu ties.
+DEEPSEEK_V32 = dict(DEEPSEEK, model_type="deepseek_v32", n_shared_experts=1, index_topk=8, index_head_dim=16,
+                    index_n_heads=16)
+# GLM-5: layer 1 is "shared" (it attends over layer 0's top-k); the MTP layer has its own indexer.
+GLM_MOE_DSA = dict(DEEPSEEK_V32, model_type="glm_moe_dsa", n_group=1, topk_group=1, index_topk_freq=2)
 QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                max_position_embeddings=CONTEXT, layer_types=["linear_attention", "full_attention"],
@@ -73,8 +80,9 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
     return np.asarray(chain(padded, len(tokens), jnp.asarray(drafts, jnp.int32)))
 
 
-@pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1)],
-                         ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1"])
+@pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
+                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1)],
+                         ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
@@ -115,14 +123,15 @@ def test_mtp_drafts_and_greedy_tokens(hf, k):
 
 
 MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in range(12)]]
-HF_CONFIGS = {"deepseek_v3": {k: v for k, v in DEEPSEEK.items() if k not in ("model_type", "num_nextn_predict_layers")},
-              "qwen3_next": {k: v for k, v in QWEN3_NEXT.items() if k != "model_type"}}
+HF_CONFIGS = {hf["model_type"]: {k: v for k, v in hf.items() if k not in ("model_type", "num_nextn_predict_layers",
+                                                                         "mtp_num_hidden_layers")}
+              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA)}
 
 
 @pytest.fixture(scope="module")
 def mtp_checkpoints(tmp_path_factory):
-    """Tiny random DeepSeek-V3 and Qwen3-Next folders with one MTP layer each in their checkpoints' layouts, and
-    the reference MTP logits (float64; the decoder layer transformers' own)."""
+    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2 and GLM-5 folders with one MTP layer each in their
+    checkpoints' layouts, and the reference MTP logits (float64; the decoder layer transformers' own)."""
     from conftest import run_reference
 
     root = tmp_path_factory.mktemp("mtp")

@@ -141,7 +141,7 @@ class Model(llama.LlamaLike):
 
 def dropped(config: Config) -> dict[str, str]:
     """Released checkpoints store the multi-token-prediction layers after the last decoder layer (families built on
-    this one drop them all: they build none)."""
+    this one without a `Family.mtp` drop them all: they build none)."""
     return nextn_dropped(config, config.num_nextn_predict_layers)
 
 

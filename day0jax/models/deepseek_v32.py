@@ -12,7 +12,7 @@ from day0jax.core.cache_layout import KVLayer
 from day0jax.core.hf_config import refuse
 from day0jax.layers.sparse_mla import Indexer, SparseMLAttention
 from day0jax.models import deepseek_v3, llama
-from day0jax.models.base import per_expert_hf_source
+from day0jax.models.base import nextn_tensors
 from day0jax.models.contract import Family
 
 
@@ -40,8 +40,9 @@ class Config(deepseek_v3.Config):
                 refuse("mlp_layer_types", kind, "is not implemented (known: dense, sparse)")
 
     def is_sparse(self, index: int) -> bool:
-        """Whether layer `index` is an MoE: `mlp_layer_types`, else after the first `first_k_dense_replace`."""
-        if self.mlp_layer_types is not None:
+        """Whether layer `index` is an MoE: `mlp_layer_types`, else after the first `first_k_dense_replace` (as the
+        multi-token-prediction layers after the last one are: MoE, as in DeepSeek-V3)."""
+        if self.mlp_layer_types is not None and index < len(self.mlp_layer_types):
             return self.mlp_layer_types[index] == "sparse"
         return index >= self.first_k_dense_replace
 
@@ -74,4 +75,5 @@ class Model(deepseek_v3.Model):
 
 
 FAMILY = Family(model_types=("deepseek_v32",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=deepseek_v3.dropped, hf_source=per_expert_hf_source)
+                dropped_for=deepseek_v3.dropped, hf_source=deepseek_v3.hf_source,
+                mtp=lambda c: nextn_tensors(c, c.num_nextn_predict_layers))

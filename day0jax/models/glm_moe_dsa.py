@@ -10,7 +10,7 @@ from functools import cached_property
 
 from day0jax.core.hf_config import refuse
 from day0jax.models import deepseek_v32, llama
-from day0jax.models.base import DecoderLayer, per_expert_hf_source
+from day0jax.models.base import DecoderLayer, nextn_tensors
 from day0jax.models.contract import Family
 
 INDEXER_KINDS = {"F": "full", "S": "shared"}
@@ -84,9 +84,13 @@ class Model(deepseek_v32.Model):
     INDEXER_ROPE_INTERLEAVE = True
 
     def has_indexer(self, index: int) -> bool:
-        return self.config.indexer_kinds[index] == "full"
+        # The multi-token-prediction layers after the last one have their own indexer (as checkpoints store them).
+        c = self.config
+        return index >= c.num_hidden_layers or c.indexer_kinds[index] == "full"
 
-    def make_layer(self, index: int, *, dtype, rngs) -> TopKDecoderLayer:
+    def make_layer(self, index: int, *, dtype, rngs) -> DecoderLayer:
+        if index >= self.config.num_hidden_layers:  # an MTP layer: nothing to hand on, nothing received
+            return super().make_layer(index, dtype=dtype, rngs=rngs)
         D = self.config.hidden_size
         return TopKDecoderLayer(self.make_attention(index, dtype=dtype, rngs=rngs),
                                 self.make_mlp(index, dtype=dtype, rngs=rngs),
@@ -94,4 +98,5 @@ class Model(deepseek_v32.Model):
 
 
 FAMILY = Family(model_types=("glm_moe_dsa",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=deepseek_v32.deepseek_v3.dropped, hf_source=per_expert_hf_source)
+                dropped_for=deepseek_v32.deepseek_v3.dropped, hf_source=deepseek_v32.deepseek_v3.hf_source,
+                mtp=lambda c: nextn_tensors(c, c.num_nextn_predict_layers))

@@ -28,8 +28,10 @@ Jobs (each a dict with "op"):
                `conv_out` (causal_conv1d_fn, SiLU); from x_step, conv_state, weight `step_out`, `step_state`
                (causal_conv1d_update, SiLU).
   mtp          {family, config, seed, out, prompts, reference}: a tiny random model saved like `tiny_hf`, plus one
-               multi-token-prediction layer in the checkpoint's own layout (DeepSeek-V3's `model.layers.{L}.` with
-               enorm, hnorm, eh_proj, shared_head and its copies of the embedding and head; Qwen3-Next's `mtp.`), random;
+               multi-token-prediction layer in the checkpoint's own layout (DeepSeek-V3's, DeepSeek-V3.2's and
+               GLM-5's `model.layers.{L}.` with enorm, hnorm, eh_proj, shared_head and its copies of the embedding
+               and head, the decoder layer an MoE with its own indexer where the family has one; Qwen3-Next's
+               `mtp.`), random;
                REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
                layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
                transformers' own (float64), the rest written out here.
@@ -493,6 +495,7 @@ def gdn(job):
 
 
 def mtp(job):
+    import copy
     import importlib
 
     from safetensors.torch import load_file, save_file
@@ -506,14 +509,20 @@ def mtp(job):
     config._attn_implementation = config._experts_implementation = "eager"
     L, D = config.num_hidden_layers, config.hidden_size
     torch.manual_seed(job.get("seed", 0) + 1)
-    deepseek = family == "deepseek_v3"
+    nextn = {"deepseek_v3": "DeepseekV3DecoderLayer", "deepseek_v32": "DeepseekV32DecoderLayer",
+             "glm_moe_dsa": "GlmMoeDsaDecoderLayer"}
+    deepseek = family in nextn  # stored as the layer after the last one
+    own = copy.deepcopy(config)
     if deepseek:
-        layer = mod.DeepseekV3DecoderLayer(config, layer_idx=L)
+        # Sparse-attention families read the layer's kind from per-layer lists: the MTP layer is an MoE with an
+        # indexer of its own.
+        if getattr(config, "mlp_layer_types", None) is not None:
+            own.mlp_layer_types = list(config.mlp_layer_types[:L]) + ["sparse"]
+        if getattr(config, "indexer_types", None) is not None:
+            own.indexer_types = list(config.indexer_types[:L]) + ["full"]
+        layer = getattr(mod, nextn[family])(own, layer_idx=L)
         prefix = f"model.layers.{L}."
     else:  # Qwen3-Next: a full-attention layer, its MLP as layer 0's (as vLLM builds it)
-        import copy
-
-        own = copy.deepcopy(config)
         own.layer_types = ["full_attention"] + list(config.layer_types[1:])
         layer = mod.Qwen3NextDecoderLayer(own, layer_idx=0)
         prefix = "mtp.layers.0."
