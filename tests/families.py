@@ -141,6 +141,16 @@ FAMILIES = {
                                               mlp_layer_types=["dense", "sparse", "sparse"],
                                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                "partial_rotary_factor": 0.5}), True),
+    # Every layer block-sparse and MoE (HF's default mlp_layer_types), one KV head and one indexer head, blocks of 3
+    # (prompt lengths and their continuations end inside a block), top-2 with only the query's own block forced;
+    # indexer heads wider than the rotated dims (the tail not rotated), every head dim rotated with HF's default
+    # theta, tied embeddings.
+    "minimax_m3_mqa": ("minimax_m3_vl_text", dict(TINY, num_key_value_heads=1, head_dim=16, intermediate_size=32,
+                                                  shared_intermediate_size=16, num_local_experts=4,
+                                                  num_experts_per_tok=2, index_n_heads=1, index_head_dim=24,
+                                                  index_block_size=3, index_topk_blocks=2, index_local_blocks=1,
+                                                  layer_types=["minimax_m3_sparse"] * 2,
+                                                  tie_word_embeddings=True), True),
     # 3 layers: one dense, two MoE with grouped routing (4 groups of 2, best 2), scaled weights, shared expert;
     # q/k/v biases, per-head q/k norms, half the head dims rotated (HF's default).
     "glm4_moe": ("glm4_moe", dict(TINY, num_hidden_layers=3, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
