@@ -184,6 +184,14 @@ MULTIMODAL = {
         ("vision_encoder", "patch_merger", "pre_mm_projector_norm", "vision_language_adapter",
          "images are not supported yet"),
         lambda c: c.kv_sources == (None, None, None, 0, 1)),
+    # MiniMax's own tensor names (transformers saves them so): the causal LM under `language_model.`, the MoE as
+    # `block_sparse_moe` with experts apart, the indexer's `index_*` projections and norms; a vision tower, its
+    # projector and patch merger.
+    "minimax_m3_vl": ("minimax_m3", dict(vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+        image_size=28), projector_hidden_size=32),
+        ("vision_tower", "multi_modal_projector", "patch_merge_mlp", "images are not supported yet"),
+        lambda c: c.layer_kind(2) == "minimax_m3_sparse"),
 }
 
 

@@ -1,11 +1,11 @@
-"""MiniMax-M3 (the language model of `minimax_m3_vl`): GQA with per-head (1 + weight) q/k RMSNorms and partial
-RoPE; layers of `layer_types` "minimax_m3_sparse" attend over the key blocks a lightning indexer keeps
-(`layers/block_sparse_attention.py`), "full_attention" layers over every key. MLPs per `mlp_layer_types`: "sparse"
-an MoE (sigmoid scores, experts chosen by score + `e_score_correction_bias`, weights renormalized, times
-`routed_scaling_factor`, plus a shared expert), "dense" one MLP; every MLP uses gpt-oss's clamped SwiGLU
-((up + 1) * gate * sigmoid(alpha * gate)) with gate and up fused in the checkpoint (`gate_up_proj`, halves).
-Every norm is (1 + weight). HF reference: transformers/models/minimax_m3_vl/modeling_minimax_m3_vl.py
-(MiniMaxM3VLForCausalLM)."""
+"""MiniMax-M3's language model (`minimax_m3_vl_text`, or read from the multimodal `minimax_m3_vl` checkpoint, whose
+vision tower is dropped): GQA with per-head (1 + weight) q/k RMSNorms and partial RoPE; layers of `layer_types`
+"minimax_m3_sparse" attend over the key blocks a lightning indexer keeps (`layers/block_sparse_attention.py`),
+"full_attention" layers over every key. MLPs per `mlp_layer_types`: "sparse" an MoE (sigmoid scores, experts chosen
+by score + `e_score_correction_bias`, weights renormalized, times `routed_scaling_factor`, plus a shared expert),
+"dense" one MLP; every MLP uses gpt-oss's clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate)). Every norm is
+(1 + weight). Tensor names: see `hf_source`. HF reference: transformers/models/minimax_m3_vl/modeling_minimax_m3_vl.py
+(MiniMaxM3VLForCausalLM; MiniMaxM3SparseForConditionalGeneration for the multimodal checkpoint)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer
 from day0jax.core.hf_config import refuse
-from day0jax.core.hf_tensors import Source
+from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import Attention
 from day0jax.layers.block_sparse_attention import BlockIndexer, BlockSparseAttention
 from day0jax.layers.linear import project_together
@@ -25,7 +25,7 @@ from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, clamped_swiglu
 from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, fused_experts_source
+from day0jax.models.base import HFConfig, fused_experts_source, per_expert_source, vision_dropped
 from day0jax.models.contract import Family
 
 SPARSE, FULL = "minimax_m3_sparse", "full_attention"
@@ -35,6 +35,7 @@ SPARSE, FULL = "minimax_m3_sparse", "full_attention"
 class Config(HFConfig):
     ALIASES = {"num_experts": "num_local_experts"}
     DEFAULT_THETA = 5000000.0
+    COMPOSITE = ("minimax_m3_vl",)
     vocab_size: int = 200064
     hidden_size: int = 6144
     intermediate_size: int = 3072  # each routed expert's
@@ -151,8 +152,12 @@ class Model(llama.LlamaLike):
 
 
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
-    """Dense and shared MLPs' gate_proj / up_proj [F, D] <- the halves of `gate_up_proj.weight` [2F, D]; routed
-    experts from the fused `experts.gate_up_proj` [E, 2F, D] and `experts.down_proj` [E, D, F]."""
+    """transformers' names: dense and shared MLPs' gate_proj / up_proj [F, D] <- the halves of `gate_up_proj.weight`
+    [2F, D]; routed experts from the fused `experts.gate_up_proj` [E, 2F, D] and `experts.down_proj` [E, D, F]. A
+    multimodal (`minimax_m3_vl`) checkpoint keeps MiniMax's own names instead (what transformers' conversion mapping
+    renames on load): see `original_source`."""
+    if config.is_composite:
+        return original_source(path, shape, metadata)
     if m := re.fullmatch(r"(.*\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.kernel", path):
         F, D = shape
         start = 0 if m[2] == "gate" else F
@@ -160,5 +165,37 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     return fused_experts_source(path, shape)
 
 
-FAMILY = Family(model_types=("minimax_m3_vl_text",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                hf_source=hf_source)
+# transformers' names -> MiniMax's, in the language model of the multimodal checkpoint.
+ORIGINAL_NAMES = ((".self_attn.indexer.", ".self_attn.index_"), (".mlp.gate.e_score_correction_bias",
+                  ".block_sparse_moe.e_score_correction_bias"), (".mlp.gate.", ".block_sparse_moe.gate."),
+                  (".mlp.shared_experts.", ".block_sparse_moe.shared_experts."))
+
+
+def _original(name: str) -> str:
+    for ours, theirs in ORIGINAL_NAMES:
+        name = name.replace(ours, theirs)
+    # The whole causal LM sits under `language_model.`, lm_head included.
+    return "language_model." + name
+
+
+def original_source(path: str, shape: tuple, metadata: dict) -> Source:
+    """MiniMax's names: `language_model.` before the causal LM's, the indexer's `index_q_proj`, `index_k_proj`,
+    `index_q_norm`, `index_k_norm` on the attention; the MoE as `block_sparse_moe` with its routing bias beside the
+    gate and each expert's w1 / w3 / w2 (gate, up, down) apart; dense and shared MLPs' projections apart."""
+    experts = per_expert_source(path, shape, prefix=lambda p: p.replace(".mlp", ".block_sparse_moe"),
+                                names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
+    if experts is not None:
+        return experts.renamed(lambda n: "language_model." + n)
+    return default_source(path, shape, metadata).renamed(_original)
+
+
+def dropped(config: Config) -> dict[str, str]:
+    """The vision tower, its projector and patch merger of a multimodal checkpoint (and its lm_head, when tied)."""
+    out = vision_dropped(config, r"vision_tower\..*", r"multi_modal_projector\..*", r"patch_merge_mlp\..*")
+    if config.is_composite and config.tie_word_embeddings:
+        out[r"language_model\.lm_head\.weight"] = "tied to the embeddings"
+    return out
+
+
+FAMILY = Family(model_types=("minimax_m3_vl_text", "minimax_m3_vl"), config=Config, model=Model,
+                dropped=llama.ROPE_BUFFERS, dropped_for=dropped, hf_source=hf_source)

@@ -85,7 +85,8 @@ def _causal_lm(config):
 
     if type(config) not in AutoModelForCausalLM._model_mapping:
         own = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM", None)
-        if own is None:
+        # A multimodal config whose `*ForCausalLM` is its text model's (MiniMax-M3): that class cannot take it.
+        if own is None or "text_config" in getattr(config, "sub_configs", {}):
             return AutoModelForImageTextToText
         AutoModelForCausalLM.register(type(config), own, exist_ok=True)
     return AutoModelForCausalLM
