@@ -87,6 +87,20 @@ def test_cached_decode_equals_full_forward(family):
     assert new == full[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("family", ["minimax_m3"], indirect=True)
+def test_block_sparse_prefill_in_chunks_equals_full_forward(family, converted):
+    """Block-sparse attention with the prompt prefilled in chunks of 3 positions across blocks of 4: each chunk's
+    queries choose among the blocks cached so far and their own (the indexer keys cached per token), as the
+    no-cache forward over the whole sequence chooses."""
+    from day0jax.engine.config import EngineConfig
+
+    name, _ = family
+    model = day0jax.load(converted[name], dtype="float32", kernels="strict", engine=EngineConfig(chunk_buckets=(3,)))
+    outs = model.generate(PROMPTS, 10, ignore_eos=True)
+    for prompt, new in zip(PROMPTS, outs):
+        full = model.logits([prompt + new])[0]
+        assert new == full[len(prompt) - 1:-1].argmax(-1).tolist()
+
 @pytest.mark.parametrize("family", BATCH_INVARIANT, indirect=True)
 def test_batched_cached_decode_equals_full_forward(family):
     """Every family: greedy tokens decoded with the KV cache, prompts of different lengths in one batch, are the
