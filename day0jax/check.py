@@ -231,8 +231,8 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
     from day0jax.core.cache_layout import SharedKV, StateLayer
     from sharding.plan import fmt_bytes
 
-    attention = {layer: call for layer, call in op_calls
-                 if call.op in ("paged_attention", "sparse_attention", "compressed_attention")}
+    attention = {layer: call for layer, call in op_calls if call.op in (
+        "paged_attention", "sparse_attention", "compressed_attention", "block_sparse_attention")}
     rows: dict[tuple[str, str], list[int]] = {}
     for i, entry in enumerate(abstract.cache_layout()):
         if entry is None:
@@ -252,6 +252,8 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
             window = call.get("window") if call is not None else None
             if call is not None and call.op == "sparse_attention":
                 kind = f"sparse attention (top-{call['topk']} keys{'' if call['indexer'] else ', shared'})"
+            elif call is not None and call.op == "block_sparse_attention":
+                kind = f"block-sparse attention (top-{call['topk']} blocks of {call['block']} keys)"
             else:
                 kind = ("MLA" if call is not None and call.get("latent") else "sliding attention" if window
                         else "full attention") + (f" (window {window})" if window else "")

@@ -59,7 +59,7 @@ class ModelShape:
             elif call.op == "moe":
                 ffn[layer] = ffn.get(layer, 0) + call["k"] * call["F"]
                 top_k[layer] = call["k"]
-            elif call.op in ("attention", "sparse_attention"):
+            elif call.op in ("attention", "sparse_attention", "block_sparse_attention"):
                 heads = max(heads, call["N"])
         # A vision-language model's language model holds the embeddings.
         V, D = getattr(model, "language_model", model).model.embed_tokens.weight.shape

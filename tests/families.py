@@ -128,6 +128,29 @@ FAMILIES = {
     "minimax_m2_full_rotary": ("minimax_m2", dict(TINY, intermediate_size=32, head_dim=16, num_local_experts=8,
                                                   num_experts_per_tok=3, tie_word_embeddings=True,
                                                   rope_theta=10000.0), True),
+    # MiniMax-M3's text model, 3 layers: block-sparse attention in layers 0 and 2 (blocks of 4 positions, the best 3
+    # per query and KV group, the query's own block and the one before it always kept; the longer prompts and their
+    # continuations span up to 8 blocks), full attention in layer 1; layer 0's MLP dense, layers 1 and 2 MoE (top-2
+    # of 4 experts, a shared expert). Per-head (1 + weight) q/k norms, half of each head rotated.
+    "minimax_m3": ("minimax_m3_vl_text", dict(TINY, num_hidden_layers=3, head_dim=16, intermediate_size=32,
+                                              dense_intermediate_size=48, shared_intermediate_size=24,
+                                              num_local_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.5,
+                                              index_n_heads=2, index_head_dim=16, index_block_size=4,
+                                              index_topk_blocks=3, index_local_blocks=2,
+                                              layer_types=["minimax_m3_sparse", "full_attention", "minimax_m3_sparse"],
+                                              mlp_layer_types=["dense", "sparse", "sparse"],
+                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                               "partial_rotary_factor": 0.5}), True),
+    # Every layer block-sparse and MoE (HF's default mlp_layer_types), one KV head and one indexer head, blocks of 3
+    # (prompt lengths and their continuations end inside a block), top-2 with only the query's own block forced;
+    # indexer heads wider than the rotated dims (the tail not rotated), every head dim rotated with HF's default
+    # theta, tied embeddings.
+    "minimax_m3_mqa": ("minimax_m3_vl_text", dict(TINY, num_key_value_heads=1, head_dim=16, intermediate_size=32,
+                                                  shared_intermediate_size=16, num_local_experts=4,
+                                                  num_experts_per_tok=2, index_n_heads=1, index_head_dim=24,
+                                                  index_block_size=3, index_topk_blocks=2, index_local_blocks=1,
+                                                  layer_types=["minimax_m3_sparse"] * 2,
+                                                  tie_word_embeddings=True), True),
     # 3 layers: one dense, two MoE with grouped routing (4 groups of 2, best 2), scaled weights, shared expert;
     # q/k/v biases, per-head q/k norms, half the head dims rotated (HF's default).
     "glm4_moe": ("glm4_moe", dict(TINY, num_hidden_layers=3, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,

@@ -38,6 +38,7 @@ from day0jax import models
 from day0jax.layers import mlp as mlp_layers
 from day0jax.layers import hyper
 from day0jax.layers.attention import Attention
+from day0jax.layers.block_sparse_attention import BlockSparseAttention
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.moe import Experts, HashRouter, MoE, Router, clamped_swiglu
 from day0jax.layers.norms import RMSNorm
@@ -435,6 +436,16 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
                    ("routing score bias", NO_SCORE_BIAS), ("sigmoid scores", SOFTMAX_SCORES),
                    ("top-k renormalized", FLIP_RENORM)],
     "minimax_m2_full_rotary": [("sigmoid scores", SOFTMAX_SCORES), ("rope", NO_ROPE)],
+    "minimax_m3": [("block selection (top-k of the blocks)", set_(BlockSparseAttention, topk_blocks=1024)),
+                   ("forced local blocks", set_(BlockSparseAttention, local_blocks=0)),
+                   ("per-head q/k norms", NO_QK_NORM), ("(1 + w) norms", NO_NORM_OFFSET),
+                   ("partial rotary", FULL_ROTARY), ("routing score bias", NO_SCORE_BIAS),
+                   ("routed scaling", NO_ROUTED_SCALE), ("shared experts", NO_SHARED),
+                   ("swiglu clamp", set_(Experts, glu=clamped_swiglu(1.702, 0.5))),
+                   ("swiglu alpha", set_(Experts, glu=clamped_swiglu(1.0, 7.0)))],
+    "minimax_m3_mqa": [("block selection (top-k of the blocks)", set_(BlockSparseAttention, topk_blocks=1024)),
+                       ("forced local block", set_(BlockSparseAttention, local_blocks=0)),
+                       ("rope", NO_ROPE)],
     "glm4_moe": [("partial rotary", FULL_ROTARY), ("q/k norms", NO_QK_NORM),
                  ("group-limited routing", NO_GROUP_LIMIT), ("routed scaling", NO_ROUTED_SCALE),
                  ("routing score bias", NO_SCORE_BIAS), ("shared experts", NO_SHARED)],

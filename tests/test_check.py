@@ -176,6 +176,20 @@ def test_sparse_attention_report(tiny):
     assert any("an earlier layer's indexer" in r["variant"] for r in glm.ops)
 
 
+def test_block_sparse_attention_report(tiny):
+    """MiniMax-M3: block-sparse layers cache their indexer's key beside K and V (and are planned so), full layers
+    only K and V; the engine's op says its blocks."""
+    report = check_lib.check(tiny["minimax_m3"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    kv = 2 * 2 * 16  # 2 kv heads x 16, key and value
+    assert report.layers == [
+        {"kind": "block-sparse attention (top-3 blocks of 4 keys)", "layers": "0,2",
+         "cache": f"KV {(kv + 16) * 4} B per token"},
+        {"kind": "full attention", "layers": "1", "cache": f"KV {kv * 4} B per token"}]
+    row = next(r for r in report.ops if r["op"] == "block-sparse attention (engine)")
+    assert row["variant"].endswith("top-3 blocks of 4 keys (2 local) of a 2-head indexer x 16")
+    assert report.memory["kv_cache_bytes"] == report.memory["kv_slots"] * (3 * kv + 2 * 16) * 4
+
 def test_hy_v4_report(tiny):
     """HY-V4: plain hyper-connections with post x hc_magnitude, sparse attention with sinks, the shared layers
     caching no indexer keys, dense and MoE layers where `mlp_layer_types` puts them."""

@@ -1,7 +1,7 @@
-"""What the state-space hybrids, the per-layer-attention families, DeepSeek-V4, HY-V3 and HY-V4 do not run is
-refused, naming the config key, and the state-space families not implemented are refused by name. Their features'
-effect on the logits is checked with every family's, in tests/test_models.py (test_feature_moves_logits, the table in
-tests/mutations.py).
+"""What the state-space hybrids, the per-layer-attention families, DeepSeek-V4, HY-V3, HY-V4 and MiniMax-M3 do not
+run is refused, naming the config key, and the state-space families not implemented are refused by name. Their
+features' effect on the logits is checked with every family's, in tests/test_models.py (test_feature_moves_logits,
+the table in tests/mutations.py).
 """
 
 from __future__ import annotations
@@ -51,6 +51,17 @@ REFUSALS = [
     ("hy_v4", dict(hidden_act="relu6"), "hidden_act='relu6'"),
     ("hy_v4", dict(rope_parameters={"rope_type": "made_up", "rope_theta": 10000.0}), "made_up"),
     ("hy_v4", dict(hc_cross_stream=True), "hc_cross_stream=True"),
+    ("minimax_m3", dict(layer_types=["minimax_m3_sparse", "sliding_attention", "full_attention"]),
+     "layer_types='sliding_attention'"),
+    ("minimax_m3", dict(layer_types=["minimax_m3_sparse"]), "has 1 entries for num_hidden_layers=3"),
+    ("minimax_m3", dict(mlp_layer_types=["dense", "moe", "sparse"]), "mlp_layer_types='moe'"),
+    ("minimax_m3", dict(index_n_heads=3), "index_n_heads=3"),
+    ("minimax_m3", dict(index_head_dim=4), "index_head_dim=4"),
+    ("minimax_m3", dict(index_local_blocks=4), "index_local_blocks=4"),
+    ("minimax_m3", dict(index_block_size=0), "index_block_size=0"),
+    # MiniMax's own nested keys, which HF turns into layer_types and the flat index_* keys: given as HF saves them.
+    ("minimax_m3", dict(sparse_attention_config={"sparse_block_size": 64}), "sparse_attention_config"),
+    ("minimax_m3", dict(rope_parameters={"rope_type": "made_up", "rope_theta": 10000.0}), "made_up"),
 ]
 
 

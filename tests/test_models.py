@@ -87,6 +87,20 @@ def test_cached_decode_equals_full_forward(family):
     assert new == full[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("family", ["minimax_m3"], indirect=True)
+def test_block_sparse_prefill_in_chunks_equals_full_forward(family, converted):
+    """Block-sparse attention with the prompt prefilled in chunks of 3 positions across blocks of 4: each chunk's
+    queries choose among the blocks cached so far and their own (the indexer keys cached per token), as the
+    no-cache forward over the whole sequence chooses."""
+    from day0jax.engine.config import EngineConfig
+
+    name, _ = family
+    model = day0jax.load(converted[name], dtype="float32", kernels="strict", engine=EngineConfig(chunk_buckets=(3,)))
+    outs = model.generate(PROMPTS, 10, ignore_eos=True)
+    for prompt, new in zip(PROMPTS, outs):
+        full = model.logits([prompt + new])[0]
+        assert new == full[len(prompt) - 1:-1].argmax(-1).tolist()
+
 @pytest.mark.parametrize("family", BATCH_INVARIANT, indirect=True)
 def test_batched_cached_decode_equals_full_forward(family):
     """Every family: greedy tokens decoded with the KV cache, prompts of different lengths in one batch, are the
@@ -184,6 +198,14 @@ MULTIMODAL = {
         ("vision_encoder", "patch_merger", "pre_mm_projector_norm", "vision_language_adapter",
          "images are not supported yet"),
         lambda c: c.kv_sources == (None, None, None, 0, 1)),
+    # MiniMax's own tensor names (transformers saves them so): the causal LM under `language_model.`, the MoE as
+    # `block_sparse_moe` with experts apart, the indexer's `index_*` projections and norms; a vision tower, its
+    # projector and patch merger.
+    "minimax_m3_vl": ("minimax_m3", dict(vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+        image_size=28), projector_hidden_size=32),
+        ("vision_tower", "multi_modal_projector", "patch_merge_mlp", "images are not supported yet"),
+        lambda c: c.layer_kind(2) == "minimax_m3_sparse"),
 }
 
 

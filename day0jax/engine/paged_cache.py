@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.block_sparse_attention import api as block_op
 from kernels_pallas.compressed_attention import api as compressed_op
 from kernels_pallas.paged_attention import api as paged_op
 from kernels_pallas.sparse_attention import api as sparse_op
@@ -112,6 +113,19 @@ class PagedKVCache:
         join each head's softmax denominator."""
         return sparse_op.paged_sparse_attention(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
                                                 positions, indices, scale=scale, sinks=sinks)
+
+    def attend_block_sparse(self, q: jax.Array, positions: jax.Array, iq: jax.Array, ik: jax.Array, *,
+                            block_size: int, topk_blocks: int, local_blocks: int,
+                            scale: float | None = None) -> tuple["PagedKVCache", jax.Array]:
+        """Writes the indexer keys ik [B, T, Di] at `positions`, then queries [B, T, N, H] attend over the key blocks
+        the indexer queries iq [B, T, I, Di] keep among the cached ones (`block_sparse_attention`): (updated cache,
+        [B, T, N, Hv])."""
+        pages, slots = self._slots(positions)
+        index_pages = self.index_pages.at[pages, slots].set(ik.astype(self.index_pages.dtype), mode="drop")
+        out = block_op.paged_block_sparse_attention(q, self.k_pages, self.v_pages, index_pages, self.block_tables,
+                                                    self.kv_lengths, positions, iq, block_size=block_size,
+                                                    topk_blocks=topk_blocks, local_blocks=local_blocks, scale=scale)
+        return dataclasses.replace(self, index_pages=index_pages), out
 
 
 def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:

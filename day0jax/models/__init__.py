@@ -37,6 +37,7 @@ FAMILIES.update({"gemma4": "day0jax.models.gemma4_vl", "gemma4_text": "day0jax.m
 FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
                  "mistral_large4_text": "day0jax.models.mistral_large4"})
 FAMILIES.update({"deepseek_v4": "day0jax.models.deepseek_v4", "hy_v4": "day0jax.models.hy_v4"})
+FAMILIES.update({"minimax_m3_vl_text": "day0jax.models.minimax_m3", "minimax_m3_vl": "day0jax.models.minimax_m3"})
 
 
 def family(model_type: str) -> Family:

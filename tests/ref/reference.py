@@ -54,6 +54,11 @@ Jobs (each a dict with "op"):
                eager_attention_forward with sinks on the ATTENTION .npz (q [B, T, N, H], k [B, T, H], v [B, T, Hv],
                indices [B, T, Kt], sinks [N], scale), masked as HYV4Attention masks it (causal, then the keys not
                chosen): `attention` [B, T, N, Hv].
+  minimax_m3_ops {config, seed, attention, out}: transformers' own MiniMax-M3 lightning indexer, built from `config`
+               with random weights (seed), on random hidden states at positions 0..T-1 without a cache: its rotated
+               queries `iq` [B, T, I, Di] and keys `ik` [B, T, Di] (captured at its norms, rotated as it rotates
+               them), `block_indices` [B, I, T, topk] (-1: none) and, through build_block_mask, eager_attention_forward
+               on the ATTENTION .npz (q [B, T, N, H], k, v [B, T, K, H]): `attention` [B, T, N, H].
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
@@ -82,7 +87,8 @@ def _causal_lm(config):
 
     if type(config) not in AutoModelForCausalLM._model_mapping:
         own = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM", None)
-        if own is None:
+        # A multimodal config whose `*ForCausalLM` is its text model's (MiniMax-M3): that class cannot take it.
+        if own is None or "text_config" in getattr(config, "sub_configs", {}):
             return AutoModelForImageTextToText
         AutoModelForCausalLM.register(type(config), own, exist_ok=True)
     return AutoModelForCausalLM
@@ -770,6 +776,44 @@ def deepseek_v4_ops(job):
         attn, _ = mod.eager_attention_forward(module, q.transpose(1, 2), kv, kv, torch.cat([mask, block], -1),
                                               scaling=float(a["scale"]))
         out["attention"] = attn.numpy()  # [B, T, N, H]
+    np.savez(job["out"], **out)
+
+
+def minimax_m3_ops(job):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as mod
+
+    torch.manual_seed(job["seed"])
+    config = AutoConfig.for_model("minimax_m3_vl_text", **job["config"])
+    config._attn_implementation = "eager"
+    a = {k: torch.from_numpy(v) for k, v in np.load(job["attention"]).items()}
+    q, k, v = a["q"], a["k"], a["v"]
+    B, T, N, _ = q.shape
+    out = {}
+    with torch.no_grad():
+        indexer = mod.MiniMaxM3VLIndexer(config, 0)
+        for name, p in indexer.named_parameters():  # norms hold (1 + weight): spread around 0
+            p.normal_(0.0, 0.3 if "norm" in name else 1.0 / np.sqrt(p.shape[-1]))
+        x = torch.randn(B, T, config.hidden_size)
+        position_ids = torch.arange(T)[None].expand(B, -1)
+        cos, sin = mod.MiniMaxM3VLRotaryEmbedding(config)(x, position_ids)
+        captured = {}
+        indexer.q_norm.register_forward_hook(lambda m, i, o: captured.__setitem__("q", o))
+        indexer.k_norm.register_forward_hook(lambda m, i, o: captured.__setitem__("k", o))
+        block_indices = indexer(x, (cos, sin), None, position_ids)
+        Di = config.index_head_dim
+        iq, ik = mod.apply_rotary_pos_emb(captured["q"].transpose(1, 2), captured["k"].transpose(1, 2),
+                                          cos[..., :Di], sin[..., :Di])
+        causal = torch.zeros(B, 1, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(),
+                                                      torch.finfo(torch.float32).min)
+        mask = indexer.build_block_mask(block_indices, causal, T, torch.float32, x.device, position_ids)
+        module = SimpleNamespace(num_key_value_groups=N // k.shape[2], training=False)
+        attn, _ = mod.eager_attention_forward(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                              scaling=q.shape[-1] ** -0.5)
+        out.update(x=x.numpy(), iq=iq.transpose(1, 2).numpy(), ik=ik[:, 0].numpy(),
+                   block_indices=block_indices.numpy(), attention=attn.numpy())
     np.savez(job["out"], **out)
 
 

@@ -1,0 +1,83 @@
+"""Block-sparse attention (MiniMax-M3): grouped-query attention whose queries each attend over the key blocks a
+lightning indexer keeps (`kernels_pallas/block_sparse_attention`). The indexer has small heads of its own, one per
+KV group (q_proj [I, Di]), and one key head (k_proj [Di]), each through a (1 + weight) RMSNorm and rotated like the
+main heads; it has no value and no output of its own. The engine caches its keys beside the layer's keys and values
+(`PagedKVCache.index_pages`). Letters: see `Attention`; I indexer heads, Di their dims.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from day0jax.layers.attention import Attention
+from day0jax.layers.linear import Linear, project_together
+from day0jax.layers.norms import RMSNorm
+from day0jax.layers.rope import Rope
+from kernels_pallas.block_sparse_attention import api as block_op
+from kernels_pallas.calls import OpCall
+
+
+class BlockIndexer(nnx.Module):
+    """The lightning indexer: queries [B, T, I, Di] and keys [B, T, Di] from the layer's input. Args: hidden_size D,
+    n_heads I, head_dim Di, eps and norm_offset of its q/k norms."""
+
+    def __init__(self, *, hidden_size: int, n_heads: int, head_dim: int, eps: float, norm_offset: float = 1.0,
+                 dtype, rngs: nnx.Rngs):
+        D, I, Di = hidden_size, n_heads, head_dim
+        # Small heads, shared by every query head of a group: kept whole on every tensor-parallel rank.
+        self.q_proj = Linear((D,), (I, Di), ("embed", None, None), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear((D,), (Di,), ("embed", None), dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(Di, eps, offset=norm_offset, dtype=dtype, rngs=rngs)
+        self.k_norm = RMSNorm(Di, eps, offset=norm_offset, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rope: Rope | None, rope_tables) -> tuple[jax.Array, jax.Array]:
+        q, k = project_together(x, (self.q_proj, self.k_proj))
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is None:
+            return q, k
+        cos, sin = rope_tables[rope]
+        # The first rotary_dim of the Di dims turn with the main heads' frequencies, as HF slices its cos/sin.
+        return rope.apply(q, cos, sin), rope.apply(k[:, :, None], cos, sin)[:, :, 0]
+
+
+class BlockSparseAttention(Attention):
+    """`Attention` (its arguments in `attention_kwargs`) over the key blocks its `indexer` keeps: blocks of
+    `block_size` positions, the `topk_blocks` best per query and indexer head, the `local_blocks` at and before the
+    query's own block always among them."""
+
+    def __init__(self, *, indexer: BlockIndexer, block_size: int, topk_blocks: int, local_blocks: int,
+                 **attention_kwargs):
+        super().__init__(**attention_kwargs)
+        assert self.sinks is None and self.gate is None and not self.output_gate and self.sliding_window is None
+        self.indexer = indexer
+        self.block_size, self.topk_blocks, self.local_blocks = block_size, topk_blocks, local_blocks
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache=None):
+        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache)."""
+        q, k, v = project_together(x, (self.q_proj, self.k_proj, self.v_proj))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            cos, sin = rope_tables[self.rope]
+            q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        iq, ik = self.indexer(x, self.rope, rope_tables)
+        blocks = dict(block_size=self.block_size, topk_blocks=self.topk_blocks, local_blocks=self.local_blocks)
+        if cache is None:
+            out = block_op.indexed_block_sparse_attention(q, k, v, iq, ik, q_positions=positions, scale=self.scale,
+                                                          **blocks)
+        else:
+            cache = cache.update(k, v, positions)
+            cache, out = cache.attend_block_sparse(q, positions, iq, ik, scale=self.scale, **blocks)
+        return self.o_proj(out), cache
+
+    def op_calls(self) -> list[OpCall]:
+        call = OpCall.of("block_sparse_attention", N=self.q_proj.out_shape[0], K=self.k_proj.out_shape[0],
+                         H=self.head_dim, scale=self.scale, I=self.indexer.q_proj.out_shape[0],
+                         Di=self.indexer.k_proj.out_shape[0], block=self.block_size, topk=self.topk_blocks,
+                         local=self.local_blocks)
+        calls = [call]
+        if self.q_norm is not None:
+            calls += self.q_norm.op_calls() + self.k_norm.op_calls()
+        calls += self.indexer.q_norm.op_calls() + self.indexer.k_norm.op_calls()
+        return calls + [self.rope.op_call() if self.rope is not None else OpCall.of("rope", kind=None)]

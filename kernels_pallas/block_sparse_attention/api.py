@@ -1,0 +1,34 @@
+"""Block-sparse attention as the layers see it: block selection and attention over the kept blocks (cache-less:
+the reference's functions; paged: dispatched, the reference being the only implementation so far)."""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas import registry
+from kernels_pallas.block_sparse_attention import reference
+from kernels_pallas.block_sparse_attention.reference import (block_select, block_sparse_attention,
+                                                             indexed_block_sparse_attention)
+
+__all__ = ["block_select", "block_sparse_attention", "indexed_block_sparse_attention",
+           "paged_block_sparse_attention"]
+
+IMPLEMENTATIONS = {registry.REFERENCE: reference.paged_block_sparse_attention}
+CANDIDATES: dict[str, tuple[str, ...]] = {}
+PALLAS: dict[str, str] = {}
+INTERPRET: dict[str, str] = {}
+
+
+@jax.named_scope("attention")
+def paged_block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, index_pages: jax.Array,
+                                 block_tables: jax.Array, kv_lengths: jax.Array, q_positions: jax.Array,
+                                 iq: jax.Array, *, block_size: int, topk_blocks: int, local_blocks: int,
+                                 scale: float | None = None, implementation: str | None = None) -> jax.Array:
+    """See `reference.paged_block_sparse_attention`; `implementation` forces one candidate by name.
+
+    Raises:
+        registry.KernelUnavailable: the named implementation cannot take these inputs.
+    """
+    return registry.dispatch("block_sparse_attention", IMPLEMENTATIONS, CANDIDATES, implementation, q, k_pages,
+                             v_pages, index_pages, block_tables, kv_lengths, q_positions, iq, block_size=block_size,
+                             topk_blocks=topk_blocks, local_blocks=local_blocks, scale=scale)

@@ -1,0 +1,100 @@
+"""The definition of block-sparse attention, in plain jax.numpy; also the fallback on every backend.
+
+Two steps per layer. The indexer scores every visible key for each query with its own small heads, one per KV
+group (score(t, s) = q_i[t] . k[s], no scale, one key head shared by the indexer heads), max-pools the scores into
+blocks of `block_size` consecutive positions, forces the `local_blocks` blocks at and before the query's own block,
+and keeps the `topk_blocks` best blocks (blocks with no visible key are never kept). Attention then runs causally
+over the positions of the kept blocks, each query head over its KV group's blocks. When `topk_blocks` covers every
+block, it is dense causal attention computed by the same operations.
+
+Letters: B batch, T queries, S key positions, N query heads, K kv heads, H head dim (Hv for values), I indexer
+heads (one per KV group: I = K in MiniMax-M3), Di indexer head dim, Nb key blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.attention import reference as dense
+from kernels_pallas.sparse_attention.reference import gather_pages, visible
+
+FLOOR = dense.FLOOR  # masked scores
+
+
+def block_select(iq: jax.Array, ik: jax.Array, *, block_size: int, topk_blocks: int, local_blocks: int,
+                 q_positions: jax.Array, kv_lengths: jax.Array | None = None) -> jax.Array:
+    """The indexer's choice of key blocks.
+
+    Args:
+        iq: [B, T, I, Di] indexer queries.
+        ik: [B, S, Di] indexer keys (one head); key s sits at position s.
+        block_size: positions per block (block j holds positions j * block_size ... (j + 1) * block_size - 1).
+        topk_blocks: blocks kept per query and indexer head.
+        local_blocks: blocks at and before the query's own block that are always kept.
+        q_positions: [B, T] absolute positions of the queries.
+        kv_lengths: [B] valid keys per row (None: all S).
+    Returns:
+        [B, I, T, Nb] bool, Nb = ceil(S / block_size): whether the block is kept.
+    """
+    B, T, I, _ = iq.shape
+    S = ik.shape[1]
+    Nb = -(-S // block_size)
+    scores = jnp.einsum("btid,bsd->bits", iq.astype(jnp.float32), ik.astype(jnp.float32))
+    scores = jnp.where(visible(q_positions, S, kv_lengths)[:, None], scores, -jnp.inf)
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, Nb * block_size - S)), constant_values=-jnp.inf)
+    block_scores = scores.reshape(B, I, T, Nb, block_size).max(axis=-1)
+    # The forced blocks outrank every scored one, as transformers' +inf does.
+    q_block = (q_positions // block_size)[:, :, None]
+    blocks = jnp.arange(Nb)[None, None, :]
+    local = (blocks <= q_block) & (blocks > q_block - local_blocks)
+    block_scores = jnp.where(local[:, None], jnp.inf, block_scores)
+    values, chosen = jax.lax.top_k(block_scores, min(topk_blocks, Nb))
+    hits = jax.nn.one_hot(chosen, Nb, dtype=jnp.bool_) & (values > -jnp.inf)[..., None]
+    return hits.any(axis=-2)
+
+
+def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, kept: jax.Array, *, block_size: int,
+                           q_positions: jax.Array, kv_lengths: jax.Array | None = None,
+                           scale: float | None = None) -> jax.Array:
+    """Causal attention of each query over the positions of its kept blocks.
+
+    Args:
+        q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv] (N a multiple of K; key s at position s).
+        kept: [B, I, T, Nb] bool from `block_select` (I divides N: query head n reads indexer head n // (N / I)).
+        block_size: positions per block; q_positions: [B, T]; kv_lengths: [B] or None; scale: default H ** -0.5.
+    Returns:
+        [B, T, N, Hv] in q's dtype.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    I = kept.shape[1]
+    scale = H ** -0.5 if scale is None else scale
+    on_keys = jnp.repeat(kept, block_size, axis=-1)[..., :S]
+    on_keys = jnp.repeat(on_keys, N // I, axis=1).reshape(B, K, N // K, T, S)
+    allowed = on_keys & visible(q_positions, S, kv_lengths)[:, None, None]
+    scores = jnp.where(allowed, dense.grouped_scores(q, k) * scale, FLOOR)
+    return dense.weighted_values(jax.nn.softmax(scores, axis=-1), v).astype(q.dtype)
+
+
+def indexed_block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, iq: jax.Array, ik: jax.Array, *,
+                                   block_size: int, topk_blocks: int, local_blocks: int, q_positions: jax.Array,
+                                   kv_lengths: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+    """`block_select` then `block_sparse_attention`: the whole op over contiguous keys."""
+    kept = block_select(iq, ik, block_size=block_size, topk_blocks=topk_blocks, local_blocks=local_blocks,
+                        q_positions=q_positions, kv_lengths=kv_lengths)
+    return block_sparse_attention(q, k, v, kept, block_size=block_size, q_positions=q_positions,
+                                  kv_lengths=kv_lengths, scale=scale)
+
+
+def paged_block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, index_pages: jax.Array,
+                                 block_tables: jax.Array, kv_lengths: jax.Array, q_positions: jax.Array,
+                                 iq: jax.Array, *, block_size: int, topk_blocks: int, local_blocks: int,
+                                 scale: float | None = None) -> jax.Array:
+    """`indexed_block_sparse_attention` over each row's pages (k_pages [P, page, K, H], v_pages [P, page, K, Hv],
+    index_pages [P, page, Di], block tables [B, W]), as over them gathered contiguously: the blocks past a row's
+    keys score -inf and are never kept, so the gathered length does not change the choice."""
+    return indexed_block_sparse_attention(
+        q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables), iq,
+        gather_pages(index_pages, block_tables), block_size=block_size, topk_blocks=topk_blocks,
+        local_blocks=local_blocks, q_positions=q_positions, kv_lengths=kv_lengths, scale=scale)
