@@ -577,8 +577,8 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
               ("post scaled by hc_magnitude", config(hc_magnitude=2.0)), ("hyper head", NO_HYPER_HEAD),
               ("clamped SwiGLU of routed experts", config(swiglu_limit=100.0)),
               ("routed scaling", NO_ROUTED_SCALE), ("shared experts", NO_SHARED)],
-    "hy_v4_bias_tied": [("top-k weights not renormalized", FLIP_RENORM), ("rope_theta", rope_update(rope_theta=10000.0)),
-                        ("two shared experts", NO_SHARED)],
+    "hy_v4_bias_tied": [("top-k weights not renormalized", FLIP_RENORM),
+                        ("rope_theta", rope_update(rope_theta=10000.0)), ("two shared experts", NO_SHARED)],
     # Its operators' own features (the compressors' overlapping windows, sinks) are broken in
     # tests/test_deepseek_v4_ops.py against transformers' modules.
     "deepseek_v4": [("hash routing", edit(HashRouter, _one_expert_set)),
