@@ -138,10 +138,16 @@ class HyperDecoderLayer(nnx.Module):
 
 class HyperConnected:
     """Mixin of `base.CausalLM` models whose residual stream is `hc_streams` streams: the embeddings copied into
-    each, a `HyperCarry` begun with the token ids, and the streams collapsed by `model.hc_head` before the final
-    norm. The model's `__init__` sets `self.model.hc_head` (a `HyperHead`)."""
+    each, a `HyperCarry` begun with the token ids, and the streams collapsed by `model.hc_head` (a `HyperHead`)
+    before the final norm. Its config gives `hc_mult` streams, `hc_eps` and `rms_norm_eps`."""
 
     hc_streams: int
+
+    def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.hc_streams = config.hc_mult
+        super().__init__(config, dtype=dtype, rngs=rngs)
+        self.model.hc_head = HyperHead(config.hidden_size, config.hc_mult, norm_eps=config.rms_norm_eps,
+                                       eps=config.hc_eps, rngs=rngs)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         x = super().embed(tokens)

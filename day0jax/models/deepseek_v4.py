@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.core.cache_layout import CompressedKV, KVLayer, StateLayer
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.compressed_attention import CompressedAttention, Compressor, Indexer
-from day0jax.layers.hyper import HyperConnected, HyperConnection, HyperDecoderLayer, HyperHead
+from day0jax.layers.hyper import HyperConnected, HyperConnection, HyperDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import SCORES, Experts, HashRouter, MoE, Router, clipped_swiglu
 from day0jax.layers.rope import Rope, rope_parameters
@@ -187,12 +186,6 @@ class Config(HFConfig):
 
 
 class Model(HyperConnected, CausalLM):
-    def __init__(self, config: Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.hc_streams = config.hc_mult
-        super().__init__(config, dtype=dtype, rngs=rngs)
-        self.model.hc_head = HyperHead(config.hidden_size, config.hc_mult, norm_eps=config.rms_norm_eps,
-                                       eps=config.hc_eps, rngs=rngs)
-
     def make_ropes(self):
         c = self.config
         self.compress = Rope(c.compress_rope, c.head_dim, c.max_position_embeddings)

@@ -12,13 +12,12 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
-from day0jax.layers.hyper import HyperConnected, HyperConnection, HyperDecoderLayer, HyperHead
+from day0jax.layers.hyper import HyperConnected, HyperConnection, HyperDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, clipped_swiglu
 from day0jax.layers.sparse_mla import Indexer, SparseMLAttention
@@ -137,12 +136,6 @@ class Config(HFConfig):
 
 
 class Model(HyperConnected, CausalLM):
-    def __init__(self, config: Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.hc_streams = config.hc_mult
-        super().__init__(config, dtype=dtype, rngs=rngs)
-        self.model.hc_head = HyperHead(config.hidden_size, config.hc_mult, norm_eps=config.rms_norm_eps,
-                                       eps=config.hc_eps, rngs=rngs)
-
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> SparseMLAttention:
         c = self.config
         indexer = None if c.indexer_kinds[index] == "shared" else Indexer(
