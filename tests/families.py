@@ -492,6 +492,15 @@ FAMILIES = {
                                       norm_topk_prob=False, rope_theta=1000.0), True),
 }
 
+def parity_engine():
+    """The engine the families' parity tests load with: one decode batch size (4, padded rows included). The default
+    buckets compile a decode program for each of 1, 2 and 4 rows as the prompts join one by one, most of a tiny
+    model's test time; other batch sizes are the engine tests' subject, not the families'."""
+    from day0jax.engine.config import EngineConfig  # imported late: the reference venv reads this file too
+
+    return EngineConfig(max_num_seqs=4, batch_buckets=(4,))
+
+
 # Prompts (token ids) of different lengths; the longest crosses the sliding window and the small contexts above.
 PROMPTS = [[1, 17, 42, 5, 99], [1] + [(7 * i + 3) % 250 + 3 for i in range(16)],
            [1] + [(13 * i + 11) % 250 + 3 for i in range(19)]]

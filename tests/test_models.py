@@ -7,6 +7,7 @@ Models load with kernels="strict", so a kernel that disagrees with its reference
 rather than running the reference in its place.
 """
 
+import dataclasses
 import gc
 
 import jax
@@ -16,7 +17,7 @@ import pytest
 import day0jax
 import mutations
 from parity import rel_err, tolerance
-from families import FAMILIES, GENERATE, PROMPTS
+from families import FAMILIES, GENERATE, PROMPTS, parity_engine
 
 MEASURED: dict[str, float] = {}  # family -> worst relative logits error; conftest prints it after the run
 
@@ -27,7 +28,8 @@ def family(request, converted):
     and parametrized (indirectly, by each test), so pytest runs one family's tests together, then drops the model
     and JAX's caches of its programs: every XLA:CPU executable keeps memory maps of its own, and all families'
     programs at once pass the process's limit (vm.max_map_count, 65530 on the CI machine), where XLA crashes."""
-    yield request.param, day0jax.load(converted[request.param], dtype="float32", kernels="strict")
+    yield request.param, day0jax.load(converted[request.param], dtype="float32", kernels="strict",
+                                      engine=parity_engine())
     jax.clear_caches()
     gc.collect()
 
@@ -36,11 +38,26 @@ ALL = list(FAMILIES)
 BATCH_INVARIANT = [n for n, f in FAMILIES.items() if f[2]]
 
 
+def padded_batch() -> np.ndarray:
+    """PROMPTS right-padded into one batch."""
+    batch = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
+    for i, p in enumerate(PROMPTS):
+        batch[i, :len(p)] = p
+    return batch
+
+
 @pytest.mark.parametrize("family", ALL, indirect=True)
 def test_logits_match_transformers(family, tiny):
+    """Each prompt's logits against transformers' for that prompt alone. Batch-invariant families run the prompts as
+    one right-padded batch (one program for all three: padding must not leak into any row); the others, whose RoPE
+    depends on the longest sequence of the call, one prompt per call."""
     name, model = family
-    for i, prompt in enumerate(PROMPTS):
-        ours = model.logits([prompt])[0]
+    if FAMILIES[name][2]:
+        together = model.logits(padded_batch())
+        rows = [together[i, :len(p)] for i, p in enumerate(PROMPTS)]
+    else:
+        rows = [model.logits([p])[0] for p in PROMPTS]
+    for i, ours in enumerate(rows):
         ref = tiny[name]["ref"][f"logits_{i}"]
         assert ours.shape == ref.shape
         MEASURED[name] = max(MEASURED.get(name, 0.0), rel_err(ours, ref))
@@ -60,21 +77,17 @@ def test_greedy_decode_matches_transformers(family, tiny):
 
 
 @pytest.mark.parametrize("family", BATCH_INVARIANT, indirect=True)
-def test_batched_logits_equal_single(family):
-    """Right-padded batches of different lengths give each row the logits it gets alone."""
+def test_batched_logits_equal_single(family, tiny):
+    """A padded row of a batch gets the logits it gets alone, and a single prompt's call matches transformers."""
     name, model = family
-    longest = max(map(len, PROMPTS))
-    batch = np.zeros((len(PROMPTS), longest), np.int32)
-    for i, p in enumerate(PROMPTS):
-        batch[i, :len(p)] = p
-    together = model.logits(batch)
-    for i, p in enumerate(PROMPTS):
-        alone = model.logits([p])[0]
-        # Not bit-equal: a batch of 5 rows and a single row take different matmul blockings (the CPU linear kernel
-        # and XLA's dot choose by row count), so the rounding differs as it does against transformers: the parity
-        # metric and tolerance apply. Worst seen: 1.35e-5 of the logit scale (qwen3_5, tolerance 3e-5: its chunked
-        # delta rule amplifies rounding), 3.8e-6 for gemma4, ernie4_5_moe's 1.4e-5 absolute well inside 1e-5.
-        assert rel_err(together[i, :len(p)], alone) < tolerance(name), (name, i)
+    i = 1  # shorter than the batch: padded there; alone, it pads to the same width bucket (one program less)
+    alone = model.logits([PROMPTS[i]])[0]
+    assert rel_err(alone, tiny[name]["ref"][f"logits_{i}"]) < tolerance(name), name
+    # Not bit-equal: a batch of 3 rows and a single row take different matmul blockings (the CPU linear kernel
+    # and XLA's dot choose by row count), so the rounding differs as it does against transformers: the parity
+    # metric and tolerance apply. Worst seen: 1.35e-5 of the logit scale (qwen3_5, tolerance 3e-5: its chunked
+    # delta rule amplifies rounding), 3.8e-6 for gemma4, ernie4_5_moe's 1.4e-5 absolute well inside 1e-5.
+    assert rel_err(model.logits(padded_batch())[i, :len(PROMPTS[i])], alone) < tolerance(name), name
 
 
 @pytest.mark.parametrize("family", ["mistral"], indirect=True)  # sliding window: the cache path must apply it too
@@ -92,10 +105,9 @@ def test_block_sparse_prefill_in_chunks_equals_full_forward(family, converted):
     """Block-sparse attention with the prompt prefilled in chunks of 3 positions across blocks of 4: each chunk's
     queries choose among the blocks cached so far and their own (the indexer keys cached per token), as the
     no-cache forward over the whole sequence chooses."""
-    from day0jax.engine.config import EngineConfig
-
     name, _ = family
-    model = day0jax.load(converted[name], dtype="float32", kernels="strict", engine=EngineConfig(chunk_buckets=(3,)))
+    engine = dataclasses.replace(parity_engine(), chunk_buckets=(3,))
+    model = day0jax.load(converted[name], dtype="float32", kernels="strict", engine=engine)
     outs = model.generate(PROMPTS, 10, ignore_eos=True)
     for prompt, new in zip(PROMPTS, outs):
         full = model.logits([prompt + new])[0]

@@ -8,6 +8,7 @@ the model alone; tests/test_vision_preprocess.py compares the pixels. What image
 MUTATION_FACTOR times that tolerance (tests/mutations.py).
 """
 
+import dataclasses
 import gc
 import json
 import re
@@ -23,7 +24,8 @@ from day0jax.core.errors import GenerationError
 from day0jax.layers.attention import ContextKV
 from day0jax.models.gemma3 import visible_until as gemma3_visible_until
 from parity import RTOL, rel_err, tolerance
-from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_placeholders, image_tokens
+from families import CLIP_TOWER, IMAGE_TOKEN, MULTIMODAL as VL_FAMILIES, TINY, image_placeholders, image_tokens, \
+    parity_engine
 
 # Logits with images are judged as the text families' (tests/parity.py): worst observed 1.09e-5 (gemma4, within its
 # 3e-5), 2.4e-6 (qwen3_5; the others 5e-7 to 2.3e-6), float32 on the CPU. Image features: RTOL.
@@ -101,7 +103,8 @@ def family(request, reference, tmp_path_factory):
     name = request.param
     dst = convert_checkpoint(reference[name]["hf"], tmp_path_factory.mktemp("vl-converted") / name,
                              progress=False).dst
-    yield name, day0jax.load(dst, dtype="float32", kernels="strict"), dict(reference[name], dst=dst)
+    model = day0jax.load(dst, dtype="float32", kernels="strict", engine=parity_engine())
+    yield name, model, dict(reference[name], dst=dst)
     jax.clear_caches()
     gc.collect()
 
@@ -207,13 +210,11 @@ def test_image_tokens_attend_both_ways_across_small_chunks(family):
     """With prefill chunks of 8 tokens (or the fewest multiple of 8 that holds an image of the family whose tokens
     attend both ways: Gemma 4's hold 60 and more), the engine still prefills each image whole where its tokens attend
     to each other (a chunk that would cut the second image ends before it), and the tokens match transformers."""
-    from day0jax.engine.config import EngineConfig
-
     name, model, ref = family
     run = max(image_tokens(VL_FAMILIES[name], im) for _, imgs in ref["cases"] for im in imgs)
     chunk = 8 if not model.vision.bidirectional else -(-run // 8) * 8
-    small = day0jax.load(ref["dst"], dtype="float32", engine=EngineConfig(chunk_buckets=(chunk,)),
-                         kernels="strict")
+    engine = dataclasses.replace(parity_engine(), chunk_buckets=(chunk,))
+    small = day0jax.load(ref["dst"], dtype="float32", engine=engine, kernels="strict")
     prompts = [t for t, _ in ref["cases"]]
     outs = small.generate(prompts, NEW_TOKENS, ignore_eos=True, images=[imgs for _, imgs in ref["cases"]])
     for i, out in enumerate(outs):

@@ -105,9 +105,12 @@ def job_meshes(job: dict) -> dict:
 
     import day0jax
 
+    from families import parity_engine
+
+    engine = parity_engine()  # the four prompts' decode batch only
     out = {}
     for model_type, ckpt in job["checkpoints"].items():
-        one = day0jax.load(ckpt)
+        one = day0jax.load(ckpt, engine=engine)
         ref = one.logits(np.array(TOKENS, np.int32))
         generate = job["generate_on"].get(model_type, [])
         res = {"one_device": {"tokens": one.generate(PROMPTS, NEW_TOKENS, ignore_eos=True) if generate else None},
@@ -120,7 +123,7 @@ def job_meshes(job: dict) -> dict:
                                                                  images=images)
         del one
         for spec in job["meshes"][model_type]:
-            model = day0jax.load(ckpt, mesh=spec)
+            model = day0jax.load(ckpt, mesh=spec, engine=engine)
             logits = model.logits(np.array(TOKENS, np.int32))
             runner = model.engine.runner  # the parameters it runs on and the KV page pool it allocated
             params = runner.params
