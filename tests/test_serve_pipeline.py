@@ -269,6 +269,26 @@ def test_grammars_at_the_size_bounds_compile(make_state):
         assert asyncio.run(constrain.constraints(state, body, validate.chat(state, body).tools)).grammar is not None
 
 
+def test_the_grammar_cache_is_bounded_in_bytes_least_recently_used_first(checkpoint, grammars):
+    """Kept grammars stay within the cache's bytes, however many are compiled; one used again outlives older ones, and
+    a large grammar evicts as many small ones as its size needs."""
+    first, text = grammars.regex("[a-z]{1}"), Tokenizer(checkpoint).to_json()
+    compiler = GrammarCompiler(text, grammars.vocab_size, [0], cache_bytes=4 * first.nbytes)
+    small = [compiler.regex(f"[a-z]{{{k}}}") for k in range(1, 4)]
+    assert len(compiler._cache) == 3 and compiler.cached_bytes == sum(g.nbytes for g in small)
+    assert compiler.regex("[a-z]{1}") is small[0]  # a hit: now the most recently used
+    for k in range(4, 12):
+        compiler.regex(f"[a-z]{{{k}}}")
+        assert compiler.cached_bytes == sum(g.nbytes for g in compiler._cache.values()) <= compiler.cache_bytes
+    assert len(compiler._cache) < 8
+    recent = compiler.regex("[b-z]{2}")
+    large = compiler.json_schema(wide_object(8))
+    assert large.nbytes > 2 * first.nbytes and compiler.cached_bytes <= compiler.cache_bytes
+    assert list(compiler._cache.values())[-2:] == [recent, large]
+    huge = GrammarCompiler(text, grammars.vocab_size, [0], cache_bytes=first.nbytes - 1)
+    assert huge.regex("[a-z]{1}").matcher() is not None and huge.cached_bytes == 0  # used, never kept
+
+
 def serve(state: ServerState, body: P.ChatCompletionRequest):
     """The chat route's steps, in order."""
     checked = validate.chat(state, body)
