@@ -251,6 +251,8 @@ def main(argv=None) -> int:
                 if not busy or time.monotonic() - self.draining_since > args.shutdown_grace:
                     if busy:
                         log.warning("grace period over: aborting %d requests", state.in_flight)
+                    log.info("drained in %.1fs: %d tokens generated since the start",
+                             time.monotonic() - self.draining_since, engine.engine.generated_tokens if engine else 0)
                     self.should_exit = True
             return await super().on_tick(counter)
 

@@ -146,4 +146,5 @@ async def tokenize(body: P.TokenizeRequest, state: State):
 @router.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS)
 async def detokenize(body: P.DetokenizeRequest, state: State):
     validate.detokenize(state, body)
-    return P.DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
+    text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
+    return P.DetokenizeResponse(prompt=text)
