@@ -395,7 +395,7 @@ class RowPenalties:
                     self.presence[i], self.frequency[i], self.repetition[i] = 0, 0, 1
                     self.held[i] = None
                 continue
-            if held is not None and held[0] is seq:
+            if held is not None and held[0] is seq and len(seq.tokens) >= held[1]:
                 new = np.asarray(seq.tokens[held[1]:], np.int64)
                 if new.size:  # generated since the last step
                     np.add.at(self.counts[i], new, 1)
