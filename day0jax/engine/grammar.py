@@ -174,7 +174,8 @@ class Grammar:
     @property
     def nbytes(self) -> int:
         """The estimated memory its compiled tables hold (see CACHE_BYTES), a mask row included."""
-        return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * (len(self._definition) + len(self.source)) + 4 * self._words
+        text = len(self._definition) + len(self.source)
+        return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * text + 4 * self._words
 
     def matcher(self) -> "Matcher":
         return Matcher(self._template.deep_copy(), self._words)
