@@ -366,17 +366,19 @@ def test_a_chat_request_through_every_step(make_state):
 @pytest.mark.parametrize("fields,limit,param", [
     ({"n": 8, "logprobs": True, "top_logprobs": 20, "max_tokens": 200}, 1 << 15, "max_tokens"),
     ({"logprobs": True, "top_logprobs": 20}, 5000, "max_tokens"),  # no max_tokens: what the context leaves (256)
-    ({"n": 4, "max_completion_tokens": 100}, 399, "max_completion_tokens"),
+    ({"n": 4, "max_completion_tokens": 100, "logprobs": True}, 399, "max_completion_tokens"),
 ])
 def test_responses_larger_than_the_bound_are_refused_before_running(make_state, fields, limit, param):
-    """prompts x n x max_tokens x (top_logprobs + 1) over --max-response-entries is a 400 naming the parameters;
-    at the bound it passes."""
+    """A whole response with logprobs: prompts x n x max_tokens x (top_logprobs + 1) over --max-response-entries is
+    a 400 naming the parameters; at the bound it passes. Streamed, or without logprobs, it is not bounded."""
     state = make_state()
     state.max_response_entries = limit
     with pytest.raises(APIError) as e:
         validate.chat(state, chat_request(**fields))
     assert (e.value.status, e.value.param, e.value.code) == (400, param, "response_too_large"), e.value.message
     assert f"n {fields.get('n', 1)}" in e.value.message and "--max-response-entries" in e.value.message
+    validate.chat(state, chat_request(**fields, stream=True))
+    validate.chat(state, chat_request(**dict(fields, logprobs=False, top_logprobs=None)))
     state.max_response_entries = 1 << 30
     validate.chat(state, chat_request(**fields))
     state.max_response_entries = 2 * 2 * 100 * 3

@@ -49,9 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "offered tools' JSON, template variables, all counted), checked before anything is "
                         "tokenized (default 0: 64 per token of the model's context)")
     p.add_argument("--max-response-entries", type=int, default=1 << 22, metavar="N",
-                   help="the most tokens one response may carry, each logprob alternative counted as a token: "
-                        "prompts x n x max_tokens x (top_logprobs + 1), known before the request runs; larger "
-                        "requests get 400 (default 4194304)")
+                   help="the most entries a whole (not streamed) response with logprobs may carry: prompts x n "
+                        "x max_tokens x (top_logprobs + 1), known before the request runs; larger requests get 400 "
+                        "(default 4194304)")
     p.add_argument("--grammar-cache-mb", type=int, default=64, metavar="MB",
                    help="the memory compiled grammars (structured output, tools) are kept in, by their estimated "
                         "size, least recently used dropped first (default 64)")

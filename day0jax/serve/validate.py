@@ -299,15 +299,19 @@ def _check_chars(state: ServerState, n: int, param: str) -> None:
 
 
 def _check_response_size(state: ServerState, body, prompts: int, max_tokens_param: str) -> None:
-    """Refuses a request whose response could carry more than `state.max_response_entries` tokens, each logprob
-    alternative counted: prompts x n x max_tokens (what the context leaves without one) x (top_logprobs + 1), known
-    before it runs, so that no response grows past what the server can hold and encode."""
-    max_tokens = body.max_new_tokens() or state.max_model_len
+    """Refuses a whole response with logprobs that could carry more than `state.max_response_entries` entries:
+    prompts x n x max_tokens (what the context leaves without one) x (top_logprobs + 1), known before it runs, so
+    that no response grows past what the server can hold and encode. Streamed responses are sent as they are made,
+    and a whole one without logprobs holds a few bytes per token (its count bounded by n and the context): neither
+    is bounded here, so a long-context model keeps its n without a max_tokens."""
     top = body.logprob_count()
-    entries = prompts * body.n * max_tokens * (1 if top is None else top + 1)
+    if body.stream or top is None:
+        return
+    max_tokens = body.max_new_tokens() or state.max_model_len
+    entries = prompts * body.n * max_tokens * (top + 1)
     if entries > state.max_response_entries:
         what = " x ".join([f"{prompts} prompts"] * (prompts > 1) + [f"n {body.n}", f"{max_tokens_param} {max_tokens}"]
-                          + [f"(top logprobs {top} + 1)"] * (top is not None))
+                          + [f"(top logprobs {top} + 1)"])
         raise APIError(400, f"the response could carry {entries} tokens and logprobs ({what}), more than this server "
                        f"returns ({state.max_response_entries}, --max-response-entries); lower n, "
                        f"{max_tokens_param} or the logprobs asked for", param=max_tokens_param,
