@@ -61,6 +61,7 @@ class Model:
         self._runner = None
         self.program_store = None
         self._grammars, self._grammar_lock = None, threading.Lock()
+        self.grammar_cache_bytes: int | None = None  # the grammar compiler's cache bound (None: its default)
         # Loads a speculative draft model's module by path on this model's mesh (set by `day0jax.load`).
         self.draft_loader = None
         self._request_ids = itertools.count()
@@ -111,7 +112,8 @@ class Model:
                 if self.tokenizer is None:
                     raise GrammarError("structured output needs the checkpoint's tokenizer.json")
                 self._grammars = GrammarCompiler(self.tokenizer.to_json(), int(self.config.vocab_size),
-                                                 self.eos_token_ids)
+                                                 self.eos_token_ids, **({} if self.grammar_cache_bytes is None else
+                                                                        {"cache_bytes": self.grammar_cache_bytes}))
             return self._grammars
 
     def adopt_engine(self, engine) -> None:

@@ -172,6 +172,23 @@ def test_logprobs_and_penalties(engine, reference):
     assert reference[4] != rep and 4 not in rep
 
 
+def test_rows_without_penalties_are_unchanged_beside_a_penalized_row(module):
+    """Greedy and seeded rows give the same tokens alone and batched with a penalized row (whose own tokens are its
+    tokens alone), and the penalty arrays are written per row when a sequence joins, not rebuilt every step."""
+    engine = make_engine(module)
+    plain = {"greedy": (PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)),
+             "seeded": (PROMPTS[1], SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True))}
+    penalized = {"rep": ([4] * 9, SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=10.0,
+                                                 presence_penalty=1.5, frequency_penalty=0.5, ignore_eos=True))}
+    alone = run(engine, plain) | run(engine, penalized)
+    before = engine.runner.inputs.penalty_builds
+    together = run(engine, plain | penalized)
+    assert together == alone and 4 not in together[("rep", 0)]
+    # The penalized sequence joins a row of its prefill's sampler and one of the decode batch's (4 here, with the
+    # arrays of each row count kept from the first run): a rebuild per step would count at least its 16 tokens.
+    assert engine.runner.inputs.penalty_builds - before <= 6, engine.runner.inputs.penalty_builds - before
+
+
 def _reference_filter(x, top_k, top_p, min_p):
     """Sort-based definition (as transformers' processors): min_p, then top-k, then top-p on the rest."""
     x = x.astype(np.float64)

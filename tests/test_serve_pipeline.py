@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -174,6 +175,45 @@ def test_hostile_tokenize_and_completion_requests_are_400s(make_state):
     validate.completion(state, P.CompletionRequest.model_validate({"prompt": "hi", "echo": False}))
 
 
+def described_tool(i: int, chars: int) -> dict:
+    return {"type": "function", "function": {"name": f"f{i}", "description": "d" * chars, "parameters": {}}}
+
+
+@pytest.mark.parametrize("fields,param", [
+    # Everything the template renders counts, not only the messages' text: the offered tools' JSON, an earlier tool
+    # call's arguments, names, reasoning and template variables.
+    ({"tools": [described_tool(i, 1000) for i in range(17)]}, "tools"),
+    ({"messages": earlier_call(json.dumps({"a": "x" * 16_400}))}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "n" * 16_400}]}, "messages"),
+    ({"messages": USER + [{"role": "assistant", "content": "ok", "reasoning": "r" * 16_400}]}, "messages"),
+    ({"chat_template_kwargs": {"notes": "k" * 16_400}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "m" * 8000}], "tools": [described_tool(0, 9000)]}, "tools"),
+])
+def test_prompts_rendering_from_too_many_characters_are_refused_before_tokenizing(make_state, fields, param):
+    state = make_state(template=HERMES)
+    assert validate.prompt_char_limit(state) == CONTEXT * validate.CHARS_PER_TOKEN == 16_384
+    state.tokenizer = None  # nothing may be rendered or tokenized
+    with pytest.raises(APIError) as e:
+        validate.chat(state, chat_request(**fields))
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, "context_length_exceeded"), e.value.message
+    assert "--max-prompt-chars" in e.value.message
+    tokenize = P.TokenizeRequest.model_validate({k: v for k, v in fields.items() if k != "chat_template_kwargs"}
+                                                | {"messages": fields.get("messages", USER)})
+    if "chat_template_kwargs" not in fields:
+        with pytest.raises(APIError) as e:
+            validate.tokenize(state, tokenize)
+        assert e.value.param == param
+
+
+def test_the_prompt_character_bound_follows_its_flag(make_state):
+    state = make_state(template=HERMES)
+    state.max_prompt_chars = 100
+    validate.chat(state, chat_request(messages=[{"role": "user", "content": "m" * 100}]))
+    with pytest.raises(APIError) as e:
+        validate.chat(state, chat_request(messages=[{"role": "user", "content": "m" * 60, "name": "n" * 41}]))
+    assert e.value.param == "messages" and "(100, --max-prompt-chars" in e.value.message
+
+
 def test_nesting_and_schemas_within_the_bounds_pass(make_state):
     state = make_state(template=HERMES)
     schema = nested(30, {"type": "object", "properties": {"city": {"type": "string", "minLength": 1}}})
@@ -253,6 +293,7 @@ def test_grammars_over_the_size_bounds_are_refused_before_any_build(make_state, 
     builds = []
     monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, *args: builds.append(args))
     state = make_state(template=HERMES)
+    state.max_prompt_chars = 1 << 22  # the tools' JSON would exceed the small context's prompt bound first
     body = chat_request(**fields)
     with pytest.raises(APIError) as e:
         asyncio.run(constrain.constraints(state, body, validate.chat(state, body).tools))
@@ -267,6 +308,26 @@ def test_grammars_at_the_size_bounds_compile(make_state):
                    {"tools": [tool(wide_object(MAX_OBJECT_PROPERTIES))], "tool_choice": "required"}):
         body = chat_request(**fields)
         assert asyncio.run(constrain.constraints(state, body, validate.chat(state, body).tools)).grammar is not None
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_least_recently_used_first(checkpoint, grammars):
+    """Kept grammars stay within the cache's bytes, however many are compiled; one used again outlives older ones, and
+    a large grammar evicts as many small ones as its size needs."""
+    first, text = grammars.regex("[a-z]{1}"), Tokenizer(checkpoint).to_json()
+    compiler = GrammarCompiler(text, grammars.vocab_size, [0], cache_bytes=4 * first.nbytes)
+    small = [compiler.regex(f"[a-z]{{{k}}}") for k in range(1, 4)]
+    assert len(compiler._cache) == 3 and compiler.cached_bytes == sum(g.nbytes for g in small)
+    assert compiler.regex("[a-z]{1}") is small[0]  # a hit: now the most recently used
+    for k in range(4, 12):
+        compiler.regex(f"[a-z]{{{k}}}")
+        assert compiler.cached_bytes == sum(g.nbytes for g in compiler._cache.values()) <= compiler.cache_bytes
+    assert len(compiler._cache) < 8
+    recent = compiler.regex("[b-z]{2}")
+    large = compiler.json_schema(wide_object(8))
+    assert large.nbytes > 2 * first.nbytes and compiler.cached_bytes <= compiler.cache_bytes
+    assert list(compiler._cache.values())[-2:] == [recent, large]
+    huge = GrammarCompiler(text, grammars.vocab_size, [0], cache_bytes=first.nbytes - 1)
+    assert huge.regex("[a-z]{1}").matcher() is not None and huge.cached_bytes == 0  # used, never kept
 
 
 def serve(state: ServerState, body: P.ChatCompletionRequest):
@@ -300,6 +361,49 @@ def test_a_chat_request_through_every_step(make_state):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "It is sunny."
     assert chunks[-1]["usage"]["completion_tokens"] == whole.usage.completion_tokens // 2
     assert all(finished for _, finished in state.engine.released) and state.in_flight == 0
+
+
+@pytest.mark.parametrize("fields,limit,param", [
+    ({"n": 8, "logprobs": True, "top_logprobs": 20, "max_tokens": 200}, 1 << 15, "max_tokens"),
+    ({"logprobs": True, "top_logprobs": 20}, 5000, "max_tokens"),  # no max_tokens: what the context leaves (256)
+    ({"n": 4, "max_completion_tokens": 100, "logprobs": True}, 399, "max_completion_tokens"),
+])
+def test_responses_larger_than_the_bound_are_refused_before_running(make_state, fields, limit, param):
+    """A whole response with logprobs: prompts x n x max_tokens x (top_logprobs + 1) over --max-response-entries is
+    a 400 naming the parameters; at the bound it passes. Streamed, or without logprobs, it is not bounded."""
+    state = make_state()
+    state.max_response_entries = limit
+    with pytest.raises(APIError) as e:
+        validate.chat(state, chat_request(**fields))
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, "response_too_large"), e.value.message
+    assert f"n {fields.get('n', 1)}" in e.value.message and "--max-response-entries" in e.value.message
+    validate.chat(state, chat_request(**fields, stream=True))
+    validate.chat(state, chat_request(**dict(fields, logprobs=False, top_logprobs=None)))
+    state.max_response_entries = 1 << 30
+    validate.chat(state, chat_request(**fields))
+    state.max_response_entries = 2 * 2 * 100 * 3
+    body = P.CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 2, "max_tokens": 100, "logprobs": 2})
+    validate.completion(state, body)
+    state.max_response_entries -= 1
+    with pytest.raises(APIError) as e:
+        validate.completion(state, body)
+    assert e.value.param == "max_tokens" and "2 prompts x n 2 x max_tokens 100 x (top logprobs 2 + 1)" in \
+        e.value.message
+
+
+def test_large_whole_responses_are_built_off_the_event_loop(make_state, monkeypatch):
+    """A whole response of many tokens is built and encoded on a worker thread, as the same JSON; a small one on the
+    event loop."""
+    state = make_state(reply=" ok" * 700)
+    built = []
+    response = format.Chat.response
+    monkeypatch.setattr(format.Chat, "response", lambda self, out: built.append(threading.current_thread()) or
+                        response(self, out))
+    _, small = serve(state, chat_request(max_tokens=700))
+    _, large = serve(state, chat_request(max_tokens=700, logprobs=True, top_logprobs=2))
+    assert built[0] is threading.main_thread() and built[1] is not threading.main_thread()
+    assert large.media_type == "application/json"
+    assert json.loads(large.body)["choices"][0]["message"] == small.model_dump(mode="json")["choices"][0]["message"]
 
 
 def test_a_stream_whose_client_left_before_it_began_releases_its_run(make_state):

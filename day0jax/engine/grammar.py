@@ -34,7 +34,13 @@ SCHEMA_ANNOTATIONS = frozenset({"title", "description", "examples", "default", "
 _SUBSCHEMA = ("items", "additionalProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-CACHE_SIZE = 256  # compiled grammars kept, by source
+# Compiled grammars kept, by source, least recently used evicted first, bounded in bytes: a count bound lets a few
+# hundred large schemas hold hundreds of MiB. llguidance's tables live in Rust, out of Python's sight, so each one's
+# size is estimated from its grammar text: measured, a JSON schema of 100 optional properties (4 KB of text) grows the
+# process by about 500 KB, a short regex by about 25 KB.
+CACHE_BYTES = 64 << 20
+GRAMMAR_BASE_BYTES = 32 << 10  # the tables of even the smallest grammar
+GRAMMAR_BYTES_PER_CHAR = 128  # per character of its grammar text (and source)
 # What one grammar may hold, checked before anything is built: the compile's work grows with the schema, and with the
 # square of an object's optional properties (2000 of them take seconds), so a request cannot buy unbounded work.
 MAX_SCHEMA_NODES = 2048  # schemas, properties, enum values and choices in one grammar
@@ -165,6 +171,12 @@ class Grammar:
     _words: int = field(repr=False, compare=False)  # int32 words in a mask row
     _definition: str = field(default="", repr=False, compare=False)  # llguidance's grammar text (JSON or Lark)
 
+    @property
+    def nbytes(self) -> int:
+        """The estimated memory its compiled tables hold (see CACHE_BYTES), a mask row included."""
+        text = len(self._definition) + len(self.source)
+        return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * text + 4 * self._words
+
     def matcher(self) -> "Matcher":
         return Matcher(self._template.deep_copy(), self._words)
 
@@ -200,16 +212,19 @@ class Matcher:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer and keeps the last CACHE_SIZE by source (thread-safe: the server compiles
-    off its event loop).
+    """Compiles grammars for one tokenizer and keeps the most recently used by source, within `cache_bytes` of their
+    estimated sizes (`Grammar.nbytes`; thread-safe: the server compiles off its event loop).
 
     Args:
         tokenizer_json: the tokenizer.json text (the `tokenizers` library's serialization).
         vocab_size: the model's vocabulary (its logits' width; ids the tokenizer lacks are never allowed).
         eos_token_ids: the tokens that end a sequence (allowed once the grammar is complete).
+        cache_bytes: the bound on the kept grammars' estimated bytes (the server's --grammar-cache-mb); a grammar
+            larger than it is compiled and used but not kept.
     """
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_bytes: int = CACHE_BYTES):
         import llguidance
 
         self._ll = llguidance
@@ -220,6 +235,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self.cache_bytes = cache_bytes
+        self.cached_bytes = 0  # the kept grammars' estimated bytes
         self._lock = threading.Lock()
 
     def json_schema(self, schema: dict | bool, param: str = "response_format") -> Grammar:
@@ -313,7 +330,9 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {kind.replace('_', ' ')}: {template.get_error()}", param)
         grammar = Grammar(kind, source, template, self.words, text)
         with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:  # another thread may have compiled it meanwhile
+                self._cache[key] = grammar
+                self.cached_bytes += grammar.nbytes
+            while self._cache and self.cached_bytes > self.cache_bytes:
+                self.cached_bytes -= self._cache.popitem(last=False)[1].nbytes
         return grammar

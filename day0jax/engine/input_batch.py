@@ -85,6 +85,13 @@ class InputBatch:
     def __init__(self, layout: EngineLayout, vision, vocab_size: int,
                  encode: Callable[[ImageInputs], tuple[np.ndarray, np.ndarray | None]]):
         self.layout, self.vision, self.vocab_size, self._encode = layout, vision, vocab_size, encode
+        self._penalties: dict[int, RowPenalties] = {}  # by row count: the penalty arrays kept between steps
+
+    @property
+    def penalty_builds(self) -> int:
+        """[rows, V] penalty arrays allocated so far (one per row count used), and rows written whole (a sequence
+        joining a row); tokens added to a row the next step are not counted."""
+        return sum(p.builds for p in self._penalties.values())
 
     def empty(self, rows: int, tokens: int, width: int, verify: bool = False) -> Batch:
         """A batch of padding only: every token goes to the trash page (`verify`: a verify batch, whose state
@@ -297,21 +304,9 @@ class InputBatch:
                                 logprobs=any(q.logprobs is not None for q in p))
 
     def _penalty_arrays(self, seqs: Sequence[SequenceState], B: int) -> tuple:
-        V = self.vocab_size
-        counts, seen = np.zeros((B, V), np.float32), np.zeros((B, V), bool)
-        presence, frequency, repetition = np.zeros(B, np.float32), np.zeros(B, np.float32), np.ones(B, np.float32)
-        for i, seq in enumerate(seqs):
-            q = seq.params
-            if not q.penalized:
-                continue
-            if seq.counts is None:
-                seq.counts = np.zeros(V, np.float32)
-                np.add.at(seq.counts, np.asarray(seq.tokens[seq.prompt_len:], np.int64), 1)
-                seq.seen = np.zeros(V, bool)
-                seq.seen[np.asarray(seq.tokens, np.int64)] = True
-            counts[i], seen[i] = seq.counts, seq.seen
-            presence[i], frequency[i], repetition[i] = q.presence_penalty, q.frequency_penalty, q.repetition_penalty
-        return counts, seen, presence, frequency, repetition
+        if B not in self._penalties:
+            self._penalties[B] = RowPenalties(B, self.vocab_size)
+        return self._penalties[B].update(seqs)
 
     def _guidance_arrays(self, seqs: Sequence[SequenceState], B: int) -> tuple:
         """Each row's grammar mask (for the token its matcher is at) and logit biases, as `apply_guidance` takes
@@ -364,6 +359,60 @@ class InputBatch:
         return dict(seeds=np.zeros(rows, np.uint32), counters=np.zeros(rows, np.int32),
                     temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
                     top_p=np.ones(rows, np.float32), min_p=np.zeros(rows, np.float32))
+
+
+class RowPenalties:
+    """The penalty arrays of a [rows, V] sampler call (`sampling.apply_penalties`), kept from one step to the next:
+    a row is written whole only when a sequence joins it and cleared when one leaves, and otherwise only the tokens
+    its sequence generated since the last step are added, so a step costs O(rows + new tokens), not O(rows x V).
+    Rows of sequences without penalties stay neutral (zero counts, nothing seen, penalties 0, 0 and 1), which leaves
+    their logits exactly as they were.
+
+    Args:
+        rows: the row count of the calls it serves.
+        vocab_size: V.
+    """
+
+    def __init__(self, rows: int, vocab_size: int):
+        self.counts, self.seen = np.zeros((rows, vocab_size), np.float32), np.zeros((rows, vocab_size), bool)
+        self.presence, self.frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        self.repetition = np.ones(rows, np.float32)
+        # Per row, the sequence it holds and how many of its tokens are counted (None: a neutral row).
+        self.held: list[tuple[SequenceState, int] | None] = [None] * rows
+        self.builds = 1  # the arrays allocated, then one per row written whole
+
+    def update(self, seqs: Sequence[SequenceState]) -> tuple:
+        """The arrays for `seqs` in rows 0.. (the rest neutral): (counts, seen, presence, frequency, repetition)."""
+        V = self.counts.shape[1]
+        for i in range(len(self.held)):
+            seq = seqs[i] if i < len(seqs) else None
+            if seq is not None and not seq.params.penalized:
+                seq = None
+            held = self.held[i]
+            if seq is None:
+                if held is not None:  # a sequence left: neutral again
+                    self.counts[i], self.seen[i] = 0, False
+                    self.presence[i], self.frequency[i], self.repetition[i] = 0, 0, 1
+                    self.held[i] = None
+                continue
+            if held is not None and held[0] is seq and len(seq.tokens) >= held[1]:
+                new = np.asarray(seq.tokens[held[1]:], np.int64)
+                if new.size:  # generated since the last step
+                    np.add.at(self.counts[i], new, 1)
+                    self.seen[i, new] = True
+            else:
+                if seq.counts is None:  # the sequence's own counts, which the engine keeps as tokens arrive
+                    seq.counts = np.zeros(V, np.float32)
+                    np.add.at(seq.counts, np.asarray(seq.tokens[seq.prompt_len:], np.int64), 1)
+                    seq.seen = np.zeros(V, bool)
+                    seq.seen[np.asarray(seq.tokens, np.int64)] = True
+                self.counts[i], self.seen[i] = seq.counts, seq.seen
+                q = seq.params
+                self.presence[i], self.frequency[i] = q.presence_penalty, q.frequency_penalty
+                self.repetition[i] = q.repetition_penalty
+                self.builds += 1
+            self.held[i] = (seq, len(seq.tokens))
+        return self.counts, self.seen, self.presence, self.frequency, self.repetition
 
 
 def token_runs(tokens: Sequence[int], token: int) -> list[tuple[int, int]]:

@@ -40,6 +40,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "several keys each is a tenant whose prefix-cache hits stay among its own requests")
     p.add_argument("--public-metrics", action="store_true", help="with an API key, serve /metrics without it")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="the longest a client may take to send a request's body, from its first byte read to its last "
+                        "(a client trickling a body byte by byte would otherwise hold its connection forever); "
+                        "slower ones get 408 (default 30)")
+    p.add_argument("--max-prompt-chars", type=int, default=0, metavar="N",
+                   help="the most characters a request's prompt may render from (messages, names, tool calls and "
+                        "offered tools' JSON, template variables, all counted), checked before anything is "
+                        "tokenized (default 0: 64 per token of the model's context)")
+    p.add_argument("--max-response-entries", type=int, default=1 << 22, metavar="N",
+                   help="the most entries a whole (not streamed) response with logprobs may carry: prompts x n "
+                        "x max_tokens x (top_logprobs + 1), known before the request runs; larger requests get 400 "
+                        "(default 4194304)")
+    p.add_argument("--grammar-cache-mb", type=int, default=64, metavar="MB",
+                   help="the memory compiled grammars (structured output, tools) are kept in, by their estimated "
+                        "size, least recently used dropped first (default 64)")
     p.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="open connections (idle keep-alive ones included) beyond which new requests get 503 at once, "
                         "so that many slow or idle clients cannot exhaust the server's sockets and memory "
@@ -99,6 +114,7 @@ def load_engine(args, state, loop: asyncio.AbstractEventLoop) -> None:
     if model.tokenizer is None:
         raise SystemExit(f"{model.path} has no tokenizer.json: the server needs one to read text")
     state.tokenizer, state.max_model_len, state.model = model.tokenizer, started.engine.max_model_len, model
+    model.grammar_cache_bytes = args.grammar_cache_mb << 20
     state.reasoning = reasoning.choose(args.reasoning_parser, model.tokenizer)
     state.engine = AsyncEngine(started.engine)
     state.engine.start(loop)
@@ -172,15 +188,21 @@ def main(argv=None) -> int:
         return 2
     for flag, value in (("--max-image-bytes", args.max_image_bytes), ("--max-image-pixels", args.max_image_pixels),
                         ("--max-image-memory-mb", args.max_image_memory_mb),
-                        ("--max-connections", args.max_connections)):
+                        ("--max-connections", args.max_connections),
+                        ("--max-response-entries", args.max_response_entries),
+                        ("--grammar-cache-mb", args.grammar_cache_mb)):
         if value < 1:
             log.error("%s must be >= 1, got %d", flag, value)
             return 2
+    if args.max_prompt_chars < 0 or not args.body_timeout > 0:
+        log.error("--max-prompt-chars must be >= 0 and --body-timeout > 0")
+        return 2
     state = ServerState(model_name=name, api_keys=tuple(api_keys), max_body_bytes=args.max_body_bytes,
                         timeline=timeline, public_metrics=args.public_metrics, bound_host=args.host.strip("[]").lower(),
                         allowed_media_dir=media_dir, max_images_per_request=args.max_images_per_request,
                         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-                        max_image_memory=args.max_image_memory_mb << 20)
+                        max_image_memory=args.max_image_memory_mb << 20, body_timeout=args.body_timeout,
+                        max_prompt_chars=args.max_prompt_chars, max_response_entries=args.max_response_entries)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 
@@ -229,6 +251,8 @@ def main(argv=None) -> int:
                 if not busy or time.monotonic() - self.draining_since > args.shutdown_grace:
                     if busy:
                         log.warning("grace period over: aborting %d requests", state.in_flight)
+                    log.info("drained in %.1fs: %d tokens generated since the start",
+                             time.monotonic() - self.draining_since, engine.engine.generated_tokens if engine else 0)
                     self.should_exit = True
             return await super().on_tick(counter)
 

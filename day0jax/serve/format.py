@@ -9,11 +9,12 @@ the content.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from day0jax.engine.async_engine import EngineDead
@@ -23,6 +24,9 @@ from day0jax.serve.errors import error_body
 from day0jax.serve.stream import Choice, Detokenizer, Outputs
 
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A whole response of more tokens than this (each logprob alternative counted) is built and encoded off the event
+# loop: thousands of logprob objects take milliseconds that every stream would otherwise wait.
+LARGE_RESPONSE_ENTRIES = 2048
 
 
 class Formatter:
@@ -325,9 +329,17 @@ async def respond(request: Request, out: Outputs, fmt: Formatter, body):
     """
     if not body.stream:
         await out.wait(request)
-        return fmt.response(out)
+        top = body.logprob_count()
+        if out.generated * (1 if top is None else top + 1) <= LARGE_RESPONSE_ENTRIES:
+            return fmt.response(out)
+        return await asyncio.to_thread(encoded_response, fmt, out)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return _RunStream(out, _events(out, fmt, include_usage), media_type="text/event-stream", headers=_STREAM_HEADERS)
+
+
+def encoded_response(fmt: Formatter, out: Outputs) -> Response:
+    """The whole response, built and encoded as JSON (what FastAPI would do with it on the event loop)."""
+    return Response(fmt.response(out).model_dump_json(by_alias=True), media_type="application/json")
 
 
 class _RunStream(StreamingResponse):

@@ -1,5 +1,5 @@
-"""ASGI middleware run before any parsing: Host header (403), API key (401), body size (413); counts /v1 responses,
-refusals included.
+"""ASGI middleware run before any parsing: Host header (403), API key (401), body size (413), body read time (408);
+counts /v1 responses, refusals included.
 
 Without an API key the server trusts whoever can reach it, so it accepts only requests addressed to a loopback
 name or to the address it is bound to: a web page on another site whose name an attacker points at 127.0.0.1 (DNS
@@ -9,7 +9,9 @@ unless --public-metrics). With several keys, each is a tenant whose prefix-cache
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 
 from fastapi.responses import JSONResponse
 
@@ -25,15 +27,17 @@ ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/v
 
 
 class GuardMiddleware:
-    """Refuses oversized bodies (413) and, when an API key is set, /v1 requests without it (401).
+    """Refuses oversized bodies (413), bodies not sent within `state.body_timeout` seconds (408) and, when an API key
+    is set, /v1 requests without it (401).
 
     Args:
         app: the ASGI app it wraps.
-        state: the server state (API key, body limit, metrics).
+        state: the server state (API key, body limits, metrics).
+        clock: seconds, monotonic (tests pass their own).
     """
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, clock=time.monotonic):
+        self.app, self.state, self.clock = app, state, clock
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -68,13 +72,25 @@ class GuardMiddleware:
                                           None, "request_too_large"), status_code=413)
         if length is not None and length.isdigit() and int(length) > limit:
             return await too_big(scope, receive, counting_send)
-        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
-            # Chunked: read it here, up to the limit (the app's body parser would turn an error raised from
-            # inside its reads into a 400), then hand the app the whole body, joined once (appending each chunk
-            # to one bytes object would copy the body so far per chunk: quadratic in many small chunks).
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # Read the body here, up to the limit and within the time allowed (uvicorn's timeouts do not cover a
+            # body: a client sending one byte at a time would hold its connection forever; and the app's body
+            # parser would turn an error raised from inside its reads into a 400), then hand the app the whole
+            # body, joined once (appending each chunk to one bytes object would copy the body so far per chunk:
+            # quadratic in many small chunks).
             chunks, size, more = [], 0, True
+            deadline = self.clock() + state.body_timeout
             while more:
-                message = await receive()
+                try:
+                    async with asyncio.timeout(deadline - self.clock()):
+                        message = await receive()
+                except TimeoutError:
+                    message = None
+                if message is None or self.clock() > deadline:
+                    slow = JSONResponse(error_body(f"the request body was not sent within {state.body_timeout:g} "
+                                                   "seconds", "invalid_request_error", None, "request_timeout"),
+                                        status_code=408, headers={"Connection": "close"})
+                    return await slow(scope, receive, counting_send)
                 if message["type"] == "http.disconnect":
                     return
                 chunk = message.get("body", b"")

@@ -136,12 +136,15 @@ async def tokenize(body: P.TokenizeRequest, state: State):
         ids, images = await render.chat(state, body.chat(), tools, add_generation_prompt=body.add_generation_prompt)
         render.release(state, images)
         if body.add_special_tokens:  # the tokenizer's own additions (a BOS) before the template's text
-            ids = tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False))
-    strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+            ids = await asyncio.to_thread(lambda: tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False)))
+    # Off the event loop, as all tokenizing: a long prompt's strings take milliseconds other streams would wait.
+    strs = await asyncio.to_thread(lambda: [tokenizer.decode([i], skip_special_tokens=False) for i in ids]) \
+        if body.return_token_strs else None
     return P.TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
 
 
 @router.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS)
 async def detokenize(body: P.DetokenizeRequest, state: State):
     validate.detokenize(state, body)
-    return P.DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
+    text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
+    return P.DetokenizeResponse(prompt=text)

@@ -23,6 +23,11 @@ class ServerState:
     public_metrics: bool = False  # with an API key: /metrics answers without it
     bound_host: str = "127.0.0.1"  # without an API key, only this and loopback names are accepted as Host
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    body_timeout: float = 30.0  # seconds from a body's first read to its last; slower clients get 408
+    # Characters a prompt may render from, counted before tokenizing (0: `validate.CHARS_PER_TOKEN` per context token)
+    max_prompt_chars: int = 0
+    # Tokens one response may carry, each logprob alternative counted: prompts x n x max_tokens x (top_logprobs + 1)
+    max_response_entries: int = 1 << 22
     allowed_media_dir: str | None = None  # the one folder `file://` image URLs may name (None: refused)
     max_images_per_request: int = 8  # each image is decoded, preprocessed and encoded: a bound on one request's work
     max_image_bytes: int = 20 << 20  # one encoded image (a data URL's decoded payload, or a file), checked unread

@@ -24,7 +24,11 @@ MAX_PROMPTS = 32  # prompts in one /v1/completions request
 # Template variables the server sets itself; chat_template_kwargs may not name them.
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 MAX_STOPS = 16
-CHARS_PER_TOKEN = 64  # a text over this many characters per context token is refused before it is tokenized
+# A prompt rendering from more than this many characters per context token (--max-prompt-chars 0) is refused before
+# it is tokenized: English averages about 4 characters a token and the longest tokens of common vocabularies (runs
+# of spaces or punctuation in code) a few dozen, so such a prompt cannot fit the context, and tokenizing megabytes
+# only to learn that would hold a worker thread for seconds.
+CHARS_PER_TOKEN = 64
 # Objects and arrays nested anywhere in a body (a message's parts count 3, a JSON schema's property 2): far beyond
 # any real schema or template variable, far below what the recursive steps after validation can take.
 MAX_JSON_DEPTH = 64
@@ -74,13 +78,14 @@ def chat(state: ServerState, body: P.ChatCompletionRequest) -> Checked:
             variables the server sets itself, a reasoning_effort the template does not read.
     """
     engine = _admitted(state, body)
-    _check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
     _check_tool_call_arguments(body.messages)
+    _check_rendered_chars(state, body.messages, body.tools, body.template_kwargs())
     _check_sequences(engine, body.n)
     _check_template_variables(state, body)
     tools = _offered_tools(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    _check_response_size(state, body, 1, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     _check_images(state, body)
     _check_constraints(body)
     return Checked(engine, _stops(body.stop), tools)
@@ -120,8 +125,8 @@ def tokenize(state: ServerState, body: P.TokenizeRequest) -> None:
     if body.prompt is not None:
         _check_chars(state, len(body.prompt), "prompt")
     else:
-        _check_chars(state, sum(len(m.text()) for m in body.messages), "messages")
         _check_tool_call_arguments(body.messages)
+        _check_rendered_chars(state, body.messages, body.tools, body.chat_template_kwargs or {})
         _check_images(state, body.chat())
     _check_template_variables(state, body)
 
@@ -154,6 +159,7 @@ def completion(state: ServerState, body: P.CompletionRequest) -> Checked:
         if isinstance(p, str):
             _check_chars(state, len(p), "prompt")
     _check_sequences(engine, len(prompts) * body.n)
+    _check_response_size(state, body, len(prompts), "max_tokens")
     _check_constraints(body)
     return Checked(engine, _stops(body.stop))
 
@@ -278,13 +284,65 @@ def _check_sequences(engine: AsyncEngine, sequences: int) -> None:
                        f"{limit}", param="n")
 
 
+def prompt_char_limit(state: ServerState) -> int:
+    """The most characters a prompt may render from: --max-prompt-chars, or CHARS_PER_TOKEN per context token."""
+    return state.max_prompt_chars or state.max_model_len * CHARS_PER_TOKEN
+
+
 def _check_chars(state: ServerState, n: int, param: str) -> None:
-    """Refuses a text far too long to be worth tokenizing (CHARS_PER_TOKEN per context token)."""
-    limit = state.max_model_len * CHARS_PER_TOKEN
+    """Refuses a text far too long to be worth tokenizing (`prompt_char_limit`)."""
+    limit = prompt_char_limit(state)
     if n > limit:
         raise APIError(400, f"the {param} has {n} characters, more than this server accepts ({limit}; "
                        f"the model's context is {state.max_model_len} tokens)", param=param,
                        code="context_length_exceeded")
+
+
+def _check_response_size(state: ServerState, body, prompts: int, max_tokens_param: str) -> None:
+    """Refuses a whole response with logprobs that could carry more than `state.max_response_entries` entries:
+    prompts x n x max_tokens (what the context leaves without one) x (top_logprobs + 1), known before it runs, so
+    that no response grows past what the server can hold and encode. Streamed responses are sent as they are made,
+    and a whole one without logprobs holds a few bytes per token (its count bounded by n and the context): neither
+    is bounded here, so a long-context model keeps its n without a max_tokens."""
+    top = body.logprob_count()
+    if body.stream or top is None:
+        return
+    max_tokens = body.max_new_tokens() or state.max_model_len
+    entries = prompts * body.n * max_tokens * (top + 1)
+    if entries > state.max_response_entries:
+        what = " x ".join([f"{prompts} prompts"] * (prompts > 1) + [f"n {body.n}", f"{max_tokens_param} {max_tokens}"]
+                          + [f"(top logprobs {top} + 1)"])
+        raise APIError(400, f"the response could carry {entries} tokens and logprobs ({what}), more than this server "
+                       f"returns ({state.max_response_entries}, --max-response-entries); lower n, "
+                       f"{max_tokens_param} or the logprobs asked for", param=max_tokens_param,
+                       code="response_too_large")
+
+
+def rendered_chars(messages: list[P.ChatMessage], tools, template_kwargs: dict) -> dict[str, int]:
+    """The characters a chat prompt renders from, by field: the messages (text, names, reasoning, earlier tool calls'
+    ids, names and arguments), the offered tools as the template writes them (JSON) and the template variables."""
+    text = 0
+    for m in messages:
+        text += len(m.text()) + len(m.name or "") + len(m.tool_call_id or "") + len(m.reasoning or "") + \
+            len(m.reasoning_content or "")
+        for call in m.tool_calls or []:
+            text += len(call.id or "") + len(call.function.name) + len(call.function.arguments or "")
+    specs = [t.model_dump(exclude_none=True) for t in tools or []]
+    return {"messages": text, "tools": len(json.dumps(specs, default=str)) if specs else 0,
+            "chat_template_kwargs": len(json.dumps(template_kwargs, default=str)) if template_kwargs else 0}
+
+
+def _check_rendered_chars(state: ServerState, messages, tools, template_kwargs: dict) -> None:
+    """Refuses a chat whose prompt renders from more than `prompt_char_limit` characters, everything counted
+    (`rendered_chars`), before anything is rendered or tokenized; the error names the largest part."""
+    parts = rendered_chars(messages, tools, template_kwargs)
+    total, limit = sum(parts.values()), prompt_char_limit(state)
+    if total > limit:
+        param = max(parts, key=parts.get)
+        detail = ", ".join(f"{k} {v}" for k, v in parts.items() if v)
+        raise APIError(400, f"the prompt would render from {total} characters ({detail}), more than this server "
+                       f"accepts ({limit}, --max-prompt-chars; the model's context is {state.max_model_len} tokens)",
+                       param=param, code="context_length_exceeded")
 
 
 def _check_template_variables(state: ServerState, body) -> None:
