@@ -48,6 +48,11 @@ UNSUPPORTED = {
     # Cohere 2: LayerNorm blocks, parallel attention and MLP, sliding layers.
     "cohere2": ("cohere2", dict(TINY, sliding_window=8)),
 }
+# A supported family at its full size (Qwen3-30B-A3B's shape: 48 layers of 128 experts, top-8): built on the meta
+# device, traced on a shrunk copy, its calls scaled back.
+FULL_SIZE = ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                               num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False))
 # Qwen4-Exp with two linear-attention layers: its forward raises inside transformers (the cache asks an attention
 # layer for mask sizes and there is none).
 BROKEN_FORWARD = ("qwen4_exp", dict(UNSUPPORTED["qwen4_exp"][1],
@@ -74,9 +79,10 @@ def graphs(tmp_path_factory):
         folders[model_type] = folder
     specs = {str(root / name): spec for name, spec in UNSUPPORTED.items()}
     specs[str(root / "broken_forward")] = BROKEN_FORWARD
+    specs[str(root / "full_size")] = FULL_SIZE
     (root / "specs.json").write_text(json.dumps(specs))
     subprocess.run([str(REF_PYTHON), "-c", WRITE_CONFIGS, str(root / "specs.json")], check=True, capture_output=True)
-    folders |= {name: root / name for name in [*UNSUPPORTED, "broken_forward"]}
+    folders |= {name: root / name for name in [*UNSUPPORTED, "broken_forward", "full_size"]}
     folders["unknown_type"] = root / "unknown_type"
     folders["unknown_type"].mkdir()
     (folders["unknown_type"] / "config.json").write_text(json.dumps({"model_type": "zorblax", "hidden_size": 64}))
@@ -93,6 +99,22 @@ def test_every_supported_family_is_covered_and_nearest_itself(graphs):
                                  r.nearest.get("family"), r.verdict)
     assert not wrong, wrong
     assert all(graphs[t].verdict == "runs today" and graphs[t].covered for t in SUPPORTED)
+
+
+def test_a_full_size_config_is_traced_shrunk_and_scaled_back(graphs):
+    r = graphs["full_size"]
+    config = FULL_SIZE[1]  # (transformers leaves its defaults out of the config.json it writes)
+    assert r.shrunk and r.stopped is None and not r.missing and r.nearest["family"] == "qwen3_moe" and r.runs_today
+    # the true config's parameters, counted on the meta device
+    D, V, L, E, F = (config[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts",
+                                         "moe_intermediate_size"))
+    N, K, H = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    layer = 2 * D * N * H + 2 * D * K * H + 2 * H + 2 * D + D * E + E * 3 * D * F
+    assert r.parameters == V * D * (1 if config["tie_word_embeddings"] else 2) + L * layer + D > 1e10
+    calls = {c["class"]: c["calls_per_step"] for c in r.covered}
+    layers = config["num_hidden_layers"]
+    assert calls["Qwen3MoeDecoderLayer"] == calls["Qwen3MoeSparseMoeBlock"] == layers
+    assert calls["Qwen3MoeRMSNorm"] == 4 * layers + 1  # two per layer, q and k norms, the final one
 
 
 def _roles_covered(graphs) -> set[str]:
@@ -141,7 +163,7 @@ def test_the_report_renders_what_it_found(graphs):
     text = graph.render(r)
     assert f"VERDICT: {r.verdict}" in text
     for m in r.missing:
-        assert f"{m['class']}  {m['file']}:{m['line']}" in text
+        assert re.search(rf"{m['class']}  \S*{Path(m['file']).name}:{m['line']}\n", text)
     assert f"nearest supported family by structure: {r.nearest['family']}" in text
     assert json.loads(json.dumps(r.to_dict()))["missing"] == r.missing
 

@@ -147,7 +147,7 @@ def _signature(classes: list[str], prefixes: list[str]) -> Counter:
 def _family_prefixes(classes: list[str]) -> list[str]:
     found = set()
     for c in classes:
-        for suffix in ("PreTrainedModel", "ForCausalLM", "TextModel"):
+        for suffix in ("PreTrainedModel", "ForCausalLM", "Model"):  # 'Glm5NextTextModel' -> 'Glm5NextText'
             if c.endswith(suffix) and len(c) > len(suffix):
                 found.add(c.removesuffix(suffix))
     return sorted(found, key=len, reverse=True)
@@ -319,6 +319,13 @@ def _own_types(folders: list[Path]) -> list[str]:
     return found
 
 
+def _at(path: str | None, line: int | None = None) -> str:
+    """`path:line`, relative to the working folder when under it (the reference venv's copy of transformers)."""
+    if path and Path(path).is_absolute() and Path(path).is_relative_to(Path.cwd()):
+        path = str(Path(path).relative_to(Path.cwd()))
+    return f"{path}:{line}" if line is not None else str(path)
+
+
 def _share(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -331,14 +338,14 @@ def render(r: GraphReport) -> str:
            + (" (text model of a multimodal config)" if r.multimodal else "")
            + (" on a shrunk copy, calls scaled back" if r.shrunk else "")]
     if r.modeling_file:
-        out.append(f"modeling code: {r.modeling_file}")
+        out.append(f"modeling code: {_at(r.modeling_file)}")
     if r.parameters:
         out.append(f"parameters: {r.parameters:,} ({r.parameters / 1e9:.2f}B)")
     if r.stopped:
         s = r.stopped
         out.append(f"TRACING STOPPED while {s['stage']}: {s['error']}")
         if s.get("file"):
-            out.append(f"  at {s['file']}:{s['line']}" + (f", inside {s['module']}" if s.get("module") else ""))
+            out.append(f"  at {_at(s['file'], s['line'])}" + (f", inside {s['module']}" if s.get("module") else ""))
     out += ["", f"VERDICT: {r.verdict}"]
     if r.nearest:
         n = r.nearest
@@ -353,12 +360,12 @@ def render(r: GraphReport) -> str:
         for m in r.missing:
             fns = f"; torch functions with no counterpart: {', '.join(m['uncovered_functions'])}" \
                 if m["uncovered_functions"] else ""
-            out.append(f"  {m['class']}  {m['file']}:{m['line']}")
+            out.append(f"  {m['class']}  {_at(m['file'], m['line'])}")
             out.append(f"      {m['calls_per_step']:g} calls per step, {_share(m['flops_share'])} of FLOPs, "
                        f"{_share(m['bytes_share'])} of bytes, {m['parameters']:,} parameters{fns}")
     if r.missing_functions:
         out += ["", "torch functions no operator covers:"]
-        out += [f"  {f['function']} in {f['module_class']} ({f['file']}:{f['line']}), {f['calls']} calls"
+        out += [f"  {f['function']} in {f['module_class']} ({_at(f['file'], f['line'])}), {f['calls']} calls"
                 for f in r.missing_functions]
     if r.unread_keys:
         out += ["", f"config keys {r.nearest['family']} does not read:"]

@@ -160,6 +160,10 @@ def shrink(config):
         if isinstance(v, int) and not isinstance(v, bool) and v > 256 and (
                 k == "hidden_size" or k.endswith("intermediate_size") or k == "vocab_size"):
             setattr(small, k, 256)
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the narrowed vocabulary
+        v = getattr(small, k, None)
+        if isinstance(v, int) and v >= small.vocab_size:
+            setattr(small, k, None if k == "pad_token_id" else 0)
     return small
 
 
