@@ -30,7 +30,8 @@ PLAIN_MODULES = ("*Activation", "GELUTanh", "SiLU", "GELU", "ReLU", "Tanh", "Sig
 PLAIN_FUNCTIONS = frozenset("""
 __and__ __or__ __xor__ __invert__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __floordiv__ __mod__ __neg__ __setitem__
 __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ __rpow__ __matmul__
-_set_grad_enabled numel item remainder fmod is_floating_point dim size abs add add_ addmm all amax amin any arange argmax argmin argsort baddbmm bmm bool broadcast_to cat
+_set_grad_enabled numel item remainder fmod is_floating_point dim size abs add add_ addmm all amax amin any arange
+argmax argmin argsort baddbmm bmm bool broadcast_to cat
 ceil chunk clamp clamp_ clamp_min clip clone contiguous copy_ cos cumprod cumsum detach diag diagonal div div_ double
 dropout einsum elu embedding empty empty_like eq exp exp_ expand expand_as exp2 eye flatten flip float floor full
 full_like gather ge gelu gt half histc index_add index_add_ index_copy index_fill index_put index_select int isinf

@@ -15,7 +15,6 @@ import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from day0jax.core import hf_config as config_lib
 from day0jax.core.errors import Day0Error

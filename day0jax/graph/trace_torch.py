@@ -118,8 +118,9 @@ def module_tree(model, config) -> list[list]:
 
 
 def per_layer_lists(config) -> list[str]:
+    """The config's keys holding one entry per layer (`layer_types`, `mlp_layer_types`...)."""
     n = getattr(config, "num_hidden_layers", None)
-    return [k for k, v in vars(config).items() if isinstance(v, list) and n and len(v) == n and k != "num_hidden_layers"]
+    return [k for k, v in vars(config).items() if isinstance(v, list) and n and len(v) == n]
 
 
 def shrink(config):
