@@ -7,6 +7,7 @@ does not implement (written by transformers' own config classes), and two that c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -202,3 +203,20 @@ def test_a_missing_tracer_python_names_the_flag(tmp_path, capsys):
         graph.check_graph(tmp_path, tmp_path / "no-python")
     assert check.main([str(tmp_path), "--graph", "--torch-python", str(tmp_path / "no-python")]) == 1
     assert "--torch-python" in capsys.readouterr().err
+
+
+def test_the_mapping_is_the_operator_specs_data(monkeypatch):
+    """A module class maps by role or full name to the op whose spec names it; a new op's patterns count at once."""
+    assert mapping.module("Qwen3NextGatedDeltaNet", ["Qwen3Next"]) == mapping.Mapped("operator", "gated_delta_rule")
+    assert mapping.module("Glm5NextTextRMSNorm", ["Glm5NextText", "Glm5Next"]).name == "rms_norm"
+    # a role that merely ends like a covered one is not covered
+    assert mapping.module("Glm5NextTextLinearAttention", ["Glm5NextText"]).kind == "missing"
+    assert mapping.module("SiLUActivation", []).kind == "plain"
+    assert mapping.function("scaled_dot_product_attention") == mapping.Mapped("operator", "attention")
+    assert mapping.function("reshape").kind == "plain" and mapping.function("fft_rfft").kind == "missing"
+    table = dict(ops.specs())
+    new = dataclasses.replace(table["gated_delta_rule"], name="linear_attention_x",
+                              torch_patterns=("LinearAttention", "fn:fft_rfft"))
+    monkeypatch.setattr(ops, "specs", lambda: {**table, new.name: new})
+    assert mapping.module("Glm5NextTextLinearAttention", ["Glm5NextText"]) == mapping.Mapped("operator", new.name)
+    assert mapping.function("fft_rfft") == mapping.Mapped("operator", new.name)
