@@ -325,6 +325,11 @@ def _at(path: str | None, line: int | None = None) -> str:
     return f"{path}:{line}" if line is not None else str(path)
 
 
+def _function(name: str) -> str:
+    m = mapping.function(name)
+    return f"{name} ({m.name})" if m.kind == "operator" else name
+
+
 def _share(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -362,6 +367,8 @@ def render(r: GraphReport) -> str:
             out.append(f"  {m['class']}  {_at(m['file'], m['line'])}")
             out.append(f"      {m['calls_per_step']:g} calls per step, {_share(m['flops_share'])} of FLOPs, "
                        f"{_share(m['bytes_share'])} of bytes, {m['parameters']:,} parameters{fns}")
+            if m["functions"]:  # what a jax.numpy version of it has to write; in parentheses, an operator that has it
+                out.append("      calls torch: " + ", ".join(_function(f) for f in m["functions"] if f[0] != "_"))
     if r.missing_functions:
         out += ["", "torch functions no operator covers:"]
         out += [f"  {f['function']} in {f['module_class']} ({_at(f['file'], f['line'])}), {f['calls']} calls"
