@@ -71,6 +71,8 @@ for out, (model_type, overrides) in json.load(open(sys.argv[1])).items():
 @pytest.fixture(scope="module")
 def graphs(tmp_path_factory):
     """name -> GraphReport for every folder, traced in one subprocess."""
+    if not REF_PYTHON.exists():
+        pytest.fail(f"{REF_PYTHON} is missing: run `make install` (it builds the transformers reference venv)")
     root = tmp_path_factory.mktemp("graph")
     folders = {}
     for model_type, overrides in SUPPORTED.items():
