@@ -1,5 +1,5 @@
 """`python -m day0jax.check PATH [--mesh SPEC] [--json] [--quantize KIND] [--probe]
-[--hosts N --devices-per-host M --device-memory SIZE]`: the day-0 readiness report.
+[--hosts N --devices-per-host M --device-memory SIZE] [--graph [--torch-python PATH]]`: the day-0 readiness report.
 
 Says, before a weight is read, whether a model will run and how: its family, every config.json key (used, ignored
 as harmless, or unknown and refused), each operator and the implementation it takes on this backend (a kernel or
@@ -9,7 +9,10 @@ mesh and engine flags. PATH is a Hugging Face folder, a day0jax checkpoint folde
 a folder with config.json alone. With --hosts, --devices-per-host and --device-memory it plans a cluster that is
 not here instead: memory per device on the best placed mesh that fits, which mesh axes cross hosts, the bytes
 each axis moves per token, and the meshes that fit. --probe measures the mesh's collectives on the devices present.
-Exit status: 0 when the model will run, 2 when it will not, 1 on a usage error.
+--graph is the checklist for a model_type day0jax does not implement: it traces one forward pass of the model's
+`transformers` code (the config alone, random weights) in another Python (--torch-python, default the reference
+venv), and lists what day0jax covers and what it lacks, with costs, the nearest family and a verdict
+(`day0jax.graph`). Exit status: 0 when the model will run, 2 when it will not, 1 on a usage error.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from day0jax import cli
 from day0jax.core import hf_config as config_lib
-from day0jax.core.errors import CheckpointError, Day0Error
+from day0jax.core.errors import CheckpointError, Day0Error, UnsupportedArchitecture
 from sharding import mesh as mesh_lib
 
 RUNS, WONT_RUN = 0, 2
@@ -299,6 +302,10 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         hf, source = _open(path, report)
         report.model_type = hf.get("model_type")
         fam = models.family(report.model_type)
+    except UnsupportedArchitecture as e:
+        report.reasons.append(f"{e}. `python -m day0jax.check {path} --graph` traces its modeling code and lists "
+                              "what day0jax lacks for it")
+        return report
     except Day0Error as e:
         report.reasons.append(str(e))
         return report
@@ -728,8 +735,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--hosts", type=int, help="number of hosts")
     g.add_argument("--devices-per-host", type=int, help="accelerators in each host")
     g.add_argument("--device-memory", help="memory of one accelerator, e.g. 141GiB or 80GB")
+    g = parser.add_argument_group("the checklist for a model_type day0jax does not implement")
+    g.add_argument("--graph", action="store_true", help="trace one forward pass of the model's transformers code "
+                   "(config.json alone, random weights) and map it onto day0jax's operators: covered, missing, "
+                   "nearest family, verdict")
+    g.add_argument("--torch-python", default=None, help="the Python with torch and transformers that traces "
+                   "(default: the project's .venv-ref/bin/python)")
     cli.add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    if args.graph:
+        return _graph_main(args)
+    if args.torch_python:
+        parser.error("--torch-python goes with --graph")
     cluster = None
     described = (args.hosts, args.devices_per_host, args.device_memory)
     if any(x is not None for x in described):
@@ -745,6 +762,18 @@ def main(argv: list[str] | None = None) -> int:
                    cluster=cluster, quantize=args.quantize, probe=args.probe)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return RUNS if report.supported else WONT_RUN
+
+
+def _graph_main(args) -> int:
+    from day0jax.graph import report as graph
+
+    try:
+        result = graph.check_graph(args.path, args.torch_python)
+    except Day0Error as e:
+        print(f"day0jax check --graph: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.to_dict(), indent=2) if args.json else graph.render(result))
+    return RUNS if result.runs_today else WONT_RUN
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ class OpSpec:
     build: Callable[..., tuple[tuple, dict]] | None = None
     phases: Callable[..., list] | None = None
     quantized: bool = False  # its weights are always quantized (`verify` reports those kernels' checks)
+    # What the op covers in a `transformers` model, for `check --graph`: fnmatch patterns over a module class's role
+    # (its name less the model's prefix: 'Qwen3NextGatedDeltaNet' -> 'GatedDeltaNet') or its full name; 'fn:NAME'
+    # patterns over the torch functions a module calls. A role names a mechanism shared across families; a full name
+    # pins one family's variant where the same role differs between families (each indexer scores its own way).
+    torch_patterns: tuple[str, ...] = ()
 
 
 def _mlp(p: dict[str, Any]) -> str:
@@ -66,13 +71,15 @@ def _vision_attention(p: dict[str, Any]) -> str:
 # Listed so the report shows every operator a layer runs; no kernel, no cases.
 PLAIN = (
     OpSpec("mlp", "mlp", {"D": "hidden size", "F": "MLP width", "act": "activation", "gated": "gate_proj * up_proj "
-                          "(default True)"}, _mlp, dict(D=64, F=128, act="silu")),
+                          "(default True)"}, _mlp, dict(D=64, F=128, act="silu"),
+           torch_patterns=("MLP", "DenseMLP")),
     OpSpec("rope", "rope", {"kind": "rope_type (None: a NoPE layer)", "theta": "base", "factor": "scaling factor",
                             "rotary_dim": "rotated dims", "head_dim": "head dim"}, _rope,
-           dict(kind="default", theta=10000.0, factor=None, rotary_dim=64, head_dim=64)),
+           dict(kind="default", theta=10000.0, factor=None, rotary_dim=64, head_dim=64),
+           torch_patterns=("RotaryEmbedding",)),
     OpSpec("gated_rms_norm", "gated_rms_norm", {"N": "heads", "H": "head dim", "G": "groups normalized apart",
                                                 "order": "'gate_then_norm' or 'norm_before_gate'"},
-           _gated_rms_norm, dict(N=8, H=64, G=2, order="gate_then_norm")),
+           _gated_rms_norm, dict(N=8, H=64, G=2, order="gate_then_norm"), torch_patterns=("RMSNormGated",)),
     OpSpec("vision_attention", "vision_attention", {"N": "heads", "H": "head dim", "T": "tokens per image (None: as "
                                                     "many as the image has patches)"}, _vision_attention,
            dict(N=12, H=64, T=196)),

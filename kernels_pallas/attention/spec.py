@@ -90,4 +90,5 @@ def build(rnd: Random, dtype, *, B, T, S, N, K, H, scale, window, softcap, sinks
 
 
 SPEC = OpSpec("attention", "attention (cache-less forward)", PARAMS, describe, EXAMPLE,
-              api="kernels_pallas.attention.api", cases=cases, build=build)
+              api="kernels_pallas.attention.api", cases=cases, build=build,
+              torch_patterns=("Attention", "fn:scaled_dot_product_attention"))

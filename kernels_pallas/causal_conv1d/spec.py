@@ -39,4 +39,5 @@ def build(rnd: Random, dtype, *, B, T, C, W, act):
 
 
 SPEC = OpSpec("causal_conv1d", "causal conv1d", PARAMS, describe, dict(C=64, W=4),
-              api="kernels_pallas.causal_conv1d.api", cases=cases, build=build)
+              api="kernels_pallas.causal_conv1d.api", cases=cases, build=build,
+              torch_patterns=("ShortConv", "Conv1d", "fn:conv1d"))

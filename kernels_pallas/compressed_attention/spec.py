@@ -66,4 +66,6 @@ def build(rnd: Random, dtype, *, B, T, N, H, window, ratio, topk, sinks, scale, 
 
 SPEC = OpSpec("compressed_attention", "compressed attention (engine)", PARAMS, describe,
               dict(N=8, H=64, window=16, ratio=4, topk=8, I=4, Di=16, sinks=True, scale=None),
-              api="kernels_pallas.compressed_attention.api", cases=cases, build=build)
+              api="kernels_pallas.compressed_attention.api", cases=cases, build=build,
+              torch_patterns=("DeepseekV4CSACompressor", "DeepseekV4HCACompressor", "DeepseekV4Indexer",
+                              "DeepseekV4IndexerScorer", "DeepseekV4GroupedLinear"))

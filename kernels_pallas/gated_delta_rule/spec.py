@@ -46,4 +46,6 @@ def build(rnd: Random, dtype, *, B, T, Nk, Nv, Hk, Hv, decay):
 
 SPEC = OpSpec("gated_delta_rule", "gated delta rule (linear attention)", PARAMS, describe,
               dict(Nk=2, Nv=4, Hk=32, Hv=16, decay="channel"), api="kernels_pallas.gated_delta_rule.api",
-              cases=cases, build=build)
+              cases=cases, build=build,
+              torch_patterns=("GatedDeltaNet", "KimiLinearDeltaAttention", "KimiLinearForgetGate",
+                              "fn:linalg_solve_triangular"))

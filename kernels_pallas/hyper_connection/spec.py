@@ -41,4 +41,5 @@ def build(rnd: Random, dtype, *, B, T, n, D, form, sinkhorn, post_scale):
 
 SPEC = OpSpec("hyper_connection", "hyper-connection", PARAMS, describe,
               dict(n=4, D=256, form="mhc", sinkhorn=20, post_scale=2.0),
-              api="kernels_pallas.hyper_connection.api", cases=cases, build=build)
+              api="kernels_pallas.hyper_connection.api", cases=cases, build=build,
+              torch_patterns=("HyperConnection", "HyperHead"))

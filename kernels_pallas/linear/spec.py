@@ -43,4 +43,5 @@ def build(rnd: Random, dtype, *, R, O, I):
 
 
 SPEC = OpSpec("linear", "linear", PARAMS, describe, dict(O=96, I=256), api="kernels_pallas.linear.api",
-              cases=cases, build=build, phases=phases)
+              cases=cases, build=build, phases=phases,
+              torch_patterns=("Linear", "fn:linear"))

@@ -58,4 +58,7 @@ def build(rnd: Random, dtype, *, M, G, D, F, k, quantized=None):
 
 SPEC = OpSpec("moe", "moe grouped matmul", PARAMS, describe,
               dict(E=8, k=2, D=128, F=64, routing="softmax_topk", shared=None, quantized="int4/32+offset"),
-              api="kernels_pallas.moe.api", cases=cases, build=build)
+              api="kernels_pallas.moe.api", cases=cases, build=build,
+              torch_patterns=("Experts", "SparseMoeBlock", "MoE", "Moe", "TopKRouter", "TopkRouter",
+                              "TokenChoiceRouter", "HashRouter", "Llama4Router", "HunYuanMoEV1Gate",
+                              "Ernie4_5_MoeStatics", "fn:_grouped_mm"))

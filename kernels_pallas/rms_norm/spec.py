@@ -32,4 +32,5 @@ def build(rnd: Random, dtype, *, M, D, eps, offset):
 
 
 SPEC = OpSpec("rms_norm", "rms_norm", PARAMS, describe, dict(D=256, eps=1e-6, offset=1.0),
-              api="kernels_pallas.rms_norm.api", cases=cases, build=build)
+              api="kernels_pallas.rms_norm.api", cases=cases, build=build,
+              torch_patterns=("RMSNorm", "UnweightedRMSNorm", "WeightlessRMSNorm", "fn:rms_norm"))

@@ -51,4 +51,5 @@ def build(rnd: Random, dtype, *, B, N, K, H, Hv, topk, page, max_len, scale, sin
 
 SPEC = OpSpec("sparse_attention", "sparse attention (engine)", PARAMS, describe,
               dict(N=8, K=1, H=24, Hv=16, scale=0.3, latent=True, topk=16, I=4, Di=16, indexer=True, sinks=True),
-              api="kernels_pallas.sparse_attention.api", cases=cases, build=build)
+              api="kernels_pallas.sparse_attention.api", cases=cases, build=build,
+              torch_patterns=("DeepseekV32Indexer", "GlmMoeDsaIndexer", "MistralLarge4TextIndexer", "HYV4Indexer"))
