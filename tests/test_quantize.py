@@ -22,7 +22,7 @@ from convert.convert import Options
 from day0jax.core.errors import CheckpointError
 from day0jax.layers.quantized import specs_from_config
 from day0jax.weights import checkpoint
-from families import PROMPTS
+from families import PROMPTS, parity_engine
 from kernels_pallas.quantized_linear.reference import QuantizedWeight, dequantize
 
 RTOL = 1e-5
@@ -55,8 +55,9 @@ def dequantized_copy(src, quantized_ckpt, dst):
 
 
 def compare(quantized_ckpt, float_ckpt, rtol=RTOL):
-    q = day0jax.load(quantized_ckpt, dtype="float32", kernels="strict")  # its quantized kernel, not a fallback
-    f = day0jax.load(float_ckpt, dtype="float32", kernels="strict")
+    # Its quantized kernel, not a fallback; one decode batch size for the three prompts.
+    q = day0jax.load(quantized_ckpt, dtype="float32", kernels="strict", engine=parity_engine())
+    f = day0jax.load(float_ckpt, dtype="float32", kernels="strict", engine=parity_engine())
     for p in PROMPTS[:3]:
         want = f.logits([p])[0]
         assert np.abs(q.logits([p])[0] - want).max() <= rtol * np.abs(want).max()
