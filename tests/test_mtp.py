@@ -1,6 +1,6 @@
 """Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored
 as layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
-Qwen3-Next / Qwen3.5 style, `mtp.*`). Greedy tokens equal plain decoding's, the drafts the engine reads after each
+Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, transformers' generic MTP layer). Greedy tokens equal plain decoding's, the drafts the engine reads after each
 step are the MTP chain's over the verified tokens (its KV pages caught up over every kept token, rejected positions
 rewritten), and conversion keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that
 `check` lists and `load` reads only for speculative method "mtp".
@@ -44,6 +44,13 @@ QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, interm
                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
                mtp_num_hidden_layers=1)
 
+# ERNIE 4.5 MoE: transformers' generic MTP layer (its post-norm the model's final norm), its decoder layer built as
+# layer 0 is: an MoE here (start index 0), with shared experts, biases and the routing bias; lm_head has a bias.
+ERNIE = dict(model_type="ernie4_5_moe", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT,
+             moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=0,
+             use_bias=True, tie_word_embeddings=False, rope_theta=100.0, num_nextn_predict_layers=1)
+
 
 def build(hf: dict):
     cfg = models.config_from_hf(hf)
@@ -81,8 +88,9 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
-                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1)],
-                         ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1"])
+                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2)],
+                         ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
+                              "ernie4_5_moe-k2"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
@@ -125,13 +133,14 @@ def test_mtp_drafts_and_greedy_tokens(hf, k):
 MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in range(12)]]
 HF_CONFIGS = {hf["model_type"]: {k: v for k, v in hf.items() if k not in ("model_type", "num_nextn_predict_layers",
                                                                          "mtp_num_hidden_layers")}
-              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA)}
+              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE)}
 
 
 @pytest.fixture(scope="module")
 def mtp_checkpoints(tmp_path_factory):
-    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2 and GLM-5 folders with one MTP layer each in their
-    checkpoints' layouts, and the reference MTP logits (float64; the decoder layer transformers' own)."""
+    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2, GLM-5 and ERNIE 4.5 MoE folders with one MTP layer each in
+    their checkpoints' layouts, and the reference MTP logits (float64; the decoder layer transformers' own, ERNIE's
+    whole MTP layer)."""
     from conftest import run_reference
 
     root = tmp_path_factory.mktemp("mtp")

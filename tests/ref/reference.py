@@ -31,10 +31,11 @@ Jobs (each a dict with "op"):
                multi-token-prediction layer in the checkpoint's own layout (DeepSeek-V3's, DeepSeek-V3.2's and
                GLM-5's `model.layers.{L}.` with enorm, hnorm, eh_proj, shared_head and its copies of the embedding
                and head, the decoder layer an MoE with its own indexer where the family has one; Qwen3-Next's
-               `mtp.`), random;
+               `mtp.`; ERNIE 4.5 MoE's `mtp_block.0` and its norms and projection), random;
                REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
                layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
-               transformers' own (float64), the rest written out here.
+               transformers' own (float64), the rest written out here; for ERNIE 4.5 MoE the whole MTP layer
+               transformers' own (`MtpModel.from_pretrained`, reading the checkpoint).
   mamba2       {inputs, out}: transformers' own torch functions of Mamba2 layers (NemotronH's module; Falcon-H1's and
                Granite 4's are the same code) on the arrays of the INPUTS .npz, layouts as day0jax's: x [B, T, N, H],
                dt [B, T, N], A, D, dt_bias [N], b, c [B, T, G, Z], state [B, N, H, Z], `chunk` and `limit` [2].
@@ -500,12 +501,71 @@ def gdn(job):
     np.savez(job["out"], **result)
 
 
+# Families whose MTP layer is transformers' generic one (`modeling_layers.MtpModel`): the checkpoint names of its
+# parts, `{i}` the MTP layer's index (the decoder layer's own tensors under the first).
+GENERIC_MTP = {"ernie4_5_moe": {"block": "model.mtp_block.{i}.", "enorm": "model.mtp_emb_norm.{i}.weight",
+                                "hnorm": "model.mtp_hidden_norm.{i}.weight",
+                                "eh_proj": "model.mtp_linear_proj.{i}.weight"}}
+
+
+def _generic_mtp(job):
+    """The MTP layer saved in the family's layout (its decoder layer a copy of another random model's layer 0, which
+    HF's MtpModel builds it as), then loaded and run by transformers' own `MtpModel.from_pretrained`."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+    from transformers.modeling_layers import MtpModel
+
+    tiny_hf(job)
+    names = GENERIC_MTP[job["family"]]
+    config = AutoConfig.for_model(job["family"], **job["config"])
+    torch.manual_seed(job.get("seed", 0) + 1)
+    other = _causal_lm(config).from_config(config, dtype=torch.float32)
+    _randomize(other, config, _constants(other))
+    with tempfile.TemporaryDirectory() as tmp:
+        other.save_pretrained(tmp)
+        block = {k[len("model.layers.0."):]: v for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
+                 if k.startswith("model.layers.0.")}
+    D = config.hidden_size
+    path = os.path.join(job["out"], "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({names["block"].format(i=0) + k: v for k, v in block.items()})
+    tensors[names["enorm"].format(i=0)] = torch.randn(D) * 0.1 + 1.0
+    tensors[names["hnorm"].format(i=0)] = torch.randn(D) * 0.1 + 1.0
+    tensors[names["eh_proj"].format(i=0)] = torch.randn(D, 2 * D) * (2 * D) ** -0.5
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    config_path = os.path.join(job["out"], "config.json")
+    saved = json.load(open(config_path))
+    saved["num_nextn_predict_layers"] = 1
+    json.dump(saved, open(config_path, "w"), indent=1)
+
+    model = _load(job["out"]).double()
+    model.config._attn_implementation = model.config._experts_implementation = "eager"
+    # The head is the main model's (retied after loading), whose bias (ERNIE's use_bias) MtpModel's list of shared
+    # tensors forgets. (A subclass would lose MtpModel's weight conversions, which are looked up by class name.)
+    if "shared_head.bias" not in MtpModel._keys_to_ignore_on_load_missing:
+        MtpModel._keys_to_ignore_on_load_missing = [*MtpModel._keys_to_ignore_on_load_missing, "shared_head.bias"]
+    module = MtpModel.from_pretrained(model).double().eval()  # raises on any MTP tensor it cannot find
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids = torch.tensor([prompt])
+            T = len(prompt) - 1
+            hidden = model.model(ids).last_hidden_state[:, :T]
+            h = module.forward_layer(0, hidden, torch.arange(T)[None], None, input_ids=ids[:, 1:])
+            result[f"logits_{i}"] = module._project_to_logits(h)[0].numpy()
+    np.savez(job["reference"], **result)
+
+
 def mtp(job):
     import copy
     import importlib
 
     from safetensors.torch import load_file, save_file
 
+    if job["family"] in GENERIC_MTP:
+        return _generic_mtp(job)
     tiny_hf(job)
     family = job["family"]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
