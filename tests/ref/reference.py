@@ -502,10 +502,18 @@ def gdn(job):
 
 
 # Families whose MTP layer is transformers' generic one (`modeling_layers.MtpModel`): the checkpoint names of its
-# parts, `{i}` the MTP layer's index (the decoder layer's own tensors under the first).
-GENERIC_MTP = {"ernie4_5_moe": {"block": "model.mtp_block.{i}.", "enorm": "model.mtp_emb_norm.{i}.weight",
-                                "hnorm": "model.mtp_hidden_norm.{i}.weight",
-                                "eh_proj": "model.mtp_linear_proj.{i}.weight"}}
+# parts (`{i}`: the MTP layer's index, `{n}` the same past the last layer; the decoder layer's own tensors under
+# `block`; `norms` and `copies` the post-norm and the copies of the embedding and head where the layer has them),
+# and the main layer whose tensors fit the decoder layer HF's MTP config builds.
+GENERIC_MTP = {
+    "ernie4_5_moe": {"block": "model.mtp_block.{i}.", "enorm": "model.mtp_emb_norm.{i}.weight",
+                     "hnorm": "model.mtp_hidden_norm.{i}.weight", "eh_proj": "model.mtp_linear_proj.{i}.weight",
+                     "norms": (), "copies": {}, "like": 0},
+    "step3p7": {"block": "model.layers.{n}.", "enorm": "model.layers.{n}.enorm.weight",
+                "hnorm": "model.layers.{n}.hnorm.weight", "eh_proj": "model.layers.{n}.eh_proj.weight",
+                "norms": ("model.layers.{n}.shared_head.norm.weight",),
+                "copies": {"model.layers.{n}.embed_tokens.weight": "model.embed_tokens.weight",
+                           "model.layers.{n}.shared_head.head.weight": "lm_head.weight"}, "like": 2}}
 
 
 def _generic_mtp(job):
@@ -519,29 +527,32 @@ def _generic_mtp(job):
 
     tiny_hf(job)
     names = GENERIC_MTP[job["family"]]
-    config = AutoConfig.for_model(job["family"], **job["config"])
-    torch.manual_seed(job.get("seed", 0) + 1)
-    other = _causal_lm(config).from_config(config, dtype=torch.float32)
-    _randomize(other, config, _constants(other))
-    with tempfile.TemporaryDirectory() as tmp:
-        other.save_pretrained(tmp)
-        block = {k[len("model.layers.0."):]: v for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
-                 if k.startswith("model.layers.0.")}
-    D = config.hidden_size
+    config = AutoConfig.for_model(job["family"], **job["config"]).get_text_config()
+    L, D = config.num_hidden_layers, config.hidden_size
+    like = f"model.layers.{names['like']}."
+    with tempfile.TemporaryDirectory() as tmp:  # another random model, for the decoder layer's tensors
+        tiny_hf(dict(job, out=tmp, seed=job.get("seed", 0) + 1))
+        block = {k[len(like):]: v for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
+                 if k.startswith(like)}
+    torch.manual_seed(job.get("seed", 0) + 2)
     path = os.path.join(job["out"], "model.safetensors")
     tensors = load_file(path)
-    tensors.update({names["block"].format(i=0) + k: v for k, v in block.items()})
-    tensors[names["enorm"].format(i=0)] = torch.randn(D) * 0.1 + 1.0
-    tensors[names["hnorm"].format(i=0)] = torch.randn(D) * 0.1 + 1.0
-    tensors[names["eh_proj"].format(i=0)] = torch.randn(D, 2 * D) * (2 * D) ** -0.5
+    tensors.update({names["block"].format(i=0, n=L) + k: v for k, v in block.items()})
+    for norm in (names["enorm"], names["hnorm"], *names["norms"]):
+        tensors[norm.format(i=0, n=L)] = torch.randn(D) * 0.1 + (0.0 if job["family"] == "step3p7" else 1.0)  # (1 + w)
+    tensors[names["eh_proj"].format(i=0, n=L)] = torch.randn(D, 2 * D) * (2 * D) ** -0.5
+    for copy, of in names["copies"].items():
+        tensors[copy.format(i=0, n=L)] = tensors[of].clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
     config_path = os.path.join(job["out"], "config.json")
     saved = json.load(open(config_path))
-    saved["num_nextn_predict_layers"] = 1
+    text = saved.get("text_config", saved)
+    text["num_nextn_predict_layers"] = text.get("num_nextn_predict_layers") or 1
     json.dump(saved, open(config_path, "w"), indent=1)
 
     model = _load(job["out"]).double()
-    model.config._attn_implementation = model.config._experts_implementation = "eager"
+    for c in (model.config, model.config.get_text_config()):
+        c._attn_implementation = c._experts_implementation = "eager"
     # The head is the main model's (retied after loading), whose bias (ERNIE's use_bias) MtpModel's list of shared
     # tensors forgets. (A subclass would lose MtpModel's weight conversions, which are looked up by class name.)
     if "shared_head.bias" not in MtpModel._keys_to_ignore_on_load_missing:
@@ -552,7 +563,7 @@ def _generic_mtp(job):
         for i, prompt in enumerate(job["prompts"]):
             ids = torch.tensor([prompt])
             T = len(prompt) - 1
-            hidden = model.model(ids).last_hidden_state[:, :T]
+            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
             h = module.forward_layer(0, hidden, torch.arange(T)[None], None, input_ids=ids[:, 1:])
             result[f"logits_{i}"] = module._project_to_logits(h)[0].numpy()
     np.savez(job["reference"], **result)
@@ -643,7 +654,7 @@ def mtp(job):
         for i, prompt in enumerate(job["prompts"]):
             ids = torch.tensor([prompt])
             T = len(prompt) - 1
-            hidden = model.model(ids).last_hidden_state[:, :T]
+            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
             embeds = model.model.embed_tokens(ids[:, 1:])
             if deepseek:
                 x = torch.cat([rms(embeds, extra[prefix + "enorm.weight"]),
