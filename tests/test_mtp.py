@@ -1,9 +1,10 @@
 """Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored as
 layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
-Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, transformers' generic MTP layer). Greedy tokens equal plain
-decoding's, the drafts the engine reads after each step are the MTP chain's over the verified tokens (its KV pages
-caught up over every kept token, rejected positions rewritten), and conversion keeps the layers (`--no-mtp` drops them)
-as an optional part of the checkpoint that `check` lists and `load` reads only for speculative method "mtp".
+Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's and Step-3.7's, transformers' generic MTP layers, chained after
+their post-norm). Greedy tokens equal plain decoding's, the drafts the engine reads after each step are the MTP chain's
+over the verified tokens (its KV pages caught up over every kept token, rejected positions rewritten), and conversion
+keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads only
+for speculative method "mtp".
 """
 
 from __future__ import annotations
@@ -51,14 +52,21 @@ ERNIE = dict(model_type="ernie4_5_moe", vocab_size=256, hidden_size=64, intermed
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT,
              moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=0,
              use_bias=True, tie_word_embeddings=False, rope_theta=100.0, num_nextn_predict_layers=1)
-# Step-3.7 (tests/families.py's, sliding layer 1 with more heads than the full ones): the MTP layer, given by the
-# per-layer lists' trailing entries as StepFun's configs give it, is full attention (num_attention_heads) with an MoE,
-# layer 0's clamps (both biting), and a post-norm of its own that the next step is chained after.
+# Step-3.7 (tests/families.py's, sliding layer 1 with more heads than the full ones): two MTP layers, their kinds given
+# by the per-layer lists' trailing entries as StepFun's configs give them, full attention (num_attention_heads), the
+# first an MoE, the second dense, each with the clamps of the main layer of its index (biting), and a post-norm of
+# its own; the second is chained on the first's output after that norm.
 _STEP = FAMILIES["step3p7"][1]
 STEP3P7 = dict(_STEP, model_type="step3p7", text_config=dict(
-    _STEP["text_config"], num_nextn_predict_layers=1, swiglu_limits=[0.7, 0.5, 0.8],
-    layer_types=[*_STEP["text_config"]["layer_types"], "full_attention"],
-    mlp_layer_types=[*_STEP["text_config"]["mlp_layer_types"], "sparse"]))
+    _STEP["text_config"], num_nextn_predict_layers=2, swiglu_limits=[0.7, 0.5, 0.8],
+    layer_types=[*_STEP["text_config"]["layer_types"], "full_attention", "full_attention"],
+    mlp_layer_types=[*_STEP["text_config"]["mlp_layer_types"], "sparse", "dense"]))
+# Its first MTP layer alone, drafting k tokens by chaining on itself: the engine catches up only the first MTP layer's
+# KV pages over every kept token (a later layer's pages hold the positions it drafted), so the draft check below,
+# against the cache-less chain, holds for one layer.
+STEP3P7_ONE = dict(STEP3P7, text_config=dict(
+    STEP3P7["text_config"], num_nextn_predict_layers=1, layer_types=STEP3P7["text_config"]["layer_types"][:4],
+    mlp_layer_types=STEP3P7["text_config"]["mlp_layer_types"][:4]))
 
 
 def build(hf: dict):
@@ -97,7 +105,7 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
-                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7, 2)],
+                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7_ONE, 2)],
                          ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
                               "ernie4_5_moe-k2", "step3p7-k2"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
@@ -180,9 +188,10 @@ def test_mtp_layers_convert_load_and_match_the_reference(mtp_checkpoints, family
     for path in (hf, ckpt):
         report = check(path, dtype="float32")
         assert report.supported, report.reasons
-        assert report.mtp["layers"] == 1 and report.mtp["parameters"] > 0
+        assert report.mtp["layers"] == (2 if family == "step3p7" else 1) and report.mtp["parameters"] > 0
         L = HF_CONFIGS[family].get("text_config", HF_CONFIGS[family])["num_hidden_layers"]
-        assert any(str(L) in str(row["layers"]) for row in report.ops if "attention" in row["op"])  # 0-L
+        last = L + report.mtp["layers"] - 1
+        assert any(str(last) in str(row["layers"]) for row in report.ops if "attention" in row["op"])  # 0-last
     engine = EngineConfig(max_num_seqs=1, chunk_buckets=(32,), max_model_len=64, min_width=64)
     load = lambda path, **kw: day0jax.load(path, dtype="float32", kernels="reference",  # noqa: E731
                                            engine=dataclasses.replace(engine, **kw))
@@ -200,6 +209,12 @@ def test_mtp_layers_convert_load_and_match_the_reference(mtp_checkpoints, family
         h, _ = module.mtp_step(0, ids[:, 1:], hidden[:, :T], jnp.arange(T, dtype=jnp.int32)[None])
         ours, ref = np.asarray(module.mtp_logits(0, h))[0], reference[f"logits_{i}"]
         assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max(), (i, np.abs(ours - ref).max())
+        for j in range(1, module.mtp_layers):  # chained: layer j on layer j - 1's output and the token after next
+            n = T - j
+            h, _ = module.mtp_step(j, ids[:, 1 + j:], module.mtp_chained(j - 1, h)[:, :n],
+                                   jnp.arange(n, dtype=jnp.int32)[None])
+            ours, ref = np.asarray(module.mtp_logits(j, h))[0], reference[f"logits_{i}_{j}"]
+            assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max(), (i, j, np.abs(ours - ref).max())
 
 
 def test_ernie_refuses_more_than_one_mtp_layer():

@@ -504,21 +504,22 @@ def gdn(job):
 # Families whose MTP layer is transformers' generic one (`modeling_layers.MtpModel`): the checkpoint names of its
 # parts (`{i}`: the MTP layer's index, `{n}` the same past the last layer; the decoder layer's own tensors under
 # `block`; `norms` and `copies` the post-norm and the copies of the embedding and head where the layer has them),
-# and the main layer whose tensors fit the decoder layer HF's MTP config builds.
+# and per MTP layer the main layer whose tensors fit the decoder layer HF's MTP config builds.
 GENERIC_MTP = {
     "ernie4_5_moe": {"block": "model.mtp_block.{i}.", "enorm": "model.mtp_emb_norm.{i}.weight",
                      "hnorm": "model.mtp_hidden_norm.{i}.weight", "eh_proj": "model.mtp_linear_proj.{i}.weight",
-                     "norms": (), "copies": {}, "like": 0},
+                     "norms": (), "copies": {}, "like": [0]},
     "step3p7": {"block": "model.layers.{n}.", "enorm": "model.layers.{n}.enorm.weight",
                 "hnorm": "model.layers.{n}.hnorm.weight", "eh_proj": "model.layers.{n}.eh_proj.weight",
                 "norms": ("model.layers.{n}.shared_head.norm.weight",),
                 "copies": {"model.layers.{n}.embed_tokens.weight": "model.embed_tokens.weight",
-                           "model.layers.{n}.shared_head.head.weight": "lm_head.weight"}, "like": 2}}
+                           "model.layers.{n}.shared_head.head.weight": "lm_head.weight"}, "like": [2, 0]}}
 
 
 def _generic_mtp(job):
-    """The MTP layer saved in the family's layout (its decoder layer a copy of another random model's layer 0, which
-    HF's MtpModel builds it as), then loaded and run by transformers' own `MtpModel.from_pretrained`."""
+    """The config's MTP layers (`num_nextn_predict_layers`, else one) saved in the family's layout (each decoder layer
+    a copy of another random model's layer of the same kinds), then loaded and run by transformers' own
+    `MtpModel.from_pretrained`; layer j > 0 chained on layer j - 1's output (`logits_{i}_{j}`)."""
     import tempfile
 
     from safetensors.torch import load_file, save_file
@@ -529,25 +530,28 @@ def _generic_mtp(job):
     names = GENERIC_MTP[job["family"]]
     config = AutoConfig.for_model(job["family"], **job["config"]).get_text_config()
     L, D = config.num_hidden_layers, config.hidden_size
-    like = f"model.layers.{names['like']}."
-    with tempfile.TemporaryDirectory() as tmp:  # another random model, for the decoder layer's tensors
+    count = getattr(config, "num_nextn_predict_layers", None) or 1
+    offset = 0.0 if job["family"] == "step3p7" else 1.0  # Step-3.7's norms scale by (1 + w)
+    with tempfile.TemporaryDirectory() as tmp:  # another random model, for the decoder layers' tensors
         tiny_hf(dict(job, out=tmp, seed=job.get("seed", 0) + 1))
-        block = {k[len(like):]: v for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
-                 if k.startswith(like)}
+        other = load_file(os.path.join(tmp, "model.safetensors"))
     torch.manual_seed(job.get("seed", 0) + 2)
     path = os.path.join(job["out"], "model.safetensors")
     tensors = load_file(path)
-    tensors.update({names["block"].format(i=0, n=L) + k: v for k, v in block.items()})
-    for norm in (names["enorm"], names["hnorm"], *names["norms"]):
-        tensors[norm.format(i=0, n=L)] = torch.randn(D) * 0.1 + (0.0 if job["family"] == "step3p7" else 1.0)  # (1 + w)
-    tensors[names["eh_proj"].format(i=0, n=L)] = torch.randn(D, 2 * D) * (2 * D) ** -0.5
-    for copy, of in names["copies"].items():
-        tensors[copy.format(i=0, n=L)] = tensors[of].clone()
+    for i in range(count):
+        like = f"model.layers.{names['like'][i]}."
+        tensors.update({names["block"].format(i=i, n=L + i) + k[len(like):]: v.clone() for k, v in other.items()
+                        if k.startswith(like)})
+        for norm in (names["enorm"], names["hnorm"], *names["norms"]):
+            tensors[norm.format(i=i, n=L + i)] = torch.randn(D) * 0.1 + offset
+        tensors[names["eh_proj"].format(i=i, n=L + i)] = torch.randn(D, 2 * D) * (2 * D) ** -0.5
+        for copy, of in names["copies"].items():
+            tensors[copy.format(i=i, n=L + i)] = tensors[of].clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
     config_path = os.path.join(job["out"], "config.json")
     saved = json.load(open(config_path))
     text = saved.get("text_config", saved)
-    text["num_nextn_predict_layers"] = text.get("num_nextn_predict_layers") or 1
+    text["num_nextn_predict_layers"] = count
     json.dump(saved, open(config_path, "w"), indent=1)
 
     model = _load(job["out"]).double()
@@ -566,6 +570,10 @@ def _generic_mtp(job):
             hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
             h = module.forward_layer(0, hidden, torch.arange(T)[None], None, input_ids=ids[:, 1:])
             result[f"logits_{i}"] = module._project_to_logits(h)[0].numpy()
+            for j in range(1, count):  # at position p, h of layer j - 1 there and token p + 1 + j
+                n = T - j
+                h = module.forward_layer(j, h[:, :n], torch.arange(n)[None], None, input_ids=ids[:, 1 + j:])
+                result[f"logits_{i}_{j}"] = module._project_to_logits(h)[0].numpy()
     np.savez(job["reference"], **result)
 
 
