@@ -152,7 +152,7 @@ class Config(LayerTypes, llama.Config):
         if given is None and listed is None:
             given = default
         if given is None or len(given) != n:
-            refuse(mtp_key, given, f"must give num_nextn_predict_layers={n} kinds")
+            refuse(mtp_key, given, f"must give num_nextn_predict_layers={n} kinds (or convert with --no-mtp)")
         return tuple(given)
 
     @cached_property
@@ -162,7 +162,7 @@ class Config(LayerTypes, llama.Config):
         for kind in kinds:
             if kind != "full_attention":
                 refuse("mtp_layer_types", kind, "is not implemented for multi-token-prediction layers (known: "
-                       "full_attention)")
+                       "full_attention; convert with --no-mtp to leave them out)")
         return kinds
 
     @cached_property
