@@ -125,6 +125,13 @@ def _checkpoint_tensors(source: Any) -> tuple[int, dict[str, int]]:
 
 def _key_table(hf: dict, fam) -> list[dict]:
     """One row per config.json key; a vision-language config's `text_config` and `vision_config` key by key."""
+    if hf.get("model_type") in fam.config.COMPOSITE and isinstance(hf.get("text_config"), dict):
+        # The language model of a multimodal checkpoint: its keys are text_config's; the others describe the vision
+        # side, which conversion drops (tie_word_embeddings, also read from the outer config, is a field).
+        outer = {k: v for k, v in hf.items() if k != "text_config"}
+        rows = [dict(row, status="ignored", note="the vision side (dropped)") if row["status"] == "unknown" else row
+                for row in _keys(outer, fam.config)]
+        return rows + _keys(hf["text_config"], fam.config, "text_config.")
     rows = _keys(hf, fam.config)
     nested = getattr(fam.config, "VISION_CONFIG", None)
     if nested is not None:

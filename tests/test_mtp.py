@@ -1,9 +1,10 @@
-"""Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored
-as layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
-Qwen3-Next / Qwen3.5 style, `mtp.*`). Greedy tokens equal plain decoding's, the drafts the engine reads after each
-step are the MTP chain's over the verified tokens (its KV pages caught up over every kept token, rejected positions
-rewritten), and conversion keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that
-`check` lists and `load` reads only for speculative method "mtp".
+"""Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored as
+layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
+Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's and Step-3.7's, transformers' generic MTP layers, chained after
+their post-norm). Greedy tokens equal plain decoding's, the drafts the engine reads after each step are the MTP chain's
+over the verified tokens (its KV pages caught up over every kept token, rejected positions rewritten), and conversion
+keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads only
+for speculative method "mtp".
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flax import nnx
 from day0jax import models
 from day0jax.engine.config import EngineConfig, SpeculativeConfig
 from day0jax.engine.engine import Engine
+from families import FAMILIES
 from sharding.mesh import make_mesh
 from test_engine_paged import PROMPTS, cache_less_greedy, greedy
 from test_speculative import QWEN3_NEXT, Oracle, collect
@@ -43,6 +45,28 @@ QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, interm
                max_position_embeddings=CONTEXT, layer_types=["linear_attention", "full_attention"],
                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
                mtp_num_hidden_layers=1)
+
+# ERNIE 4.5 MoE: transformers' generic MTP layer (its post-norm the model's final norm), its decoder layer built as
+# layer 0 is: an MoE here (start index 0), with shared experts, biases and the routing bias; lm_head has a bias.
+ERNIE = dict(model_type="ernie4_5_moe", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT,
+             moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=0,
+             use_bias=True, tie_word_embeddings=False, rope_theta=100.0, num_nextn_predict_layers=1)
+# Step-3.7 (tests/families.py's, sliding layer 1 with more heads than the full ones): two MTP layers, their kinds given
+# by the per-layer lists' trailing entries as StepFun's configs give them, full attention (num_attention_heads), the
+# first an MoE, the second dense, each with the clamps of the main layer of its index (biting), and a post-norm of
+# its own; the second is chained on the first's output after that norm.
+_STEP = FAMILIES["step3p7"][1]
+STEP3P7 = dict(_STEP, model_type="step3p7", text_config=dict(
+    _STEP["text_config"], num_nextn_predict_layers=2, swiglu_limits=[0.7, 0.5, 0.8],
+    layer_types=[*_STEP["text_config"]["layer_types"], "full_attention", "full_attention"],
+    mlp_layer_types=[*_STEP["text_config"]["mlp_layer_types"], "sparse", "dense"]))
+# Its first MTP layer alone, drafting k tokens by chaining on itself: the engine catches up only the first MTP layer's
+# KV pages over every kept token (a later layer's pages hold the positions it drafted), so the draft check below,
+# against the cache-less chain, holds for one layer.
+STEP3P7_ONE = dict(STEP3P7, text_config=dict(
+    STEP3P7["text_config"], num_nextn_predict_layers=1, layer_types=STEP3P7["text_config"]["layer_types"][:4],
+    mlp_layer_types=STEP3P7["text_config"]["mlp_layer_types"][:4]))
 
 
 def build(hf: dict):
@@ -81,8 +105,9 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
-                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1)],
-                         ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1"])
+                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7_ONE, 2)],
+                         ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
+                              "ernie4_5_moe-k2", "step3p7-k2"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
@@ -125,13 +150,14 @@ def test_mtp_drafts_and_greedy_tokens(hf, k):
 MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in range(12)]]
 HF_CONFIGS = {hf["model_type"]: {k: v for k, v in hf.items() if k not in ("model_type", "num_nextn_predict_layers",
                                                                          "mtp_num_hidden_layers")}
-              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA)}
+              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE, STEP3P7)}
 
 
 @pytest.fixture(scope="module")
 def mtp_checkpoints(tmp_path_factory):
-    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2 and GLM-5 folders with one MTP layer each in their
-    checkpoints' layouts, and the reference MTP logits (float64; the decoder layer transformers' own)."""
+    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2, GLM-5, ERNIE 4.5 MoE and Step-3.7 folders with one MTP layer
+    each in their checkpoints' layouts, and the reference MTP logits (float64; the decoder layer transformers' own,
+    ERNIE's and Step-3.7's whole MTP layer)."""
     from conftest import run_reference
 
     root = tmp_path_factory.mktemp("mtp")
@@ -162,9 +188,10 @@ def test_mtp_layers_convert_load_and_match_the_reference(mtp_checkpoints, family
     for path in (hf, ckpt):
         report = check(path, dtype="float32")
         assert report.supported, report.reasons
-        assert report.mtp["layers"] == 1 and report.mtp["parameters"] > 0
-        L = HF_CONFIGS[family]["num_hidden_layers"]
-        assert any(str(L) in str(row["layers"]) for row in report.ops if "attention" in row["op"])  # 0-L
+        assert report.mtp["layers"] == (2 if family == "step3p7" else 1) and report.mtp["parameters"] > 0
+        L = HF_CONFIGS[family].get("text_config", HF_CONFIGS[family])["num_hidden_layers"]
+        last = L + report.mtp["layers"] - 1
+        assert any(str(last) in str(row["layers"]) for row in report.ops if "attention" in row["op"])  # 0-last
     engine = EngineConfig(max_num_seqs=1, chunk_buckets=(32,), max_model_len=64, min_width=64)
     load = lambda path, **kw: day0jax.load(path, dtype="float32", kernels="reference",  # noqa: E731
                                            engine=dataclasses.replace(engine, **kw))
@@ -182,3 +209,17 @@ def test_mtp_layers_convert_load_and_match_the_reference(mtp_checkpoints, family
         h, _ = module.mtp_step(0, ids[:, 1:], hidden[:, :T], jnp.arange(T, dtype=jnp.int32)[None])
         ours, ref = np.asarray(module.mtp_logits(0, h))[0], reference[f"logits_{i}"]
         assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max(), (i, np.abs(ours - ref).max())
+        for j in range(1, module.mtp_layers):  # chained: layer j on layer j - 1's output and the token after next
+            n = T - j
+            h, _ = module.mtp_step(j, ids[:, 1 + j:], module.mtp_chained(j - 1, h)[:, :n],
+                                   jnp.arange(n, dtype=jnp.int32)[None])
+            ours, ref = np.asarray(module.mtp_logits(j, h))[0], reference[f"logits_{i}_{j}"]
+            assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max(), (i, j, np.abs(ours - ref).max())
+
+
+def test_ernie_refuses_more_than_one_mtp_layer():
+    """HF's ERNIE 4.5 MoE runs a single MTP layer (its config refuses more); so does ours, by name."""
+    from day0jax.core.errors import UnsupportedArchitecture
+
+    with pytest.raises(UnsupportedArchitecture, match="num_nextn_predict_layers"):
+        models.config_from_hf(dict(ERNIE, num_nextn_predict_layers=2))

@@ -13,6 +13,11 @@ h and t (as vLLM and SGLang chain them). Two layouts in released checkpoints:
 - `FusedMTP`, Qwen3-Next and Qwen3.5 style (`mtp.`): `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`,
   decoder layers `layers.{i}` and one final `norm`, applied to h' before it is chained.
 
+- `MtpStack`, transformers' own generic MTP layer (`modeling_layers.MtpLayer`): h' is the decoder layer's output
+  after a post-norm, chained as it is (not before it, as `NextNStack` chains). ERNIE 4.5 MoE stores its parts as
+  `mtp_emb_norm.{i}`, `mtp_hidden_norm.{i}`, `mtp_linear_proj.{i}`, `mtp_block.{i}` (the post-norm the model's final
+  norm); Step-3.7 as DeepSeek-V3 does (`model.layers.{L + i}.`, the post-norm `shared_head.norm`).
+
 h is the model's final hidden state, after its last norm (what the inference engines hand their MTP modules).
 """
 
@@ -106,3 +111,47 @@ class FusedMTP(nnx.Module):
         if index == 0:  # the shared input projection's norms and the final norm, counted once
             calls += self.pre_fc_norm_embedding.op_calls() + self.pre_fc_norm_hidden.op_calls() + self.norm.op_calls()
         return calls
+
+
+class MtpLayer(nnx.Module):
+    """transformers' generic MTP layer: `enorm`, `hnorm`, `eh_proj` (no bias), the decoder layer `mtp_block` and,
+    with `post_norm`, a post-norm of its own (else the model passes its own to `MtpStack.step`)."""
+
+    def __init__(self, mtp_block: nnx.Module, make_norm, hidden_size: int, *, post_norm: bool = False, dtype,
+                 rngs: nnx.Rngs):
+        D = hidden_size
+        self.enorm, self.hnorm = make_norm(D, dtype=dtype, rngs=rngs), make_norm(D, dtype=dtype, rngs=rngs)
+        self.eh_proj = Linear((2 * D,), (D,), (None, "embed"), dtype=dtype, rngs=rngs)
+        self.mtp_block = mtp_block
+        self.post_norm = make_norm(D, dtype=dtype, rngs=rngs) if post_norm else None
+
+
+class MtpStack(nnx.Module):
+    """transformers' `MtpModel` layers (`layers.{i}`): h' = post_norm(mtp_block(eh_proj([enorm(e) ; hnorm(h)]))),
+    the head reading h' and the next layer taking it. A layer without a post-norm of its own takes the model's, passed
+    to `step` (ERNIE 4.5's is the model's final norm, shared)."""
+
+    def __init__(self, layers: list[MtpLayer]):
+        self.layers = nnx.List(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def step(self, index: int, embeds: jax.Array, hidden: jax.Array, positions: jax.Array, rope_tables: dict,
+             cache=None, *, post_norm=None):
+        """embeds, hidden [B, T, D] -> (post-normed h' [B, T, D], cache)."""
+        m = self.layers[index]
+        x = m.eh_proj(jnp.concatenate([m.enorm(embeds), m.hnorm(hidden.astype(embeds.dtype))], axis=-1))
+        h, cache = m.mtp_block(x, positions, rope_tables, cache)
+        return (m.post_norm if m.post_norm is not None else post_norm)(h), cache
+
+    def head_input(self, index: int, h: jax.Array) -> jax.Array:
+        return h  # normed in `step`
+
+    def chained(self, index: int, h: jax.Array) -> jax.Array:
+        return h
+
+    def op_calls(self, index: int) -> list[OpCall]:
+        m = self.layers[index]
+        own = m.post_norm.op_calls() if m.post_norm is not None else []
+        return m.mtp_block.op_calls() + m.enorm.op_calls() + m.hnorm.op_calls() + own

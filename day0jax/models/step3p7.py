@@ -7,7 +7,9 @@ projections after the activation; (1 + w) RMSNorms. HF reference: transformers/m
 
 Checkpoints keep StepFun's names: the experts stacked as `moe.gate_proj` / `up_proj` [E, F, D] and `down_proj`
 [E, D, F], the router `moe.gate` with its `moe.router_bias`, the shared expert `share_expert` beside `moe`; see
-`hf_source`. Multi-token-prediction layers (the layers past num_hidden_layers) are dropped.
+`hf_source`. Multi-token-prediction layers (`model.layers.{L + i}`, speculative method "mtp") are transformers' generic
+ones: enorm, hnorm, eh_proj, a decoder layer built as HF's MTP config builds layer i (its kinds from `mtp_layer_types`
+and `mtp_mlp_layer_types`, all heads full, layer i's clamps) and `shared_head.norm` as its post-norm, chained after it.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ from functools import cached_property
 from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import Attention, OutputGate
 from day0jax.layers.mlp import GatedMLP
+from day0jax.layers.mtp import MtpLayer, MtpStack
 from day0jax.layers.moe import Experts, MoE, Router, limited_swiglu, swiglu
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import rope_parameters
 from day0jax.models import llama
-from day0jax.models.base import LayerTypes, LocalRope, vision_dropped
+from day0jax.models.base import DecoderLayer, LayerTypes, LocalRope, nextn_dropped, nextn_tensors, vision_dropped
 from day0jax.models.contract import Family
 
 KINDS = ("full_attention", "sliding_attention")
@@ -138,6 +142,44 @@ class Config(LayerTypes, llama.Config):
                 refuse("num_sliding_attention_heads", n, f"is not a multiple of num_key_value_heads={self.kv_heads}")
         return tuple(heads)
 
+    def _mtp_kinds(self, key: str, mtp_key: str, default) -> tuple[str, ...]:
+        # HF splits them off the per-layer list's trailing entries; without either it builds defaults only where
+        # the per-layer list is absent too (else its MTP config refuses as ambiguous).
+        L, n = self.num_hidden_layers, self.num_nextn_predict_layers
+        given, listed = getattr(self, mtp_key), getattr(self, key)
+        if given is None and listed is not None and len(listed) == L + n:
+            given = listed[L:]
+        if given is None and listed is None:
+            given = default
+        if given is None or len(given) != n:
+            refuse(mtp_key, given, f"must give num_nextn_predict_layers={n} kinds (or convert with --no-mtp)")
+        return tuple(given)
+
+    @cached_property
+    def mtp_kinds(self) -> tuple[str, ...]:
+        """Each MTP layer's attention kind (only full attention is implemented)."""
+        kinds = self._mtp_kinds("layer_types", "mtp_layer_types", ["full_attention"] * self.num_nextn_predict_layers)
+        for kind in kinds:
+            if kind != "full_attention":
+                refuse("mtp_layer_types", kind, "is not implemented for multi-token-prediction layers (known: "
+                       "full_attention; convert with --no-mtp to leave them out)")
+        return kinds
+
+    @cached_property
+    def mtp_mlp_kinds(self) -> tuple[str, ...]:
+        """Each MTP layer's MLP: HF's list, or StepFun's `moe_layers_enum` over the layers past the last (its default,
+        MoE from layer 3 to the last, makes them dense)."""
+        L, n = self.num_hidden_layers, self.num_nextn_predict_layers
+        enum = self.moe_layers_enum
+        items = enum.split(",") if isinstance(enum, str) else enum
+        moe = {int(i) for i in items if str(i).strip()} if items is not None else set(range(3, L))
+        kinds = self._mtp_kinds("mlp_layer_types", "mtp_mlp_layer_types",
+                                ["sparse" if L + i in moe else "dense" for i in range(n)])
+        for kind in kinds:
+            if kind not in ("dense", "sparse"):
+                refuse("mtp_mlp_layer_types", kind, "is not implemented (known: dense, sparse)")
+        return kinds
+
     def limit(self, key: str, index: int) -> float | None:
         """Layer `index`'s clamp from `swiglu_limits` or `swiglu_limits_shared` (None: no clamp, also for 0)."""
         limits = getattr(self, key)
@@ -182,18 +224,44 @@ class Model(LocalRope, llama.Model):
 
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> Attention:
         c = self.config
+        return self._attention(c.layer_heads[index], self.layer_rope(index), c.layer_window(index), dtype=dtype,
+                               rngs=rngs)
+
+    def _attention(self, heads: int, rope, window: int | None, *, dtype, rngs: nnx.Rngs) -> Attention:
+        c = self.config
         per_head = c.gating in (True, "per-head")
-        return Attention(hidden_size=c.hidden_size, num_heads=c.layer_heads[index], num_kv_heads=c.kv_heads,
-                         head_dim=c.head_size, rope=self.layer_rope(index), qkv_bias=c.attention_bias,
+        return Attention(hidden_size=c.hidden_size, num_heads=heads, num_kv_heads=c.kv_heads,
+                         head_dim=c.head_size, rope=rope, qkv_bias=c.attention_bias,
                          o_bias=c.attention_bias, qk_norm_eps=c.rms_norm_eps, qk_norm_offset=1.0,
-                         gate=OutputGate("g_proj", per_head=per_head), sliding_window=c.layer_window(index),
+                         gate=OutputGate("g_proj", per_head=per_head), sliding_window=window,
                          scale=c.softmax_scale, dtype=dtype, rngs=rngs)
 
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> MtpStack:
+        """HF's MTP config builds MTP layer i as layer i with `mtp_layer_types` and `mtp_mlp_layer_types` for its
+        kinds, no per-layer head counts (num_attention_heads) and layer i's clamps."""
+        c = self.config
+        if not c.num_nextn_predict_layers:
+            raise UnsupportedArchitecture("this step3p7 config declares no multi-token-prediction layers")
+        D, layers = c.hidden_size, []
+        for i in range(c.num_nextn_predict_layers):
+            block = DecoderLayer(self._attention(c.num_attention_heads, self.rope, None, dtype=dtype, rngs=rngs),
+                                 self._mlp(c.mtp_mlp_kinds[i], i, dtype=dtype, rngs=rngs),
+                                 self.make_norm(D, dtype=dtype, rngs=rngs), self.make_norm(D, dtype=dtype, rngs=rngs))
+            layers.append(MtpLayer(block, self.make_norm, D, post_norm=True, dtype=dtype, rngs=rngs))
+        return MtpStack(layers)
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        c = self.config
+        return [KVLayer(c.kv_heads, c.head_size, c.head_size)] * self.mtp_layers
+
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        return self._mlp(self.config.mlp_kinds[index], index, dtype=dtype, rngs=rngs)
+
+    def _mlp(self, kind: str, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
         D, shared_limit = c.hidden_size, c.limit("swiglu_limits_shared", index)
         # HF's dense layers read the shared expert's clamps too.
-        if c.mlp_kinds[index] == "dense":
+        if kind == "dense":
             return GatedMLP(D, c.intermediate_size, "silu", limit=shared_limit, dtype=dtype, rngs=rngs)
         limit = c.limit("swiglu_limits", index)
         return MoE(Router(D, c.n_routed_experts, c.num_experts_per_tok, routing="sigmoid_grouped",
@@ -215,8 +283,15 @@ class Model(LocalRope, llama.Model):
 def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
     """StepFun's MoE names: experts stacked [E, out, in] under `moe`, the router's bias `moe.router_bias`, the
     shared expert `share_expert` beside the MoE."""
+    L = config.num_hidden_layers
+    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(mtp_block\.|post_norm\.)?(.*)", path)
+    if mtp:  # `model.layers.{L + i}.`: the decoder layer's tensors beside enorm, hnorm, eh_proj, shared_head.norm
+        name = {"mtp_block.": mtp[3], "post_norm.": "shared_head.norm." + mtp[3]}.get(mtp[2] or "", mtp[3])
+        renamed = f"model.layers.{L + int(mtp[1])}.{name}"
+        return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.(.*)", path)
-    if not m or config.mlp_kinds[int(m[1].rsplit(".", 1)[1])] == "dense":
+    index = int(m[1].rsplit(".", 1)[1]) if m else 0
+    if not m or (config.mlp_kinds[index] if index < L else config.mtp_mlp_kinds[index - L]) == "dense":
         return None
     layer, name = m.groups()
     experts = re.fullmatch(r"experts\.(gate_proj|up_proj|down_proj)", name)
@@ -232,14 +307,12 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
 
 
 def dropped(config: Config) -> dict[str, str]:
-    """The vision tower and projector of the multimodal checkpoint; the MTP layers past num_hidden_layers."""
+    """The vision tower and projector of the multimodal checkpoint; the MTP layers' copies of the embedding and the
+    head, and the layers themselves where the model is built without them."""
     out = vision_dropped(config, r"vision_model\..*", r"vit_large_projector\..*")
-    L, n = config.num_hidden_layers, config.num_nextn_predict_layers
-    if n:
-        layers = "|".join(str(i) for i in range(L, L + n))
-        out[rf"model\.layers\.({layers})\..*"] = "multi-token prediction layers (used for speculation, not decoding)"
-    return out
+    return {**out, **nextn_dropped(config, config.num_nextn_predict_layers)}
 
 
 FAMILY = Family(model_types=("step3p7", "step3p5"), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=dropped, hf_source=hf_source)
+                dropped_for=dropped, hf_source=hf_source,
+                mtp=lambda c: nextn_tensors(c, c.num_nextn_predict_layers))

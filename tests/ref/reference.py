@@ -31,10 +31,11 @@ Jobs (each a dict with "op"):
                multi-token-prediction layer in the checkpoint's own layout (DeepSeek-V3's, DeepSeek-V3.2's and
                GLM-5's `model.layers.{L}.` with enorm, hnorm, eh_proj, shared_head and its copies of the embedding
                and head, the decoder layer an MoE with its own indexer where the family has one; Qwen3-Next's
-               `mtp.`), random;
+               `mtp.`; ERNIE 4.5 MoE's `mtp_block.0` and its norms and projection), random;
                REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
                layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
-               transformers' own (float64), the rest written out here.
+               transformers' own (float64), the rest written out here; for ERNIE 4.5 MoE the whole MTP layer
+               transformers' own (`MtpModel.from_pretrained`, reading the checkpoint).
   mamba2       {inputs, out}: transformers' own torch functions of Mamba2 layers (NemotronH's module; Falcon-H1's and
                Granite 4's are the same code) on the arrays of the INPUTS .npz, layouts as day0jax's: x [B, T, N, H],
                dt [B, T, N], A, D, dt_bias [N], b, c [B, T, G, Z], state [B, N, H, Z], `chunk` and `limit` [2].
@@ -500,12 +501,90 @@ def gdn(job):
     np.savez(job["out"], **result)
 
 
+# Families whose MTP layer is transformers' generic one (`modeling_layers.MtpModel`): the checkpoint names of its
+# parts (`{i}`: the MTP layer's index, `{n}` the same past the last layer; the decoder layer's own tensors under
+# `block`; `norms` and `copies` the post-norm and the copies of the embedding and head where the layer has them),
+# and per MTP layer the main layer whose tensors fit the decoder layer HF's MTP config builds.
+GENERIC_MTP = {
+    "ernie4_5_moe": {"block": "model.mtp_block.{i}.", "enorm": "model.mtp_emb_norm.{i}.weight",
+                     "hnorm": "model.mtp_hidden_norm.{i}.weight", "eh_proj": "model.mtp_linear_proj.{i}.weight",
+                     "norms": (), "copies": {}, "like": [0]},
+    "step3p7": {"block": "model.layers.{n}.", "enorm": "model.layers.{n}.enorm.weight",
+                "hnorm": "model.layers.{n}.hnorm.weight", "eh_proj": "model.layers.{n}.eh_proj.weight",
+                "norms": ("model.layers.{n}.shared_head.norm.weight",),
+                "copies": {"model.layers.{n}.embed_tokens.weight": "model.embed_tokens.weight",
+                           "model.layers.{n}.shared_head.head.weight": "lm_head.weight"}, "like": [2, 0]}}
+
+
+def _generic_mtp(job):
+    """The config's MTP layers (`num_nextn_predict_layers`, else one) saved in the family's layout (each decoder layer
+    a copy of another random model's layer of the same kinds), then loaded and run by transformers' own
+    `MtpModel.from_pretrained`; layer j > 0 chained on layer j - 1's output (`logits_{i}_{j}`)."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+    from transformers.modeling_layers import MtpModel
+
+    tiny_hf(job)
+    names = GENERIC_MTP[job["family"]]
+    config = AutoConfig.for_model(job["family"], **job["config"]).get_text_config()
+    L, D = config.num_hidden_layers, config.hidden_size
+    count = getattr(config, "num_nextn_predict_layers", None) or 1
+    offset = 0.0 if job["family"] == "step3p7" else 1.0  # Step-3.7's norms scale by (1 + w)
+    with tempfile.TemporaryDirectory() as tmp:  # another random model, for the decoder layers' tensors
+        tiny_hf(dict(job, out=tmp, seed=job.get("seed", 0) + 1))
+        other = load_file(os.path.join(tmp, "model.safetensors"))
+    torch.manual_seed(job.get("seed", 0) + 2)
+    path = os.path.join(job["out"], "model.safetensors")
+    tensors = load_file(path)
+    for i in range(count):
+        like = f"model.layers.{names['like'][i]}."
+        tensors.update({names["block"].format(i=i, n=L + i) + k[len(like):]: v.clone() for k, v in other.items()
+                        if k.startswith(like)})
+        for norm in (names["enorm"], names["hnorm"], *names["norms"]):
+            tensors[norm.format(i=i, n=L + i)] = torch.randn(D) * 0.1 + offset
+        tensors[names["eh_proj"].format(i=i, n=L + i)] = torch.randn(D, 2 * D) * (2 * D) ** -0.5
+        for copy, of in names["copies"].items():
+            tensors[copy.format(i=i, n=L + i)] = tensors[of].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    config_path = os.path.join(job["out"], "config.json")
+    saved = json.load(open(config_path))
+    text = saved.get("text_config", saved)
+    text["num_nextn_predict_layers"] = count
+    json.dump(saved, open(config_path, "w"), indent=1)
+
+    model = _load(job["out"]).double()
+    for c in (model.config, model.config.get_text_config()):
+        c._attn_implementation = c._experts_implementation = "eager"
+    # The head is the main model's (retied after loading), whose bias (ERNIE's use_bias) MtpModel's list of shared
+    # tensors forgets. (A subclass would lose MtpModel's weight conversions, which are looked up by class name.)
+    if "shared_head.bias" not in MtpModel._keys_to_ignore_on_load_missing:
+        MtpModel._keys_to_ignore_on_load_missing = [*MtpModel._keys_to_ignore_on_load_missing, "shared_head.bias"]
+    module = MtpModel.from_pretrained(model).double().eval()  # raises on any MTP tensor it cannot find
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids = torch.tensor([prompt])
+            T = len(prompt) - 1
+            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
+            h = module.forward_layer(0, hidden, torch.arange(T)[None], None, input_ids=ids[:, 1:])
+            result[f"logits_{i}"] = module._project_to_logits(h)[0].numpy()
+            for j in range(1, count):  # at position p, h of layer j - 1 there and token p + 1 + j
+                n = T - j
+                h = module.forward_layer(j, h[:, :n], torch.arange(n)[None], None, input_ids=ids[:, 1 + j:])
+                result[f"logits_{i}_{j}"] = module._project_to_logits(h)[0].numpy()
+    np.savez(job["reference"], **result)
+
+
 def mtp(job):
     import copy
     import importlib
 
     from safetensors.torch import load_file, save_file
 
+    if job["family"] in GENERIC_MTP:
+        return _generic_mtp(job)
     tiny_hf(job)
     family = job["family"]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -583,7 +662,7 @@ def mtp(job):
         for i, prompt in enumerate(job["prompts"]):
             ids = torch.tensor([prompt])
             T = len(prompt) - 1
-            hidden = model.model(ids).last_hidden_state[:, :T]
+            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
             embeds = model.model.embed_tokens(ids[:, 1:])
             if deepseek:
                 x = torch.cat([rms(embeds, extra[prefix + "enorm.weight"]),
