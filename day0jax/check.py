@@ -125,7 +125,7 @@ def _checkpoint_tensors(source: Any) -> tuple[int, dict[str, int]]:
 
 def _key_table(hf: dict, fam) -> list[dict]:
     """One row per config.json key; a vision-language config's `text_config` and `vision_config` key by key."""
-    if hf.get("model_type") in fam.config.COMPOSITE and isinstance(hf.get("text_config"), dict):
+    if hf.get("model_type") in getattr(fam.config, "COMPOSITE", ()) and isinstance(hf.get("text_config"), dict):
         # The language model of a multimodal checkpoint: its keys are text_config's; the others describe the vision
         # side, which conversion drops (tie_word_embeddings, also read from the outer config, is a field).
         outer = {k: v for k, v in hf.items() if k != "text_config"}

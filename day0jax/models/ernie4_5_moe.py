@@ -51,7 +51,7 @@ class Config(ernie4_5.Config):
     moe_gate_act: str = "softmax"
     use_rmsnorm: bool = True
     moe_capacity: list | None = None            # token capacity per expert, a training-time limit
-    num_nextn_predict_layers: int = 0           # multi-token-prediction layers (speculative method "mtp"; at most 1)
+    num_nextn_predict_layers: int | None = None  # multi-token-prediction layers ("mtp" speculation; None, 0 or 1)
     multi_token_pred_lambda: float | None = None  # their training loss weight
     model_type: str = "ernie4_5_moe"
 
@@ -64,8 +64,8 @@ class Config(ernie4_5.Config):
         self._refuse_if("moe_k", lambda v: not 1 <= v <= self.moe_num_experts,
                         f"must be in 1..moe_num_experts={self.moe_num_experts}")
         self._refuse_if("moe_layer_interval", lambda v: v < 1, "must be at least 1")
-        self._refuse_if("num_nextn_predict_layers", lambda v: v > 1, "must be 0 or 1 (HF's ERNIE 4.5 MoE runs a "
-                        "single multi-token-prediction layer)")
+        self._refuse_if("num_nextn_predict_layers", lambda v: (v or 0) > 1,
+                        "must be 0 or 1 (HF's ERNIE 4.5 MoE runs a single multi-token-prediction layer)")
         # HF's router always applies a softmax and its layers always RMSNorm, whatever these say.
         self._refuse_if("moe_gate_act", lambda v: v != "softmax", "is not implemented (HF's router is a softmax)")
         self._refuse_if("use_rmsnorm", lambda v: not v, "is not implemented (HF's layers use RMSNorm)")
