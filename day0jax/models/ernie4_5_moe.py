@@ -9,12 +9,11 @@ HF reference: transformers/models/ernie4_5_moe/modeling_ernie4_5_moe.py."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 from flax import nnx
-
-import re
 
 from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_tensors import Source, default_source, same
