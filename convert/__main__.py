@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-mtp", action="store_true",
                         help="leave out the multi-token-prediction layers a checkpoint ships (kept by default: "
                              "speculative decoding's 'mtp' proposer runs them)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="threads writing, hashing and syncing the checkpoint's files (default: the cores + 1, "
+                             "2 to 8)")
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it is a day0jax checkpoint or an empty folder")
     parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")
@@ -48,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.src is None or args.dst is None:
             parser.error("SRC and DST are required (or --verify DST)")
+        if args.workers is not None and args.workers < 1:
+            parser.error("--workers must be at least 1")
         if args.group_size is not None and not args.quantize:
             parser.error("--group-size needs --quantize")
         options = Options(dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
-                          dequantize=args.dequantize, no_mtp=args.no_mtp)
+                          dequantize=args.dequantize, no_mtp=args.no_mtp, workers=args.workers)
         print(convert_checkpoint(args.src, args.dst, force=args.force, progress=not args.quiet, options=options))
         return 0
     except Day0Error as e:

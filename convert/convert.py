@@ -110,6 +110,7 @@ class Options:
     group_size: int | None = None
     dequantize: bool = False
     no_mtp: bool = False  # drop the multi-token-prediction layers (kept by default, where the source has them)
+    workers: int | None = None  # threads writing the checkpoint (default: `writer.default_workers()`)
 
 
 @dataclass(frozen=True)
@@ -204,10 +205,12 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         log.info("%s", plan.quant.summary())
     shapes = {path: info.shape for path, info in plan.stored.items()}
 
-    # Once a group is on disk its source pages are released, so resident memory stays near two groups whatever the
-    # model's size; source hashes are computed on the side meanwhile (hashlib releases the GIL).
+    # Once a group's worth is on disk the source pages are released, so resident memory stays near the writer's
+    # pending bytes whatever the model's size; source hashes are computed on the side meanwhile (hashlib releases
+    # the GIL).
     with concurrent.futures.ThreadPoolExecutor(1) as hasher, \
-            CheckpointWriter(Path(dst), force=force, on_saved=source.release) as writer:
+            CheckpointWriter(Path(dst), force=force, on_saved=source.release,
+                             workers=options.workers) as writer:
         hashes = {p.name: hasher.submit(sha256_file, p) for p in source.source_files()}
         bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)

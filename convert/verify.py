@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from convert.writer import sha256_file
+from day0jax.core.errors import CheckpointError
 from day0jax.weights import checkpoint
+from day0jax.weights.stream import StoredArray
 
 
 def verify_checkpoint(path: Path) -> list[str]:
@@ -30,23 +32,15 @@ def verify_checkpoint(path: Path) -> list[str]:
 
 
 def _check_shapes(path: Path, manifest: dict) -> list[str]:
-    """Compares each group's Orbax metadata with the manifest's shapes and dtypes."""
-    import orbax.checkpoint as ocp
-
+    """Compares each stored array's header with the manifest's shape and dtype."""
     problems = []
-    for group, names in checkpoint.groups(manifest).items():
-        folder = checkpoint.group_dir(group)
+    for name, p in manifest["params"].items():
         try:
-            meta = ocp.PyTreeCheckpointer().metadata(path / folder)
-        except Exception as e:  # orbax raises many types for unreadable metadata
-            problems.append(f"{path / folder}: unreadable Orbax metadata ({e})")
+            stored = StoredArray.open(path / checkpoint.group_dir(p["group"]) / name)
+        except CheckpointError as e:
+            problems.append(str(e))
             continue
-        stored = checkpoint.flatten(meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta)
-        for name in names:
-            m, p = stored.get(name), manifest["params"][name]
-            if m is None:
-                problems.append(f"parameter {name}: missing from {folder}")
-            elif list(m.shape) != p["shape"] or str(m.dtype) != p["dtype"]:
-                problems.append(f"parameter {name}: stored {tuple(m.shape)} {m.dtype}, manifest says "
-                                f"{tuple(p['shape'])} {p['dtype']}")
+        if list(stored.shape) != p["shape"] or str(stored.dtype) != p["dtype"]:
+            problems.append(f"parameter {name}: stored {stored.shape} {stored.dtype}, manifest says "
+                            f"{tuple(p['shape'])} {p['dtype']}")
     return problems

@@ -1,4 +1,10 @@
-"""Writes a checkpoint folder atomically, streaming parameters into Orbax groups of bounded size.
+"""Writes a checkpoint folder atomically, streaming parameters into zarr arrays written by a pool of workers.
+
+Each parameter is a zarr (v2) array under `params/NNNN/<name>/`: a `.zarray` header and raw, uncompressed C-order
+chunk files of at most `CHUNK_BYTES`, cut along the first axes (so a chunk is one contiguous range of the array,
+written with one call and read back with one: `day0jax/weights/stream.py`). Groups `NNNN` of about `GROUP_BYTES`
+keep folders small. Workers write, hash (the manifest's sha256) and fsync each array's files while the caller
+prepares the next ones, with at most `PENDING_BYTES` of parameters waiting.
 
 Everything goes into a hidden temporary folder beside the destination, renamed into place once complete: a killed
 conversion leaves only the temporary folder, which the next conversion into the same place removes. With --force
@@ -10,10 +16,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 import json
-import logging
+import math
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -23,22 +31,32 @@ import numpy as np
 from day0jax.core.errors import CheckpointError
 from day0jax.weights import checkpoint
 
-GROUP_BYTES = 128 << 20  # parameters per Orbax save: the converter holds about three groups' worth at once
-# Storage chunk target: large arrays are split (largest dimension first) so a device reads little beyond its
-# slice. Orbax's `shard_axes` is not used: it splits those axes down to size 1, making thousands of tiny chunks.
-CHUNK_BYTES = 16 << 20
+GROUP_BYTES = 128 << 20  # parameters per params/NNNN folder
+CHUNK_BYTES = 16 << 20  # a chunk file at most (a device reads whole chunks: small enough to read little beyond)
+PENDING_BYTES = 384 << 20  # parameters handed to the workers and not yet on disk, at most (one larger goes alone)
 
 
-# Orbax 0.12 tries to merge OCDBT files after every save, even with OCDBT off, and warns each time.
-logging.getLogger("absl").addFilter(lambda record: "Skipping merge of OCDBT checkpoints" not in str(record.msg))
+def default_workers() -> int:
+    """Writer threads: writes, hashing and fsync release the GIL; one more than the cores keeps the disk busy."""
+    return max(2, min(8, (os.cpu_count() or 1) + 1))
 
 
-def _checkpointer():
-    import orbax.checkpoint as ocp
+def chunk_cut(shape: tuple[int, ...], itemsize: int, limit: int | None = None) -> tuple[int, int]:
+    """Where chunks cut an array of `shape`: (axis, rows). Chunks take one index of every axis before `axis`,
+    `rows` indices of `axis` (as many as fit in `limit` bytes, default `CHUNK_BYTES`) and whole later axes, so every
+    chunk is a contiguous range of the C-order array."""
+    limit = CHUNK_BYTES if limit is None else limit
+    for axis in range(len(shape)):
+        inner = math.prod(shape[axis + 1:]) * itemsize  # bytes of one index along `axis`
+        if inner <= limit or axis == len(shape) - 1:
+            return axis, max(1, min(shape[axis], limit // max(inner, 1)))
+    raise ValueError("a scalar has no chunks to cut")
 
-    # Weights barely compress; zstd would only cost time. Plain zarr chunk files instead of the OCDBT database:
-    # measured 250 against 187 MB/s saving 268 MB of bf16 here, and readers still fetch only their chunks.
-    return ocp.PyTreeCheckpointer(use_compression=False, use_ocdbt=False)
+
+def _zarr_dtype(dtype: np.dtype) -> str:
+    # numpy's own string for standard types ('<f4', '|i1'); bfloat16 and the float8 kinds by name, as tensorstore's
+    # zarr driver writes them.
+    return dtype.str if dtype.kind in "biuf" and dtype.name in np.sctypeDict else dtype.name
 
 
 def _replaceable(path: Path) -> bool:
@@ -63,9 +81,11 @@ class CheckpointWriter:
     Raises:
         CheckpointError: the destination exists (without `force`, or with it but is neither a checkpoint nor an
             empty folder) or cannot be written.
+        OSError: a write failed on a worker (a full disk, say): raised by the next `add`, `flush` or `commit`.
     """
 
-    def __init__(self, dst: Path, *, force: bool = False, on_saved: Callable[[], None] | None = None):
+    def __init__(self, dst: Path, *, force: bool = False, on_saved: Callable[[], None] | None = None,
+                 workers: int | None = None):
         self.dst = Path(dst).absolute()
         for old in self.dst.parent.glob(f".{self.dst.name}.old-*"):
             if self.dst.exists():  # a replaced output that a crash kept from being deleted
@@ -79,6 +99,8 @@ class CheckpointWriter:
             raise CheckpointError(f"{self.dst}: --force replaces only a day0jax checkpoint folder (one with "
                                   f"{checkpoint.MANIFEST}) or an empty folder, and this is neither; remove it yourself "
                                   "or choose another destination")
+        if workers is not None and workers < 1:
+            raise CheckpointError(f"--workers must be at least 1, got {workers}")
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         for stale in self.dst.parent.glob(f".{self.dst.name}.tmp-*"):
             pid = stale.name.rsplit("-", 2)[-2]
@@ -87,78 +109,131 @@ class CheckpointWriter:
         self.tmp = self.dst.parent / f".{self.dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
         (self.tmp / checkpoint.PARAMS_DIR).mkdir()
-        self._pending: dict[str, np.ndarray] = {}
-        self._pending_bytes = 0
         self.params: dict[str, dict[str, Any]] = {}
-        self.groups = 0
+        self.groups = 0  # groups started so far
+        self._group_bytes = 0  # bytes in the current group
         self.bytes_written = 0
-        # A group is saved on one side thread while the caller reads the next (at most one in flight, so at most two
-        # groups in memory), then hashed and fsynced on another.
-        self.on_saved = on_saved
-        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="day0jax-save")
-        self._saving: concurrent.futures.Future | None = None
-        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="day0jax-hash")
-        self._hashes: list[concurrent.futures.Future] = []
+        self.on_saved = on_saved  # called (on a worker) after each GROUP_BYTES written: source pages may go
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers or default_workers(),
+                                                           thread_name_prefix="day0jax-write")
+        self._writes: list[concurrent.futures.Future] = []
+        self._cond = threading.Condition()
+        self._pending = 0  # bytes handed to the workers, not yet written
+        self._since_saved = 0
+        self._error: BaseException | None = None
+        self._hashes: dict[str, str] = {}
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self._saver.shutdown(wait=True)  # never remove the folder under a running save
-        self._hasher.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)  # never remove files under a write
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
         return False
 
     def add(self, path: str, array: np.ndarray) -> None:
-        """Queues one parameter; writes a group once the queue holds `GROUP_BYTES`."""
-        self._pending[path] = array
-        self._pending_bytes += array.nbytes
-        self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "group": self.groups}
-        if self._pending_bytes >= GROUP_BYTES:
-            self.flush()
+        """Hands one parameter to the workers (waiting while `PENDING_BYTES` are queued); it joins the current
+        group, which ends once it holds `GROUP_BYTES`."""
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
+            array = array.copy(order="C")
+        if self.groups == 0 or self._group_bytes >= GROUP_BYTES:
+            self._start_group()
+        group = self.groups - 1
+        self._group_bytes += array.nbytes
+        self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "group": group}
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or self._pending == 0
+                                or self._pending + array.nbytes <= PENDING_BYTES)
+            self._raise_failure()
+            self._pending += array.nbytes
+        self._writes.append(self._pool.submit(self._write, self.tmp / checkpoint.group_dir(group) / path, array))
+        self.bytes_written += array.nbytes
 
     def flush(self) -> None:
-        """Hands the queued parameters to the save thread (after the previous group's save has finished)."""
-        if not self._pending:
-            return
-        self._wait_for_save()
-        group = self.tmp / checkpoint.group_dir(self.groups)
-        self._saving = self._saver.submit(self._save, group, self._pending)
-        self.bytes_written += self._pending_bytes
-        self._pending = {}
-        self._pending_bytes = 0
+        """Ends the current group: the next parameter starts a new one."""
+        self._group_bytes = GROUP_BYTES
+
+    def _wait(self) -> None:
+        """Waits for every queued write; re-raises the first that failed."""
+        for future in self._writes:
+            future.result()
+        self._writes = []
+
+    def _start_group(self) -> None:
+        (self.tmp / checkpoint.group_dir(self.groups)).mkdir()
         self.groups += 1
+        self._group_bytes = 0
 
-    def _save(self, group: Path, params: dict[str, np.ndarray]) -> None:
-        import orbax.checkpoint as ocp
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise self._error
 
-        save_args = checkpoint.nest({p: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES) for p in params})
-        _checkpointer().save(group, checkpoint.nest(params), save_args=save_args)
-        self._hashes.append(self._hasher.submit(self._hash_files, group))
-        if self.on_saved is not None:
+    def _write(self, folder: Path, array: np.ndarray) -> None:
+        """One parameter's zarr array: its header and chunk files, each hashed and fsynced."""
+        try:
+            folder.mkdir()
+            axis, rows = chunk_cut(array.shape, array.itemsize) if array.shape else (0, 1)
+            chunks = (1,) * axis + (rows,) + array.shape[axis + 1:] if array.shape else ()
+            header = {"chunks": list(chunks), "compressor": None, "dimension_separator": ".",
+                      "dtype": _zarr_dtype(array.dtype), "fill_value": None, "filters": None, "order": "C",
+                      "shape": list(array.shape), "zarr_format": 2}
+            hashes = {".zarray": self._write_file(folder / ".zarray", json.dumps(header).encode())}
+            if not array.shape:
+                hashes["0"] = self._write_file(folder / "0", array.reshape(1).view(np.uint8).data)
+            for outer in (itertools.product(*map(range, array.shape[:axis])) if array.shape else ()):
+                block = array[outer]
+                for j in range(0, array.shape[axis], rows):
+                    data = block[j:j + rows]
+                    if data.shape[0] < rows:  # zarr v2 stores edge chunks whole: the last one padded
+                        data = np.concatenate([data, np.zeros((rows - data.shape[0],) + data.shape[1:], data.dtype)])
+                    name = ".".join(map(str, (*outer, j // rows) + (0,) * (len(chunks) - axis - 1)))
+                    hashes[name] = self._write_file(folder / name, data.reshape(-1).view(np.uint8).data)
+            rel = folder.relative_to(self.tmp)
+            with self._cond:
+                self._hashes.update({str(rel / name): digest for name, digest in hashes.items()})
+        except BaseException as e:
+            with self._cond:
+                self._error = self._error or e
+                self._cond.notify_all()
+            raise
+        finally:
+            with self._cond:
+                self._pending -= array.nbytes
+                self._since_saved += array.nbytes
+                saved = self._since_saved >= GROUP_BYTES and self.on_saved is not None
+                if saved:
+                    self._since_saved = 0
+                self._cond.notify_all()
+        if saved:
             self.on_saved()
 
-    def _wait_for_save(self) -> None:
-        """Re-raises a failed save (a full disk, say) in the caller's thread."""
-        if self._saving is not None:
-            saving, self._saving = self._saving, None
-            saving.result()
+    @staticmethod
+    def _write_file(path: Path, data) -> str:
+        """Writes `data` to a new file durably (fsync) and returns its sha256."""
+        with open(path, "xb", buffering=0) as f:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):
+                done += f.write(view[done:])
+            os.fsync(f.fileno())
+        return hashlib.sha256(data).hexdigest()
 
     def write_json(self, name: str, data: Any) -> None:
         (self.tmp / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
     def commit(self, manifest: dict[str, Any]) -> Path:
-        """Flushes, hashes the written files into the manifest, writes it last, and renames into place."""
-        self.flush()
-        self._wait_for_save()
+        """Waits for the writes, hashes the other written files into the manifest, writes it last, and renames into
+        place."""
+        self._wait()
         files = self._hash_files(self.tmp, skip=self.tmp / checkpoint.PARAMS_DIR)
-        for future in self._hashes:
-            files.update(future.result())
+        files.update(self._hashes)
         manifest = dict(manifest, format_version=checkpoint.FORMAT_VERSION, params=self.params,
                         groups=self.groups, files=dict(sorted(files.items())))
         self.write_json(checkpoint.MANIFEST, manifest)
         _fsync(self.tmp / checkpoint.MANIFEST)
+        _fsync(self.tmp)
         if self.dst.exists():
             trash = self.dst.parent / f".{self.dst.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(self.dst, trash)

@@ -56,6 +56,7 @@ class Report:
     memory: dict = dataclasses.field(default_factory=dict)
     cluster: dict = dataclasses.field(default_factory=dict)  # a described cluster: placement, traffic, fitting meshes
     probe: dict = dataclasses.field(default_factory=dict)  # measured collectives per mesh axis, time per decode step
+    load: dict = dataclasses.field(default_factory=dict)  # a day0jax checkpoint's bytes and estimated load time
     backend: str = ""
 
     def to_dict(self) -> dict:
@@ -280,7 +281,8 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
 
 def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None,
           cluster=None, quantize: str | None = None, probe: bool = False) -> Report:
-    """Returns the readiness `Report` for `path` (`.supported`: whether the model will run); never reads tensor data.
+    """Returns the readiness `Report` for `path` (`.supported`: whether the model will run); reads no tensor data
+    but, of a day0jax checkpoint, a sample of at most 64 MB to time the storage (`Report.load`).
 
     Args:
         path: HF folder, day0jax checkpoint folder or GGUF file.
@@ -356,6 +358,8 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
     report.parameters = {"model": parameter_count(abstract), "checkpoint_elements": count,
                          "checkpoint_bytes_by_dtype": by_dtype, "runtime_dtype": dtype}
     report.vision = _vision(abstract, infos, jnp.dtype(DTYPES[dtype]).itemsize)
+    if isinstance(source, dict):
+        report.load = _load_estimate(path, source)
     mapping = _mapping_problems(fam, config, infos, source)
     report.reasons += mapping
     if stored_specs:
@@ -643,6 +647,21 @@ def _table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join([line({c: c for c in cols}), line({c: "-" * widths[c] for c in cols})] + [line(r) for r in rows])
 
 
+def _load_estimate(path: Path, manifest: dict) -> dict:
+    """How long reading a day0jax checkpoint's parameters takes here: their bytes over the storage's throughput,
+    timed on a sample of the largest group's files (out of the page cache first)."""
+    from day0jax.weights import checkpoint
+    from day0jax.weights.stream import time_storage
+
+    files = sorted((f for f in (path / checkpoint.PARAMS_DIR).rglob("*") if f.is_file()),
+                   key=lambda f: -f.stat().st_size)
+    total = sum(f.stat().st_size for f in files)
+    sampled, seconds = time_storage(files)
+    rate = sampled / seconds if seconds > 0 else 0.0
+    return {"bytes": total, "sample_bytes": sampled, "bytes_per_second": rate,
+            "seconds": total / rate if rate else None}
+
+
 def render(report: Report) -> str:
     """The human-readable report."""
     from sharding.plan import fmt_bytes
@@ -684,6 +703,11 @@ def render(report: Report) -> str:
         out += ["", f"multi-token-prediction layers: {t['layers']} ({t['parameters']:,} parameters, "
                     f"{fmt_bytes(t['bytes'])}; {t['kv_per_token']} cached numbers per token), for speculative "
                     "decoding (--speculative mtp; convert --no-mtp leaves them out)"]
+    if report.load.get("seconds") is not None:
+        ld = report.load
+        out += ["", f"loading: {fmt_bytes(ld['bytes'])} of parameter files, about {ld['seconds']:.1f} s at "
+                    f"{ld['bytes_per_second'] / 1e9:.2f} GB/s (this storage, timed reading "
+                    f"{fmt_bytes(ld['sample_bytes'])} not in the page cache)"]
     if report.memory and not report.cluster:
         m = report.memory
         out += ["", f"memory per device ({m['visible_devices']} device(s) visible): {m['summary']}"]

@@ -11,13 +11,31 @@ from kernels_pallas.registry import MODES as KERNEL_MODES
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --mesh, --dtype, --kernels."""
+    """--model, --mesh, --dtype, --kernels, --load-concurrency."""
     p.add_argument("--model", help="day0jax checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--mesh", help="device mesh SPEC, e.g. 'tp=2' or 'dp=2,tp=4', or 'auto' (default: one device)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: per backend")
     p.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
                    help="'auto': Pallas kernels checked against their references at load, falling back per op; "
                         "'strict': a disagreeing kernel is an error; 'reference': no kernels (default auto)")
+    p.add_argument("--load-concurrency", type=load_concurrency, metavar="BYTES",
+                   help="checkpoint bytes read but not yet on their devices, at most, e.g. 512MiB (default: a "
+                        "sixteenth of the available memory, between 64 MiB and 2 GiB)")
+
+
+def load_concurrency(text: str) -> int:
+    """argparse type of --load-concurrency: a size such as 512MiB, 1GB or a plain number of bytes."""
+    from day0jax.core.errors import MeshError
+    from sharding.cluster import UNITS, parse_size
+
+    try:
+        n = parse_size(text)
+    except MeshError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size of at least one byte such as 512MiB or 2GB "
+                                         f"(units: {', '.join(u for u in UNITS if u)})")
+    return n
 
 
 def add_compile_cache_arguments(p: argparse.ArgumentParser) -> None:

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before the first compile; warns and goes on if unusable.
         cache = enable_cache(args, model_fingerprint(path, dtype), null())
         model = day0jax.load(path, dtype=dtype, mesh=args.mesh, engine=cli.engine_config_from_args(args),
-                             kernels=args.kernels)
+                             kernels=args.kernels, load_concurrency=args.load_concurrency)
         if cache is not None and jax.process_count() == 1:  # a warm second run traces nothing either
             model.program_store = ProgramStore(cache)
         t_load = time.perf_counter()

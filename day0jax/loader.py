@@ -28,7 +28,7 @@ from day0jax.layers.rope import context_length as model_context_length
 from day0jax.model import Model
 from day0jax.startup.timeline import Timeline
 from day0jax.startup.timeline import null as null_timeline
-from day0jax.weights import checkpoint
+from day0jax.weights import checkpoint, stream
 from day0jax.weights.restore import large_buffers_back_to_the_os, manifest_problems, restore_arrays
 from kernels_pallas import selftest as kernel_selftest
 from sharding import plan as plan_lib
@@ -46,7 +46,7 @@ def default_dtype() -> str:
 
 def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None,
          engine: EngineConfig | None = None, memory_budget: int | None = None, kernels: str = "auto",
-         timeline: Timeline | None = None) -> Model:
+         timeline: Timeline | None = None, load_concurrency: int | None = None) -> Model:
     """Loads a day0jax checkpoint as a `Model`, after checking (sharding/plan.py, kept in `model.memory_plan`) that
     the parameters, the engine's KV page pool and the activations of its largest program fit on each device.
 
@@ -60,8 +60,11 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         kernels: 'auto' (kernels checked against their references on the model's shapes; one that disagrees is
             replaced by the next candidate), 'strict' (disagreement is an error) or 'reference' (no kernels).
         timeline: a `Timeline` recording the phases (config, build, restore with its bytes, kernel self-test).
+        load_concurrency: bytes of checkpoint data read but not yet on their devices, at most (default: a
+            sixteenth of the available host memory, between 64 MiB and 2 GiB; `weights/stream.py`).
     Raises:
-        CheckpointError: not a checkpoint, newer format, or parameters that do not match the model.
+        CheckpointError: not a checkpoint, newer format, parameters that do not match the model, or a data file
+            missing, truncated or malformed (named).
         UnsupportedArchitecture: the model type or a config value is not implemented.
         GenerationError: an engine config that cannot work (a pool smaller than one sequence, ...).
         MeshError: the mesh spec is invalid or does not fit the model (the message lists meshes that would).
@@ -73,7 +76,7 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
     path, hf = read_checkpoint_config(path, timeline)
     prepared = prepare(hf, dtype=dtype, mesh=mesh, engine=engine, memory_budget=memory_budget, kernels=kernels,
                        timeline=timeline, folder=path)
-    return restore(prepared, path, timeline=timeline)
+    return restore(prepared, path, timeline=timeline, load_concurrency=load_concurrency)
 
 
 def read_checkpoint_config(path: str | Path, timeline: Timeline | None = None) -> tuple[Path, dict]:
@@ -206,9 +209,10 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
     return Prepared(hf, config, dtype, abstract, infos, layout, memory_plan, mesh, engine, report)
 
 
-def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None = None) -> Model:
+def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None = None,
+            load_concurrency: int | None = None) -> Model:
     """The second half of `load`: reads the checkpoint at `path` into `prepared`'s shardings and returns the `Model`
-    (whose engine is `prepared.engine()` if that was made, now holding the weights).
+    (whose engine is `prepared.engine()` if that was made, now holding the weights); `load_concurrency` as `load`'s.
 
     Raises:
         CheckpointError: not a checkpoint, or parameters that do not match the model.
@@ -218,9 +222,11 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
     path = Path(path).absolute()
     manifest = prepared.check_checkpoint(path)
     config, mesh, dtype = prepared.config, prepared.mesh, prepared.dtype
+    timings = stream.Timings()
     with timeline.phase("restore parameters") as info:
         with large_buffers_back_to_the_os():
-            arrays = restore_arrays(path, manifest, prepared.infos, mesh, DTYPES[dtype], prepared.stages)
+            arrays = restore_arrays(path, manifest, prepared.infos, mesh, DTYPES[dtype], prepared.stages,
+                                    concurrency=load_concurrency, timings=timings)
         graphdef, abstract_state = nnx.split(prepared.abstract)
         flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
         module = nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -228,8 +234,13 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
         jax.block_until_ready(here)
         info["bytes"] = sum(a.nbytes for a in here)
         info["parameters"] = sum(a.size for a in here)
-    log.info("loaded %s (%s, %d parameters) on %s in %.1fs", path, config.model_type, info["parameters"],
-             describe(mesh), time.perf_counter() - t0)
+        info["read_bytes"] = timings.bytes_read
+    seconds = time.perf_counter() - t0
+    # Reader-thread seconds, summed over the threads: they overlap each other and the wall time.
+    log.info("loaded %s (%s, %d parameters) on %s in %.1fs: %.2f GB read at %.2f GB/s (threads: read %.1fs, "
+             "convert %.1fs, place %.1fs; at most %d MB in flight)", path, config.model_type, info["parameters"],
+             describe(mesh), seconds, timings.bytes_read / 1e9, timings.bytes_read / 1e9 / max(seconds, 1e-9),
+             timings.read, timings.convert, timings.place, timings.peak_in_flight >> 20)
     generation_file = path / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
     # A vision-language config.json may name it only in its language model's text_config.

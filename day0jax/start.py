@@ -75,7 +75,7 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
     Raises:
         Day0Error subclasses from loading (CheckpointError, MeshError, OutOfMemoryPlan, ...).
     """
-    with timeline.phase("imports", what="jax, flax, orbax, day0jax"):
+    with timeline.phase("imports", what="jax, flax, day0jax"):
         import jax
 
         from day0jax.cli import engine_config_from_args
@@ -109,7 +109,7 @@ def start_engine(args: argparse.Namespace, timeline: Timeline, status: Callable[
             if loader.read_checkpoint_config(path)[1] != hf:
                 raise CheckpointError(f"{path}: the converter wrote another config.json than it planned")
         status(f"loading {path}")
-        model = loader.restore(prepared, path, timeline=timeline)
+        model = loader.restore(prepared, path, timeline=timeline, load_concurrency=args.load_concurrency)
         records = compiling.result()
     started = Started(model, engine, cache, records, store)
     layout = engine.layout

@@ -201,14 +201,15 @@ def test_source_that_does_not_exist(tmp_path):
     convert_fails(tmp_path / "nope", tmp_path, CheckpointError, r"nope: no such file or folder")
 
 
+def full_disk(path, data):
+    raise OSError(28, "No space left on device")
+
+
 def test_failed_save_on_the_writer_thread_reaches_the_caller(hf, tmp_path, monkeypatch):
-    """A save that fails on the writer's side thread (a full disk, say) fails the conversion, leaving nothing."""
+    """A write that fails on a writer thread (a full disk, say) fails the conversion, leaving nothing."""
     from convert import writer
 
-    class FullDisk:
-        def save(self, *args, **kwargs):
-            raise OSError(28, "No space left on device")
-    monkeypatch.setattr(writer, "_checkpointer", FullDisk)
+    monkeypatch.setattr(writer.CheckpointWriter, "_write_file", staticmethod(full_disk))
     convert_fails(hf, tmp_path, OSError, "No space left")
 
 
@@ -308,11 +309,8 @@ def test_force_keeps_the_old_output_until_the_new_one_is_complete(hf, tmp_path, 
     convert_checkpoint(hf, dst, progress=False)
     manifest = (dst / "day0jax.json").read_text()
 
-    class FullDisk:
-        def save(self, *args, **kwargs):
-            raise OSError(28, "No space left on device")
     with monkeypatch.context() as m:
-        m.setattr(writer, "_checkpointer", FullDisk)
+        m.setattr(writer.CheckpointWriter, "_write_file", staticmethod(full_disk))
         with pytest.raises(OSError):
             convert_checkpoint(hf, dst, progress=False, force=True)
     assert (dst / "day0jax.json").read_text() == manifest  # untouched

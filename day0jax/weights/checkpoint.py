@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from day0jax.core.errors import CheckpointError
+from day0jax.weights.stream import StoredArray
 
 # 2: Linear kernels in HF's [out, in] order (1 had them transposed).
 FORMAT_VERSION = 2
@@ -92,19 +93,14 @@ def read_params(path: Path, names: list[str] | None = None) -> dict[str, Any]:
 
     Args:
         path: checkpoint folder.
-        names: dotted parameter names to read (default: all); only their groups are opened.
+        names: dotted parameter names to read (default: all).
+    Raises:
+        CheckpointError: not a checkpoint, an unknown name, or a stored array missing, truncated or malformed.
     """
-    import numpy as np
-    import orbax.checkpoint as ocp
-
     manifest = read_manifest(path)
     missing = [n for n in names or [] if n not in manifest["params"]]
     if missing:
         raise CheckpointError(f"{path}: no parameter {missing[0]}")
-    wanted = set(manifest["params"] if names is None else names)
-    out = {}
-    for group, in_group in groups(manifest).items():
-        if wanted.intersection(in_group):
-            stored = flatten(ocp.PyTreeCheckpointer().restore(Path(path) / group_dir(group)))
-            out.update({name: np.asarray(stored[name]) for name in in_group if name in wanted})
-    return out
+    wanted = manifest["params"] if names is None else names
+    return {name: StoredArray.open(Path(path) / group_dir(manifest["params"][name]["group"]) / name).read()
+            for name in wanted}

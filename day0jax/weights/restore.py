@@ -1,28 +1,23 @@
 """Reading a checkpoint's parameters straight into their shardings: each device reads only its slice.
 
-`restore_arrays` gives every parameter of the manifest as a `jax.Array` placed as its `NamedSharding` says (Orbax
-reads the slices); `manifest_problems` says why a checkpoint's parameters are not the model's.
+`restore_arrays` gives every parameter of the manifest as a `jax.Array` placed as its `NamedSharding` says
+(`stream` reads the slices); `manifest_problems` says why a checkpoint's parameters are not the model's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from day0jax.core.errors import CheckpointError
-from day0jax.weights import checkpoint
+from day0jax.weights import checkpoint, stream
 from sharding import plan as plan_lib
 from sharding.pipeline import Stages, param_sharding
-
-# Orbax reads at most this much (in GB) of checkpoint slices at once before they reach their devices; its default
-# (96 GB) lets a whole parameter group sit in host memory on top of the already placed shards.
-READ_CONCURRENT_GB = 0.064
 
 
 def manifest_problems(manifest: dict, infos) -> list[str]:
@@ -59,43 +54,34 @@ def optional_prefixes(manifest: dict) -> tuple[str, ...]:
     return tuple(part["prefix"] for part in manifest.get("parts", {}).values())
 
 
-def restore_arrays(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype, stages: Stages | None = None
-             ) -> dict[str, jax.Array]:
-    import orbax.checkpoint as ocp
+def restore_arrays(path: Path, manifest: dict, infos: dict, mesh: Mesh, dtype, stages: Stages | None = None, *,
+                   concurrency: int | None = None, timings: stream.Timings | None = None) -> dict[str, jax.Array]:
+    """Every parameter of `infos` the checkpoint at `path` holds, read into its sharding (`stream.read_sharded`);
+    a parameter of another process's pipeline stage is a `jax.ShapeDtypeStruct` here.
 
-    # One read may span a whole stored array (its storage chunks can cut other dimensions than the sharding does),
-    # and Orbax refuses a read larger than its limit, so the limit is at least the largest array.
-    largest = max(math.prod(p["shape"]) * jnp.dtype(p["dtype"]).itemsize for p in manifest["params"].values())
-    limit_gb = max(READ_CONCURRENT_GB, (1.1 * largest + (1 << 20)) / 1e9)
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit_gb))
-    out = {}
-    for group, names in checkpoint.groups(manifest).items():
-        targets, restore_args = {}, {}
-        for name in names:
-            if name not in infos:  # an optional part the model is built without (`optional_prefixes`)
-                continue
-            info = infos[name]
-            sharding = param_sharding(info, mesh, stages)
-            as_dtype = plan_lib.stored_dtype(info, dtype)
-            if not sharding.addressable_devices:
-                # A pipeline stage on another process's devices: that process reads it; here it is a shape.
-                out[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
-                continue
-            targets[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
-            restore_args[name] = ocp.ArrayRestoreArgs(sharding=sharding, dtype=as_dtype, global_shape=info.shape)
-        if not targets:
+    Args:
+        concurrency: bytes of host buffers in flight (default `stream.default_concurrency()`).
+        timings: filled with where the readers' time went.
+    Raises:
+        CheckpointError: a stored array missing, truncated, malformed, or not the shape and dtype the manifest says.
+    """
+    out, targets = {}, []
+    for name, p in manifest["params"].items():
+        if name not in infos:  # an optional part the model is built without (`optional_prefixes`)
             continue
-        try:
-            if len(targets) == len(names):
-                tree = checkpointer.restore(path / checkpoint.group_dir(group), item=checkpoint.nest(targets),
-                                            restore_args=checkpoint.nest(restore_args))
-            else:  # only this process's pipeline stages
-                tree = checkpointer.restore(path / checkpoint.group_dir(group), args=ocp.args.PyTreeRestore(
-                    item=checkpoint.nest(targets), restore_args=checkpoint.nest(restore_args), partial_restore=True))
-        except (FileNotFoundError, ValueError) as e:
-            raise CheckpointError(f"{path / checkpoint.group_dir(group)}: cannot restore ({e}); "
-                                  "run `python -m convert --verify` on the checkpoint") from None
-        out.update(checkpoint.flatten(tree))
+        info = infos[name]
+        sharding = param_sharding(info, mesh, stages)
+        as_dtype = np.dtype(plan_lib.stored_dtype(info, dtype))
+        if not sharding.addressable_devices:
+            # A pipeline stage on another process's devices: that process reads it; here it is a shape.
+            out[name] = jax.ShapeDtypeStruct(info.shape, as_dtype, sharding=sharding)
+            continue
+        stored = stream.StoredArray.open(path / checkpoint.group_dir(p["group"]) / name)
+        if stored.shape != tuple(p["shape"]) or str(stored.dtype) != p["dtype"]:
+            raise CheckpointError(f"{stored.folder}: stores {stored.shape} {stored.dtype}, the manifest says "
+                                  f"{tuple(p['shape'])} {p['dtype']}; run `python -m convert --verify` on the checkpoint")
+        targets.append(stream.Target(name, stored, as_dtype, sharding))
+    out.update(stream.read_sharded(targets, concurrency=concurrency, timings=timings))
     return out
 
 
