@@ -150,7 +150,9 @@ class PooledSparseMLAttention(MLAttention):
     def op_calls(self) -> list[OpCall]:
         R, P, _, _ = self.dims
         indexer = self.indexer
+        # The engine's op over the kept blocks (the selection runs beside it, in the same program).
         call = OpCall.of("block_sparse_attention", N=self.kv_b_proj.out_shape[0], K=1, H=R + P, scale=self.scale,
-                         I=1, Di=2 * indexer.wk.out_shape[0] if indexer is not None else 2,
-                         block=self.block_size, topk=self.topk_blocks, local=1)
+                         I=None if indexer is None else indexer.wq_b.out_shape[0],
+                         Di=None if indexer is None else indexer.wk.out_shape[0], block=self.block_size,
+                         topk=self.topk_blocks, local=1, pooled=True, indexer=indexer is not None)
         return [call, *self.norm_and_rope_calls()]

@@ -227,4 +227,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         return self.o_proj(out.astype(x.dtype)), cache
 
     def op_calls(self) -> list[OpCall]:
-        return self.delta_rule_calls("channel") + self.o_norm.op_calls()
+        calls = self.delta_rule_calls("channel")
+        if self.lower_bound is not None:
+            calls[0] = OpCall.of("gated_delta_rule", **dict(calls[0].params, lower_bound=self.lower_bound))
+        return calls + self.o_norm.op_calls()
