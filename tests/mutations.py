@@ -361,6 +361,12 @@ NO_HYPER_HEAD = patch(hyper.HyperConnected, "final_norm", lambda final: lambda s
 FIRST_STREAM_HEAD = patch(hyper.MeanHyperHead, "__call__", lambda call: lambda self, x: x[..., 0, :])
 
 
+# A layer handed an earlier layer's blocks attends over every block instead (the others receive none).
+SHARED_BLOCKS_IGNORED = patch(PooledSparseMLAttention, "run", lambda run: lambda self, x, positions, tables, cache=None,
+                              shared=None: run(self, x, positions, tables, cache,
+                                               None if shared is None else jnp.ones_like(shared)))
+
+
 def _mean_pooling(indexer, root) -> None:
     """A pooled indexer's block keys as the plain mean of the block's keys (zero pooling logits)."""
     for name in ("index_kpool_compress_gate", "index_kpool_compress_ape"):
@@ -599,6 +605,7 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
                   ("short convolution", NO_CONV),
                   ("pooled block selection (top-k of the blocks)", set_(PooledSparseMLAttention, topk_blocks=1024)),
                   ("learned pooling of the block keys", edit(PooledIndexer, _mean_pooling)),
+                  ("shared layer's blocks from the layer before", SHARED_BLOCKS_IGNORED),
                   ("Sinkhorn projection of the residual mixing", config(hc_sinkhorn_iters=1)),
                   ("mean of the streams at the head", FIRST_STREAM_HEAD),
                   ("clamped SwiGLU", config(swiglu_limit=100.0)), ("group-limited routing", NO_GROUP_LIMIT),

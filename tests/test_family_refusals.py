@@ -75,6 +75,7 @@ REFUSALS = [
     ("glm5_next", dict(linear_attn_config={"kda_layers": [1]}), "linear_attn_config"),
     ("glm5_next", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "rope_parameters"),
     ("glm5_next", dict(index_kpool_stride=2), "index_kpool_stride=2"),
+    ("glm5_next", dict(num_experts_per_tok=3), "num_experts_per_tok=3"),
 ]
 
 

@@ -110,6 +110,10 @@ class Config(HFConfig):
         self._refuse_if("n_group", lambda g: g < 1 or self.n_routed_experts % g,
                         f"does not divide n_routed_experts={self.n_routed_experts}")
         self._refuse_if("topk_group", lambda g: g < 1 or g > self.n_group, f"must be in 1..n_group={self.n_group}")
+        # Beyond what the chosen groups hold, HF would pick masked-out experts in no defined order.
+        kept = self.topk_group * (self.n_routed_experts // self.n_group)
+        self._refuse_if("num_experts_per_tok", lambda k: k > kept,
+                        f"exceeds the {kept} experts of topk_group={self.topk_group} groups")
         self._refuse_if("hc_mult", lambda n: n < 1, "must be at least 1")
         self._refuse_if("hc_sinkhorn_iters", lambda n: n < 1, "must be at least 1")
         self._refuse_if("swiglu_limit", lambda v: v <= 0, "must be positive (HF clamps at it)")
