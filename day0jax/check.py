@@ -264,7 +264,9 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
             if call is not None and call.op == "sparse_attention":
                 kind = f"sparse attention (top-{call['topk']} keys{'' if call['indexer'] else ', shared'})"
             elif call is not None and call.op == "block_sparse_attention":
-                kind = f"block-sparse attention (top-{call['topk']} blocks of {call['block']} keys)"
+                kind = f"block-sparse attention (top-{call['topk']} blocks of {call['block']} keys"
+                kind += (", pooled" + ("" if call.get("indexer", True) else ", shared") if call.get("pooled")
+                         else "") + ")"
             else:
                 kind = ("MLA" if call is not None and call.get("latent") else "sliding attention" if window
                         else "full attention") + (f" (window {window})" if window else "")

@@ -481,6 +481,24 @@ FAMILIES = {
                             learnable_sink_init=0.5, swiglu_limit=0.5, initializer_range=0.1,
                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                              "original_max_position_embeddings": 32, "mscale_all_dim": 1.0}), True),
+    # GLM-5-Next's language model in its multimodal checkpoint (a one-layer vision tower, dropped), 3 layers: Kimi
+    # Delta Attention (2 heads x 16, the forget gate bounded below by -5) then two NoPE MLA layers over the blocks of
+    # 4 keys a pooled indexer keeps (the best 2 complete blocks a query sees whole plus its own incomplete one: the
+    # longer prompts and their continuations span up to 8 blocks), layer 2 reusing layer 1's choice ("shared");
+    # layer 0's MLP dense, then MoE (sigmoid scores with the score bias in 2 groups of 2, best 1, top-2 scaled, a
+    # shared expert); four residual streams mixed by Sinkhorn-projected hyper-connections and averaged at the end;
+    # SwiGLU clamps small enough to bite. Eight indexer heads (relu ties, as deepseek_v4).
+    "glm5_next": ("glm5_next", dict(
+        text_config=dict(TINY, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                         qk_nope_head_dim=16, v_head_dim=12, moe_intermediate_size=32, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                         layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+                         indexer_types=["full", "full", "shared"], mlp_layer_types=["dense", "sparse", "sparse"],
+                         linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_dim=4, linear_lower_bound=-5.0,
+                         index_kpool=4, index_topk=8, index_head_dim=16, index_n_heads=8, hc_mult=4,
+                         hc_sinkhorn_iters=20, swiglu_limit=0.5, initializer_range=0.1),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                           projection_intermediate_size=64, patch_size=14, image_size=28)), True),
     # HY-V4's other choices: two streams, biases on q_a_proj, kv_a_proj_with_mqa and o_proj, tied embeddings, two
     # shared experts, top-k weights not renormalized, the legacy rope_theta key (plain RoPE), and HF's default layer
     # lists for 6 layers, which transformers writes into config.json (layer 0 dense; indexers full on layers 0, 1 and

@@ -38,7 +38,8 @@ from day0jax import models
 from day0jax.layers import mlp as mlp_layers
 from day0jax.layers import hyper
 from day0jax.layers.attention import Attention
-from day0jax.layers.block_sparse_attention import BlockSparseAttention
+from day0jax.layers.block_sparse_attention import BlockSparseAttention, PooledIndexer, PooledSparseMLAttention
+from day0jax.layers.gated_delta_net import KimiDeltaAttention
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.moe import Experts, HashRouter, MoE, Router, clamped_swiglu
 from day0jax.layers.norms import RMSNorm
@@ -356,6 +357,22 @@ NO_HYPER_HEAD = patch(hyper.HyperConnected, "final_norm", lambda final: lambda s
     x.mean(axis=-2)))
 
 
+# The streams collapsed by their first alone instead of their mean (GLM-5-Next's hyper head).
+FIRST_STREAM_HEAD = patch(hyper.MeanHyperHead, "__call__", lambda call: lambda self, x: x[..., 0, :])
+
+
+# A layer handed an earlier layer's blocks attends over every block instead (the others receive none).
+SHARED_BLOCKS_IGNORED = patch(PooledSparseMLAttention, "run", lambda run: lambda self, x, positions, tables, cache=None,
+                              shared=None: run(self, x, positions, tables, cache,
+                                               None if shared is None else jnp.ones_like(shared)))
+
+
+def _mean_pooling(indexer, root) -> None:
+    """A pooled indexer's block keys as the plain mean of the block's keys (zero pooling logits)."""
+    for name in ("index_kpool_compress_gate", "index_kpool_compress_ape"):
+        setattr(indexer, name, nnx.Param(jnp.zeros_like(getattr(indexer, name)[...])))
+
+
 def _without_per_layer_inputs(begin):
     def wrapped(self, tokens, x):
         carry = begin(self, tokens, x)
@@ -584,6 +601,16 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
     "deepseek_v4": [("hash routing", edit(HashRouter, _one_expert_set)),
                     ("indexer's choice of entries", config(index_topk=64)),
                     ("Sinkhorn projection of the residual mixing", config(hc_sinkhorn_iters=1))],
+    "glm5_next": [("forget gate lower bound", set_(KimiDeltaAttention, lower_bound=None)),
+                  ("short convolution", NO_CONV),
+                  ("pooled block selection (top-k of the blocks)", set_(PooledSparseMLAttention, topk_blocks=1024)),
+                  ("learned pooling of the block keys", edit(PooledIndexer, _mean_pooling)),
+                  ("shared layer's blocks from the layer before", SHARED_BLOCKS_IGNORED),
+                  ("Sinkhorn projection of the residual mixing", config(hc_sinkhorn_iters=1)),
+                  ("mean of the streams at the head", FIRST_STREAM_HEAD),
+                  ("clamped SwiGLU", config(swiglu_limit=100.0)), ("group-limited routing", NO_GROUP_LIMIT),
+                  ("routing score bias", NO_SCORE_BIAS), ("routed scaling", NO_ROUTED_SCALE),
+                  ("shared experts", NO_SHARED)],
 }
 
 

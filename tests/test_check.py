@@ -206,6 +206,24 @@ def test_hy_v4_report(tiny):
     assert "top-2 sigmoid_grouped" in rows[("moe grouped matmul", "1-2,4")]
 
 
+def test_glm5_next_report(tiny):
+    """GLM-5-Next: the linear-attention layer's state, the indexed layers' latent with, for the layer with its own
+    indexer, its keys and pooling logits per token; the pooled selection, the shared layer and the bounded decay."""
+    report = check_lib.check(tiny["glm5_next"]["hf"], dtype="float32")
+    assert report.supported, report.reasons
+    latent = 2 * 16  # the latent as key and value
+    assert report.layers[1:] == [
+        {"kind": "block-sparse attention (top-2 blocks of 4 keys, pooled)", "layers": "1",
+         "cache": f"KV {(latent + 2 * 16) * 4} B per token"},
+        {"kind": "block-sparse attention (top-2 blocks of 4 keys, pooled, shared)", "layers": "2",
+         "cache": f"KV {latent * 4} B per token"}]
+    rows = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
+    assert rows[("gated delta rule (linear attention)", "0")].endswith("per-channel decay bounded below by -5")
+    assert rows[("block-sparse attention (engine)", "1")].endswith("of a 8-head pooled indexer x 16")
+    assert rows[("block-sparse attention (engine)", "2")].endswith("of an earlier layer's indexer")
+    assert "Sinkhorn" in rows[("hyper-connection", "0-2")]
+
+
 def test_kv_sharing_report(tiny):
     """Gemma 4: the layers that read an earlier layer's keys and values cache nothing and say whose they read; the
     global layers' own head shape shows in their KV per token and operators, and the plan counts two layers' KV."""

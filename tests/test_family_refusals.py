@@ -62,6 +62,20 @@ REFUSALS = [
     # MiniMax's own nested keys, which HF turns into layer_types and the flat index_* keys: given as HF saves them.
     ("minimax_m3", dict(sparse_attention_config={"sparse_block_size": 64}), "sparse_attention_config"),
     ("minimax_m3", dict(rope_parameters={"rope_type": "made_up", "rope_theta": 10000.0}), "made_up"),
+    # Without the tail HF lets a query with no kept block attend over every position, future ones included.
+    ("glm5_next", dict(index_kpool_always_select_tail=False), "index_kpool_always_select_tail=False"),
+    ("glm5_next", dict(qk_rope_head_dim=8), "qk_rope_head_dim=8"),
+    ("glm5_next", dict(index_topk=6), "index_topk=6"),
+    ("glm5_next", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+    ("glm5_next", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("glm5_next", dict(layer_types=["linear_attention", "sliding_attention", "indexed_attention"]),
+     "layer_types='sliding_attention'"),
+    # HF hands a layer's top-k only to the layer right after it: a shared layer after a linear one has none.
+    ("glm5_next", dict(indexer_types=["full", "shared", "full"]), "makes layer 1 shared"),
+    ("glm5_next", dict(linear_attn_config={"kda_layers": [1]}), "linear_attn_config"),
+    ("glm5_next", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "rope_parameters"),
+    ("glm5_next", dict(index_kpool_stride=2), "index_kpool_stride=2"),
+    ("glm5_next", dict(num_experts_per_tok=3), "num_experts_per_tok=3"),
 ]
 
 
@@ -89,3 +103,30 @@ def test_other_state_space_families_are_refused_by_name(model_type):
 
     with pytest.raises(UnsupportedArchitecture, match=f"model_type '{model_type}' is not supported"):
         models.family(model_type)
+
+
+def test_glm5_next_derives_its_lists_and_bound_as_transformers():
+    """GLM-5-Next's config keys HF reads when the per-layer lists are absent (the pattern, or the freq/offset
+    schedule of shared indexers) and its original `linear_attn_config` (whose values win; `safe_gate` puts the -5
+    bound back when the bound is null)."""
+    from day0jax import models
+
+    model_type, config, _ = FAMILIES["glm5_next"]
+    text = {k: v for k, v in config["text_config"].items()
+            if k not in ("indexer_types", "layer_types", "mlp_layer_types")}
+
+    def parsed(**changes):
+        return models.config_from_hf(dict(config, model_type=model_type, text_config=dict(text, **changes)))
+
+    c = parsed(num_hidden_layers=8)
+    assert c.layer_kinds == ("linear_attention",) * 3 + ("indexed_attention",) + ("linear_attention",) * 3 + (
+        "indexed_attention",)
+    assert c.indexer_kinds == ("full",) * 8  # HF's default freq 1
+    c = parsed(layer_types=["linear_attention", "full_attention", "indexed_attention"], index_topk_pattern="FFS")
+    assert c.layer_kinds[1] == "indexed_attention" and c.indexer_kinds == ("full", "full", "shared")
+    c = parsed(layer_types=["indexed_attention"] * 3, index_topk_freq=2, index_skip_topk_offset=1)
+    assert c.indexer_kinds == ("full", "shared", "full")
+    assert parsed(linear_attn_config={"gate_lower_bound": -3.0, "num_heads": 4}).lower_bound == -3.0
+    assert parsed(linear_attn_config={"gate_lower_bound": None}).lower_bound == -5.0
+    assert parsed(linear_attn_config={"gate_lower_bound": None, "safe_gate": False}).lower_bound is None
+    assert parsed(linear_lower_bound=None).lower_bound is None  # Kimi's unbounded decay

@@ -100,11 +100,12 @@ def test_cached_decode_equals_full_forward(family):
     assert new == full[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("family", ["minimax_m3"], indirect=True)
+@pytest.mark.parametrize("family", ["minimax_m3", "glm5_next"], indirect=True)
 def test_block_sparse_prefill_in_chunks_equals_full_forward(family, converted):
     """Block-sparse attention with the prompt prefilled in chunks of 3 positions across blocks of 4: each chunk's
-    queries choose among the blocks cached so far and their own (the indexer keys cached per token), as the
-    no-cache forward over the whole sequence chooses."""
+    queries choose among the blocks cached so far and their own (the indexer keys cached per token; GLM-5-Next's
+    pooled indexer its keys and pooling logits, its linear-attention layers their state), as the no-cache forward
+    over the whole sequence chooses."""
     name, _ = family
     engine = dataclasses.replace(parity_engine(), chunk_buckets=(3,))
     model = day0jax.load(converted[name], dtype="float32", kernels="strict", engine=engine)

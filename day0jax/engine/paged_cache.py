@@ -127,6 +127,29 @@ class PagedKVCache:
                                                     topk_blocks=topk_blocks, local_blocks=local_blocks, scale=scale)
         return dataclasses.replace(self, index_pages=index_pages), out
 
+    def pooled_blocks(self, ik: jax.Array, positions: jax.Array, iq: jax.Array, weights: jax.Array, ape: jax.Array,
+                      *, block_size: int, topk_blocks: int, scale: float) -> tuple["PagedKVCache", jax.Array]:
+        """Writes the indexer's packed [key ; pooling logits] ik [B, T, 2 Di] at `positions`, then picks each query's
+        blocks over the row's cached ones (`block_sparse_attention.pooled_block_select`): (updated cache, kept
+        [B, 1, T, Nb] over the gathered length)."""
+        pages, slots = self._slots(positions)
+        index_pages = self.index_pages.at[pages, slots].set(ik.astype(self.index_pages.dtype), mode="drop")
+        packed = block_op.gather_pages(index_pages, self.block_tables)
+        Di = packed.shape[-1] // 2
+        kept = block_op.pooled_block_select(iq, weights, packed[..., :Di], packed[..., Di:], ape,
+                                            block_size=block_size, topk_blocks=topk_blocks, scale=scale,
+                                            q_positions=positions, kv_lengths=self.kv_lengths)
+        return dataclasses.replace(self, index_pages=index_pages), kept
+
+    def attend_blocks(self, q: jax.Array, positions: jax.Array, kept: jax.Array, *, block_size: int,
+                      scale: float | None = None) -> jax.Array:
+        """Queries [B, T, N, H] attend causally over the cached positions of the blocks `kept` [B, I, T, Nb] (from
+        `pooled_blocks`, maybe another layer's over the same block tables)."""
+        return block_op.block_sparse_attention(q, block_op.gather_pages(self.k_pages, self.block_tables),
+                                               block_op.gather_pages(self.v_pages, self.block_tables), kept,
+                                               block_size=block_size, q_positions=positions,
+                                               kv_lengths=self.kv_lengths, scale=scale)
+
 
 def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:
     """[B, width] block table of rows whose sequences hold `slots` [B], for a layer whose pool is a ring of

@@ -2,18 +2,23 @@
 lightning indexer keeps (`kernels_pallas/block_sparse_attention`). The indexer has small heads of its own, one per
 KV group (q_proj [I, Di]), and one key head (k_proj [Di]), each through a (1 + weight) RMSNorm and rotated like the
 main heads; it has no value and no output of its own. The engine caches its keys beside the layer's keys and values
-(`PagedKVCache.index_pages`). Letters: see `Attention`; I indexer heads, Di their dims.
+(`PagedKVCache.index_pages`). GLM-5-Next's layers are MLA over the blocks a pooled indexer keeps (`PooledIndexer`,
+`PooledSparseMLAttention`): the same attention over kept blocks, another choice of them. Letters: see `Attention`;
+I indexer heads, Di their dims.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.layers.attention import Attention
-from day0jax.layers.linear import Linear, project_together
+from day0jax.layers.linear import Linear, param, project_together
+from day0jax.layers.mla import MLAttention
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import Rope
+from day0jax.layers.sparse_mla import Indexer
 from kernels_pallas.block_sparse_attention import api as block_op
 from kernels_pallas.calls import OpCall
 
@@ -81,3 +86,73 @@ class BlockSparseAttention(Attention):
             calls += self.q_norm.op_calls() + self.k_norm.op_calls()
         calls += self.indexer.q_norm.op_calls() + self.indexer.k_norm.op_calls()
         return calls + [self.rope.op_call() if self.rope is not None else OpCall.of("rope", kind=None)]
+
+
+class PooledIndexer(Indexer):
+    """GLM-5-Next's indexer: DeepSeek's lightning indexer (queries from MLA's low-rank query, one LayerNorm'd key per
+    token, per-head weights; no RoPE) scoring blocks of `block_size` tokens through one pooled key each. A block's
+    key is the average of its tokens' keys weighted, per channel, by a softmax over the block of
+    `index_kpool_compress_gate` @ x + `index_kpool_compress_ape` (HF's names; gate [Di, D], ape [block, Di]). The
+    engine caches [key ; pooling logits] per token (index_dim 2 Di)."""
+
+    def __init__(self, *, block_size: int, **indexer_kwargs):
+        super().__init__(rope_dim=0, rope_interleave=False, **indexer_kwargs)
+        D, Di = indexer_kwargs["hidden_size"], indexer_kwargs["head_dim"]
+        dtype, rngs = indexer_kwargs.get("dtype", jnp.float32), indexer_kwargs["rngs"]
+        self.index_kpool_compress_ape = param(rngs, (block_size, Di), (None, None), dtype, 0.5)
+        self.index_kpool_compress_gate = param(rngs, (Di, D), (None, "embed"), dtype, D ** -0.5)
+
+    def packed(self, x: jax.Array, q_resid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(queries [B, T, I, Di], head weights [B, T, I], [key ; pooling logits] [B, T, 2 Di])."""
+        q, k, weights = self.queries_keys(x, q_resid, None, None)
+        gate = jnp.einsum("btd,kd->btk", x, self.index_kpool_compress_gate[...].astype(x.dtype))
+        return q, weights, jnp.concatenate([k, gate.astype(k.dtype)], axis=-1)
+
+
+class PooledSparseMLAttention(MLAttention):
+    """MLA (`layers/mla.py`) over the key blocks a `PooledIndexer` keeps (`kernels_pallas.block_sparse_attention`'s
+    `pooled_block_select`): the `topk_blocks` best complete blocks of `block_size` keys a query sees whole, plus its
+    own incomplete block. Without an indexer the layer reuses the blocks of the layer before it (GLM-5-Next's
+    "shared" layers). Other arguments as `MLAttention`."""
+
+    def __init__(self, *, indexer: PooledIndexer | None, block_size: int, topk_blocks: int, **mla_kwargs):
+        super().__init__(**mla_kwargs)
+        self.indexer, self.block_size, self.topk_blocks = indexer, block_size, topk_blocks
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache=None):
+        out, cache, _ = self.run(x, positions, rope_tables, cache)
+        return out, cache
+
+    def run(self, x: jax.Array, positions: jax.Array, rope_tables, cache=None, shared_kept=None):
+        """x [B, T, D], positions [B, T], the previous layer's kept blocks (for a layer without an indexer) ->
+        ([B, T, D], updated cache, this layer's kept blocks [B, 1, T, Nb])."""
+        query, key, q_resid = self.project(x, rope_tables)
+        if cache is not None:
+            cache = cache.update(key, key, positions)
+        kept = shared_kept
+        if self.indexer is not None:
+            iq, weights, packed = self.indexer.packed(x, q_resid)
+            select = dict(block_size=self.block_size, topk_blocks=self.topk_blocks, scale=self.indexer.scale)
+            ape = self.indexer.index_kpool_compress_ape[...]
+            if cache is None:
+                Di = packed.shape[-1] // 2
+                kept = block_op.pooled_block_select(iq, weights, packed[..., :Di], packed[..., Di:], ape,
+                                                    q_positions=positions, **select)
+            else:
+                cache, kept = cache.pooled_blocks(packed, positions, iq, weights, ape, **select)
+        if cache is None:
+            out = block_op.block_sparse_attention(query, key, key, kept, block_size=self.block_size,
+                                                  q_positions=positions, scale=self.scale)
+        else:
+            out = cache.attend_blocks(query, positions, kept, block_size=self.block_size, scale=self.scale)
+        return self.output(out), cache, kept
+
+    def op_calls(self) -> list[OpCall]:
+        R, P, _, _ = self.dims
+        indexer = self.indexer
+        # The engine's op over the kept blocks (the selection runs beside it, in the same program).
+        call = OpCall.of("block_sparse_attention", N=self.kv_b_proj.out_shape[0], K=1, H=R + P, scale=self.scale,
+                         I=None if indexer is None else indexer.wq_b.out_shape[0],
+                         Di=None if indexer is None else indexer.wk.out_shape[0], block=self.block_size,
+                         topk=self.topk_blocks, local=1, pooled=True, indexer=indexer is not None)
+        return [call, *self.norm_and_rope_calls()]

@@ -181,10 +181,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
         hidden_size, num_heads, head_dim: D, N, H.
         conv_kernel: W, the causal convolution's width.
         eps: the gated RMSNorm's epsilon.
+        lower_bound: None for Kimi's decay, -exp(A_log) * softplus(f + dt_bias); else GLM-5-Next's bounded one,
+            lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), never below lower_bound (its `linear_lower_bound`).
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 lower_bound: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         D, N, H, W = hidden_size, num_heads, head_dim, conv_kernel
         self.q_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
         self.k_proj = Linear((D,), (N, H), ("embed", "heads", "head_dim"), dtype=dtype, rngs=rngs)
@@ -204,14 +206,19 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.o_norm = RMSNorm(H, eps, dtype=dtype, rngs=rngs)
         self.o_proj = Linear((N, H), (D,), ("heads", "head_dim", "embed"), dtype=dtype, rngs=rngs)
         self.shape = (N, N, H, H, W)
+        self.lower_bound = lower_bound
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict,
                  cache: StateCache | None = None) -> tuple[jax.Array, StateCache | None]:
         """x [B, T, D] -> ([B, T, D], the cache with each row's new state); `positions`, `rope_tables` unused."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        # Log-space decay per head and key channel [B, T, N, H]: -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias).
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32))[:, None] * jax.nn.softplus(
-            self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        # Log-space decay per head and key channel [B, T, N, H] (see `lower_bound`).
+        f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        rate = jnp.exp(self.A_log[...].astype(jnp.float32))[:, None]
+        if self.lower_bound is None:
+            g = -rate * jax.nn.softplus(f)
+        else:
+            g = self.lower_bound * jax.nn.sigmoid(rate * f)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
         out, cache = self.convolve_and_recur((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), g, beta,
                                              cache)
@@ -220,4 +227,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         return self.o_proj(out.astype(x.dtype)), cache
 
     def op_calls(self) -> list[OpCall]:
-        return self.delta_rule_calls("channel") + self.o_norm.op_calls()
+        calls = self.delta_rule_calls("channel")
+        if self.lower_bound is not None:
+            calls[0] = OpCall.of("gated_delta_rule", **dict(calls[0].params, lower_bound=self.lower_bound))
+        return calls + self.o_norm.op_calls()

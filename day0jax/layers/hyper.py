@@ -94,6 +94,14 @@ class HyperHead(nnx.Module):
                           eps=self.eps)
 
 
+class MeanHyperHead(nnx.Module):
+    """The streams collapsed by their plain mean, no weights (GLM-5-Next's `Glm5NextTextHyperHead`)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, n, D] -> [B, T, D]."""
+        return jnp.mean(x.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
 class HyperCarry(NamedTuple):
     """What a hyper-connected layer hands the next besides the streams: the token ids [B, T] (hash routing reads
     them), and the top-k [B, T, Kt] a sparse-attention layer picked for the layers that share it (None: none yet)."""
@@ -139,15 +147,17 @@ class HyperDecoderLayer(nnx.Module):
 class HyperConnected:
     """Mixin of `base.CausalLM` models whose residual stream is `hc_streams` streams: the embeddings copied into
     each, a `HyperCarry` begun with the token ids, and the streams collapsed by `model.hc_head` (a `HyperHead`)
-    before the final norm. Its config gives `hc_mult` streams, `hc_eps` and `rms_norm_eps`."""
+    before the final norm (`MeanHyperHead` where the class sets `hc_head_mean`). Its config gives `hc_mult`
+    streams, `hc_eps` and `rms_norm_eps`."""
 
     hc_streams: int
+    hc_head_mean = False
 
     def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.hc_streams = config.hc_mult
         super().__init__(config, dtype=dtype, rngs=rngs)
-        self.model.hc_head = HyperHead(config.hidden_size, config.hc_mult, norm_eps=config.rms_norm_eps,
-                                       eps=config.hc_eps, rngs=rngs)
+        self.model.hc_head = MeanHyperHead() if self.hc_head_mean else HyperHead(
+            config.hidden_size, config.hc_mult, norm_eps=config.rms_norm_eps, eps=config.hc_eps, rngs=rngs)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         x = super().embed(tokens)

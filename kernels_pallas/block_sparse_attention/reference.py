@@ -98,3 +98,43 @@ def paged_block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.
         q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables), iq,
         gather_pages(index_pages, block_tables), block_size=block_size, topk_blocks=topk_blocks,
         local_blocks=local_blocks, q_positions=q_positions, kv_lengths=kv_lengths, scale=scale)
+
+
+def pooled_block_select(iq: jax.Array, weights: jax.Array, ik: jax.Array, gate: jax.Array, ape: jax.Array, *,
+                        block_size: int, topk_blocks: int, scale: float, q_positions: jax.Array,
+                        kv_lengths: jax.Array | None = None) -> jax.Array:
+    """GLM-5-Next's choice of key blocks: the indexer scores pooled keys instead of max-pooling token scores.
+
+    Each complete block's key is a learned average of its tokens' keys (softmax over the block's positions, per
+    channel, of `gate` + `ape`); a query scores it sum_i w_i * relu(q_i . key * scale) and keeps its `topk_blocks`
+    best among the complete blocks it sees whole; its own block, while incomplete (the tail), is always kept on top.
+    An incomplete block is never scored, so the choice for a query depends on no key after it.
+
+    Args:
+        iq: [B, T, I, Di] indexer queries; weights: [B, T, I] float32 head weights.
+        ik: [B, S, Di] indexer keys; gate: [B, S, Di] pooling logits; ape: [block_size, Di] their per-slot bias.
+        block_size: positions per block; topk_blocks: complete blocks kept per query; scale: the score scale.
+        q_positions: [B, T]; kv_lengths: [B] valid keys per row (None: all S).
+    Returns:
+        [B, 1, T, Nb] bool, Nb = ceil(S / block_size): whether the block is kept (one selection for every head).
+    """
+    B, S, Di = ik.shape
+    Nb = -(-S // block_size)
+    pad = ((0, 0), (0, Nb * block_size - S), (0, 0))
+    lengths = jnp.full((B,), S) if kv_lengths is None else kv_lengths
+    present = (jnp.arange(Nb * block_size)[None] < lengths[:, None]).reshape(B, Nb, block_size)
+    complete = present.all(-1)  # [B, Nb]
+    keys = jnp.pad(ik, pad).reshape(B, Nb, block_size, Di)
+    logits = jnp.pad(gate, pad).reshape(B, Nb, block_size, Di).astype(jnp.float32) + ape.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=2).astype(ik.dtype)
+    pooled = (probs * keys).sum(axis=2)  # [B, Nb, Di]; incomplete blocks' values are never read
+    scores = jnp.einsum("btid,bnd->btin", iq.astype(jnp.float32), pooled.astype(jnp.float32))
+    index = jnp.einsum("bti,btin->btn", weights.astype(jnp.float32), jax.nn.relu(scores * scale))
+    ends = (jnp.arange(Nb) + 1) * block_size - 1
+    seen = complete[:, None, :] & (ends[None, None, :] <= q_positions[:, :, None])  # [B, T, Nb]
+    values, chosen = jax.lax.top_k(jnp.where(seen, index, -jnp.inf), min(topk_blocks, Nb))
+    kept = (jax.nn.one_hot(chosen, Nb, dtype=jnp.bool_) & (values > -jnp.inf)[..., None]).any(axis=-2)
+    own = q_positions // block_size
+    tail = ((q_positions + 1) % block_size != 0)[..., None] & (jnp.arange(Nb)[None, None] == own[..., None])
+    return (kept | tail)[:, None]
+

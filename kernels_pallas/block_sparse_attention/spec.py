@@ -11,12 +11,18 @@ from kernels_pallas.ops import OpSpec
 
 PARAMS = {"N": "query heads", "K": "kv heads", "H": "head dim", "scale": "score scale (None: H ** -0.5)",
           "I": "indexer heads (one per kv group)", "Di": "indexer head dim", "block": "positions per key block",
-          "topk": "key blocks kept per query", "local": "blocks at and before the query's own, always kept"}
+          "topk": "key blocks kept per query", "local": "blocks at and before the query's own, always kept",
+          "pooled": "blocks scored through one learned average of their keys, the query's incomplete block kept "
+                    "besides (GLM-5-Next; absent: MiniMax-M3's max-pooled token scores)",
+          "indexer": "the layer has its own indexer (False: it reuses an earlier layer's blocks)"}
 
 
 def describe(p: dict) -> str:
-    return (f"{p['N']}q/{p['K']}kv heads x {p['H']} over the top-{p['topk']} blocks of {p['block']} keys "
-            f"({p['local']} local) of a {p['I']}-head indexer x {p['Di']}")
+    heads = f"{p['N']}q/{p['K']}kv heads x {p['H']} over the top-{p['topk']}"
+    if not p.get("pooled"):
+        return (f"{heads} blocks of {p['block']} keys ({p['local']} local) of a {p['I']}-head indexer x {p['Di']}")
+    source = f"a {p['I']}-head pooled indexer x {p['Di']}" if p.get("indexer", True) else "an earlier layer's indexer"
+    return f"{heads} complete blocks of {p['block']} keys and the query's own incomplete block, of {source}"
 
 
 def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
@@ -27,12 +33,13 @@ def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Ca
     if scale == "tiny":
         N, K, block = min(N, 4), min(K, 2), min(block, 8)
         N -= N % K
-    # A decode step over a context of more blocks than top-k, so that some blocks are left out.
+    # A decode step over a context of more blocks than top-k, so that some blocks are left out. A layer that reuses
+    # an earlier layer's blocks (Di None) is timed with a small indexer: its attention over the kept blocks is alike.
     paged = {"full": dict(B=32, page=64, max_len=4 * topk * block),
              "startup": dict(B=4, page=16, max_len=2 * topk * block),
              "tiny": dict(B=2, page=16, max_len=3 * topk * block)}[scale]
     return [Case("block_sparse_attention", f"{prefix}decode top-{topk} blocks", dtype,
-                 dict(N=N, K=K, H=call["H"], Di=call["Di"], block=block, topk=topk, local=call["local"],
+                 dict(N=N, K=K, H=call["H"], Di=call["Di"] or 16, block=block, topk=topk, local=call["local"],
                       scale=call["scale"], **paged))]
 
 
@@ -51,4 +58,4 @@ def build(rnd: Random, dtype, *, B, N, K, H, Di, block, topk, local, page, max_l
 SPEC = OpSpec("block_sparse_attention", "block-sparse attention (engine)", PARAMS, describe,
               dict(N=8, K=2, H=16, scale=0.25, I=2, Di=16, block=8, topk=4, local=1),
               api="kernels_pallas.block_sparse_attention.api", cases=cases, build=build,
-              torch_patterns=("MiniMaxM3VLIndexer", "MiniMaxM3VLTextIndexer"))
+              torch_patterns=("MiniMaxM3VLIndexer", "MiniMaxM3VLTextIndexer", "Glm5NextTextIndexer"))

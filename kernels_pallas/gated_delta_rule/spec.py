@@ -11,14 +11,16 @@ from kernels_pallas.cases import Case, Random
 from kernels_pallas.ops import OpSpec
 
 PARAMS = {"Nk": "query/key heads", "Nv": "value heads", "Hk": "key head dim", "Hv": "value head dim",
-          "decay": "'head': one log decay per value head (Qwen3-Next); 'channel': one per key channel (Kimi Linear)"}
+          "decay": "'head': one log decay per value head (Qwen3-Next); 'channel': one per key channel (Kimi Linear)",
+          "lower_bound": "the log decay's lower bound, lower_bound * sigmoid(...) (GLM-5-Next; absent: none)"}
 
 
 def describe(p: dict) -> str:
     Nk, Nv, Hk, Hv = p["Nk"], p["Nv"], p["Hk"], p["Hv"]
     head = f"x {Hk}" if Hk == Hv else f"x {Hk} (values {Hv})"
     decay = "per-channel decay" if p["decay"] == "channel" else "per-head decay"
-    return f"gated delta rule {Nk}qk/{Nv}v heads {head}, {decay}"
+    bound = f" bounded below by {p['lower_bound']:g}" if p.get("lower_bound") is not None else ""
+    return f"gated delta rule {Nk}qk/{Nv}v heads {head}, {decay}{bound}"
 
 
 def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Case]:
@@ -48,4 +50,5 @@ SPEC = OpSpec("gated_delta_rule", "gated delta rule (linear attention)", PARAMS,
               dict(Nk=2, Nv=4, Hk=32, Hv=16, decay="channel"), api="kernels_pallas.gated_delta_rule.api",
               cases=cases, build=build,
               torch_patterns=("GatedDeltaNet", "KimiLinearDeltaAttention", "KimiLinearForgetGate",
+                              "Glm5NextTextLinearAttention", "Glm5NextTextForgetGate",
                               "fn:linalg_solve_triangular"))

@@ -60,6 +60,11 @@ Jobs (each a dict with "op"):
                queries `iq` [B, T, I, Di] and keys `ik` [B, T, Di] (captured at its norms, rotated as it rotates
                them), `block_indices` [B, I, T, topk] (-1: none) and, through build_block_mask, eager_attention_forward
                on the ATTENTION .npz (q [B, T, N, H], k, v [B, T, K, H]): `attention` [B, T, N, H].
+  glm5_next_ops {config, seed, out}: transformers' own GLM-5-Next pooled indexer (Glm5NextTextIndexer), built from
+               `config` (a text config) with random weights (seed), on random hidden states and low-rank queries at
+               positions 0..T-1 without a cache: its queries `iq` [B, T, I, Di], head weights `weights` [B, T, I],
+               keys `ik` [B, T, Di], pooling logits `gate` [B, T, Di], `ape` [kpool, Di], and the token indices it
+               returns, `topk_indices` [B, T, W] (-1: none).
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
@@ -893,6 +898,28 @@ def minimax_m3_ops(job):
                                               scaling=q.shape[-1] ** -0.5)
         out.update(x=x.numpy(), iq=iq.transpose(1, 2).numpy(), ik=ik[:, 0].numpy(),
                    block_indices=block_indices.numpy(), attention=attn.numpy())
+    np.savez(job["out"], **out)
+
+
+def glm5_next_ops(job):
+    from transformers import AutoConfig
+    from transformers.models.glm5_next import modeling_glm5_next as mod
+
+    torch.manual_seed(job["seed"])
+    config = AutoConfig.for_model("glm5_next_text", **job["config"])
+    B, T = job["shape"]
+    with torch.no_grad():
+        indexer = mod.Glm5NextTextIndexer(config, 0)
+        for name, p in indexer.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3 if "norm" in name else 0.5)
+        x = torch.randn(B, T, config.hidden_size)
+        q_resid = torch.randn(B, T, config.q_lora_rank)
+        indices = indexer(x, q_resid, torch.ones(B, T, dtype=torch.bool), None)
+        I, Di = config.index_n_heads, config.index_head_dim
+        out = dict(iq=indexer.wq_b(q_resid).view(B, T, I, Di).numpy(),
+                   weights=(indexer.weights_proj(x) * I ** -0.5).numpy(), ik=indexer.k_norm(indexer.wk(x)).numpy(),
+                   gate=torch.nn.functional.linear(x, indexer.index_kpool_compress_gate).numpy(),
+                   ape=indexer.index_kpool_compress_ape.numpy(), topk_indices=indices.numpy())
     np.savez(job["out"], **out)
 
 
