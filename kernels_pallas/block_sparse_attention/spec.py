@@ -51,4 +51,4 @@ def build(rnd: Random, dtype, *, B, N, K, H, Di, block, topk, local, page, max_l
 SPEC = OpSpec("block_sparse_attention", "block-sparse attention (engine)", PARAMS, describe,
               dict(N=8, K=2, H=16, scale=0.25, I=2, Di=16, block=8, topk=4, local=1),
               api="kernels_pallas.block_sparse_attention.api", cases=cases, build=build,
-              torch_patterns=("MiniMaxM3VLIndexer", "MiniMaxM3VLTextIndexer"))
+              torch_patterns=("MiniMaxM3VLIndexer", "MiniMaxM3VLTextIndexer", "Qwen4ExpTextQSAIndexer"))
