@@ -8,9 +8,9 @@ import jax
 from kernels_pallas import registry
 from kernels_pallas.block_sparse_attention import reference
 from kernels_pallas.block_sparse_attention.reference import (block_select, block_sparse_attention,
-                                                             indexed_block_sparse_attention)
+                                                             gather_pages, indexed_block_sparse_attention, mean_pool)
 
-__all__ = ["block_select", "block_sparse_attention", "indexed_block_sparse_attention",
+__all__ = ["block_select", "block_sparse_attention", "indexed_block_sparse_attention", "mean_pool", "gather_pages",
            "paged_block_sparse_attention"]
 
 IMPLEMENTATIONS = {registry.REFERENCE: reference.paged_block_sparse_attention}

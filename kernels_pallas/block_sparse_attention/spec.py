@@ -11,10 +11,15 @@ from kernels_pallas.ops import OpSpec
 
 PARAMS = {"N": "query heads", "K": "kv heads", "H": "head dim", "scale": "score scale (None: H ** -0.5)",
           "I": "indexer heads (one per kv group)", "Di": "indexer head dim", "block": "positions per key block",
-          "topk": "key blocks kept per query", "local": "blocks at and before the query's own, always kept"}
+          "topk": "key blocks kept per query", "local": "blocks at and before the query's own, always kept",
+          "pool": "'max' (MiniMax-M3: max-pooled position scores) or 'mean' (Qwen4-Exp: mean-pooled keys, the tail "
+                  "kept)"}
 
 
 def describe(p: dict) -> str:
+    if p.get("pool", "max") == "mean":
+        return (f"{p['N']}q/{p['K']}kv heads x {p['H']} over the top-{p['topk']} mean-pooled blocks of {p['block']} "
+                f"keys and the tail, of a {p['I']}-head indexer x {p['Di']}")
     return (f"{p['N']}q/{p['K']}kv heads x {p['H']} over the top-{p['topk']} blocks of {p['block']} keys "
             f"({p['local']} local) of a {p['I']}-head indexer x {p['Di']}")
 
