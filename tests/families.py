@@ -137,12 +137,14 @@ FAMILIES = {
     # Qwen4-Exp: linear attention with per-layer embeddings on layers 1 and 3 (n-grams up to 3, hashed into prime
     # tables of 1000-odd rows, split into 3 checkpoint pieces), its eos (27) inside prompts 1 and 2 so that n-grams
     # restart there; indexed attention over blocks of 4 with a budget of 2 blocks (prompts of 5 to 20 tokens: the
-    # choice leaves blocks out); 3 gated-residual streams; MoE with a gated shared expert; partial RoPE.
-    "qwen4_exp": ("qwen4_exp_text", dict(NO_DENSE, num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                         moe_intermediate_size=32, shared_expert_intermediate_size=24,
+    # choice leaves blocks out); 3 gated-residual streams; MoE with a gated shared expert; partial RoPE. Four indexer
+    # heads: a block scores exactly 0 only when all of them score it negative, and among equal scores which block
+    # transformers keeps is the order of torch.topk's ties (day0jax keeps the first).
+    "qwen4_exp": ("qwen4_exp_text", dict(NO_DENSE, num_hidden_layers=3, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=24,
                                          layer_types=["linear_attention", "indexed_attention", "linear_attention"],
                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                                         linear_value_head_dim=16, indexer_n_heads=2, indexer_kv_heads=1,
+                                         linear_value_head_dim=16, indexer_n_heads=4, indexer_kv_heads=1,
                                          indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
                                          hc_count=3, hc_lowrank=16, ple_layer_ids=[1, 3], ple_embed_dim=32,
                                          heads_per_ngram=2, ngram_vocab_size_base=1000,

@@ -231,6 +231,11 @@ MULTIMODAL = {
         image_size=28), projector_hidden_size=32),
         ("vision_tower", "multi_modal_projector", "patch_merge_mlp", "images are not supported yet"),
         lambda c: c.layer_kind(2) == "minimax_m3_sparse"),
+    # The language model under `model.language_model.`, its head as `lm_head`; the vision tower as `model.visual`.
+    "qwen4_exp": ("qwen4_exp", dict(vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16,
+        patch_size=14)), ("visual", "images are not supported yet"),
+        lambda c: c.layer_kinds[1] == "indexed_attention" and c.ple_layers == (0, 2)),
 }
 
 

@@ -115,7 +115,9 @@ class QSAIndexer(nnx.Module):
 class QSAAttention(Attention):
     """`Attention` (gated, q/k normed: its arguments in `attention_kwargs`) over the tokens Qwen4-Exp's QSA indexer
     keeps: per query, the `budget // block_size` complete blocks of mean-pooled keys that score best, plus the
-    tokens of its own partly seen block (`block_sparse_attention`'s "mean" pooling)."""
+    tokens of its own partly seen block (`block_sparse_attention`'s "mean" pooling). Among blocks of equal score
+    (relu makes exact zeros common: a block every indexer head scores negative) the first are kept, where
+    transformers keeps whichever torch.topk's tie order gives."""
 
     def __init__(self, *, indexer: QSAIndexer, block_size: int, budget: int, **attention_kwargs):
         super().__init__(**attention_kwargs)

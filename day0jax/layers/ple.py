@@ -13,12 +13,15 @@ sequence's zeroed state reads as eos, the context transformers starts from).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from day0jax.layers.hyper import GroupNorm
+from day0jax.core.cache_layout import StateLayer
+from day0jax.core.errors import GenerationError
+from day0jax.layers.hyper import GatedResidual, GroupNorm, HyperCarry
 from day0jax.layers.linear import Embedding, Linear, param
 from kernels_pallas.calls import OpCall
 from kernels_pallas.ngram_embedding import api as ngram_op
@@ -69,6 +72,11 @@ class PLELayer(nnx.Module):
         n_D = self.conv1d.weight.shape[0]
         return (((self.span, n_D), (None, None)), ((self.context,), (None,)))
 
+    def state_layout(self) -> StateLayer:
+        """Its own states alone (the layer's cache holds them after its mixer's). It keeps no state per token, so
+        speculative decoding refuses it (`engine.speculative.refuse_unverifiable_state`)."""
+        return StateLayer(self.state_arrays(), kind="per-layer embeddings")
+
     def __call__(self, x: jax.Array, tokens: jax.Array, state: tuple | None = None,
                  valid: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
         """x [B, T, n, D] streams, tokens [B, T] -> (what is added to the streams [B, T, n, D], the new state or
@@ -81,8 +89,9 @@ class PLELayer(nnx.Module):
         else:
             stored = state[1].astype(jnp.int32)
             conv_state, context = state[0], jnp.where(stored == 0, self.eos, stored - 1)
-        embedded, new_context = ngram_op.ngram_embedding(tokens, context, self.ple_embedding.ngram_embedding.weight[...],
-                                                         eos=self.eos, lengths=valid, **self.hash)
+        table = self.ple_embedding.ngram_embedding.weight[...]
+        embedded, new_context = ngram_op.ngram_embedding(tokens, context, table, eos=self.eos, lengths=valid,
+                                                         **self.hash)
         key = self.norm_key(self.key_proj(embedded).reshape(B, T, n, D))
         value = self.value_proj(embedded).astype(jnp.float32)
         gate = (key * self.norm_query(x)).sum(-1, keepdims=True) / math.sqrt(D)
@@ -105,4 +114,76 @@ class PLELayer(nnx.Module):
     def op_calls(self) -> list[OpCall]:
         primes = self.hash["primes"]
         return [OpCall.of("ngram_embedding", n=len(self.hash["multipliers"]), heads=len(primes[0]),
-                          Dh=self.ple_embedding.ngram_embedding.weight.shape[1], V=self.vocab_size, base=min(map(min, primes)))]
+                          Dh=self.ple_embedding.ngram_embedding.weight.shape[1], V=self.vocab_size,
+                          base=min(map(min, primes)))]
+
+
+class GatedResidualLayer(nnx.Module):
+    """Qwen4-Exp's decoder layer over n streams: per-layer embeddings added (where the layer has them), then
+    `attn_hyper_connection` around the token mixer (`linear_attn` or `self_attn`) and `mlp_hyper_connection` around
+    `mlp`. Its cache: the mixer's (a linear-attention layer's state arrays first, the PLE's two after them)."""
+
+    carries = True
+
+    def __init__(self, mixer: nnx.Module, mixer_name: str, mlp: nnx.Module, attn_hc: GatedResidual,
+                 mlp_hc: GatedResidual, ple: PLELayer | None):
+        setattr(self, mixer_name, mixer)
+        self.mixer_name, self.mlp, self.ple = mixer_name, mlp, ple
+        self.attn_hyper_connection, self.mlp_hyper_connection = attn_hc, mlp_hc
+
+    @property
+    def mixer(self) -> nnx.Module:
+        return getattr(self, self.mixer_name)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache: Any = None,
+                 carry: HyperCarry | None = None) -> tuple[jax.Array, Any, HyperCarry]:
+        if self.ple is not None:
+            view = None if cache is None else StateView(cache, len(self.mixer.state_layout().arrays))
+            add, state = self.ple(x, carry.tokens, None if view is None else view.ple_state(),
+                                  None if view is None else cache.valid)
+            x = x + add
+            if view is not None:
+                view = view.with_ple(state)
+                cache = view
+        h, post, _ = self.attn_hyper_connection(x)
+        h, cache = self.mixer(h, positions, rope_tables, cache)
+        if isinstance(cache, StateView):
+            cache = cache.merged()
+        x = GatedResidual.expand(x, h, post, None)
+        h, post, _ = self.mlp_hyper_connection(x)
+        return GatedResidual.expand(x, self.mlp(h), post, None), cache, carry
+
+    def op_calls(self) -> list[OpCall]:
+        ple = self.ple.op_calls() if self.ple is not None else []
+        return (ple + self.attn_hyper_connection.op_calls() + self.mixer.op_calls()
+                + self.mlp_hyper_connection.op_calls() + self.mlp.op_calls())
+
+
+class StateView:
+    """A linear-attention layer's state cache as its mixer sees it: only the mixer's arrays (the first `count`), the
+    per-layer embeddings' two after them kept apart and written back with the mixer's."""
+
+    def __init__(self, cache, count: int, ple: tuple | None = None):
+        self.cache, self.count, self.ple = cache, count, ple
+        self.valid, self.targets = cache.valid, cache.targets
+        if cache.targets is not None:
+            raise GenerationError("speculative decoding is not implemented for Qwen4-Exp's per-layer embeddings "
+                                  "(their state after each verified token is not kept)")
+
+    def ple_state(self) -> tuple:
+        return tuple(self.cache.read()[self.count:])
+
+    def with_ple(self, state: tuple) -> "StateView":
+        return StateView(self.cache, self.count, state)
+
+    def read(self) -> tuple:
+        return tuple(self.cache.read()[:self.count])
+
+    def token_mask(self, tokens: int) -> jax.Array:
+        return self.cache.token_mask(tokens)
+
+    def write(self, states: tuple) -> "StateView":
+        return StateView(self.cache.write((*states, *self.ple)), self.count, self.ple)
+
+    def merged(self):
+        return self.cache

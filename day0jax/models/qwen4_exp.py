@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from day0jax.layers.hyper import GatedResidual, HyperCarry
 from day0jax.layers.linear import Linear
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
-from day0jax.layers.ple import PLELayer
+from day0jax.layers.ple import GatedResidualLayer, PLELayer
 from day0jax.layers.rope import Rope
 from day0jax.models import qwen3_5, qwen3_next
 from day0jax.models.base import (CausalLM, HFConfig, fused_experts_source, in_language_model, per_expert_source,
@@ -165,76 +164,6 @@ class Config(qwen3_5.Qwen35, HFConfig):
                     offsets=by_order(offsets)), rows
 
 
-class Layer(nnx.Module):
-    """A Qwen4-Exp decoder layer over n streams: per-layer embeddings added (where the layer has them), then
-    `attn_hyper_connection` around the token mixer (`linear_attn` or `self_attn`) and `mlp_hyper_connection` around
-    `mlp`. Its cache: the mixer's (a linear-attention layer's state arrays first, the PLE's two after them)."""
-
-    carries = True
-
-    def __init__(self, mixer: nnx.Module, mixer_name: str, mlp: nnx.Module, attn_hc: GatedResidual,
-                 mlp_hc: GatedResidual, ple: PLELayer | None):
-        setattr(self, mixer_name, mixer)
-        self.mixer_name, self.mlp, self.ple = mixer_name, mlp, ple
-        self.attn_hyper_connection, self.mlp_hyper_connection = attn_hc, mlp_hc
-
-    @property
-    def mixer(self) -> nnx.Module:
-        return getattr(self, self.mixer_name)
-
-    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache: Any = None,
-                 carry: HyperCarry | None = None) -> tuple[jax.Array, Any, HyperCarry]:
-        if self.ple is not None:
-            view = None if cache is None else PLEView(cache, len(self.mixer.state_layout().arrays))
-            add, state = self.ple(x, carry.tokens, None if view is None else view.ple_state(),
-                                  None if view is None else cache.valid)
-            x = x + add
-            if view is not None:
-                view = view.with_ple(state)
-                cache = view
-        h, post, _ = self.attn_hyper_connection(x)
-        h, cache = self.mixer(h, positions, rope_tables, cache)
-        if isinstance(cache, PLEView):
-            cache = cache.merged()
-        x = GatedResidual.expand(x, h, post, None)
-        h, post, _ = self.mlp_hyper_connection(x)
-        return GatedResidual.expand(x, self.mlp(h), post, None), cache, carry
-
-    def op_calls(self) -> list[OpCall]:
-        ple = self.ple.op_calls() if self.ple is not None else []
-        return (ple + self.attn_hyper_connection.op_calls() + self.mixer.op_calls()
-                + self.mlp_hyper_connection.op_calls() + self.mlp.op_calls())
-
-
-class PLEView:
-    """A linear-attention layer's state cache seen by its mixer as holding only the mixer's arrays (the first
-    `count`), the PLE's two after them kept apart and written back with the mixer's."""
-
-    def __init__(self, cache, count: int, ple: tuple | None = None):
-        self.cache, self.count, self.ple = cache, count, ple
-        self.valid, self.targets = cache.valid, cache.targets
-        if cache.targets is not None:
-            raise NotImplementedError("per-layer embeddings keep no state per token for speculative verify steps")
-
-    def ple_state(self) -> tuple:
-        return tuple(self.cache.read()[self.count:])
-
-    def with_ple(self, state: tuple) -> "PLEView":
-        return PLEView(self.cache, self.count, state)
-
-    def read(self) -> tuple:
-        return tuple(self.cache.read()[:self.count])
-
-    def token_mask(self, tokens: int) -> jax.Array:
-        return self.cache.token_mask(tokens)
-
-    def write(self, states: tuple) -> "PLEView":
-        return PLEView(self.cache.write((*states, *self.ple)), self.count, self.ple)
-
-    def merged(self):
-        return self.cache
-
-
 class Passthrough(nnx.Module):
     """`model.norm`'s place: Qwen4-Exp has no final norm (its final mixer, `hyper_connection_mixer`, normalizes)."""
 
@@ -258,7 +187,7 @@ class Model(CausalLM):
     def make_norm(self, dim: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         return Passthrough()
 
-    def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> Layer:
+    def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> GatedResidualLayer:
         c = self.config
         D = c.hidden_size
         if c.layer_kinds[index] == LINEAR:
@@ -283,7 +212,7 @@ class Model(CausalLM):
             ple = PLELayer(hidden_size=D, streams=c.hc_count, embed_dim=c.ple_dim, eos=c.eos_id,
                            vocab_size=c.vocab_size, hash=hash_, rows=rows, conv_kernel=c.ple_conv_kernel_size,
                            eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        return Layer(mixer, name, mlp, hc(), hc(), ple)
+        return GatedResidualLayer(mixer, name, mlp, hc(), hc(), ple)
 
     def cache_layout(self) -> list[KVLayer | StateLayer]:
         c = self.config
@@ -294,7 +223,8 @@ class Model(CausalLM):
                 continue
             state = layer.mixer.state_layout()
             if layer.ple is not None:
-                state = StateLayer(state.arrays + layer.ple.state_arrays(), kind="linear attention + PLE")
+                state = StateLayer(state.arrays + layer.ple.state_arrays(), kind="linear attention + per-layer "
+                                   "embeddings")
             out.append(state)
         return out
 
