@@ -62,6 +62,18 @@ REFUSALS = [
     # MiniMax's own nested keys, which HF turns into layer_types and the flat index_* keys: given as HF saves them.
     ("minimax_m3", dict(sparse_attention_config={"sparse_block_size": 64}), "sparse_attention_config"),
     ("minimax_m3", dict(rope_parameters={"rope_type": "made_up", "rope_theta": 10000.0}), "made_up"),
+    ("qwen4_exp", dict(output_gate_type="sigmoid"), "output_gate_type='sigmoid'"),
+    ("qwen4_exp", dict(indexer_kv_heads=2), "indexer_kv_heads=2"),
+    ("qwen4_exp", dict(indexer_budget=6), "indexer_budget=6"),
+    ("qwen4_exp", dict(indexer_budget=None), "indexer_budget=None"),
+    ("qwen4_exp", dict(indexer_head_dim=4), "indexer_head_dim=4"),
+    ("qwen4_exp", dict(hc_count=1), "hc_count=1"),
+    ("qwen4_exp", dict(ple_layer_ids=[2]), "ple_layer_ids"),
+    ("qwen4_exp", dict(ple_embed_dim=30), "ple_embed_dim=30"),
+    ("qwen4_exp", dict(eos_token_id=None), "eos_token_id=None"),
+    ("qwen4_exp", dict(layer_types=["linear_attention", "sliding_attention", "linear_attention"]),
+     "layer_types='sliding_attention'"),
+    ("qwen4_exp", dict(hidden_act="gelu"), "hidden_act='gelu'"),
 ]
 
 
