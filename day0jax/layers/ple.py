@@ -7,7 +7,9 @@ n - 1 context ids, W the convolution's width, d its dilation (the n-gram size).
 
 Per sequence the engine keeps two states for it: the convolution's last (W - 1) d inputs, and the C ids the next
 chunk's n-grams continue from (kept as id + 1 in float32, exact below 2^24, as the state pool holds float32: a new
-sequence's zeroed state reads as eos, the context transformers starts from).
+sequence's zeroed state reads as eos, the context transformers starts from). `GatedResidualLayer` is Qwen4-Exp's
+decoder layer, which adds them to the streams before its mixer and keeps their states after the mixer's
+(`StateView`).
 """
 
 from __future__ import annotations
