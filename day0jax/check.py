@@ -265,7 +265,8 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
                 kind = f"sparse attention (top-{call['topk']} keys{'' if call['indexer'] else ', shared'})"
             elif call is not None and call.op == "block_sparse_attention":
                 kind = f"block-sparse attention (top-{call['topk']} blocks of {call['block']} keys"
-                kind += (", pooled" + ("" if call.get("indexer", True) else ", shared") if call.get("pooled")
+                pool = call.get("pool", "max")
+                kind += (f", {pool}-pooled" + ("" if call.get("indexer", True) else ", shared") if pool != "max"
                          else "") + ")"
             else:
                 kind = ("MLA" if call is not None and call.get("latent") else "sliding attention" if window

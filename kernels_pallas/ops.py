@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 # The op folders, each with a `spec.py` declaring `SPEC`: registering an op is adding its folder's name here.
 FOLDERS = ("attention", "paged_attention", "moe", "rms_norm", "gated_delta_rule", "sparse_attention",
            "quantized_linear", "linear", "causal_conv1d", "mamba2_ssd", "hyper_connection",
-           "kv_compress", "compressed_attention", "block_sparse_attention")
+           "kv_compress", "compressed_attention", "block_sparse_attention", "ngram_embedding")
 
 
 @dataclass(frozen=True)

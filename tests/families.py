@@ -14,6 +14,8 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
             pad_token_id=0, initializer_range=0.15)
 
+NO_DENSE = {k: v for k, v in TINY.items() if k != "intermediate_size"}  # MoE-only families: no such key
+
 FAMILIES = {
     "llama": ("llama", dict(TINY), True),
     "llama_tied_bias_headdim": ("llama", dict(TINY, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
@@ -132,6 +134,23 @@ FAMILIES = {
     # per query and KV group, the query's own block and the one before it always kept; the longer prompts and their
     # continuations span up to 8 blocks), full attention in layer 1; layer 0's MLP dense, layers 1 and 2 MoE (top-2
     # of 4 experts, a shared expert). Per-head (1 + weight) q/k norms, half of each head rotated.
+    # Qwen4-Exp: linear attention with per-layer embeddings on layers 1 and 3 (n-grams up to 3, hashed into prime
+    # tables of 1000-odd rows, split into 3 checkpoint pieces), its eos (27) inside prompts 1 and 2 so that n-grams
+    # restart there; indexed attention over blocks of 4 with a budget of 2 blocks (prompts of 5 to 20 tokens: the
+    # choice leaves blocks out); 3 gated-residual streams; MoE with a gated shared expert; partial RoPE. Four indexer
+    # heads: a block scores exactly 0 only when all of them score it negative, and among equal scores which block
+    # transformers keeps is the order of torch.topk's ties (day0jax keeps the first).
+    "qwen4_exp": ("qwen4_exp_text", dict(NO_DENSE, num_hidden_layers=3, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=24,
+                                         layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+                                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                         linear_value_head_dim=16, indexer_n_heads=4, indexer_kv_heads=1,
+                                         indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+                                         hc_count=3, hc_lowrank=16, ple_layer_ids=[1, 3], ple_embed_dim=32,
+                                         heads_per_ngram=2, ngram_vocab_size_base=1000,
+                                         make_ngram_vocab_size_divisible_by=8, split_ngram_parts=3, eos_token_id=27,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5}), True),
     "minimax_m3": ("minimax_m3_vl_text", dict(TINY, num_hidden_layers=3, head_dim=16, intermediate_size=32,
                                               dense_intermediate_size=48, shared_intermediate_size=24,
                                               num_local_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.5,

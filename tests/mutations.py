@@ -38,8 +38,10 @@ from day0jax import models
 from day0jax.layers import mlp as mlp_layers
 from day0jax.layers import hyper
 from day0jax.layers.attention import Attention
-from day0jax.layers.block_sparse_attention import BlockSparseAttention, PooledIndexer, PooledSparseMLAttention
+from day0jax.layers.block_sparse_attention import (BlockSparseAttention, PooledIndexer, PooledSparseMLAttention,
+                                                   QSAAttention)
 from day0jax.layers.gated_delta_net import KimiDeltaAttention
+from day0jax.layers.ple import PLELayer
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.moe import Experts, HashRouter, MoE, Router, clamped_swiglu
 from day0jax.layers.norms import RMSNorm
@@ -49,6 +51,7 @@ from kernels_pallas.attention import api as attention_api
 from kernels_pallas.causal_conv1d import api as conv_api
 from kernels_pallas.gated_delta_rule import api as delta_rule_api
 from kernels_pallas.hyper_connection import api as hc_api
+from kernels_pallas.ngram_embedding import reference as ngram_ref
 
 MUTATION_FACTOR = 100
 
@@ -328,6 +331,18 @@ NO_DECAY = patch(delta_rule_api, "gated_delta_rule", lambda rule: lambda q, k, v
 DECAY_PER_HEAD = patch(delta_rule_api, "gated_delta_rule", lambda rule: lambda q, k, v, g, *a, **kw: rule(
     q, k, v, jnp.broadcast_to(g.mean(-1, keepdims=True), g.shape), *a, **kw))
 PLAIN_LOGITS = patch(mistral_large4.Model, "logits", lambda logits: base.CausalLM.logits)
+# Qwen4-Exp's n-grams: never restarted at eos (no id is eos), or no n-gram at all (every order hashes the token
+# alone); its gated residual's per-stream injection weights all 1, or its input mix uniform (sigmoid(0) per channel).
+NO_EOS_RESTART = patch(ngram_ref, "shifted_ids", lambda shifted: lambda context, tokens, *, eos: shifted(
+    context, tokens, eos=-1))
+UNIGRAMS_ONLY = patch(ngram_ref, "shifted_ids", lambda shifted: lambda context, tokens, *, eos: jnp.broadcast_to(
+    shifted(context, tokens, eos=eos)[:1], (context.shape[1] + 1, *tokens.shape)))
+NO_INJECTION_WEIGHTS = patch(hyper.GatedResidual, "expand", lambda expand: staticmethod(
+    lambda x, y, post, comb: expand(x, y, jnp.ones_like(post), comb)))
+UNIFORM_INPUT_MIX = edit(hyper.GatedResidual, lambda g, root: setattr(
+    g.input_mix_weight_up, "weight", nnx.Param(jnp.zeros_like(g.input_mix_weight_up.weight[...]))))
+NO_PLE_CONV = edit(PLELayer, lambda p, root: setattr(p.conv1d, "weight", nnx.Param(jnp.zeros_like(
+    p.conv1d.weight[...]))))
 
 
 def _hand_on_received(call):
@@ -460,6 +475,13 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
                    ("routed scaling", NO_ROUTED_SCALE), ("shared experts", NO_SHARED),
                    ("swiglu clamp", set_(Experts, glu=clamped_swiglu(1.702, 0.5))),
                    ("swiglu alpha", set_(Experts, glu=clamped_swiglu(1.0, 7.0)))],
+    # The same ops against transformers' own modules, each without its feature: tests/test_qwen4_exp_ops.py.
+    "qwen4_exp": [("block selection (budget)", set_(QSAAttention, topk_blocks=1024)),
+                  ("n-gram restart at eos", NO_EOS_RESTART), ("n-gram hash", UNIGRAMS_ONLY),
+                  ("gated residual injection", NO_INJECTION_WEIGHTS), ("gated residual input mix", UNIFORM_INPUT_MIX),
+                  ("per-layer embedding convolution", NO_PLE_CONV), ("(1 + w) norms", NO_NORM_OFFSET),
+                  ("partial rotary", FULL_ROTARY), ("shared expert gate", NO_SHARED_GATE),
+                  ("top-k renormalized", FLIP_RENORM)],
     "minimax_m3_mqa": [("block selection (top-k of the blocks)", set_(BlockSparseAttention, topk_blocks=1024)),
                        ("forced local block", set_(BlockSparseAttention, local_blocks=0)),
                        ("rope", NO_ROPE)],

@@ -19,6 +19,10 @@ TOLERANCE = {
     # observed 7.5e-6 (qwen3_next), 1.07e-5 (qwen3_5), 6.5e-6 (qwen3_5_moe); against float64, transformers' float32
     # logits are off by up to 1.0e-5 and day0jax's by up to 1.4e-5.
     "qwen3_next": 3e-5, "qwen3_5": 3e-5, "qwen3_5_moe": 3e-5,
+    # The same delta rule, its rounding carried on through three gated-residual streams: worst observed 1.1e-5
+    # (qwen4_exp_text), 2.0e-5 (the multimodal checkpoint's language model, other random weights); not yet set
+    # against transformers in float64.
+    "qwen4_exp": 3e-5,
 }
 
 

@@ -213,13 +213,13 @@ def test_glm5_next_report(tiny):
     assert report.supported, report.reasons
     latent = 2 * 16  # the latent as key and value
     assert report.layers[1:] == [
-        {"kind": "block-sparse attention (top-2 blocks of 4 keys, pooled)", "layers": "1",
+        {"kind": "block-sparse attention (top-2 blocks of 4 keys, learned-pooled)", "layers": "1",
          "cache": f"KV {(latent + 2 * 16) * 4} B per token"},
-        {"kind": "block-sparse attention (top-2 blocks of 4 keys, pooled, shared)", "layers": "2",
+        {"kind": "block-sparse attention (top-2 blocks of 4 keys, learned-pooled, shared)", "layers": "2",
          "cache": f"KV {latent * 4} B per token"}]
     rows = {(r["op"], r["layers"]): r["variant"] for r in report.ops}
     assert rows[("gated delta rule (linear attention)", "0")].endswith("per-channel decay bounded below by -5")
-    assert rows[("block-sparse attention (engine)", "1")].endswith("of a 8-head pooled indexer x 16")
+    assert rows[("block-sparse attention (engine)", "1")].endswith("of a 8-head learned-pooled indexer x 16")
     assert rows[("block-sparse attention (engine)", "2")].endswith("of an earlier layer's indexer")
     assert "Sinkhorn" in rows[("hyper-connection", "0-2")]
 

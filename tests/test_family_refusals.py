@@ -76,6 +76,18 @@ REFUSALS = [
     ("glm5_next", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "rope_parameters"),
     ("glm5_next", dict(index_kpool_stride=2), "index_kpool_stride=2"),
     ("glm5_next", dict(num_experts_per_tok=3), "num_experts_per_tok=3"),
+    ("qwen4_exp", dict(output_gate_type="sigmoid"), "output_gate_type='sigmoid'"),
+    ("qwen4_exp", dict(indexer_kv_heads=2), "indexer_kv_heads=2"),
+    ("qwen4_exp", dict(indexer_budget=6), "indexer_budget=6"),
+    ("qwen4_exp", dict(indexer_budget=None), "indexer_budget=None"),
+    ("qwen4_exp", dict(indexer_head_dim=4), "indexer_head_dim=4"),
+    ("qwen4_exp", dict(hc_count=1), "hc_count=1"),
+    ("qwen4_exp", dict(ple_layer_ids=[2]), "ple_layer_ids"),
+    ("qwen4_exp", dict(ple_embed_dim=30), "ple_embed_dim=30"),
+    ("qwen4_exp", dict(eos_token_id=None), "eos_token_id=None"),
+    ("qwen4_exp", dict(layer_types=["linear_attention", "sliding_attention", "linear_attention"]),
+     "layer_types='sliding_attention'"),
+    ("qwen4_exp", dict(hidden_act="gelu"), "hidden_act='gelu'"),
 ]
 
 

@@ -114,6 +114,19 @@ def test_block_sparse_prefill_in_chunks_equals_full_forward(family, converted):
         full = model.logits([prompt + new])[0]
         assert new == full[len(prompt) - 1:-1].argmax(-1).tolist()
 
+@pytest.mark.parametrize("family", ["qwen4_exp"], indirect=True)
+def test_ngram_context_carried_across_prefill_chunks(family, converted, tiny):
+    """Per-layer n-gram embeddings with the prompt prefilled in chunks of 2 positions, n-grams of 3: every chunk
+    boundary falls inside an n-gram (and beside the eos of prompts 1 and 2), so each chunk's first tokens hash the
+    previous chunk's last ids, carried in the state; the greedy tokens are transformers'."""
+    name, _ = family
+    engine = dataclasses.replace(parity_engine(), chunk_buckets=(2,))
+    model = day0jax.load(converted[name], dtype="float32", kernels="strict", engine=engine)
+    outs = model.generate(PROMPTS, GENERATE, ignore_eos=True)
+    for i, out in enumerate(outs):
+        assert out == tiny[name]["ref"][f"generated_{i}"].tolist(), f"prompt {i}"
+
+
 @pytest.mark.parametrize("family", BATCH_INVARIANT, indirect=True)
 def test_batched_cached_decode_equals_full_forward(family):
     """Every family: greedy tokens decoded with the KV cache, prompts of different lengths in one batch, are the
@@ -219,6 +232,11 @@ MULTIMODAL = {
         image_size=28), projector_hidden_size=32),
         ("vision_tower", "multi_modal_projector", "patch_merge_mlp", "images are not supported yet"),
         lambda c: c.layer_kind(2) == "minimax_m3_sparse"),
+    # The language model under `model.language_model.`, its head as `lm_head`; the vision tower as `model.visual`.
+    "qwen4_exp": ("qwen4_exp", dict(vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16,
+        patch_size=14)), ("visual", "images are not supported yet"),
+        lambda c: c.layer_kinds[1] == "indexed_attention" and c.ple_layers == (0, 2)),
 }
 
 

@@ -115,13 +115,22 @@ class PagedKVCache:
                                                 positions, indices, scale=scale, sinks=sinks)
 
     def attend_block_sparse(self, q: jax.Array, positions: jax.Array, iq: jax.Array, ik: jax.Array, *,
-                            block_size: int, topk_blocks: int, local_blocks: int,
-                            scale: float | None = None) -> tuple["PagedKVCache", jax.Array]:
+                            block_size: int, topk_blocks: int, local_blocks: int, scale: float | None = None,
+                            block_keys=None) -> tuple["PagedKVCache", jax.Array]:
         """Writes the indexer keys ik [B, T, Di] at `positions`, then queries [B, T, N, H] attend over the key blocks
         the indexer queries iq [B, T, I, Di] keep among the cached ones (`block_sparse_attention`): (updated cache,
-        [B, T, N, Hv])."""
+        [B, T, N, Hv]). `block_keys`: the "mean" pooling's, a function of the cached keys [B, S, Di] (gathered
+        from the pages) -> the keys of their complete blocks (the layer's pooling, norm and rotation)."""
         pages, slots = self._slots(positions)
         index_pages = self.index_pages.at[pages, slots].set(ik.astype(self.index_pages.dtype), mode="drop")
+        if block_keys is not None:
+            # Blocks past a row's keys are never complete for its queries, so the gathered width does not matter.
+            gather = lambda p: block_op.gather_pages(p, self.block_tables)  # noqa: E731
+            out = block_op.indexed_block_sparse_attention(
+                q, gather(self.k_pages), gather(self.v_pages), iq, block_keys(gather(index_pages)),
+                block_size=block_size, topk_blocks=topk_blocks, local_blocks=local_blocks, q_positions=positions,
+                kv_lengths=self.kv_lengths, scale=scale, pool="mean")
+            return dataclasses.replace(self, index_pages=index_pages), out
         out = block_op.paged_block_sparse_attention(q, self.k_pages, self.v_pages, index_pages, self.block_tables,
                                                     self.kv_lengths, positions, iq, block_size=block_size,
                                                     topk_blocks=topk_blocks, local_blocks=local_blocks, scale=scale)

@@ -3,8 +3,9 @@ lightning indexer keeps (`kernels_pallas/block_sparse_attention`). The indexer h
 KV group (q_proj [I, Di]), and one key head (k_proj [Di]), each through a (1 + weight) RMSNorm and rotated like the
 main heads; it has no value and no output of its own. The engine caches its keys beside the layer's keys and values
 (`PagedKVCache.index_pages`). GLM-5-Next's layers are MLA over the blocks a pooled indexer keeps (`PooledIndexer`,
-`PooledSparseMLAttention`): the same attention over kept blocks, another choice of them. Letters: see `Attention`;
-I indexer heads, Di their dims.
+`PooledSparseMLAttention`), Qwen4-Exp's gated attention over the blocks its QSA indexer keeps by mean-pooled keys
+(`QSAIndexer`, `QSAAttention`): the same attention over kept blocks, other choices of them. Letters: see
+`Attention`; I indexer heads, Di their dims.
 """
 
 from __future__ import annotations
@@ -154,5 +155,74 @@ class PooledSparseMLAttention(MLAttention):
         call = OpCall.of("block_sparse_attention", N=self.kv_b_proj.out_shape[0], K=1, H=R + P, scale=self.scale,
                          I=None if indexer is None else indexer.wq_b.out_shape[0],
                          Di=None if indexer is None else indexer.wk.out_shape[0], block=self.block_size,
-                         topk=self.topk_blocks, local=1, pooled=True, indexer=indexer is not None)
+                         topk=self.topk_blocks, local=1, pool="learned", indexer=indexer is not None)
         return [call, *self.norm_and_rope_calls()]
+
+
+class QSAIndexer(nnx.Module):
+    """Qwen4-Exp's QSA indexer: queries [B, T, I, Di] and raw keys [B, T, Di] from one projection
+    (`index_qk_proj` [(I + 1) Di, D]), the queries through a (1 + weight) RMSNorm and rotated; the keys are
+    normalized and rotated only once mean-pooled into blocks (`block_keys`)."""
+
+    def __init__(self, *, hidden_size: int, n_heads: int, head_dim: int, eps: float, dtype, rngs: nnx.Rngs):
+        D, I, Di = hidden_size, n_heads, head_dim
+        self.index_qk_proj = Linear((D,), ((I + 1) * Di,), ("embed", None), dtype=dtype, rngs=rngs)
+        self.q_layernorm = RMSNorm(Di, eps, offset=1.0, dtype=dtype, rngs=rngs)
+        self.k_layernorm = RMSNorm(Di, eps, offset=1.0, dtype=dtype, rngs=rngs)
+        self.n_heads, self.head_dim = I, Di
+
+    def __call__(self, x: jax.Array, rope: Rope, rope_tables) -> tuple[jax.Array, jax.Array]:
+        qk = self.index_qk_proj(x)
+        I, Di = self.n_heads, self.head_dim
+        q = self.q_layernorm(qk[..., :I * Di].reshape(*x.shape[:2], I, Di))
+        cos, sin = rope_tables[rope]
+        return rope.apply(q, cos, sin), qk[..., I * Di:]
+
+    def block_keys(self, keys: jax.Array, block_size: int, rope: Rope) -> jax.Array:
+        """Raw keys [B, S, Di] -> the keys of the S // block_size complete blocks: mean, norm, rotated at each
+        block's first position (as transformers does)."""
+        pooled = self.k_layernorm(block_op.mean_pool(keys, block_size))
+        starts = jnp.broadcast_to(jnp.arange(pooled.shape[1], dtype=jnp.int32) * block_size, pooled.shape[:2])
+        cos, sin = rope.cos_sin(starts, None)
+        return rope.apply(pooled[:, :, None], cos, sin)[:, :, 0]
+
+
+class QSAAttention(Attention):
+    """`Attention` (gated, q/k normed: its arguments in `attention_kwargs`) over the tokens Qwen4-Exp's QSA indexer
+    keeps: per query, the `budget // block_size` complete blocks of mean-pooled keys that score best, plus the
+    tokens of its own partly seen block (`block_sparse_attention`'s "mean" pooling). Among blocks of equal score
+    (relu makes exact zeros common: a block every indexer head scores negative) the first are kept, where
+    transformers keeps whichever torch.topk's tie order gives."""
+
+    def __init__(self, *, indexer: QSAIndexer, block_size: int, budget: int, **attention_kwargs):
+        super().__init__(**attention_kwargs)
+        assert self.sinks is None and self.gate is None and self.sliding_window is None
+        self.indexer = indexer
+        self.block_size, self.topk_blocks = block_size, budget // block_size
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rope_tables, cache=None):
+        """x [B, T, D], positions [B, T] -> ([B, T, D], updated cache)."""
+        q, k, v = project_together(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
+        q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_tables[self.rope]
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        iq, ik = self.indexer(x, self.rope, rope_tables)
+        blocks = dict(block_size=self.block_size, topk_blocks=self.topk_blocks, local_blocks=0)
+        pool = lambda keys: self.indexer.block_keys(keys, self.block_size, self.rope)  # noqa: E731
+        if cache is None:
+            out = block_op.indexed_block_sparse_attention(q, k, v, iq, pool(ik), q_positions=positions,
+                                                          scale=self.scale, pool="mean", **blocks)
+        else:
+            cache = cache.update(k, v, positions)
+            cache, out = cache.attend_block_sparse(q, positions, iq, ik, scale=self.scale, block_keys=pool,
+                                                   **blocks)
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+        return self.o_proj(out), cache
+
+    def op_calls(self) -> list[OpCall]:
+        call = OpCall.of("block_sparse_attention", N=self.q_proj.out_shape[0], K=self.k_proj.out_shape[0],
+                         H=self.head_dim, scale=self.scale, I=self.indexer.n_heads, Di=self.indexer.head_dim,
+                         block=self.block_size, topk=self.topk_blocks, local=0, pool="mean")
+        return ([call] + self.q_norm.op_calls() + self.k_norm.op_calls() + self.indexer.q_layernorm.op_calls()
+                + self.indexer.k_layernorm.op_calls() + [self.rope.op_call()])

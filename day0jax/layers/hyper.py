@@ -4,8 +4,8 @@ Around each block (attention, then the MLP) a `HyperConnection` computes, from t
 that collapse them into the block's input (pre), spread the block's output back over them (post) and, in DeepSeek-V4's
 manifold-constrained form, mix them through a Sinkhorn-projected doubly stochastic matrix (comb); the hyper head
 collapses them once more before the final norm. One layer, with the form as an option: "mhc" (DeepSeek-V4), "plain"
-(HY-V4: each stream keeps its own residual). Another form (Qwen4-Exp's gated residual, whose pre is a low-rank
-per-channel mix) is a `HyperConnection` subclass whose `__call__` returns the same (input, post, comb) triple.
+(HY-V4: each stream keeps its own residual); Qwen4-Exp's gated residual (form "gated", whose pre is a low-rank
+per-channel mix) is `GatedResidual`, whose `__call__` returns the same (input, post, comb) triple.
 
 The streams travel between layers as the model's x, [B, T, n, D]: the embeddings copied n times, each prefill chunk
 and decode step starting from them again, so the engine keeps nothing of them between steps. What else a layer hands
@@ -168,3 +168,54 @@ class HyperConnected:
 
     def final_norm(self, x: jax.Array) -> jax.Array:
         return self.model.norm(self.model.hc_head(x))
+
+
+class GroupNorm(nnx.Module):
+    """RMS norm of each of n groups of D dims on its own, times (1 + weight) [n D]: HF's `Qwen4ExpTextRMSNorm` with
+    `group_size`. x [..., n, D] -> the same shape, float32."""
+
+    def __init__(self, groups: int, dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.weight = param(rngs, (groups * dim,), (None,), jnp.float32, 0.0)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return normed * (1.0 + self.weight[...].reshape(x.shape[-2:]))
+
+
+class Weight(nnx.Module):
+    """A bare float32 matrix under HF's `<name>.weight`, kept whole on every rank (read by the op, not projected)."""
+
+    def __init__(self, shape: tuple[int, ...], stddev: float, *, rngs: nnx.Rngs):
+        self.weight = param(rngs, shape, (None,) * len(shape), jnp.float32, stddev)
+
+
+class GatedResidual(nnx.Module):
+    """Qwen4-Exp's gated residual around a block (form "gated" of `kernels_pallas.hyper_connection`), or with
+    `combine=False` the final mixer. HF's names: `hc_norm` [n D], `input_mix_weight_down` [R, n D],
+    `input_mix_weight_up` [n D, R], `block_inject_weight` [n, n D]. Same contract as `HyperConnection`."""
+
+    def __init__(self, hidden_size: int, streams: int, rank: int, *, eps: float, combine: bool = True,
+                 rngs: nnx.Rngs):
+        n, D = streams, hidden_size
+        self.hc_norm = GroupNorm(n, D, eps, rngs=rngs)
+        self.input_mix_weight_down = Weight((rank, n * D), (n * D) ** -0.5, rngs=rngs)
+        self.input_mix_weight_up = Weight((n * D, rank), rank ** -0.5, rngs=rngs)
+        self.block_inject_weight = Weight((n, n * D), (n * D) ** -0.5, rngs=rngs) if combine else None
+        self.eps, self.shape = eps, (n, D, rank)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None, None]:
+        """x [B, T, n, D] -> (the block's input [B, T, D], post [B, T, n] or None for the mixer, None)."""
+        weights = [self.hc_norm.weight[...], self.input_mix_weight_down.weight[...],
+                   self.input_mix_weight_up.weight[...]]
+        if self.block_inject_weight is not None:
+            weights.append(self.block_inject_weight.weight[...])
+        return hc_op.hyper_connection(x, *weights, form="gated", norm_eps=self.eps)
+
+    expand = staticmethod(HyperConnection.expand)
+
+    def op_calls(self) -> list[OpCall]:
+        n, D, R = self.shape
+        return [OpCall.of("hyper_connection", n=n, D=D, form="gated", R=R,
+                          combine=self.block_inject_weight is not None)]

@@ -39,6 +39,7 @@ FAMILIES.update({"mistral_large4": "day0jax.models.mistral_large4",
 FAMILIES.update({"deepseek_v4": "day0jax.models.deepseek_v4", "hy_v4": "day0jax.models.hy_v4"})
 FAMILIES.update({"minimax_m3_vl_text": "day0jax.models.minimax_m3", "minimax_m3_vl": "day0jax.models.minimax_m3"})
 FAMILIES.update({"glm5_next": "day0jax.models.glm5_next", "glm5_next_text": "day0jax.models.glm5_next"})
+FAMILIES.update({"qwen4_exp_text": "day0jax.models.qwen4_exp", "qwen4_exp": "day0jax.models.qwen4_exp"})
 
 
 def family(model_type: str) -> Family:

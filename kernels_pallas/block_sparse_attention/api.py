@@ -8,10 +8,10 @@ import jax
 from kernels_pallas import registry
 from kernels_pallas.block_sparse_attention import reference
 from kernels_pallas.block_sparse_attention.reference import (block_select, block_sparse_attention,
-                                                             indexed_block_sparse_attention, pooled_block_select)
-from kernels_pallas.sparse_attention.reference import gather_pages
+                                                             gather_pages, indexed_block_sparse_attention, mean_pool,
+                                                             pooled_block_select)
 
-__all__ = ["block_select", "block_sparse_attention", "gather_pages", "indexed_block_sparse_attention",
+__all__ = ["block_select", "block_sparse_attention", "gather_pages", "indexed_block_sparse_attention", "mean_pool",
            "paged_block_sparse_attention", "pooled_block_select"]
 
 IMPLEMENTATIONS = {registry.REFERENCE: reference.paged_block_sparse_attention}

@@ -7,6 +7,12 @@ and keeps the `topk_blocks` best blocks (blocks with no visible key are never ke
 over the positions of the kept blocks, each query head over its KV group's blocks. When `topk_blocks` covers every
 block, it is dense causal attention computed by the same operations.
 
+The "mean" pooling (Qwen4-Exp's QSA indexer) scores blocks instead of positions: the keys of each complete block
+of `block_size` positions averaged (`mean_pool`), which the layer normalizes and rotates at the block's first
+position; a block's score is sum_i relu(q_i . k_block) / sqrt(Di) over the indexer heads, one choice shared by
+every query head (I = 1 in `kept`); only blocks the query sees whole compete, for `topk_blocks` places, and the
+query's own block, when it sees it only in part (its tail), is always kept.
+
 Letters: B batch, T queries, S key positions, N query heads, K kv heads, H head dim (Hv for values), I indexer
 heads (one per KV group: I = K in MiniMax-M3), Di indexer head dim, Nb key blocks.
 """
@@ -22,21 +28,58 @@ from kernels_pallas.sparse_attention.reference import gather_pages, visible
 FLOOR = dense.FLOOR  # masked scores
 
 
+def mean_pool(ik: jax.Array, block_size: int) -> jax.Array:
+    """[B, S, Di] keys -> [B, S // block_size, Di]: the mean over each complete block, in float32 (as transformers
+    averages), in ik's dtype."""
+    B, S, Di = ik.shape
+    Nb = S // block_size
+    blocks = ik[:, :Nb * block_size].astype(jnp.float32).reshape(B, Nb, block_size, Di)
+    return blocks.mean(axis=2).astype(ik.dtype)
+
+
+def _mean_select(iq: jax.Array, bk: jax.Array, *, block_size: int, topk_blocks: int,
+                 q_positions: jax.Array) -> jax.Array:
+    """The "mean" form of `block_select`: bk [B, Nb, Di] block keys -> [B, 1, T, Nb + 1] (the last block: the one
+    past the complete ones, which a query at the end of the keys sees in part)."""
+    B, T, I, Di = iq.shape
+    Nb = bk.shape[1]
+    scores = jnp.einsum("btid,bjd->btij", iq.astype(jnp.float32), bk.astype(jnp.float32))
+    scores = jax.nn.relu(scores).sum(axis=2) / jnp.sqrt(jnp.float32(Di))
+    blocks = jnp.arange(Nb + 1)[None, None, :]
+    seen = q_positions[:, :, None] + 1  # keys at and before the query
+    complete = (blocks + 1) * block_size <= seen
+    scores = jnp.where(complete, jnp.pad(scores, ((0, 0), (0, 0), (0, 1))), -jnp.inf)
+    values, chosen = jax.lax.top_k(scores, min(topk_blocks, Nb + 1))
+    hits = (jax.nn.one_hot(chosen, Nb + 1, dtype=jnp.bool_) & (values > -jnp.inf)[..., None]).any(axis=-2)
+    # The query's own block when it sees only part of it: its tail, always attended.
+    tail = (blocks == seen // block_size) & (seen % block_size != 0)
+    return (hits | tail)[:, None]
+
+
 def block_select(iq: jax.Array, ik: jax.Array, *, block_size: int, topk_blocks: int, local_blocks: int,
-                 q_positions: jax.Array, kv_lengths: jax.Array | None = None) -> jax.Array:
+                 q_positions: jax.Array, kv_lengths: jax.Array | None = None, pool: str = "max") -> jax.Array:
     """The indexer's choice of key blocks.
 
     Args:
         iq: [B, T, I, Di] indexer queries.
-        ik: [B, S, Di] indexer keys (one head); key s sits at position s.
+        ik: [B, S, Di] indexer keys (one head); key s sits at position s. For the "mean" pooling: [B, Nb', Di]
+            the keys of the complete blocks (`mean_pool`, then the layer's norm and rotation).
         block_size: positions per block (block j holds positions j * block_size ... (j + 1) * block_size - 1).
         topk_blocks: blocks kept per query and indexer head.
         local_blocks: blocks at and before the query's own block that are always kept.
         q_positions: [B, T] absolute positions of the queries.
         kv_lengths: [B] valid keys per row (None: all S).
+        pool: "max" (scores of positions, max-pooled; per indexer head) or "mean" (module docstring; `local_blocks`
+            unused, the query's partly seen block always kept).
     Returns:
-        [B, I, T, Nb] bool, Nb = ceil(S / block_size): whether the block is kept.
+        [B, I, T, Nb] bool, Nb = ceil(S / block_size): whether the block is kept ("mean": I = 1, Nb = Nb' + 1).
+    Raises:
+        ValueError: an unknown pooling.
     """
+    if pool == "mean":
+        return _mean_select(iq, ik, block_size=block_size, topk_blocks=topk_blocks, q_positions=q_positions)
+    if pool != "max":
+        raise ValueError(f"block pooling {pool!r} is not 'max' or 'mean'")
     B, T, I, _ = iq.shape
     S = ik.shape[1]
     Nb = -(-S // block_size)
@@ -79,10 +122,11 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, kept: jax.A
 
 def indexed_block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, iq: jax.Array, ik: jax.Array, *,
                                    block_size: int, topk_blocks: int, local_blocks: int, q_positions: jax.Array,
-                                   kv_lengths: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+                                   kv_lengths: jax.Array | None = None, scale: float | None = None,
+                                   pool: str = "max") -> jax.Array:
     """`block_select` then `block_sparse_attention`: the whole op over contiguous keys."""
     kept = block_select(iq, ik, block_size=block_size, topk_blocks=topk_blocks, local_blocks=local_blocks,
-                        q_positions=q_positions, kv_lengths=kv_lengths)
+                        q_positions=q_positions, kv_lengths=kv_lengths, pool=pool)
     return block_sparse_attention(q, k, v, kept, block_size=block_size, q_positions=q_positions,
                                   kv_lengths=kv_lengths, scale=scale)
 

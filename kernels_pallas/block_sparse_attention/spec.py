@@ -12,16 +12,19 @@ from kernels_pallas.ops import OpSpec
 PARAMS = {"N": "query heads", "K": "kv heads", "H": "head dim", "scale": "score scale (None: H ** -0.5)",
           "I": "indexer heads (one per kv group)", "Di": "indexer head dim", "block": "positions per key block",
           "topk": "key blocks kept per query", "local": "blocks at and before the query's own, always kept",
-          "pooled": "blocks scored through one learned average of their keys, the query's incomplete block kept "
-                    "besides (GLM-5-Next; absent: MiniMax-M3's max-pooled token scores)",
+          "pool": "how blocks are scored: 'max' (MiniMax-M3: max-pooled position scores), 'mean' (Qwen4-Exp: "
+                  "mean-pooled keys) or 'learned' (GLM-5-Next: one learned average of each block's keys); with "
+                  "'mean' and 'learned' the query's incomplete block is kept besides",
           "indexer": "the layer has its own indexer (False: it reuses an earlier layer's blocks)"}
 
 
 def describe(p: dict) -> str:
     heads = f"{p['N']}q/{p['K']}kv heads x {p['H']} over the top-{p['topk']}"
-    if not p.get("pooled"):
-        return (f"{heads} blocks of {p['block']} keys ({p['local']} local) of a {p['I']}-head indexer x {p['Di']}")
-    source = f"a {p['I']}-head pooled indexer x {p['Di']}" if p.get("indexer", True) else "an earlier layer's indexer"
+    pool = p.get("pool", "max")
+    if pool == "max":
+        return f"{heads} blocks of {p['block']} keys ({p['local']} local) of a {p['I']}-head indexer x {p['Di']}"
+    source = (f"a {p['I']}-head {pool}-pooled indexer x {p['Di']}" if p.get("indexer", True)
+              else "an earlier layer's indexer")
     return f"{heads} complete blocks of {p['block']} keys and the query's own incomplete block, of {source}"
 
 
@@ -58,4 +61,5 @@ def build(rnd: Random, dtype, *, B, N, K, H, Di, block, topk, local, page, max_l
 SPEC = OpSpec("block_sparse_attention", "block-sparse attention (engine)", PARAMS, describe,
               dict(N=8, K=2, H=16, scale=0.25, I=2, Di=16, block=8, topk=4, local=1),
               api="kernels_pallas.block_sparse_attention.api", cases=cases, build=build,
-              torch_patterns=("MiniMaxM3VLIndexer", "MiniMaxM3VLTextIndexer", "Glm5NextTextIndexer"))
+              torch_patterns=("MiniMaxM3VLIndexer", "MiniMaxM3VLTextIndexer", "Glm5NextTextIndexer",
+                              "Qwen4ExpTextQSAIndexer"))

@@ -18,14 +18,14 @@ INTERPRET: dict[str, str] = {}
 
 
 @jax.named_scope("hyper_connection")
-def hyper_connection(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, form: str,
-                     norm_eps: float, eps: float, post_scale: float = 2.0, sinkhorn_iters: int = 20,
-                     implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def hyper_connection(x: jax.Array, *weights: jax.Array, form: str, norm_eps: float, eps: float = 0.0,
+                     post_scale: float = 2.0, sinkhorn_iters: int = 20, implementation: str | None = None
+                     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """See `reference.hyper_connection`; `implementation` forces one candidate by name.
 
     Raises:
         registry.KernelUnavailable: the named implementation cannot take these inputs.
     """
-    return registry.dispatch("hyper_connection", IMPLEMENTATIONS, CANDIDATES, implementation, x, fn, base, scale,
+    return registry.dispatch("hyper_connection", IMPLEMENTATIONS, CANDIDATES, implementation, x, *weights,
                              form=form, norm_eps=norm_eps, eps=eps, post_scale=post_scale,
                              sinkhorn_iters=sinkhorn_iters)

@@ -17,8 +17,8 @@ so mixing the streams can neither grow nor shrink them: what keeps a deep stack 
 head collapses the streams once more, before the final norm: sigmoid(scale * (fn @ flat) + base) + eps weights.
 
 Forms (what `fn`'s rows hold): "mhc" (DeepSeek-V4: post_scale 2, post_eps 0, comb by `sinkhorn_iters` iterations),
-"plain" (HY-V4: post_scale its `hc_magnitude`, post_eps eps, no comb). Qwen4-Exp's gated residual computes pre and
-post otherwise (a low-rank per-channel input mix); it is another `mix` beside these, with the same `expand`.
+"plain" (HY-V4: post_scale its `hc_magnitude`, post_eps eps, no comb), "gated" (Qwen4-Exp's gated residual, whose
+weights are other maps: `gated_residual`; no comb, so the same `expand` with each stream's own residual).
 
 Everything is float32 (as transformers computes these modules, whatever the model's dtype); the outputs take the
 streams' dtype. Letters: B batch, T tokens, n streams, D model.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-FORMS = ("mhc", "plain")
+FORMS = ("mhc", "plain", "gated")
 
 
 def _normed_flat(x: jax.Array, norm_eps: float) -> jax.Array:
@@ -48,15 +48,46 @@ def sinkhorn(logits: jax.Array, *, iters: int, eps: float) -> jax.Array:
     return comb
 
 
-def hyper_connection(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, form: str,
-                     norm_eps: float, eps: float, post_scale: float = 2.0, sinkhorn_iters: int = 20
-                     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def gated_residual(x: jax.Array, norm_weight: jax.Array, down: jax.Array, up: jax.Array,
+                   inject: jax.Array | None = None, *, norm_eps: float
+                   ) -> tuple[jax.Array, jax.Array | None, None]:
+    """Qwen4-Exp's gated residual: each stream RMS-normalized on its own, times (1 + its weight); a low-rank map of
+    all of them gives per-channel input weights, and the block's input is the mean of the weighted normed streams:
+
+        normed = rms_norm(x_i) (1 + w_i)                        per stream i, eps `norm_eps`
+        mix    = sigmoid(up @ silu(down @ normed / n))          [n, D]
+        input  = mean_i(mix_i * normed_i);   post = 2 sigmoid(inject @ normed / n)
+
+    Args:
+        x: [B, T, n, D]; norm_weight: [n * D]; down: [R, n * D]; up: [n * D, R]; inject: [n, n * D], or None for
+            the final mixer, which has no block after it.
+    Returns:
+        (the block's input [B, T, D] in x's dtype, post [B, T, n] float32 or None, None).
+    """
+    n, D = x.shape[-2:]
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+    normed = normed * (1.0 + norm_weight.astype(jnp.float32).reshape(n, D))
+    flat = normed.reshape(*x.shape[:-2], n * D)
+    low = jax.nn.silu(jnp.einsum("btk,rk->btr", flat, down.astype(jnp.float32)) / n)
+    mix = jax.nn.sigmoid(jnp.einsum("btr,kr->btk", low, up.astype(jnp.float32))).reshape(normed.shape)
+    collapsed = jnp.mean(mix * normed, axis=-2).astype(x.dtype)
+    if inject is None:
+        return collapsed, None, None
+    post = 2.0 * jax.nn.sigmoid(jnp.einsum("btk,nk->btn", flat, inject.astype(jnp.float32)) / n)
+    return collapsed, post, None
+
+
+def hyper_connection(x: jax.Array, *weights: jax.Array, form: str, norm_eps: float, eps: float = 0.0,
+                     post_scale: float = 2.0, sinkhorn_iters: int = 20
+                     ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """The weights around one block and the block's input.
 
     Args:
         x: [B, T, n, D] the streams.
-        fn: [R, n * D] (R = (2 + n) n for "mhc", 2 n for "plain"); base: [R]; scale: [3] ("mhc") or [2].
-        form: "mhc" or "plain" (module docstring).
+        weights: fn [R, n * D] (R = (2 + n) n for "mhc", 2 n for "plain"), base [R], scale [3] ("mhc") or [2];
+            for "gated", `gated_residual`'s norm_weight, down, up and inject (or no inject).
+        form: "mhc", "plain" or "gated" (module docstring).
         norm_eps: the flattened streams' RMS norm eps; eps: added to pre (and comb's normalizations; to post in
             the plain form).
         post_scale: post's sigmoid times this (2 for mHC, `hc_magnitude` for HY-V4).
@@ -68,6 +99,9 @@ def hyper_connection(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Ar
     """
     if form not in FORMS:
         raise ValueError(f"hyper-connection form {form!r} is not one of {FORMS}")
+    if form == "gated":
+        return gated_residual(x, *weights, norm_eps=norm_eps)
+    fn, base, scale = weights
     n = x.shape[-2]
     rows = (2 + n) * n if form == "mhc" else 2 * n
     if fn.shape != (rows, x.shape[-2] * x.shape[-1]):

@@ -65,6 +65,12 @@ Jobs (each a dict with "op"):
                positions 0..T-1 without a cache: its queries `iq` [B, T, I, Di], head weights `weights` [B, T, I],
                keys `ik` [B, T, Di], pooling logits `gate` [B, T, Di], `ape` [kpool, Di], and the token indices it
                returns, `topk_indices` [B, T, W] (-1: none).
+  qwen4_exp_ops {config, seed, tokens, out}: transformers' own Qwen4-Exp modules, built from `config` (a
+               qwen4_exp_text config) with random weights (seed): the gated residual (`gr.`: on random streams
+               `streams` [B, T, n D], the block's input `gr_input`, `gr_post`) and the final mixer (`mixer.`,
+               `mixer_out`); the QSA indexer (`ix.`) on random hidden states `ix_x` at 0..T-1 under the causal mask:
+               its rotated queries `ix_q` [B, T, I, Di], raw keys `ix_k` [B, T, Di] and `ix_selected` [B, T, T] bool;
+               and the n-gram ids of the second PLE layer's embedding on the TOKENS list of rows: `ngram_ids`.
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
@@ -920,6 +926,54 @@ def glm5_next_ops(job):
                    weights=(indexer.weights_proj(x) * I ** -0.5).numpy(), ik=indexer.k_norm(indexer.wk(x)).numpy(),
                    gate=torch.nn.functional.linear(x, indexer.index_kpool_compress_gate).numpy(),
                    ape=indexer.index_kpool_compress_ape.numpy(), topk_indices=indices.numpy())
+    np.savez(job["out"], **out)
+
+
+def qwen4_exp_ops(job):
+    from transformers import AutoConfig
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as mod
+
+    torch.manual_seed(job["seed"])
+    config = AutoConfig.for_model("qwen4_exp_text", **job["config"])
+    B, T, n, D = 2, 13, config.hc_count, config.hidden_size
+    out = {}
+
+    def weights(prefix, module):
+        for name, p in module.named_parameters():  # norms hold (1 + weight): spread around 0
+            p.normal_(0.0, 0.3 if "norm" in name else 1.0 / np.sqrt(p.shape[-1]))
+            out[f"{prefix}.{name}"] = p.numpy().copy()
+
+    with torch.no_grad():
+        gr, mixer = mod.Qwen4ExpTextGatedResidual(config), mod.Qwen4ExpTextGatedResidual(config, use_combine=False)
+        weights("gr", gr)
+        weights("mixer", mixer)
+        x = torch.randn(B, T, n * D)
+        mixed, _, post = gr(x)
+        out.update(streams=x.numpy(), gr_input=mixed.numpy(), gr_post=post.numpy(), mixer_out=mixer(x).numpy())
+
+        indexer = mod.Qwen4ExpTextQSAIndexer(config, 0)
+        weights("ix", indexer)
+        h = torch.randn(B, T, D)
+        position_ids = torch.arange(T)[None, None].expand(3, B, -1)
+        cos, sin = mod.Qwen4ExpTextRotaryEmbedding(config)(h, position_ids)
+        captured = {}
+        select = indexer._select_tokens
+
+        def capture(hidden, q, raw_keys, *args, **kwargs):
+            captured.update(q=q, k=raw_keys)
+            return select(hidden, q, raw_keys, *args, **kwargs)
+
+        indexer._select_tokens = capture
+        causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T)
+        selected = indexer(h, (cos, sin), causal, None)
+        out.update(ix_x=h.numpy(), ix_q=captured["q"].numpy(), ix_k=captured["k"].numpy(),
+                   ix_selected=selected[:, 0].numpy())
+
+        embedding = mod.Qwen4ExpTextNGramEmbedding(config, config.ple_embed_dim, 0, 1)
+        ids = {}
+        embedding.ngram_embedding.register_forward_hook(lambda m, i, o: ids.__setitem__("ids", i[0]))
+        embedding(torch.tensor(job["tokens"]), None)
+        out["ngram_ids"] = ids["ids"].numpy()
     np.savez(job["out"], **out)
 
 
