@@ -1,0 +1,178 @@
+"""Videos for Qwen3-VL against transformers at float32: the video processor's pixels, grids and prompt placeholders
+(transformers' own `Qwen3VLVideoProcessor` on a plain-torch rendering of torchvision, tests/ref/plain_torchvision),
+then the tiny qwen3_vl of tests/families.py with a video, and with an image and a video, through `Model.logits` and
+`Model.generate` (the engine), against `Qwen3VLForConditionalGeneration` given pixel_values_videos and
+video_grid_thw.
+
+Tolerances: pixels exactly equal (the same float32 operations); logits as the image tests' (tests/parity.py).
+"""
+
+import gc
+import json
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+import day0jax
+from conftest import run_reference
+from day0jax.vision.images import ImageError
+from day0jax.vision.video import Qwen3VLVideoProcessor, Video, load_video
+from families import BOI, EOI, IMAGE_TOKEN, MULTIMODAL, image_placeholders, parity_engine
+from parity import rel_err, tolerance
+
+NEW_TOKENS = 16
+VIDEO_TOKEN = 251  # the tiny qwen3_vl config's video_token_id
+CASE = MULTIMODAL["qwen3_vl"]
+# 4-pixel patches merged 2x2, frame pairs; at most 4 frames' worth of 48 x 48 pixels; 2 to 8 frames sampled.
+VIDEO_PROCESSOR = dict(video_processor_type="Qwen3VLVideoProcessor", patch_size=4, temporal_patch_size=2,
+                       merge_size=2, size={"shortest_edge": 16 * 16, "longest_edge": 4 * 48 * 48}, min_frames=2,
+                       max_frames=8, fps=2, cap_pixels_per_frame=False)
+
+
+def frames(seed: int, count: int, height: int, width: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, height, width, 3), dtype=np.uint8)
+
+
+# (frames, the source fps (video_metadata), sampling keywords): sampled by fps at a given rate (3 of 9 frames, an odd
+# count padded to whole frame pairs); at the 24 fps transformers assumes (2 frames); num_frames; no sampling; frames
+# resized up past the smallest pixels; and a video of one frame, refused by both.
+VIDEOS = [(frames(1, 9, 30, 41), 6, {}), (frames(2, 5, 20, 26), None, {}),
+          (frames(3, 7, 24, 24), 10, {"num_frames": 4, "fps": None}),
+          (frames(4, 3, 33, 17), 3, {"do_sample_frames": False}), (frames(5, 4, 6, 9), 4, {}),
+          (frames(6, 1, 16, 16), 2, {})]
+
+
+def video(i: int) -> Video:
+    array, fps, options = VIDEOS[i]
+    return Video(list(array), fps, options)
+
+
+class Names:
+    """A tokenizer's `decode` of the special tokens the expansion writes."""
+
+    NAMES = {IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>", BOI: "<|vision_start|>",
+             EOI: "<|vision_end|>"}
+
+    def decode(self, ids):
+        return "".join(self.NAMES[i] for i in ids)
+
+
+def video_tokens(processed) -> list[int]:
+    """A processed video's prompt tokens: per frame pair, a text token standing for its timestamp, then its tokens
+    between the vision start and end tokens."""
+    _, h, w = processed.grid_thw
+    return [t for k in range(len(processed.timestamps)) for t in [60 + k, BOI] + [VIDEO_TOKEN] * (h * w // 4) + [EOI]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """transformers' video processor outputs, and the tiny qwen3_vl's logits and greedy tokens with a video (case 0)
+    and with an image then a video (case 1)."""
+    from day0jax.vision.processors import image_processor
+
+    root = tmp_path_factory.mktemp("video")
+    processor = Qwen3VLVideoProcessor(VIDEO_PROCESSOR)
+    cases = []
+    for i, (array, fps, options) in enumerate(VIDEOS):
+        np.save(root / f"video_{i}.npy", array)
+        kwargs = dict(options, video_metadata={"total_num_frames": len(array), "fps": fps,
+                                               "frames_indices": list(range(len(array)))})
+        cases.append({"config": VIDEO_PROCESSOR, "video": str(root / f"video_{i}.npy"), "kwargs": kwargs})
+    image = np.random.default_rng(7).integers(0, 256, (27, 35, 3), dtype=np.uint8)
+    first, second = processor.preprocess(video(0)), processor.preprocess(video(1))
+    prompts = [[1, 17, 42] + video_tokens(first) + [5, 99, 7],
+               [1, 9] + [BOI] + image_placeholders(CASE, image, IMAGE_TOKEN) + [EOI, 33] + video_tokens(second)
+               + [120, 14]]
+    data = {"tokens_0": np.array(prompts[0], np.int32), "video_pixels_0": first.pixel_values,
+            "video_grid_0": np.array([first.grid_thw]), "tokens_1": np.array(prompts[1], np.int32),
+            "pixels_1": image_processor(CASE.processor).preprocess(image).pixel_values,
+            "grid_1": np.array([image_processor(CASE.processor).preprocess(image).grid_thw]),
+            "video_pixels_1": second.pixel_values, "video_grid_1": np.array([second.grid_thw])}
+    np.savez(root / "inputs.npz", **data)
+    run_reference([{"op": "video_processor_outputs", "cases": cases, "out": str(root / "videos.npz")},
+                   {"op": "tiny_hf", "family": CASE.model_type, "config": CASE.config, "seed": 0,
+                    "out": str(root / "hf"), "multimodal": True},
+                   {"op": "vl_run", "model": str(root / "hf"), "inputs": str(root / "inputs.npz"),
+                    "generate": NEW_TOKENS, "out": str(root / "run.npz")}], root)
+    (root / "hf" / "preprocessor_config.json").write_text(json.dumps(CASE.processor))
+    (root / "hf" / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
+    return SimpleNamespace(hf=root / "hf", videos=dict(np.load(root / "videos.npz")), run=np.load(root / "run.npz"),
+                           prompts=prompts, rows=[[video(0)], [image, video(1)]], processor=processor)
+
+
+@pytest.mark.parametrize("i", range(len(VIDEOS)))
+def test_video_pixels_grid_and_placeholder_match_transformers(reference, i):
+    ref = reference.videos
+    if f"error_{i}" in ref:
+        with pytest.raises(ImageError, match="at least 2"):
+            reference.processor.preprocess(video(i))
+        assert "temporal_factor" in str(ref[f"error_{i}"])
+        return
+    ours = reference.processor.preprocess(video(i))
+    assert ours.grid_thw == tuple(ref[f"video_grid_thw_{i}"].tolist())
+    np.testing.assert_array_equal(ours.pixel_values, ref[f"pixel_values_videos_{i}"])
+    from day0jax.models.qwen3_vl import Model
+
+    model = SimpleNamespace(config=SimpleNamespace(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+                                                   vision_start_token_id=BOI, vision_end_token_id=EOI,
+                                                   vision=SimpleNamespace(spatial_merge_size=2)))
+    tokens = ours.grid_thw[0] * ours.grid_thw[1] * ours.grid_thw[2] // 4
+    text = Model.expand_image_placeholders(model, "a<|vision_start|><|video_pad|><|vision_end|>b", [tokens], Names(),
+                                           grids=[ours.grid_thw], timestamps=[ours.timestamps])
+    assert text == "a" + str(ref[f"placeholder_{i}"]) + "b"
+
+
+@pytest.fixture(scope="module")
+def model(reference, tmp_path_factory):
+    from convert import convert_checkpoint
+
+    dst = convert_checkpoint(reference.hf, tmp_path_factory.mktemp("video-converted") / "qwen3_vl",
+                             progress=False).dst
+    yield day0jax.load(dst, dtype="float32", kernels="strict", engine=parity_engine())
+    jax.clear_caches()
+    gc.collect()
+
+
+def test_logits_with_videos_match_transformers(reference, model):
+    for i, (tokens, row) in enumerate(zip(reference.prompts, reference.rows)):
+        err = rel_err(model.logits([tokens], images=[row])[0], reference.run[f"logits_{i}"])
+        assert err < tolerance("qwen3_vl"), f"case {i}: relative error {err:.2e}"
+
+
+def test_greedy_decode_with_videos_matches_transformers(reference, model):
+    outs = model.generate(reference.prompts, NEW_TOKENS, ignore_eos=True, images=reference.rows)
+    for i, out in enumerate(outs):
+        assert out == reference.run[f"generated_{i}"].tolist(), f"case {i}"
+    # The same tokens over the video's frames reversed: the prefix cache must not hand back the first video's keys.
+    flipped = Video(list(VIDEOS[0][0][::-1]), VIDEOS[0][1])
+    again = model.generate(reference.prompts[:1] * 2, NEW_TOKENS, ignore_eos=True,
+                           images=[reference.rows[0], [flipped]])
+    assert again[0] == outs[0] and again[1] != outs[0]
+
+
+def gif(array: np.ndarray, duration_ms: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    images = [Image.fromarray(f) for f in array]
+    images[0].save(buf, "GIF", save_all=True, append_images=images[1:], duration=duration_ms, loop=0)
+    return buf.getvalue()
+
+
+def test_animated_gif_decodes_to_frames_and_mp4_is_refused():
+    import base64
+
+    array = frames(9, 5, 12, 10) // 51 * 51  # few colours: the GIF palette keeps them exactly
+    got, fps = load_video("data:image/gif;base64," + base64.b64encode(gif(array, 250)).decode())
+    assert fps == pytest.approx(4.0) and len(got) == 5 and all(g.shape == (12, 10, 3) for g in got)
+    mp4 = b"\x00\x00\x00\x18ftypmp42" + bytes(64)
+    with pytest.raises(ImageError, match="animated GIF, WebP or PNG"):
+        load_video("data:video/mp4;base64," + base64.b64encode(mp4).decode())
+    with pytest.raises(ImageError, match="above the limit of 3 frames"):
+        load_video(gif(array, 250), max_frames=3)
+    with pytest.raises(ImageError, match="pixels over all frames"):
+        load_video(gif(array, 250), max_pixels=500)
