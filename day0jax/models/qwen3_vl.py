@@ -79,15 +79,15 @@ def rope_positions(tokens: Sequence[int], grids: Sequence[tuple[int, int, int]],
     while i < len(tokens):
         if tokens[i] == video_token_id:
             if not frames_left:
-                frames_left, h, w = grids.pop(0)
-            frames_left, t = frames_left - 1, 1
+                frames_left, video_h, video_w = grids.pop(0)
+            frames_left, t, h, w = frames_left - 1, 1, video_h // merge, video_w // merge
         elif tokens[i] == image_token_id:
             t, h, w = grids.pop(0)
+            h, w = h // merge, w // merge
         else:
             out[i] = current
             current, i = current + 1, i + 1
             continue
-        h, w = h // merge, w // merge
         frames, rows, cols = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
         n = t * h * w
         out[i:i + n] = current + np.stack([frames, rows, cols], -1).reshape(n, 3)
