@@ -4,21 +4,31 @@ then the tiny qwen3_vl of tests/families.py with a video, and with an image and 
 `Model.generate` (the engine), against `Qwen3VLForConditionalGeneration` given pixel_values_videos and
 video_grid_thw.
 
-Tolerances: pixels exactly equal (the same float32 operations); logits as the image tests' (tests/parity.py).
+Then `video_url` parts served by a live server through the official `openai` client: an animated GIF as a data URL
+gives the tokens of `Model.prepare` + `Model.generate` on the same messages; an mp4 and a GIF over the pixel limit
+are refused with a 400 naming the part.
+
+Tolerances: pixels exactly equal (the same float32 operations); logits as the image tests' (tests/parity.py):
+worst seen 1.3e-6 relative (float32, CPU).
 """
 
+import base64
 import gc
+import io
 import json
 from types import SimpleNamespace
 
 import jax
 import numpy as np
+import openai
 import pytest
+from PIL import Image
 
 import day0jax
 from conftest import run_reference
 from day0jax.vision.images import ImageError
 from day0jax.vision.video import Qwen3VLVideoProcessor, Video, load_video
+from launch import serving
 from families import BOI, EOI, IMAGE_TOKEN, MULTIMODAL, image_placeholders, parity_engine
 from parity import rel_err, tolerance
 
@@ -98,6 +108,7 @@ def reference(tmp_path_factory):
                     "generate": NEW_TOKENS, "out": str(root / "run.npz")}], root)
     (root / "hf" / "preprocessor_config.json").write_text(json.dumps(CASE.processor))
     (root / "hf" / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
+    write_tokenizer(root / "hf")
     return SimpleNamespace(hf=root / "hf", videos=dict(np.load(root / "videos.npz")), run=np.load(root / "run.npz"),
                            prompts=prompts, rows=[[video(0)], [image, video(1)]], processor=processor)
 
@@ -122,6 +133,31 @@ def test_video_pixels_grid_and_placeholder_match_transformers(reference, i):
     text = Model.expand_image_placeholders(model, "a<|vision_start|><|video_pad|><|vision_end|>b", [tokens], Names(),
                                            grids=[ours.grid_thw], timestamps=[ours.timestamps])
     assert text == "a" + str(ref[f"placeholder_{i}"]) + "b"
+
+
+# A chat template that shows image and video parts as Qwen3-VL's does.
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+            "{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+            "{% elif c.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c.text }}{% endif %}"
+            "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% endif %}")
+
+
+def write_tokenizer(folder):
+    """A character-level tokenizer over the tiny model's 256 ids: printable ASCII and the newline, Qwen's chat and
+    vision tokens at the tiny config's ids, the rest unused names."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    special = {240: "<|im_start|>", 241: "<|im_end|>", **Names.NAMES}
+    vocab = {"[UNK]": 0, "\n": 1, **{chr(c): c - 30 for c in range(32, 127)}}
+    vocab.update({special.get(i, f"<unused{i}>"): i for i in range(len(vocab), 256)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.values()])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +219,41 @@ def test_animated_gif_decodes_to_frames_and_mp4_is_refused():
         load_video(gif(array, 250), max_frames=3)
     with pytest.raises(ImageError, match="pixels over all frames"):
         load_video(gif(array, 250), max_pixels=500)
+
+
+def gif_url(array: np.ndarray, duration_ms: int = 100) -> str:
+    return "data:image/gif;base64," + base64.b64encode(gif(array, duration_ms)).decode()
+
+
+def test_served_gif_video_gives_the_models_tokens(model):
+    """An image and an animated GIF in one user message, served: the prompt's tokens (usage) and the greedy tokens
+    are those of `Model.prepare` and `Model.generate`; an mp4 and a GIF over --max-image-pixels get a 400 naming
+    the part, while the server keeps serving."""
+    clip = frames(11, 24, 24, 32) // 51 * 51  # 10 fps: frames 0, 8, 15, 23 sampled at 2 fps, two frame pairs
+    still = np.random.default_rng(12).integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(still).save(png, "PNG")
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+        {"type": "text", "text": "What happens next?"}, {"type": "video_url", "video_url": {"url": gif_url(clip)}}]}]
+    ids, row = model.prepare(messages)
+    text = model.tokenizer.decode(ids)
+    assert "<0.4 seconds><|vision_start|>" in text and "<1.9 seconds>" in text and ids.count(VIDEO_TOKEN) == 2 * 12
+    want = model.generate([ids], 8, ignore_eos=True, images=[row])[0]
+    tok = model.tokenizer
+    big = frames(13, 4, 80, 80) // 51 * 51  # 25600 pixels over its frames; the clip has 18432
+    mp4 = "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + bytes(64)).decode()
+    with serving(["--model", str(model.path), "--dtype", "float32", "--max-num-seqs", "4", "--chunk-sizes", "128",
+                  "--max-model-len", "256", "--min-width", "256", "--max-image-pixels", "20000"]) as proc:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                           logprobs=True, extra_body={"ignore_eos": True})
+        assert [t.token for t in r.choices[0].logprobs.content] == [tok.decode([t]) for t in want]
+        assert r.usage.prompt_tokens == len(ids)
+        for url, words in ((mp4, "animated GIF, WebP or PNG"), (gif_url(big), "pixels over all frames")):
+            bad = [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                {"type": "video_url", "video_url": {"url": url}}]}]
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=name, messages=bad, max_tokens=2)
+            assert words in str(e.value) and e.value.body["param"] == "messages[0].content[1].video_url"
