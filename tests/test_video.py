@@ -234,7 +234,8 @@ def test_served_gif_video_gives_the_models_tokens(model):
     png = io.BytesIO()
     Image.fromarray(still).save(png, "PNG")
     messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
+        {"type": "image_url",
+         "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}},
         {"type": "text", "text": "What happens next?"}, {"type": "video_url", "video_url": {"url": gif_url(clip)}}]}]
     ids, row = model.prepare(messages)
     text = model.tokenizer.decode(ids)
