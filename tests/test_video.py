@@ -9,7 +9,7 @@ gives the tokens of `Model.prepare` + `Model.generate` on the same messages; an 
 are refused with a 400 naming the part.
 
 Tolerances: pixels exactly equal (the same float32 operations); logits as the image tests' (tests/parity.py):
-worst seen 1.3e-6 relative (float32, CPU).
+worst seen 1.2e-6 relative (float32, CPU; 5.2e-7 with a video alone).
 """
 
 import base64
@@ -258,3 +258,17 @@ def test_served_gif_video_gives_the_models_tokens(model):
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model=name, messages=bad, max_tokens=2)
             assert words in str(e.value) and e.value.body["param"] == "messages[0].content[1].video_url"
+
+
+def test_video_parts_and_keywords_are_checked():
+    clip = list(frames(14, 4, 16, 16))
+    part = Video.from_part({"type": "video", "video": clip, "video_metadata": {"fps": 8}, "num_frames": 2,
+                            "fps": None})
+    assert part.source_fps == 8 and part.options == {"num_frames": 2, "fps": None}
+    with pytest.raises(ImageError, match="known are"):
+        Video.from_part({"type": "video", "video": clip, "sample_rate": 2})
+    processor = Qwen3VLVideoProcessor(VIDEO_PROCESSOR)
+    with pytest.raises(ImageError, match="mutually exclusive"):  # the checkpoint's fps stays unless set to None
+        processor.preprocess(Video(clip, 8, {"num_frames": 2}))
+    with pytest.raises(ImageError, match="share one size"):
+        processor.preprocess(Video(clip[:3] + [frames(15, 1, 16, 8)[0]]))
