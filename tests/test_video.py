@@ -2,14 +2,14 @@
 (transformers' own `Qwen3VLVideoProcessor` on a plain-torch rendering of torchvision, tests/ref/plain_torchvision),
 then the tiny qwen3_vl of tests/families.py with a video, and with an image and a video, through `Model.logits` and
 `Model.generate` (the engine), against `Qwen3VLForConditionalGeneration` given pixel_values_videos and
-video_grid_thw.
+video_grid_thw; and the tiny qwen3_5 with an image and a video (logits).
 
 Then `video_url` parts served by a live server through the official `openai` client: an animated GIF as a data URL
 gives the tokens of `Model.prepare` + `Model.generate` on the same messages; an mp4 and a GIF over the pixel limit
 are refused with a 400 naming the part.
 
 Tolerances: pixels exactly equal (the same float32 operations); logits as the image tests' (tests/parity.py):
-worst seen 1.2e-6 relative (float32, CPU; 5.2e-7 with a video alone).
+worst seen 1.2e-6 relative (float32, CPU; 5.2e-7 with a video alone), qwen3_5 4.9e-6.
 """
 
 import base64
@@ -105,11 +105,19 @@ def reference(tmp_path_factory):
                    {"op": "tiny_hf", "family": CASE.model_type, "config": CASE.config, "seed": 0,
                     "out": str(root / "hf"), "multimodal": True},
                    {"op": "vl_run", "model": str(root / "hf"), "inputs": str(root / "inputs.npz"),
-                    "generate": NEW_TOKENS, "out": str(root / "run.npz")}], root)
+                    "generate": NEW_TOKENS, "out": str(root / "run.npz")},
+                   {"op": "tiny_hf", "family": "qwen3_5", "config": MULTIMODAL["qwen3_5"].config, "seed": 0,
+                    "out": str(root / "hf_qwen3_5"), "multimodal": True},
+                   {"op": "vl_run", "model": str(root / "hf_qwen3_5"), "inputs": str(root / "inputs.npz"),
+                    "out": str(root / "run_qwen3_5.npz")}], root)
+    for name in ("hf_qwen3_5",):
+        (root / name / "preprocessor_config.json").write_text(json.dumps(CASE.processor))
+        (root / name / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
     (root / "hf" / "preprocessor_config.json").write_text(json.dumps(CASE.processor))
     (root / "hf" / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
     write_tokenizer(root / "hf")
     return SimpleNamespace(hf=root / "hf", videos=dict(np.load(root / "videos.npz")), run=np.load(root / "run.npz"),
+                           hf_qwen3_5=root / "hf_qwen3_5", run_qwen3_5=np.load(root / "run_qwen3_5.npz"),
                            prompts=prompts, rows=[[video(0)], [image, video(1)]], processor=processor)
 
 
@@ -175,6 +183,17 @@ def test_logits_with_videos_match_transformers(reference, model):
     for i, (tokens, row) in enumerate(zip(reference.prompts, reference.rows)):
         err = rel_err(model.logits([tokens], images=[row])[0], reference.run[f"logits_{i}"])
         assert err < tolerance("qwen3_vl"), f"case {i}: relative error {err:.2e}"
+
+
+def test_qwen3_5_logits_with_videos_match_transformers(reference, tmp_path):
+    """Qwen3.5 (the tower without DeepStack over the hybrid language model) takes videos the same way."""
+    from convert import convert_checkpoint
+
+    dst = convert_checkpoint(reference.hf_qwen3_5, tmp_path / "qwen3_5", progress=False).dst
+    model = day0jax.load(dst, dtype="float32", kernels="strict", engine=parity_engine())
+    tokens, row = reference.prompts[1], reference.rows[1]
+    err = rel_err(model.logits([tokens], images=[row])[0], reference.run_qwen3_5["logits_1"])
+    assert err < tolerance("qwen3_5"), f"relative error {err:.2e}"
 
 
 def test_greedy_decode_with_videos_matches_transformers(reference, model):
