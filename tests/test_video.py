@@ -215,10 +215,7 @@ def test_greedy_decode_with_videos_matches_transformers(reference, model):
 
 
 def gif(array: np.ndarray, duration_ms: int) -> bytes:
-    import io
-
-    from PIL import Image
-
+    """An animated GIF of uint8 frames, `duration_ms` each."""
     buf = io.BytesIO()
     images = [Image.fromarray(f) for f in array]
     images[0].save(buf, "GIF", save_all=True, append_images=images[1:], duration=duration_ms, loop=0)
@@ -226,8 +223,6 @@ def gif(array: np.ndarray, duration_ms: int) -> bytes:
 
 
 def test_animated_gif_decodes_to_frames_and_mp4_is_refused():
-    import base64
-
     array = frames(9, 5, 12, 10) // 51 * 51  # few colours: the GIF palette keeps them exactly
     got, fps = load_video("data:image/gif;base64," + base64.b64encode(gif(array, 250)).decode())
     assert fps == pytest.approx(4.0) and len(got) == 5 and all(g.shape == (12, 10, 3) for g in got)
