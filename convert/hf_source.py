@@ -33,7 +33,7 @@ from day0jax.core.hf_config import read_config_json
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json",
                    # a vision-language checkpoint's image preprocessing: the converted folder stands alone
-                   "preprocessor_config.json", "processor_config.json")
+                   "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 FP8_METHODS = ("fp8", "fbgemm_fp8")
 # Per-tensor activation scales of FP8 checkpoints, which weight-only FP8 does not apply.

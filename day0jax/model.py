@@ -152,7 +152,10 @@ class Model:
         """OpenAI-style chat messages -> (token ids, images): rendered with the chat template, each image's
         placeholder expanded to its tokens. Content parts may be `{"type": "text", "text": ...}`,
         `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}` or `{"type": "image", "image":
-        PIL image | uint8 array}`; `file://` URLs only inside `allowed_media_dir`.
+        PIL image | uint8 array}`; for models that take videos (Qwen3-VL), `{"type": "video", "video": [frames]}`
+        (optional `video_metadata` {"fps": the frames' rate} and the video processor's `fps`, `num_frames`,
+        `do_sample_frames`) or `{"type": "video_url", "video_url": {"url": an animated GIF, WebP or PNG}}`, returned
+        as `vision.video.Video`s among the images; `file://` URLs only inside `allowed_media_dir`.
 
         Raises:
             GenerationError: no tokenizer, images for a text-only model, or a template that shows no image.
@@ -173,8 +176,9 @@ class Model:
                images: Sequence[Sequence[Any]] | None = None) -> np.ndarray:
         """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V]. Shapes are padded to powers of two
         (the batch to a multiple of dp x ep, the length to at least 16), so differing lengths share compiled programs.
-        `images`: a vision-language model's images, one list per row (PIL images or uint8 HxWx3 arrays, in order of
-        appearance), the rows' placeholders already expanded.
+        `images`: a vision-language model's images, one list per row (PIL images or uint8 HxWx3 arrays, and
+        `vision.video.Video`s for models that take videos, in order of appearance), the rows' placeholders already
+        expanded.
 
         Raises:
             GenerationError: not a [B, T] array of token ids, longer than the context, or placeholders that do not
@@ -208,11 +212,12 @@ class Model:
         At most one of `json_schema` (output that validates against it; `{"type": "object"}` for any JSON object),
         `regex` (output matching it) and `choice` (exactly one of these strings) constrains the output; `logit_bias`
         adds a value in [-100, 100] to the logits of these token ids. `images`: a vision-language model's images, one
-        list per prompt (PIL images or uint8 HxWx3 arrays, in order of appearance), the prompts' placeholders already
-        expanded (see `prepare`). `speculative`: None follows the engine config (`EngineConfig.speculative`); False
-        turns speculative decoding off for these prompts, True leaves it on; a method name ("ngram", "draft", "mtp")
-        or a `SpeculativeConfig` makes this model's engine speculate that way from now on (a new engine: its
-        programs compile anew). Greedy tokens are the same with or without it; sampled ones are distributed alike.
+        list per prompt (PIL images, uint8 HxWx3 arrays or `vision.video.Video`s, in order of appearance), the
+        prompts' placeholders already expanded (see `prepare`). `speculative`: None follows the engine config
+        (`EngineConfig.speculative`); False turns speculative decoding off for these prompts, True leaves it on; a
+        method name ("ngram", "draft", "mtp") or a `SpeculativeConfig` makes this model's engine speculate that way
+        from now on (a new engine: its programs compile anew). Greedy tokens are the same with or without it;
+        sampled ones are distributed alike.
 
         Raises:
             GenerationError: invalid prompts or parameters, or a prompt too long for the context.

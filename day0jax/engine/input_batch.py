@@ -236,7 +236,7 @@ class InputBatch:
         images = seq.images
         if images.features is None:
             images.features, images.deepstack = self._encode(images)
-        is_image = np.asarray(seq.tokens[:seq.prompt_len], np.int32) == self.vision.image_token_id
+        is_image = self.vision.placeholders(np.asarray(seq.tokens[:seq.prompt_len], np.int32))
         first = int(is_image[:start].sum())  # features before this chunk
         mask = is_image[start:start + n]
         where = np.flatnonzero(mask)
@@ -259,7 +259,7 @@ class InputBatch:
             if images is not None and len(images):
                 raise InvalidRequest("this model takes no images", "images")
             return
-        placeholders = sum(t == vision.image_token_id for t in prompt)
+        placeholders = int(vision.placeholders(np.asarray(prompt, np.int64)).sum())
         given = 0 if images is None else len(images)
         needed = 0 if images is None else sum(images.counts)
         if placeholders != needed:

@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "none, file:// URLs are refused); images otherwise come inline as data:image/...;base64 "
                         "URLs, and http(s) URLs are always refused (the server never fetches)")
     p.add_argument("--max-images-per-request", type=int, default=8, metavar="N",
-                   help="vision-language models: the most images one chat request may hold (default 8)")
+                   help="vision-language models: the most images (and videos) one chat request may hold "
+                        "(default 8)")
     p.add_argument("--max-image-bytes", type=int, default=20 << 20, metavar="N",
                    help="vision-language models: the largest encoded image, in bytes (a data URL's payload after "
                         "base64 decoding, or a file), checked before it is decoded (default 20 MiB); data URLs are "
@@ -73,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="vision-language models: the most pixels (width * height) of one image, read from its "
                         "header before any pixel is decoded, so that a small file declaring a huge canvas "
                         "(a decompression bomb) is refused (default 40000000; Pillow's own ceiling of about 179 "
-                        "million pixels applies above it)")
+                        "million pixels applies above it); a video_url's (animated GIF, WebP, PNG) over all its "
+                        "frames, which are at most 1024")
     p.add_argument("--max-image-memory-mb", type=int, default=1024, metavar="MB",
                    help="vision-language models: the memory all requests' images may hold together, decoded while "
                         "a request renders and preprocessed until it ends (default 1024); a request whose images do "

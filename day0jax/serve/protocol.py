@@ -47,7 +47,16 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: str  # an animated GIF, WebP or PNG as a data: URL, or file:// inside the server's --allowed-media-dir
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Strict):
@@ -77,11 +86,11 @@ class ChatMessage(_Strict):
             return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
 
-    def images(self) -> list[tuple[int, ImagePart]]:
-        """The message's image parts with their indices in `content`."""
+    def images(self) -> list[tuple[int, ImagePart | VideoPart]]:
+        """The message's image and video parts with their indices in `content`."""
         if not isinstance(self.content, list):
             return []
-        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, (ImagePart, VideoPart))]
 
 
 class JsonSchemaFormat(_Strict):
@@ -185,8 +194,9 @@ class ChatCompletionRequest(_SamplingFields):
     def grammar_fields(self) -> list[str]:
         return super().grammar_fields() + (["tool_choice"] if self.forces_tool_call() else [])
 
-    def image_parts(self) -> list[tuple[int, int, ImagePart]]:
-        """The image parts of every message as (message index, part index, part), in order of appearance."""
+    def image_parts(self) -> list[tuple[int, int, ImagePart | VideoPart]]:
+        """The image and video parts of every message as (message index, part index, part), in order of
+        appearance."""
         return [(i, j, part) for i, m in enumerate(self.messages) for j, part in m.images()]
 
     def max_new_tokens(self) -> int | None:

@@ -87,11 +87,17 @@ def _chat(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict] |
     try:
         images = []
         for i, j, part in body.image_parts():
-            param = f"messages[{i}].content[{j}].image_url"
-            image = _load_image(state, part.image_url.url, param)
-            state.image_memory.take(image.width * image.height * len(image.getbands()), param)
-            decoded.append(image.width * image.height * len(image.getbands()))
-            images.append(image)
+            if isinstance(part, P.VideoPart):
+                param = f"messages[{i}].content[{j}].video_url"
+                video = _load_video(state, part.video_url.url, param)
+                size = sum(f.nbytes for f in video.frames)
+            else:
+                param = f"messages[{i}].content[{j}].image_url"
+                video = _load_image(state, part.image_url.url, param)
+                size = video.width * video.height * len(video.getbands())
+            state.image_memory.take(size, param)
+            decoded.append(size)
+            images.append(video)
         ids, pixels = _render(state, body, tools, add_generation_prompt, images)
     finally:
         state.image_memory.give_back(sum(decoded))
@@ -115,9 +121,9 @@ def _render(state: ServerState, body: P.ChatCompletionRequest, tools: list[dict]
         text, pixels = _image_inputs(state, text, images)
     ids = state.tokenizer.encode(text, add_special_tokens=False)
     vision = getattr(state.model, "vision", None)
-    if vision is not None and not images and vision.image_token_id in ids:
+    if vision is not None and not images and vision.placeholders(ids).any():
         # Text that spells the placeholder token would reach the engine as an image without pixels.
-        marker = state.tokenizer.decode([vision.image_token_id])
+        marker = state.tokenizer.decode([next(t for t in ids if vision.placeholders([t]).any())])
         raise APIError(400, f"the messages' text holds the image placeholder {marker!r}; send images as image_url "
                        "content parts", param="messages")
     return ids, pixels
@@ -130,8 +136,8 @@ def template_message(m: P.ChatMessage) -> dict:
     it) and `thinking` (gpt-oss), only when given (templates test whether the key is there)."""
     content: Any = m.text()
     if m.images():
-        content = [{"type": "image"} if isinstance(part, P.ImagePart) else {"type": "text", "text": part.text}
-                   for part in m.content]
+        content = [{"type": "image"} if isinstance(part, P.ImagePart) else {"type": "video"}
+                   if isinstance(part, P.VideoPart) else {"type": "text", "text": part.text} for part in m.content]
     out = {"role": m.role, "content": content}
     if m.name:
         out["name"] = m.name
@@ -176,6 +182,24 @@ def _load_image(state: ServerState, url: str, param: str):
     try:
         source = _sized_source(state, url, param)
         return load_image(source, allowed_media_dir=state.allowed_media_dir, max_pixels=state.max_image_pixels)
+    except ImageError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
+def _load_video(state: ServerState, url: str, param: str):
+    """The video at a content part's `url` (an animated GIF, WebP or PNG), decoded once its encoded size, then its
+    frame count and its pixels over all frames (--max-image-pixels) are known to be within the server's limits.
+
+    Raises:
+        APIError: 400 naming `param` for a video that cannot be read, of another container (mp4...), or over a
+            limit.
+    """
+    from day0jax.vision.video import Video, load_video
+
+    try:
+        frames, fps = load_video(_sized_source(state, url, param), allowed_media_dir=state.allowed_media_dir,
+                                 max_pixels=state.max_image_pixels)
+        return Video(frames, fps)
     except ImageError as e:
         raise APIError(400, str(e), param=param) from None
 

@@ -17,6 +17,7 @@ import numpy as np
 from day0jax.core.errors import GenerationError
 from day0jax.vision.images import load_image
 from day0jax.vision.spec import VisionSpec
+from day0jax.vision.video import Video
 
 
 class ImageInputs:
@@ -35,12 +36,17 @@ class ImageInputs:
         spans: [(start, end)] of each run of image tokens in the prompt, where a model's image tokens attend to
             each other both ways: the scheduler never ends a prefill chunk inside one (empty otherwise).
         rope_positions, rope_delta: multimodal RoPE: the prompt's positions [T, 3] and the offset of those after it.
+        timestamps: per entry, None for an image, or a video's seconds shown before each temporal patch's frames
+            (videos are entries like images, of grid (temporal patches, h, w), their tokens the video placeholder).
     """
 
-    def __init__(self, pixels: np.ndarray, counts: Sequence[int], grids: tuple | None = None):
+    def __init__(self, pixels: np.ndarray, counts: Sequence[int], grids: tuple | None = None,
+                 timestamps: Sequence | None = None):
         self.pixels = np.ascontiguousarray(pixels, dtype=np.float32)
         self.counts, self.grids = list(counts), grids
-        self.digest = hashlib.blake2b(self.pixels.tobytes() + repr((self.pixels.shape, grids)).encode(),
+        self.timestamps = list(timestamps) if timestamps is not None else [None] * len(self.counts)
+        self.digest = hashlib.blake2b(self.pixels.tobytes() + repr((self.pixels.shape, grids,
+                                                                    self.timestamps)).encode(),
                                       digest_size=16, person=b"day0jax-images").digest()
         self.features: np.ndarray | None = None
         self.deepstack: np.ndarray | None = None
@@ -53,8 +59,9 @@ class ImageInputs:
 
 
 def chat_images(messages: Sequence[dict], allowed_media_dir=None) -> tuple[list[dict], list[Any]]:
-    """OpenAI-style messages -> (messages whose image parts are `{"type": "image"}`, as chat templates expect, and
-    the images, decoded, in order of appearance).
+    """OpenAI-style messages -> (messages whose image parts are `{"type": "image"}` and video parts (`video`:
+    frames, `video_url`: an animated GIF / WebP / PNG) `{"type": "video"}`, as chat templates expect, and the
+    images and `Video`s, decoded, in order of appearance).
 
     Raises:
         ImageError: an image part that cannot be read.
@@ -75,6 +82,9 @@ def chat_images(messages: Sequence[dict], allowed_media_dir=None) -> tuple[list[
                         raise GenerationError(f"a content part of type {kind!r} has no {kind!r} field")
                     images.append(load_image(source, allowed_media_dir=allowed_media_dir))
                     parts.append({"type": "image"})
+                elif kind in ("video_url", "video"):
+                    images.append(Video.from_part(part, allowed_media_dir=allowed_media_dir))
+                    parts.append({"type": "video"})
                 else:
                     parts.append(part)
             m = dict(m, content=parts)
@@ -94,7 +104,7 @@ def place_features(tokens: np.ndarray, spec: VisionSpec, rows: Sequence[Any]) ->
         model has them `rope_positions` [B, T, 3] int32 and `deepstack` [k, B, T, D].
     """
     B, T = tokens.shape
-    mask = tokens == spec.image_token_id
+    mask = spec.placeholders(tokens)
     out = {"image_features": np.zeros((B, T, spec.dim), np.float32), "image_mask": mask}
     if spec.mrope is not None:
         out["rope_positions"] = np.broadcast_to(np.arange(T, dtype=np.int32)[None, :, None], (B, T, 3)).copy()
@@ -129,7 +139,7 @@ class ModelImages:
                  encode: Callable[["ImageInputs"], tuple[np.ndarray, np.ndarray | None]]):
         self.spec, self.path, self.model_type = spec, Path(path), model_type
         self._expand, self._encode = expand, encode
-        self._processor = None
+        self._processor = self._video_processor = None
 
     def _refuse_unless_vision(self) -> None:
         if self.spec is None:
@@ -153,16 +163,39 @@ class ModelImages:
             self._processor = image_processor(self.path)
         return self._processor
 
-    def inputs(self, images: Sequence[Any]) -> "ImageInputs":
-        """One row's images (PIL images or uint8 HxWx3 arrays, in order), preprocessed for the vision tower.
+    @property
+    def video_processor(self):
+        """The checkpoint's video preprocessing (`video.video_processor`), read on first use.
 
         Raises:
-            ImageError: an image that cannot be read; GenerationError: a text-only model.
+            GenerationError: a model that takes no videos, or a checkpoint without a video processor config.
+        """
+        self._refuse_unless_vision()
+        if self.spec.video_token_id is None:
+            raise GenerationError(f"this {self.model_type} model takes no videos")
+        if self._video_processor is None:
+            from day0jax.core.errors import ConfigError
+            from day0jax.vision.video import video_processor
+
+            try:
+                self._video_processor = video_processor(self.path)
+            except ConfigError as e:
+                raise GenerationError(str(e)) from e
+        return self._video_processor
+
+    def inputs(self, images: Sequence[Any]) -> "ImageInputs":
+        """One row's images (PIL images or uint8 HxWx3 arrays) and videos (`Video`), in order of appearance,
+        preprocessed for the vision tower.
+
+        Raises:
+            ImageError: an image or video that cannot be read; GenerationError: a text-only model, or a video for a
+                model that takes none.
         """
         processor = self.processor
         # Arrays go to the processor as they are: a torchvision-backend processor converts RGBA arrays its own way.
-        return ImageInputs(*self.spec.pack([processor.preprocess(im if isinstance(im, np.ndarray) else load_image(im))
-                                            for im in images]))
+        processed = [self.video_processor.preprocess(im) if isinstance(im, Video)
+                     else processor.preprocess(im if isinstance(im, np.ndarray) else load_image(im)) for im in images]
+        return ImageInputs(*self.spec.pack(processed), timestamps=[getattr(p, "timestamps", None) for p in processed])
 
     def expand(self, text: str, images: Sequence[Any], tokenizer) -> tuple[str, "ImageInputs"]:
         """A rendered chat `text` with each image's placeholder expanded to its tokens, and the images'
@@ -173,6 +206,9 @@ class ModelImages:
             ImageError: an image that cannot be read.
         """
         inputs = self.inputs(images)
+        if any(t is not None for t in inputs.timestamps):  # only families that take videos know the keyword
+            return self._expand(text, inputs.counts, tokenizer, grids=inputs.grids,
+                                timestamps=inputs.timestamps), inputs
         return self._expand(text, inputs.counts, tokenizer, grids=inputs.grids), inputs
 
     def encode(self, inputs: "ImageInputs") -> tuple[np.ndarray, np.ndarray | None]:
@@ -207,7 +243,7 @@ class ModelImages:
             inputs = [self.inputs(row) if row else None for row in images]
         if self.spec is not None:
             for b, (tokens, row) in enumerate(zip(token_rows, inputs)):
-                found = sum(int(t) == self.spec.image_token_id for t in tokens)
+                found = int(self.spec.placeholders(np.asarray(tokens, np.int64)).sum())
                 needed = 0 if row is None else sum(row.counts)
                 if found != needed:
                     raise GenerationError(

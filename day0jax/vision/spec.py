@@ -29,6 +29,8 @@ class VisionSpec:
         mrope: multimodal RoPE: (prompt tokens, image grids) -> (RoPE positions [T, 3], the offset of the positions
             after the prompt), on the host.
         deepstack: how many feature arrays the tower adds to the first layers' hidden states (DeepStack).
+        video_token_id: the placeholder of video frames' tokens, for models that take videos (None: no videos);
+            a row's images and videos are one list in order of appearance, their features in token order.
     """
 
     image_token_id: int
@@ -40,6 +42,13 @@ class VisionSpec:
     mrope: Callable | None = None
     deepstack: int = 0
     encoder: Any = None
+    video_token_id: int | None = None
+
+    def placeholders(self, tokens) -> np.ndarray:
+        """[...] bool: the image (and video) placeholder tokens of `tokens`."""
+        tokens = np.asarray(tokens)
+        mask = tokens == self.image_token_id
+        return mask if self.video_token_id is None else mask | (tokens == self.video_token_id)
 
     def pack(self, processed: Sequence[Any]) -> tuple[np.ndarray, list[int], tuple | None]:
         """Processed images (`vision.processors.ProcessedImage`s) -> (pixels as the tower takes them: stacked, or

@@ -3,7 +3,8 @@ preprocessed pixels.
 
   vl_run  {model, inputs, generate?, out}: INPUTS is an .npz with, per case i, `tokens_{i}` [T] (placeholders
           expanded) and `pixels_{i}` [I, ...] (the image processor's pixel_values; absent for text only), and for
-          Qwen-VL models `grid_{i}` [I, 3]. Writes, float32, `logits_{i}` [T, V], `features_{i}` (the projected image
+          Qwen-VL models `grid_{i}` [I, 3]; videos (Qwen3-VL) as `video_pixels_{i}` (pixel_values_videos) and
+          `video_grid_{i}` [V, 3]. Writes, float32, `logits_{i}` [T, V], `features_{i}` (the projected image
           features, concatenated over the images) and, with `generate`, `generated_{i}`: greedy continuations.
   vl_hidden  {model, inputs, out}: what `day0jax.verify` compares (see the function).
 """
@@ -38,6 +39,12 @@ def _inputs(model, data, i):
                 del kwargs["image_grid_thw"]
             else:  # Qwen-VL: which tokens are images (for multimodal RoPE)
                 kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    if f"video_pixels_{i}" in data:  # Qwen3-VL videos: their patches and grids; token types 1 image, 2 video
+        kwargs["pixel_values_videos"] = torch.tensor(data[f"video_pixels_{i}"])
+        kwargs["video_grid_thw"] = torch.tensor(data[f"video_grid_{i}"].astype(np.int64))
+        kwargs["mm_token_type_ids"] = ((ids == model.config.image_token_id).int()
+                                       + 2 * (ids == model.config.video_token_id).int())
+    if f"pixels_{i}" in data:
         if model.config.model_type == "gemma3":  # marks the image tokens for the bidirectional mask
             kwargs["token_type_ids"] = (ids == model.config.image_token_id).long()
     return ids, kwargs
@@ -113,7 +120,7 @@ def vl_run(job):
         for i in range(n):
             ids, kwargs = _inputs(model, data, i)
             result[f"logits_{i}"] = model(input_ids=ids, **kwargs).logits[0].float().numpy()
-            if kwargs:
+            if "pixel_values" in kwargs:
                 result[f"features_{i}"] = _features(model, kwargs)
             if job.get("generate"):
                 out = model.generate(input_ids=ids, **kwargs, max_new_tokens=job["generate"], do_sample=False,

@@ -12,6 +12,12 @@ Jobs (each a dict with "op"):
                With `torchvision`, the processors' torchvision backend instead, on tests/ref/plain_torchvision (a
                plain-torch rendering of the torchvision functions it calls): the job must come first in its
                subprocess, before transformers is imported, for transformers to find that package.
+  video_processor_outputs {cases: [{config, video, kwargs}], out}: transformers' Qwen3VLVideoProcessor (torchvision
+               backend, so with `torchvision` as above) built from the dict `config`, on the uint8 [T, H, W, 3] array
+               saved at `video` (.npy) with the call keywords `kwargs` (`video_metadata` among them); writes
+               `pixel_values_videos_{i}`, `video_grid_thw_{i}`, and `placeholder_{i}`: Qwen3VLProcessor's expansion
+               of the video's placeholder (its `replace_video_token`, on the tokens' text "<|video_pad|>",
+               "<|vision_start|>", "<|vision_end|>"), or `error_{i}`.
   torch_resizes {cases: [{image, size, mode, channels_last}], out}: torch's own antialiased `interpolate` of each
                uint8 [C, H, W] array saved at `image` (.npy) to `size` (mode "bilinear" or "bicubic"), as torchvision
                calls it on CPU tensors (optionally laid out channels-last); `resized_{i}` in OUT (.npz).
@@ -63,6 +69,32 @@ def image_processor_outputs(job):
             result[f"spatial_shapes_{i}"] = np.asarray(out["spatial_shapes"])
         if "num_soft_tokens_per_image" in out:  # Gemma 4
             result[f"num_soft_tokens_per_image_{i}"] = np.asarray(out["num_soft_tokens_per_image"][0])
+    np.savez(job["out"], **result)
+
+
+def video_processor_outputs(job):
+    if "transformers" in sys.modules:
+        raise RuntimeError("the torchvision-backend job must run before anything imports transformers")
+    sys.path.insert(0, PLAIN_TORCHVISION)
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    result = {}
+    for i, case in enumerate(job["cases"]):
+        processor = Qwen3VLVideoProcessor(**case["config"])
+        try:
+            out = processor(np.load(case["video"]), return_tensors="np", return_metadata=True, **case["kwargs"])
+        except ValueError as e:
+            result[f"error_{i}"] = np.array(str(e))
+            continue
+        result[f"pixel_values_videos_{i}"] = np.asarray(out["pixel_values_videos"])
+        result[f"video_grid_thw_{i}"] = np.asarray(out["video_grid_thw"][0])
+        text = SimpleNamespace(video_processor=processor, video_token="<|video_pad|>",
+                               vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                               _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a))
+        result[f"placeholder_{i}"] = np.array(Qwen3VLProcessor.replace_video_token(text, out, 0))
     np.savez(job["out"], **result)
 
 
