@@ -51,4 +51,6 @@ def build(rnd: Random, dtype, *, B, T, n, heads, Dh, V, base):
 SPEC = OpSpec("ngram_embedding", "ngram embedding", PARAMS, describe,
               dict(n=3, heads=8, Dh=16, V=248320, base=20_000_000),
               api="kernels_pallas.ngram_embedding.api", cases=cases, build=build,
-              torch_patterns=("NGramEmbedding",))
+              # Qwen4-Exp's per-layer embedding layer is built around these tables (its dilated convolution and
+              # injection are plain products beside them): day0jax runs it as `layers/ple.py`.
+              torch_patterns=("NGramEmbedding", "Qwen4ExpTextPLELayer"))
