@@ -132,7 +132,7 @@ def _kept_from_source(targets: dict, plan: dict[str, Source], source) -> tuple[d
         name, spec = quantized[0]
         stacked = t.experts and _per_expert(t, src) and len(quantized) == len(found) \
             and all(s == spec for _, s in quantized)
-        if not stacked and (len(src.names) != 1 or src.combine is not same):
+        if not stacked and (len(src.names) != 1 or (src.combine is not same and src.quantized is None)):
             continue  # combined with other tensors: read dequantized (counted below)
         if t.inputs % spec.group:
             raise CheckpointError(f"{source.path}: quantized tensor {name!r} has groups of {spec.group} that do not "
@@ -166,6 +166,8 @@ def quantized_arrays(path: str, float_shape: tuple[int, ...], spec: QuantSpec, s
     if from_source:
         parts = [source.read_quantized(n) for n in src.names]  # one per expert, or the one tensor
         w = parts[0]
+        if src.quantized is not None and len(parts) == 1:  # rows picked from the source's (gate and up of gate_up)
+            w = src.quantized(w)
         if len(parts) > 1:
             stack = lambda f: np.stack([np.asarray(getattr(x, f)) for x in parts])  # noqa: E731
             w = dataclasses.replace(w, codes=stack("codes"), scale=stack("scale"),

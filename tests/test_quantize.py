@@ -498,3 +498,57 @@ def test_gptq_activation_order_is_refused_unless_dequantized(tiny, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="AWQ version 'gemv'"):
         convert_checkpoint(bad, tmp_path / "gemv", progress=False)
+
+
+def mxfp4_gpt_oss(tiny, dst):
+    """Tiny gpt_oss in the MXFP4 layout gpt-oss ships: each layer's experts as `*_blocks` [E, out, in/32, 16] and
+    E8M0 `*_scales` [E, out, in/32] (the float experts rounded by the MX rule), quant_method 'mxfp4'."""
+    from kernels_pallas.quantized_linear.reference import quantize_mxfp4
+
+    shutil.copytree(tiny["gpt_oss"]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = np.swapaxes(tensors.pop(name).astype(np.float32), 1, 2)  # [E, out, in]: each expert's map
+        E, O, I = w.shape
+        q = quantize_mxfp4(w.reshape(E * O, I))
+        tensors[name + "_blocks"] = q.codes.reshape(E, O, I // 32, 16)
+        tensors[name + "_scales"] = q.scale.reshape(E, O, I // 32)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, tensors
+
+
+def test_mxfp4_gpt_oss_stays_mxfp4_and_computes_its_dequantized_model(tiny, tmp_path):
+    from conftest import run_reference
+
+    src, source = mxfp4_gpt_oss(tiny, tmp_path / "src")
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False).dst
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert {k: s.kind for k, s in specs.items()} == {f"model.layers.{i}.mlp.experts.{w}": "mxfp4"
+                                                     for i in range(2) for w in ("gate_proj", "up_proj", "down_proj")}
+    params = checkpoint.read_params(kept)
+    # The source's bytes as they are (gate and up: gate_up's alternate rows), the scales not widened.
+    assert sum(a.nbytes for a in params.values()) <= 1.05 * sum(a.nbytes for a in source.values())
+    prefix = "model.layers.1.mlp.experts"
+    blocks, scales = source[f"{prefix}.gate_up_proj_blocks"], source[f"{prefix}.gate_up_proj_scales"]
+    E, O2 = blocks.shape[:2]
+    for half, w in ((0, "gate_proj"), (1, "up_proj")):
+        np.testing.assert_array_equal(params[f"{prefix}.{w}.codes"], blocks[:, half::2].reshape(E, O2 // 2, -1))
+        np.testing.assert_array_equal(params[f"{prefix}.{w}.scale"], scales[:, half::2])
+        assert params[f"{prefix}.{w}.scale"].dtype == np.uint8
+    # --dequantize stores transformers' dequantization, bitwise.
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    run_reference([{"op": "mxfp4_dequantize", "model": str(src), "out": str(tmp_path / "ref.npz")}], tmp_path)
+    ref, stored = np.load(tmp_path / "ref.npz"), checkpoint.read_params(floats)
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts"
+        want = {"gate_proj": ref[f"{p}.gate_up_proj"][:, :, 0::2], "up_proj": ref[f"{p}.gate_up_proj"][:, :, 1::2],
+                "down_proj": ref[f"{p}.down_proj"]}
+        for w, values in want.items():
+            got = stored[f"{p}.{w}"]
+            assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), values.view(np.uint32)), w
+    compare(kept, floats)

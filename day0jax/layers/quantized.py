@@ -22,16 +22,18 @@ from flax import nnx
 from day0jax.core.errors import CheckpointError
 from kernels_pallas.calls import OpCall
 from kernels_pallas.quantized_linear import api as quantized_linear
-from kernels_pallas.quantized_linear.reference import CODE_DTYPES, KINDS, QuantizedWeight, dequantize
+from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GROUP, PACKED, QuantizedWeight,
+                                                       dequantize)
 
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+# uint8 scales are the E8M0 exponents of the MX formats (and only theirs).
+SCALE_DTYPES = ("float16", "bfloat16", "float32", "uint8")
 # config.json's `quantization_config.quant_method` of a converted checkpoint with quantized weights.
 QUANT_METHOD = "day0jax"
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How one module's weight is stored: `kind` ('int8', 'int4', 'fp8', as `kernels_pallas.quantized_linear`),
+    """How one module's weight is stored: `kind` ('int8', 'int4', 'fp8', 'mxfp4', as `kernels_pallas.quantized_linear`),
     inputs per scale `group`, whether groups carry an `offset`, and the dtype of scales and offsets."""
 
     kind: str
@@ -40,10 +42,13 @@ class QuantSpec:
     scale_dtype: str = "float16"
 
     def __post_init__(self):
+        mx = self.kind == "mxfp4"
         if self.kind not in KINDS or self.scale_dtype not in SCALE_DTYPES or self.group <= 0 \
-                or (self.kind == "int4" and self.group % 2):
+                or (self.kind == "int4" and self.group % 2) or (self.scale_dtype == "uint8") != mx \
+                or (mx and (self.group != MX_GROUP or self.offset)):
             raise CheckpointError(f"quantization {self.to_json()} is not a format day0jax knows (kinds: "
-                                  f"{', '.join(KINDS)}; scale dtypes: {', '.join(SCALE_DTYPES)})")
+                                  f"{', '.join(KINDS)}; scale dtypes: {', '.join(SCALE_DTYPES)}; mxfp4 takes "
+                                  f"groups of {MX_GROUP} with uint8 E8M0 scales and no offset)")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -73,7 +78,7 @@ class QuantizedKernel(nnx.Module):
                                   f"{inputs} inputs are not a multiple")
         flat_axes = tuple(axes[:n_out]) + (axes[n_out],)
         meta = dict(quantized=spec.kind, in_ndim=1)
-        self.codes = _param((*out_shape, inputs // 2 if spec.kind == "int4" else inputs), flat_axes,
+        self.codes = _param((*out_shape, inputs // 2 if spec.kind in PACKED else inputs), flat_axes,
                             CODE_DTYPES[spec.kind], meta)
         self.scale = _param((*out_shape, inputs // spec.group), flat_axes, np.dtype(spec.scale_dtype), meta)
         self.offset = _param((*out_shape, inputs // spec.group), flat_axes, np.dtype(spec.scale_dtype), meta) \
@@ -125,7 +130,7 @@ class QuantizedExperts(nnx.Module):
                                   f"{I} inputs are not a multiple")
         stored_axes = (axes[0], axes[2], axes[1])
         meta = dict(quantized=spec.kind, in_ndim=1)
-        self.codes = _param((E, O, I // 2 if spec.kind == "int4" else I), stored_axes, CODE_DTYPES[spec.kind], meta)
+        self.codes = _param((E, O, I // 2 if spec.kind in PACKED else I), stored_axes, CODE_DTYPES[spec.kind], meta)
         self.scale = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta)
         self.offset = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta) \
             if spec.offset else None

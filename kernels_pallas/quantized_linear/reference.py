@@ -8,7 +8,11 @@ Formats (`QuantizedWeight.kind`), each covering the checkpoint formats named bes
   in its low nibble and code b + group/2 in its high nibble, GGUF's own layout, so its blocks are kept as they are.
 - `fp8`: float8_e4m3fn codes, w = code * scale. DeepSeek-V3-style block scales become one scale per row and block
   of columns; per-tensor and per-channel scales one per row and group.
-Scales and offsets keep the dtype that holds them exactly (float16 for GGUF, float32 when products were needed).
+- `mxfp4`: OCP Microscaling MXFP4: two FP4 (e2m1) codes per byte, element 2i in the low nibble of byte i and 2i + 1
+  in the high one (gpt-oss's `*_blocks` as they ship), and one E8M0 scale byte per group of 32, w = e2m1(code) *
+  2^(scale - 127) (scale 255 is NaN). Kept as the bytes of the source's blocks and scales.
+Scales and offsets keep the dtype that holds them exactly (float16 for GGUF, float32 when products were needed,
+uint8 E8M0 exponents for MX formats).
 """
 
 from __future__ import annotations
@@ -20,9 +24,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-KINDS = ("int8", "int4", "fp8")
-CODE_DTYPES = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+KINDS = ("int8", "int4", "fp8", "mxfp4")
+CODE_DTYPES = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
+               "mxfp4": np.dtype(np.uint8)}
+PACKED = ("int4", "mxfp4")  # two 4-bit codes per byte
+MX_GROUP = 32  # the OCP MX block size: one shared E8M0 scale per 32 elements
 FP8_MAX = 448.0
+# The 16 values of an FP4 (e2m1) code, by code: sign bit 3, exponent bits 1..2 (bias 1), mantissa bit 0.
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -34,7 +43,7 @@ class QuantizedWeight:
         codes: [O, I] (int8, fp8) or [O, I/2] uint8 (int4).
         scale: [O, I/group].
         offset: [O, I/group] or None.
-        kind: 'int8', 'int4' or 'fp8'.
+        kind: one of KINDS (mxfp4: codes [O, I/2] uint8, scale [O, I/32] uint8 E8M0 exponents).
         group: inputs per scale; divides I.
     """
 
@@ -48,7 +57,7 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         """The float weight's [O, I]."""
         O, n = self.codes.shape
-        return O, n * 2 if self.kind == "int4" else n
+        return O, n * 2 if self.kind in PACKED else n
 
 
 def unpack_int4(codes: jax.Array, group: int) -> jax.Array:
@@ -58,10 +67,27 @@ def unpack_int4(codes: jax.Array, group: int) -> jax.Array:
     return jnp.concatenate([blocks & 15, blocks >> 4], axis=-1).reshape(O, n * 2)
 
 
+def unpack_fp4(codes: jax.Array) -> jax.Array:
+    """[O, I/2] packed bytes -> [O, I] e2m1 codes 0..15 (int32): byte i holds element 2i low, 2i + 1 high."""
+    b = codes.astype(jnp.int32)
+    return jnp.stack([b & 15, b >> 4], axis=-1).reshape(codes.shape[0], -1)
+
+
+def e8m0_to_float(scale: jax.Array) -> jax.Array:
+    """E8M0 exponent bytes -> float32 2^(s - 127), exactly: built from its bits (s << 23 is the normal float
+    2^(s - 127); s = 0 is the subnormal 2^-127; 255 is the format's NaN)."""
+    s = scale.astype(jnp.int32)
+    bits = jnp.where(s == 0, 1 << 22, jnp.where(s == 255, 0x7FC00000, s << 23))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def dequantize(w: QuantizedWeight) -> jax.Array:
     """The float32 weight [O, I] that `w` encodes, exactly."""
     O, I = w.shape
     G = I // w.group
+    if w.kind == "mxfp4":  # a 16-entry lookup, times the group's power of two (exact in float32)
+        q = jnp.take(jnp.asarray(E2M1), unpack_fp4(w.codes), axis=0)
+        return (q.reshape(O, G, w.group) * e8m0_to_float(w.scale)[..., None]).reshape(O, I)
     if w.kind == "int4":
         q = unpack_int4(w.codes, w.group).astype(jnp.float32)
         if w.offset is None:
@@ -88,13 +114,20 @@ def quantize(w: np.ndarray, kind: str, group: int, *, offsets: bool | None = Non
     Scales and offsets are stored as `scale_dtype` (bfloat16 by default: float32's range, so no group's scale
     underflows) and codes are rounded against them as stored.
 
+    mxfp4 follows the OCP MX rule instead (`quantize_mxfp4`): its scales are powers of two, kept as E8M0 bytes.
+
     Raises:
-        ValueError: unknown kind, or a group that does not divide the inputs (or is odd for int4).
+        ValueError: unknown kind, or a group that does not divide the inputs (or is odd for int4; not 32 for mxfp4).
     """
     if kind not in KINDS:
         raise ValueError(f"quantization kind {kind!r} is not one of {', '.join(KINDS)}")
     w = np.asarray(w, np.float32)
     O, I = w.shape
+    if kind == "mxfp4":
+        if group != MX_GROUP or I % group:
+            raise ValueError(f"mxfp4 takes groups of {MX_GROUP} that divide the inputs; got {group} for a "
+                             f"[{O}, {I}] weight")
+        return quantize_mxfp4(w)
     if group <= 0 or I % group or (kind == "int4" and group % 2):
         raise ValueError(f"group size {group} does not divide the {I} inputs of a [{O}, {I}] weight")
     blocks = w.reshape(O, I // group, group)
@@ -129,3 +162,20 @@ def pack_int4(q: np.ndarray, group: int) -> np.ndarray:
     blocks = q.reshape(O, I // group, group).astype(np.uint8)
     half = group // 2
     return (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(O, I // 2)
+
+
+def quantize_mxfp4(w: np.ndarray) -> QuantizedWeight:
+    """A float [O, I] weight as MXFP4 by the OCP MX v1.0 rule: each block of 32 shares the exponent
+    X = floor(log2(max |v|)) - 2 (2 being e2m1's largest exponent; a block of zeros takes the smallest, -127),
+    clamped to E8M0's [-127, 127]; each v / 2^X is rounded to the nearest e2m1 value (ties to even), magnitudes past
+    6 saturating to 6."""
+    w = np.asarray(w, np.float32)
+    O, I = w.shape
+    blocks = w.reshape(O, I // MX_GROUP, MX_GROUP)
+    amax = np.abs(blocks).max(-1)
+    _, e = np.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2(amax)) = e - 1, exactly
+    X = np.clip(np.where(amax > 0, e - 1 - 2, -127), -127, 127).astype(np.int32)
+    scaled = np.ldexp(blocks, -X[..., None])
+    codes = np.clip(scaled, -6.0, 6.0).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15
+    pairs = codes.reshape(O, I // 2, 2)
+    return QuantizedWeight(pairs[..., 0] | (pairs[..., 1] << 4), (X + 127).astype(np.uint8), None, "mxfp4", MX_GROUP)

@@ -12,9 +12,9 @@ import numpy as np
 from kernels_pallas.calls import OpCall
 from kernels_pallas.cases import Case, Random
 from kernels_pallas.ops import OpSpec
-from kernels_pallas.quantized_linear.reference import CODE_DTYPES, QuantizedWeight
+from kernels_pallas.quantized_linear.reference import CODE_DTYPES, PACKED, QuantizedWeight
 
-PARAMS = {"O": "outputs", "I": "inputs", "kind": "'int8', 'int4' or 'fp8'", "group": "inputs per scale",
+PARAMS = {"O": "outputs", "I": "inputs", "kind": "'int8', 'int4', 'fp8' or 'mxfp4'", "group": "inputs per scale",
           "offset": "groups carry an offset (bool)", "scale_dtype": "dtype of scales and offsets"}
 
 
@@ -38,7 +38,7 @@ def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Ca
 
 def quantized_weight(rnd: Random, lead: tuple[int, ...], I: int, *, kind, group, offset, scale_dtype):
     """Random quantized maps [*lead, I] in `kind` (abstract: shapes only), scaled for unit-scale outputs."""
-    G, width = I // group, I // 2 if kind == "int4" else I
+    G, width = I // group, I // 2 if kind in PACKED else I
     if rnd.abstract:
         s = jax.ShapeDtypeStruct
         return QuantizedWeight(s((*lead, width), CODE_DTYPES[kind]), s((*lead, G), jnp.dtype(scale_dtype)),
@@ -49,6 +49,10 @@ def quantized_weight(rnd: Random, lead: tuple[int, ...], I: int, *, kind, group,
         low, high = (-127, 128) if kind == "int8" else (0, 256)
         codes = jnp.asarray(rnd.integers(low, high, (*lead, width)).astype(CODE_DTYPES[kind]))
     scale_type = jnp.dtype(scale_dtype)
+    if kind == "mxfp4":  # E8M0 exponents near 2^-(log2(sqrt(I)) + 3): unit-scale outputs, as below
+        center = 127 - 3 - round(math.log2(math.sqrt(I)))
+        return QuantizedWeight(codes, jnp.asarray(rnd.integers(center - 2, center + 1, (*lead, G)).astype(scale_type)),
+                               None, kind, group)
     scales = jnp.asarray(np.abs(rnd.rng.standard_normal((*lead, G)) / math.sqrt(I) / 8).astype(scale_type))
     offsets = jnp.asarray((rnd.rng.standard_normal((*lead, G)) / math.sqrt(I)).astype(scale_type)) if offset else None
     return QuantizedWeight(codes, scales, offsets, kind, group)

@@ -16,6 +16,8 @@ Jobs (each a dict with "op"):
   run          {model, prompts, generate, out}: float32 logits of each prompt, and greedy continuations.
   rope_tables  {config, starts, length, out}: cos and sin [length, head_dim] of a Llama with this config's RoPE at
                positions start..start+length-1, one call per start in order.
+  mxfp4_dequantize {model, out}: every `X_blocks`/`X_scales` pair of the HF folder MODEL dequantized by transformers'
+               MXFP4 dequantizer (integrations/mxfp4.py, float32): `X` [E, in, out], as gpt-oss's experts use it.
   state        {model, out}: the float32 state dict transformers loads (dequantized for GGUF).
   tokenize     {model, texts, chats, out}: token ids of each text and of each chat with the chat template.
   hidden       {model, prompts, out, dtype?}: per prompt i, `hidden_{i}` [L+1, T, D] (output_hidden_states: the
@@ -893,6 +895,24 @@ def minimax_m3_ops(job):
                                               scaling=q.shape[-1] ** -0.5)
         out.update(x=x.numpy(), iq=iq.transpose(1, 2).numpy(), ik=ik[:, 0].numpy(),
                    block_indices=block_indices.numpy(), attention=attn.numpy())
+    np.savez(job["out"], **out)
+
+
+def mxfp4_dequantize(job):
+    from safetensors.numpy import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = {}
+    for f in sorted(os.listdir(job["model"])):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(job["model"], f)))
+    out = {}
+    for name in tensors:
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            w = convert_moe_packed_tensors(torch.from_numpy(tensors[name]), torch.from_numpy(tensors[base + "_scales"]),
+                                           dtype=torch.float32)
+            out[base] = w.numpy()
     np.savez(job["out"], **out)
 
 
