@@ -50,7 +50,7 @@ def build(rnd: Random, dtype, *, M, G, D, F, k, quantized=None):
     if quantized:  # 'int4/32+offset': each expert's [F, D] map as quantized_linear stores it
         kind, _, rest = quantized.partition("/")
         rhs = quantized_weight(rnd, (G, F), D, kind=kind, group=int(rest.split("+")[0]),
-                               offset=rest.endswith("+offset"), scale_dtype="float32")
+                               offset=rest.endswith("+offset"), scale_dtype="uint8" if kind == "mxfp4" else "float32")
     else:
         rhs = rnd.normal((G, D, F), dtype, 1 / math.sqrt(D))  # unit-scale outputs
     return (lhs, rhs, jnp.asarray(sizes)), {}
