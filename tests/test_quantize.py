@@ -551,4 +551,61 @@ def test_mxfp4_gpt_oss_stays_mxfp4_and_computes_its_dequantized_model(tiny, tmp_
         for w, values in want.items():
             got = stored[f"{p}.{w}"]
             assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), values.view(np.uint32)), w
-    compare(kept, floats)
+    model = compare(kept, floats)
+    # The planner counts the codes and scales as stored; the readiness report names the kind, source and converted.
+    assert math.isclose(model.memory_plan.params_bytes, sum(a.nbytes for a in params.values()), rel_tol=0.01)
+    from day0jax import check
+
+    for path in (kept, src):
+        report = check.check(str(path), dtype="float32")
+        assert report.supported and "6 x mxfp4/32" in report.quantization, (path, report.quantization)
+        assert "mxfp4" in check.render(report)
+
+
+def ocp_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The OCP Microscaling (MX) v1.0 spec's MXFP4 quantization, element by element: (e2m1 codes [O, I] 0..15,
+    E8M0 scale bytes [O, I/32]). Per block of 32: shared exponent floor(log2(max |v|)) - emax_elem (2 for e2m1),
+    clamped to [-127, 127] (a block of zeros takes -127); each v / 2^X rounded to the nearest e2m1 value, ties to
+    the even mantissa, magnitudes past 6 clamped to 6; the sign bit kept (negative zero included)."""
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # magnitude by code 0..7; mantissa bit = code & 1
+    O, I = w.shape
+    codes, scales = np.zeros((O, I), np.uint8), np.zeros((O, I // 32), np.uint8)
+    for o in range(O):
+        for b in range(I // 32):
+            block = [float(v) for v in w[o, 32 * b:32 * (b + 1)]]
+            amax = max(abs(v) for v in block)
+            X = max(-127, min(127, math.floor(math.log2(amax)) - 2)) if amax > 0 else -127
+            scales[o, b] = X + 127
+            for j, v in enumerate(block):
+                m = min(abs(v) / 2.0 ** X, 6.0)
+                best = min(range(8), key=lambda c: (abs(grid[c] - m), c & 1))
+                codes[o, 32 * b + j] = best | (8 if math.copysign(1.0, v) < 0 else 0)
+    return codes, scales
+
+
+def test_quantize_mxfp4_follows_the_ocp_mx_spec_and_computes_its_dequantized_model(tiny, tmp_path):
+    src = tiny["llama"]["hf"]
+    ckpt = convert_checkpoint(src, tmp_path / "q", progress=False, options=Options(quantize="mxfp4")).dst
+    specs = specs_from_config(json.loads((ckpt / "config.json").read_text()))
+    assert specs["model.layers.0.mlp.down_proj"].kind == "mxfp4" and specs["model.embed_tokens"].kind == "int8"
+    params = checkpoint.read_params(ckpt)
+    name = "model.layers.1.mlp.up_proj"
+    w = load_file(str(src / "model.safetensors"))[f"{name}.weight"].astype(np.float32)
+    codes, scales = ocp_mxfp4(w)
+    packed = params[f"{name}.kernel.codes"]
+    np.testing.assert_array_equal(packed & 15, codes[:, 0::2])
+    np.testing.assert_array_equal(packed >> 4, codes[:, 1::2])
+    np.testing.assert_array_equal(params[f"{name}.kernel.scale"], scales)
+    # Ties, saturation, signed zeros, zero blocks and tiny blocks, against the spec's rendering.
+    from kernels_pallas.quantized_linear.reference import quantize
+
+    edge = np.array([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, -0.0, 0.1, -6.0, 6.0, 5.9, 0.74, 2.9, 4.9] * 2,
+                     [0.0] * 32, [1e-40] * 16 + [-3e-39] * 16, [7.5] + [0.01] * 31], np.float32)
+    q = quantize(edge, "mxfp4", 32)
+    codes, scales = ocp_mxfp4(edge)
+    np.testing.assert_array_equal(np.stack([q.codes & 15, q.codes >> 4], -1).reshape(edge.shape), codes)
+    np.testing.assert_array_equal(q.scale, scales)
+    with pytest.raises(CheckpointError, match="mxfp4 shares one scale per block of 32"):
+        convert_checkpoint(src, tmp_path / "g16", progress=False, options=Options(quantize="mxfp4", group_size=16))
+    compare(ckpt, convert_checkpoint(dequantized_copy(src, ckpt, tmp_path / "deq"), tmp_path / "f",
+                                     progress=False).dst)
