@@ -462,7 +462,8 @@ def _source_quantization(fam, config, abstract, infos, source, quantize: str | N
 def _config_quantization(fam, config, abstract, infos, q: dict):
     """What a compressed-tensors checkpoint stores quantized, from its config.json alone (its weights not here):
     every weight its scheme targets and its `ignore` list does not name, the vision side left float (those
-    checkpoints quantize the language model only); None for other quantization methods.
+    checkpoints quantize the language model only); for an MXFP4 one, its MoE experts; None for other quantization
+    methods.
 
     Raises:
         Day0Error: a scheme the runtime does not keep (named).
@@ -474,6 +475,14 @@ def _config_quantization(fam, config, abstract, infos, q: dict):
     from day0jax.core.hf_tensors import default_source
     from day0jax.layers.quantized import QuantSpec
 
+    if q.get("quant_method") == "mxfp4":  # MXFP4 releases (gpt-oss) quantize the MoE experts and nothing else
+        from kernels_pallas.quantized_linear.reference import MX_GROUP
+
+        targets = quantizable(abstract)
+        specs = {k: QuantSpec("mxfp4", MX_GROUP, False, "uint8") for k, t in targets.items()
+                 if t.experts and not t.inputs % MX_GROUP}
+        kept = {"not quantized by the checkpoint": len(targets) - len(specs)} if len(targets) > len(specs) else {}
+        return QuantPlan(specs, frozenset(specs), kept, frozenset(specs))
     if q.get("quant_method") != "compressed-tensors":
         return None
     s = scheme("config.json", q)

@@ -556,7 +556,9 @@ def test_mxfp4_gpt_oss_stays_mxfp4_and_computes_its_dequantized_model(tiny, tmp_
     assert math.isclose(model.memory_plan.params_bytes, sum(a.nbytes for a in params.values()), rel_tol=0.01)
     from day0jax import check
 
-    for path in (kept, src):
+    (tmp_path / "config-only").mkdir()
+    shutil.copy(src / "config.json", tmp_path / "config-only")
+    for path in (kept, src, tmp_path / "config-only"):
         report = check.check(str(path), dtype="float32")
         assert report.supported and "6 x mxfp4/32" in report.quantization, (path, report.quantization)
         assert "mxfp4" in check.render(report)
