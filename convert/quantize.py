@@ -174,7 +174,8 @@ def quantized_arrays(path: str, float_shape: tuple[int, ...], spec: QuantSpec, s
         if len(parts) > 1:
             stack = lambda f: np.stack([np.asarray(getattr(x, f)) for x in parts])  # noqa: E731
             w = dataclasses.replace(w, codes=stack("codes"), scale=stack("scale"),
-                                    offset=stack("offset") if w.offset is not None else None)
+                                    offset=stack("offset") if w.offset is not None else None,
+                                    global_scale=stack("global_scale") if w.global_scale is not None else None)
     else:
         dense = np.asarray(src.combine([source.read(n) for n in src.names], float_shape), np.float32)
         if experts:
@@ -184,6 +185,8 @@ def quantized_arrays(path: str, float_shape: tuple[int, ...], spec: QuantSpec, s
     out = {f"{path}.codes": w.codes, f"{path}.scale": w.scale}
     if spec.offset:
         out[f"{path}.offset"] = w.offset
+    if spec.kind == "nvfp4":
+        out[f"{path}.global_scale"] = w.global_scale
     for name, array in out.items():
         want = shapes[name]
         if array.size != math.prod(want):

@@ -29,6 +29,7 @@ FORMATS = {
     "fp8-f32-g128": ("fp8", 128, False, "float32"),
     "int8-offset-f32-g16": ("int8", 16, True, "float32"),
     "mxfp4": ("mxfp4", 32, False, "uint8"),
+    "nvfp4": ("nvfp4", 16, False, "float8_e4m3fn"),
 }
 
 
@@ -77,7 +78,7 @@ class TestReference(QuantizedLinearContract):
 
 class TestCpuFfi(QuantizedLinearContract):
     implementation = "cpu_ffi"
-    declines = ("mxfp4",)
+    declines = ("mxfp4", "nvfp4")
 
 
 def test_cpu_kernel_declines_what_it_does_not_take():

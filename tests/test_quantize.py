@@ -611,3 +611,59 @@ def test_quantize_mxfp4_follows_the_ocp_mx_spec_and_computes_its_dequantized_mod
         convert_checkpoint(src, tmp_path / "g16", progress=False, options=Options(quantize="mxfp4", group_size=16))
     compare(ckpt, convert_checkpoint(dequantized_copy(src, ckpt, tmp_path / "deq"), tmp_path / "f",
                                      progress=False).dst)
+
+
+def nvfp4_source(tiny, dst, name="llama"):
+    """Tiny `name` with its projections as compressed-tensors NVFP4 ('nvfp4-pack-quantized', W4A4 as llm-compressor's
+    NVFP4 scheme writes it): random e2m1 codes, positive float8_e4m3fn scales per 16 and a float32 global scale per
+    weight; and the float32 weights they mean, rendered here from the format's layout."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    shutil.copytree(tiny[name]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    rng, meant = np.random.default_rng(11), {}
+    for n in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors.pop(n).shape
+        packed = rng.integers(0, 256, (O, I // 2)).astype(np.uint8)
+        scale = (rng.uniform(0.5, 4.0, (O, I // 16)) * 64).astype(ml_dtypes.float8_e4m3fn)
+        glob = np.array([rng.uniform(2000, 4000)], np.float32)  # weights of about the float model's size
+        base = n[: -len("weight")]
+        tensors.update({base + "weight_packed": packed, base + "weight_scale": scale,
+                        base + "weight_global_scale": glob})
+        codes = np.stack([packed & 15, packed >> 4], -1).reshape(O, I)  # element 2i low, 2i + 1 high
+        step = scale.astype(np.float32) / glob[0]  # float32, compressed-tensors' order: q * (scale / global)
+        meant[n] = e2m1[codes] * np.repeat(step, 16, axis=1)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp4,
+                                      "input_activations": dict(fp4, dynamic="local")}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, meant, {n: a for n, a in tensors.items() if n.endswith("weight_packed")}
+
+
+def test_nvfp4_stays_nvfp4_and_computes_its_values(tiny, tmp_path, caplog):
+    from conftest import run_reference
+
+    src, meant, packed = nvfp4_source(tiny, tmp_path / "src")
+    with caplog.at_level("WARNING"):
+        kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    assert "weight-only, as on hardware without FP4 arithmetic" in caplog.text
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert specs["model.layers.0.mlp.down_proj"].describe() == "nvfp4/16"
+    params = checkpoint.read_params(kept)
+    name = "model.layers.1.self_attn.o_proj"
+    np.testing.assert_array_equal(params[f"{name}.kernel.codes"].reshape(packed[f"{name}.weight_packed"].shape),
+                                  packed[f"{name}.weight_packed"])
+    assert params[f"{name}.kernel.scale"].dtype == ml_dtypes.float8_e4m3fn  # the block scales stay 8-bit
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    run_reference([{"op": "nvfp4_dequantize", "model": str(src), "out": str(tmp_path / "ref.npz")}], tmp_path)
+    ref, stored = np.load(tmp_path / "ref.npz"), checkpoint.read_params(floats)
+    for n, want in meant.items():  # exact in float32: the layout's rendering and compressed-tensors' own, bitwise
+        got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+        assert np.array_equal(ref[n].view(np.uint32), want.view(np.uint32)), n
+    compare(kept, floats)

@@ -16,17 +16,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from day0jax.core.errors import CheckpointError
 from kernels_pallas.calls import OpCall
 from kernels_pallas.quantized_linear import api as quantized_linear
-from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GROUP, PACKED, QuantizedWeight,
-                                                       dequantize)
+from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GROUP, NV_GROUP, PACKED,
+                                                       QuantizedWeight, dequantize)
 
-# uint8 scales are the E8M0 exponents of the MX formats (and only theirs).
-SCALE_DTYPES = ("float16", "bfloat16", "float32", "uint8")
+# uint8 scales are the E8M0 exponents of the MX formats (and only theirs); float8_e4m3fn NVFP4's block scales.
+SCALE_DTYPES = ("float16", "bfloat16", "float32", "uint8", "float8_e4m3fn")
+# The scale dtype and group each FP4 kind requires.
+FP4_FORMATS = {"mxfp4": ("uint8", MX_GROUP), "nvfp4": ("float8_e4m3fn", NV_GROUP)}
 # config.json's `quantization_config.quant_method` of a converted checkpoint with quantized weights.
 QUANT_METHOD = "day0jax"
 
@@ -42,13 +45,15 @@ class QuantSpec:
     scale_dtype: str = "float16"
 
     def __post_init__(self):
-        mx = self.kind == "mxfp4"
+        fp4 = FP4_FORMATS.get(self.kind)
         if self.kind not in KINDS or self.scale_dtype not in SCALE_DTYPES or self.group <= 0 \
-                or (self.kind == "int4" and self.group % 2) or (self.scale_dtype == "uint8") != mx \
-                or (mx and (self.group != MX_GROUP or self.offset)):
+                or (self.kind == "int4" and self.group % 2) \
+                or (self.scale_dtype in ("uint8", "float8_e4m3fn")) != (fp4 is not None) \
+                or (fp4 and ((self.scale_dtype, self.group) != fp4 or self.offset)):
             raise CheckpointError(f"quantization {self.to_json()} is not a format day0jax knows (kinds: "
                                   f"{', '.join(KINDS)}; scale dtypes: {', '.join(SCALE_DTYPES)}; mxfp4 takes "
-                                  f"groups of {MX_GROUP} with uint8 E8M0 scales and no offset)")
+                                  f"groups of {MX_GROUP} with uint8 E8M0 scales, nvfp4 groups of {NV_GROUP} with "
+                                  "float8_e4m3fn scales, neither an offset)")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,9 +85,12 @@ class QuantizedKernel(nnx.Module):
         meta = dict(quantized=spec.kind, in_ndim=1)
         self.codes = _param((*out_shape, inputs // 2 if spec.kind in PACKED else inputs), flat_axes,
                             CODE_DTYPES[spec.kind], meta)
-        self.scale = _param((*out_shape, inputs // spec.group), flat_axes, np.dtype(spec.scale_dtype), meta)
+        self.scale = _param((*out_shape, inputs // spec.group), flat_axes, scale_dtype(spec), meta)
         self.offset = _param((*out_shape, inputs // spec.group), flat_axes, np.dtype(spec.scale_dtype), meta) \
             if spec.offset else None
+        # NVFP4's per-tensor global scale, once per row so that it splits with the rows.
+        self.global_scale = _param((*out_shape, 1), flat_axes[:-1] + (None,), np.dtype(np.float32), meta) \
+            if spec.kind == "nvfp4" else None
 
     @property
     def rows(self) -> int:
@@ -96,8 +104,9 @@ class QuantizedKernel(nnx.Module):
         """As the op takes it: [O, I] codes and [O, groups] scales."""
         O = self.rows
         offset = None if self.offset is None else self.offset[...].reshape(O, -1)
+        glob = None if self.global_scale is None else self.global_scale[...].reshape(O, 1)
         return QuantizedWeight(self.codes[...].reshape(O, -1), self.scale[...].reshape(O, -1), offset,
-                               self.spec.kind, self.spec.group)
+                               self.spec.kind, self.spec.group, glob)
 
     def matmul(self, x: jax.Array) -> jax.Array:
         """x [..., *in] -> [..., *out], in x's dtype."""
@@ -113,7 +122,8 @@ class QuantizedKernel(nnx.Module):
         picked = QuantizedWeight(jnp.take(w.codes, index.reshape(-1), axis=0),
                                  jnp.take(w.scale, index.reshape(-1), axis=0),
                                  None if w.offset is None else jnp.take(w.offset, index.reshape(-1), axis=0),
-                                 w.kind, w.group)
+                                 w.kind, w.group,
+                                 None if w.global_scale is None else jnp.take(w.global_scale, index.reshape(-1), 0))
         return dequantize(picked).astype(dtype).reshape(*index.shape, -1)
 
 
@@ -131,14 +141,17 @@ class QuantizedExperts(nnx.Module):
         stored_axes = (axes[0], axes[2], axes[1])
         meta = dict(quantized=spec.kind, in_ndim=1)
         self.codes = _param((E, O, I // 2 if spec.kind in PACKED else I), stored_axes, CODE_DTYPES[spec.kind], meta)
-        self.scale = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta)
+        self.scale = _param((E, O, I // spec.group), stored_axes, scale_dtype(spec), meta)
         self.offset = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta) \
             if spec.offset else None
+        self.global_scale = _param((E, O, 1), stored_axes[:-1] + (None,), np.dtype(np.float32), meta) \
+            if spec.kind == "nvfp4" else None
 
     def weight(self) -> QuantizedWeight:
         """As the grouped matmul takes it: codes [E, O, I'], scales [E, O, groups]."""
         return QuantizedWeight(self.codes[...], self.scale[...], None if self.offset is None else self.offset[...],
-                               self.spec.kind, self.spec.group)
+                               self.spec.kind, self.spec.group,
+                               None if self.global_scale is None else self.global_scale[...])
 
 
 def quantized_op_calls(model: nnx.Module) -> list[tuple[int | None, OpCall]]:
@@ -159,6 +172,11 @@ def parameter_count(model: nnx.Module) -> int:
     plain = sum(math.prod(v.get_value().shape) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
                 if not v.get_metadata().get("quantized"))
     return quantized + plain
+
+
+def scale_dtype(spec: QuantSpec) -> np.dtype:
+    """The stored dtype of a spec's scales."""
+    return np.dtype(ml_dtypes.float8_e4m3fn) if spec.scale_dtype == "float8_e4m3fn" else np.dtype(spec.scale_dtype)
 
 
 def _param(shape, axes, dtype, meta) -> nnx.Param:

@@ -11,6 +11,10 @@ Formats (`QuantizedWeight.kind`), each covering the checkpoint formats named bes
 - `mxfp4`: OCP Microscaling MXFP4: two FP4 (e2m1) codes per byte, element 2i in the low nibble of byte i and 2i + 1
   in the high one (gpt-oss's `*_blocks` as they ship), and one E8M0 scale byte per group of 32, w = e2m1(code) *
   2^(scale - 127) (scale 255 is NaN). Kept as the bytes of the source's blocks and scales.
+- `nvfp4`: NVIDIA's NVFP4: FP4 (e2m1) codes packed as mxfp4's, one float8_e4m3fn scale per group of 16, and one
+  float32 global scale per tensor (held once per row), w = e2m1(code) * (scale / global_scale) in float32:
+  compressed-tensors' `weight_global_scale` as it is, and its dequantizer's order of operations (run in float32
+  rather than its default bfloat16).
 Scales and offsets keep the dtype that holds them exactly (float16 for GGUF, float32 when products were needed,
 uint8 E8M0 exponents for MX formats).
 """
@@ -24,10 +28,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-KINDS = ("int8", "int4", "fp8", "mxfp4")
+KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")
 CODE_DTYPES = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
-               "mxfp4": np.dtype(np.uint8)}
-PACKED = ("int4", "mxfp4")  # two 4-bit codes per byte
+               "mxfp4": np.dtype(np.uint8), "nvfp4": np.dtype(np.uint8)}
+PACKED = ("int4", "mxfp4", "nvfp4")  # two 4-bit codes per byte
+NV_GROUP = 16  # NVFP4's block: one float8_e4m3fn scale per 16 elements
+FP4_MAX = 6.0
 MX_GROUP = 32  # the OCP MX block size: one shared E8M0 scale per 32 elements
 FP8_MAX = 448.0
 # The 16 values of an FP4 (e2m1) code, by code: sign bit 3, exponent bits 1..2 (bias 1), mantissa bit 0.
@@ -43,8 +49,10 @@ class QuantizedWeight:
         codes: [O, I] (int8, fp8) or [O, I/2] uint8 (int4).
         scale: [O, I/group].
         offset: [O, I/group] or None.
-        kind: one of KINDS (mxfp4: codes [O, I/2] uint8, scale [O, I/32] uint8 E8M0 exponents).
+        kind: one of KINDS (mxfp4: codes [O, I/2] uint8, scale [O, I/32] uint8 E8M0 exponents; nvfp4: codes
+            [O, I/2] uint8, scale [O, I/16] float8_e4m3fn).
         group: inputs per scale; divides I.
+        global_scale: nvfp4's float32 divisor [O, 1] (the tensor's, on every row); None for other kinds.
     """
 
     codes: jax.Array
@@ -52,6 +60,7 @@ class QuantizedWeight:
     offset: jax.Array | None
     kind: str = dataclasses.field(metadata=dict(static=True))
     group: int = dataclasses.field(metadata=dict(static=True))
+    global_scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,9 +94,13 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     """The float32 weight [O, I] that `w` encodes, exactly."""
     O, I = w.shape
     G = I // w.group
-    if w.kind == "mxfp4":  # a 16-entry lookup, times the group's power of two (exact in float32)
-        q = jnp.take(jnp.asarray(E2M1), unpack_fp4(w.codes), axis=0)
-        return (q.reshape(O, G, w.group) * e8m0_to_float(w.scale)[..., None]).reshape(O, I)
+    if w.kind in ("mxfp4", "nvfp4"):  # a 16-entry lookup, times the group's scale (exact in float32)
+        q = jnp.take(jnp.asarray(E2M1), unpack_fp4(w.codes), axis=0).reshape(O, G, w.group)
+        if w.kind == "mxfp4":
+            return (q * e8m0_to_float(w.scale)[..., None]).reshape(O, I)
+        step = w.scale.astype(jnp.float32) / w.global_scale.astype(jnp.float32).reshape(O, 1)
+        out = q * step[..., None]
+        return out.reshape(O, I)
     if w.kind == "int4":
         q = unpack_int4(w.codes, w.group).astype(jnp.float32)
         if w.offset is None:
@@ -128,6 +141,11 @@ def quantize(w: np.ndarray, kind: str, group: int, *, offsets: bool | None = Non
             raise ValueError(f"mxfp4 takes groups of {MX_GROUP} that divide the inputs; got {group} for a "
                              f"[{O}, {I}] weight")
         return quantize_mxfp4(w)
+    if kind == "nvfp4":
+        if group != NV_GROUP or I % group:
+            raise ValueError(f"nvfp4 takes groups of {NV_GROUP} that divide the inputs; got {group} for a "
+                             f"[{O}, {I}] weight")
+        return quantize_nvfp4(w)
     if group <= 0 or I % group or (kind == "int4" and group % 2):
         raise ValueError(f"group size {group} does not divide the {I} inputs of a [{O}, {I}] weight")
     blocks = w.reshape(O, I // group, group)
@@ -179,3 +197,21 @@ def quantize_mxfp4(w: np.ndarray) -> QuantizedWeight:
     codes = np.clip(scaled, -6.0, 6.0).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15
     pairs = codes.reshape(O, I // 2, 2)
     return QuantizedWeight(pairs[..., 0] | (pairs[..., 1] << 4), (X + 127).astype(np.uint8), None, "mxfp4", MX_GROUP)
+
+
+def quantize_nvfp4(w: np.ndarray) -> QuantizedWeight:
+    """A float [O, I] weight as NVFP4, as llm-compressor makes it: global scale 448 * 6 / max |w| over the tensor
+    (float32), each block of 16's scale max |v| / 6 * global rounded to float8_e4m3fn, each v divided by
+    scale / global (float32) and rounded to the nearest e2m1 (ties to even, saturating at 6)."""
+    w = np.asarray(w, np.float32)
+    O, I = w.shape
+    amax = np.float32(np.abs(w).max())
+    g = np.float32(FP8_MAX * FP4_MAX) / amax if amax > 0 else np.float32(1.0)
+    blocks = w.reshape(O, I // NV_GROUP, NV_GROUP)
+    scale = (np.abs(blocks).max(-1) / np.float32(FP4_MAX) * g).astype(ml_dtypes.float8_e4m3fn)
+    step = scale.astype(np.float32) / g
+    scaled = blocks / np.where(step == 0, np.float32(1), step)[..., None]
+    codes = np.clip(scaled, -FP4_MAX, FP4_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(O, I) & 15
+    pairs = codes.reshape(O, I // 2, 2)
+    return QuantizedWeight(pairs[..., 0] | (pairs[..., 1] << 4), scale, None, "nvfp4", NV_GROUP,
+                           np.full((O, 1), g, np.float32))
