@@ -1,16 +1,16 @@
 """Which weights a conversion stores quantized, and their arrays.
 
-Two ways in: a source whose tensors are already quantized (GGUF Q8_0/Q4_0/Q4_1, FP8 with block scales) keeps them
-as they are, block for block; `--quantize int8|int4|fp8|mxfp4` rounds a float source's weights to nearest with one scale
-per group. MoE experts' stacked weights are quantized too, each expert's [out, in] map on its own (a source's
-per-expert quantized tensors are stacked as they are). What stays float, and why, is decided here for every family
-alike: norms, biases and MoE routers are not linear maps the runtime applies through `Linear` (and are small);
-vision towers keep their float weights (images are encoded once per request, and their accuracy is not measured
-quantized); a map whose kernel a layer reads itself (`Linear.quantizable`, MLA's absorbed kv_b_proj); projections
-to fewer than 16 outputs (gates); and a weight whose inputs the group does not divide. A quantized source tensor
-that feeds a float parameter (MLA's kv_b_proj, DeepSeek-V3's FP8 checkpoints) is read dequantized, and counted.
-Token embeddings are int8 when the rest is 4-bit, int4 or mxfp4 (llama.cpp keeps them at 8 bits too: they are also the output
-projection of tied models).
+Two ways in: a source whose tensors are already quantized (GGUF Q8_0/Q4_0/Q4_1, FP8 with block scales) keeps them as
+they are, block for block; `--quantize int8|int4|fp8|mxfp4|nvfp4` rounds a float source's weights to nearest with
+one scale per group (nvfp4: and one global scale per weight, an experts' stack sharing one). MoE experts' stacked
+weights are quantized too, each expert's [out, in] map on its own (a source's per-expert quantized tensors are
+stacked as they are). What stays float, and why, is decided here for every family alike: norms, biases and MoE
+routers are not linear maps the runtime applies through `Linear` (and are small); vision towers keep their float
+weights (images are encoded once per request, and their accuracy is not measured quantized); a map whose kernel a
+layer reads itself (`Linear.quantizable`, MLA's absorbed kv_b_proj); projections to fewer than 16 outputs (gates);
+and a weight whose inputs the group does not divide. A quantized source tensor that feeds a float parameter (MLA's
+kv_b_proj, DeepSeek-V3's FP8 checkpoints) is read dequantized, and counted. Token embeddings are int8 when the rest
+is 4-bit (llama.cpp keeps them at 8 bits too: they are also the output projection of tied models).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import numpy as np
 from day0jax.core.errors import CheckpointError
 from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.quantized import QuantSpec, quantizable
-from kernels_pallas.quantized_linear.reference import MX_GROUP, quantize
+from kernels_pallas.quantized_linear.reference import MX_GROUP, NV_GROUP, quantize
 
-KINDS = ("int8", "int4", "fp8", "mxfp4")
-DEFAULT_GROUP = {"int8": 32, "int4": 32, "fp8": 128, "mxfp4": MX_GROUP}
+KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")
+DEFAULT_GROUP = {"int8": 32, "int4": 32, "fp8": 128, "mxfp4": MX_GROUP, "nvfp4": NV_GROUP}
+FP4_KINDS = ("mxfp4", "nvfp4")  # one block size each, set by the format
 VISION_MARKERS = ("vision", "visual", "multi_modal_projector", "merger", "mm_projector")
 # Projections to fewer outputs stay float: gates such as Qwen's shared-expert gate (one output), whose few bytes
 # are not worth a rounding error on a decision.
@@ -66,8 +67,8 @@ def plan_quantization(abstract, plan: dict[str, Source], source, *, quantize_kin
         abstract: the model built abstractly in float.
         plan: runtime parameter path -> its `Source` (`convert.convert.plan_sources`).
         source: the opened checkpoint (its `quant_spec` says which tensors are quantized).
-        quantize_kind: `--quantize`: 'int8', 'int4', 'fp8', 'mxfp4' or None.
-        group: `--group-size` (default per kind: 32, 32, 128; mxfp4 takes only the MX block of 32).
+        quantize_kind: `--quantize`: 'int8', 'int4', 'fp8', 'mxfp4', 'nvfp4' or None.
+        group: `--group-size` (default per kind: 32, 32, 128; mxfp4 and nvfp4 take only their blocks, 32 and 16).
         dequantize: `--dequantize`: store the source's quantized tensors as float instead.
     Raises:
         CheckpointError: a quantized source tensor of a type the runtime does not keep, or whose groups do not
@@ -78,9 +79,9 @@ def plan_quantization(abstract, plan: dict[str, Source], source, *, quantize_kin
         raise CheckpointError(f"--quantize {quantize_kind!r} is not one of {', '.join(KINDS)}")
     if group is not None and (group <= 0 or group % 2):
         raise CheckpointError(f"--group-size {group} must be a positive even number")
-    if quantize_kind == "mxfp4" and group not in (None, MX_GROUP):
-        raise CheckpointError(f"--group-size {group}: mxfp4 shares one scale per block of {MX_GROUP} (the OCP MX "
-                              "format's), so it takes no other group size")
+    if quantize_kind in FP4_KINDS and group not in (None, DEFAULT_GROUP[quantize_kind]):
+        raise CheckpointError(f"--group-size {group}: {quantize_kind} shares one scale per block of "
+                              f"{DEFAULT_GROUP[quantize_kind]} (its format's), so it takes no other group size")
     targets = quantizable(abstract)
     specs: dict[str, QuantSpec] = {}
     dequantized: Counter = Counter()
@@ -99,13 +100,13 @@ def plan_quantization(abstract, plan: dict[str, Source], source, *, quantize_kin
             if not t.embedding and t.outputs < MIN_OUTPUTS:
                 kept_float[f"projections to fewer than {MIN_OUTPUTS} outputs"] += 1
                 continue
-            kind = "int8" if t.embedding and quantize_kind in ("int4", "mxfp4") else quantize_kind
+            kind = "int8" if t.embedding and quantize_kind in ("int4",) + FP4_KINDS else quantize_kind
             g = group or DEFAULT_GROUP[kind]
             if t.inputs % g:
                 kept_float[f"weights whose inputs are not a multiple of {g}"] += 1
                 continue
-            specs[path] = QuantSpec(kind, g, offset=kind == "int4",
-                                    scale_dtype={"fp8": "float32", "mxfp4": "uint8"}.get(kind, "bfloat16"))
+            scales = {"fp8": "float32", "mxfp4": "uint8", "nvfp4": "float8_e4m3fn"}
+            specs[path] = QuantSpec(kind, g, offset=kind == "int4", scale_dtype=scales.get(kind, "bfloat16"))
     experts = frozenset(path for path in specs if targets[path].experts)
     return QuantPlan(specs, from_source, dict(kept_float), experts)
 

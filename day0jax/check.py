@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action="store_true",
                         help="measure all-reduce and all-gather over each mesh axis on the devices present, and the "
                              "communication time of a decode step")
-    parser.add_argument("--quantize", choices=["int8", "int4", "fp8", "mxfp4"],
+    parser.add_argument("--quantize", choices=["int8", "int4", "fp8", "mxfp4", "nvfp4"],
                         help="plan the weights as `convert --quantize KIND` would store them")
     g = parser.add_argument_group("a cluster that is not here (all three together)")
     g.add_argument("--hosts", type=int, help="number of hosts")

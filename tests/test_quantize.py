@@ -40,7 +40,7 @@ def dequantized_copy(src, quantized_ckpt, dst):
         rows = tensors[hf_name].shape[0]
         part = lambda suffix: params[f"{name}.{suffix}"][index].reshape(rows, -1)  # noqa: E731
         q = QuantizedWeight(part("codes"), part("scale"), part("offset") if spec.offset else None, spec.kind,
-                            spec.group)
+                            spec.group, part("global_scale") if spec.kind == "nvfp4" else None)
         tensors[hf_name] = np.asarray(dequantize(q)).astype(tensors[hf_name].dtype)
 
     for key, spec in specs.items():
@@ -667,3 +667,33 @@ def test_nvfp4_stays_nvfp4_and_computes_its_values(tiny, tmp_path, caplog):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
         assert np.array_equal(ref[n].view(np.uint32), want.view(np.uint32)), n
     compare(kept, floats)
+
+
+def test_quantize_nvfp4_follows_its_rule_and_computes_its_dequantized_model(tiny, tmp_path):
+    src = tiny["llama"]["hf"]
+    ckpt = convert_checkpoint(src, tmp_path / "q", progress=False, options=Options(quantize="nvfp4")).dst
+    specs = specs_from_config(json.loads((ckpt / "config.json").read_text()))
+    assert specs["model.layers.0.mlp.down_proj"].describe() == "nvfp4/16" and specs["model.embed_tokens"].kind == "int8"
+    params = checkpoint.read_params(ckpt)
+    name = "model.layers.1.mlp.gate_proj"
+    w = load_file(str(src / "model.safetensors"))[f"{name}.weight"].astype(np.float32)
+    # NVFP4 as llm-compressor makes it, rendered here: global 448 * 6 / max |w|; per block of 16, scale
+    # max |v| / 6 * global rounded to float8_e4m3fn; each v / (scale / global) to the nearest e2m1 (ties to even,
+    # saturating at 6).
+    O, I = w.shape
+    glob = np.float32(448 * 6) / np.abs(w).max()
+    blocks = w.reshape(O, I // 16, 16)
+    scale = (np.abs(blocks).max(-1) / np.float32(6) * glob).astype(ml_dtypes.float8_e4m3fn)
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    m = np.minimum(np.abs(blocks / (scale.astype(np.float32) / glob)[..., None]), 6).reshape(O, I)
+    dist = np.abs(m[..., None] - grid)
+    best = np.where(dist == dist.min(-1, keepdims=True), np.arange(8) + 16 * (np.arange(8) & 1), 99).argmin(-1)
+    codes = best | np.where(np.signbit(w), 8, 0)
+    np.testing.assert_array_equal(params[f"{name}.kernel.global_scale"], np.full((O, 1), glob))
+    np.testing.assert_array_equal(params[f"{name}.kernel.scale"].view(np.uint8), scale.view(np.uint8))
+    packed = params[f"{name}.kernel.codes"]
+    np.testing.assert_array_equal(np.stack([packed & 15, packed >> 4], -1).reshape(O, I), codes)
+    with pytest.raises(CheckpointError, match="nvfp4 shares one scale per block of 16"):
+        convert_checkpoint(src, tmp_path / "g32", progress=False, options=Options(quantize="nvfp4", group_size=32))
+    compare(ckpt, convert_checkpoint(dequantized_copy(src, ckpt, tmp_path / "deq"), tmp_path / "f",
+                                     progress=False).dst)

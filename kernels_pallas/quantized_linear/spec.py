@@ -14,7 +14,8 @@ from kernels_pallas.cases import Case, Random
 from kernels_pallas.ops import OpSpec
 from kernels_pallas.quantized_linear.reference import CODE_DTYPES, PACKED, QuantizedWeight
 
-PARAMS = {"O": "outputs", "I": "inputs", "kind": "'int8', 'int4', 'fp8', 'mxfp4' or 'nvfp4'", "group": "inputs per scale",
+PARAMS = {"O": "outputs", "I": "inputs", "kind": "'int8', 'int4', 'fp8', 'mxfp4' or 'nvfp4'",
+          "group": "inputs per scale",
           "offset": "groups carry an offset (bool)", "scale_dtype": "dtype of scales and offsets"}
 
 
