@@ -12,7 +12,8 @@ Activation scales of FP8 checkpoints (`input_scale`, `activation_scale`, static 
 runtime multiplies float activations by the FP8 weights, as weight-only FP8 (vLLM does the same on GPUs without FP8
 arithmetic), which is closer to the unquantized model than quantizing the activations too.
 Compressed-tensors int4, int8 and FP8 weights are kept likewise (convert/compressed_tensors.py), GPTQ and AWQ
-int4 weights (convert/gptq_awq.py) and MXFP4 MoE experts (convert/mxfp4.py). Other quantization methods are
+int4 weights (convert/gptq_awq.py), MXFP4 MoE experts (convert/mxfp4.py) and ModelOpt NVFP4 weights
+(convert/modelopt.py). Other quantization methods are
 refused by name.
 """
 
@@ -57,12 +58,12 @@ class HFSource:
                     raise CheckpointError(f"{f.path}: tensor {name!r} also appears in {self._where[name].path}")
                 self._where[name] = f
         q = self.config.get("quantization_config") or {}
-        if q and q.get("quant_method") not in FP8_METHODS + ("compressed-tensors", "gptq", "awq", "mxfp4"):
+        if q and q.get("quant_method") not in FP8_METHODS + ("compressed-tensors", "gptq", "awq", "mxfp4", "modelopt"):
             raise CheckpointError(f"{self.path}: config.json's quantization_config has quant_method "
                                   f"{q.get('quant_method')!r}, which day0jax does not read (it reads 'fp8' and "
                                   "'fbgemm_fp8' weights with block, per-tensor or per-channel scales, "
                                   "'compressed-tensors' int4/int8/FP8 weights, 'gptq' and 'awq' int4 weights, "
-                                  "'mxfp4' MoE experts, and GGUF files)")
+                                  "'mxfp4' MoE experts, 'modelopt' NVFP4 weights, and GGUF files)")
         self.compressed = None  # integer-quantized weights, each seen as its float `X.weight`
         if q.get("quant_method") == "compressed-tensors":
             from convert.compressed_tensors import CompressedTensors
@@ -76,6 +77,12 @@ class HFSource:
             self.compressed = Mxfp4(self.path, list(self._where), self._read_stored,
                                     lambda n: self._where[n].tensors[n].dtype,
                                     lambda n: self._where[n].tensors[n].shape)
+        elif q.get("quant_method") == "modelopt":
+            from convert.modelopt import ModelOpt
+
+            self.compressed = ModelOpt(self.path, q, list(self._where), self._read_stored,
+                                       lambda n: self._where[n].tensors[n].dtype,
+                                       lambda n: self._where[n].tensors[n].shape)
         elif q.get("quant_method") in ("gptq", "awq"):
             from convert.gptq_awq import GptqAwq
 

@@ -186,7 +186,7 @@ def quantized_arrays(path: str, float_shape: tuple[int, ...], spec: QuantSpec, s
     out = {f"{path}.codes": w.codes, f"{path}.scale": w.scale}
     if spec.offset:
         out[f"{path}.offset"] = w.offset
-    if spec.kind == "nvfp4":
+    if w.global_scale is not None:  # NVFP4's
         out[f"{path}.global_scale"] = w.global_scale
     for name, array in out.items():
         want = shapes[name]

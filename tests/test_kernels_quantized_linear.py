@@ -78,7 +78,7 @@ class TestReference(QuantizedLinearContract):
 
 class TestCpuFfi(QuantizedLinearContract):
     implementation = "cpu_ffi"
-    declines = ("mxfp4", "nvfp4")
+    declines = ("mxfp4", "nvfp4", "nvfp4_modelopt")
 
 
 def test_cpu_kernel_declines_what_it_does_not_take():

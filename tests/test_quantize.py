@@ -40,7 +40,7 @@ def dequantized_copy(src, quantized_ckpt, dst):
         rows = tensors[hf_name].shape[0]
         part = lambda suffix: params[f"{name}.{suffix}"][index].reshape(rows, -1)  # noqa: E731
         q = QuantizedWeight(part("codes"), part("scale"), part("offset") if spec.offset else None, spec.kind,
-                            spec.group, part("global_scale") if spec.kind == "nvfp4" else None)
+                            spec.group, part("global_scale") if spec.kind.startswith("nvfp4") else None)
         tensors[hf_name] = np.asarray(dequantize(q)).astype(tensors[hf_name].dtype)
 
     for key, spec in specs.items():
@@ -697,3 +697,44 @@ def test_quantize_nvfp4_follows_its_rule_and_computes_its_dequantized_model(tiny
         convert_checkpoint(src, tmp_path / "g32", progress=False, options=Options(quantize="nvfp4", group_size=32))
     compare(ckpt, convert_checkpoint(dequantized_copy(src, ckpt, tmp_path / "deq"), tmp_path / "f",
                                      progress=False).dst)
+
+
+def test_modelopt_nvfp4_stays_nvfp4_and_computes_its_values(tiny, tmp_path, caplog):
+    """ModelOpt's NVFP4 export: `X.weight` uint8 codes, float8_e4m3fn `X.weight_scale` per 16, a float32
+    `X.weight_scale_2` that multiplies, `X.input_scale` (FP4 activations, run weight-only)."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    src = tmp_path / "src"
+    shutil.copytree(tiny["llama"]["hf"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    rng, meant = np.random.default_rng(12), {}
+    for n in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[n].shape
+        packed = rng.integers(0, 256, (O, I // 2)).astype(np.uint8)
+        scale = (rng.uniform(0.5, 4.0, (O, I // 16)) * 64).astype(ml_dtypes.float8_e4m3fn)
+        scale_2 = np.array(1 / rng.uniform(2000, 4000), np.float32)
+        base = n[: -len("weight")]
+        tensors.update({n: packed, base + "weight_scale": scale, base + "weight_scale_2": scale_2,
+                        base + "input_scale": np.array(0.01, np.float32)})
+        codes = np.stack([packed & 15, packed >> 4], -1).reshape(O, I)
+        meant[n] = e2m1[codes] * np.repeat(scale.astype(np.float32) * scale_2, 16, axis=1)
+    save_file(tensors, str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                     "exclude_modules": ["lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING"):
+        kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    assert "weight-only, as on hardware without FP4 arithmetic" in caplog.text
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert specs["model.layers.1.mlp.up_proj"].describe() == "nvfp4_modelopt/16"
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    stored = checkpoint.read_params(floats)
+    for n, want in meant.items():  # exact in float32: the layout's rendering, bitwise
+        got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+    compare(kept, floats)
+    config["quantization_config"]["quant_algo"] = "W4A8_AWQ"  # other ModelOpt formats are refused by name
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="ModelOpt quantization 'W4A8_AWQ'"):
+        convert_checkpoint(src, tmp_path / "awq", progress=False)

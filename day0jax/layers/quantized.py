@@ -23,13 +23,14 @@ from flax import nnx
 from day0jax.core.errors import CheckpointError
 from kernels_pallas.calls import OpCall
 from kernels_pallas.quantized_linear import api as quantized_linear
-from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GROUP, NV_GROUP, PACKED,
-                                                       QuantizedWeight, dequantize)
+from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GROUP, NV_GROUP, NVFP4_KINDS,
+                                                       PACKED, QuantizedWeight, dequantize)
 
 # uint8 scales are the E8M0 exponents of the MX formats (and only theirs); float8_e4m3fn NVFP4's block scales.
 SCALE_DTYPES = ("float16", "bfloat16", "float32", "uint8", "float8_e4m3fn")
 # The scale dtype and group each FP4 kind requires.
-FP4_FORMATS = {"mxfp4": ("uint8", MX_GROUP), "nvfp4": ("float8_e4m3fn", NV_GROUP)}
+FP4_FORMATS = {"mxfp4": ("uint8", MX_GROUP), "nvfp4": ("float8_e4m3fn", NV_GROUP),
+               "nvfp4_modelopt": ("float8_e4m3fn", NV_GROUP)}
 # config.json's `quantization_config.quant_method` of a converted checkpoint with quantized weights.
 QUANT_METHOD = "day0jax"
 
@@ -90,7 +91,7 @@ class QuantizedKernel(nnx.Module):
             if spec.offset else None
         # NVFP4's per-tensor global scale, once per row so that it splits with the rows.
         self.global_scale = _param((*out_shape, 1), flat_axes[:-1] + (None,), np.dtype(np.float32), meta) \
-            if spec.kind == "nvfp4" else None
+            if spec.kind in NVFP4_KINDS else None
 
     @property
     def rows(self) -> int:
@@ -145,7 +146,7 @@ class QuantizedExperts(nnx.Module):
         self.offset = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta) \
             if spec.offset else None
         self.global_scale = _param((E, O, 1), stored_axes[:-1] + (None,), np.dtype(np.float32), meta) \
-            if spec.kind == "nvfp4" else None
+            if spec.kind in NVFP4_KINDS else None
 
     def weight(self) -> QuantizedWeight:
         """As the grouped matmul takes it: codes [E, O, I'], scales [E, O, groups]."""

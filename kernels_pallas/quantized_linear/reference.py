@@ -15,6 +15,8 @@ Formats (`QuantizedWeight.kind`), each covering the checkpoint formats named bes
   float32 global scale per tensor (held once per row), w = e2m1(code) * (scale / global_scale) in float32:
   compressed-tensors' `weight_global_scale` as it is, and its dequantizer's order of operations (run in float32
   rather than its default bfloat16).
+- `nvfp4_modelopt`: the same codes and scales as NVIDIA ModelOpt exports them (`quant_algo` NVFP4), whose per-tensor
+  `weight_scale_2` multiplies: w = e2m1(code) * (scale * weight_scale_2) in float32.
 Scales and offsets keep the dtype that holds them exactly (float16 for GGUF, float32 when products were needed,
 uint8 E8M0 exponents for MX formats).
 """
@@ -28,10 +30,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")
+KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4", "nvfp4_modelopt")
+NVFP4_KINDS = ("nvfp4", "nvfp4_modelopt")  # with a per-tensor global scale
 CODE_DTYPES = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
-               "mxfp4": np.dtype(np.uint8), "nvfp4": np.dtype(np.uint8)}
-PACKED = ("int4", "mxfp4", "nvfp4")  # two 4-bit codes per byte
+               "mxfp4": np.dtype(np.uint8), "nvfp4": np.dtype(np.uint8), "nvfp4_modelopt": np.dtype(np.uint8)}
+PACKED = ("int4", "mxfp4") + NVFP4_KINDS  # two 4-bit codes per byte
 NV_GROUP = 16  # NVFP4's block: one float8_e4m3fn scale per 16 elements
 FP4_MAX = 6.0
 MX_GROUP = 32  # the OCP MX block size: one shared E8M0 scale per 32 elements
@@ -52,7 +55,8 @@ class QuantizedWeight:
         kind: one of KINDS (mxfp4: codes [O, I/2] uint8, scale [O, I/32] uint8 E8M0 exponents; nvfp4: codes
             [O, I/2] uint8, scale [O, I/16] float8_e4m3fn).
         group: inputs per scale; divides I.
-        global_scale: nvfp4's float32 divisor [O, 1] (the tensor's, on every row); None for other kinds.
+        global_scale: NVFP4's float32 global scale [O, 1] (the tensor's, on every row; nvfp4 divides by it,
+            nvfp4_modelopt multiplies); None for other kinds.
     """
 
     codes: jax.Array
@@ -94,11 +98,12 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     """The float32 weight [O, I] that `w` encodes, exactly."""
     O, I = w.shape
     G = I // w.group
-    if w.kind in ("mxfp4", "nvfp4"):  # a 16-entry lookup, times the group's scale (exact in float32)
+    if w.kind in ("mxfp4",) + NVFP4_KINDS:  # a 16-entry lookup, times the group's scale (exact in float32)
         q = jnp.take(jnp.asarray(E2M1), unpack_fp4(w.codes), axis=0).reshape(O, G, w.group)
         if w.kind == "mxfp4":
             return (q * e8m0_to_float(w.scale)[..., None]).reshape(O, I)
-        step = w.scale.astype(jnp.float32) / w.global_scale.astype(jnp.float32).reshape(O, 1)
+        glob = w.global_scale.astype(jnp.float32).reshape(O, 1)
+        step = w.scale.astype(jnp.float32) / glob if w.kind == "nvfp4" else w.scale.astype(jnp.float32) * glob
         out = q * step[..., None]
         return out.reshape(O, I)
     if w.kind == "int4":

@@ -12,7 +12,7 @@ import numpy as np
 from kernels_pallas.calls import OpCall
 from kernels_pallas.cases import Case, Random
 from kernels_pallas.ops import OpSpec
-from kernels_pallas.quantized_linear.reference import CODE_DTYPES, PACKED, QuantizedWeight
+from kernels_pallas.quantized_linear.reference import CODE_DTYPES, NVFP4_KINDS, PACKED, QuantizedWeight
 
 PARAMS = {"O": "outputs", "I": "inputs", "kind": "'int8', 'int4', 'fp8', 'mxfp4' or 'nvfp4'",
           "group": "inputs per scale",
@@ -38,7 +38,7 @@ def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Ca
 
 
 # The scale dtype each FP4 kind has (E8M0 exponents as uint8; NVFP4's float8_e4m3fn).
-SCALE_DTYPES = {"mxfp4": "uint8", "nvfp4": "float8_e4m3fn"}
+SCALE_DTYPES = {"mxfp4": "uint8", "nvfp4": "float8_e4m3fn", "nvfp4_modelopt": "float8_e4m3fn"}
 
 
 def quantized_weight(rnd: Random, lead: tuple[int, ...], I: int, *, kind, group, offset, scale_dtype):
@@ -48,7 +48,7 @@ def quantized_weight(rnd: Random, lead: tuple[int, ...], I: int, *, kind, group,
         s = jax.ShapeDtypeStruct
         return QuantizedWeight(s((*lead, width), CODE_DTYPES[kind]), s((*lead, G), jnp.dtype(scale_dtype)),
                                s((*lead, G), jnp.dtype(scale_dtype)) if offset else None, kind, group,
-                               s((*lead, 1), jnp.float32) if kind == "nvfp4" else None)
+                               s((*lead, 1), jnp.float32) if kind in NVFP4_KINDS else None)
     if kind == "fp8":  # random finite float8 codes: normal values cast
         codes = jnp.asarray(rnd.rng.standard_normal((*lead, width)).astype(CODE_DTYPES[kind]))
     else:
@@ -59,9 +59,10 @@ def quantized_weight(rnd: Random, lead: tuple[int, ...], I: int, *, kind, group,
         center = 127 - 3 - round(math.log2(math.sqrt(I)))
         return QuantizedWeight(codes, jnp.asarray(rnd.integers(center - 2, center + 1, (*lead, G)).astype(scale_type)),
                                None, kind, group)
-    if kind == "nvfp4":  # e4m3 block scales near 1, divided by a global scale for unit-scale outputs
+    if kind in NVFP4_KINDS:  # e4m3 block scales near 1, and a global scale for unit-scale outputs
         scales = jnp.asarray((np.abs(rnd.rng.standard_normal((*lead, G))) + 0.5).astype(scale_type))
-        glob = jnp.asarray(np.full((*lead, 1), 8 * math.sqrt(I), np.float32))
+        glob = 8 * math.sqrt(I) if kind == "nvfp4" else 1 / (8 * math.sqrt(I))
+        glob = jnp.asarray(np.full((*lead, 1), glob, np.float32))
         return QuantizedWeight(codes, scales, None, kind, group, glob)
     scales = jnp.asarray(np.abs(rnd.rng.standard_normal((*lead, G)) / math.sqrt(I) / 8).astype(scale_type))
     offsets = jnp.asarray((rnd.rng.standard_normal((*lead, G)) / math.sqrt(I)).astype(scale_type)) if offset else None
