@@ -30,6 +30,8 @@ FORMATS = {
     "int8-offset-f32-g16": ("int8", 16, True, "float32"),
     "mxfp4": ("mxfp4", 32, False, "uint8"),
     "nvfp4": ("nvfp4", 16, False, "float8_e4m3fn"),
+    "mxfp8-e4m3": ("mxfp8_e4m3", 32, False, "uint8"),
+    "mxfp8-e5m2": ("mxfp8_e5m2", 32, False, "uint8"),
 }
 
 
@@ -78,7 +80,7 @@ class TestReference(QuantizedLinearContract):
 
 class TestCpuFfi(QuantizedLinearContract):
     implementation = "cpu_ffi"
-    declines = ("mxfp4", "nvfp4", "nvfp4_modelopt")
+    declines = ("mxfp4", "nvfp4", "nvfp4_modelopt", "mxfp8_e4m3", "mxfp8_e5m2")
 
 
 def test_cpu_kernel_declines_what_it_does_not_take():

@@ -738,3 +738,50 @@ def test_modelopt_nvfp4_stays_nvfp4_and_computes_its_values(tiny, tmp_path, capl
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="ModelOpt quantization 'W4A8_AWQ'"):
         convert_checkpoint(src, tmp_path / "awq", progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8-quantized", "mxfp4-pack-quantized"])
+def test_compressed_tensors_mx_formats_stay_as_codes_and_compute_their_values(tiny, tmp_path, fmt):
+    """compressed-tensors' MX formats: float8_e4m3fn values in `weight` (MXFP8) or e2m1 codes two per byte in
+    `weight_packed` (MXFP4), a uint8 E8M0 `weight_scale` per 32; the float32 weights they mean rendered here."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    src = tmp_path / "src"
+    shutil.copytree(tiny["llama"]["hf"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    rng, meant = np.random.default_rng(13), {}
+    for n in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[n].shape
+        scale = rng.integers(118, 124, (O, I // 32)).astype(np.uint8)
+        step = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).repeat(32, axis=1)
+        base = n[: -len("weight")]
+        if fmt == "mxfp8-quantized":
+            tensors[n] = (rng.standard_normal((O, I)) * 64).astype(ml_dtypes.float8_e4m3fn)
+            meant[n] = tensors[n].astype(np.float32) * step
+        else:
+            del tensors[n]
+            packed = rng.integers(0, 256, (O, I // 2)).astype(np.uint8)
+            tensors[base + "weight_packed"] = packed
+            meant[n] = e2m1[np.stack([packed & 15, packed >> 4], -1).reshape(O, I)] * step * 4
+            scale = scale + 2  # times 4, as meant
+        tensors[base + "weight_scale"] = scale
+    save_file(tensors, str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    bits = 8 if fmt == "mxfp8-quantized" else 4
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": fmt,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": bits, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}}},
+        "ignore": ["lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    kind = "mxfp8_e4m3" if bits == 8 else "mxfp4"
+    assert specs["model.layers.0.self_attn.q_proj"].describe() == f"{kind}/32"
+    assert checkpoint.read_params(kept)["model.layers.0.self_attn.q_proj.kernel.scale"].dtype == np.uint8
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    stored = checkpoint.read_params(floats)
+    for n, want in meant.items():  # exact in float32, bitwise
+        got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+    compare(kept, floats)

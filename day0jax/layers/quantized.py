@@ -28,9 +28,10 @@ from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GR
 
 # uint8 scales are the E8M0 exponents of the MX formats (and only theirs); float8_e4m3fn NVFP4's block scales.
 SCALE_DTYPES = ("float16", "bfloat16", "float32", "uint8", "float8_e4m3fn")
-# The scale dtype and group each FP4 kind requires.
-FP4_FORMATS = {"mxfp4": ("uint8", MX_GROUP), "nvfp4": ("float8_e4m3fn", NV_GROUP),
-               "nvfp4_modelopt": ("float8_e4m3fn", NV_GROUP)}
+# The scale dtype and group each MX and NVFP4 kind requires (their formats fix both).
+FIXED_FORMATS = {"mxfp4": ("uint8", MX_GROUP), "nvfp4": ("float8_e4m3fn", NV_GROUP),
+               "nvfp4_modelopt": ("float8_e4m3fn", NV_GROUP), "mxfp8_e4m3": ("uint8", MX_GROUP),
+               "mxfp8_e5m2": ("uint8", MX_GROUP)}
 # config.json's `quantization_config.quant_method` of a converted checkpoint with quantized weights.
 QUANT_METHOD = "day0jax"
 
@@ -46,7 +47,7 @@ class QuantSpec:
     scale_dtype: str = "float16"
 
     def __post_init__(self):
-        fp4 = FP4_FORMATS.get(self.kind)
+        fp4 = FIXED_FORMATS.get(self.kind)
         if self.kind not in KINDS or self.scale_dtype not in SCALE_DTYPES or self.group <= 0 \
                 or (self.kind == "int4" and self.group % 2) \
                 or (self.scale_dtype in ("uint8", "float8_e4m3fn")) != (fp4 is not None) \

@@ -25,7 +25,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     activations widened exactly, as the reference does).
 
     Raises:
-        NotImplementedError: another backend, a kind it does not decode (mxfp4, nvfp4), too many rows, non-float input, a group that is not a multiple of 16,
+        NotImplementedError: another backend, a kind it does not decode (the MX and NVFP4 ones), too many rows, non-float input, a group that is not a multiple of 16,
             a multi-device mesh (the custom call has no partitioning rule: XLA would gather the codes onto every
             device, where the reference's dequantize-then-dot stays split), or no compiled kernel.
     """

@@ -15,6 +15,8 @@ Formats (`QuantizedWeight.kind`), each covering the checkpoint formats named bes
   float32 global scale per tensor (held once per row), w = e2m1(code) * (scale / global_scale) in float32:
   compressed-tensors' `weight_global_scale` as it is, and its dequantizer's order of operations (run in float32
   rather than its default bfloat16).
+- `mxfp8_e4m3`, `mxfp8_e5m2`: OCP MXFP8: one float8 code per element (e4m3 or e5m2) and one E8M0 scale byte per
+  32, w = code * 2^(scale - 127). compressed-tensors' 'mxfp8-quantized' as it ships.
 - `nvfp4_modelopt`: the same codes and scales as NVIDIA ModelOpt exports them (`quant_algo` NVFP4), whose per-tensor
   `weight_scale_2` multiplies: w = e2m1(code) * (scale * weight_scale_2) in float32.
 Scales and offsets keep the dtype that holds them exactly (float16 for GGUF, float32 when products were needed,
@@ -30,10 +32,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4", "nvfp4_modelopt")
+KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4", "nvfp4_modelopt", "mxfp8_e4m3", "mxfp8_e5m2")
+MXFP8_KINDS = ("mxfp8_e4m3", "mxfp8_e5m2")
+MX_KINDS = ("mxfp4",) + MXFP8_KINDS  # E8M0 scales per 32
 NVFP4_KINDS = ("nvfp4", "nvfp4_modelopt")  # with a per-tensor global scale
 CODE_DTYPES = {"int8": np.dtype(np.int8), "int4": np.dtype(np.uint8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
-               "mxfp4": np.dtype(np.uint8), "nvfp4": np.dtype(np.uint8), "nvfp4_modelopt": np.dtype(np.uint8)}
+               "mxfp4": np.dtype(np.uint8), "nvfp4": np.dtype(np.uint8), "nvfp4_modelopt": np.dtype(np.uint8),
+               "mxfp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "mxfp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+# The largest exponent of each MX element format: the shared exponent is floor(log2(max |v|)) minus it.
+MX_EMAX = {"mxfp4": 2, "mxfp8_e4m3": 8, "mxfp8_e5m2": 15}
 PACKED = ("int4", "mxfp4") + NVFP4_KINDS  # two 4-bit codes per byte
 NV_GROUP = 16  # NVFP4's block: one float8_e4m3fn scale per 16 elements
 FP4_MAX = 6.0
@@ -98,6 +105,9 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     """The float32 weight [O, I] that `w` encodes, exactly."""
     O, I = w.shape
     G = I // w.group
+    if w.kind in MXFP8_KINDS:  # float8 codes times the block's power of two (exact in float32)
+        q = w.codes.astype(jnp.float32).reshape(O, G, w.group)
+        return (q * e8m0_to_float(w.scale)[..., None]).reshape(O, I)
     if w.kind in ("mxfp4",) + NVFP4_KINDS:  # a 16-entry lookup, times the group's scale (exact in float32)
         q = jnp.take(jnp.asarray(E2M1), unpack_fp4(w.codes), axis=0).reshape(O, G, w.group)
         if w.kind == "mxfp4":
@@ -146,6 +156,11 @@ def quantize(w: np.ndarray, kind: str, group: int, *, offsets: bool | None = Non
             raise ValueError(f"mxfp4 takes groups of {MX_GROUP} that divide the inputs; got {group} for a "
                              f"[{O}, {I}] weight")
         return quantize_mxfp4(w)
+    if kind in MXFP8_KINDS:
+        if group != MX_GROUP or I % group:
+            raise ValueError(f"{kind} takes groups of {MX_GROUP} that divide the inputs; got {group} for a "
+                             f"[{O}, {I}] weight")
+        return quantize_mxfp8(w, kind)
     if kind == "nvfp4":
         if group != NV_GROUP or I % group:
             raise ValueError(f"nvfp4 takes groups of {NV_GROUP} that divide the inputs; got {group} for a "
@@ -220,3 +235,19 @@ def quantize_nvfp4(w: np.ndarray) -> QuantizedWeight:
     pairs = codes.reshape(O, I // 2, 2)
     return QuantizedWeight(pairs[..., 0] | (pairs[..., 1] << 4), scale, None, "nvfp4", NV_GROUP,
                            np.full((O, 1), g, np.float32))
+
+
+def quantize_mxfp8(w: np.ndarray, kind: str) -> QuantizedWeight:
+    """A float [O, I] weight as MXFP8 by the OCP MX v1.0 rule: per block of 32, X = floor(log2(max |v|)) - emax
+    (8 for e4m3, 15 for e5m2; -127 for a block of zeros), clamped to [-127, 127]; each v / 2^X rounded to the
+    element format (to nearest even), magnitudes past its largest normal saturating to it."""
+    w = np.asarray(w, np.float32)
+    O, I = w.shape
+    blocks = w.reshape(O, I // MX_GROUP, MX_GROUP)
+    amax = np.abs(blocks).max(-1)
+    _, e = np.frexp(amax)
+    X = np.clip(np.where(amax > 0, e - 1 - MX_EMAX[kind], -127), -127, 127).astype(np.int32)
+    dtype = CODE_DTYPES[kind]
+    top = float(ml_dtypes.finfo(dtype).max)
+    codes = np.clip(np.ldexp(blocks, -X[..., None]), -top, top).astype(dtype).reshape(O, I)
+    return QuantizedWeight(codes, (X + 127).astype(np.uint8), None, kind, MX_GROUP)

@@ -12,7 +12,8 @@ import numpy as np
 from kernels_pallas.calls import OpCall
 from kernels_pallas.cases import Case, Random
 from kernels_pallas.ops import OpSpec
-from kernels_pallas.quantized_linear.reference import CODE_DTYPES, NVFP4_KINDS, PACKED, QuantizedWeight
+from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, MX_KINDS, MXFP8_KINDS, NVFP4_KINDS, PACKED,
+                                                       QuantizedWeight)
 
 PARAMS = {"O": "outputs", "I": "inputs", "kind": "'int8', 'int4', 'fp8', 'mxfp4' or 'nvfp4'",
           "group": "inputs per scale",
@@ -38,7 +39,8 @@ def cases(call: OpCall, dtype: str, scale: str, prefix: str, tp: int) -> list[Ca
 
 
 # The scale dtype each FP4 kind has (E8M0 exponents as uint8; NVFP4's float8_e4m3fn).
-SCALE_DTYPES = {"mxfp4": "uint8", "nvfp4": "float8_e4m3fn", "nvfp4_modelopt": "float8_e4m3fn"}
+SCALE_DTYPES = {"mxfp4": "uint8", "nvfp4": "float8_e4m3fn", "nvfp4_modelopt": "float8_e4m3fn", "mxfp8_e4m3": "uint8",
+                "mxfp8_e5m2": "uint8"}
 
 
 def quantized_weight(rnd: Random, lead: tuple[int, ...], I: int, *, kind, group, offset, scale_dtype):
@@ -49,13 +51,13 @@ def quantized_weight(rnd: Random, lead: tuple[int, ...], I: int, *, kind, group,
         return QuantizedWeight(s((*lead, width), CODE_DTYPES[kind]), s((*lead, G), jnp.dtype(scale_dtype)),
                                s((*lead, G), jnp.dtype(scale_dtype)) if offset else None, kind, group,
                                s((*lead, 1), jnp.float32) if kind in NVFP4_KINDS else None)
-    if kind == "fp8":  # random finite float8 codes: normal values cast
+    if kind in ("fp8",) + MXFP8_KINDS:  # random finite float8 codes: normal values cast
         codes = jnp.asarray(rnd.rng.standard_normal((*lead, width)).astype(CODE_DTYPES[kind]))
     else:
         low, high = (-127, 128) if kind == "int8" else (0, 256)
         codes = jnp.asarray(rnd.integers(low, high, (*lead, width)).astype(CODE_DTYPES[kind]))
     scale_type = jnp.dtype(scale_dtype)
-    if kind == "mxfp4":  # E8M0 exponents near 2^-(log2(sqrt(I)) + 3): unit-scale outputs, as below
+    if kind in MX_KINDS:  # E8M0 exponents near 2^-(log2(sqrt(I)) + 3): unit-scale outputs, as below
         center = 127 - 3 - round(math.log2(math.sqrt(I)))
         return QuantizedWeight(codes, jnp.asarray(rnd.integers(center - 2, center + 1, (*lead, G)).astype(scale_type)),
                                None, kind, group)
