@@ -785,3 +785,10 @@ def test_compressed_tensors_mx_formats_stay_as_codes_and_compute_their_values(ti
         got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
     compare(kept, floats)
+
+
+def test_every_quantized_kind_has_a_verify_tolerance():
+    from day0jax import verify
+    from kernels_pallas.quantized_linear.reference import KINDS
+
+    assert set(verify.COARSENESS) == set(verify.QUANTIZED_TOLERANCES) == set(KINDS)
