@@ -792,3 +792,25 @@ def test_every_quantized_kind_has_a_verify_tolerance():
     from kernels_pallas.quantized_linear.reference import KINDS
 
     assert set(verify.COARSENESS) == set(verify.QUANTIZED_TOLERANCES) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind, emax", [("mxfp8_e4m3", 8), ("mxfp8_e5m2", 15)])
+def test_mxfp8_quantization_follows_the_ocp_mx_rule(kind, emax):
+    """Shared exponent floor(log2(max |v|)) - emax per 32 (a zero block -127); each v / 2^X in the element format
+    (ml_dtypes' round to nearest even), saturating at its largest normal."""
+    from kernels_pallas.quantized_linear.reference import quantize
+
+    rng = np.random.default_rng(3)
+    w = np.concatenate([rng.standard_normal((3, 64)) * 10.0 ** rng.integers(-6, 6, (3, 1)), np.zeros((1, 64))])
+    w = w.astype(np.float32)
+    q = quantize(w, kind, 32)
+    dtype = ml_dtypes.float8_e4m3fn if kind == "mxfp8_e4m3" else ml_dtypes.float8_e5m2
+    top = float(ml_dtypes.finfo(dtype).max)
+    for o in range(4):
+        for b in range(2):
+            block = w[o, 32 * b:32 * (b + 1)].astype(np.float64)
+            amax = np.abs(block).max()
+            X = max(-127, min(127, math.floor(math.log2(amax)) - emax)) if amax > 0 else -127
+            assert q.scale[o, b] == X + 127
+            want = np.clip(block / 2.0 ** X, -top, top).astype(np.float32).astype(dtype)
+            np.testing.assert_array_equal(q.codes[o, 32 * b:32 * (b + 1)].view(np.uint8), want.view(np.uint8))

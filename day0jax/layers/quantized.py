@@ -30,16 +30,16 @@ from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GR
 SCALE_DTYPES = ("float16", "bfloat16", "float32", "uint8", "float8_e4m3fn")
 # The scale dtype and group each MX and NVFP4 kind requires (their formats fix both).
 FIXED_FORMATS = {"mxfp4": ("uint8", MX_GROUP), "nvfp4": ("float8_e4m3fn", NV_GROUP),
-               "nvfp4_modelopt": ("float8_e4m3fn", NV_GROUP), "mxfp8_e4m3": ("uint8", MX_GROUP),
-               "mxfp8_e5m2": ("uint8", MX_GROUP)}
+                 "nvfp4_modelopt": ("float8_e4m3fn", NV_GROUP), "mxfp8_e4m3": ("uint8", MX_GROUP),
+                 "mxfp8_e5m2": ("uint8", MX_GROUP)}
 # config.json's `quantization_config.quant_method` of a converted checkpoint with quantized weights.
 QUANT_METHOD = "day0jax"
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How one module's weight is stored: `kind` ('int8', 'int4', 'fp8', 'mxfp4', as `kernels_pallas.quantized_linear`),
-    inputs per scale `group`, whether groups carry an `offset`, and the dtype of scales and offsets."""
+    """How one module's weight is stored: `kind` (one of `kernels_pallas.quantized_linear`'s KINDS), inputs per
+    scale `group`, whether groups carry an `offset`, and the dtype of scales and offsets (uint8: E8M0 exponents)."""
 
     kind: str
     group: int
@@ -47,15 +47,15 @@ class QuantSpec:
     scale_dtype: str = "float16"
 
     def __post_init__(self):
-        fp4 = FIXED_FORMATS.get(self.kind)
+        fixed = FIXED_FORMATS.get(self.kind)
         if self.kind not in KINDS or self.scale_dtype not in SCALE_DTYPES or self.group <= 0 \
                 or (self.kind == "int4" and self.group % 2) \
-                or (self.scale_dtype in ("uint8", "float8_e4m3fn")) != (fp4 is not None) \
-                or (fp4 and ((self.scale_dtype, self.group) != fp4 or self.offset)):
+                or (self.scale_dtype in ("uint8", "float8_e4m3fn")) != (fixed is not None) \
+                or (fixed and ((self.scale_dtype, self.group) != fixed or self.offset)):
             raise CheckpointError(f"quantization {self.to_json()} is not a format day0jax knows (kinds: "
-                                  f"{', '.join(KINDS)}; scale dtypes: {', '.join(SCALE_DTYPES)}; mxfp4 takes "
-                                  f"groups of {MX_GROUP} with uint8 E8M0 scales, nvfp4 groups of {NV_GROUP} with "
-                                  "float8_e4m3fn scales, neither an offset)")
+                                  f"{', '.join(KINDS)}; scale dtypes: {', '.join(SCALE_DTYPES)}; the MX kinds take "
+                                  f"groups of {MX_GROUP} with uint8 E8M0 scales, the NVFP4 ones groups of {NV_GROUP} "
+                                  "with float8_e4m3fn scales, none an offset)")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -142,12 +142,15 @@ def quantize(w: np.ndarray, kind: str, group: int, *, offsets: bool | None = Non
     Scales and offsets are stored as `scale_dtype` (bfloat16 by default: float32's range, so no group's scale
     underflows) and codes are rounded against them as stored.
 
-    mxfp4 follows the OCP MX rule instead (`quantize_mxfp4`): its scales are powers of two, kept as E8M0 bytes.
+    The MX kinds follow the OCP MX rule instead (`quantize_mxfp4`, `quantize_mxfp8`: power-of-two scales kept as
+    E8M0 bytes), nvfp4 llm-compressor's (`quantize_nvfp4`); nvfp4_modelopt has no quantizer here (its checkpoints
+    are kept as they ship).
 
     Raises:
-        ValueError: unknown kind, or a group that does not divide the inputs (or is odd for int4; not 32 for mxfp4).
+        ValueError: unknown kind, nvfp4_modelopt, or a group that does not divide the inputs (or is odd for int4;
+            not the format's block for the MX and NVFP4 kinds).
     """
-    if kind not in KINDS:
+    if kind not in KINDS or kind == "nvfp4_modelopt":
         raise ValueError(f"quantization kind {kind!r} is not one of {', '.join(KINDS)}")
     w = np.asarray(w, np.float32)
     O, I = w.shape
