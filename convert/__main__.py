@@ -1,5 +1,5 @@
-"""`python -m convert SRC DST [--dtype bfloat16|float32] [--quantize int8|int4|fp8 [--group-size N]] [--dequantize]
-[--no-mtp] [--force]` and `python -m convert --verify DST`."""
+"""`python -m convert SRC DST [--dtype bfloat16|float32] [--quantize int8|int4|fp8|mxfp4|nvfp4 [--group-size N]]
+[--dequantize] [--no-mtp] [--force]` and `python -m convert --verify DST`."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dst", type=Path, nargs="?", help="checkpoint folder to create")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="parameter dtype (default: the source's own; float32 for GGUF)")
-    parser.add_argument("--quantize", choices=["int8", "int4", "fp8"],
+    parser.add_argument("--quantize", choices=["int8", "int4", "fp8", "mxfp4", "nvfp4"],
                         help="store a float source's linear weights quantized (round to nearest, one scale per "
-                             "group; embeddings int8 with int4; norms, routers and vision towers stay float)")
+                             "group; mxfp4: OCP MX blocks of 32 with E8M0 scales; nvfp4: blocks of 16 with e4m3 "
+                             "scales and a global one; embeddings int8 with the 4-bit kinds; norms, routers and "
+                             "vision towers stay float)")
     parser.add_argument("--group-size", type=int, metavar="N",
-                        help="inputs per scale with --quantize (default: 32 for int8/int4, 128 for fp8)")
+                        help="inputs per scale with --quantize (default: 32 for int8/int4, 128 for fp8; "
+                             "mxfp4 and nvfp4 have their own, 32 and 16)")
     parser.add_argument("--dequantize", action="store_true",
                         help="store a quantized source (GGUF, FP8) as float instead of keeping it quantized")
     parser.add_argument("--no-mtp", action="store_true",

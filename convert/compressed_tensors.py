@@ -8,8 +8,13 @@ packed as v + 8, so w = (q - 8) * scale, day0jax's symmetric int4; zero points z
 FP8 weights ('float-quantized', `type` 'float', 8 bits: float8_e4m3fn in `weight`) with `strategy` 'tensor',
 'channel', 'group' or 'block' (`block_structure`), w = code * scale: their activations, quantized dynamically or
 with static `input_scale`s in the checkpoint, stay in float (weight-only FP8, as vLLM runs FP8 on GPUs without FP8
-arithmetic; closer to the unquantized model). Quantized activations with integer weights (W8A8, W4A8), other bit
-widths and other strategies are refused by name.
+arithmetic; closer to the unquantized model). NVFP4 ('nvfp4-pack-quantized': FP4 e2m1 codes two per byte in
+`weight_packed`, a float8_e4m3fn `weight_scale` per 16 inputs, a float32 `weight_global_scale` per tensor) is kept
+as those three; its FP4 activations likewise stay in float (weight-only, as on hardware without FP4 arithmetic).
+The MX formats ('mxfp8-quantized': float8 values in `weight`; 'mxfp4-pack-quantized': FP4 codes in `weight_packed`;
+a uint8 E8M0 `weight_scale` per 32 inputs) are kept as they are, their activations in float likewise.
+Quantized activations with integer weights (W8A8, W4A8), other bit widths and other strategies are refused by
+name.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from day0jax.core.errors import CheckpointError
 
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "input_scale",
-         "input_zero_point")
+         "input_zero_point", "weight_global_scale", "input_global_scale")
 FLOAT_STRATEGIES = ("tensor", "channel", "group", "block")
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,8 @@ class Scheme:
     packed: bool  # weight_packed int32 words (else the values in `weight`)
     fp8: bool = False  # float8_e4m3fn values
     block: tuple[int, int] | None = None  # FP8 'block' strategy: one scale per [rows, columns] block
+    fp4: bool = False  # NVFP4: e2m1 codes, e4m3 scales per 16, a float32 global scale
+    mx: bool = False  # MXFP8 / MXFP4: float8 values or packed e2m1 codes, E8M0 scales per 32
 
 
 def scheme(path, q: dict) -> Scheme:
@@ -52,6 +59,10 @@ def scheme(path, q: dict) -> Scheme:
         raise CheckpointError(f"{path}: compressed-tensors with {len(groups)} config groups; day0jax reads one")
     (name, group), = groups.items()
     w = group.get("weights") or {}
+    if w.get("type") == "float" and fmt == "nvfp4-pack-quantized":
+        return _nvfp4_scheme(path, name, group)
+    if w.get("type") == "float" and fmt in ("mxfp8-quantized", "mxfp4-pack-quantized"):
+        return _mx_scheme(path, name, group, fmt)
     if w.get("type") == "float":
         return _fp8_scheme(path, name, group, fmt)
     for side in ("input_activations", "output_activations"):
@@ -88,6 +99,39 @@ def _fp8_scheme(path, name: str, group: dict, fmt) -> Scheme:
                   block=tuple(block) if strategy == "block" else None)
 
 
+def _nvfp4_scheme(path, name: str, group: dict) -> Scheme:
+    """NVFP4 weights; FP4 input activations are left in float, and said so."""
+    w = group["weights"]
+    if w.get("num_bits") != 4 or w.get("group_size") != 16 or not w.get("symmetric", True) \
+            or w.get("strategy") not in ("tensor_group", "group"):
+        raise CheckpointError(f"{path}: compressed-tensors 'nvfp4-pack-quantized' with weights {w} is not supported "
+                              "(4-bit float, symmetric, groups of 16)")
+    if group.get("output_activations"):
+        raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes output_activations; day0jax "
+                              "keeps weight-only quantization")
+    if group.get("input_activations"):
+        log.warning("%s: the checkpoint quantizes input activations to FP4 (%s); they stay in float, multiplied by "
+                    "the NVFP4 weights (weight-only, as on hardware without FP4 arithmetic)", path,
+                    group["input_activations"])
+    return Scheme(4, 16, True, True, fp4=True)
+
+
+def _mx_scheme(path, name: str, group: dict, fmt: str) -> Scheme:
+    """MXFP8 or MXFP4 weights; quantized input activations are left in float, and said so."""
+    w, bits = group["weights"], 4 if fmt == "mxfp4-pack-quantized" else 8
+    if w.get("num_bits") != bits or w.get("group_size") != 32 or not w.get("symmetric", True):
+        raise CheckpointError(f"{path}: compressed-tensors {fmt!r} with weights {w} is not supported ({bits}-bit "
+                              "float, symmetric, groups of 32)")
+    if group.get("output_activations"):
+        raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes output_activations; day0jax "
+                              "keeps weight-only quantization")
+    if group.get("input_activations"):
+        log.warning("%s: the checkpoint quantizes input activations (%s); they stay in float, multiplied by the "
+                    "MX weights (weight-only, as on hardware without FP4 or FP8 arithmetic)", path,
+                    group["input_activations"])
+    return Scheme(bits, 32, True, bits == 4, mx=True)
+
+
 class CompressedTensors:
     """The quantized weights of an opened HF folder, each seen as its float `X.weight` (shape, float read) or its
     blocks (`quant_spec`, `read_quantized`). `read_part(name)` reads a stored tensor; `has(name)` asks for one."""
@@ -95,12 +139,29 @@ class CompressedTensors:
     PARTS = PARTS  # the stored tensors of one weight, by suffix
 
     def __init__(self, path, q: dict, names: list[str], read_part, dtype_of, shape_of):
-        self.path, self.scheme, self._read = path, scheme(path, q), read_part
+        self.path, self.scheme, self._read, self._dtype_of = path, scheme(path, q), read_part, dtype_of
         self.weights: dict[str, tuple[int, int]] = {}  # X.weight -> float shape [O, I]
+        present = set(names)
         for n in names:
             if n.endswith(".weight_scale"):
                 base = n[: -len("_scale")]
-                if self.scheme.packed:
+                if self.scheme.mx and dtype_of(n) != np.dtype(np.uint8):
+                    raise CheckpointError(f"{path}: {n!r} is {dtype_of(n)}; MX scales are uint8 E8M0 exponents")
+                if self.scheme.mx and self.scheme.bits == 8:
+                    if dtype_of(base) not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+                        raise CheckpointError(f"{path}: {base!r} is {dtype_of(base)}; MXFP8 weights are "
+                                              "float8_e4m3fn or float8_e5m2")
+                    shape = tuple(shape_of(base))
+                elif self.scheme.mx:
+                    O, half = shape_of(base + "_packed")
+                    shape = (int(O), 2 * int(half))
+                elif self.scheme.fp4:  # uint8 [O, I/2]: the shape is the packed one's, its inputs doubled
+                    if dtype_of(base + "_packed") != np.dtype(np.uint8) or base + "_global_scale" not in present:
+                        raise CheckpointError(f"{path}: NVFP4 weight {base!r} needs a uint8 {base + '_packed'!r} "
+                                              f"and a {base + '_global_scale'!r}")
+                    O, half = shape_of(base + "_packed")
+                    shape = (int(O), 2 * int(half))
+                elif self.scheme.packed:
                     shape = tuple(int(v) for v in np.asarray(read_part(base + "_shape")).reshape(-1))
                 else:
                     want = np.dtype(ml_dtypes.float8_e4m3fn) if self.scheme.fp8 else np.dtype(np.int8)
@@ -125,6 +186,12 @@ class CompressedTensors:
         if I % group or group % (16 if self.scheme.fp8 else 2):
             raise CheckpointError(f"{self.path}: {name!r} has groups of {group} over {I} inputs, which day0jax "
                                   "does not keep; convert with --dequantize")
+        if self.scheme.fp4:
+            return QuantSpec("nvfp4", group, offset=False, scale_dtype="float8_e4m3fn")
+        if self.scheme.mx:
+            e5m2 = self.scheme.bits == 8 and self._dtype_of(name) == np.dtype(ml_dtypes.float8_e5m2)
+            kind = "mxfp4" if self.scheme.bits == 4 else "mxfp8_e5m2" if e5m2 else "mxfp8_e4m3"
+            return QuantSpec(kind, group, offset=False, scale_dtype="uint8")
         if self.scheme.fp8:
             return QuantSpec("fp8", group, offset=False, scale_dtype="float32")
         return QuantSpec("int4" if self.scheme.bits == 4 else "int8", group, offset=not self.scheme.symmetric,
@@ -143,6 +210,23 @@ class CompressedTensors:
         spec = self.spec(name)
         O, I = self.weights[name]
         G = I // spec.group
+        if self.scheme.mx:
+            scale = np.asarray(self._read(name + "_scale"))
+            codes = np.asarray(self._read(name + ("_packed" if self.scheme.bits == 4 else "")))
+            if scale.shape != (O, G):
+                raise CheckpointError(f"{self.path}: {name + '_scale'!r} has shape {scale.shape}; [{O}, {G}] (one "
+                                      "E8M0 scale per 32 inputs) is the MX format's")
+            return QuantizedWeight(np.ascontiguousarray(codes), np.ascontiguousarray(scale), None, spec.kind,
+                                   spec.group)
+        if self.scheme.fp4:
+            scale = np.asarray(self._read(name + "_scale"))
+            glob = np.asarray(self._read(name + "_global_scale"))
+            if scale.dtype != np.dtype(ml_dtypes.float8_e4m3fn) or scale.shape != (O, G) or glob.size != 1:
+                raise CheckpointError(f"{self.path}: NVFP4 weight {name!r} has scales {scale.dtype} {scale.shape} "
+                                      f"and a global scale of {glob.size} elements (float8_e4m3fn [{O}, {G}] and "
+                                      "one are its format)")
+            return QuantizedWeight(np.ascontiguousarray(self._read(name + "_packed")), np.ascontiguousarray(scale),
+                                   None, spec.kind, spec.group, np.full((O, 1), glob.reshape(()), np.float32))
         if self.scheme.fp8:
             return QuantizedWeight(np.ascontiguousarray(self._values(name)), self._fp8_scales(name, O, G), None,
                                    spec.kind, spec.group)

@@ -102,7 +102,7 @@ def _check_destination(src: Path, dst: Path) -> None:
 @dataclass(frozen=True)
 class Options:
     """What the user asked for beyond SRC and DST: `dtype` of float parameters (default: the source's own),
-    `quantize` ('int8', 'int4', 'fp8') with `group_size`, `dequantize` (a quantized source stored as float), and
+    `quantize` ('int8', 'int4', 'fp8', 'mxfp4', 'nvfp4') with `group_size`, `dequantize` (a quantized source stored as float), and
     `no_mtp` (leave out the multi-token-prediction layers a source ships for speculative decoding)."""
 
     dtype: str | None = None

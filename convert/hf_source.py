@@ -11,8 +11,10 @@ with any of the scales checkpoints ship (w = code * scale in each):
 Activation scales of FP8 checkpoints (`input_scale`, `activation_scale`, static or dynamic) are not applied: the
 runtime multiplies float activations by the FP8 weights, as weight-only FP8 (vLLM does the same on GPUs without FP8
 arithmetic), which is closer to the unquantized model than quantizing the activations too.
-Compressed-tensors int4, int8 and FP8 weights are kept likewise (convert/compressed_tensors.py), and GPTQ and AWQ
-int4 weights (convert/gptq_awq.py). Other quantization methods are refused by name.
+Compressed-tensors int4, int8 and FP8 weights are kept likewise (convert/compressed_tensors.py), GPTQ and AWQ
+int4 weights (convert/gptq_awq.py), MXFP4 MoE experts (convert/mxfp4.py) and ModelOpt NVFP4 weights
+(convert/modelopt.py). Other quantization methods are
+refused by name.
 """
 
 from __future__ import annotations
@@ -56,12 +58,12 @@ class HFSource:
                     raise CheckpointError(f"{f.path}: tensor {name!r} also appears in {self._where[name].path}")
                 self._where[name] = f
         q = self.config.get("quantization_config") or {}
-        if q and q.get("quant_method") not in FP8_METHODS + ("compressed-tensors", "gptq", "awq"):
+        if q and q.get("quant_method") not in FP8_METHODS + ("compressed-tensors", "gptq", "awq", "mxfp4", "modelopt"):
             raise CheckpointError(f"{self.path}: config.json's quantization_config has quant_method "
                                   f"{q.get('quant_method')!r}, which day0jax does not read (it reads 'fp8' and "
                                   "'fbgemm_fp8' weights with block, per-tensor or per-channel scales, "
-                                  "'compressed-tensors' int4/int8/FP8 weights, 'gptq' and 'awq' int4 weights, and "
-                                  "GGUF files)")
+                                  "'compressed-tensors' int4/int8/FP8 weights, 'gptq' and 'awq' int4 weights, "
+                                  "'mxfp4' MoE experts, 'modelopt' NVFP4 weights, and GGUF files)")
         self.compressed = None  # integer-quantized weights, each seen as its float `X.weight`
         if q.get("quant_method") == "compressed-tensors":
             from convert.compressed_tensors import CompressedTensors
@@ -69,6 +71,18 @@ class HFSource:
             self.compressed = CompressedTensors(self.path, q, list(self._where), self._read_stored,
                                                 lambda n: self._where[n].tensors[n].dtype,
                                                 lambda n: self._where[n].tensors[n].shape)
+        elif q.get("quant_method") == "mxfp4":
+            from convert.mxfp4 import Mxfp4
+
+            self.compressed = Mxfp4(self.path, list(self._where), self._read_stored,
+                                    lambda n: self._where[n].tensors[n].dtype,
+                                    lambda n: self._where[n].tensors[n].shape)
+        elif q.get("quant_method") == "modelopt":
+            from convert.modelopt import ModelOpt
+
+            self.compressed = ModelOpt(self.path, q, list(self._where), self._read_stored,
+                                       lambda n: self._where[n].tensors[n].dtype,
+                                       lambda n: self._where[n].tensors[n].shape)
         elif q.get("quant_method") in ("gptq", "awq"):
             from convert.gptq_awq import GptqAwq
 
@@ -153,7 +167,8 @@ class HFSource:
 
     def tensor_nbytes(self, name: str) -> int:
         if self.compressed is not None and name in self.compressed.weights:
-            parts = [name] + [name[: -len("weight")] + p for p in self.compressed.PARTS]
+            parts = self.compressed.parts(name) if hasattr(self.compressed, "parts") else \
+                [name] + [name[: -len("weight")] + p for p in self.compressed.PARTS]
             return sum(self._where[p].tensors[p].nbytes for p in parts if p in self._where)
         n = self._where[name].tensors[name].nbytes
         scale = name + "_scale_inv"

@@ -1,16 +1,16 @@
 """Which weights a conversion stores quantized, and their arrays.
 
-Two ways in: a source whose tensors are already quantized (GGUF Q8_0/Q4_0/Q4_1, FP8 with block scales) keeps them
-as they are, block for block; `--quantize int8|int4|fp8` rounds a float source's weights to nearest with one scale
-per group. MoE experts' stacked weights are quantized too, each expert's [out, in] map on its own (a source's
-per-expert quantized tensors are stacked as they are). What stays float, and why, is decided here for every family
-alike: norms, biases and MoE routers are not linear maps the runtime applies through `Linear` (and are small);
-vision towers keep their float weights (images are encoded once per request, and their accuracy is not measured
-quantized); a map whose kernel a layer reads itself (`Linear.quantizable`, MLA's absorbed kv_b_proj); projections
-to fewer than 16 outputs (gates); and a weight whose inputs the group does not divide. A quantized source tensor
-that feeds a float parameter (MLA's kv_b_proj, DeepSeek-V3's FP8 checkpoints) is read dequantized, and counted.
-Token embeddings are int8 when the rest is int4 (llama.cpp keeps them at 8 bits too: they are also the output
-projection of tied models).
+Two ways in: a source whose tensors are already quantized (GGUF Q8_0/Q4_0/Q4_1, FP8 with block scales) keeps them as
+they are, block for block; `--quantize int8|int4|fp8|mxfp4|nvfp4` rounds a float source's weights to nearest with
+one scale per group (nvfp4: and one global scale per weight, an experts' stack sharing one). MoE experts' stacked
+weights are quantized too, each expert's [out, in] map on its own (a source's per-expert quantized tensors are
+stacked as they are). What stays float, and why, is decided here for every family alike: norms, biases and MoE
+routers are not linear maps the runtime applies through `Linear` (and are small); vision towers keep their float
+weights (images are encoded once per request, and their accuracy is not measured quantized); a map whose kernel a
+layer reads itself (`Linear.quantizable`, MLA's absorbed kv_b_proj); projections to fewer than 16 outputs (gates);
+and a weight whose inputs the group does not divide. A quantized source tensor that feeds a float parameter (MLA's
+kv_b_proj, DeepSeek-V3's FP8 checkpoints) is read dequantized, and counted. Token embeddings are int8 when the rest
+is 4-bit (llama.cpp keeps them at 8 bits too: they are also the output projection of tied models).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import numpy as np
 from day0jax.core.errors import CheckpointError
 from day0jax.core.hf_tensors import Source, same
 from day0jax.layers.quantized import QuantSpec, quantizable
-from kernels_pallas.quantized_linear.reference import quantize
+from kernels_pallas.quantized_linear.reference import MX_GROUP, NV_GROUP, quantize
 
-KINDS = ("int8", "int4", "fp8")
-DEFAULT_GROUP = {"int8": 32, "int4": 32, "fp8": 128}
+KINDS = ("int8", "int4", "fp8", "mxfp4", "nvfp4")
+DEFAULT_GROUP = {"int8": 32, "int4": 32, "fp8": 128, "mxfp4": MX_GROUP, "nvfp4": NV_GROUP}
+FP4_KINDS = ("mxfp4", "nvfp4")  # one block size each, set by the format
 VISION_MARKERS = ("vision", "visual", "multi_modal_projector", "merger", "mm_projector")
 # Projections to fewer outputs stay float: gates such as Qwen's shared-expert gate (one output), whose few bytes
 # are not worth a rounding error on a decision.
@@ -66,8 +67,8 @@ def plan_quantization(abstract, plan: dict[str, Source], source, *, quantize_kin
         abstract: the model built abstractly in float.
         plan: runtime parameter path -> its `Source` (`convert.convert.plan_sources`).
         source: the opened checkpoint (its `quant_spec` says which tensors are quantized).
-        quantize_kind: `--quantize`: 'int8', 'int4', 'fp8' or None.
-        group: `--group-size` (default per kind: 32, 32, 128).
+        quantize_kind: `--quantize`: 'int8', 'int4', 'fp8', 'mxfp4', 'nvfp4' or None.
+        group: `--group-size` (default per kind: 32, 32, 128; mxfp4 and nvfp4 take only their blocks, 32 and 16).
         dequantize: `--dequantize`: store the source's quantized tensors as float instead.
     Raises:
         CheckpointError: a quantized source tensor of a type the runtime does not keep, or whose groups do not
@@ -78,6 +79,9 @@ def plan_quantization(abstract, plan: dict[str, Source], source, *, quantize_kin
         raise CheckpointError(f"--quantize {quantize_kind!r} is not one of {', '.join(KINDS)}")
     if group is not None and (group <= 0 or group % 2):
         raise CheckpointError(f"--group-size {group} must be a positive even number")
+    if quantize_kind in FP4_KINDS and group not in (None, DEFAULT_GROUP[quantize_kind]):
+        raise CheckpointError(f"--group-size {group}: {quantize_kind} shares one scale per block of "
+                              f"{DEFAULT_GROUP[quantize_kind]} (its format's), so it takes no other group size")
     targets = quantizable(abstract)
     specs: dict[str, QuantSpec] = {}
     dequantized: Counter = Counter()
@@ -96,13 +100,13 @@ def plan_quantization(abstract, plan: dict[str, Source], source, *, quantize_kin
             if not t.embedding and t.outputs < MIN_OUTPUTS:
                 kept_float[f"projections to fewer than {MIN_OUTPUTS} outputs"] += 1
                 continue
-            kind = "int8" if t.embedding and quantize_kind == "int4" else quantize_kind
+            kind = "int8" if t.embedding and quantize_kind in ("int4",) + FP4_KINDS else quantize_kind
             g = group or DEFAULT_GROUP[kind]
             if t.inputs % g:
                 kept_float[f"weights whose inputs are not a multiple of {g}"] += 1
                 continue
-            specs[path] = QuantSpec(kind, g, offset=kind == "int4",
-                                    scale_dtype="float32" if kind == "fp8" else "bfloat16")
+            scales = {"fp8": "float32", "mxfp4": "uint8", "nvfp4": "float8_e4m3fn"}
+            specs[path] = QuantSpec(kind, g, offset=kind == "int4", scale_dtype=scales.get(kind, "bfloat16"))
     experts = frozenset(path for path in specs if targets[path].experts)
     return QuantPlan(specs, from_source, dict(kept_float), experts)
 
@@ -132,7 +136,7 @@ def _kept_from_source(targets: dict, plan: dict[str, Source], source) -> tuple[d
         name, spec = quantized[0]
         stacked = t.experts and _per_expert(t, src) and len(quantized) == len(found) \
             and all(s == spec for _, s in quantized)
-        if not stacked and (len(src.names) != 1 or src.combine is not same):
+        if not stacked and (len(src.names) != 1 or (src.combine is not same and src.quantized is None)):
             continue  # combined with other tensors: read dequantized (counted below)
         if t.inputs % spec.group:
             raise CheckpointError(f"{source.path}: quantized tensor {name!r} has groups of {spec.group} that do not "
@@ -166,10 +170,13 @@ def quantized_arrays(path: str, float_shape: tuple[int, ...], spec: QuantSpec, s
     if from_source:
         parts = [source.read_quantized(n) for n in src.names]  # one per expert, or the one tensor
         w = parts[0]
+        if src.quantized is not None and len(parts) == 1:  # rows picked from the source's (gate and up of gate_up)
+            w = src.quantized(w)
         if len(parts) > 1:
             stack = lambda f: np.stack([np.asarray(getattr(x, f)) for x in parts])  # noqa: E731
             w = dataclasses.replace(w, codes=stack("codes"), scale=stack("scale"),
-                                    offset=stack("offset") if w.offset is not None else None)
+                                    offset=stack("offset") if w.offset is not None else None,
+                                    global_scale=stack("global_scale") if w.global_scale is not None else None)
     else:
         dense = np.asarray(src.combine([source.read(n) for n in src.names], float_shape), np.float32)
         if experts:
@@ -179,6 +186,8 @@ def quantized_arrays(path: str, float_shape: tuple[int, ...], spec: QuantSpec, s
     out = {f"{path}.codes": w.codes, f"{path}.scale": w.scale}
     if spec.offset:
         out[f"{path}.offset"] = w.offset
+    if w.global_scale is not None:  # NVFP4's
+        out[f"{path}.global_scale"] = w.global_scale
     for name, array in out.items():
         want = shapes[name]
         if array.size != math.prod(want):

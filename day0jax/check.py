@@ -469,7 +469,8 @@ def _source_quantization(fam, config, abstract, infos, source, quantize: str | N
 def _config_quantization(fam, config, abstract, infos, q: dict):
     """What a compressed-tensors checkpoint stores quantized, from its config.json alone (its weights not here):
     every weight its scheme targets and its `ignore` list does not name, the vision side left float (those
-    checkpoints quantize the language model only); None for other quantization methods.
+    checkpoints quantize the language model only); for an MXFP4 one, its MoE experts; None for other quantization
+    methods.
 
     Raises:
         Day0Error: a scheme the runtime does not keep (named).
@@ -481,6 +482,14 @@ def _config_quantization(fam, config, abstract, infos, q: dict):
     from day0jax.core.hf_tensors import default_source
     from day0jax.layers.quantized import QuantSpec
 
+    if q.get("quant_method") == "mxfp4":  # MXFP4 releases (gpt-oss) quantize the MoE experts and nothing else
+        from kernels_pallas.quantized_linear.reference import MX_GROUP
+
+        targets = quantizable(abstract)
+        specs = {k: QuantSpec("mxfp4", MX_GROUP, False, "uint8") for k, t in targets.items()
+                 if t.experts and not t.inputs % MX_GROUP}
+        kept = {"not quantized by the checkpoint": len(targets) - len(specs)} if len(targets) > len(specs) else {}
+        return QuantPlan(specs, frozenset(specs), kept, frozenset(specs))
     if q.get("quant_method") != "compressed-tensors":
         return None
     s = scheme("config.json", q)
@@ -763,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action="store_true",
                         help="measure all-reduce and all-gather over each mesh axis on the devices present, and the "
                              "communication time of a decode step")
-    parser.add_argument("--quantize", choices=["int8", "int4", "fp8"],
+    parser.add_argument("--quantize", choices=["int8", "int4", "fp8", "mxfp4", "nvfp4"],
                         help="plan the weights as `convert --quantize KIND` would store them")
     g = parser.add_argument_group("a cluster that is not here (all three together)")
     g.add_argument("--hosts", type=int, help="number of hosts")

@@ -37,7 +37,12 @@ TOLERANCES = {"float32": (1e-3, 1e-5, 1.0), "bfloat16": (5e-2, 1e-2, 0.9), "floa
 # weight-only quantization, not arithmetic (SmolLM2-135M against float32, 3 prompts: int8 KL 2e-4, top-1 0.99;
 # Q4_1 KL 2e-2, top-1 0.9). Against the dequantized weights (a GGUF's own), pass the float tolerances instead.
 QUANTIZED_TOLERANCES = {"fp8": (0.25, 5e-3, 0.9), "int8": (0.25, 2e-3, 0.95), "int4": (1.0, 5e-2, 0.8)}
-COARSENESS = ("fp8", "int8", "int4")
+# The MX and NVFP4 kinds, not measured on a real model here: MXFP8 e4m3 (fp8's mantissa, power-of-two scales) is
+# held as fp8; e5m2 (two mantissa bits) and the FP4 kinds as int4, the loosest measured.
+QUANTIZED_TOLERANCES.update({"mxfp8_e4m3": QUANTIZED_TOLERANCES["fp8"],
+                             **{k: QUANTIZED_TOLERANCES["int4"]
+                                for k in ("mxfp8_e5m2", "nvfp4", "nvfp4_modelopt", "mxfp4")}})
+COARSENESS = ("fp8", "mxfp8_e4m3", "int8", "mxfp8_e5m2", "int4", "nvfp4", "nvfp4_modelopt", "mxfp4")
 # Preprocessing is transformers' PIL backend step for step: float32 rounding only.
 PIXEL_TOLERANCE = 1e-6
 

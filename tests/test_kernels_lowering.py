@@ -32,7 +32,9 @@ def test_pallas_kernel_lowers_for_cuda(case):
 
 @pytest.mark.parametrize("kind, group, offset, scale_dtype", [("int4", 128, True, "float16"),
                                                              ("int8", 32, False, "float16"),
-                                                             ("fp8", 128, False, "float32")])
+                                                             ("fp8", 128, False, "float32"),
+                                                             ("mxfp4", 32, False, "uint8"),
+                                                             ("nvfp4", 16, False, "float8_e4m3fn")])
 def test_quantized_linear_lowers_for_cuda(kind, group, offset, scale_dtype):
     """The XLA program quantized weights take on GPUs, at Llama-3-8B's MLP shapes, bfloat16 activations."""
     from kernels_pallas.calls import OpCall

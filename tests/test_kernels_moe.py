@@ -47,7 +47,7 @@ class QuantizedExpertsContract:
 
     implementation: str
 
-    @pytest.mark.parametrize("fmt", ["int8/32", "int4/32+offset", "int4/16", "fp8/16"])
+    @pytest.mark.parametrize("fmt", ["int8/32", "int4/32+offset", "int4/16", "fp8/16", "mxfp4/32", "nvfp4/16", "nvfp4_modelopt/16", "mxfp8_e4m3/32"])
     def test_quantized_experts_compute_their_dequantized_values(self, fmt):
         """Quantized experts (each expert's [F, D] map, as quantized_linear stores it) against float64 products of
         their dequantized weights, row by row: float32-tight (float32 sums of 128 terms)."""
@@ -60,7 +60,7 @@ class QuantizedExpertsContract:
         row = 0
         for g, n in enumerate(sizes):
             one = type(rhs)(rhs.codes[g], rhs.scale[g], None if rhs.offset is None else rhs.offset[g], rhs.kind,
-                            rhs.group)
+                            rhs.group, None if rhs.global_scale is None else rhs.global_scale[g])
             w = np.asarray(dequantize(one), np.float64)  # [F, D]
             want = x[row:row + n] @ w.T
             if n:

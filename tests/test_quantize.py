@@ -40,7 +40,7 @@ def dequantized_copy(src, quantized_ckpt, dst):
         rows = tensors[hf_name].shape[0]
         part = lambda suffix: params[f"{name}.{suffix}"][index].reshape(rows, -1)  # noqa: E731
         q = QuantizedWeight(part("codes"), part("scale"), part("offset") if spec.offset else None, spec.kind,
-                            spec.group)
+                            spec.group, part("global_scale") if spec.kind.startswith("nvfp4") else None)
         tensors[hf_name] = np.asarray(dequantize(q)).astype(tensors[hf_name].dtype)
 
     for key, spec in specs.items():
@@ -498,3 +498,319 @@ def test_gptq_activation_order_is_refused_unless_dequantized(tiny, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="AWQ version 'gemv'"):
         convert_checkpoint(bad, tmp_path / "gemv", progress=False)
+
+
+def mxfp4_gpt_oss(tiny, dst):
+    """Tiny gpt_oss in the MXFP4 layout gpt-oss ships: each layer's experts as `*_blocks` [E, out, in/32, 16] and
+    E8M0 `*_scales` [E, out, in/32] (the float experts rounded by the MX rule), quant_method 'mxfp4'."""
+    from kernels_pallas.quantized_linear.reference import quantize_mxfp4
+
+    shutil.copytree(tiny["gpt_oss"]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = np.swapaxes(tensors.pop(name).astype(np.float32), 1, 2)  # [E, out, in]: each expert's map
+        E, O, I = w.shape
+        q = quantize_mxfp4(w.reshape(E * O, I))
+        tensors[name + "_blocks"] = q.codes.reshape(E, O, I // 32, 16)
+        tensors[name + "_scales"] = q.scale.reshape(E, O, I // 32)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, tensors
+
+
+def test_mxfp4_gpt_oss_stays_mxfp4_and_computes_its_dequantized_model(tiny, tmp_path):
+    from conftest import run_reference
+
+    src, source = mxfp4_gpt_oss(tiny, tmp_path / "src")
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False).dst
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert {k: s.kind for k, s in specs.items()} == {f"model.layers.{i}.mlp.experts.{w}": "mxfp4"
+                                                     for i in range(2) for w in ("gate_proj", "up_proj", "down_proj")}
+    params = checkpoint.read_params(kept)
+    # The source's bytes as they are (gate and up: gate_up's alternate rows), the scales not widened.
+    assert sum(a.nbytes for a in params.values()) <= 1.05 * sum(a.nbytes for a in source.values())
+    prefix = "model.layers.1.mlp.experts"
+    blocks, scales = source[f"{prefix}.gate_up_proj_blocks"], source[f"{prefix}.gate_up_proj_scales"]
+    E, O2 = blocks.shape[:2]
+    for half, w in ((0, "gate_proj"), (1, "up_proj")):
+        np.testing.assert_array_equal(params[f"{prefix}.{w}.codes"], blocks[:, half::2].reshape(E, O2 // 2, -1))
+        np.testing.assert_array_equal(params[f"{prefix}.{w}.scale"], scales[:, half::2])
+        assert params[f"{prefix}.{w}.scale"].dtype == np.uint8
+    # --dequantize stores transformers' dequantization, bitwise.
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    run_reference([{"op": "mxfp4_dequantize", "model": str(src), "out": str(tmp_path / "ref.npz")}], tmp_path)
+    ref, stored = np.load(tmp_path / "ref.npz"), checkpoint.read_params(floats)
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts"
+        want = {"gate_proj": ref[f"{p}.gate_up_proj"][:, :, 0::2], "up_proj": ref[f"{p}.gate_up_proj"][:, :, 1::2],
+                "down_proj": ref[f"{p}.down_proj"]}
+        for w, values in want.items():
+            got = stored[f"{p}.{w}"]
+            assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), values.view(np.uint32)), w
+    model = compare(kept, floats)
+    # The planner counts the codes and scales as stored; the readiness report names the kind, source and converted.
+    assert math.isclose(model.memory_plan.params_bytes, sum(a.nbytes for a in params.values()), rel_tol=0.01)
+    from day0jax import check
+
+    (tmp_path / "config-only").mkdir()
+    shutil.copy(src / "config.json", tmp_path / "config-only")
+    for path in (kept, src, tmp_path / "config-only"):
+        report = check.check(str(path), dtype="float32")
+        assert report.supported and "6 x mxfp4/32" in report.quantization, (path, report.quantization)
+        assert "mxfp4" in check.render(report)
+
+
+def ocp_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The OCP Microscaling (MX) v1.0 spec's MXFP4 quantization, element by element: (e2m1 codes [O, I] 0..15,
+    E8M0 scale bytes [O, I/32]). Per block of 32: shared exponent floor(log2(max |v|)) - emax_elem (2 for e2m1),
+    clamped to [-127, 127] (a block of zeros takes -127); each v / 2^X rounded to the nearest e2m1 value, ties to
+    the even mantissa, magnitudes past 6 clamped to 6; the sign bit kept (negative zero included)."""
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # magnitude by code 0..7; mantissa bit = code & 1
+    O, I = w.shape
+    codes, scales = np.zeros((O, I), np.uint8), np.zeros((O, I // 32), np.uint8)
+    for o in range(O):
+        for b in range(I // 32):
+            block = [float(v) for v in w[o, 32 * b:32 * (b + 1)]]
+            amax = max(abs(v) for v in block)
+            X = max(-127, min(127, math.floor(math.log2(amax)) - 2)) if amax > 0 else -127
+            scales[o, b] = X + 127
+            for j, v in enumerate(block):
+                m = min(abs(v) / 2.0 ** X, 6.0)
+                best = min(range(8), key=lambda c: (abs(grid[c] - m), c & 1))
+                codes[o, 32 * b + j] = best | (8 if math.copysign(1.0, v) < 0 else 0)
+    return codes, scales
+
+
+def test_quantize_mxfp4_follows_the_ocp_mx_spec_and_computes_its_dequantized_model(tiny, tmp_path):
+    src = tiny["llama"]["hf"]
+    ckpt = convert_checkpoint(src, tmp_path / "q", progress=False, options=Options(quantize="mxfp4")).dst
+    specs = specs_from_config(json.loads((ckpt / "config.json").read_text()))
+    assert specs["model.layers.0.mlp.down_proj"].kind == "mxfp4" and specs["model.embed_tokens"].kind == "int8"
+    params = checkpoint.read_params(ckpt)
+    name = "model.layers.1.mlp.up_proj"
+    w = load_file(str(src / "model.safetensors"))[f"{name}.weight"].astype(np.float32)
+    codes, scales = ocp_mxfp4(w)
+    packed = params[f"{name}.kernel.codes"]
+    np.testing.assert_array_equal(packed & 15, codes[:, 0::2])
+    np.testing.assert_array_equal(packed >> 4, codes[:, 1::2])
+    np.testing.assert_array_equal(params[f"{name}.kernel.scale"], scales)
+    # Ties, saturation, signed zeros, zero blocks and tiny blocks, against the spec's rendering.
+    from kernels_pallas.quantized_linear.reference import quantize
+
+    edge = np.array([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, -0.0, 0.1, -6.0, 6.0, 5.9, 0.74, 2.9, 4.9] * 2,
+                     [0.0] * 32, [1e-40] * 16 + [-3e-39] * 16, [7.5] + [0.01] * 31], np.float32)
+    q = quantize(edge, "mxfp4", 32)
+    codes, scales = ocp_mxfp4(edge)
+    np.testing.assert_array_equal(np.stack([q.codes & 15, q.codes >> 4], -1).reshape(edge.shape), codes)
+    np.testing.assert_array_equal(q.scale, scales)
+    with pytest.raises(CheckpointError, match="mxfp4 shares one scale per block of 32"):
+        convert_checkpoint(src, tmp_path / "g16", progress=False, options=Options(quantize="mxfp4", group_size=16))
+    compare(ckpt, convert_checkpoint(dequantized_copy(src, ckpt, tmp_path / "deq"), tmp_path / "f",
+                                     progress=False).dst)
+
+
+def nvfp4_source(tiny, dst, name="llama"):
+    """Tiny `name` with its projections as compressed-tensors NVFP4 ('nvfp4-pack-quantized', W4A4 as llm-compressor's
+    NVFP4 scheme writes it): random e2m1 codes, positive float8_e4m3fn scales per 16 and a float32 global scale per
+    weight; and the float32 weights they mean, rendered here from the format's layout."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    shutil.copytree(tiny[name]["hf"], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    rng, meant = np.random.default_rng(11), {}
+    for n in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors.pop(n).shape
+        packed = rng.integers(0, 256, (O, I // 2)).astype(np.uint8)
+        scale = (rng.uniform(0.5, 4.0, (O, I // 16)) * 64).astype(ml_dtypes.float8_e4m3fn)
+        glob = np.array([rng.uniform(2000, 4000)], np.float32)  # weights of about the float model's size
+        base = n[: -len("weight")]
+        tensors.update({base + "weight_packed": packed, base + "weight_scale": scale,
+                        base + "weight_global_scale": glob})
+        codes = np.stack([packed & 15, packed >> 4], -1).reshape(O, I)  # element 2i low, 2i + 1 high
+        step = scale.astype(np.float32) / glob[0]  # float32, compressed-tensors' order: q * (scale / global)
+        meant[n] = e2m1[codes] * np.repeat(step, 16, axis=1)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp4,
+                                      "input_activations": dict(fp4, dynamic="local")}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, meant, {n: a for n, a in tensors.items() if n.endswith("weight_packed")}
+
+
+def test_nvfp4_stays_nvfp4_and_computes_its_values(tiny, tmp_path, caplog):
+    from conftest import run_reference
+
+    src, meant, packed = nvfp4_source(tiny, tmp_path / "src")
+    with caplog.at_level("WARNING"):
+        kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    assert "weight-only, as on hardware without FP4 arithmetic" in caplog.text
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert specs["model.layers.0.mlp.down_proj"].describe() == "nvfp4/16"
+    params = checkpoint.read_params(kept)
+    name = "model.layers.1.self_attn.o_proj"
+    np.testing.assert_array_equal(params[f"{name}.kernel.codes"].reshape(packed[f"{name}.weight_packed"].shape),
+                                  packed[f"{name}.weight_packed"])
+    assert params[f"{name}.kernel.scale"].dtype == ml_dtypes.float8_e4m3fn  # the block scales stay 8-bit
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    run_reference([{"op": "nvfp4_dequantize", "model": str(src), "out": str(tmp_path / "ref.npz")}], tmp_path)
+    ref, stored = np.load(tmp_path / "ref.npz"), checkpoint.read_params(floats)
+    for n, want in meant.items():  # exact in float32: the layout's rendering and compressed-tensors' own, bitwise
+        got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+        assert np.array_equal(ref[n].view(np.uint32), want.view(np.uint32)), n
+    compare(kept, floats)
+
+
+def test_quantize_nvfp4_follows_its_rule_and_computes_its_dequantized_model(tiny, tmp_path):
+    src = tiny["llama"]["hf"]
+    ckpt = convert_checkpoint(src, tmp_path / "q", progress=False, options=Options(quantize="nvfp4")).dst
+    specs = specs_from_config(json.loads((ckpt / "config.json").read_text()))
+    assert specs["model.layers.0.mlp.down_proj"].describe() == "nvfp4/16" and specs["model.embed_tokens"].kind == "int8"
+    params = checkpoint.read_params(ckpt)
+    name = "model.layers.1.mlp.gate_proj"
+    w = load_file(str(src / "model.safetensors"))[f"{name}.weight"].astype(np.float32)
+    # NVFP4 as llm-compressor makes it, rendered here: global 448 * 6 / max |w|; per block of 16, scale
+    # max |v| / 6 * global rounded to float8_e4m3fn; each v / (scale / global) to the nearest e2m1 (ties to even,
+    # saturating at 6).
+    O, I = w.shape
+    glob = np.float32(448 * 6) / np.abs(w).max()
+    blocks = w.reshape(O, I // 16, 16)
+    scale = (np.abs(blocks).max(-1) / np.float32(6) * glob).astype(ml_dtypes.float8_e4m3fn)
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    m = np.minimum(np.abs(blocks / (scale.astype(np.float32) / glob)[..., None]), 6).reshape(O, I)
+    dist = np.abs(m[..., None] - grid)
+    best = np.where(dist == dist.min(-1, keepdims=True), np.arange(8) + 16 * (np.arange(8) & 1), 99).argmin(-1)
+    codes = best | np.where(np.signbit(w), 8, 0)
+    np.testing.assert_array_equal(params[f"{name}.kernel.global_scale"], np.full((O, 1), glob))
+    np.testing.assert_array_equal(params[f"{name}.kernel.scale"].view(np.uint8), scale.view(np.uint8))
+    packed = params[f"{name}.kernel.codes"]
+    np.testing.assert_array_equal(np.stack([packed & 15, packed >> 4], -1).reshape(O, I), codes)
+    with pytest.raises(CheckpointError, match="nvfp4 shares one scale per block of 16"):
+        convert_checkpoint(src, tmp_path / "g32", progress=False, options=Options(quantize="nvfp4", group_size=32))
+    compare(ckpt, convert_checkpoint(dequantized_copy(src, ckpt, tmp_path / "deq"), tmp_path / "f",
+                                     progress=False).dst)
+
+
+def test_modelopt_nvfp4_stays_nvfp4_and_computes_its_values(tiny, tmp_path, caplog):
+    """ModelOpt's NVFP4 export: `X.weight` uint8 codes, float8_e4m3fn `X.weight_scale` per 16, a float32
+    `X.weight_scale_2` that multiplies, `X.input_scale` (FP4 activations, run weight-only)."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    src = tmp_path / "src"
+    shutil.copytree(tiny["llama"]["hf"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    rng, meant = np.random.default_rng(12), {}
+    for n in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[n].shape
+        packed = rng.integers(0, 256, (O, I // 2)).astype(np.uint8)
+        scale = (rng.uniform(0.5, 4.0, (O, I // 16)) * 64).astype(ml_dtypes.float8_e4m3fn)
+        scale_2 = np.array(1 / rng.uniform(2000, 4000), np.float32)
+        base = n[: -len("weight")]
+        tensors.update({n: packed, base + "weight_scale": scale, base + "weight_scale_2": scale_2,
+                        base + "input_scale": np.array(0.01, np.float32)})
+        codes = np.stack([packed & 15, packed >> 4], -1).reshape(O, I)
+        meant[n] = e2m1[codes] * np.repeat(scale.astype(np.float32) * scale_2, 16, axis=1)
+    save_file(tensors, str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                     "exclude_modules": ["lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING"):
+        kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    assert "weight-only, as on hardware without FP4 arithmetic" in caplog.text
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    assert specs["model.layers.1.mlp.up_proj"].describe() == "nvfp4_modelopt/16"
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    stored = checkpoint.read_params(floats)
+    for n, want in meant.items():  # exact in float32: the layout's rendering, bitwise
+        got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+    compare(kept, floats)
+    config["quantization_config"]["quant_algo"] = "W4A8_AWQ"  # other ModelOpt formats are refused by name
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="ModelOpt quantization 'W4A8_AWQ'"):
+        convert_checkpoint(src, tmp_path / "awq", progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8-quantized", "mxfp4-pack-quantized"])
+def test_compressed_tensors_mx_formats_stay_as_codes_and_compute_their_values(tiny, tmp_path, fmt):
+    """compressed-tensors' MX formats: float8_e4m3fn values in `weight` (MXFP8) or e2m1 codes two per byte in
+    `weight_packed` (MXFP4), a uint8 E8M0 `weight_scale` per 32; the float32 weights they mean rendered here."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    src = tmp_path / "src"
+    shutil.copytree(tiny["llama"]["hf"], src)
+    tensors = load_file(str(src / "model.safetensors"))
+    rng, meant = np.random.default_rng(13), {}
+    for n in [n for n in tensors if n.endswith("proj.weight")]:
+        O, I = tensors[n].shape
+        scale = rng.integers(118, 124, (O, I // 32)).astype(np.uint8)
+        step = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).repeat(32, axis=1)
+        base = n[: -len("weight")]
+        if fmt == "mxfp8-quantized":
+            tensors[n] = (rng.standard_normal((O, I)) * 64).astype(ml_dtypes.float8_e4m3fn)
+            meant[n] = tensors[n].astype(np.float32) * step
+        else:
+            del tensors[n]
+            packed = rng.integers(0, 256, (O, I // 2)).astype(np.uint8)
+            tensors[base + "weight_packed"] = packed
+            meant[n] = e2m1[np.stack([packed & 15, packed >> 4], -1).reshape(O, I)] * step * 4
+            scale = scale + 2  # times 4, as meant
+        tensors[base + "weight_scale"] = scale
+    save_file(tensors, str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    bits = 8 if fmt == "mxfp8-quantized" else 4
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": fmt,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": bits, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32}}},
+        "ignore": ["lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    kept = convert_checkpoint(src, tmp_path / "kept", progress=False, options=Options(dtype="float32")).dst
+    specs = specs_from_config(json.loads((kept / "config.json").read_text()))
+    kind = "mxfp8_e4m3" if bits == 8 else "mxfp4"
+    assert specs["model.layers.0.self_attn.q_proj"].describe() == f"{kind}/32"
+    assert checkpoint.read_params(kept)["model.layers.0.self_attn.q_proj.kernel.scale"].dtype == np.uint8
+    floats = convert_checkpoint(src, tmp_path / "float", progress=False,
+                                options=Options(dtype="float32", dequantize=True)).dst
+    stored = checkpoint.read_params(floats)
+    for n, want in meant.items():  # exact in float32, bitwise
+        got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+    compare(kept, floats)
+
+
+def test_every_quantized_kind_has_a_verify_tolerance():
+    from day0jax import verify
+    from kernels_pallas.quantized_linear.reference import KINDS
+
+    assert set(verify.COARSENESS) == set(verify.QUANTIZED_TOLERANCES) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind, emax", [("mxfp8_e4m3", 8), ("mxfp8_e5m2", 15)])
+def test_mxfp8_quantization_follows_the_ocp_mx_rule(kind, emax):
+    """Shared exponent floor(log2(max |v|)) - emax per 32 (a zero block -127); each v / 2^X in the element format
+    (ml_dtypes' round to nearest even), saturating at its largest normal."""
+    from kernels_pallas.quantized_linear.reference import quantize
+
+    rng = np.random.default_rng(3)
+    w = np.concatenate([rng.standard_normal((3, 64)) * 10.0 ** rng.integers(-6, 6, (3, 1)), np.zeros((1, 64))])
+    w = w.astype(np.float32)
+    q = quantize(w, kind, 32)
+    dtype = ml_dtypes.float8_e4m3fn if kind == "mxfp8_e4m3" else ml_dtypes.float8_e5m2
+    top = float(ml_dtypes.finfo(dtype).max)
+    for o in range(4):
+        for b in range(2):
+            block = w[o, 32 * b:32 * (b + 1)].astype(np.float64)
+            amax = np.abs(block).max()
+            X = max(-127, min(127, math.floor(math.log2(amax)) - emax)) if amax > 0 else -127
+            assert q.scale[o, b] == X + 127
+            want = np.clip(block / 2.0 ** X, -top, top).astype(np.float32).astype(dtype)
+            np.testing.assert_array_equal(q.codes[o, 32 * b:32 * (b + 1)].view(np.uint8), want.view(np.uint8))

@@ -21,11 +21,15 @@ class Source:
     # The same parameter from tensors in another layout, taken where the checkpoint's tensors have its shapes
     # instead (released checkpoints and transformers' saves of one family that store a tensor transposed).
     alternative: "Source | None" = None
+    # For a parameter made from one quantized tensor by more than renaming (gpt-oss's gate_up_proj split into gate
+    # and up rows): makes its quantized weight (codes, scales: each [..., out, in']) from the source tensor's, so
+    # that it stays quantized; without it such a parameter is read dequantized.
+    quantized: Callable | None = None
 
     def renamed(self, rename: Callable[[str], str]) -> "Source":
         """The same tensors under other names (a multimodal checkpoint's prefix for its language model)."""
         return Source(tuple(rename(n) for n in self.names), self.combine, self.shapes,
-                      None if self.alternative is None else self.alternative.renamed(rename))
+                      None if self.alternative is None else self.alternative.renamed(rename), self.quantized)
 
     def matching(self, shapes: dict[str, tuple[int, ...]]) -> "Source":
         """This source, or the first alternative whose tensors all have its shapes in `shapes` (name -> shape);

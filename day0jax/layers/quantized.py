@@ -16,23 +16,30 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from day0jax.core.errors import CheckpointError
 from kernels_pallas.calls import OpCall
 from kernels_pallas.quantized_linear import api as quantized_linear
-from kernels_pallas.quantized_linear.reference import CODE_DTYPES, KINDS, QuantizedWeight, dequantize
+from kernels_pallas.quantized_linear.reference import (CODE_DTYPES, KINDS, MX_GROUP, NV_GROUP, NVFP4_KINDS,
+                                                       PACKED, QuantizedWeight, dequantize)
 
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+# uint8 scales are the E8M0 exponents of the MX formats (and only theirs); float8_e4m3fn NVFP4's block scales.
+SCALE_DTYPES = ("float16", "bfloat16", "float32", "uint8", "float8_e4m3fn")
+# The scale dtype and group each MX and NVFP4 kind requires (their formats fix both).
+FIXED_FORMATS = {"mxfp4": ("uint8", MX_GROUP), "nvfp4": ("float8_e4m3fn", NV_GROUP),
+                 "nvfp4_modelopt": ("float8_e4m3fn", NV_GROUP), "mxfp8_e4m3": ("uint8", MX_GROUP),
+                 "mxfp8_e5m2": ("uint8", MX_GROUP)}
 # config.json's `quantization_config.quant_method` of a converted checkpoint with quantized weights.
 QUANT_METHOD = "day0jax"
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How one module's weight is stored: `kind` ('int8', 'int4', 'fp8', as `kernels_pallas.quantized_linear`),
-    inputs per scale `group`, whether groups carry an `offset`, and the dtype of scales and offsets."""
+    """How one module's weight is stored: `kind` (one of `kernels_pallas.quantized_linear`'s KINDS), inputs per
+    scale `group`, whether groups carry an `offset`, and the dtype of scales and offsets (uint8: E8M0 exponents)."""
 
     kind: str
     group: int
@@ -40,10 +47,15 @@ class QuantSpec:
     scale_dtype: str = "float16"
 
     def __post_init__(self):
+        fixed = FIXED_FORMATS.get(self.kind)
         if self.kind not in KINDS or self.scale_dtype not in SCALE_DTYPES or self.group <= 0 \
-                or (self.kind == "int4" and self.group % 2):
+                or (self.kind == "int4" and self.group % 2) \
+                or (self.scale_dtype in ("uint8", "float8_e4m3fn")) != (fixed is not None) \
+                or (fixed and ((self.scale_dtype, self.group) != fixed or self.offset)):
             raise CheckpointError(f"quantization {self.to_json()} is not a format day0jax knows (kinds: "
-                                  f"{', '.join(KINDS)}; scale dtypes: {', '.join(SCALE_DTYPES)})")
+                                  f"{', '.join(KINDS)}; scale dtypes: {', '.join(SCALE_DTYPES)}; the MX kinds take "
+                                  f"groups of {MX_GROUP} with uint8 E8M0 scales, the NVFP4 ones groups of {NV_GROUP} "
+                                  "with float8_e4m3fn scales, none an offset)")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -73,11 +85,14 @@ class QuantizedKernel(nnx.Module):
                                   f"{inputs} inputs are not a multiple")
         flat_axes = tuple(axes[:n_out]) + (axes[n_out],)
         meta = dict(quantized=spec.kind, in_ndim=1)
-        self.codes = _param((*out_shape, inputs // 2 if spec.kind == "int4" else inputs), flat_axes,
+        self.codes = _param((*out_shape, inputs // 2 if spec.kind in PACKED else inputs), flat_axes,
                             CODE_DTYPES[spec.kind], meta)
-        self.scale = _param((*out_shape, inputs // spec.group), flat_axes, np.dtype(spec.scale_dtype), meta)
+        self.scale = _param((*out_shape, inputs // spec.group), flat_axes, scale_dtype(spec), meta)
         self.offset = _param((*out_shape, inputs // spec.group), flat_axes, np.dtype(spec.scale_dtype), meta) \
             if spec.offset else None
+        # NVFP4's per-tensor global scale, once per row so that it splits with the rows.
+        self.global_scale = _param((*out_shape, 1), flat_axes[:-1] + (None,), np.dtype(np.float32), meta) \
+            if spec.kind in NVFP4_KINDS else None
 
     @property
     def rows(self) -> int:
@@ -91,8 +106,9 @@ class QuantizedKernel(nnx.Module):
         """As the op takes it: [O, I] codes and [O, groups] scales."""
         O = self.rows
         offset = None if self.offset is None else self.offset[...].reshape(O, -1)
+        glob = None if self.global_scale is None else self.global_scale[...].reshape(O, 1)
         return QuantizedWeight(self.codes[...].reshape(O, -1), self.scale[...].reshape(O, -1), offset,
-                               self.spec.kind, self.spec.group)
+                               self.spec.kind, self.spec.group, glob)
 
     def matmul(self, x: jax.Array) -> jax.Array:
         """x [..., *in] -> [..., *out], in x's dtype."""
@@ -108,7 +124,8 @@ class QuantizedKernel(nnx.Module):
         picked = QuantizedWeight(jnp.take(w.codes, index.reshape(-1), axis=0),
                                  jnp.take(w.scale, index.reshape(-1), axis=0),
                                  None if w.offset is None else jnp.take(w.offset, index.reshape(-1), axis=0),
-                                 w.kind, w.group)
+                                 w.kind, w.group,
+                                 None if w.global_scale is None else jnp.take(w.global_scale, index.reshape(-1), 0))
         return dequantize(picked).astype(dtype).reshape(*index.shape, -1)
 
 
@@ -125,15 +142,18 @@ class QuantizedExperts(nnx.Module):
                                   f"{I} inputs are not a multiple")
         stored_axes = (axes[0], axes[2], axes[1])
         meta = dict(quantized=spec.kind, in_ndim=1)
-        self.codes = _param((E, O, I // 2 if spec.kind == "int4" else I), stored_axes, CODE_DTYPES[spec.kind], meta)
-        self.scale = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta)
+        self.codes = _param((E, O, I // 2 if spec.kind in PACKED else I), stored_axes, CODE_DTYPES[spec.kind], meta)
+        self.scale = _param((E, O, I // spec.group), stored_axes, scale_dtype(spec), meta)
         self.offset = _param((E, O, I // spec.group), stored_axes, np.dtype(spec.scale_dtype), meta) \
             if spec.offset else None
+        self.global_scale = _param((E, O, 1), stored_axes[:-1] + (None,), np.dtype(np.float32), meta) \
+            if spec.kind in NVFP4_KINDS else None
 
     def weight(self) -> QuantizedWeight:
         """As the grouped matmul takes it: codes [E, O, I'], scales [E, O, groups]."""
         return QuantizedWeight(self.codes[...], self.scale[...], None if self.offset is None else self.offset[...],
-                               self.spec.kind, self.spec.group)
+                               self.spec.kind, self.spec.group,
+                               None if self.global_scale is None else self.global_scale[...])
 
 
 def quantized_op_calls(model: nnx.Module) -> list[tuple[int | None, OpCall]]:
@@ -154,6 +174,11 @@ def parameter_count(model: nnx.Module) -> int:
     plain = sum(math.prod(v.get_value().shape) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
                 if not v.get_metadata().get("quantized"))
     return quantized + plain
+
+
+def scale_dtype(spec: QuantSpec) -> np.dtype:
+    """The stored dtype of a spec's scales."""
+    return np.dtype(ml_dtypes.float8_e4m3fn) if spec.scale_dtype == "float8_e4m3fn" else np.dtype(spec.scale_dtype)
 
 
 def _param(shape, axes, dtype, meta) -> nnx.Param:

@@ -1,11 +1,12 @@
 """gpt-oss: attention with learned sinks and biases, alternating sliding/global layers, YaRN RoPE, and an MoE
 in every layer (softmax over the top k of biased router logits; experts with biases and a clamped SwiGLU).
 HF reference: transformers/models/gpt_oss/modeling_gpt_oss.py. Experts are stored fused and not transposed
-(`gate_up_proj` [E, D, 2F], `down_proj` [E, F, D]). OpenAI's MXFP4-packed release (`*_blocks`/`*_scales`) must
-be dequantized first, e.g. by loading it with transformers and saving it."""
+(`gate_up_proj` [E, D, 2F], `down_proj` [E, F, D]). OpenAI's MXFP4-packed release (`*_blocks`/`*_scales`, each
+expert's [out, in] map) stays MXFP4: gate and up are its gate_up rows taken alternately."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -88,7 +89,10 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     if m[3]:
         return Source((f"{m[1]}.gate_up_proj_bias",), lambda a, s: a[0][:, offset::2].reshape(s), ((E, 2 * F),))
     D = shape[1]
-    return Source((f"{m[1]}.gate_up_proj",), lambda a, s: a[0][:, :, offset::2].reshape(s), ((E, D, 2 * F),))
+    # Quantized, the experts' maps are [E, 2F, D'] (rows are outputs): gate and up are alternate rows.
+    rows = lambda w: dataclasses.replace(w, codes=w.codes[:, offset::2], scale=w.scale[:, offset::2])  # noqa: E731
+    return Source((f"{m[1]}.gate_up_proj",), lambda a, s: a[0][:, :, offset::2].reshape(s), ((E, D, 2 * F),),
+                  quantized=rows)
 
 
 FAMILY = Family(model_types=("gpt_oss",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,

@@ -23,9 +23,11 @@ def dequantize_groups(w: QuantizedWeight, groups: jax.Array | None = None) -> ja
     pick = (lambda a: a) if groups is None else (lambda a: jnp.take(a, groups, axis=0))  # noqa: E731
     codes, scale = pick(w.codes), pick(w.scale)
     offset = None if w.offset is None else pick(w.offset)
+    glob = None if w.global_scale is None else pick(w.global_scale)
     n, F = codes.shape[:2]
     flat = QuantizedWeight(codes.reshape(n * F, -1), scale.reshape(n * F, -1),
-                           None if offset is None else offset.reshape(n * F, -1), w.kind, w.group)
+                           None if offset is None else offset.reshape(n * F, -1), w.kind, w.group,
+                           None if glob is None else glob.reshape(n * F, 1))
     return jnp.swapaxes(dequantize(flat).reshape(n, F, -1), 1, 2)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from kernels_pallas.calls import OpCall
 from kernels_pallas.cases import Case, Random
 from kernels_pallas.ops import OpSpec
-from kernels_pallas.quantized_linear.spec import quantized_weight
+from kernels_pallas.quantized_linear.spec import SCALE_DTYPES, quantized_weight
 
 PARAMS = {"E": "routed experts", "k": "experts per token", "D": "hidden size", "F": "expert width",
           "routing": "how the router scores and picks", "shared": "the shared experts' name (where there are some)",
@@ -50,7 +50,7 @@ def build(rnd: Random, dtype, *, M, G, D, F, k, quantized=None):
     if quantized:  # 'int4/32+offset': each expert's [F, D] map as quantized_linear stores it
         kind, _, rest = quantized.partition("/")
         rhs = quantized_weight(rnd, (G, F), D, kind=kind, group=int(rest.split("+")[0]),
-                               offset=rest.endswith("+offset"), scale_dtype="float32")
+                               offset=rest.endswith("+offset"), scale_dtype=SCALE_DTYPES.get(kind, "float32"))
     else:
         rhs = rnd.normal((G, D, F), dtype, 1 / math.sqrt(D))  # unit-scale outputs
     return (lhs, rhs, jnp.asarray(sizes)), {}

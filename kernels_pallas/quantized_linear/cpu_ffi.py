@@ -25,12 +25,14 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     activations widened exactly, as the reference does).
 
     Raises:
-        NotImplementedError: another backend, too many rows, non-float input, a group that is not a multiple of 16,
+        NotImplementedError: another backend, a kind it does not decode (the MX and NVFP4 ones), too many rows, non-float input, a group that is not a multiple of 16,
             a multi-device mesh (the custom call has no partitioning rule: XLA would gather the codes onto every
             device, where the reference's dequantize-then-dot stays split), or no compiled kernel.
     """
     if jax.default_backend() != "cpu":
         raise NotImplementedError("the FFI kernel is built for the CPU")
+    if w.kind not in KIND_IDS:  # MX formats: the reference's 16-entry lookup runs
+        raise NotImplementedError(f"the kernel does not decode {w.kind} codes")
     R, I = x.shape
     if R > MAX_ROWS:
         raise NotImplementedError(f"{R} rows (the kernel takes up to {MAX_ROWS}; the reference's product of a "

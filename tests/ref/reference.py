@@ -16,6 +16,11 @@ Jobs (each a dict with "op"):
   run          {model, prompts, generate, out}: float32 logits of each prompt, and greedy continuations.
   rope_tables  {config, starts, length, out}: cos and sin [length, head_dim] of a Llama with this config's RoPE at
                positions start..start+length-1, one call per start in order.
+  mxfp4_dequantize {model, out}: every `X_blocks`/`X_scales` pair of the HF folder MODEL dequantized by transformers'
+               MXFP4 dequantizer (integrations/mxfp4.py, float32): `X` [E, in, out], as gpt-oss's experts use it.
+  nvfp4_dequantize {model, out}: every compressed-tensors NVFP4 weight of the HF folder MODEL (`X.weight_packed`,
+               `X.weight_scale`, `X.weight_global_scale`) dequantized by compressed-tensors' own unpacking and
+               `dequantize`, in float32: `X.weight` [O, I].
   state        {model, out}: the float32 state dict transformers loads (dequantized for GGUF).
   tokenize     {model, texts, chats, out}: token ids of each text and of each chat with the chat template.
   hidden       {model, prompts, out, dtype?}: per prompt i, `hidden_{i}` [L+1, T, D] (output_hidden_states: the
@@ -974,6 +979,47 @@ def qwen4_exp_ops(job):
         embedding.ngram_embedding.register_forward_hook(lambda m, i, o: ids.__setitem__("ids", i[0]))
         embedding(torch.tensor(job["tokens"]), None)
         out["ngram_ids"] = ids["ids"].numpy()
+    np.savez(job["out"], **out)
+
+
+def mxfp4_dequantize(job):
+    from safetensors.numpy import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = {}
+    for f in sorted(os.listdir(job["model"])):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(job["model"], f)))
+    out = {}
+    for name in tensors:
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            w = convert_moe_packed_tensors(torch.from_numpy(tensors[name]), torch.from_numpy(tensors[base + "_scales"]),
+                                           dtype=torch.float32)
+            out[base] = w.numpy()
+    np.savez(job["out"], **out)
+
+
+def nvfp4_dequantize(job):
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(os.listdir(job["model"])):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(job["model"], f)))
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
+                            dynamic=False)
+    out = {}
+    for name in tensors:
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            O, half = tensors[name].shape
+            x = unpack_fp4_from_uint8(tensors[name], O, 2 * half, dtype=torch.float32)
+            out[base] = dequantize(x_q=x, scale=tensors[base + "_scale"].to(torch.float32), args=args,
+                                   global_scale=tensors[base + "_global_scale"], dtype=torch.float32).numpy()
     np.savez(job["out"], **out)
 
 
