@@ -48,18 +48,23 @@ class TorchvisionProcessor(ImageProcessor):
         return resize.resize(x, height, width, MODES[self.resample])
 
     def _rescale_normalize(self, x: np.ndarray) -> np.ndarray:
-        """`TorchvisionBackend.rescale_and_normalize`: in float32, rescaling fused into the mean and std."""
-        channels = x.shape[0]
-        if self.do_normalize:
-            mean = np.array(_per_channel(self.image_mean, channels), np.float32)
-            std = np.array(_per_channel(self.image_std, channels), np.float32)
-            if self.do_rescale:
-                inverse = np.float32(1.0 / self.rescale_factor)
-                mean, std = mean * inverse, std * inverse
-            return np.ascontiguousarray((x.astype(np.float32) - mean[:, None, None]) / std[:, None, None])
-        if self.do_rescale:
-            return np.ascontiguousarray(x.astype(np.float32) * np.float32(self.rescale_factor))
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return rescale_normalize(x, self)
+
+
+def rescale_normalize(x: np.ndarray, p) -> np.ndarray:
+    """`TorchvisionBackend.rescale_and_normalize` on [..., C, H, W] with processor `p`'s do_rescale, rescale_factor,
+    do_normalize, image_mean and image_std: in float32, rescaling fused into the mean and std."""
+    if p.do_normalize:
+        channels = x.shape[-3]
+        mean = np.array(_per_channel(p.image_mean, channels), np.float32)
+        std = np.array(_per_channel(p.image_std, channels), np.float32)
+        if p.do_rescale:
+            inverse = np.float32(1.0 / p.rescale_factor)
+            mean, std = mean * inverse, std * inverse
+        return np.ascontiguousarray((x.astype(np.float32) - mean[:, None, None]) / std[:, None, None])
+    if p.do_rescale:
+        return np.ascontiguousarray(x.astype(np.float32) * np.float32(p.rescale_factor))
+    return np.ascontiguousarray(x, dtype=np.float32)
 
 
 def navit_size(height: int, width: int, patch: int, merge: int, max_patches: int,

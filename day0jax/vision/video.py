@@ -12,7 +12,6 @@ transformers/models/qwen3_vl/video_processing_qwen3_vl.py and processing_qwen3_v
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from PIL import Image, ImageSequence
 from day0jax.core.errors import ConfigError
 from day0jax.vision import resize
 from day0jax.vision.images import ImageError, _data_url_bytes, allowed_path, load_image, open_checked
-from day0jax.vision.processors import BICUBIC, BILINEAR, _per_channel
+from day0jax.vision.processors import BICUBIC, BILINEAR, _read_json
+from day0jax.vision.torchvision_processors import rescale_normalize
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 DEFAULT_FPS = 24  # the frame rate transformers assumes for frames given without one
@@ -185,7 +185,7 @@ class Qwen3VLVideoProcessor:
                 max_pixels = per_frame * T
             h, w = smart_resize(T, height, width, tp, p * m, self.size["shortest_edge"], max_pixels)
             x = resize.resize(x, h, w, "bicubic" if self.resample == BICUBIC else "bilinear")
-        x = self._rescale_normalize(x)
+        x = rescale_normalize(x, self)  # [T, C, H, W]
         T, C, H, W = x.shape
         if H % (p * m) or W % (p * m):
             raise ImageError(f"video frames of {H}x{W} pixels are not multiples of patch_size * merge_size = "
@@ -196,21 +196,6 @@ class Qwen3VLVideoProcessor:
         patches = x.reshape(gt, tp, C, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
         return ProcessedVideo(np.ascontiguousarray(patches.reshape(gt * gh * gw, C * tp * p * p)), (gt, gh, gw),
                               timestamps(indices, rate, tp))
-
-    def _rescale_normalize(self, x: np.ndarray) -> np.ndarray:
-        """`TorchvisionBackend.rescale_and_normalize` on [T, C, H, W]: float32, rescaling fused into mean and std."""
-        channels = x.shape[1]
-        if self.do_normalize:
-            mean = np.array(_per_channel(self.image_mean, channels), np.float32)
-            std = np.array(_per_channel(self.image_std, channels), np.float32)
-            if self.do_rescale:
-                inverse = np.float32(1.0 / self.rescale_factor)
-                mean, std = mean * inverse, std * inverse
-            return (x.astype(np.float32) - mean[:, None, None]) / std[:, None, None]
-        if self.do_rescale:
-            return x.astype(np.float32) * np.float32(self.rescale_factor)
-        return x.astype(np.float32)
-
 
 def timestamps(indices: Sequence[int], fps: float, temporal_patch_size: int) -> tuple[float, ...]:
     """Qwen3VLProcessor's `_calculate_timestamps`: the indices padded with the last to whole temporal patches, each
@@ -250,9 +235,9 @@ def video_processor(folder: str | os.PathLike) -> Qwen3VLVideoProcessor:
     config = None
     outer = os.path.join(folder, "processor_config.json")
     if os.path.isfile(outer):
-        config = _read(outer).get("video_processor")
+        config = _read_json(outer).get("video_processor")
     if not isinstance(config, dict) and os.path.isfile(os.path.join(folder, "video_preprocessor_config.json")):
-        config = _read(os.path.join(folder, "video_preprocessor_config.json"))
+        config = _read_json(os.path.join(folder, "video_preprocessor_config.json"))
     if not isinstance(config, dict):
         raise ConfigError(f"{folder} has no video processor config (video_preprocessor_config.json, or a "
                           "\"video_processor\" entry in processor_config.json): videos cannot be preprocessed")
@@ -261,17 +246,6 @@ def video_processor(folder: str | os.PathLike) -> Qwen3VLVideoProcessor:
         raise ConfigError(f"video_processor_type {name!r} is not implemented; implemented: "
                           f"{Qwen3VLVideoProcessor.TYPE}")
     return Qwen3VLVideoProcessor(config)
-
-
-def _read(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the processor config {path}: {e}") from e
-    if not isinstance(value, dict):
-        raise ConfigError(f"the processor config {path} is not a JSON object")
-    return value
 
 
 def load_video(source: str | bytes, *, allowed_media_dir=None, max_frames: int = MAX_FRAMES,
