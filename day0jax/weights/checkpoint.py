@@ -4,8 +4,9 @@
     tokenizer.json, ...  tokenizer, chat template and generation config, as HF names them
     day0jax.json         the manifest: format version, source, sha256 of sources and written files, and every
                          parameter's name, shape, dtype and group; written last: without it, not a checkpoint
-    params/NNNN/         groups of parameters as Orbax PyTree checkpoints, in the runtime's names and layout, a
-                         few hundred MB each so the converter never holds the whole model in memory
+    params/NNNN/<name>/  each parameter, in the runtime's names and layout, as an uncompressed zarr (v2) array
+                         (`.zarray` and C-order chunk files cut along the first axes: `weights/stream.py` reads
+                         them, `convert/writer.py` writes them), in groups NNNN of about 128 MB
 """
 
 from __future__ import annotations
@@ -55,37 +56,6 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{manifest_path}: format version {version} is older than this day0jax's "
                               f"({FORMAT_VERSION}); re-convert the source with `python -m convert SRC DST --force`")
     return manifest
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """{'a.b.c': x} -> {'a': {'b': {'c': x}}}: Orbax trees are nested dicts of the runtime's path parts."""
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The inverse of `nest`: {'a': {'b': {'c': x}}} -> {'a.b.c': x}."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def groups(manifest: dict[str, Any]) -> dict[int, list[str]]:
-    """The manifest's parameter names by the group that stores them, in group order."""
-    by_group: dict[int, list[str]] = {}
-    for name, p in manifest["params"].items():
-        by_group.setdefault(p["group"], []).append(name)
-    return dict(sorted(by_group.items()))
 
 
 def read_params(path: Path, names: list[str] | None = None) -> dict[str, Any]:
