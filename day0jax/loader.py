@@ -1,7 +1,8 @@
 """`day0jax.load`: a converted checkpoint -> a `Model`, with every parameter restored straight into its sharding.
 
 The model is built abstractly (shapes and logical axes, no memory), the sharding rules give each parameter a
-`NamedSharding`, and Orbax reads into those: each device reads only its slice, the host holds no replicated copy.
+`NamedSharding`, and `weights/stream.py` reads into those: each device's slice is read once, the host holds no
+replicated copy.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
 
 
 def read_checkpoint_config(path: str | Path, timeline: Timeline | None = None) -> tuple[Path, dict]:
-    """A checkpoint's absolute path (Orbax needs one) and its config.json.
+    """A checkpoint's absolute path and its config.json.
 
     Raises:
         CheckpointError: not a day0jax checkpoint (said before any complaint about its config).

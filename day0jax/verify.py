@@ -344,7 +344,7 @@ def verify(ckpt: str | Path, reference: str | Path, *, prompts: str | Path | Non
     """
     import day0jax
 
-    model = day0jax.load(Path(ckpt).absolute(), dtype=dtype)  # orbax wants absolute paths
+    model = day0jax.load(Path(ckpt).absolute(), dtype=dtype)
     token_prompts = read_prompts(Path(prompts) if prompts else None, model.tokenizer, model.config.vocab_size)
     python = reference_python or default_reference_python()
     tolerance = default_tolerance(Path(ckpt), dtype, tolerance)

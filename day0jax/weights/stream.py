@@ -1,8 +1,8 @@
 """Reading a checkpoint's parameters at storage speed, straight into their shardings.
 
 The converter writes each parameter as an uncompressed zarr (v2) array: a `.zarray` header and raw C-order chunk
-files of at most 16 MB (`convert/writer.py`). Orbax's reader decodes those through tensorstore one group at a time,
-with nothing overlapping; this module reads the chunk files itself:
+files of at most 16 MB, cut along the first axes (`convert/writer.py`; arrays chunked along other axes, as other zarr
+writers lay them out, read as well). This module reads the chunk files itself:
 
 - a pool of reader threads takes one parameter each: every chunk file it needs is read once, with one large
   sequential read, straight into the slice's buffer where the chunk's bytes are contiguous there (a slice along the
