@@ -1,7 +1,7 @@
 """What the command-line programs (serve, compile, generate) print while they work: the log and progress bars.
 
 At "info" (the default) the log shows this project's messages and every library's warnings, not the libraries' INFO
-lines (Orbax alone writes over a hundred restoring parameters); "debug" shows all, each line with its logger's name.
+lines (absl, XLA and uvicorn write dozens at start); "debug" shows all, each line with its logger's name.
 """
 
 from __future__ import annotations
