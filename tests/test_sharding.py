@@ -48,6 +48,7 @@ OVERRIDES = {
     # Linear-attention heads divisible by tp=8 too, so that their state splits on every mesh.
     "qwen3_5_moe_text": dict(num_experts=8, linear_num_key_heads=8, linear_num_value_heads=8),
     "kimi_linear": dict(num_key_value_heads=8, linear_num_heads=8),
+    "glm5_next_text": dict(num_key_value_heads=8, linear_num_heads=8),
     # Its own query heads per layer, each a multiple of 8 too.
     "laguna": dict(num_attention_heads_per_layer=[8, 16, 8]),
     "step3p7": dict(num_sliding_attention_heads=16),
@@ -83,6 +84,10 @@ def sharding_config(model_type: str) -> dict:
                         vision_config=dict(case.config["vision_config"], **VISION_OVERRIDES.get(model_type, {})))
         if case.config["text_config"]["model_type"] == model_type:  # a text model only multimodal ones test
             return dict(case.config["text_config"], num_attention_heads=8)
+    for mt, config, _ in TEST_FAMILIES.values():  # a text model the tests build from its multimodal checkpoint
+        if "text_config" in config and models.family(mt).model_types[0] == model_type:
+            return dict(config["text_config"], model_type=model_type, num_attention_heads=8,
+                        **OVERRIDES.get(model_type, {}))
     raise KeyError(f"tests/families.py has no config for model_type {model_type!r}")
 
 
