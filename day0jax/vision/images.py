@@ -140,12 +140,7 @@ def _from_url(url: str, allowed_media_dir: str | os.PathLike | None, max_pixels:
     if scheme == "data":
         return decode_image(_data_url_bytes(rest), max_pixels=max_pixels)
     if scheme == "file":
-        path = allowed_path(url, allowed_media_dir)
-        try:
-            f = open_checked(path)
-        except OSError as e:
-            raise ImageError(f"file:// URL {url[:200]!r}: cannot read the file ({e.strerror or e})") from None
-        with f:
+        with open_media_file(url, allowed_media_dir) as f:
             return decode_image(f, max_pixels=max_pixels)
     if scheme in ("http", "https"):
         raise ImageError(f"{scheme}:// image URLs are refused: day0jax never fetches from the network; send the "
@@ -170,6 +165,19 @@ def _data_url_bytes(rest: str) -> bytes:
     if not data:
         raise ImageError("the data URL holds no data")
     return data
+
+
+def open_media_file(url: str, allowed_media_dir: str | os.PathLike | None):
+    """The file a file:// URL names, open for reading, once `allowed_path` allows it (`open_checked`).
+
+    Raises:
+        ImageError: as `allowed_path`, or the file cannot be opened.
+    """
+    path = allowed_path(url, allowed_media_dir)
+    try:
+        return open_checked(path)
+    except OSError as e:
+        raise ImageError(f"file:// URL {url[:200]!r}: cannot read the file ({e.strerror or e})") from None
 
 
 def open_checked(path: str):

@@ -22,7 +22,7 @@ from PIL import Image, ImageSequence
 
 from day0jax.core.errors import ConfigError
 from day0jax.vision import resize
-from day0jax.vision.images import ImageError, _data_url_bytes, allowed_path, load_image, open_checked
+from day0jax.vision.images import ImageError, _data_url_bytes, load_image, open_media_file
 from day0jax.vision.processors import BICUBIC, BILINEAR, _read_json
 from day0jax.vision.torchvision_processors import rescale_normalize
 
@@ -269,12 +269,7 @@ def load_video(source: str | bytes, *, allowed_media_dir=None, max_frames: int =
             data = _data_url_bytes("image/" + rest.partition("/")[2] if header.lower().startswith("video/") else rest)
             return _decode(io.BytesIO(data), max_frames, max_pixels)
         if scheme == "file":
-            path = allowed_path(url, allowed_media_dir)
-            try:
-                f = open_checked(path)
-            except OSError as e:
-                raise ImageError(f"file:// URL {url[:200]!r}: cannot read the file ({e.strerror or e})") from None
-            with f:
+            with open_media_file(url, allowed_media_dir) as f:
                 return _decode(io.BytesIO(f.read()), max_frames, max_pixels)
         raise ImageError(f"unsupported video URL scheme {scheme!r}: pass a data:video/...;base64 URL or a file:// "
                          "URL (nothing is fetched from the network)")
