@@ -89,14 +89,24 @@ def _fp8_scheme(path, name: str, group: dict, fmt) -> Scheme:
             or (strategy == "block" and not (isinstance(block, list) and len(block) == 2)):
         raise CheckpointError(f"{path}: compressed-tensors format {fmt!r} with float weights {w} is not supported "
                               f"('float-quantized' 8-bit symmetric, strategy one of {', '.join(FLOAT_STRATEGIES)})")
+    _weight_only(path, name, group, " to FP8", "the FP8 weights (weight-only FP8)")
+    return Scheme(8, w.get("group_size") if strategy == "group" else None, True, False, fp8=True,
+                  block=tuple(block) if strategy == "block" else None)
+
+
+def _weight_only(path, name: str, group: dict, to: str, weights: str) -> None:
+    """Refuses quantized output activations; says that quantized input activations (quantized `to` a format) stay
+    in float, multiplied by `weights`.
+
+    Raises:
+        CheckpointError: the group quantizes output_activations.
+    """
     if group.get("output_activations"):
         raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes output_activations; day0jax "
                               "keeps weight-only quantization")
     if group.get("input_activations"):
-        log.warning("%s: the checkpoint quantizes input activations to FP8 (%s); they stay in float, multiplied by "
-                    "the FP8 weights (weight-only FP8)", path, group["input_activations"])
-    return Scheme(8, w.get("group_size") if strategy == "group" else None, True, False, fp8=True,
-                  block=tuple(block) if strategy == "block" else None)
+        log.warning("%s: the checkpoint quantizes input activations%s (%s); they stay in float, multiplied by %s",
+                    path, to, group["input_activations"], weights)
 
 
 def _nvfp4_scheme(path, name: str, group: dict) -> Scheme:
@@ -106,13 +116,8 @@ def _nvfp4_scheme(path, name: str, group: dict) -> Scheme:
             or w.get("strategy") not in ("tensor_group", "group"):
         raise CheckpointError(f"{path}: compressed-tensors 'nvfp4-pack-quantized' with weights {w} is not supported "
                               "(4-bit float, symmetric, groups of 16)")
-    if group.get("output_activations"):
-        raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes output_activations; day0jax "
-                              "keeps weight-only quantization")
-    if group.get("input_activations"):
-        log.warning("%s: the checkpoint quantizes input activations to FP4 (%s); they stay in float, multiplied by "
-                    "the NVFP4 weights (weight-only, as on hardware without FP4 arithmetic)", path,
-                    group["input_activations"])
+    _weight_only(path, name, group, " to FP4",
+                 "the NVFP4 weights (weight-only, as on hardware without FP4 arithmetic)")
     return Scheme(4, 16, True, True, fp4=True)
 
 
@@ -122,13 +127,8 @@ def _mx_scheme(path, name: str, group: dict, fmt: str) -> Scheme:
     if w.get("num_bits") != bits or w.get("group_size") != 32 or not w.get("symmetric", True):
         raise CheckpointError(f"{path}: compressed-tensors {fmt!r} with weights {w} is not supported ({bits}-bit "
                               "float, symmetric, groups of 32)")
-    if group.get("output_activations"):
-        raise CheckpointError(f"{path}: compressed-tensors group {name!r} quantizes output_activations; day0jax "
-                              "keeps weight-only quantization")
-    if group.get("input_activations"):
-        log.warning("%s: the checkpoint quantizes input activations (%s); they stay in float, multiplied by the "
-                    "MX weights (weight-only, as on hardware without FP4 or FP8 arithmetic)", path,
-                    group["input_activations"])
+    _weight_only(path, name, group, "",
+                 "the MX weights (weight-only, as on hardware without FP4 or FP8 arithmetic)")
     return Scheme(bits, 32, True, bits == 4, mx=True)
 
 
