@@ -166,6 +166,17 @@ class HyperConnected:
     def begin_carry(self, tokens: jax.Array, x: jax.Array) -> HyperCarry:
         return HyperCarry(tokens)
 
+    def hyper_layer(self, index: int, attn: nnx.Module, *, dtype, rngs: nnx.Rngs, **connection) -> HyperDecoderLayer:
+        """Decoder layer `index` around `attn`: the model's MLP (`make_mlp`) and norms, and a `HyperConnection`
+        before each of the two blocks (`connection`: its form and that form's options)."""
+        c = self.config
+        D = c.hidden_size
+        hc = lambda: HyperConnection(D, c.hc_mult, norm_eps=c.rms_norm_eps, eps=c.hc_eps, dtype=dtype,  # noqa: E731
+                                     rngs=rngs, **connection)
+        return HyperDecoderLayer(attn, self.make_mlp(index, dtype=dtype, rngs=rngs),
+                                 self.make_norm(D, dtype=dtype, rngs=rngs), self.make_norm(D, dtype=dtype, rngs=rngs),
+                                 hc(), hc())
+
     def final_norm(self, x: jax.Array) -> jax.Array:
         return self.model.norm(self.model.hc_head(x))
 

@@ -18,7 +18,7 @@ from day0jax.core.cache_layout import CompressedKV, KVLayer, StateLayer
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.compressed_attention import CompressedAttention, Compressor, Indexer
-from day0jax.layers.hyper import HyperConnected, HyperConnection, HyperDecoderLayer
+from day0jax.layers.hyper import HyperConnected, HyperDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import SCORES, Experts, HashRouter, MoE, Router, clipped_swiglu
 from day0jax.layers.rope import Rope, rope_parameters
@@ -206,11 +206,7 @@ class Model(HyperConnected, CausalLM):
                                    window=c.sliding_window, rope=self.rope if kind == SLIDING else self.compress,
                                    compress_rope=self.compress, eps=c.rms_norm_eps, compressor=compressor, dtype=dtype,
                                    rngs=rngs)
-        hc = lambda: HyperConnection(D, c.hc_mult, form="mhc", norm_eps=c.rms_norm_eps, eps=c.hc_eps,  # noqa: E731
-                                     sinkhorn_iters=c.hc_sinkhorn_iters, dtype=dtype, rngs=rngs)
-        return HyperDecoderLayer(attn, self.make_mlp(index, dtype=dtype, rngs=rngs),
-                                 self.make_norm(D, dtype=dtype, rngs=rngs), self.make_norm(D, dtype=dtype, rngs=rngs),
-                                 hc(), hc())
+        return self.hyper_layer(index, attn, dtype=dtype, rngs=rngs, form="mhc", sinkhorn_iters=c.hc_sinkhorn_iters)
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> MoE:
         c = self.config

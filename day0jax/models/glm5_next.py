@@ -21,7 +21,7 @@ from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.block_sparse_attention import PooledIndexer, PooledSparseMLAttention
 from day0jax.layers.gated_delta_net import KimiDeltaAttention
-from day0jax.layers.hyper import HyperConnected, HyperConnection, HyperDecoderLayer
+from day0jax.layers.hyper import HyperConnected, HyperDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, clipped_swiglu
 from day0jax.models.base import CausalLM, HFConfig, in_language_model, per_expert_source, vision_dropped
@@ -246,14 +246,8 @@ class Model(HyperConnected, CausalLM):
                    shared_name="shared_experts")
 
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> HyperDecoderLayer:
-        c = self.config
-        D = c.hidden_size
-        hc = lambda: HyperConnection(D, c.hc_mult, form="mhc", norm_eps=c.rms_norm_eps, eps=c.hc_eps,  # noqa: E731
-                                     sinkhorn_iters=c.hc_sinkhorn_iters, dtype=dtype, rngs=rngs)
-        return HyperDecoderLayer(self.make_attention(index, dtype=dtype, rngs=rngs),
-                                 self.make_mlp(index, dtype=dtype, rngs=rngs),
-                                 self.make_norm(D, dtype=dtype, rngs=rngs), self.make_norm(D, dtype=dtype, rngs=rngs),
-                                 hc(), hc())
+        return self.hyper_layer(index, self.make_attention(index, dtype=dtype, rngs=rngs), dtype=dtype, rngs=rngs,
+                                form="mhc", sinkhorn_iters=self.config.hc_sinkhorn_iters)
 
     def cache_layout(self) -> list[KVLayer | StateLayer]:
         # Indexed layers cache the latent as one shared "head" (also the value); a full indexer adds, per token,

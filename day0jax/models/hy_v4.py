@@ -17,7 +17,7 @@ from flax import nnx
 from day0jax.core.cache_layout import KVLayer
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
-from day0jax.layers.hyper import HyperConnected, HyperConnection, HyperDecoderLayer
+from day0jax.layers.hyper import HyperConnected, HyperDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, clipped_swiglu
 from day0jax.layers.sparse_mla import Indexer, SparseMLAttention
@@ -164,14 +164,8 @@ class Model(HyperConnected, CausalLM):
                    shared_name="shared_experts")
 
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> HyperDecoderLayer:
-        c = self.config
-        D = c.hidden_size
-        hc = lambda: HyperConnection(D, c.hc_mult, form="plain", norm_eps=c.rms_norm_eps, eps=c.hc_eps,  # noqa: E731
-                                     post_scale=c.hc_magnitude, dtype=dtype, rngs=rngs)
-        return HyperDecoderLayer(self.make_attention(index, dtype=dtype, rngs=rngs),
-                                 self.make_mlp(index, dtype=dtype, rngs=rngs),
-                                 self.make_norm(D, dtype=dtype, rngs=rngs), self.make_norm(D, dtype=dtype, rngs=rngs),
-                                 hc(), hc())
+        return self.hyper_layer(index, self.make_attention(index, dtype=dtype, rngs=rngs), dtype=dtype, rngs=rngs,
+                                form="plain", post_scale=self.config.hc_magnitude)
 
     def cache_layout(self) -> list[KVLayer]:
         # One shared "head": [normed latent ; roped key], also the value (layers/mla.py); full layers add index keys.
