@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -207,8 +208,10 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
 
     # Once a group's worth is on disk the source pages are released, so resident memory stays near the writer's
     # pending bytes whatever the model's size; source hashes are computed on the side meanwhile (hashlib releases
-    # the GIL).
-    with concurrent.futures.ThreadPoolExecutor(1) as hasher, \
+    # the GIL), by half the cores (the other half writes): sha256 runs at about 1 GB/s per core, and a trillion-
+    # parameter release is a thousand GB of shards.
+    hash_threads = max(1, min(len(source.source_files()), (os.cpu_count() or 2) // 2))
+    with concurrent.futures.ThreadPoolExecutor(hash_threads) as hasher, \
             CheckpointWriter(Path(dst), force=force, on_saved=source.release,
                              workers=options.workers) as writer:
         hashes = {p.name: hasher.submit(sha256_file, p) for p in source.source_files()}

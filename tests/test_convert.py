@@ -26,6 +26,7 @@ from convert.convert import Options, plan_sources
 from convert.sources import open_source
 from convert.verify import verify_checkpoint
 from day0jax import models
+from day0jax.core.errors import CheckpointError
 from day0jax.weights import checkpoint
 from families import FAMILIES, PROMPTS
 
@@ -120,10 +121,33 @@ def test_verify_detects_modified_and_missing_files(converted, tmp_path):
     (dst / "tokenizer_config.json").unlink(missing_ok=True)
     (dst / "config.json").unlink()
     problems = verify_checkpoint(dst)
-    assert any(str(victim) in p and "sha256" in p for p in problems)
+    assert any(str(victim) in p and "blake3 digest differs" in p for p in problems)
     assert any("config.json: missing" in p for p in problems)
     cli = subprocess.run([sys.executable, "-m", "convert", "--verify", str(dst)], capture_output=True, text=True)
-    assert cli.returncode == 1 and "sha256" in cli.stderr
+    assert cli.returncode == 1 and "blake3 digest differs" in cli.stderr
+
+
+def test_verify_reads_the_digest_the_manifest_names(converted, tmp_path):
+    """Manifests written before `file_hash` existed list sha256 digests and still verify; a digest this version does
+    not know is refused by name, never reported as damage."""
+    from convert.writer import file_digest
+
+    dst = tmp_path / "copy"
+    shutil.copytree(converted["llama"], dst)
+    manifest_path = dst / checkpoint.MANIFEST
+    m = json.loads(manifest_path.read_text())
+    assert m["file_hash"] == "blake3"
+    m.pop("file_hash")
+    m["files"] = {rel: file_digest(dst / rel, "sha256") for rel in m["files"]}
+    manifest_path.write_text(json.dumps(m))
+    assert verify_checkpoint(dst) == []
+    m["files"]["config.json"] = "0" * 64
+    manifest_path.write_text(json.dumps(m))
+    assert verify_checkpoint(dst) == [f"{dst / 'config.json'}: sha256 digest differs from the manifest "
+                                      "(modified or corrupt)"]
+    manifest_path.write_text(json.dumps(dict(m, file_hash="md5")))
+    with pytest.raises(CheckpointError, match="file_hash 'md5' is not one this version checks"):
+        verify_checkpoint(dst)
 
 
 def test_transformers4_style_config_converts_to_the_same_model(tiny, tmp_path):
@@ -156,7 +180,6 @@ def test_fp8_block_scaled_weights_are_dequantized_on_request(refs, tmp_path):
 
 def test_fp8_blocks_that_straddle_a_weights_inputs_are_refused_by_name(refs, tmp_path):
     """Blocks of 48 columns over 64 inputs: not kept quantized, and never silently dequantized."""
-    from day0jax.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError,
                        match=r"FP8 tensor .model\.layers\.0\.\w+\.\w+_proj\.weight.*blocks of 48.*--dequantize"):
@@ -262,7 +285,6 @@ def test_gguf_sentencepiece_tokenizer_matches_transformers(refs, gguf_ckpt):
 
 
 def test_existing_destination_needs_force(converted, tiny, tmp_path):
-    from day0jax.core.errors import CheckpointError
 
     dst = tmp_path / "ck"
     convert_checkpoint(tiny["llama"]["hf"], dst, progress=False)
@@ -312,7 +334,6 @@ def test_deepseek_multi_token_prediction_layers_are_dropped_by_config(tiny, tmp_
     from safetensors.numpy import save_file
 
     from convert.convert import Options
-    from day0jax.core.errors import CheckpointError
 
     src = tmp_path / "src"
     shutil.copytree(tiny["deepseek_v3"]["hf"], src)
