@@ -115,17 +115,19 @@ def sequential_write(folder: Path, nbytes: int = 1 << 30) -> float:
     return nbytes / 1e6 / seconds
 
 
-def convert_child(src: Path, dst: Path) -> tuple[float, int]:
-    """Seconds and peak RSS (bytes) of `python -m convert src dst` in a child process."""
+def convert_child(src: Path, dst: Path) -> tuple[float, int, str]:
+    """Seconds, peak RSS (bytes) and the summary line (with where the time went) of `python -m convert src dst` in a
+    child process."""
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "convert", "--quiet", str(src), str(dst)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL)
+                             stdout=subprocess.PIPE, text=True)
+    summary = child.stdout.read().strip()  # the one line it prints at the end
     _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage, not the max over all children
     seconds = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"conversion failed with status {os.waitstatus_to_exitcode(status)}")
-    return seconds, usage.ru_maxrss * 1024
+    return seconds, usage.ru_maxrss * 1024, summary
 
 
 def main() -> None:
@@ -148,7 +150,7 @@ def main() -> None:
         reads.append(total / 1e6 / seconds)
         writes.append(sequential_write(args.workdir))
         drop_caches()
-        seconds, peak = convert_child(src, dst)
+        seconds, peak, _ = convert_child(src, dst)
         converts.append(size / 1e6 / seconds)
         peaks.append(peak)
     read, write, conv = statistics.median(reads), statistics.median(writes), statistics.median(converts)

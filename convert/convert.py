@@ -9,7 +9,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
@@ -40,12 +40,16 @@ class Summary:
     bytes_in: int
     bytes_out: int
     seconds: float
+    # Where the time went (seconds; the threads overlap each other and the wall time): the caller reading and
+    # building tensors, the caller waiting for the writers, the writers' copy / fsync / digest, the source hashing.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         mb_s = self.bytes_in / 1e6 / max(self.seconds, 1e-9)
+        phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.phases.items())
         return (f"converted {self.tensors} tensors ({self.parameters / 1e6:.1f}M parameters) into {self.dst}: "
                 f"{self.bytes_in / 1e6:.1f} MB in, {self.bytes_out / 1e6:.1f} MB out, "
-                f"{self.seconds:.1f} s, {mb_s:.0f} MB/s")
+                f"{self.seconds:.2f} s, {mb_s:.0f} MB/s" + (f" (threads: {phases})" if phases else ""))
 
 
 def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
@@ -214,11 +218,13 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     with concurrent.futures.ThreadPoolExecutor(hash_threads) as hasher, \
             CheckpointWriter(Path(dst), force=force, on_saved=source.release,
                              workers=options.workers) as writer:
-        hashes = {p.name: hasher.submit(sha256_file, p) for p in source.source_files()}
+        hashes = {p.name: hasher.submit(_timed, sha256_file, p) for p in source.source_files()}
         bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)
         n_params, mtp_params = 0, 0
+        building = 0.0
         for info in plan.infos:
+            t0 = time.perf_counter()
             s = plan.sources[info.path]
             if info.path.startswith(models.MTP_PREFIX) and not mtp_params:
                 writer.flush()  # the main model's last group ends here
@@ -235,6 +241,8 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
                 if array.shape != plan.stored[path].shape:  # a family's combine is wrong: a bug, never write it
                     raise CheckpointError(f"parameter {path}: built shape {array.shape}, expected "
                                           f"{plan.stored[path].shape}")
+            building += time.perf_counter() - t0
+            for path, array in arrays.items():
                 writer.add(path, array)
             n_params += math.prod(info.shape)
             bar.update(sum(source.tensor_nbytes(n) for n in s.names))
@@ -245,7 +253,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         manifest = {
             "converter_version": CONVERTER_VERSION,
             "source": {"kind": source.kind, "path": str(Path(src).absolute()),
-                       "sha256": {k: f.result() for k, f in hashes.items()}},
+                       "sha256": {k: f.result()[0] for k, f in hashes.items()}},
             "dtype": plan.dtype,
             "model_type": plan.config.model_type,
             "tokenizer_files": tokenizer_files,
@@ -255,4 +263,14 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         if plan.mtp:
             manifest["parts"] = {"mtp": {"prefix": models.MTP_PREFIX, "parameters": mtp_params}}
         writer.commit(manifest)
-    return Summary(Path(dst), n_params, len(plan.infos), total_in, writer.bytes_written, time.perf_counter() - start)
+    t = writer.timings
+    phases = {"read and build": building, "wait for writers": t.waited, "write": t.write, "fsync": t.sync,
+              "digest": t.digest, "source sha256": sum(f.result()[1] for f in hashes.values())}
+    return Summary(Path(dst), n_params, len(plan.infos), total_in, writer.bytes_written, time.perf_counter() - start,
+                   phases)
+
+
+def _timed(fn, *args):
+    """(fn(*args), the seconds it took)."""
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0

@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -90,6 +91,22 @@ def sha256_file(path: Path) -> str:
     return file_digest(path, "sha256")
 
 
+class WriteTimings:
+    """Seconds the writer threads spent, summed over the threads (they overlap each other and the caller): copying
+    into the page cache (`write`; for a memory-mapped source this includes reading it), waiting for the disk
+    (`sync`), digesting (`digest`); and the caller's seconds waiting for them to take more (`waited`)."""
+
+    def __init__(self):
+        self.write = self.sync = self.digest = self.waited = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, write: float, sync: float, digest: float) -> None:
+        with self._lock:
+            self.write += write
+            self.sync += sync
+            self.digest += digest
+
+
 class CheckpointWriter:
     """Context manager: `add(path, array)` streams parameters; `commit(...)` finishes atomically.
 
@@ -133,6 +150,7 @@ class CheckpointWriter:
                                                            thread_name_prefix="day0jax-write")
         self._writes: list[concurrent.futures.Future] = []
         self._cond = threading.Condition()
+        self.timings = WriteTimings()
         self._pending = 0  # bytes handed to the workers, not yet written
         self._since_saved = 0
         self._error: BaseException | None = None
@@ -158,9 +176,11 @@ class CheckpointWriter:
         group = self.groups - 1
         self._group_bytes += array.nbytes
         self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "group": group}
+        t0 = time.perf_counter()
         with self._cond:
             self._cond.wait_for(lambda: self._error is not None or self._pending == 0
                                 or self._pending + array.nbytes <= PENDING_BYTES)
+            self.timings.waited += time.perf_counter() - t0
             self._raise_failure()
             self._pending += array.nbytes
         self._writes.append(self._pool.submit(self._write, self.tmp / checkpoint.group_dir(group) / path, array))
@@ -224,16 +244,20 @@ class CheckpointWriter:
         if saved:
             self.on_saved()
 
-    @staticmethod
-    def _write_file(path: Path, data) -> str:
+    def _write_file(self, path: Path, data) -> str:
         """Writes `data` to a new file durably (fsync) and returns its `FILE_HASH` digest."""
+        t0 = time.perf_counter()
         with open(path, "xb", buffering=0) as f:
             view = memoryview(data).cast("B")
             done = 0
             while done < len(view):
                 done += f.write(view[done:])
+            t1 = time.perf_counter()
             os.fsync(f.fileno())
-        return HASHES[FILE_HASH](data).hexdigest()
+        t2 = time.perf_counter()
+        digest = HASHES[FILE_HASH](data).hexdigest()
+        self.timings.add(write=t1 - t0, sync=t2 - t1, digest=time.perf_counter() - t2)
+        return digest
 
     def write_json(self, name: str, data: Any) -> None:
         (self.tmp / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

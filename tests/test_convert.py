@@ -301,6 +301,9 @@ def test_cli_prints_progress_and_summary(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "converting llama" in proc.stderr and "100%" in proc.stderr  # the tqdm bar over bytes
     assert "M parameters" in proc.stdout and "MB/s" in proc.stdout and "MB in" in proc.stdout
+    # Where the time went, phase by phase.
+    phases = dict(re.findall(r"([a-z][a-z0-9 ]*) ([0-9.]+)s", proc.stdout.split("(threads: ")[1]))
+    assert set(phases) == {"read and build", "wait for writers", "write", "fsync", "digest", "source sha256"}
 
 
 def test_sigkill_midway_leaves_no_destination(tiny, tmp_path):
