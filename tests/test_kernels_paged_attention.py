@@ -15,7 +15,7 @@ import pytest
 
 from conftest import needs_hopper
 from kernels_pallas import cases, registry, selftest
-from kernels_pallas.paged_attention import api, pallas_mgpu, reference, xla_blocks
+from kernels_pallas.paged_attention import api, fp8, pallas_mgpu, reference, xla_blocks
 
 CASES = {
     # 2 rows of very different lengths over 16-token pages: 4 pages per key block, splits with no work.
@@ -306,6 +306,30 @@ def test_cpu_kernel_declines_what_it_does_not_take():
         with pytest.raises(registry.KernelUnavailable, match="mesh of 2 devices"):
             api.paged_attention(*args, implementation="cpu_ffi")
     np.testing.assert_allclose(api.paged_attention(*half), reference.paged_attention(*half), rtol=1e-3, atol=1e-3)
+
+
+def fp8_pages(args: tuple) -> tuple:
+    """The inputs with the key and value pools as fp8 pages (`fp8.QuantPages`)."""
+    q, k_pages, v_pages, *rest = args
+    return (q, fp8.QuantPages(*fp8.quantize(k_pages)), fp8.QuantPages(*fp8.quantize(v_pages)), *rest)
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_CASES))
+def test_fp8_pages_decode_in_the_cpu_kernel_and_in_key_blocks_as_the_reference(name):
+    """fp8 pages read by the CPU kernel (scales applied per key) and by the key-block loop (one block dequantized at
+    a time) give the reference's attention over the same dequantized pages, within float32 summation order; the
+    kernel serves fp8 decode steps."""
+    case = cases.Case("paged_attention", name, "float32", DECODE_CASES[name])
+    args, kwargs = case.build(40 + sorted(DECODE_CASES).index(name))
+    for implementation, table_pages in (("cpu_ffi", 2 * args[3].shape[1] + 3),
+                                        ("xla_blocks", 2 * xla_blocks.DECODE_BLOCK_PAGES + 3)):
+        wide = fp8_pages(widened(args, table_pages))
+        got = selftest.run(functools.partial(api.paged_attention, implementation=implementation), wide, kwargs)
+        want = selftest.run(reference.paged_attention, wide, kwargs)
+        err = cases.max_relative_error(got, want)
+        assert err <= DECODE_TOLERANCE, f"{implementation} on fp8 pages, {name}: max relative error {err}"
+    if jax.default_backend() == "cpu":
+        assert registry.chosen("paged_attention", *fp8_pages(args), **kwargs) == "cpu_ffi"
 
 
 def test_decode_steps_take_the_cpu_kernel():
