@@ -107,6 +107,16 @@ def test_declines_chunked_attention_and_falls_back():
     assert cases.max_relative_error(got, want) <= cases.TOLERANCE["bfloat16"]
 
 
+def test_declines_fp8_pages():
+    """The Mosaic kernel does not read fp8 pages (`fp8.QuantPages`, even ones read back as bfloat16): it declines
+    them by name, and the key-block loop or the reference serves them."""
+    q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
+    k_pages, v_pages = (fp8.QuantPages(*fp8.quantize(jnp.ones((3, 16, 1, 64))), "bfloat16") for _ in range(2))
+    tables, lengths, pos = jnp.array([[1, 2]]), jnp.array([20]), jnp.array([[19]])
+    with pytest.raises(registry.KernelUnavailable, match="fp8"):
+        api.paged_attention(q, k_pages, v_pages, tables, lengths, pos, implementation="mosaic_gpu_interpret")
+
+
 def test_declines_mla_pools_and_falls_back():
     q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
     k_pages, v_pages = jnp.ones((3, 16, 1, 64), jnp.bfloat16), jnp.ones((3, 16, 1, 128), jnp.bfloat16)
