@@ -117,6 +117,17 @@ def test_declines_fp8_pages():
         api.paged_attention(q, k_pages, v_pages, tables, lengths, pos, implementation="mosaic_gpu_interpret")
 
 
+def test_fp8_decode_lowers_for_cuda_through_the_key_blocks():
+    """A GPU's fp8 decode step (the Mosaic kernel declines it) over 200 pages: the key-block loop lowers for cuda."""
+    B, N, K, H, page, W = 2, 8, 2, 128, 16, 200
+    pages = fp8.QuantPages(jax.ShapeDtypeStruct((B * W + 1, page, K, H), jnp.float8_e4m3fn),
+                           jax.ShapeDtypeStruct((B * W + 1, page, K), jnp.float32), "bfloat16")
+    args = (jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16), pages, pages, jax.ShapeDtypeStruct((B, W), jnp.int32),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, 1), jnp.int32))
+    blocks = jax.jit(functools.partial(api.paged_attention, implementation="xla_blocks"))
+    assert "stablehlo.while" in jax.export.export(blocks, platforms=("cuda",))(*args).mlir_module()
+
+
 def test_declines_mla_pools_and_falls_back():
     q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
     k_pages, v_pages = jnp.ones((3, 16, 1, 64), jnp.bfloat16), jnp.ones((3, 16, 1, 128), jnp.bfloat16)
