@@ -723,6 +723,9 @@ def render(report: Report) -> str:
     if report.memory and not report.cluster:
         m = report.memory
         out += ["", f"memory per device ({m['visible_devices']} device(s) visible): {m['summary']}"]
+        if m.get("kv_dtype"):
+            scales = " with a float32 scale per token and kv head" if m["kv_dtype"].startswith("float8") else ""
+            out += [f"KV cache dtype: {m['kv_dtype']}{scales} (--kv-cache-dtype)"]
         out += [f"  note: {n}" for n in m.get("notes", ())]
     if report.cluster:
         out += _render_cluster(report)

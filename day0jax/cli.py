@@ -64,6 +64,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "encoded again (vision-language models; 0: off)")
     g.add_argument("--no-window-kv", action="store_true",
                    help="sliding-window layers keep every page, not only their window's (keeps prefix caching on)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="KV cache storage: 'auto' the model's dtype; 'fp8' float8_e4m3fn with a float32 scale per "
+                        "token and kv head, about half of bfloat16's memory (twice the context)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative", choices=["mtp", "ngram", "draft"],
                    help="draft tokens and verify them in one step: 'mtp' the model's multi-token-prediction layers, "
@@ -100,7 +103,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         kv_cache_tokens=args.kv_cache_tokens, max_waiting=args.max_waiting, chunk_buckets=chunks,
                         min_width=args.min_width, prefix_caching=not args.no_prefix_caching,
                         window_kv=not args.no_window_kv, speculative=speculative_config_from_args(args),
-                        image_cache_mb=args.image_cache_mb)
+                        image_cache_mb=args.image_cache_mb, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def speculative_config_from_args(args: argparse.Namespace):

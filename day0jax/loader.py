@@ -24,6 +24,7 @@ from day0jax.core.cache_layout import layer_windows
 from day0jax.core.errors import CheckpointError, MeshError
 from day0jax.core.hf_config import read_config_json
 from day0jax.engine.config import EngineConfig, EngineLayout
+from day0jax.engine.paged_cache import kv_cache_refusal
 from day0jax.layers.quantized import specs_from_config
 from day0jax.layers.rope import context_length as model_context_length
 from day0jax.model import Model
@@ -278,6 +279,7 @@ class EnginePlanInputs:
         full_context = model_context_length(config.rope, config.max_position_embeddings)
         windows = layer_windows(abstract.cache_layout())
         layout = engine.layout(full_context, windows)
+        kv_cache_refusal(abstract.cache_layout(), config.model_type, engine.kv_cache_dtype)
         return cls(layout, plan_lib.ModelShape.from_model(abstract, models.param_infos(abstract), full_context), layout.workload(),
                    lambda n: dataclasses.replace(engine, max_model_len=n).layout(full_context, windows).workload())
 

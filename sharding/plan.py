@@ -24,6 +24,7 @@ GiB = 1 << 30
 # Share of a device's free memory the plan may use: XLA needs room for compiled programs, fragmentation and
 # transfers beyond what the planner counts. Not applied to an explicit budget.
 HEADROOM = 0.9
+FP8_SCALE_BYTES = 4  # an fp8 pool's float32 scale, one per token, kv head and pool (keys, values)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class Workload:
     window_slots: tuple[tuple[int, int], ...] = ()
     # Token slots per page: compressed entries are kept per page of the pool (`CompressedKV.per_page`).
     page_size: int = 16
+    # "auto": keys and values in the plan's dtype; "fp8": one byte each, plus a float32 scale per token and kv head
+    # (FP8_SCALE_BYTES).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ class Plan:
     mesh: str  # as a SPEC, 'dp=2,tp=4'
     sizes: dict[str, int]
     devices: int
-    dtype: str  # of parameters and cache
+    dtype: str  # of parameters and compute (and of the KV cache unless `kv_dtype` says otherwise)
     kv_slots: int
     max_num_seqs: int
     max_model_len: int
@@ -123,6 +127,7 @@ class Plan:
     # With pipeline stages (pp > 1): each stage's layers as (first, end); the per-device figures are the fullest
     # stage's.
     stages: tuple[tuple[int, int], ...] = ()
+    kv_dtype: str = ""  # what the KV pages hold: the dtype's name, or float8_e4m3fn (+ float32 scales)
 
     @property
     def total_bytes(self) -> int:
@@ -138,7 +143,8 @@ class Plan:
             f"{fmt_bytes(self.available_bytes)} available"
         rows, tokens, span = self.largest_program
         return (f"{self.mesh}: {fmt_bytes(self.total_bytes)} per device (params {fmt_bytes(self.params_bytes)}, "
-                f"KV cache {fmt_bytes(self.kv_cache_bytes)} for {self.kv_slots} token slots, "
+                f"KV cache {fmt_bytes(self.kv_cache_bytes)} ({self.kv_dtype or self.dtype}) for {self.kv_slots} token "
+                "slots, "
                 + (f"per-sequence state {fmt_bytes(self.state_bytes)} for {self.state_slots} sequence slots, "
                    if self.state_bytes else "") +
                 f"activations {fmt_bytes(self.activation_bytes)} for the largest program, {rows} x {tokens} "
@@ -179,11 +185,14 @@ def params_bytes(shape: ModelShape, sizes: dict[str, int], dtype: Any) -> int:
 
 
 def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int], kv_slots: int, dtype: Any,
-                   window_slots: dict[int, int] | None = None, page_size: int = 16) -> int:
+                   window_slots: dict[int, int] | None = None, page_size: int = 16,
+                   kv_cache_dtype: str = "auto") -> int:
     """Bytes of one layer's KV page pool on one device: `kv_slots` token slots, or for a sliding-window layer its
     window's (`window_slots`: window -> token slots, where the engine keeps only the window); 0 for a state layer
     (its `kv` part's for one that also attends, and its compressed entries', one page of them per page of
-    `page_size` slots, never split) or one that keeps nothing (None)."""
+    `page_size` slots, never split) or one that keeps nothing (None). With `kv_cache_dtype` "fp8", keys and values
+    take a byte each and a float32 scale per token and kv head (indexer keys and compressed entries, which fp8
+    does not cover, stay in `dtype`)."""
     item = jnp.dtype(dtype).itemsize
     if isinstance(layer, KVLayer) and layer.window and window_slots and layer.window in window_slots:
         kv_slots = window_slots[layer.window]
@@ -192,10 +201,12 @@ def layer_kv_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, int]
     if isinstance(layer, StateLayer) and layer.kv is not None:
         c = layer.compressed
         entries = 0 if c is None else c.entries(kv_slots, page_size) * (c.dim + c.index_dim) * item
-        return entries + layer_kv_bytes(layer.kv, sizes, kv_slots, dtype, window_slots)
+        return entries + layer_kv_bytes(layer.kv, sizes, kv_slots, dtype, window_slots, page_size, kv_cache_dtype)
     if layer is None or isinstance(layer, StateLayer):
         return 0
     _, _, k, _ = shard_shape(KV_POOL, (1, kv_slots, layer.kv_heads, 1), sizes)
+    if kv_cache_dtype == "fp8":
+        return kv_slots * (k * (layer.k_dim + layer.v_dim + 2 * FP8_SCALE_BYTES) + layer.index_dim * item)
     return kv_slots * (k * (layer.k_dim + layer.v_dim) + layer.index_dim) * item
 
 
@@ -208,10 +219,11 @@ def layer_state_bytes(layer: KVLayer | SharedKV | StateLayer, sizes: dict[str, i
 
 
 def kv_cache_bytes(shape: ModelShape, sizes: dict[str, int], kv_slots: int, dtype: Any,
-                   window_slots: dict[int, int] | None = None, page_size: int = 16) -> int:
-    """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer (sliding-window layers and
-    compressed entries: see `layer_kv_bytes`)."""
-    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype, window_slots, page_size)
+                   window_slots: dict[int, int] | None = None, page_size: int = 16,
+                   kv_cache_dtype: str = "auto") -> int:
+    """Bytes of the KV page pool one device holds: `kv_slots` token slots per layer (sliding-window layers,
+    compressed entries and fp8: see `layer_kv_bytes`)."""
+    return sum(layer_kv_bytes(x, sizes, kv_slots, dtype, window_slots, page_size, kv_cache_dtype)
                for x in shape.cache_layout + shape.mtp_cache_layout)
 
 
@@ -229,8 +241,8 @@ def stage_split(shape: ModelShape, sizes: dict[str, int], workload: Workload, dt
     from sharding.pipeline import param_bytes, plan_stages
 
     inner = {a: n for a, n in sizes.items() if a != "pp"}
-    kv = [layer_kv_bytes(x, inner, workload.kv_slots, dtype, dict(workload.window_slots), workload.page_size)
-          for x in shape.cache_layout]
+    kv = [layer_kv_bytes(x, inner, workload.kv_slots, dtype, dict(workload.window_slots), workload.page_size,
+                         workload.kv_cache_dtype) for x in shape.cache_layout]
     state = [layer_state_bytes(x, inner, workload.state_slots) for x in shape.cache_layout]
     layers = len(shape.cache_layout)
     if sizes["pp"] > layers:
@@ -348,7 +360,8 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
         ranges = tuple((r.start, r.stop) for r in stages.ranges)
     else:
         params = params_bytes(shape, sizes, dtype)
-        kv = kv_cache_bytes(shape, sizes, workload.kv_slots, dtype, dict(workload.window_slots), workload.page_size)
+        kv = kv_cache_bytes(shape, sizes, workload.kv_slots, dtype, dict(workload.window_slots), workload.page_size,
+                            workload.kv_cache_dtype)
         state, ranges = state_bytes(shape, sizes, workload.state_slots), ()
     return Plan(mesh=mesh_lib.format_spec(sizes), sizes=sizes, devices=math.prod(sizes.values()),
                 dtype=str(dtype), kv_slots=workload.kv_slots, max_num_seqs=workload.max_num_seqs,
@@ -356,7 +369,7 @@ def plan(shape: ModelShape, mesh: Any, workload: Workload, *, dtype: Any = "floa
                 kv_cache_bytes=kv, activation_bytes=activations,
                 model_bytes=sum(math.prod(p.shape) * param_itemsize(p, dtype) for p in shape.params),
                 available_bytes=available, notes=tuple(notes), state_bytes=state, state_slots=workload.state_slots,
-                stages=ranges)
+                stages=ranges, kv_dtype="float8_e4m3fn" if workload.kv_cache_dtype == "fp8" else str(dtype))
 
 
 def largest_context(shape: ModelShape, mesh: Any, workload_for: Callable[[int], Workload], *, dtype: Any,

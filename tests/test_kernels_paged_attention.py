@@ -15,7 +15,7 @@ import pytest
 
 from conftest import needs_hopper
 from kernels_pallas import cases, registry, selftest
-from kernels_pallas.paged_attention import api, pallas_mgpu, reference, xla_blocks
+from kernels_pallas.paged_attention import api, fp8, pallas_mgpu, reference, xla_blocks
 
 CASES = {
     # 2 rows of very different lengths over 16-token pages: 4 pages per key block, splits with no work.
@@ -105,6 +105,27 @@ def test_declines_chunked_attention_and_falls_back():
     got = selftest.run(api.paged_attention, args, kwargs)
     want = selftest.run(reference.paged_attention, cases.upcast(args), kwargs)
     assert cases.max_relative_error(got, want) <= cases.TOLERANCE["bfloat16"]
+
+
+def test_declines_fp8_pages():
+    """The Mosaic kernel does not read fp8 pages (`fp8.QuantPages`, even ones read back as bfloat16): it declines
+    them by name, and the key-block loop or the reference serves them."""
+    q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
+    k_pages, v_pages = (fp8.QuantPages(*fp8.quantize(jnp.ones((3, 16, 1, 64))), "bfloat16") for _ in range(2))
+    tables, lengths, pos = jnp.array([[1, 2]]), jnp.array([20]), jnp.array([[19]])
+    with pytest.raises(registry.KernelUnavailable, match="fp8"):
+        api.paged_attention(q, k_pages, v_pages, tables, lengths, pos, implementation="mosaic_gpu_interpret")
+
+
+def test_fp8_decode_lowers_for_cuda_through_the_key_blocks():
+    """A GPU's fp8 decode step (the Mosaic kernel declines it) over 200 pages: the key-block loop lowers for cuda."""
+    B, N, K, H, page, W = 2, 8, 2, 128, 16, 200
+    pages = fp8.QuantPages(jax.ShapeDtypeStruct((B * W + 1, page, K, H), jnp.float8_e4m3fn),
+                           jax.ShapeDtypeStruct((B * W + 1, page, K), jnp.float32), "bfloat16")
+    args = (jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16), pages, pages, jax.ShapeDtypeStruct((B, W), jnp.int32),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, 1), jnp.int32))
+    blocks = jax.jit(functools.partial(api.paged_attention, implementation="xla_blocks"))
+    assert "stablehlo.while" in jax.export.export(blocks, platforms=("cuda",))(*args).mlir_module()
 
 
 def test_declines_mla_pools_and_falls_back():
@@ -306,6 +327,30 @@ def test_cpu_kernel_declines_what_it_does_not_take():
         with pytest.raises(registry.KernelUnavailable, match="mesh of 2 devices"):
             api.paged_attention(*args, implementation="cpu_ffi")
     np.testing.assert_allclose(api.paged_attention(*half), reference.paged_attention(*half), rtol=1e-3, atol=1e-3)
+
+
+def fp8_pages(args: tuple) -> tuple:
+    """The inputs with the key and value pools as fp8 pages (`fp8.QuantPages`)."""
+    q, k_pages, v_pages, *rest = args
+    return (q, fp8.QuantPages(*fp8.quantize(k_pages)), fp8.QuantPages(*fp8.quantize(v_pages)), *rest)
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_CASES))
+def test_fp8_pages_decode_in_the_cpu_kernel_and_in_key_blocks_as_the_reference(name):
+    """fp8 pages read by the CPU kernel (scales applied per key) and by the key-block loop (one block dequantized at
+    a time) give the reference's attention over the same dequantized pages, within float32 summation order; the
+    kernel serves fp8 decode steps."""
+    case = cases.Case("paged_attention", name, "float32", DECODE_CASES[name])
+    args, kwargs = case.build(40 + sorted(DECODE_CASES).index(name))
+    for implementation, table_pages in (("cpu_ffi", 2 * args[3].shape[1] + 3),
+                                        ("xla_blocks", 2 * xla_blocks.DECODE_BLOCK_PAGES + 3)):
+        wide = fp8_pages(widened(args, table_pages))
+        got = selftest.run(functools.partial(api.paged_attention, implementation=implementation), wide, kwargs)
+        want = selftest.run(reference.paged_attention, wide, kwargs)
+        err = cases.max_relative_error(got, want)
+        assert err <= DECODE_TOLERANCE, f"{implementation} on fp8 pages, {name}: max relative error {err}"
+    if jax.default_backend() == "cpu":
+        assert registry.chosen("paged_attention", *fp8_pages(args), **kwargs) == "cpu_ffi"
 
 
 def test_decode_steps_take_the_cpu_kernel():

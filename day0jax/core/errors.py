@@ -31,3 +31,16 @@ class OutOfMemoryPlan(Day0Error):
 
 class GenerationError(Day0Error):
     """A generation request is invalid (prompt too long, max_new_tokens below 1, ...)."""
+
+
+class UnsupportedKVCache(Day0Error):
+    """A KV cache dtype (`kv_cache_dtype`) is not implemented for a kind of cache this model's layers keep.
+
+    Attributes:
+        kind: the cache kind ("indexer keys", "compressed entries", ...).
+        family: the model family (its `model_type`; None where it is not known).
+    """
+
+    def __init__(self, message: str, *, kind: str, family: str | None = None):
+        super().__init__(message)
+        self.kind, self.family = kind, family

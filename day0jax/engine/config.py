@@ -11,6 +11,7 @@ from typing import Sequence, Union
 import jax
 
 from day0jax.core.errors import GenerationError
+from day0jax.engine.paged_cache import KV_CACHE_DTYPES
 from kernels_pallas.paged_attention import xla_blocks
 from sharding.plan import Workload
 
@@ -99,6 +100,10 @@ class EngineConfig:
     image_cache_mb: int = 256
     # Speculative decoding (None: off); a method name alone ("ngram", "draft", "mtp") takes the defaults.
     speculative: Union[SpeculativeConfig, str, None] = None
+    # The KV page pool's dtype: "auto", the model's compute dtype; "fp8", float8_e4m3fn codes with a float32 scale per
+    # token and kv head (`kernels_pallas.paged_attention.fp8`), about half of bfloat16's bytes, so twice the tokens in
+    # the same memory. Kinds of cache fp8 does not cover are refused (`paged_cache.kv_cache_refusal`).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.speculative, str):
@@ -127,6 +132,9 @@ class EngineConfig:
             raise GenerationError(f"chunk sizes must be positive integers, got {self.chunk_buckets}")
         if self.prefill_step_tokens is not None and self.prefill_step_tokens < 0:
             raise GenerationError(f"prefill_step_tokens must be >= 0, got {self.prefill_step_tokens}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise GenerationError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                  f"{self.kv_cache_dtype!r}")
         spec = self.speculative
         if spec is not None:
             spec.check()
@@ -154,7 +162,7 @@ class EngineConfig:
             decode_widths=_widths(self.min_width // page, self.fine_width // page, max_pages_per_seq),
             prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings,
             spec_tokens=k, spec_rows=smallest_bucket(batches, spec.rows) if k else 0,
-            image_cache_bytes=max(self.image_cache_mb, 0) << 20)
+            image_cache_bytes=max(self.image_cache_mb, 0) << 20, kv_cache_dtype=self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -176,6 +184,7 @@ class EngineLayout:
     spec_tokens: int = 0
     spec_rows: int = 0
     image_cache_bytes: int = 256 << 20  # host memory for encoded images (`vision.spec.FeatureCache`)
+    kv_cache_dtype: str = "auto"  # `EngineConfig.kv_cache_dtype`
 
     def ring_pages(self, window: int) -> int:
         """Pages per sequence of a layer with this sliding window that keeps only its window (0: it keeps every
@@ -228,7 +237,7 @@ class EngineLayout:
                         score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None, decode_in_place=cpu,
                         state_slots=self.state_slots,
                         window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings),
-                        page_size=self.page_size)
+                        page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype)
 
     def sampler_batches(self) -> list[int]:
         """Every row count the sampler sees: decode batch buckets, and 1 for a prefill's last token."""

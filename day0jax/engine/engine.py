@@ -28,6 +28,7 @@ from day0jax.engine.config import EngineConfig
 from day0jax.engine.device_proposers import DraftModelProposer, MTPProposer
 from day0jax.engine.requests import (ABORT, LENGTH, STOP, InvalidRequest, QueueFull, SamplingParams, SequenceState,
                                      TokenEvent)
+from day0jax.engine.paged_cache import kv_cache_refusal
 from day0jax.engine.runner import ModelRunner
 from day0jax.engine.scheduler import NeedTokens, Scheduler, Work
 from day0jax.engine.speculative import Speculation, make_proposer, refuse_unverifiable_state
@@ -68,6 +69,7 @@ class Engine:
     def __init__(self, module, mesh, dtype, *, context_length: int, eos_token_ids: Sequence[int] = (),
                  config: EngineConfig = EngineConfig(), runner: ModelRunner | None = None, draft=None):
         self.layout = config.layout(context_length, layer_windows(module.cache_layout()))
+        kv_cache_refusal(module.cache_layout(), module.config.model_type, config.kv_cache_dtype)
         self.max_model_len, self.page_size = self.layout.max_model_len, self.layout.page_size
         if runner is not None and runner.layout != self.layout:
             raise ValueError("the runner was made for another engine layout")

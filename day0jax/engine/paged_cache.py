@@ -18,9 +18,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from day0jax.core.errors import UnsupportedKVCache
+
 from kernels_pallas.block_sparse_attention import api as block_op
 from kernels_pallas.compressed_attention import api as compressed_op
 from kernels_pallas.paged_attention import api as paged_op
+from kernels_pallas.paged_attention import fp8
 from kernels_pallas.sparse_attention import api as sparse_op
 
 TRASH_PAGE = 0
@@ -76,9 +79,19 @@ class PagedKVCache:
     def update(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKVCache":
         """Writes k [B, T, K, Hk] and v [B, T, K, Hv] at `positions` [B, T]."""
         pages, slots = self._slots(positions)
+        if fp8.is_quantized(self.k_pages):  # fp8 pages: quantized here, one scale per token and head
+            return dataclasses.replace(self, k_pages=self.k_pages.write(pages, slots, k),
+                                       v_pages=self.v_pages.write(pages, slots, v))
         k_pages = self.k_pages.at[pages, slots].set(k.astype(self.k_pages.dtype), mode="drop")
         v_pages = self.v_pages.at[pages, slots].set(v.astype(self.v_pages.dtype), mode="drop")
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    def _plain(self, what: str) -> None:
+        # `kv_cache_refusal` refuses these layers' families before any pool is made; this holds if a new family's
+        # layout lets one through.
+        if fp8.is_quantized(self.k_pages):
+            raise UnsupportedKVCache(f"{what} over an fp8 KV cache is not implemented (use kv_cache_dtype='auto')",
+                                     kind=what)
 
     def attend(self, q: jax.Array, positions: jax.Array, **kwargs) -> jax.Array:
         """Queries [B, T, N, H] at `positions` attend causally over each row's first `kv_lengths` positions."""
@@ -91,6 +104,7 @@ class PagedKVCache:
                           window: int, ratio: int, sinks: jax.Array | None, scale: float) -> jax.Array:
         """A compressed-attention layer without entries (DeepSeek-V4's sliding layers): queries [B, T, N, H] over the
         window of one head that is also the value (`compressed_cache.CompressedCache` for the layers with entries)."""
+        self._plain("compressed attention")
         P, page, _, H = self.k_pages.shape
         return compressed_op.paged_compressed_attention(q, self.k_pages.reshape(P, page, H), self.block_tables, None,
                                                         None, self.kv_lengths, positions, None, window=window,
@@ -100,6 +114,7 @@ class PagedKVCache:
                    scale: float) -> tuple["PagedKVCache", jax.Array]:
         """Writes the indexer keys k [B, T, Di] at `positions`, then picks each query's top-k cached positions
         (`sparse_attention.index_topk` over the row's pages): (updated cache, indices [B, T, Kt])."""
+        self._plain("the sparse-attention indexer")
         pages, slots = self._slots(positions)
         index_pages = self.index_pages.at[pages, slots].set(k.astype(self.index_pages.dtype), mode="drop")
         keys = sparse_op.gather_pages(index_pages, self.block_tables)
@@ -111,6 +126,7 @@ class PagedKVCache:
                       sinks: jax.Array | None = None) -> jax.Array:
         """Queries attend over their selected positions only (`indices` [B, T, Kt], from `index_topk`); `sinks` [N]
         join each head's softmax denominator."""
+        self._plain("sparse attention")
         return sparse_op.paged_sparse_attention(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
                                                 positions, indices, scale=scale, sinks=sinks)
 
@@ -121,6 +137,7 @@ class PagedKVCache:
         the indexer queries iq [B, T, I, Di] keep among the cached ones (`block_sparse_attention`): (updated cache,
         [B, T, N, Hv]). `block_keys`: the "mean" pooling's, a function of the cached keys [B, S, Di] (gathered
         from the pages) -> the keys of their complete blocks (the layer's pooling, norm and rotation)."""
+        self._plain("block-sparse attention")
         pages, slots = self._slots(positions)
         index_pages = self.index_pages.at[pages, slots].set(ik.astype(self.index_pages.dtype), mode="drop")
         if block_keys is not None:
@@ -141,6 +158,7 @@ class PagedKVCache:
         """Writes the indexer's packed [key ; pooling logits] ik [B, T, 2 Di] at `positions`, then picks each query's
         blocks over the row's cached ones (`block_sparse_attention.pooled_block_select`): (updated cache, kept
         [B, 1, T, Nb] over the gathered length)."""
+        self._plain("block-sparse attention")
         pages, slots = self._slots(positions)
         index_pages = self.index_pages.at[pages, slots].set(ik.astype(self.index_pages.dtype), mode="drop")
         packed = block_op.gather_pages(index_pages, self.block_tables)
@@ -154,6 +172,7 @@ class PagedKVCache:
                       scale: float | None = None) -> jax.Array:
         """Queries [B, T, N, H] attend causally over the cached positions of the blocks `kept` [B, I, T, Nb] (from
         `pooled_blocks`, maybe another layer's over the same block tables)."""
+        self._plain("block-sparse attention")
         return block_op.block_sparse_attention(q, block_op.gather_pages(self.k_pages, self.block_tables),
                                                block_op.gather_pages(self.v_pages, self.block_tables), kept,
                                                block_size=block_size, q_positions=positions,
@@ -193,7 +212,7 @@ def layer_caches(pools: list, stateful: list[int], rings: list[int], block_table
 
 
 def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dtype, mesh=None,
-              ring_pages=None) -> list[tuple]:
+              ring_pages=None, kv_cache_dtype: str = "auto") -> list[tuple]:
     """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
     ([P, page_size, K, H] each, split like the kv heads), for a `StateLayer` one float32 [S, *shape] pool per
     state array (split like its heads), then its `kv` part's pools if it has one and its compressed entries' if it
@@ -208,6 +227,8 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
         mesh: the mesh the pools live on (None: the default device).
         ring_pages: callable(window) -> pages per slot of a sliding-window layer that keeps only its window (0: the
             shared pool's `num_pages`); None: every layer keeps them all.
+        kv_cache_dtype: "auto" (keys and values in `dtype`) or "fp8" (`fp8.QuantPages`: float8 codes and float32
+            scales, read back as `dtype`); `kv_cache_refusal` names the layouts fp8 cannot take.
     """
     from day0jax.core.cache_layout import SharedKV, StateLayer
     from sharding.rules import KV_POOL, named_sharding
@@ -218,7 +239,12 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
     def kv_pools(entry):
         ring = ring_pages(entry.window) if ring_pages else 0
         pages = state_slots * ring if ring else num_pages
-        pool = [zeros((pages, page_size, entry.kv_heads, d), KV_POOL, dtype) for d in entry[1:3]]
+        if kv_cache_dtype == "fp8":  # scales [P, page, K] split like the codes' kv heads
+            pool = [fp8.QuantPages.zeros((pages, page_size, entry.kv_heads, d), dtype,
+                                         lambda shape, dt: zeros(shape, KV_POOL[:len(shape)], dt))
+                    for d in entry[1:3]]
+        else:
+            pool = [zeros((pages, page_size, entry.kv_heads, d), KV_POOL, dtype) for d in entry[1:3]]
         if entry.index_dim:  # the indexer's keys: one head, never split
             pool.append(zeros((num_pages, page_size, entry.index_dim), (None, None, None), dtype))
         return tuple(pool)
@@ -240,3 +266,42 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
         else:
             pools.append(kv_pools(entry))
     return pools
+
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_cache_refusal(layout: list, family: str, kv_cache_dtype: str) -> None:
+    """Refuses a `kv_cache_dtype` this model's cache kinds cannot take: fp8 covers the page pool's keys and values
+    (standard and sliding-window attention, also a window's ring, and multi-head latent attention's latent, all
+    written by `PagedKVCache.update` and read by `attend`), not the sparse-attention indexer's keys nor compressed
+    attention's entries and windows.
+
+    Args:
+        layout: the model's `cache_layout()`.
+        family: its model_type, for the message.
+        kv_cache_dtype: one of KV_CACHE_DTYPES.
+    Raises:
+        UnsupportedKVCache: naming the first cache kind that fp8 does not cover, and the family.
+        GenerationError: an unknown `kv_cache_dtype`.
+    """
+    from day0jax.core.cache_layout import KVLayer, SharedKV, StateLayer
+    from day0jax.core.errors import GenerationError
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise GenerationError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "auto":
+        return
+    for i, entry in enumerate(layout):
+        kind = None
+        if isinstance(entry, SharedKV) and entry.index_dim or isinstance(entry, KVLayer) and entry.index_dim:
+            kind = "sparse-attention indexer keys"
+        elif isinstance(entry, StateLayer) and entry.compressed is not None:
+            kind = "compressed attention entries"
+        elif isinstance(entry, KVLayer) and entry.v_dim == 0:
+            kind = "compressed attention's window (one head that is key and value)"
+        elif isinstance(entry, StateLayer) and entry.kv is not None and entry.kv.index_dim:
+            kind = "sparse-attention indexer keys"
+        if kind is not None:
+            raise UnsupportedKVCache(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented for {kind} (layer {i} "
+                                     f"of this {family} model); use kv_cache_dtype='auto'", kind=kind, family=family)

@@ -188,7 +188,8 @@ class ModelRunner:
         if self._stage_pools is None:
             L = self.layout
             self._stage_pools = [new_pools([self._cache_layout[i] for i in r], L.num_pages, L.page_size,
-                                           L.state_slots, self.dtype, m, L.ring_pages) if local else []
+                                           L.state_slots, self.dtype, m, L.ring_pages, L.kv_cache_dtype)
+                                 if local else []
                                  for r, m, local in zip(self.stages.ranges, self.meshes, self.links.local)]
         return self._stage_pools
 
@@ -409,7 +410,7 @@ class ModelRunner:
         if self.mtp_pools is None:
             L = self.layout
             self.mtp_pools = new_pools(self._mtp_layout, L.num_pages, L.page_size, L.state_slots, self.dtype,
-                                       self.mesh)
+                                       self.mesh, kv_cache_dtype=L.kv_cache_dtype)
         self.keep_hidden = True
         self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(self._mtp_fn,
                                                                                  self.layout.spec_tokens)),

@@ -3,6 +3,8 @@
 // products per layer, 60-130 us each even for a hundred keys; here one pass over the keys a query sees scores them,
 // one softmax in float32 (max subtracted, as the reference), one pass over the values. Tasks are (row, kv head)
 // pairs, each serving the kv head's whole group of query heads, split over XLA's intra-op thread pool.
+// Pages hold float32, bfloat16 or float8_e4m3fn codes; fp8 pages come with a float32 scale per token and kv head,
+// applied to a key's score and a value's weight (never to the codes: one product per key instead of H).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,6 +31,21 @@ typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
+// float8_e4m3fn -> float32 for every byte: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+// subnormal (m/8 * 2^-6); 0x7f and 0xff are NaN, the format has no infinities.
+struct E4M3Table {
+  float value[256];
+  E4M3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if ((b & 127) == 127) v = std::numeric_limits<float>::quiet_NaN();
+      value[b] = (b & 128) ? -v : v;
+    }
+  }
+};
+const E4M3Table kE4M3;
+
 inline f32x16 load16(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof v);
@@ -42,8 +59,14 @@ inline f32x16 load16(const uint16_t* p) {  // bfloat16 bits: the high half of a 
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
+inline f32x16 load16(const uint8_t* p) {  // float8_e4m3fn codes, looked up
+  f32x16 v;
+  for (int l = 0; l < 16; ++l) v[l] = kE4M3.value[p[l]];
+  return v;
+}
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 inline float to_float(float v) { return v; }
+inline float to_float(uint8_t code) { return kE4M3.value[code]; }
 inline float to_float(uint16_t bf16) {
   const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
   float f;
@@ -118,6 +141,8 @@ struct Problem {
   const int32_t* tables;    // [B, W]
   const int32_t* lengths;   // [B]
   const int32_t* positions; // [B]
+  const float* k_scales;    // [P, page, K] for fp8 pages, else nullptr
+  const float* v_scales;    // [P, page, K] for fp8 pages, else nullptr
   const int32_t* until;     // [B] or nullptr: the last position each query sees (bidirectional spans)
   const float* sinks;       // [N] or nullptr
   float* out;               // [B, N, Hv]
@@ -141,8 +166,9 @@ void visible_keys(const Problem& p, int64_t b, int64_t& first, int64_t& last) {
   }
 }
 
-// fn(j, row, n, stride) for each run of keys first + j .. first + j + n - 1 in [first, last] that one page holds,
-// of row b and kv head kh: row points at the run's first key's `width` values, the next key's `stride` further.
+// fn(j, row, n, stride, at) for each run of keys first + j .. first + j + n - 1 in [first, last] that one page
+// holds, of row b and kv head kh: row points at the run's first key's `width` values, the next key's `stride`
+// further; `at` is the run's first key's index into per-token-and-head arrays [P, page, K] (the next key's K further).
 // One table lookup (and division) per page. Table entries are trusted as the reference's gather trusts them,
 // clamped into the pool: never read outside it.
 template <typename T, typename Fn>
@@ -151,9 +177,15 @@ void for_each_page(const Problem& p, const void* pages, int64_t b, int64_t kh, i
   for (int64_t key = first; key <= last;) {
     const int64_t slot = key % p.page, n = std::min(p.page - slot, last - key + 1);
     const int64_t page = std::clamp<int64_t>(p.tables[b * p.W + key / p.page], 0, p.P - 1);
-    fn(key - first, static_cast<const T*>(pages) + ((page * p.page + slot) * p.K + kh) * width, n, p.K * width);
+    const int64_t at = (page * p.page + slot) * p.K + kh;
+    fn(key - first, static_cast<const T*>(pages) + at * width, n, p.K * width, at);
     key += n;
   }
+}
+
+// A key's softmax weight times its value's fp8 scale (`at`: its index in [P, page, K]), or the weight itself.
+inline float weight(const Problem& p, float w, int64_t at) {
+  return p.v_scales != nullptr ? w * p.v_scales[at] : w;
 }
 
 // out[i] = sum_j w[j] * v_j[i] / total over the keys [first, last], for D values per key (D as in `dot`; here
@@ -165,21 +197,28 @@ void weighted_values(const Problem& p, int64_t b, int64_t kh, int64_t first, int
     // Two sets of accumulators, even and odd keys: each FMA chain waits on its own latency half as often.
     constexpr int C = D / 16;
     f32x16 even[C] = {}, odd[C] = {};
-    for_each_page<T>(p, p.v_pages, b, kh, first, last, D, [&](int64_t j, const T* v, int64_t n, int64_t stride) {
+    for_each_page<T>(p, p.v_pages, b, kh, first, last, D,
+                     [&](int64_t j, const T* v, int64_t n, int64_t stride, int64_t at) {
       int64_t i = 0;
       for (; i + 2 <= n; i += 2) {
-        for (int c = 0; c < C; ++c) even[c] += w[j + i] * load16(v + i * stride + 16 * c);
-        for (int c = 0; c < C; ++c) odd[c] += w[j + i + 1] * load16(v + (i + 1) * stride + 16 * c);
+        const float w0 = weight(p, w[j + i], at + i * p.K), w1 = weight(p, w[j + i + 1], at + (i + 1) * p.K);
+        for (int c = 0; c < C; ++c) even[c] += w0 * load16(v + i * stride + 16 * c);
+        for (int c = 0; c < C; ++c) odd[c] += w1 * load16(v + (i + 1) * stride + 16 * c);
       }
-      if (i < n)
-        for (int c = 0; c < C; ++c) even[c] += w[j + i] * load16(v + i * stride + 16 * c);
+      if (i < n) {
+        const float w0 = weight(p, w[j + i], at + i * p.K);
+        for (int c = 0; c < C; ++c) even[c] += w0 * load16(v + i * stride + 16 * c);
+      }
     });
     for (int c = 0; c < C; ++c) store16(out + 16 * c, (even[c] + odd[c]) / total);
   } else {
     std::fill(out, out + p.Hv, 0.0f);
-    for_each_page<T>(p, p.v_pages, b, kh, first, last, p.Hv, [&](int64_t j, const T* v, int64_t n, int64_t stride) {
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t h = 0; h < p.Hv; ++h) out[h] += w[j + i] * to_float(v[i * stride + h]);
+    for_each_page<T>(p, p.v_pages, b, kh, first, last, p.Hv,
+                     [&](int64_t j, const T* v, int64_t n, int64_t stride, int64_t at) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float wi = weight(p, w[j + i], at + i * p.K);
+        for (int64_t h = 0; h < p.Hv; ++h) out[h] += wi * to_float(v[i * stride + h]);
+      }
     });
     for (int64_t h = 0; h < p.Hv; ++h) out[h] /= total;
   }
@@ -199,9 +238,12 @@ void attend(const Problem& p, int64_t b, int64_t kh, std::vector<float>& scores)
   const int64_t L = last - first + 1;
   scores.resize(G * L);
   const float* q = p.q + (b * p.N + n0) * p.H;
-  for_each_page<T>(p, p.k_pages, b, kh, first, last, p.H, [&](int64_t j, const T* k, int64_t n, int64_t stride) {
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t g = 0; g < G; ++g) scores[g * L + j + i] = dot<D>(q + g * p.H, k + i * stride, p.H) * p.scale;
+  for_each_page<T>(p, p.k_pages, b, kh, first, last, p.H,
+                   [&](int64_t j, const T* k, int64_t n, int64_t stride, int64_t at) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float scale = p.k_scales != nullptr ? p.scale * p.k_scales[at + i * p.K] : p.scale;
+      for (int64_t g = 0; g < G; ++g) scores[g * L + j + i] = dot<D>(q + g * p.H, k + i * stride, p.H) * scale;
+    }
   });
   if (p.softcap > 0.0f)
     for (float& s : scores) s = p.softcap * std::tanh(s / p.softcap);
@@ -236,7 +278,7 @@ void attend(const Problem& p, int64_t b, int64_t kh, std::vector<float>& scores)
 // pairs already claimed, so the call never waits on a pool task that has not started.
 struct Job {
   Problem problem;
-  bool bf16;
+  ffi::DataType type;  // of the pages
   int64_t n_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> running{0};
@@ -246,8 +288,10 @@ struct Job {
     std::vector<float> scores;
     for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) {
       const int64_t b = t / problem.K, kh = t % problem.K;
-      if (bf16) {
+      if (type == ffi::DataType::BF16) {
         attend<uint16_t>(problem, b, kh, scores);
+      } else if (type == ffi::DataType::F8E4M3FN) {
+        attend<uint8_t>(problem, b, kh, scores);
       } else {
         attend<float>(problem, b, kh, scores);
       }
@@ -259,6 +303,7 @@ struct Job {
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                            ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
                            ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> until, ffi::Buffer<ffi::F32> sinks,
+                           ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                            ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, int64_t window, int64_t chunk) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
@@ -268,17 +313,25 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (kd[3] != H || vd[0] != P || vd[1] != page || vd[2] != K || K == 0 || N % K || td[0] != B || P == 0) {
     return ffi::Error::InvalidArgument("q, pages and tables do not agree");
   }
-  const bool bf16 = k_pages.element_type() == ffi::DataType::BF16;
-  if (k_pages.element_type() != v_pages.element_type() || (!bf16 && k_pages.element_type() != ffi::DataType::F32)) {
-    return ffi::Error::InvalidArgument("pages must both be float32 or both bfloat16");
+  const ffi::DataType type = k_pages.element_type();
+  if (type != v_pages.element_type() ||
+      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::F8E4M3FN)) {
+    return ffi::Error::InvalidArgument("pages must both be float32, bfloat16 or float8_e4m3fn");
+  }
+  const bool fp8 = type == ffi::DataType::F8E4M3FN;
+  const int64_t n_scales = fp8 ? P * page * K : 0;
+  if (static_cast<int64_t>(k_scales.element_count()) != n_scales ||
+      static_cast<int64_t>(v_scales.element_count()) != n_scales) {
+    return ffi::Error::InvalidArgument("float8 pages need scales [P, page, K] for keys and values; others none");
   }
   auto job = std::make_shared<Job>();
   job->problem = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), tables.typed_data(),
-                         lengths.typed_data(), positions.typed_data(),
+                         lengths.typed_data(), positions.typed_data(), fp8 ? k_scales.typed_data() : nullptr,
+                         fp8 ? v_scales.typed_data() : nullptr,
                          until.element_count() ? until.typed_data() : nullptr,
                          sinks.element_count() ? sinks.typed_data() : nullptr, out->typed_data(),
                          B, N, H, Hv, K, P, page, td[1], scale, softcap, window, chunk};
-  job->bf16 = bf16;
+  job->type = type;
   job->n_tasks = B * K;
 #ifdef NOHELP
   const int64_t helpers = 0;
@@ -307,6 +360,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")

@@ -30,6 +30,7 @@ from jax import lax
 
 from kernels_pallas import platform, tuning
 from kernels_pallas.attention.pallas_mgpu import online_softmax_step
+from kernels_pallas.paged_attention import fp8
 
 LOG2E = math.log2(math.e)
 M0 = -1e30  # the running max before any key: masked (-inf) scores vanish against it; see attention/pallas_mgpu
@@ -64,6 +65,8 @@ def shape_class(head_dim: int, page_size: int) -> str:
 
 
 def _check(q, k_pages, v_pages, sinks, blocks: Blocks, interpret: Any) -> None:
+    if fp8.is_quantized(k_pages) or fp8.is_quantized(v_pages):
+        raise NotImplementedError("fp8 pages (the blockwise program dequantizes them a key block at a time)")
     B, T, N, H = q.shape
     P, page, K, Hk = k_pages.shape
     if v_pages.shape != k_pages.shape or Hk != H:

@@ -20,7 +20,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 
     Args:
         q: [B, T, N, H].
-        k_pages, v_pages: [P, page_size, K, H], one layer's pool.
+        k_pages, v_pages: [P, page_size, K, H], one layer's pool: arrays, or `fp8.QuantPages` (float8 codes and
+            scales; indexing dequantizes the gathered pages).
         block_tables: [B, max_blocks] int32 page indices.
         kv_lengths: [B] int32, valid cached tokens per sequence (including this call's new ones).
         q_positions: [B, T] int32.
