@@ -31,3 +31,7 @@ class OutOfMemoryPlan(Day0Error):
 
 class GenerationError(Day0Error):
     """A generation request is invalid (prompt too long, max_new_tokens below 1, ...)."""
+
+
+class TrainingError(Day0Error):
+    """A fine-tuning request this runtime does not support (named), or training data it cannot use."""
