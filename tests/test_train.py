@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 
 from conftest import run_reference
@@ -130,6 +131,21 @@ def runs(tiny, converted, tmp_path_factory):
                          "optimizer": kwargs["optimizer"], "lrs": result.learning_rates,
                          "weight_decay": kwargs["weight_decay"], "out": str(root / name / f"{run_name}.npz")})
         out[name] = rec
+    # Full fine-tuning: every parameter's gradient (Llama), the model without adapters.
+    import day0jax
+    from day0jax.train.lora import hf_tensor_name
+
+    base = day0jax.load(converted["llama"], dtype="float32", kernels="reference")
+    batch = batches_for(FAMILIES["llama"][1]["vocab_size"], seed=2)[0]
+    loss, grads = loss_and_grads(base.module, batch)
+    params = dict(nnx.to_flat_state(nnx.state(base.module, nnx.Param)))
+    full = {}
+    for path, g in nnx.to_flat_state(grads):
+        var = params[path]
+        full[hf_tensor_name(base.config, ".".join(map(str, path)), var)] = np.asarray(g.get_value())
+    out["full"] = {"loss": loss, "grads": full}
+    jobs.append({"op": "full_grads", "model": str(tiny["llama"]["hf"]), "out": str(root / "full_grads.npz"),
+                 "batch": {"tokens": batch.tokens.tolist(), "mask": batch.mask.tolist()}})
 
     # The command line on a tiny Llama with SmolLM2's tokenizer and chat template.
     ckpt = write_tiny_chat_checkpoint(root)
@@ -154,6 +170,7 @@ def runs(tiny, converted, tmp_path_factory):
         out[name]["ref_logits"] = dict(np.load(root / name / "peft_logits.npz"))
         for run_name in out[name]["runs"]:
             out[name]["runs"][run_name]["ref"] = dict(np.load(root / name / f"{run_name}.npz"))
+    out["full"]["ref"] = dict(np.load(root / "full_grads.npz"))
     cli["ref_rows"] = json.loads((root / "rows.json").read_text())
     if cli["trained_rc"] == 0:
         cli["ref_logits"] = dict(np.load(root / "cli_peft_logits.npz"))
@@ -183,6 +200,19 @@ def test_loss_and_gradients_match_peft(runs, name):
     assert loss_err < LOSS_RTOL
     assert all(np.linalg.norm(ref[f"grad.{k}"]) > 0 for k in r["grads"])  # every adapter takes part
     assert max(grad_errs.values()) < GRAD_RTOL, sorted(grad_errs.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_full_fine_tuning_gradients_match_torch(runs):
+    """Without adapters every parameter trains: its gradient, reshaped to the HF tensor, equals torch's."""
+    full = runs["full"]
+    ref = full["ref"]
+    loss_err = abs(full["loss"] - ref["loss"]) / ref["loss"]
+    errs = {k: rel_l2(np.asarray(g).reshape(ref[f"grad.{k}"].shape), ref[f"grad.{k}"])
+            for k, g in full["grads"].items()}
+    print(f"full fine-tuning (llama): loss error {loss_err:.1e}, worst gradient error {max(errs.values()):.1e} over "
+          f"{len(errs)} tensors")
+    assert set(full["grads"]) == {k[len("grad."):] for k in ref if k.startswith("grad.")}
+    assert loss_err < LOSS_RTOL and max(errs.values()) < GRAD_RTOL, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
 
 
 @pytest.mark.parametrize("name, run_name", TRAJECTORIES)

@@ -73,22 +73,30 @@ def _set(model: nnx.Module, path: tuple, value: Any) -> None:
         setattr(parent, path[-1], value)
 
 
-def _hf_module_name(config: Any, kernel_path: str, kernel) -> str:
-    """The HF module whose `weight` the converter reshapes into this kernel.
+def hf_tensor_name(config: Any, path: str, var) -> str:
+    """The HF tensor the converter reshapes into the runtime parameter `path` (an nnx variable `var`): the inverse
+    of the family's mapping, for parameters made from one tensor by a reshape alone.
 
     Raises:
-        TrainingError: the family builds the kernel from several tensors or another layout (fused or permuted),
-            which a PEFT adapter of one module cannot describe.
+        TrainingError: the family builds the parameter from several tensors or another layout (fused, transposed
+            or stacked), which this version does not map back.
     """
     fam = models.family(config.model_type)
-    metadata = kernel.get_metadata()
-    shape = tuple(kernel.shape)
-    src = fam.hf_source(config, kernel_path, shape, metadata) or default_source(kernel_path, shape, metadata)
-    if len(src.names) != 1 or src.combine is not same or src.alternative is not None \
-            or not src.names[0].endswith(".weight"):
-        raise TrainingError(f"{config.model_type}: {kernel_path} is made from {list(src.names)} by more than a "
-                            "reshape; LoRA on it has no PEFT layout in this version (leave it out of --lora-targets)")
-    return src.names[0][: -len(".weight")]
+    metadata = var.get_metadata()
+    shape = tuple(var.shape)
+    src = fam.hf_source(config, path, shape, metadata) or default_source(path, shape, metadata)
+    if len(src.names) != 1 or src.combine is not same or src.alternative is not None:
+        raise TrainingError(f"{config.model_type}: {path} is made from {list(src.names)} by more than a reshape; "
+                            "mapping it back to Hugging Face's layout is not implemented")
+    return src.names[0]
+
+
+def _hf_module_name(config: Any, kernel_path: str, kernel) -> str:
+    """The HF module whose `weight` the converter reshapes into this kernel (see `hf_tensor_name`)."""
+    name = hf_tensor_name(config, kernel_path, kernel)
+    if not name.endswith(".weight"):
+        raise TrainingError(f"{config.model_type}: {kernel_path} comes from {name!r}, not a module's weight")
+    return name[: -len(".weight")]
 
 
 def apply_lora(model: nnx.Module, config: LoRAConfig, seed: int = 0) -> Adapters:

@@ -84,6 +84,8 @@ Jobs (each a dict with "op"):
                eps 1e-8, or plain SGD; decay `weight_decay`; step i at learning rate lrs[i]), the loss transformers'
                own with `labels` the tokens where mask is 1, else -100. Writes `losses` [steps], `grad.{name}` (the
                first step's gradients) and `param.{name}` (the adapter after the last step), names as PEFT saves them.
+  full_grads   {model, batch: {tokens, mask}, out}: the loss (`labels` as in peft_train) and `grad.{name}` of every
+               parameter of the HF model (named_parameters: a tied table once).
   peft_logits  {model, adapter, prompts, out}: float32 logits `logits_{i}` [T, V] of each prompt with the PEFT
                adapter folder ADAPTER loaded on the HF model (`PeftModel.from_pretrained`).
   train_rows   {model, rows, out}: each jsonl training row (messages, prompt/completion or text) as transformers'
@@ -1067,6 +1069,17 @@ def peft_train(job):
     out["losses"] = np.array(losses)
     out.update({f"param.{_peft_name(n)}": p.detach().numpy() for n, p in named})
     np.savez(job["out"], **out)
+
+
+def full_grads(job):
+    model = _load(job["model"])
+    tokens = torch.tensor(job["batch"]["tokens"])
+    labels = tokens.clone()
+    labels[torch.tensor(job["batch"]["mask"]) == 0] = -100
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    out = {f"grad.{n}": p.grad.detach().numpy() for n, p in model.named_parameters()}
+    np.savez(job["out"], loss=np.array(loss.item()), **out)
 
 
 def peft_logits(job):
