@@ -326,19 +326,39 @@ def test_batching_order_and_masks():
     assert b.mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]] and b.targets == 3
 
 
-def test_gradient_accumulation_equals_one_batch(converted):
-    """Two micro-batches accumulated give the step of their rows in one batch (the mean over all their targets)."""
-    from day0jax.train import Example, TrainConfig, adapter_arrays, collate, train
+def test_gradient_accumulation_steps_on_the_mean_over_all_targets(runs, converted):
+    """Two batches accumulated: one SGD step (rate 1) on the gradient of the mean over all their targets, each
+    batch's gradient weighted by its number of targets (the batches' shapes are the trajectories': no new
+    compilation of the gradient)."""
+    from day0jax.train import Example, TrainConfig, adapter_arrays, collate, loss_and_grads, train
+    from day0jax.train.lora import load_adapter_arrays
 
-    rng = np.random.default_rng(3)
-    rows = [Example(tuple(int(t) for t in rng.integers(3, 256, n)), o) for n, o in ((10, 0), (7, 2), (10, 5), (4, 0))]
-    finals = []
-    for micro in ([collate(rows[:2], length=10), collate(rows[2:], length=10)], [collate(rows, length=10)]):
-        model, adapters = lora_model(converted["llama"])
-        config = TrainConfig(iters=1, optimizer="sgd", learning_rate=1.0, grad_accumulation=len(micro))
-        train(model.module, micro, config, report=lambda line: None)
-        finals.append(adapter_arrays(model.module, adapters))
-    assert max(rel_l2(finals[0][k], finals[1][k]) for k in finals[0]) < 1e-5
+    model, adapters = lora_model(converted["llama"])
+    initial = runs["llama"]["initial"]
+    load_adapter_arrays(model.module, adapters, initial)
+    first, second = batches_for(FAMILIES["llama"][1]["vocab_size"], seed=2)[:2]
+    # The second with a longer prompt (same shape): unequal weights, where a plain average of the two would differ.
+    second = collate([Example(tuple(int(t) for t in second.tokens[0]), 8),
+                      Example(tuple(int(t) for t in second.tokens[1, :9]), 0)])
+    micro = [first, second]
+    assert micro[0].targets == 16 and micro[1].targets == 12 and second.tokens.shape == first.tokens.shape
+    weighted = None
+    for b in micro:
+        _, g = loss_and_grads(model.module, b)
+        g = jax.tree.map(lambda x: x * b.targets, g)
+        weighted = g if weighted is None else jax.tree.map(jnp.add, weighted, g)
+    total = sum(b.targets for b in micro)
+    expected = {k: np.asarray(v.get_value()) / total for k, v in nnx.to_flat_state(weighted)}
+    train(model.module, micro, TrainConfig(iters=1, optimizer="sgd", learning_rate=1.0, grad_accumulation=2),
+          report=lambda line: None)
+    final = adapter_arrays(model.module, adapters)
+    by_path = {p: hf for p, hf in adapters.hf_names.items()}
+    errs = []
+    for path, g in expected.items():
+        hf = by_path[tuple(path[:-1])]
+        key = f"base_model.model.{hf}.lora_{'A' if path[-1] == 'lora_a' else 'B'}.weight"
+        errs.append(rel_l2(initial[key] - final[key], g))
+    assert len(errs) == 28 and max(errs) < 1e-5, max(errs)
 
 
 def test_learning_rate_schedule():
@@ -369,3 +389,10 @@ def test_refusals_are_named(runs, tmp_path):
     abstract = models.abstract_model(models.config_from_hf(dict(config, model_type=model_type)))
     with pytest.raises(TrainingError, match="MoE experts"):
         apply_lora(abstract, LoRAConfig(targets=("q_proj", "gate_proj")))
+    # A quantized base (QLoRA) is refused by the module's name.
+    from day0jax.layers.quantized import QuantSpec
+
+    llama = models.config_from_hf(dict(FAMILIES["llama"][1], model_type="llama"))
+    quantized = models.abstract_model(llama, quantization={"model.layers.0.self_attn.q_proj": QuantSpec("int8", 32)})
+    with pytest.raises(TrainingError, match=r"model\.layers\.0\.self_attn\.q_proj is quantized"):
+        apply_lora(quantized, LoRAConfig())
