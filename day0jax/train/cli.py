@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> None:
     from day0jax.train.lora import LoRAConfig, apply_lora, save_adapter
     from day0jax.train.loop import TrainConfig, evaluate, train
     from day0jax.weights.checkpoint import read_manifest
+    from tqdm import tqdm
 
     for flag, why in NOT_IMPLEMENTED.items():
         if getattr(args, flag):
@@ -107,8 +108,8 @@ def run(args: argparse.Namespace) -> None:
         save_adapter(model.module, adapters, args.adapter_path, source)
         print(f"step {step}: adapter saved to {args.adapter_path}", flush=True)
 
-    train(model.module, batches, config, valid=valid, on_save=save, pad_id=pad,
-          report=lambda line: print(line, flush=True))
+    train(model.module, batches, config, valid=valid, on_save=save, pad_id=pad, progress=sys.stderr.isatty(),
+          report=lambda line: tqdm.write(line, file=sys.stdout))
     save_adapter(model.module, adapters, args.adapter_path, source)
     print(f"adapter written to {args.adapter_path}", flush=True)
     if test_set is not None:

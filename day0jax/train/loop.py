@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from day0jax.core.errors import TrainingError
 from day0jax.train import step as step_lib
@@ -44,6 +46,11 @@ class TrainConfig:
             raise TrainingError(f"--iters {self.iters}: must be 0 or more")
         if self.grad_accumulation < 1:
             raise TrainingError(f"--grad-accumulation {self.grad_accumulation}: must be at least 1")
+        for name in ("steps_per_report", "steps_per_eval", "save_every"):
+            if getattr(self, name) < 1:
+                raise TrainingError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
+        if self.learning_rate <= 0:
+            raise TrainingError(f"--learning-rate {self.learning_rate}: must be positive")
         if self.warmup < 0 or (self.iters and self.warmup > self.iters):
             raise TrainingError(f"--warmup {self.warmup}: must be between 0 and --iters ({self.iters})")
 
@@ -75,14 +82,21 @@ def _placed_like(tree, rest):
     return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 
+def _loss_sum(graphdef, state, tokens, mask):
+    return step_lib.loss_sum(nnx.merge(graphdef, state), tokens, mask)
+
+
+# One jitted function for every evaluation: compiled once per model structure and batch shape, not per call.
+_jitted_loss_sum = jax.jit(_loss_sum, static_argnums=0)
+
+
 def evaluate(model: nnx.Module, batches: Iterable[Batch]) -> float:
     """Mean cross-entropy over every target that counts in `batches` (all rows pooled)."""
     graphdef, state = nnx.split(model)
-    fn = jax.jit(lambda s, t, m: step_lib.loss_sum(nnx.merge(graphdef, s), t, m))
     total = count = 0.0
     with step_lib.tracing(step_lib._dtype_of(state)):
         for b in batches:
-            t, n = fn(state, jnp.asarray(b.tokens), jnp.asarray(b.mask))
+            t, n = _jitted_loss_sum(graphdef, state, jnp.asarray(b.tokens), jnp.asarray(b.mask))
             total, count = total + float(t), count + float(n)
     if not count:
         raise TrainingError("no target that counts in the evaluation data")
@@ -91,7 +105,7 @@ def evaluate(model: nnx.Module, batches: Iterable[Batch]) -> float:
 
 def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=None,
           valid: Callable[[], Iterable[Batch]] | None = None, on_save: Callable[[int], None] | None = None,
-          report: Callable[[str], None] = print, pad_id: int = 0) -> TrainResult:
+          report: Callable[[str], None] = print, pad_id: int = 0, progress: bool = False) -> TrainResult:
     """Trains `model` in place for `config.iters` steps, each on `config.grad_accumulation` batches from `data`.
 
     Args:
@@ -101,6 +115,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         valid: makes the validation batches, evaluated every `steps_per_eval` steps and after the last.
         on_save: called with the step number every `save_every` steps.
         report: where report lines go.
+        pad_id: the token id micro-batches of different lengths are padded with (it never counts).
+        progress: a progress bar over the steps on stderr.
     Returns:
         The `TrainResult`.
     """
@@ -116,6 +132,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
     result = TrainResult()
     batches: Iterator[Batch] = iter(data)
     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+    bar = tqdm(total=config.iters, desc="training", unit="step", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
     for it in range(1, config.iters + 1):
         micro = list(itertools.islice(batches, config.grad_accumulation))
         if len(micro) < config.grad_accumulation:
@@ -135,6 +153,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         result.learning_rates.append(lr)
         result.tokens += n_tokens
         window_loss.append(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
         window_tokens += n_tokens
         if it % config.steps_per_report == 0 or it == config.iters:
             seconds = time.perf_counter() - window_start
@@ -151,6 +171,7 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         if on_save is not None and it % config.save_every == 0:
             nnx.update(model, params)
             on_save(it)
+    bar.close()
     nnx.update(model, params)
     return result
 
