@@ -1,6 +1,6 @@
-"""The fine-tuning command line: parse mlx-lm-style flags, load the checkpoint in float32, apply LoRA, train on
-DIR/train.jsonl (validation on valid.jsonl, test loss and perplexity on test.jsonl where they exist), write the
-PEFT adapter to --adapter-path."""
+"""The fine-tuning command line: parse mlx-lm-style flags, load the checkpoint in float32, apply LoRA (or train every
+parameter: --fine-tune-type full), train on DIR/train.jsonl (validation on valid.jsonl, test loss and perplexity on
+test.jsonl where they exist), write the PEFT adapter (or a day0jax checkpoint) to --adapter-path."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m day0jax.train", description=__doc__)
     p.add_argument("--model", required=True, help="day0jax checkpoint folder (python -m convert)")
     p.add_argument("--data", help="folder with train.jsonl (and optionally valid.jsonl, test.jsonl)")
-    p.add_argument("--adapter-path", help="folder the PEFT adapter is written to")
+    p.add_argument("--adapter-path", help="folder the PEFT adapter (lora) or the day0jax checkpoint (full) is "
+                   "written to")
     p.add_argument("--fine-tune-type", default="lora", choices=("lora", "full"))
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
@@ -55,19 +56,20 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     """Everything `main` does, raising typed errors."""
+    import jax
+    from flax import nnx
+    from tqdm import tqdm
+
     import day0jax
     from day0jax.train import data as data_lib
+    from day0jax.train.export import save_checkpoint
     from day0jax.train.lora import LoRAConfig, apply_lora, save_adapter
     from day0jax.train.loop import TrainConfig, evaluate, train
     from day0jax.weights.checkpoint import read_manifest
-    from tqdm import tqdm
 
     for flag, why in NOT_IMPLEMENTED.items():
         if getattr(args, flag):
             raise TrainingError(why)
-    if args.fine_tune_type != "lora":
-        raise TrainingError("--fine-tune-type full is not implemented in the command line yet (use lora); "
-                            "day0jax.train.train trains every parameter of a model without adapters")
     if args.data is None or args.adapter_path is None:
         raise TrainingError("--data and --adapter-path are required")
     if args.batch_size < 1:
@@ -94,24 +96,31 @@ def run(args: argparse.Namespace) -> None:
     if train_set is None:
         raise TrainingError(f"{args.data}: no train.jsonl")
     valid_set, test_set = split("valid"), split("test")
-    adapters = apply_lora(model.module, lora, seed=args.seed)
-    n_params = sum(m.lora_a.size + m.lora_b.size for m in adapters.modules(model.module).values())
-    print(f"LoRA rank {lora.rank} on {len(adapters.hf_names)} modules ({', '.join(adapters.target_modules)}): "
-          f"{n_params} trainable parameters; {len(train_set)} training examples", flush=True)
+    if args.fine_tune_type == "lora":
+        adapters = apply_lora(model.module, lora, seed=args.seed)
+        n_params = sum(m.lora_a.size + m.lora_b.size for m in adapters.modules(model.module).values())
+        print(f"LoRA rank {lora.rank} on {len(adapters.hf_names)} modules ({', '.join(adapters.target_modules)}): "
+              f"{n_params} trainable parameters; {len(train_set)} training examples", flush=True)
+    else:
+        n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.module, nnx.Param)))
+        print(f"full fine-tuning: {n_params} trainable parameters; {len(train_set)} training examples", flush=True)
     multiple = 32  # rows padded to a multiple of 32 tokens: fewer shapes to compile, the padding never counts
     batches = data_lib.batches(train_set, args.batch_size, shuffle=not args.no_shuffle, seed=args.seed,
                                pad_id=pad, multiple=multiple)
     valid = None if valid_set is None else (
         lambda: data_lib.passes(valid_set, args.batch_size, pad_id=pad, multiple=multiple))
 
-    def save(step: int) -> None:
-        save_adapter(model.module, adapters, args.adapter_path, source)
-        print(f"step {step}: adapter saved to {args.adapter_path}", flush=True)
+    def save(step: int | None = None) -> None:
+        if args.fine_tune_type == "lora":
+            save_adapter(model.module, adapters, args.adapter_path, source)
+        else:
+            save_checkpoint(model.module, args.model, args.adapter_path)
+        what = "adapter" if args.fine_tune_type == "lora" else "checkpoint"
+        print(f"{'' if step is None else f'step {step}: '}{what} written to {args.adapter_path}", flush=True)
 
     train(model.module, batches, config, valid=valid, on_save=save, pad_id=pad, progress=sys.stderr.isatty(),
           report=lambda line: tqdm.write(line, file=sys.stdout))
-    save_adapter(model.module, adapters, args.adapter_path, source)
-    print(f"adapter written to {args.adapter_path}", flush=True)
+    save()
     if test_set is not None:
         loss = evaluate(model.module, data_lib.passes(test_set, args.batch_size, pad_id=pad, multiple=multiple))
         print(f"test loss {loss:.4f}, test perplexity {math.exp(loss):.4f}", flush=True)
