@@ -1,5 +1,6 @@
-"""LoRA fine-tuning against PyTorch + PEFT: the loss and its gradients, 20-step SGD and AdamW trajectories, the PEFT
-export, the jsonl data rules and the command line, on the tiny llama and qwen3 configs (float32).
+"""Fine-tuning against PyTorch + PEFT: the loss and its LoRA gradients, 20-step SGD and AdamW trajectories, the PEFT
+export, every parameter's gradient (full fine-tuning), the jsonl data rules and the command line (LoRA and full),
+on the tiny llama and qwen3 configs (float32).
 
 Everything day0jax computes is computed first (module fixture `runs`), then one reference subprocess runs every
 torch job; each train step compiles once (the batches of a trajectory share one shape).
