@@ -44,3 +44,7 @@ class UnsupportedKVCache(Day0Error):
     def __init__(self, message: str, *, kind: str, family: str | None = None):
         super().__init__(message)
         self.kind, self.family = kind, family
+
+
+class TrainingError(Day0Error):
+    """A fine-tuning request this runtime does not support (named), or training data it cannot use."""

@@ -32,7 +32,9 @@ def project_together(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]
     """
     n_in = linears[0].in_shape
     kernels = [linear.kernel for linear in linears]
-    if any(linear.in_shape != n_in or isinstance(k, QuantizedKernel) for linear, k in zip(linears, kernels)):
+    # Subclasses (a LoRA adapter's `layers.lora.LoRALinear`) add to the product: each runs its own call.
+    if any(linear.in_shape != n_in or isinstance(k, QuantizedKernel) or type(linear) is not Linear
+           for linear, k in zip(linears, kernels)):
         return [linear(x) for linear in linears]
     with jax.named_scope("projection"):
         ys = linear_op.linear(x, [k[...] for k in kernels], len(n_in))

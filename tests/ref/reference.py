@@ -79,6 +79,19 @@ Jobs (each a dict with "op"):
   parse_tools  {cases: [{family, text, tools}], out}: transformers' response parser (the fallback response template
                of each `family`, e.g. qwen3_5 or gemma4) on each generated `text`; OUT is a JSON list of
                {content, reasoning, calls: [[name, arguments]]}.
+  peft_train   {model, adapter, batches: [{tokens, mask}], optimizer, lrs, weight_decay, out}: the PEFT adapter
+               folder ADAPTER on the HF model, trainable, one torch.optim step per batch (AdamW with betas 0.9, 0.999,
+               eps 1e-8, or plain SGD; decay `weight_decay`; step i at learning rate lrs[i]), the loss transformers'
+               own with `labels` the tokens where mask is 1, else -100. Writes `losses` [steps], `grad.{name}` (the
+               first step's gradients) and `param.{name}` (the adapter after the last step), names as PEFT saves them.
+  full_grads   {model, batch: {tokens, mask}, out}: the loss (`labels` as in peft_train) and `grad.{name}` of every
+               parameter of the HF model (named_parameters: a tied table once).
+  peft_logits  {model, adapter, prompts, out}: float32 logits `logits_{i}` [T, V] of each prompt with the PEFT
+               adapter folder ADAPTER loaded on the HF model (`PeftModel.from_pretrained`).
+  train_rows   {model, rows, out}: each jsonl training row (messages, prompt/completion or text) as transformers'
+               tokenizer gives it: [ids, offset], the chat template without a generation prompt, the offset the
+               length of the prompt rendered with one (0 for text rows, whose ids are `tokenizer(text)` plus EOS
+               unless they end with it).
   render_chat  {cases: [{model, messages, tools?, kwargs?}], out}: the chat template of the tokenizer folder `model`
                applied to `messages` with a generation prompt (`apply_chat_template(..., tokenize=False, **kwargs)`);
                OUT is a JSON list of the rendered texts.
@@ -1021,6 +1034,86 @@ def nvfp4_dequantize(job):
             out[base] = dequantize(x_q=x, scale=tensors[base + "_scale"].to(torch.float32), args=args,
                                    global_scale=tensors[base + "_global_scale"], dtype=torch.float32).numpy()
     np.savez(job["out"], **out)
+
+
+def _peft_name(name):
+    """A trainable parameter's name in a PeftModel -> the name PEFT saves it under (no adapter name)."""
+    return name.replace(".default.", ".")
+
+
+def peft_train(job):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(_load(job["model"]), job["adapter"], is_trainable=True)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    wd = job.get("weight_decay", 0.0)
+    if job["optimizer"] == "adamw":
+        opt = torch.optim.AdamW(params, lr=job["lrs"][0], betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+    else:
+        opt = torch.optim.SGD(params, lr=job["lrs"][0], weight_decay=wd)
+    out, losses = {}, []
+    for i, batch in enumerate(job["batches"]):
+        tokens = torch.tensor(batch["tokens"])
+        labels = tokens.clone()
+        labels[torch.tensor(batch["mask"]) == 0] = -100
+        for group in opt.param_groups:
+            group["lr"] = job["lrs"][i]
+        opt.zero_grad()
+        loss = model(input_ids=tokens, labels=labels).loss
+        loss.backward()
+        if i == 0:
+            out.update({f"grad.{_peft_name(n)}": p.grad.detach().numpy().copy() for n, p in named})
+        opt.step()
+        losses.append(loss.item())
+    out["losses"] = np.array(losses)
+    out.update({f"param.{_peft_name(n)}": p.detach().numpy() for n, p in named})
+    np.savez(job["out"], **out)
+
+
+def full_grads(job):
+    model = _load(job["model"])
+    tokens = torch.tensor(job["batch"]["tokens"])
+    labels = tokens.clone()
+    labels[torch.tensor(job["batch"]["mask"]) == 0] = -100
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    out = {f"grad.{n}": p.grad.detach().numpy() for n, p in model.named_parameters()}
+    np.savez(job["out"], loss=np.array(loss.item()), **out)
+
+
+def peft_logits(job):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(_load(job["model"]), job["adapter"]).eval()
+    with torch.no_grad():
+        out = {f"logits_{i}": model(input_ids=torch.tensor([p])).logits[0].float().numpy()
+               for i, p in enumerate(job["prompts"])}
+    np.savez(job["out"], **out)
+
+
+def train_rows(job):
+    tok = _load(job["model"], "tokenizer")
+
+    def chat(messages, prompt, tools=None):
+        kwargs = {"tools": tools} if tools else {}
+        return list(tok.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True,
+                                            return_dict=False, **kwargs))
+
+    out = []
+    for row in job["rows"]:
+        if "messages" in row:
+            m, tools = row["messages"], row.get("tools")
+            out.append([chat(m, False, tools), len(chat(m[:-1], True, tools))])
+        elif "prompt" in row:
+            m = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+            out.append([chat(m, False), len(chat(m[:1], True))])
+        else:
+            ids = list(tok(row["text"]).input_ids)
+            if not ids or ids[-1] != tok.eos_token_id:
+                ids.append(tok.eos_token_id)
+            out.append([ids, 0])
+    json.dump(out, open(job["out"], "w"))
 
 
 def _op(name):

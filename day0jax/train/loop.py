@@ -1,0 +1,177 @@
+"""The training loop: optimizer steps over batches, report lines, validation loss, periodic saves."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from day0jax.core.errors import TrainingError
+from day0jax.train import step as step_lib
+from day0jax.train.data import Batch
+
+log = logging.getLogger(__name__)
+
+FINE_TUNE_TYPES = ("lora", "full")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimizer, its schedule and the loop's cadence (the command line's flags of the same names)."""
+
+    iters: int = 1000
+    learning_rate: float = 1e-4
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup: int = 0
+    grad_accumulation: int = 1
+    steps_per_report: int = 10
+    steps_per_eval: int = 200
+    save_every: int = 100
+
+    def __post_init__(self):
+        if self.iters < 0:
+            raise TrainingError(f"--iters {self.iters}: must be 0 or more")
+        if self.grad_accumulation < 1:
+            raise TrainingError(f"--grad-accumulation {self.grad_accumulation}: must be at least 1")
+        for name in ("steps_per_report", "steps_per_eval", "save_every"):
+            if getattr(self, name) < 1:
+                raise TrainingError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
+        if self.learning_rate <= 0:
+            raise TrainingError(f"--learning-rate {self.learning_rate}: must be positive")
+        if self.warmup < 0 or (self.iters and self.warmup > self.iters):
+            raise TrainingError(f"--warmup {self.warmup}: must be between 0 and --iters ({self.iters})")
+
+
+@dataclass
+class TrainResult:
+    """Per-step losses and learning rates, the validation losses ((step, loss) pairs) and the tokens trained on."""
+
+    losses: list[float] = field(default_factory=list)
+    learning_rates: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+
+
+def peak_memory() -> tuple[int, str]:
+    """(bytes, what): the device's peak use where the backend reports it, else the process's peak resident set."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "device"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host"
+
+
+def _placed_like(tree, rest):
+    """`tree` replicated over the mesh the model's other parameters live on, where the step's outputs land: inputs
+    placed otherwise would compile the step a second time."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = next((x.sharding.mesh for x in jax.tree.leaves(rest) if isinstance(x.sharding, NamedSharding)), None)
+    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def _loss_sum(graphdef, state, tokens, mask):
+    return step_lib.loss_sum(nnx.merge(graphdef, state), tokens, mask)
+
+
+# One jitted function for every evaluation: compiled once per model structure and batch shape, not per call.
+_jitted_loss_sum = jax.jit(_loss_sum, static_argnums=0)
+
+
+def evaluate(model: nnx.Module, batches: Iterable[Batch]) -> float:
+    """Mean cross-entropy over every target that counts in `batches` (all rows pooled)."""
+    graphdef, state = nnx.split(model)
+    total = count = 0.0
+    with step_lib.tracing(step_lib._dtype_of(state)):
+        for b in batches:
+            t, n = _jitted_loss_sum(graphdef, state, jnp.asarray(b.tokens), jnp.asarray(b.mask))
+            total, count = total + float(t), count + float(n)
+    if not count:
+        raise TrainingError("no target that counts in the evaluation data")
+    return total / count
+
+
+def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=None,
+          valid: Callable[[], Iterable[Batch]] | None = None, on_save: Callable[[int], None] | None = None,
+          report: Callable[[str], None] = print, pad_id: int = 0, progress: bool = False) -> TrainResult:
+    """Trains `model` in place for `config.iters` steps, each on `config.grad_accumulation` batches from `data`.
+
+    Args:
+        model: the nnx model, with LoRA adapters applied (`lora.apply_lora`) or not (then every parameter trains).
+        data: batches (an iterator is consumed as needed).
+        wrt: the nnx filter of what trains; default: the adapters if any, else every parameter.
+        valid: makes the validation batches, evaluated every `steps_per_eval` steps and after the last.
+        on_save: called with the step number every `save_every` steps.
+        report: where report lines go.
+        pad_id: the token id micro-batches of different lengths are padded with (it never counts).
+        progress: a progress bar over the steps on stderr.
+    Returns:
+        The `TrainResult`.
+    """
+    wrt = wrt if wrt is not None else step_lib.default_wrt(model)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    schedule = step_lib.schedule_fn(lr=config.learning_rate, schedule=config.lr_schedule, warmup=config.warmup,
+                                    iters=config.iters)
+    tx = step_lib.optimizer(config.optimizer, schedule, config.weight_decay)
+    params = _placed_like(params, rest)
+    opt_state = _placed_like(tx.init(params), rest)
+    step_fn = step_lib.make_step(tx, graphdef)
+    dtype = step_lib._dtype_of(rest)
+    result = TrainResult()
+    batches: Iterator[Batch] = iter(data)
+    window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+    bar = tqdm(total=config.iters, desc="training", unit="step", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    for it in range(1, config.iters + 1):
+        micro = list(itertools.islice(batches, config.grad_accumulation))
+        if len(micro) < config.grad_accumulation:
+            raise TrainingError(f"the data ran out at step {it}")
+        tokens, mask = step_lib.stack(micro, pad_id)
+        if not mask[:, :, 1:].any():
+            raise TrainingError(f"step {it}: its batches have no target that counts")
+        with step_lib.tracing(dtype):
+            params, opt_state, loss, _ = step_fn(params, rest, opt_state, jnp.asarray(tokens), jnp.asarray(mask))
+        loss = float(loss)
+        if not math.isfinite(loss):
+            raise TrainingError(f"step {it}: the loss is {loss}; lower --learning-rate")
+        lr = step_lib.learning_rate(it, lr=config.learning_rate, schedule=config.lr_schedule, warmup=config.warmup,
+                                    iters=config.iters)
+        n_tokens = sum(b.lengths for b in micro)
+        result.losses.append(loss)
+        result.learning_rates.append(lr)
+        result.tokens += n_tokens
+        window_loss.append(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        window_tokens += n_tokens
+        if it % config.steps_per_report == 0 or it == config.iters:
+            seconds = time.perf_counter() - window_start
+            peak, where = peak_memory()
+            report(f"step {it}: train loss {np.mean(window_loss):.4f}, lr {lr:.3e}, "
+                   f"{window_tokens / max(seconds, 1e-9):.1f} tokens/s, trained tokens {result.tokens}, "
+                   f"peak {where} memory {peak / 2 ** 30:.3f} GiB")
+            window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+        if valid is not None and (it % config.steps_per_eval == 0 or it == config.iters):
+            nnx.update(model, params)
+            val = evaluate(model, valid())
+            result.validation.append((it, val))
+            report(f"step {it}: validation loss {val:.4f}")
+        if on_save is not None and it % config.save_every == 0:
+            nnx.update(model, params)
+            on_save(it)
+    bar.close()
+    nnx.update(model, params)
+    return result
+

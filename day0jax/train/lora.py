@@ -1,0 +1,199 @@
+"""LoRA on a loaded model: which `Linear`s take adapters, their Hugging Face module names, and the PEFT export.
+
+The adapters' HF names come from the family's own tensor mapping (`Family.hf_source`, the one the converter reads),
+so an exported adapter names the modules of the checkpoint's original HF layout. A GGUF source's q/k rows were
+already put back into HF's order by the converter, so its adapters are in that layout too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from day0jax import models
+from day0jax.core.errors import TrainingError
+from day0jax.core.hf_tensors import default_source, same
+from day0jax.layers.linear import Linear
+from day0jax.layers.lora import LoRALinear, LoRAParam
+from day0jax.layers.quantized import QuantizedKernel
+
+DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PREFIX = "base_model.model."  # PEFT's prefix of a causal LM's module names
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """rank r, alpha (scale alpha / r), dropout (0 only), and the module names (HF's) that take adapters."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DENSE_TARGETS
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise TrainingError(f"--lora-rank {self.rank}: the rank must be at least 1")
+        if self.dropout != 0.0:
+            raise TrainingError(f"--lora-dropout {self.dropout}: LoRA dropout is not implemented (use 0)")
+
+
+@dataclass
+class Adapters:
+    """The adapted modules: runtime path (a tuple of attribute names and layer indices) -> HF module name."""
+
+    config: LoRAConfig
+    hf_names: dict[tuple, str] = field(default_factory=dict)
+
+    def modules(self, model: nnx.Module) -> dict[str, LoRALinear]:
+        """HF module name -> the model's adapted module."""
+        return {hf: _get(model, path) for path, hf in self.hf_names.items()}
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({hf.rsplit(".", 1)[-1] for hf in self.hf_names.values()})
+
+
+def _get(model: nnx.Module, path: tuple) -> Any:
+    node = model
+    for part in path:
+        node = node[part] if isinstance(part, int) else getattr(node, part)
+    return node
+
+
+def _set(model: nnx.Module, path: tuple, value: Any) -> None:
+    parent = _get(model, path[:-1])
+    if isinstance(path[-1], int):
+        parent[path[-1]] = value
+    else:
+        setattr(parent, path[-1], value)
+
+
+def hf_tensor_name(config: Any, path: str, var) -> str:
+    """The HF tensor the converter reshapes into the runtime parameter `path` (an nnx variable `var`): the inverse
+    of the family's mapping, for parameters made from one tensor by a reshape alone.
+
+    Raises:
+        TrainingError: the family builds the parameter from several tensors or another layout (fused, transposed
+            or stacked), which this version does not map back.
+    """
+    fam = models.family(config.model_type)
+    metadata = var.get_metadata()
+    shape = tuple(var.shape)
+    src = fam.hf_source(config, path, shape, metadata) or default_source(path, shape, metadata)
+    if len(src.names) != 1 or src.combine is not same or src.alternative is not None:
+        raise TrainingError(f"{config.model_type}: {path} is made from {list(src.names)} by more than a reshape; "
+                            "mapping it back to Hugging Face's layout is not implemented")
+    return src.names[0]
+
+
+def _hf_module_name(config: Any, kernel_path: str, kernel) -> str:
+    """The HF module whose `weight` the converter reshapes into this kernel (see `hf_tensor_name`)."""
+    name = hf_tensor_name(config, kernel_path, kernel)
+    if not name.endswith(".weight"):
+        raise TrainingError(f"{config.model_type}: {kernel_path} comes from {name!r}, not a module's weight")
+    return name[: -len(".weight")]
+
+
+def apply_lora(model: nnx.Module, config: LoRAConfig, seed: int = 0) -> Adapters:
+    """Replaces every `Linear` named in `config.targets` by a `LoRALinear` around it (A Kaiming-uniform from
+    `seed`, B zero), in place.
+
+    Returns:
+        The adapted modules with their HF names.
+    Raises:
+        TrainingError: a target that is not a float `Linear` (MoE experts' stacked weights, a quantized base, a map
+            whose kernel a layer reads itself), or no module of those names.
+    """
+    targets = set(config.targets)
+    found: list[tuple] = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path = tuple(path)
+        hits = [i for i, part in enumerate(path) if part in targets]
+        if not hits:
+            continue
+        owner = path[: hits[-1] + 1]
+        module = _get(model, owner)
+        if not isinstance(module, nnx.Module):
+            raise TrainingError(f"{'.'.join(map(str, path))}: LoRA on MoE experts' stacked weights is not "
+                                "implemented; leave the expert projections out of --lora-targets")
+        if type(module) is not Linear:
+            raise TrainingError(f"{'.'.join(map(str, owner))} is a {type(module).__name__}, not a plain linear map: "
+                                "LoRA on it is not implemented")
+        if isinstance(module.kernel, QuantizedKernel):
+            raise TrainingError(f"{'.'.join(map(str, owner))} is quantized: LoRA on a quantized base (QLoRA) is "
+                                "not implemented; convert the model in float (--dequantize)")
+        if not module.quantizable:
+            raise TrainingError(f"{'.'.join(map(str, owner))}: its layer reads the kernel itself, so an adapter "
+                                "would be bypassed; LoRA on it is not implemented")
+        if owner not in found:
+            found.append(owner)
+    if not found:
+        raise TrainingError(f"no module named {sorted(targets)} in this {model.config.model_type} model")
+    rngs = nnx.Rngs(params=seed)
+    adapters = Adapters(config)
+    for owner in found:
+        base = _get(model, owner)
+        kernel_path = ".".join(map(str, owner)) + ".kernel"
+        adapters.hf_names[owner] = _hf_module_name(model.config, kernel_path, base.kernel)
+        _set(model, owner, LoRALinear(base, config.rank, config.alpha, rngs=rngs))
+    return adapters
+
+
+def adapter_arrays(model: nnx.Module, adapters: Adapters) -> dict[str, np.ndarray]:
+    """PEFT's tensors: `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]."""
+    out = {}
+    for hf, module in adapters.modules(model).items():
+        out[f"{PREFIX}{hf}.lora_A.weight"] = np.asarray(module.lora_a[...], np.float32)
+        out[f"{PREFIX}{hf}.lora_B.weight"] = np.asarray(module.lora_b[...], np.float32)
+    return out
+
+
+def load_adapter_arrays(model: nnx.Module, adapters: Adapters, arrays: dict[str, np.ndarray]) -> None:
+    """Sets the adapters from PEFT's tensors (`adapter_arrays`' names and shapes), in place.
+
+    Raises:
+        TrainingError: a tensor missing, of another shape, or one that names no adapted module.
+    """
+    import jax.numpy as jnp
+
+    modules = adapters.modules(model)
+    wanted = {f"{PREFIX}{hf}.lora_{ab}.weight": (m, ab) for hf, m in modules.items() for ab in "AB"}
+    extra = sorted(set(arrays) - set(wanted))
+    if extra:
+        raise TrainingError(f"adapter tensor {extra[0]!r} names no adapted module of this model")
+    for name, (module, ab) in wanted.items():
+        if name not in arrays:
+            raise TrainingError(f"adapter tensor {name!r} is missing")
+        var = module.lora_a if ab == "A" else module.lora_b
+        if tuple(arrays[name].shape) != tuple(var.shape):
+            raise TrainingError(f"adapter tensor {name!r} has shape {tuple(arrays[name].shape)}, expected "
+                                f"{tuple(var.shape)}")
+        var[...] = jnp.asarray(arrays[name], jnp.float32)
+
+
+def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base_model: str) -> Path:
+    """Writes a PEFT LoRA folder (`adapter_config.json`, `adapter_model.safetensors`) that
+    `peft.PeftModel.from_pretrained` loads on the HF model `base_model` names."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = adapters.config
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c.rank, "lora_alpha": c.alpha,
+              "lora_dropout": c.dropout, "target_modules": adapters.target_modules, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+              "base_model_name_or_path": base_model}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(adapter_arrays(model, adapters), str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    return folder
+
+
+def lora_filter():
+    """The nnx filter of the adapters' parameters (what LoRA training differentiates and updates)."""
+    return LoRAParam

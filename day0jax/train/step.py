@@ -1,0 +1,169 @@
+"""The loss, its gradients and one optimizer step, as pure functions of the split model (jitted once per shape).
+
+The model's operators are traced through their references (`kernels_pallas` policy 'reference'): those are plain
+jax.numpy and differentiable, where some kernels (the CPU linear kernel, Pallas kernels) have no gradient.
+Float32 models multiply in true float32 (`exact_float32`), as the parity tests need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from day0jax.core.errors import TrainingError
+from day0jax.layers.linear import exact_float32
+from day0jax.train.data import Batch
+from kernels_pallas import registry
+
+
+@contextlib.contextmanager
+def tracing(dtype=jnp.float32):
+    """The context every training program is traced in: reference operators, exact float32 products."""
+    with registry.use_policy(registry.Policy("reference")), exact_float32(dtype):
+        yield
+
+
+def forward_logits(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """tokens int32 [B, T] -> float32 logits [B, T, V]: a full forward pass at positions 0..T-1, no cache."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    hidden, _ = model(tokens, positions)
+    return model.logits(hidden).astype(jnp.float32)
+
+
+def token_nll(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """tokens int32 [B, T] -> float32 [B, T - 1]: -log p(token t + 1 | tokens <= t), from float32 logits."""
+    logp = jax.nn.log_softmax(forward_logits(model, tokens)[:, :-1], axis=-1)  # [B, T - 1, V]
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def loss_sum(model: nnx.Module, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of the cross-entropies of the targets that count, their number), float32."""
+    weights = mask[:, 1:].astype(jnp.float32)
+    return jnp.sum(token_nll(model, tokens) * weights), jnp.sum(weights)
+
+
+def _split(model: nnx.Module, wrt) -> tuple[Any, nnx.State, nnx.State]:
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    return graphdef, params, rest
+
+
+def _sum_and_grads(graphdef, params, rest, tokens, mask):
+    def f(p):
+        return loss_sum(nnx.merge(graphdef, p, rest), tokens, mask)
+
+    (total, count), grads = jax.value_and_grad(f, has_aux=True)(params)
+    return total, count, grads
+
+
+_jitted_loss_and_grads = jax.jit(_sum_and_grads, static_argnums=0)
+
+
+def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None) -> tuple[float, nnx.State]:
+    """The batch's loss (mean cross-entropy over its targets that count) and its gradient with respect to the
+    parameters `wrt` selects (an nnx filter; default: the LoRA adapters if the model has any, else every
+    parameter).
+
+    Returns:
+        (loss, gradients as an `nnx.State` of the same paths as those parameters).
+    Raises:
+        TrainingError: a batch with no target that counts.
+    """
+    wrt = wrt if wrt is not None else default_wrt(model)
+    if batch.targets == 0:
+        raise TrainingError("the batch has no target that counts (every token padding or masked prompt)")
+    graphdef, params, rest = _split(model, wrt)
+    with tracing(_dtype_of(rest)):
+        total, count, grads = _jitted_loss_and_grads(graphdef, params, rest, jnp.asarray(batch.tokens),
+                                                     jnp.asarray(batch.mask))
+    return float(total / count), jax.tree.map(lambda g: g / count, grads)
+
+
+def default_wrt(model: nnx.Module):
+    from day0jax.layers.lora import LoRAParam
+
+    has_lora = bool(jax.tree.leaves(nnx.state(model, LoRAParam)))
+    return LoRAParam if has_lora else nnx.Param
+
+
+def _dtype_of(state: nnx.State):
+    floats = [x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return floats[0] if floats else jnp.float32
+
+
+# --- optimizers and schedules ------------------------------------------------------------------------------------
+
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
+
+
+def learning_rate(step: int, *, lr: float, schedule: str = "constant", warmup: int = 0, iters: int = 1) -> float:
+    """The learning rate of step `step` (1-based): linear warmup lr * step / warmup over the first `warmup` steps,
+    then `lr` (constant) or lr * (1 + cos(pi * (step - warmup - 1) / (iters - warmup))) / 2 (cosine), which starts
+    at lr and stays above 0 at the last step."""
+    if step <= warmup:
+        return lr * step / warmup
+    if schedule == "constant":
+        return lr
+    return lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup - 1) / max(iters - warmup, 1)))
+
+
+def schedule_fn(*, lr: float, schedule: str, warmup: int, iters: int) -> Callable[[jax.Array], jax.Array]:
+    """`learning_rate` as an optax schedule of optax's step count (0-based)."""
+    if schedule not in SCHEDULES:
+        raise TrainingError(f"--lr-schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+
+    def fn(count):
+        step = count.astype(jnp.float32) + 1.0
+        warm = lr * step / max(warmup, 1)
+        after = (jnp.full_like(step, lr) if schedule == "constant" else
+                 lr * 0.5 * (1.0 + jnp.cos(jnp.pi * (step - warmup - 1) / max(iters - warmup, 1))))
+        return jnp.where(step <= warmup, warm, after)
+
+    return fn
+
+
+def optimizer(name: str, schedule: Callable, weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """'adamw' (torch.optim.AdamW's defaults: betas 0.9, 0.999, eps 1e-8, decoupled decay lr * weight_decay) or
+    'sgd' (plain, torch.optim.SGD's weight decay: weight_decay * p added to the gradient)."""
+    if name == "adamw":
+        return optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if name == "sgd":
+        return optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(schedule))
+    raise TrainingError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def make_step(tx: optax.GradientTransformation, graphdef) -> Callable:
+    """One optimizer step over `A` micro-batches (tokens, mask [A, B, T]), their gradients accumulated as the
+    gradient of the mean over all their targets: (params, rest, opt_state, tokens, mask) -> (params, opt_state,
+    loss, targets). Jitted: compiled once per shape."""
+
+    def step(params, rest, opt_state, tokens, mask):
+        def micro(carry, xs):
+            total, count, grads = carry
+            t, n, g = _sum_and_grads(graphdef, params, rest, *xs)
+            return (total + t, count + n, jax.tree.map(jnp.add, grads, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (total, count, grads), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0), zeros), (tokens, mask))
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, total / count, count
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+def stack(batches: list[Batch], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Micro-batches -> tokens, mask [A, B, T], each padded to the longest (padding never counts)."""
+    T = max(b.tokens.shape[1] for b in batches)
+    tokens = np.stack([np.pad(b.tokens, ((0, 0), (0, T - b.tokens.shape[1])), constant_values=pad_id)
+                       for b in batches])
+    mask = np.stack([np.pad(b.mask, ((0, 0), (0, T - b.mask.shape[1]))) for b in batches])
+    return tokens, mask

@@ -1,0 +1,423 @@
+"""Fine-tuning against PyTorch + PEFT: the loss and its LoRA gradients, 20-step SGD and AdamW trajectories, the PEFT
+export, every parameter's gradient (full fine-tuning), the jsonl data rules and the command line (LoRA and full),
+on the tiny llama and qwen3 configs (float32).
+
+Everything day0jax computes is computed first (module fixture `runs`), then one reference subprocess runs every
+torch job; each train step compiles once (the batches of a trajectory share one shape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from conftest import run_reference
+from families import FAMILIES, PROMPTS
+
+TRAINED = ("llama", "qwen3")
+STEPS, RANK, ALPHA = 20, 4, 8.0
+# Rates at which the loss on 4 batches seen 5 times each falls by a third or more in 20 steps. Larger steps (or a
+# larger initial B) make the trajectory chaotic: at SGD 0.5 float32 rounding grew tenfold a step, and no two
+# implementations follow it. AdamW with decoupled decay, warmup and the cosine schedule.
+RUNS = {"sgd": dict(optimizer="sgd", learning_rate=0.2, weight_decay=0.01),
+        "adamw": dict(optimizer="adamw", learning_rate=2e-3, weight_decay=0.01, lr_schedule="cosine", warmup=3)}
+# (family, run): SGD on one family, AdamW on both (each is one more compilation).
+TRAJECTORIES = [("llama", "sgd"), ("llama", "adamw"), ("qwen3", "adamw")]
+B_INIT = 0.1  # the initial adapter's B: N(0, B_INIT^2), so that A's gradients are not zero
+# Measured on the CPU in float32 (see the report of each test): loss 1e-7 relative, gradients ~1e-6 relative L2,
+# trajectories' losses ~1e-6, final adapters ~1e-5, PEFT logits ~1e-6 of the logit scale.
+LOSS_RTOL, GRAD_RTOL, TRAJ_RTOL, ADAPTER_RTOL, LOGITS_RTOL = 1e-5, 1e-4, 1e-4, 1e-4, 1e-4
+
+CHAT_ROWS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                  {"role": "assistant", "content": "4."}]},
+    {"prompt": "Name a colour.", "completion": "Blue, like the sky."},
+    {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi there!"}]},
+    {"prompt": "Count to three.", "completion": "One, two, three."},
+    {"prompt": "Capital of France?", "completion": "Paris."},
+]
+TEXT_ROWS = [{"text": "Once upon a time, there was a tiny model."}, {"text": "naïve café 日本語 🤗"}]
+
+
+def batches_for(vocab: int, seed: int) -> list:
+    """STEPS batches cycling through 4 of 2 rows, 12 tokens: one row padded after 9 tokens, the other's first 3
+    targets masked (a prompt), so that padding and masks both take part."""
+    from day0jax.train import Example, collate
+
+    rng = np.random.default_rng(seed)
+    distinct = []
+    for _ in range(4):
+        a, b = rng.integers(3, vocab, 12), rng.integers(3, vocab, 9)
+        distinct.append(collate([Example(tuple(int(t) for t in a), 4), Example(tuple(int(t) for t in b), 0)]))
+    return [distinct[i % 4] for i in range(STEPS)]
+
+
+def rel_l2(ours, ref) -> float:
+    return float(np.linalg.norm(np.asarray(ours) - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def logits_of(module, prompts) -> list[np.ndarray]:
+    """Each prompt's logits, from one forward pass of the prompts right-padded (attention is causal)."""
+    from day0jax.train.step import forward_logits, tracing
+
+    tokens = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    with tracing():
+        logits = np.asarray(jax.jit(forward_logits)(module, jnp.asarray(tokens)))
+    return [logits[i, :len(p)] for i, p in enumerate(prompts)]
+
+
+def lora_model(path, seed: int = 0):
+    import day0jax
+    from day0jax.train import LoRAConfig, apply_lora
+
+    model = day0jax.load(path, dtype="float32", kernels="reference")
+    return model, apply_lora(model.module, LoRAConfig(rank=RANK, alpha=ALPHA), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, converted, tmp_path_factory):
+    """Per family: the initial adapter (A from PEFT's initialisation, B random so that every gradient is nonzero)
+    written as PEFT, day0jax's loss, gradients and logits with it, and the losses and final adapter of each
+    optimizer's 20 steps; the command line's runs on a tiny chat checkpoint; then every reference job at once."""
+    from day0jax.train import TrainConfig, adapter_arrays, loss_and_grads, save_adapter, train
+    from day0jax.train.lora import PREFIX, load_adapter_arrays
+    from serve_tiny import write_tiny_chat_checkpoint
+
+    root = tmp_path_factory.mktemp("train")
+    out, jobs = {}, []
+    for name in TRAINED:
+        model, adapters = lora_model(converted[name])
+        rng = np.random.default_rng(1)
+        initial = adapter_arrays(model.module, adapters)
+        initial.update({k: (B_INIT * rng.standard_normal(v.shape)).astype(np.float32)
+                        for k, v in initial.items() if k.endswith("lora_B.weight")})
+        load_adapter_arrays(model.module, adapters, initial)
+        folder = save_adapter(model.module, adapters, root / name / "initial", str(tiny[name]["hf"]))
+        batches = batches_for(FAMILIES[name][1]["vocab_size"], seed=2)
+        loss, grads = loss_and_grads(model.module, batches[0])
+        flat = {".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): v
+                for path, v in jax.tree_util.tree_flatten_with_path(grads)[0]}
+        grads_by_hf = {}
+        for hf, module in adapters.modules(model.module).items():
+            owner = next(p for p, h in adapters.hf_names.items() if h == hf)
+            key = ".".join(map(str, owner))
+            grads_by_hf[f"{PREFIX}{hf}.lora_A.weight"] = np.asarray(flat[f"{key}.lora_a.value"])
+            grads_by_hf[f"{PREFIX}{hf}.lora_B.weight"] = np.asarray(flat[f"{key}.lora_b.value"])
+        rec = {"folder": folder, "initial": initial, "loss": loss, "grads": grads_by_hf,
+               "logits": logits_of(model.module, PROMPTS), "runs": {}}
+        jobs.append({"op": "peft_logits", "model": str(tiny[name]["hf"]), "adapter": str(folder),
+                     "prompts": PROMPTS, "out": str(root / name / "peft_logits.npz")})
+        for run_name in [r for f, r in TRAJECTORIES if f == name]:
+            kwargs = RUNS[run_name]
+            load_adapter_arrays(model.module, adapters, initial)
+            config = TrainConfig(iters=STEPS, steps_per_report=STEPS, **kwargs)
+            result = train(model.module, batches, config, report=lambda line: None)
+            rec["runs"][run_name] = {"losses": result.losses, "lrs": result.learning_rates,
+                                     "final": adapter_arrays(model.module, adapters)}
+            jobs.append({"op": "peft_train", "model": str(tiny[name]["hf"]), "adapter": str(folder),
+                         "batches": [{"tokens": b.tokens.tolist(), "mask": b.mask.tolist()} for b in batches],
+                         "optimizer": kwargs["optimizer"], "lrs": result.learning_rates,
+                         "weight_decay": kwargs["weight_decay"], "out": str(root / name / f"{run_name}.npz")})
+        out[name] = rec
+    # Full fine-tuning: every parameter's gradient (Llama), the model without adapters.
+    import day0jax
+    from day0jax.train.lora import hf_tensor_name
+
+    base = day0jax.load(converted["llama"], dtype="float32", kernels="reference")
+    batch = batches_for(FAMILIES["llama"][1]["vocab_size"], seed=2)[0]
+    loss, grads = loss_and_grads(base.module, batch)
+    params = dict(nnx.to_flat_state(nnx.state(base.module, nnx.Param)))
+    full = {}
+    for path, g in nnx.to_flat_state(grads):
+        var = params[path]
+        full[hf_tensor_name(base.config, ".".join(map(str, path)), var)] = np.asarray(g.get_value())
+    out["full"] = {"loss": loss, "grads": full}
+    jobs.append({"op": "full_grads", "model": str(tiny["llama"]["hf"]), "out": str(root / "full_grads.npz"),
+                 "batch": {"tokens": batch.tokens.tolist(), "mask": batch.mask.tolist()}})
+
+    # The command line on a tiny Llama with SmolLM2's tokenizer and chat template.
+    ckpt = write_tiny_chat_checkpoint(root)
+    data = root / "data"
+    data.mkdir()
+    for split, rows in (("train", CHAT_ROWS), ("valid", CHAT_ROWS[:2]), ("test", CHAT_ROWS[2:4])):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli = {"ckpt": ckpt, "data": data}
+    for label, extra in (("zero", ["--iters", "0"]),
+                         ("trained", ["--iters", "4", "--batch-size", "2", "--mask-prompt", "--learning-rate", "1e-2",
+                                      "--steps-per-report", "2", "--steps-per-eval", "4", "--no-shuffle"])):
+        cli[label] = root / f"adapter-{label}"
+        cli[f"{label}_rc"], cli[f"{label}_out"] = run_cli(["--model", str(ckpt), "--data", str(data), "--adapter-path",
+                                                           str(cli[label]), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), *extra])
+    if cli["trained_rc"] == 0:
+        jobs.append({"op": "peft_logits", "model": str(root / "tiny-chat-hf"), "adapter": str(cli["trained"]),
+                     "prompts": PROMPTS, "out": str(root / "cli_peft_logits.npz")})
+    jobs.append({"op": "train_rows", "model": str(root / "tiny-chat-hf"), "rows": CHAT_ROWS + TEXT_ROWS,
+                 "out": str(root / "rows.json")})
+    run_reference(jobs, root)
+    for name in TRAINED:
+        out[name]["ref_logits"] = dict(np.load(root / name / "peft_logits.npz"))
+        for run_name in out[name]["runs"]:
+            out[name]["runs"][run_name]["ref"] = dict(np.load(root / name / f"{run_name}.npz"))
+    out["full"]["ref"] = dict(np.load(root / "full_grads.npz"))
+    cli["ref_rows"] = json.loads((root / "rows.json").read_text())
+    if cli["trained_rc"] == 0:
+        cli["ref_logits"] = dict(np.load(root / "cli_peft_logits.npz"))
+    out["cli"] = cli
+    return out
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """`python -m day0jax.train ARGV` in this process (no second jax start): exit status and stdout + stderr."""
+    from day0jax.train.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        rc = main(argv)
+    return rc, buf.getvalue()
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_loss_and_gradients_match_peft(runs, name):
+    r = runs[name]
+    ref = next(iter(r["runs"].values()))["ref"]  # the first step's gradients: the same for every optimizer
+    loss_err = abs(r["loss"] - ref["losses"][0]) / ref["losses"][0]
+    grad_errs = {k: rel_l2(g, ref[f"grad.{k}"]) for k, g in r["grads"].items()}
+    print(f"{name}: loss {r['loss']:.6f} (relative error {loss_err:.1e}), worst gradient error "
+          f"{max(grad_errs.values()):.1e} over {len(grad_errs)} tensors")
+    assert set(r["grads"]) == {k[len("grad."):] for k in ref if k.startswith("grad.")}
+    assert loss_err < LOSS_RTOL
+    assert all(np.linalg.norm(ref[f"grad.{k}"]) > 0 for k in r["grads"])  # every adapter takes part
+    assert max(grad_errs.values()) < GRAD_RTOL, sorted(grad_errs.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_full_fine_tuning_gradients_match_torch(runs):
+    """Without adapters every parameter trains: its gradient, reshaped to the HF tensor, equals torch's."""
+    full = runs["full"]
+    ref = full["ref"]
+    loss_err = abs(full["loss"] - ref["loss"]) / ref["loss"]
+    errs = {k: rel_l2(np.asarray(g).reshape(ref[f"grad.{k}"].shape), ref[f"grad.{k}"])
+            for k, g in full["grads"].items()}
+    print(f"full fine-tuning (llama): loss error {loss_err:.1e}, worst gradient error {max(errs.values()):.1e} over "
+          f"{len(errs)} tensors")
+    assert set(full["grads"]) == {k[len("grad."):] for k in ref if k.startswith("grad.")}
+    assert loss_err < LOSS_RTOL and max(errs.values()) < GRAD_RTOL, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("name, run_name", TRAJECTORIES)
+def test_trajectory_matches_peft(runs, name, run_name):
+    run = runs[name]["runs"][run_name]
+    ref = run["ref"]
+    losses = np.asarray(run["losses"])
+    loss_err = float(np.max(np.abs(losses - ref["losses"]) / ref["losses"]))
+    final_errs = {k: rel_l2(v, ref[f"param.{k}"]) for k, v in run["final"].items()}
+    moved = max(rel_l2(v, runs[name]["initial"][k]) for k, v in run["final"].items())
+    print(f"{name} {run_name}: losses {losses[0]:.4f} -> {losses[-1]:.4f}, worst loss error {loss_err:.1e}, "
+          f"worst final adapter error {max(final_errs.values()):.1e} (the adapter moved {moved:.1e})")
+    assert losses[-4:].mean() < 0.9 * losses[:4].mean()  # it trains
+    assert loss_err < TRAJ_RTOL
+    assert max(final_errs.values()) < ADAPTER_RTOL
+    assert moved > 100 * ADAPTER_RTOL  # the comparison means something
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_exported_adapter_gives_the_same_logits_in_peft(runs, name):
+    r = runs[name]
+    errs = []
+    for i, ours in enumerate(r["logits"]):
+        ref = r["ref_logits"][f"logits_{i}"]
+        errs.append(float(np.abs(ours - ref).max() / np.abs(ref).max()))
+    print(f"{name}: logits with the adapter, worst relative error {max(errs):.1e}")
+    assert max(errs) < LOGITS_RTOL
+
+
+def test_adapter_layout_is_peft(runs):
+    r = runs["llama"]
+    config = json.loads((r["folder"] / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == RANK and config["lora_alpha"] == ALPHA
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    tensors = load_file(r["folder"] / "adapter_model.safetensors")
+    D, N, K = 64, 4, 2
+    H = D // N
+    assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (RANK, D)
+    assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (K * H, RANK)
+    assert tensors["base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"].shape == (RANK, N * H)
+    assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].shape == (D, RANK)
+    assert len(tensors) == 2 * 7 * 2
+
+
+def test_cli_initial_adapter_starts_as_peft(runs):
+    cli = runs["cli"]
+    assert cli["zero_rc"] == 0, cli["zero_out"]
+    tensors = load_file(cli["zero"] / "adapter_model.safetensors")
+    a = [v for k, v in tensors.items() if k.endswith("lora_A.weight")]
+    b = [v for k, v in tensors.items() if k.endswith("lora_B.weight")]
+    assert len(a) == len(b) == 14 and all(not v.any() for v in b)
+    for v in a:  # Kaiming-uniform as PEFT draws it: U(-1/sqrt(in), 1/sqrt(in)), std bound / sqrt(3)
+        bound = 1 / math.sqrt(v.shape[1])
+        assert np.abs(v).max() <= bound and abs(v.std() - bound / math.sqrt(3)) < 0.15 * bound
+
+
+def test_cli_trains_reports_and_exports(runs):
+    from day0jax.train.lora import load_adapter_arrays
+
+    cli = runs["cli"]
+    assert cli["trained_rc"] == 0, cli["trained_out"]
+    out = cli["trained_out"]
+    lines = [line for line in out.splitlines() if "train loss" in line]
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"]
+    for field in ("lr 1.000e-02", "tokens/s", "trained tokens", "peak"):
+        assert field in lines[0], lines[0]
+    assert "step 4: validation loss" in out and "test perplexity" in out
+    # The exported adapter in PEFT on the HF model gives day0jax's logits with the same adapter loaded back.
+    model, adapters = lora_model(cli["ckpt"])
+    load_adapter_arrays(model.module, adapters, load_file(cli["trained"] / "adapter_model.safetensors"))
+    ours = logits_of(model.module, PROMPTS)
+    errs = [float(np.abs(o - cli["ref_logits"][f"logits_{i}"]).max() / np.abs(cli["ref_logits"][f"logits_{i}"]).max())
+            for i, o in enumerate(ours)]
+    print(f"command line adapter: logits in PEFT, worst relative error {max(errs):.1e}")
+    assert max(errs) < LOGITS_RTOL
+    assert any(np.abs(v).max() > 0 for k, v in load_file(cli["trained"] / "adapter_model.safetensors").items()
+               if k.endswith("lora_B.weight"))
+
+
+def test_cli_full_fine_tuning_writes_a_checkpoint(runs, tmp_path):
+    """--fine-tune-type full trains every parameter and writes a checkpoint that loads and gives the validation loss
+    the run reported."""
+    import day0jax
+    from day0jax.train import data, evaluate
+
+    cli = runs["cli"]
+    rc, out = run_cli(["--model", str(cli["ckpt"]), "--data", str(cli["data"]), "--adapter-path", str(tmp_path / "ft"),
+                       "--fine-tune-type", "full", "--iters", "2", "--batch-size", "2", "--learning-rate", "1e-3",
+                       "--steps-per-eval", "2", "--no-shuffle"])
+    assert rc == 0, out
+    reported = float(out.split("step 2: validation loss ")[1].split()[0])
+    tuned = day0jax.load(tmp_path / "ft", dtype="float32", kernels="reference")
+    base = day0jax.load(cli["ckpt"], dtype="float32", kernels="reference")
+    eos = data.eos_id(tuned.tokenizer, tuned.eos_token_ids)
+    valid = data.load_split(cli["data"], "valid", tuned.tokenizer, mask_prompt=False, eos=eos, max_seq_length=2048)
+    pad = data.pad_id_of(tuned.tokenizer, eos)
+    losses = [evaluate(m.module, data.passes(valid, 2, pad_id=pad, multiple=32)) for m in (tuned, base)]
+    print(f"full fine-tuning from the command line: validation loss {losses[1]:.4f} -> {losses[0]:.4f}")
+    assert abs(losses[0] - reported) < 1e-4 and losses[0] < losses[1]
+    w = np.asarray(tuned.module.model.layers[0].mlp.down_proj.kernel[...])
+    assert not np.array_equal(w, np.asarray(base.module.model.layers[0].mlp.down_proj.kernel[...]))
+
+
+def test_rows_tokenize_as_transformers(runs):
+    """messages / prompt-completion rendered with the chat template (the offset: the prompt with a generation
+    prompt), text rows as tokenizer(text) plus EOS."""
+    import day0jax
+    from day0jax.train import data
+
+    model = day0jax.load(runs["cli"]["ckpt"], dtype="float32", kernels="reference")
+    eos = data.eos_id(model.tokenizer, model.eos_token_ids)
+    for row, (ids, offset) in zip(CHAT_ROWS + TEXT_ROWS, runs["cli"]["ref_rows"]):
+        ex = data.encode(row, model.tokenizer, mask_prompt="text" not in row, eos=eos)
+        assert list(ex.tokens) == ids and ex.offset == offset, row
+        assert 0 < ex.offset < len(ex.tokens) or "text" in row
+
+
+def test_batching_order_and_masks():
+    from day0jax.train import Example, batches, collate
+
+    examples = [Example(tuple(range(3 + i)), i % 2 * 2) for i in range(5)]
+    first = [b.tokens[:, :3].tolist() for b in itertools.islice(
+        batches(examples, 2, shuffle=False), 3)]
+    # File order, two at a time, starting again from the first after the last.
+    assert [[row[2] for row in b] for b in first] == [[2, 2], [2, 2], [2, 2]]
+    lengths = [[int(r.sum()) for r in b.real] for b in itertools.islice(
+        batches(examples, 2, shuffle=False), 3)]
+    assert lengths == [[3, 4], [5, 6], [7, 3]]
+    a = [b.tokens.tolist() for b in itertools.islice(batches(examples, 2, seed=5), 6)]
+    assert a == [b.tokens.tolist() for b in itertools.islice(batches(examples, 2, seed=5), 6)]
+    assert a != [b.tokens.tolist() for b in itertools.islice(batches(examples, 2, seed=6), 6)]
+    b = collate([Example((5, 6, 7, 8), 2), Example((5, 6), 0)])
+    assert b.tokens.tolist() == [[5, 6, 7, 8], [5, 6, 0, 0]]
+    assert b.mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]] and b.targets == 3
+
+
+def test_gradient_accumulation_steps_on_the_mean_over_all_targets(runs, converted):
+    """Two batches accumulated: one SGD step (rate 1) on the gradient of the mean over all their targets, each
+    batch's gradient weighted by its number of targets (the batches' shapes are the trajectories': no new
+    compilation of the gradient)."""
+    from day0jax.train import Example, TrainConfig, adapter_arrays, collate, loss_and_grads, train
+    from day0jax.train.lora import load_adapter_arrays
+
+    model, adapters = lora_model(converted["llama"])
+    initial = runs["llama"]["initial"]
+    load_adapter_arrays(model.module, adapters, initial)
+    first, second = batches_for(FAMILIES["llama"][1]["vocab_size"], seed=2)[:2]
+    # The second with a longer prompt (same shape): unequal weights, where a plain average of the two would differ.
+    second = collate([Example(tuple(int(t) for t in second.tokens[0]), 8),
+                      Example(tuple(int(t) for t in second.tokens[1, :9]), 0)])
+    micro = [first, second]
+    assert micro[0].targets == 16 and micro[1].targets == 12 and second.tokens.shape == first.tokens.shape
+    weighted = None
+    for b in micro:
+        _, g = loss_and_grads(model.module, b)
+        g = jax.tree.map(lambda x: x * b.targets, g)
+        weighted = g if weighted is None else jax.tree.map(jnp.add, weighted, g)
+    total = sum(b.targets for b in micro)
+    expected = {k: np.asarray(v.get_value()) / total for k, v in nnx.to_flat_state(weighted)}
+    train(model.module, micro, TrainConfig(iters=1, optimizer="sgd", learning_rate=1.0, grad_accumulation=2),
+          report=lambda line: None)
+    final = adapter_arrays(model.module, adapters)
+    by_path = {p: hf for p, hf in adapters.hf_names.items()}
+    errs = []
+    for path, g in expected.items():
+        hf = by_path[tuple(path[:-1])]
+        key = f"base_model.model.{hf}.lora_{'A' if path[-1] == 'lora_a' else 'B'}.weight"
+        errs.append(rel_l2(initial[key] - final[key], g))
+    assert len(errs) == 28 and max(errs) < 1e-5, max(errs)
+
+
+def test_learning_rate_schedule():
+    from day0jax.train import learning_rate
+    from day0jax.train.step import schedule_fn
+
+    lrs = [learning_rate(s, lr=1.0, schedule="cosine", warmup=2, iters=6) for s in range(1, 7)]
+    assert np.allclose(lrs, [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
+    fn = schedule_fn(lr=1.0, schedule="cosine", warmup=2, iters=6)
+    assert np.allclose([float(fn(jnp.int32(s - 1))) for s in range(1, 7)], lrs, atol=1e-7)
+    assert learning_rate(5, lr=2.0, schedule="constant", warmup=0, iters=9) == 2.0
+
+
+def test_refusals_are_named(runs, tmp_path):
+    from day0jax import models
+    from day0jax.core.errors import TrainingError
+    from day0jax.train import LoRAConfig, apply_lora
+
+    cli = runs["cli"]
+    base = ["--model", str(cli["ckpt"]), "--data", str(cli["data"]), "--adapter-path", str(tmp_path / "a")]
+    for flags, said in ((["--mesh", "dp=2"], "--mesh"), (["--resume"], "--resume"),
+                        (["--grad-checkpoint"], "--grad-checkpoint"), (["--lora-dropout", "0.1"], "dropout"),
+                        (["--lora-targets", "nothing"], "no module named")):
+        rc, out = run_cli(base + flags)
+        assert rc == 2 and said in out, (flags, out)
+    model_type, config, _ = ("qwen3_moe", dict(FAMILIES["llama"][1], num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32), None)
+    abstract = models.abstract_model(models.config_from_hf(dict(config, model_type=model_type)))
+    with pytest.raises(TrainingError, match="MoE experts"):
+        apply_lora(abstract, LoRAConfig(targets=("q_proj", "gate_proj")))
+    # A quantized base (QLoRA) is refused by the module's name.
+    from day0jax.layers.quantized import QuantSpec
+
+    llama = models.config_from_hf(dict(FAMILIES["llama"][1], model_type="llama"))
+    quantized = models.abstract_model(llama, quantization={"model.layers.0.self_attn.q_proj": QuantSpec("int8", 32)})
+    with pytest.raises(TrainingError, match=r"model\.layers\.0\.self_attn\.q_proj is quantized"):
+        apply_lora(quantized, LoRAConfig())
