@@ -259,6 +259,32 @@ def test_adapter_layout_is_peft(runs):
     assert len(tensors) == 2 * 7 * 2
 
 
+def test_adapter_saves_replace_only_adapters_and_leave_nothing_beside(converted, tmp_path):
+    """A save goes into a hidden folder renamed into place (periodic saves over the same path included): the last
+    save is what the folder holds, nothing else is left beside it, and a folder that is not an adapter's is refused
+    with its contents untouched."""
+    from day0jax.core.errors import TrainingError
+    from day0jax.train import adapter_arrays, save_adapter
+    from day0jax.train.lora import load_adapter_arrays
+
+    model, adapters = lora_model(converted["llama"])
+    folder = tmp_path / "adapter"
+    save_adapter(model.module, adapters, folder, "base")
+    arrays = adapter_arrays(model.module, adapters)
+    load_adapter_arrays(model.module, adapters, {k: v + 1 for k, v in arrays.items()})
+    save_adapter(model.module, adapters, folder, "base")
+    saved = load_file(folder / "adapter_model.safetensors")
+    assert all(np.array_equal(saved[k], arrays[k] + 1) for k in arrays)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(TrainingError, match="not a LoRA adapter folder"):
+        save_adapter(model.module, adapters, other, "base")
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "notes"]
+
+
 def test_cli_initial_adapter_starts_as_peft(runs):
     cli = runs["cli"]
     assert cli["zero_rc"] == 0, cli["zero_out"]

@@ -8,6 +8,9 @@ already put back into HF's order by the converter, so its adapters are in that l
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,20 +181,52 @@ def load_adapter_arrays(model: nnx.Module, adapters: Adapters, arrays: dict[str,
 
 def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base_model: str) -> Path:
     """Writes a PEFT LoRA folder (`adapter_config.json`, `adapter_model.safetensors`) that
-    `peft.PeftModel.from_pretrained` loads on the HF model `base_model` names."""
+    `peft.PeftModel.from_pretrained` loads on the HF model `base_model` names. Atomically: the files go into a
+    hidden folder beside it, renamed into place once complete, so a crash mid-save (a periodic save included)
+    leaves the previous adapter whole. An existing `folder` is replaced only if it holds an adapter or nothing.
+
+    Raises:
+        TrainingError: `folder` exists and is neither an adapter folder nor empty.
+    """
     from safetensors.numpy import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    c = adapters.config
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c.rank, "lora_alpha": c.alpha,
-              "lora_dropout": c.dropout, "target_modules": adapters.target_modules, "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
-              "base_model_name_or_path": base_model}
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(adapter_arrays(model, adapters), str(folder / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    folder = Path(folder).absolute()
+    if folder.exists() and not (folder.is_dir() and not folder.is_symlink()
+                                and ((folder / "adapter_config.json").is_file() or not any(folder.iterdir()))):
+        raise TrainingError(f"{folder}: exists and is not a LoRA adapter folder (no adapter_config.json); "
+                            "choose another --adapter-path")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        c = adapters.config
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": c.rank, "lora_alpha": c.alpha,
+                  "lora_dropout": c.dropout, "target_modules": adapters.target_modules, "bias": "none",
+                  "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+                  "base_model_name_or_path": base_model}
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(adapter_arrays(model, adapters), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        for f in tmp.iterdir():
+            _fsync(f)
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is the owner's alone
+        if folder.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+            os.rename(folder, old / "adapter")
+            os.rename(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return folder
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def lora_filter():
