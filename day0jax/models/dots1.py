@@ -63,10 +63,11 @@ class Config(LayerTypes, HFConfig):
         # HF always builds the shared experts; with none, its checkpoint holds empty tensors we do not map.
         self._refuse_if("n_shared_experts", lambda v: not v or v < 1,
                         "must be at least 1 (HF always has shared experts)")
-        self._refuse_if("n_group", lambda v: not v or self.n_routed_experts % v,
+        n_group, topk_group = self.groups
+        self._refuse_if("n_group", lambda v: n_group < 1 or self.n_routed_experts % n_group,
                         f"does not divide n_routed_experts={self.n_routed_experts}")
-        self._refuse_if("topk_group", lambda v: not v or v > self.n_group, f"must be in 1..n_group={self.n_group}")
-        kept = self.topk_group * (self.n_routed_experts // self.n_group)
+        self._refuse_if("topk_group", lambda v: not 1 <= topk_group <= n_group, f"must be in 1..n_group={n_group}")
+        kept = topk_group * (self.n_routed_experts // n_group)
         self._refuse_if("num_experts_per_tok", lambda v: v > kept,
                         f"exceeds the {kept} experts of topk_group={self.topk_group} groups")
         self._refuse_if("scoring_func", lambda v: v != "sigmoid", "is not implemented (only 'sigmoid')")
@@ -78,6 +79,12 @@ class Config(LayerTypes, HFConfig):
         if self.use_sliding_window is False and "sliding_attention" in self.layer_kinds and self.window:
             refuse("use_sliding_window", False, "contradicts layer_types/max_window_layers, which transformers "
                    "follows: sliding layers would run")
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(n_group, topk_group); released dots.llm1 configs write null for both (transformers' view fails on None),
+        which the original code reads as no group limit: one group, kept."""
+        return (1 if self.n_group is None else self.n_group), (1 if self.topk_group is None else self.topk_group)
 
     def slides_by_default(self, index: int) -> bool:
         return self.sliding_window is not None and index >= self.max_window_layers
@@ -95,7 +102,7 @@ class Model(llama.LlamaLike):
         if index < c.first_k_dense_replace:
             return super().make_mlp(index, dtype=dtype, rngs=rngs)
         return MoE(Router(D, c.n_routed_experts, c.num_experts_per_tok, routing="sigmoid_grouped",
-                          norm_topk_prob=bool(c.norm_topk_prob), n_group=c.n_group, topk_group=c.topk_group,
+                          norm_topk_prob=bool(c.norm_topk_prob), n_group=c.groups[0], topk_group=c.groups[1],
                           routed_scaling_factor=c.routed_scaling_factor, dtype=dtype, rngs=rngs),
                    Experts(c.n_routed_experts, D, c.moe_intermediate_size, swiglu(c.hidden_act), dtype=dtype,
                            rngs=rngs),
