@@ -111,6 +111,25 @@ FAMILIES = {
                                                 v_head_dim=16, n_group=2, topk_group=1, first_k_dense_replace=1,
                                                 n_shared_experts=2, rope_interleave=False, norm_topk_prob=False,
                                                 routed_scaling_factor=1.5), True),
+    # 3 layers: one dense, two MoE with softmax scores limited to the best of 2 groups (a group's score: its best
+    # expert's; more experts per token than groups kept, or the limit never binds), weights scaled, not
+    # renormalized; a low-rank query; YaRN with mscale_all_dim in the softmax scale.
+    "deepseek_v2": ("deepseek_v2", dict(TINY, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                                        num_experts_per_tok=3, moe_intermediate_size=32, q_lora_rank=32,
+                                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                        topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                                        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.0,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 32, "mscale": 0.707,
+                                                         "mscale_all_dim": 0.707, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0}), True),
+    # V2-Lite's shape: a plain q_proj, greedy top-k over all experts, MoE from layer 0 with two shared experts;
+    # attention and MLP biases.
+    "deepseek_v2_lite": ("deepseek_v2", dict(TINY, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                                             topk_method="greedy", n_shared_experts=2, attention_bias=True,
+                                             mlp_bias=True, routed_scaling_factor=1.5), True),
     # A SwiGLU limit that these activations reach, so that the clamp shows.
     "gpt_oss": ("gpt_oss", dict(TINY, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
                                 sliding_window=8, swiglu_limit=1.5,
@@ -180,6 +199,12 @@ FAMILIES = {
                                         moe_intermediate_size=32, first_k_dense_replace=0, norm_topk_prob=False,
                                         n_shared_experts=2, partial_rotary_factor=0.25, num_nextn_predict_layers=0),
                        True),
+    # 3 layers: one dense, two MoE (grouped sigmoid routing, 4 groups of 2, best 2, score bias, renormalized,
+    # scaled, a shared expert); per-head q/k norms, biases, and the last layer sliding (from max_window_layers on).
+    "dots1": ("dots1", dict(TINY, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+                            first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                            attention_bias=True, sliding_window=8, max_window_layers=2), True),
     # HF's default pattern over 4 layers (3 sliding, then full); YaRN on the full layer only, another theta on the
     # sliding ones.
     "olmo3": ("olmo3", dict(TINY, num_hidden_layers=4, sliding_window=8,

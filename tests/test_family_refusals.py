@@ -142,3 +142,17 @@ def test_glm5_next_derives_its_lists_and_bound_as_transformers():
     assert parsed(linear_attn_config={"gate_lower_bound": None}).lower_bound == -5.0
     assert parsed(linear_attn_config={"gate_lower_bound": None, "safe_gate": False}).lower_bound is None
     assert parsed(linear_lower_bound=None).lower_bound is None  # Kimi's unbounded decay
+
+
+def test_dots1_null_groups_route_without_a_group_limit():
+    """Released dots.llm1 configs write null n_group and topk_group: one group, kept (the original code's reading;
+    transformers' router cannot take None)."""
+    from flax import nnx
+
+    from day0jax import models
+    from day0jax.layers.moe import Router
+
+    model_type, config, _ = FAMILIES["dots1"]
+    c = models.config_from_hf(dict(config, model_type=model_type, n_group=None, topk_group=None))
+    routers = [m for _, m in nnx.iter_modules(models.abstract_model(c)) if isinstance(m, Router)]
+    assert len(routers) == 2 and all((r.n_group, r.topk_group) == (1, 1) for r in routers)

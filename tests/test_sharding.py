@@ -38,6 +38,7 @@ from families import FAMILIES as TEST_FAMILIES, MULTIMODAL  # noqa: E402
 # Sharding test configs: each family's first config in tests/families.py with 8 query heads, so every mesh above
 # (tp up to 8) is valid. Per family, further overrides (more experts, so ep=4 leaves two per rank).
 OVERRIDES = {
+    "deepseek_v2": dict(num_key_value_heads=8),
     "deepseek_v3": dict(num_key_value_heads=8),
     "deepseek_v32": dict(num_key_value_heads=8),
     "deepseek_v4": dict(o_groups=8),  # the grouped output projection splits by group, like the heads

@@ -35,7 +35,9 @@ class Router(nnx.Module):
             groups (a group's score: the sum of its top two), weighted by the plain scores, renormalized when
             `norm_topk_prob`, times `routed_scaling_factor` (DeepSeek-V3); "topk_sigmoid": the top k logits, each
             through a sigmoid, not renormalized (Llama 4); "softmax_grouped": as "sigmoid_grouped" with softmax
-            scores and no score bias (Mistral 4).
+            scores and no score bias (Mistral 4, DeepSeek-V2).
+        group_top: the grouped routings score a group by the sum of its `group_top` best scores (DeepSeek-V3: the top
+            two; DeepSeek-V2's "group_limited_greedy": 1, the group's best).
         use_bias: a bias on the router logits (gpt-oss).
         norm_eps: added to the sum of the grouped routings' weights when they are renormalized (LFM2-MoE: 1e-6).
         logit_softcap: if set, the logits go through cap * tanh(logits / cap) before any scoring (Laguna).
@@ -47,7 +49,8 @@ class Router(nnx.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, routing: str, norm_topk_prob: bool = False,
                  use_bias: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  norm_eps: float = 1e-20, logit_softcap: float | None = None, score_bias: bool = False,
-                 norm_min: float | None = None, score_fn: str = "sigmoid", dtype=jnp.float32, rngs: nnx.Rngs):
+                 norm_min: float | None = None, score_fn: str = "sigmoid", group_top: int = 2, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         assert routing in ROUTINGS and score_fn in SCORES, (routing, score_fn)
         E = num_experts
         # HF's [experts, hidden] layout, like every Linear kernel.
@@ -61,6 +64,7 @@ class Router(nnx.Module):
         self.logit_softcap = logit_softcap
         self.norm_min = norm_min
         self.score_fn = score_fn
+        self.group_top = group_top
 
     def logits(self, x: jax.Array) -> jax.Array:
         """x [M, D] -> float32 router logits [M, E]."""
@@ -106,7 +110,7 @@ class Router(nnx.Module):
             choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias[...]
             M, E = choice.shape
             groups = choice.reshape(M, self.n_group, E // self.n_group)
-            group_score = jax.lax.top_k(groups, 2)[0].sum(-1)  # [M, n_group]
+            group_score = jax.lax.top_k(groups, self.group_top)[0].sum(-1)  # [M, n_group]
             _, best = jax.lax.top_k(group_score, self.topk_group)
             keep = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(M)[:, None], best].set(True)
             choice = jnp.where(jnp.repeat(keep, E // self.n_group, axis=1), choice, -jnp.inf)
