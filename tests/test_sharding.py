@@ -57,10 +57,11 @@ OVERRIDES = {
 # Vision towers with 8 heads too, so that tp=8 splits them (their MLPs, 64 wide, split as well).
 VISION_OVERRIDES = {"kimi_k25": dict(num_attention_heads=8), "mistral3": dict(num_attention_heads=8)}
 # The families the 8-device tests load and compare on every mesh: a dense, an MoE, an MLA, a hybrid
-# linear-attention, a sparse-attention and a Mamba2 hybrid model, and vision-language ones (towers of one and of
-# any image size). Adding a family is adding its model_type here.
+# linear-attention, a sparse-attention and a Mamba2 hybrid model, vision-language ones (towers of one and of
+# any image size), and two hyper-connected ones (compressed attention; pooled sparse MLA beside linear attention).
+# Adding a family is adding its model_type here.
 MULTI_DEVICE_FAMILIES = ["llama", "qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "gemma4_text",
-                         "gemma3", "qwen3_vl", "nemotron_h", "kimi_k25", "mistral3"]
+                         "gemma3", "qwen3_vl", "nemotron_h", "kimi_k25", "mistral3", "deepseek_v4", "glm5_next_text"]
 # One model_type per family module (a family may implement several: a multimodal one and its text model).
 FAMILY_TYPES = sorted({models.family(mt).model_types[0] for mt in models.FAMILIES})
 

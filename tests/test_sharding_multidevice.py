@@ -49,12 +49,18 @@ QUANTIZED = {"llama-int4": ("llama", dict(hidden_size=128, intermediate_size=256
              "qwen3_moe-int4": ("qwen3_moe", dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128))}
 GENERATE_ON["llama-int4"] = ["tp=2,ep=2,dp=2", "tp=8"]
 GENERATE_ON["qwen3_moe-int4"] = ["tp=2,ep=4"]
+# The hyper-connected families (n residual streams; compressed, indexer and pooled caches beside the window's or the
+# latent's) on one mesh each, where they also generate: deepseek_v4's experts over ep=4, glm5_next's (with its
+# linear-attention state) on all three axes.
+ONLY_ON = {"deepseek_v4": ["tp=2,ep=4"], "glm5_next_text": ["tp=2,ep=2,dp=2"]}
+GENERATE_ON.update(ONLY_ON)
 # The meshes each family is compared on: llama (and its int4 copy) on all four; a model with experts on the two
-# that split them over ep, a dense one on the two without ep, each also on the meshes it generates on. Every
-# mesh still sees dense, MoE and vision-language models, at half the loads of all families on all meshes.
+# that split them over ep, a dense one on the two without ep, each also on the meshes it generates on; a family of
+# ONLY_ON on its one mesh. Every mesh still sees dense, MoE and vision-language models, at half the loads of all
+# families on all meshes.
 EXPERT_MESHES, DENSE_MESHES = ["tp=2,ep=4", "tp=2,ep=2,dp=2"], ["tp=2,dp=4", "tp=8"]
 WITH_EXPERTS = {"qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "deepseek_v32", "nemotron_h", "kimi_k25",
-                "qwen3_moe-int4"}
+                "qwen3_moe-int4", "deepseek_v4", "glm5_next_text"}
 
 
 def meshes_of(model_type: str) -> list[str]:
@@ -62,6 +68,8 @@ def meshes_of(model_type: str) -> list[str]:
 
     if model_type.startswith("llama"):
         return list(MESHES)
+    if model_type in ONLY_ON:
+        return list(ONLY_ON[model_type])
     base = EXPERT_MESHES if model_type in WITH_EXPERTS else DENSE_MESHES
     return [m for m in MESHES if m in base or m in GENERATE_ON.get(model_type, [])]
 
