@@ -64,6 +64,10 @@ def _gated_rms_norm(p: dict[str, Any]) -> str:
     return f"{order} over {p['G']} groups of {p['N']} heads x {p['H']}"
 
 
+def _layer_norm(p: dict[str, Any]) -> str:
+    return f"LayerNorm over {p['D']} ({'with' if p['bias'] else 'no'} bias, eps {p['eps']:g})"
+
+
 def _vision_attention(p: dict[str, Any]) -> str:
     return f"bidirectional MHA {p['N']} heads x {p['H']} over {p['T']} tokens per image"
 
@@ -80,6 +84,8 @@ PLAIN = (
     OpSpec("gated_rms_norm", "gated_rms_norm", {"N": "heads", "H": "head dim", "G": "groups normalized apart",
                                                 "order": "'gate_then_norm' or 'norm_before_gate'"},
            _gated_rms_norm, dict(N=8, H=64, G=2, order="gate_then_norm"), torch_patterns=("RMSNormGated",)),
+    OpSpec("layer_norm", "layer_norm", {"D": "normalized dim", "eps": "epsilon", "bias": "with a bias"},
+           _layer_norm, dict(D=64, eps=1e-5, bias=True)),
     OpSpec("vision_attention", "vision_attention", {"N": "heads", "H": "head dim", "T": "tokens per image (None: as "
                                                     "many as the image has patches)"}, _vision_attention,
            dict(N=12, H=64, T=196)),

@@ -418,6 +418,12 @@ def test_unknown_model_type_names_closest(tmp_path, tiny):
     ("lfm2_moe", {"use_expert_bias": False}, "use_expert_bias=False"),
     ("lfm3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "has keys outside"),
     ("lfm3", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "no entry for the sliding_attention"),
+    ("cohere", {"rotary_pct": 0.5}, "rotary_pct=0.5"),
+    ("cohere", {"use_parallel_block": False}, "use_parallel_block=False"),
+    ("cohere2", {"use_qk_norm": True}, "use_qk_norm=True"),
+    ("cohere2", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "chunked_attention"),
+    ("olmoe", {"head_dim": 32}, "head_dim=32"),
+    ("starcoder2", {"mlp_type": "moe"}, "mlp_type='moe'"),
 ])
 def test_refused_config_values(name, changes, message, tiny, tmp_path):
     """Every math-changing value a family does not implement is refused by check, convert and load, by name."""
