@@ -56,7 +56,8 @@ def _rope(p: dict[str, Any]) -> str:
         return "none (NoPE layer)"
     factor = f", factor {p['factor']:g}" if p.get("factor") else ""
     part = f", {p['rotary_dim']} of {p['head_dim']} dims" if p["rotary_dim"] != p["head_dim"] else ""
-    return f"{p['kind']} (theta {p['theta']:g}{factor}{part})"
+    pairs = f", {p['pairs']} pairs" if p.get("pairs") else ""
+    return f"{p['kind']} (theta {p['theta']:g}{factor}{part}{pairs})"
 
 
 def _gated_rms_norm(p: dict[str, Any]) -> str:
@@ -78,7 +79,8 @@ PLAIN = (
                           "(default True)"}, _mlp, dict(D=64, F=128, act="silu"),
            torch_patterns=("MLP", "DenseMLP")),
     OpSpec("rope", "rope", {"kind": "rope_type (None: a NoPE layer)", "theta": "base", "factor": "scaling factor",
-                            "rotary_dim": "rotated dims", "head_dim": "head dim"}, _rope,
+                            "rotary_dim": "rotated dims", "head_dim": "head dim",
+                            "pairs": "'interleaved': HF rotates (x0, x1), (x2, x3)... (default: half-split)"}, _rope,
            dict(kind="default", theta=10000.0, factor=None, rotary_dim=64, head_dim=64),
            torch_patterns=("RotaryEmbedding",)),
     OpSpec("gated_rms_norm", "gated_rms_norm", {"N": "heads", "H": "head dim", "G": "groups normalized apart",

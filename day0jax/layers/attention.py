@@ -206,4 +206,7 @@ class Attention(nnx.Module):
         calls = [OpCall.of("attention", **shape), OpCall.of("paged_attention", **shape)]
         if self.q_norm is not None:
             calls += self.q_norm.op_calls() + self.k_norm.op_calls()
-        return calls + [self.rope.op_call() if self.rope is not None else OpCall.of("rope", kind=None)]
+        rope = self.rope.op_call() if self.rope is not None else OpCall.of("rope", kind=None)
+        if self.rope is not None and self.rope_interleave:  # only where set: other families' calls unchanged
+            rope = OpCall.of("rope", **dict(rope.params), pairs="interleaved")
+        return calls + [rope]
