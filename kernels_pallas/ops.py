@@ -56,12 +56,17 @@ def _rope(p: dict[str, Any]) -> str:
         return "none (NoPE layer)"
     factor = f", factor {p['factor']:g}" if p.get("factor") else ""
     part = f", {p['rotary_dim']} of {p['head_dim']} dims" if p["rotary_dim"] != p["head_dim"] else ""
-    return f"{p['kind']} (theta {p['theta']:g}{factor}{part})"
+    pairs = f", {p['pairs']} pairs" if p.get("pairs") else ""
+    return f"{p['kind']} (theta {p['theta']:g}{factor}{part}{pairs})"
 
 
 def _gated_rms_norm(p: dict[str, Any]) -> str:
     order = "silu(z) gate, then RMSNorm" if p["order"] == "gate_then_norm" else "RMSNorm, then silu(z) gate"
     return f"{order} over {p['G']} groups of {p['N']} heads x {p['H']}"
+
+
+def _layer_norm(p: dict[str, Any]) -> str:
+    return f"LayerNorm over {p['D']} ({'with' if p['bias'] else 'no'} bias, eps {p['eps']:g})"
 
 
 def _vision_attention(p: dict[str, Any]) -> str:
@@ -74,12 +79,15 @@ PLAIN = (
                           "(default True)"}, _mlp, dict(D=64, F=128, act="silu"),
            torch_patterns=("MLP", "DenseMLP")),
     OpSpec("rope", "rope", {"kind": "rope_type (None: a NoPE layer)", "theta": "base", "factor": "scaling factor",
-                            "rotary_dim": "rotated dims", "head_dim": "head dim"}, _rope,
+                            "rotary_dim": "rotated dims", "head_dim": "head dim",
+                            "pairs": "'interleaved': HF rotates (x0, x1), (x2, x3)... (default: half-split)"}, _rope,
            dict(kind="default", theta=10000.0, factor=None, rotary_dim=64, head_dim=64),
            torch_patterns=("RotaryEmbedding",)),
     OpSpec("gated_rms_norm", "gated_rms_norm", {"N": "heads", "H": "head dim", "G": "groups normalized apart",
                                                 "order": "'gate_then_norm' or 'norm_before_gate'"},
            _gated_rms_norm, dict(N=8, H=64, G=2, order="gate_then_norm"), torch_patterns=("RMSNormGated",)),
+    OpSpec("layer_norm", "layer_norm", {"D": "normalized dim", "eps": "epsilon", "bias": "with a bias"},
+           _layer_norm, dict(D=64, eps=1e-5, bias=True)),
     OpSpec("vision_attention", "vision_attention", {"N": "heads", "H": "head dim", "T": "tokens per image (None: as "
                                                     "many as the image has patches)"}, _vision_attention,
            dict(N=12, H=64, T=196)),

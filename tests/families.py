@@ -15,6 +15,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             pad_token_id=0, initializer_range=0.15)
 
 NO_DENSE = {k: v for k, v in TINY.items() if k != "intermediate_size"}  # MoE-only families: no such key
+NO_RMS = {k: v for k, v in TINY.items() if k != "rms_norm_eps"}  # LayerNorm families: layer_norm_eps instead
 
 FAMILIES = {
     "llama": ("llama", dict(TINY), True),
@@ -552,6 +553,22 @@ FAMILIES = {
                                       moe_intermediate_size=32, n_shared_experts=2, index_topk=8, index_head_dim=16,
                                       index_n_heads=16, hc_mult=2, attention_bias=True, tie_word_embeddings=True,
                                       norm_topk_prob=False, rope_theta=1000.0), True),
+    # Cohere: parallel blocks under one bias-free LayerNorm, interleaved RoPE, per-head LayerNorm q/k norms, biases,
+    # a logit scale far from 1, tied embeddings (HF's default).
+    "cohere": ("cohere", dict(NO_RMS, layer_norm_eps=1e-5, use_qk_norm=True, attention_bias=True, logit_scale=0.25,
+                              rope_theta=10000.0), True),
+    # Sliding layers (window 8, shorter than the longer prompts) with RoPE, full ones without positions;
+    # 3 layers: HF derives layer_types from sliding_window_pattern=3 (two sliding, then one full) and writes them.
+    "cohere2": ("cohere2", dict(NO_RMS, num_hidden_layers=3, layer_norm_eps=1e-5, sliding_window=8,
+                                sliding_window_pattern=3, logit_scale=0.25, attention_bias=True), True),
+    # An MoE in every layer (each expert intermediate_size wide), top-2 of 4 not renormalized; q, k and v clamped
+    # at 0.5, inside their spread; biases on the projections.
+    "olmoe": ("olmoe", dict(TINY, intermediate_size=32, num_experts=4, num_experts_per_tok=2, clip_qkv=0.5,
+                            attention_bias=True), True),
+    # LayerNorms with bias, the ungated GELU (tanh) MLP and projections with biases, every layer sliding (window 8),
+    # tied embeddings (HF's default).
+    "starcoder2": ("starcoder2", dict(NO_RMS, norm_epsilon=1e-5, sliding_window=8, use_bias=True,
+                                      hidden_act="gelu_pytorch_tanh"), True),
 }
 
 def parity_engine():

@@ -44,7 +44,8 @@ from day0jax.layers.gated_delta_net import KimiDeltaAttention
 from day0jax.layers.ple import PLELayer
 from day0jax.layers.mla import MLAttention
 from day0jax.layers.moe import Experts, HashRouter, MoE, Router, clamped_swiglu
-from day0jax.layers.norms import RMSNorm
+from day0jax.layers.decoder import ParallelDecoderLayer
+from day0jax.layers.norms import LayerNorm, RMSNorm
 from day0jax.layers.sparse_mla import Indexer, SparseMLAttention
 from day0jax.models import base, gemma, gemma3, gemma4, glm_moe_dsa, mistral_large4
 from kernels_pallas.attention import api as attention_api
@@ -257,6 +258,29 @@ DENSE_TOP_K = set_(SparseMLAttention, topk=1024)  # more than the keys: sparse a
 
 def rope(rope_type: str = "default", **params: Any) -> dict:
     return dict(rope_type=rope_type, **params)
+
+
+def _sequential(call):
+    # The parallel block made sequential: the MLP reads the norm of x + attn(n), not n.
+    def run(self, x, positions, rope_tables, cache=None):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, rope_tables, cache)
+        x = x + h
+        return x + self.mlp(self.input_layernorm(x)), cache
+    return run
+
+
+def _uncentered(call):
+    # A LayerNorm read as an RMSNorm: the mean is not subtracted.
+    def run(self, x):
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + self.eps) * self.weight[...]
+        return (h if self.bias is None else h + self.bias[...]).astype(x.dtype)
+    return run
+
+
+HALF_SPLIT_ROPE = set_(Attention, rope_interleave=False)
+SEQUENTIAL_BLOCK = patch(ParallelDecoderLayer, "__call__", _sequential)
+UNCENTERED_NORM = patch(LayerNorm, "__call__", _uncentered)
 
 
 def rope_on(layer: int) -> Edit:
@@ -645,6 +669,15 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
                   ("clamped SwiGLU", config(swiglu_limit=100.0)), ("group-limited routing", NO_GROUP_LIMIT),
                   ("routing score bias", NO_SCORE_BIAS), ("routed scaling", NO_ROUTED_SCALE),
                   ("shared experts", NO_SHARED)],
+    "cohere": [("interleaved rope", HALF_SPLIT_ROPE), ("logit scale", config(logit_scale=1.0)),
+               ("per-head layer norms on q and k", NO_QK_NORM), ("parallel block", SEQUENTIAL_BLOCK),
+               ("layer norm's centering", UNCENTERED_NORM)],
+    "cohere2": [("interleaved rope", HALF_SPLIT_ROPE), ("logit scale", config(logit_scale=1.0)),
+                ("nope full-attention layer", rope_on(2)), ("sliding window", NO_WINDOW),
+                ("parallel block", SEQUENTIAL_BLOCK), ("layer norm's centering", UNCENTERED_NORM)],
+    "olmoe": [("q/k norms over all heads", NO_QK_NORM), ("clip_qkv", set_(Attention, clip_qkv=None)),
+              ("top-k not renormalized", FLIP_RENORM)],
+    "starcoder2": [("sliding window", NO_WINDOW), ("layer norm's centering", UNCENTERED_NORM)],
 }
 
 

@@ -354,6 +354,19 @@ def test_config_fields_keep_config_json_values():
     assert (deepseek.head_size, deepseek.qk_head_size) == (64, 192)  # HF recomputes both from the qk_* dims
 
 
+def test_cohere2_reads_its_released_config_keys():
+    """Command R7B's config.json: HF's Cohere2 keys plus switches no transformers code reads (declared, checked
+    against the architecture HF computes); head_dim recomputed as HF does; three sliding layers in four, by default."""
+    c = models.config_from_hf(dict(
+        model_type="cohere2", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=8, rope_theta=50000, rope_scaling=None, sliding_window=4096, sliding_window_pattern=4,
+        order_of_interleaved_layers="local_attn_first", position_embedding_type="rope_gptj", rotary_pct=1.0,
+        use_embedding_sharing=True, use_gated_activation=True, use_parallel_block=True, use_parallel_embedding=True,
+        cache_implementation="hybrid", logit_scale=0.25, layer_norm_eps=1e-5))
+    assert c.head_size == 128 and c.rope["rope_theta"] == 50000 and c.logit_scale == 0.25
+    assert [c.layer_window(i) for i in range(8)] == [4096, 4096, 4096, None] * 2
+
+
 # --- refusals ----------------------------------------------------------------------------------------------------
 
 def test_unknown_model_type_names_closest(tmp_path, tiny):
@@ -424,6 +437,12 @@ def test_unknown_model_type_names_closest(tmp_path, tiny):
     ("lfm2_moe", {"use_expert_bias": False}, "use_expert_bias=False"),
     ("lfm3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "has keys outside"),
     ("lfm3", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "no entry for the sliding_attention"),
+    ("cohere", {"rotary_pct": 0.5}, "rotary_pct=0.5"),
+    ("cohere", {"use_parallel_block": False}, "use_parallel_block=False"),
+    ("cohere2", {"use_qk_norm": True}, "use_qk_norm=True"),
+    ("cohere2", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "chunked_attention"),
+    ("olmoe", {"head_dim": 32}, "head_dim=32"),
+    ("starcoder2", {"mlp_type": "moe"}, "mlp_type='moe'"),
 ])
 def test_refused_config_values(name, changes, message, tiny, tmp_path):
     """Every math-changing value a family does not implement is refused by check, convert and load, by name."""

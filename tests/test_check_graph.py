@@ -48,10 +48,8 @@ UNSUPPORTED = {
     # Jamba: Mamba (v1) mixers beside attention.
     "jamba": ("jamba", dict(TINY, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
                             expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)),
-    # OLMoE: every module one day0jax has (a softmax top-k MoE), only the family file is lacking.
-    "olmoe": ("olmoe", dict(TINY, num_experts=4, num_experts_per_tok=2)),
-    # Cohere 2: LayerNorm blocks, parallel attention and MLP, sliding layers.
-    "cohere2": ("cohere2", dict(TINY, sliding_window=8)),
+    # OLMo (the first): every module one day0jax has (LayerNorm blocks, a gated MLP), only the family file is lacking.
+    "olmo": ("olmo", dict(TINY, clip_qkv=8.0)),
 }
 # A supported family at its full size (Qwen3-30B-A3B's shape: 48 layers of 128 experts, top-8): built on the meta
 # device, traced on a shrunk copy, its calls scaled back.
@@ -162,7 +160,7 @@ def test_unsupported_families_name_their_own_missing_classes(graphs):
     # hy_v4's indexer is its own op's by full class name: the composite's class of that role is not covered
     assert {m["class"] for m in graphs["hy_v4_vl"].missing} == {"HYV4VLIndexer"}
     assert "JambaMambaMixer" in {m["class"] for m in graphs["jamba"].missing}
-    assert not graphs["olmoe"].missing  # every module mapped: the family file is all that is lacking
+    assert not graphs["olmo"].missing  # every module mapped: the family file is all that is lacking
     assert "needs the multimodal path" in graphs["hy_v4_vl"].verdict and graphs["hy_v4_vl"].nearest["family"] == "hy_v4"
     assert any(k["key"].startswith("linear_") for k in graphs["bailing_hybrid"].unread_keys)
 

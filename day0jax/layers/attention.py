@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.layers.linear import Linear, param, project_together
-from day0jax.layers.norms import L2Norm, RMSNorm
+from day0jax.layers.norms import L2Norm, LayerNorm, RMSNorm
 from day0jax.layers.rope import Rope
 from kernels_pallas.attention import api as attention_op
 from kernels_pallas.calls import OpCall
@@ -66,6 +66,11 @@ class OutputGate:
 GATE_FNS = {"sigmoid": jax.nn.sigmoid, "softplus": jax.nn.softplus}
 
 
+def deinterleave(x: jax.Array) -> jax.Array:
+    """Interleaved pairs (x0, x1), (x2, x3)... of the last axis -> evens then odds: HF's rotate_half layout."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
 class Attention(nnx.Module):
     """Self-attention block: q/k/v projections, optional q/k RMSNorm, RoPE, attention, output projection.
 
@@ -87,6 +92,11 @@ class Attention(nnx.Module):
             floor_scale)) at absolute position p, after RoPE and norms (Llama 4's NoPE layers).
         v_head_dim: Hv, the values' head dim where it differs from the queries' and keys' H (MiMo-V2-Flash).
         value_scale: the values times it before they are cached (MiMo-V2-Flash's `attention_value_scale`).
+        qk_layer_norm: the q/k norms are LayerNorms without bias, a weight per head and dim (Cohere), per head only.
+        rope_interleave: HF rotates interleaved pairs (x0, x1), (x2, x3)... (Cohere) rather than the half-split
+            layout: q and k are de-interleaved alike before the half-split rotation, which leaves their dot
+            products, all attention uses them for, unchanged.
+        clip_qkv: q, k and v clamped to [-clip_qkv, clip_qkv] after the q/k norms, before RoPE (OLMoE).
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: Rope | None,
@@ -96,7 +106,8 @@ class Attention(nnx.Module):
                  sliding_window: int | None = None, logit_softcap: float | None = None,
                  scale: float | None = None, qk_norm_weight: bool = True, chunk_size: int | None = None,
                  attn_temperature: tuple[float, float] | None = None, v_head_dim: int | None = None,
-                 value_scale: float = 1.0, dtype=jnp.float32, rngs: nnx.Rngs):
+                 value_scale: float = 1.0, qk_layer_norm: bool = False, rope_interleave: bool = False,
+                 clip_qkv: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
         Hv = H if v_head_dim is None else v_head_dim
         self.q_proj = Linear((D,), (N, 2 * H if output_gate else H), ("embed", "heads", "head_dim"),
@@ -112,7 +123,13 @@ class Attention(nnx.Module):
         if qk_norm_eps is not None:
             assert qk_norm_over in ("head", "all") and not (qk_norm_after_rope and qk_norm_over == "all")
             q_dim, k_dim = (H, H) if qk_norm_over == "head" else (N * H, K * H)
-            if qk_norm_weight:
+            if qk_layer_norm:
+                assert qk_norm_over == "head" and not qk_norm_after_rope and not qk_norm_offset
+                self.q_norm = LayerNorm((N, H), qk_norm_eps, bias=False, axes=("heads", "head_dim"), dtype=dtype,
+                                        rngs=rngs)
+                self.k_norm = LayerNorm((K, H), qk_norm_eps, bias=False, axes=("kv_heads", "head_dim"), dtype=dtype,
+                                        rngs=rngs)
+            elif qk_norm_weight:
                 self.q_norm = RMSNorm(q_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
                 self.k_norm = RMSNorm(k_dim, qk_norm_eps, offset=qk_norm_offset, dtype=dtype, rngs=rngs)
             else:
@@ -127,6 +144,9 @@ class Attention(nnx.Module):
         self.sliding_window, self.logit_softcap, self.scale = sliding_window, logit_softcap, scale
         self.chunk_size, self.attn_temperature = chunk_size, attn_temperature
         self.v_head_dim, self.value_scale = Hv, value_scale
+        self.rope_interleave = rope_interleave
+        assert clip_qkv is None or not qk_norm_after_rope
+        self.clip_qkv = clip_qkv
 
     def __call__(self, x: jax.Array, positions: jax.Array, rope_tables: dict[Rope, tuple[jax.Array, jax.Array]],
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
@@ -143,8 +163,12 @@ class Attention(nnx.Module):
             else:  # over the whole projection, as OLMo 2 normalizes q_proj(x) before splitting heads
                 q = self.q_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
                 k = self.k_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.rope is not None:
             cos, sin = rope_tables[self.rope]
+            if self.rope_interleave:
+                q, k = deinterleave(q), deinterleave(k)
             q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         if self.q_norm is not None and self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -182,4 +206,7 @@ class Attention(nnx.Module):
         calls = [OpCall.of("attention", **shape), OpCall.of("paged_attention", **shape)]
         if self.q_norm is not None:
             calls += self.q_norm.op_calls() + self.k_norm.op_calls()
-        return calls + [self.rope.op_call() if self.rope is not None else OpCall.of("rope", kind=None)]
+        rope = self.rope.op_call() if self.rope is not None else OpCall.of("rope", kind=None)
+        if self.rope is not None and self.rope_interleave:  # only where set: other families' calls unchanged
+            rope = OpCall.of("rope", **dict(rope.params), pairs="interleaved")
+        return calls + [rope]

@@ -53,3 +53,19 @@ class PostNormDecoderLayer(nnx.Module):
     def op_calls(self) -> list[OpCall]:
         norms = (self.post_attention_layernorm, self.post_feedforward_layernorm)
         return self.self_attn.op_calls() + self.mlp.op_calls() + [c for n in norms for c in n.op_calls()]
+
+
+class ParallelDecoderLayer(nnx.Module):
+    """Cohere, GPT-J style: one norm feeds attention and the MLP side by side; x + attn(n) + mlp(n), n =
+    input_layernorm(x)."""
+
+    def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, *, input_layernorm):
+        self.self_attn, self.mlp, self.input_layernorm = self_attn, mlp, input_layernorm
+
+    def __call__(self, x, positions, rope_tables, cache=None):
+        h = self.input_layernorm(x)
+        a, cache = self.self_attn(h, positions, rope_tables, cache)
+        return x + a + self.mlp(h), cache
+
+    def op_calls(self) -> list[OpCall]:
+        return self.self_attn.op_calls() + self.mlp.op_calls() + self.input_layernorm.op_calls()

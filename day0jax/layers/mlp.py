@@ -39,34 +39,45 @@ class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu; with `gated=False`, down(act(up(x))) and no
     gate_proj (Arcee). `multipliers` (g, d): down(act(g * gate(x)) * up(x)) * d (Falcon-H1's muP `mlp_multipliers`).
     `limit` L: down(min(act(gate(x)), L) * clip(up(x), -L, L)) (Step-3.7's per-layer clamps, after the activation);
-    `input_limit` L: down(act(min(gate(x), L)) * clip(up(x), -L, L)) (DeepSeek-V4's, before it)."""
+    `input_limit` L: down(act(min(gate(x), L)) * clip(up(x), -L, L)) (DeepSeek-V4's, before it). `names`: HF's
+    names of the up and down projections where they are others (StarCoder2's `c_fc`, `c_proj`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, use_bias: bool = False,
                  gated: bool = True, multipliers: tuple[float, float] = (1.0, 1.0), limit: float | None = None,
-                 input_limit: float | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+                 input_limit: float | None = None, names: tuple[str, str] = ("up_proj", "down_proj"),
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         D, F = hidden_size, intermediate_size
         self.gate_proj = (Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
                           if gated else None)
-        self.up_proj = Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear((F,), (D,), ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.names = tuple(names)
+        setattr(self, names[0], Linear((D,), (F,), ("embed", "mlp"), use_bias=use_bias, dtype=dtype, rngs=rngs))
+        setattr(self, names[1], Linear((F,), (D,), ("mlp", "embed"), use_bias=use_bias, dtype=dtype, rngs=rngs))
         self.act, self.act_name = activation(act), act
         self.multipliers, self.limit, self.input_limit = tuple(multipliers), limit, input_limit
+
+    @property
+    def up(self) -> Linear:
+        return getattr(self, self.names[0])
+
+    @property
+    def down(self) -> Linear:
+        return getattr(self, self.names[1])
 
     @jax.named_scope("mlp")
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.gate_proj is None:
-            return self.down_proj(self.act(self.up_proj(x)))
-        gate, up = project_together(x, (self.gate_proj, self.up_proj))
+            return self.down(self.act(self.up(x)))
+        gate, up = project_together(x, (self.gate_proj, self.up))
         g, d = self.multipliers
         if self.input_limit is not None:
             gate, up = jnp.minimum(gate, self.input_limit), jnp.clip(up, -self.input_limit, self.input_limit)
         gate = self.act(gate if g == 1.0 else gate * g)
         if self.limit is not None:
             gate, up = jnp.minimum(gate, self.limit), jnp.clip(up, -self.limit, self.limit)
-        out = self.down_proj(gate * up)
+        out = self.down(gate * up)
         return out if d == 1.0 else out * d
 
     def op_calls(self) -> list[OpCall]:
         ungated = {} if self.gate_proj is not None else dict(gated=False)
-        return [OpCall.of("mlp", D=self.down_proj.out_shape[0], F=self.up_proj.out_shape[0], act=self.act_name,
+        return [OpCall.of("mlp", D=self.down.out_shape[0], F=self.up.out_shape[0], act=self.act_name,
                           **ungated)]

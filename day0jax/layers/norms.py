@@ -11,18 +11,33 @@ from kernels_pallas.rms_norm import api as rms_norm_op
 
 
 class LayerNorm(nnx.Module):
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (torch.nn.LayerNorm), in float32."""
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (torch.nn.LayerNorm), in float32.
 
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.weight = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("norm",))(rngs.params(), (dim,), dtype))
-        self.bias = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, ("norm",))(rngs.params(), (dim,), dtype))
+    Args:
+        dim: the weight's shape: D, or a tuple whose last entry is the normalized axis (Cohere's q/k norms, a
+            weight per head and dim [N, H]).
+        bias: False for a norm without one (Cohere's).
+        axes: the weight's logical axes (default: "norm" for a 1-D weight).
+    """
+
+    def __init__(self, dim: int | tuple[int, ...], eps: float, *, bias: bool = True,
+                 axes: tuple[str, ...] | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+        shape = (dim,) if isinstance(dim, int) else tuple(dim)
+        axes = ("norm",) if axes is None else axes
+        self.weight = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, axes)(rngs.params(), shape, dtype))
+        self.bias = (nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, axes)(rngs.params(), shape, dtype))
+                     if bias else None)
         self.eps = eps
 
     @jax.named_scope("norm")
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + self.eps)
-        return (h * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        h = h * self.weight[...].astype(jnp.float32)
+        return (h if self.bias is None else h + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+    def op_calls(self) -> list[OpCall]:
+        return [OpCall.of("layer_norm", D=self.weight.shape[-1], eps=self.eps, bias=self.bias is not None)]
 
 
 class RMSNorm(nnx.Module):
