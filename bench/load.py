@@ -11,7 +11,9 @@ repeat and per case (float32 loaded as float32, bfloat16 as bfloat16, bfloat16 w
 - peak host memory of the restore: the growth of the process's peak resident set (reset just before) over the
   parameters' bytes and the bytes in flight.
 Then conversion: a bfloat16 safetensors source of the same size (bench/convert.py's), `python -m convert` in a
-child process (cold), against a cold read of the source and a durable write (fdatasync) of as many bytes. Its rate
+child process (cold), against a cold read of the source, a durable write (fdatasync) of as many bytes, and a durable
+copy of the source files (read and written at once, as a conversion does: where reads and writes share one device,
+the copy is what the storage gives both together). Its rate
 is the converter's own time (from reading the source's headers to the final rename, as its summary line gives it);
 the child's whole life, interpreter and imports included (a second or two whatever the size), is shown beside it.
 Prints medians and the targets: cold load >= 0.8x the cold read, warm load >= 5 GB/s, peak growth <= (parameters +
@@ -160,11 +162,13 @@ def conversion(args, workdir: Path) -> tuple:
         bc.make_source(src, args.gb / 2)
     shards = sorted(src.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in shards)
-    reads, writes, converts, peaks, summaries = [], [], [], [], []
+    reads, writes, copies, converts, peaks, summaries = [], [], [], [], [], []
     for _ in range(args.repeats):
         drop(shards)
         reads.append(sequential_read(shards))
         writes.append(durable_write(workdir, size))
+        drop(shards)
+        copies.append(durable_copy(shards, workdir / "copy"))
         drop(shards)
         seconds, peak, summary = bc.convert_child(src, dst)
         own = float(re.search(r"MB out, ([0-9.]+) s,", summary).group(1))  # the converter's own time
@@ -174,7 +178,29 @@ def conversion(args, workdir: Path) -> tuple:
         shutil.rmtree(dst, ignore_errors=True)
     med = statistics.median
     median_run = sorted(range(args.repeats), key=converts.__getitem__)[args.repeats // 2]
-    return size, med(reads), med(writes), converts[median_run], max(peaks), summaries[median_run]
+    return size, med(reads), med(writes), med(copies), converts[median_run], max(peaks), summaries[median_run]
+
+
+def durable_copy(files: list[Path], folder: Path) -> float:
+    """GB/s of copying `files` into `folder` (16 MB reads and writes, each file fsynced), a thread per file: what the
+    storage gives a job that reads and durably writes at once, as a conversion does."""
+    import concurrent.futures
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+
+    def copy(f: Path) -> None:
+        with open(f, "rb", buffering=0) as src, open(folder / f.name, "wb", buffering=0) as dst:
+            while block := src.read(16 << 20):
+                dst.write(block)
+            os.fsync(dst.fileno())
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
+        list(pool.map(copy, files))
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(folder, ignore_errors=True)
+    return sum(f.stat().st_size for f in files) / 1e9 / seconds
 
 
 def durable_write(folder: Path, nbytes: int) -> float:
@@ -217,14 +243,14 @@ def main() -> None:
               f"{wl:.2f} (goal >= 5) | {growth / (nbytes + concurrency):.2f} (goal <= 1.1) |")
     if converted is None:
         return
-    size, read, write, conv, peak, summary = converted
+    size, read, write, copy, conv, peak, summary = converted
     bound = min(read, write)
     print(f"\nConversion of {size / 1e9:.2f} GB bf16 safetensors into bf16, median of {args.repeats}, cold\n")
-    print("| source cold read GB/s | durable write GB/s | convert GB/s | convert / slower of the two "
-          "| process start to exit GB/s | peak RSS GB |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {read:.2f} | {write:.2f} | {conv[0]:.2f} | {conv[0] / bound:.2f} (goal >= 0.7) | {conv[1]:.2f} "
-          f"| {peak / 1e9:.2f} |")
+    print("| source cold read GB/s | durable write GB/s | durable copy GB/s | convert GB/s | convert / slower of read "
+          "and write | convert / durable copy | process start to exit GB/s | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {read:.2f} | {write:.2f} | {copy:.2f} | {conv[0]:.2f} | {conv[0] / bound:.2f} (goal >= 0.7) | "
+          f"{conv[0] / copy:.2f} | {conv[1]:.2f} | {peak / 1e9:.2f} |")
     print(f"\nThe median conversion's own line: {summary}")
 
 

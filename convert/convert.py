@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from convert.quantize import QuantPlan, plan_quantization, quantized_arrays
 from convert.sources import RenamedSource, open_source
-from convert.writer import CheckpointWriter, sha256_file
+from convert.writer import FILE_HASH, CheckpointWriter, file_digest
 from day0jax import models
 from day0jax.core.errors import CheckpointError
 from day0jax.core.hf_tensors import Source, default_source
@@ -211,14 +211,14 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     shapes = {path: info.shape for path, info in plan.stored.items()}
 
     # Once a group's worth is on disk the source pages are released, so resident memory stays near the writer's
-    # pending bytes whatever the model's size; source hashes are computed on the side meanwhile (hashlib releases
-    # the GIL), by half the cores (the other half writes): sha256 runs at about 1 GB/s per core, and a trillion-
-    # parameter release is a thousand GB of shards.
+    # pending bytes whatever the model's size; the source's digests are computed on the side meanwhile (hashing
+    # releases the GIL), by half the cores (the other half writes): a trillion-parameter release is a thousand GB
+    # of shards.
     hash_threads = max(1, min(len(source.source_files()), (os.cpu_count() or 2) // 2))
     with concurrent.futures.ThreadPoolExecutor(hash_threads) as hasher, \
             CheckpointWriter(Path(dst), force=force, on_saved=source.release,
                              workers=options.workers) as writer:
-        hashes = {p.name: hasher.submit(_timed, sha256_file, p) for p in source.source_files()}
+        hashes = {p.name: hasher.submit(_timed, file_digest, p) for p in source.source_files()}
         bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)
         n_params, mtp_params = 0, 0
@@ -253,7 +253,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         manifest = {
             "converter_version": CONVERTER_VERSION,
             "source": {"kind": source.kind, "path": str(Path(src).absolute()),
-                       "sha256": {k: f.result()[0] for k, f in hashes.items()}},
+                       FILE_HASH: {k: f.result()[0] for k, f in hashes.items()}},
             "dtype": plan.dtype,
             "model_type": plan.config.model_type,
             "tokenizer_files": tokenizer_files,
@@ -265,7 +265,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
         writer.commit(manifest)
     t = writer.timings
     phases = {"read and build": building, "wait for writers": t.waited, "write": t.write, "fsync": t.sync,
-              "digest": t.digest, "source sha256": sum(f.result()[1] for f in hashes.values())}
+              "digest": t.digest, "source digest": sum(f.result()[1] for f in hashes.values())}
     return Summary(Path(dst), n_params, len(plan.infos), total_in, writer.bytes_written, time.perf_counter() - start,
                    phases)
 

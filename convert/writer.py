@@ -69,26 +69,28 @@ def _replaceable(path: Path) -> bool:
     return (path / checkpoint.MANIFEST).is_file() or not any(path.iterdir())
 
 
-# The digest of every written file in the manifest (its `file_hash`), which `convert --verify` checks. BLAKE3, not
-# sha256: the converter hashes every byte it writes, and on a CPU with SHA extensions sha256 still runs at about
-# 1 GB/s per core, below what a disk durably takes; BLAKE3 runs at 3-4 GB/s per core (AVX-512 or AVX2). Manifests
-# without `file_hash` (written before) list sha256 digests. The source's own files keep sha256 (`sha256_file`):
-# that is the digest the Hugging Face Hub publishes for each file, so the recorded source can be checked against it.
+# The digest of every file the manifest lists (its `file_hash`: the written files, which `convert --verify` checks,
+# and the source's). BLAKE3, not sha256: a conversion hashes every byte it reads and every byte it writes, and on a
+# CPU with SHA extensions sha256 still runs at about 1 GB/s per core, below what a disk durably takes (on two cores
+# the two sha256 passes held a conversion to half the disk's rate); BLAKE3 runs at 3-4 GB/s per core (AVX-512 or
+# AVX2). Manifests without `file_hash` (written before) list sha256 digests.
 FILE_HASH = "blake3"
 HASHES = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 
 
 def file_digest(path: Path, algorithm: str = FILE_HASH, block: int = 8 << 20) -> str:
-    """The hex digest of a file's bytes with `algorithm` ('blake3' or 'sha256')."""
+    """The hex digest of a file's bytes with `algorithm` ('blake3' or 'sha256'). The next block is read while this
+    one is hashed (both release the GIL): on a file not yet in the page cache, reading and hashing in turn would
+    take the sum of the two times, here the longer."""
     h = HASHES[algorithm]()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
+    with open(path, "rb", buffering=0) as f, concurrent.futures.ThreadPoolExecutor(1) as reader:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead
+        pending = reader.submit(f.read, block)
+        while chunk := pending.result():
+            pending = reader.submit(f.read, block)
             h.update(chunk)
     return h.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    return file_digest(path, "sha256")
 
 
 class WriteTimings:
@@ -166,8 +168,9 @@ class CheckpointWriter:
         return False
 
     def add(self, path: str, array: np.ndarray) -> None:
-        """Hands one parameter to the workers (waiting while `PENDING_BYTES` are queued); it joins the current
-        group, which ends once it holds `GROUP_BYTES`."""
+        """Hands one parameter to the workers, a task per chunk file (waiting while `PENDING_BYTES` are queued), so
+        that the chunks of one large parameter are written and synced side by side; it joins the current group,
+        which ends once it holds `GROUP_BYTES`."""
         array = np.asarray(array)
         if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
             array = array.copy(order="C")
@@ -176,15 +179,35 @@ class CheckpointWriter:
         group = self.groups - 1
         self._group_bytes += array.nbytes
         self.params[path] = {"shape": list(array.shape), "dtype": str(array.dtype), "group": group}
+        folder = self.tmp / checkpoint.group_dir(group) / path
+        folder.mkdir()
+        axis, rows = chunk_cut(array.shape, array.itemsize) if array.shape else (0, 1)
+        chunks = (1,) * axis + (rows,) + array.shape[axis + 1:] if array.shape else ()
+        header = {"chunks": list(chunks), "compressor": None, "dimension_separator": ".",
+                  "dtype": _zarr_dtype(array.dtype), "fill_value": None, "filters": None, "order": "C",
+                  "shape": list(array.shape), "zarr_format": 2}
+        self._submit(folder / ".zarray", np.frombuffer(json.dumps(header).encode(), np.uint8))
+        if not array.shape:
+            self._submit(folder / "0", array.reshape(1))
+        for outer in (itertools.product(*map(range, array.shape[:axis])) if array.shape else ()):
+            block = array[outer]
+            for j in range(0, array.shape[axis], rows):
+                name = ".".join(map(str, (*outer, j // rows) + (0,) * (len(chunks) - axis - 1)))
+                self._submit(folder / name, block[j:j + rows], rows)
+        self.bytes_written += array.nbytes
+
+    def _submit(self, path: Path, data: np.ndarray, rows: int | None = None) -> None:
+        """Queues one file's write, once the bytes queued leave room for it (or none are)."""
         t0 = time.perf_counter()
         with self._cond:
             self._cond.wait_for(lambda: self._error is not None or self._pending == 0
-                                or self._pending + array.nbytes <= PENDING_BYTES)
+                                or self._pending + data.nbytes <= PENDING_BYTES)
             self.timings.waited += time.perf_counter() - t0
             self._raise_failure()
-            self._pending += array.nbytes
-        self._writes.append(self._pool.submit(self._write, self.tmp / checkpoint.group_dir(group) / path, array))
-        self.bytes_written += array.nbytes
+            self._pending += data.nbytes
+        if len(self._writes) >= 4096:  # a trillion parameters are 10^5 chunk files: keep only the unfinished
+            self._writes = [f for f in self._writes if not f.done()]
+        self._writes.append(self._pool.submit(self._write_chunk, path, data, rows))
 
     def flush(self) -> None:
         """Ends the current group: the next parameter starts a new one."""
@@ -195,6 +218,7 @@ class CheckpointWriter:
         for future in self._writes:
             future.result()
         self._writes = []
+        self._raise_failure()  # one that failed among those already let go
 
     def _start_group(self) -> None:
         (self.tmp / checkpoint.group_dir(self.groups)).mkdir()
@@ -205,29 +229,15 @@ class CheckpointWriter:
         if self._error is not None:
             raise self._error
 
-    def _write(self, folder: Path, array: np.ndarray) -> None:
-        """One parameter's zarr array: its header and chunk files, each hashed and fsynced."""
+    def _write_chunk(self, path: Path, data: np.ndarray, rows: int | None) -> None:
+        """One file of a parameter's zarr array (its header, or a chunk padded to `rows` rows), hashed and fsynced."""
         try:
-            folder.mkdir()
-            axis, rows = chunk_cut(array.shape, array.itemsize) if array.shape else (0, 1)
-            chunks = (1,) * axis + (rows,) + array.shape[axis + 1:] if array.shape else ()
-            header = {"chunks": list(chunks), "compressor": None, "dimension_separator": ".",
-                      "dtype": _zarr_dtype(array.dtype), "fill_value": None, "filters": None, "order": "C",
-                      "shape": list(array.shape), "zarr_format": 2}
-            hashes = {".zarray": self._write_file(folder / ".zarray", json.dumps(header).encode())}
-            if not array.shape:
-                hashes["0"] = self._write_file(folder / "0", array.reshape(1).view(np.uint8).data)
-            for outer in (itertools.product(*map(range, array.shape[:axis])) if array.shape else ()):
-                block = array[outer]
-                for j in range(0, array.shape[axis], rows):
-                    data = block[j:j + rows]
-                    if data.shape[0] < rows:  # zarr v2 stores edge chunks whole: the last one padded
-                        data = np.concatenate([data, np.zeros((rows - data.shape[0],) + data.shape[1:], data.dtype)])
-                    name = ".".join(map(str, (*outer, j // rows) + (0,) * (len(chunks) - axis - 1)))
-                    hashes[name] = self._write_file(folder / name, data.reshape(-1).view(np.uint8).data)
-            rel = folder.relative_to(self.tmp)
+            payload = data
+            if rows is not None and data.shape[0] < rows:  # zarr v2 stores edge chunks whole: the last one padded
+                payload = np.concatenate([data, np.zeros((rows - data.shape[0],) + data.shape[1:], data.dtype)])
+            digest = self._write_file(path, payload.reshape(-1).view(np.uint8).data)
             with self._cond:
-                self._hashes.update({str(rel / name): digest for name, digest in hashes.items()})
+                self._hashes[str(path.relative_to(self.tmp))] = digest
         except BaseException as e:
             with self._cond:
                 self._error = self._error or e
@@ -235,8 +245,8 @@ class CheckpointWriter:
             raise
         finally:
             with self._cond:
-                self._pending -= array.nbytes
-                self._since_saved += array.nbytes
+                self._pending -= data.nbytes
+                self._since_saved += data.nbytes
                 saved = self._since_saved >= GROUP_BYTES and self.on_saved is not None
                 if saved:
                     self._since_saved = 0

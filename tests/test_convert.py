@@ -103,8 +103,8 @@ def test_manifest_records_sources_params_and_written_files(tiny, converted):
     dst = converted["llama"]
     m = checkpoint.read_manifest(dst)
     assert m["format_version"] == checkpoint.FORMAT_VERSION and m["source"]["kind"] == "safetensors"
-    from convert.writer import sha256_file
-    assert m["source"]["sha256"]["model.safetensors"] == sha256_file(tiny["llama"]["hf"] / "model.safetensors")
+    from convert.writer import file_digest
+    assert m["source"]["blake3"]["model.safetensors"] == file_digest(tiny["llama"]["hf"] / "model.safetensors")
     assert m["params"]["model.layers.1.mlp.down_proj.kernel"]["shape"] == [64, 128]
     assert all((dst / f).is_file() for f in m["files"]) and any(f.startswith("params/") for f in m["files"])
     assert json.loads((dst / "config.json").read_text())["model_type"] == "llama"
@@ -303,7 +303,7 @@ def test_cli_prints_progress_and_summary(tiny, tmp_path):
     assert "M parameters" in proc.stdout and "MB/s" in proc.stdout and "MB in" in proc.stdout
     # Where the time went, phase by phase.
     phases = dict(re.findall(r"([a-z][a-z0-9 ]*) ([0-9.]+)s", proc.stdout.split("(threads: ")[1]))
-    assert set(phases) == {"read and build", "wait for writers", "write", "fsync", "digest", "source sha256"}
+    assert set(phases) == {"read and build", "wait for writers", "write", "fsync", "digest", "source digest"}
 
 
 def test_sigkill_midway_leaves_no_destination(tiny, tmp_path):

@@ -100,7 +100,7 @@ def test_cache_key_separates_jax_versions_meshes_and_models(ckpt, tmp_path):
     same_arch = tmp_path / "same-arch"
     shutil.copytree(ckpt, same_arch)
     manifest = json.loads((same_arch / "day0jax.json").read_text())
-    manifest["source"]["sha256"] = {k: "0" * 64 for k in manifest["source"]["sha256"]}
+    manifest["source"]["blake3"] = {k: "0" * 64 for k in manifest["source"]["blake3"]}
     (same_arch / "day0jax.json").write_text(json.dumps(manifest))
     assert compile_cache.model_fingerprint(same_arch, "float32") == fp
     config = json.loads((same_arch / "config.json").read_text())

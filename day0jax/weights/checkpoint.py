@@ -2,7 +2,7 @@
 
     config.json          the model's HF-style config (what the runtime builds the model from)
     tokenizer.json, ...  tokenizer, chat template and generation config, as HF names them
-    day0jax.json         the manifest: format version, source, sha256 of sources, digests of written files, every
+    day0jax.json         the manifest: format version, source, digests of source and written files, every
                          parameter's name, shape, dtype and group; written last: without it, not a checkpoint
     params/NNNN/<name>/  each parameter, in the runtime's names and layout, as an uncompressed zarr (v2) array
                          (`.zarray` and C-order chunk files cut along the first axes: `weights/stream.py` reads
