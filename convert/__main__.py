@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out the multi-token-prediction layers a checkpoint ships (kept by default: "
                              "speculative decoding's 'mtp' proposer runs them)")
     parser.add_argument("--workers", type=int, metavar="N",
-                        help="threads writing, hashing and syncing the checkpoint's files (default: the cores + 1, "
-                             "2 to 8)")
+                        help="threads writing, hashing and syncing the checkpoint's files (default: twice the cores, "
+                             "8 to 16)")
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it is a day0jax checkpoint or an empty folder")
     parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")

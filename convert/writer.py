@@ -39,8 +39,9 @@ PENDING_BYTES = 384 << 20  # parameters handed to the workers and not yet on dis
 
 
 def default_workers() -> int:
-    """Writer threads: writes, hashing and fsync release the GIL; one more than the cores keeps the disk busy."""
-    return max(2, min(8, (os.cpu_count() or 1) + 1))
+    """Writer threads: writes, hashing and fsync release the GIL, and most of a writer's time is spent waiting for
+    its fsync, so more writers than cores keep the disk busy (on two cores, 8 converted 10-15% faster than 3)."""
+    return max(8, min(16, 2 * (os.cpu_count() or 1)))
 
 
 def chunk_cut(shape: tuple[int, ...], itemsize: int, limit: int | None = None) -> tuple[int, int]:
