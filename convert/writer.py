@@ -282,8 +282,8 @@ class CheckpointWriter:
         manifest = dict(manifest, format_version=checkpoint.FORMAT_VERSION, params=self.params,
                         groups=self.groups, file_hash=FILE_HASH, files=dict(sorted(files.items())))
         self.write_json(checkpoint.MANIFEST, manifest)
-        _fsync(self.tmp / checkpoint.MANIFEST)
-        _fsync(self.tmp)
+        fsync_path(self.tmp / checkpoint.MANIFEST)
+        fsync_path(self.tmp)
         if self.dst.exists():
             trash = self.dst.parent / f".{self.dst.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(self.dst, trash)
@@ -299,7 +299,7 @@ class CheckpointWriter:
         for f in sorted(root.rglob("*")):
             if f.is_file() and f.name != checkpoint.MANIFEST and not (skip and f.is_relative_to(skip)):
                 out[str(f.relative_to(self.tmp))] = file_digest(f)
-                _fsync(f)
+                fsync_path(f)
         return out
 
 
@@ -313,7 +313,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flushes a file (or a folder: its entries) to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -190,6 +190,8 @@ def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base
     """
     from safetensors.numpy import save_file
 
+    from convert.writer import fsync_path
+
     folder = Path(folder).absolute()
     if folder.exists() and not (folder.is_dir() and not folder.is_symlink()
                                 and ((folder / "adapter_config.json").is_file() or not any(folder.iterdir()))):
@@ -206,7 +208,7 @@ def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(adapter_arrays(model, adapters), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync_path(f)
         os.chmod(tmp, 0o755)  # mkdtemp's folder is the owner's alone
         if folder.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
@@ -219,14 +221,6 @@ def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def lora_filter():
