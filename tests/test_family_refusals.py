@@ -88,7 +88,8 @@ REFUSALS = [
     ("qwen4_exp", dict(layer_types=["linear_attention", "sliding_attention", "linear_attention"]),
      "layer_types='sliding_attention'"),
     ("qwen4_exp", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-]
+] + [(family, dict(num_key_value_heads=2), "num_key_value_heads=2 differs from num_attention_heads=4 (MLA")
+     for family in ("deepseek_v3", "deepseek_v2", "mistral4", "mistral_large4", "kimi_linear")]  # one latent for all
 
 
 @pytest.mark.parametrize("family, changes, named", REFUSALS, ids=[f"{f}-{n}" for f, _, n in REFUSALS])

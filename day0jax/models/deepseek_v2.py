@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from day0jax.core.hf_config import refuse
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import deepseek_v3, llama
@@ -71,9 +70,7 @@ class Config(HFConfig):
     softmax_scale = deepseek_v3.Config.softmax_scale
 
     def __post_init__(self):
-        if self.kv_heads != self.num_attention_heads:
-            refuse("num_key_value_heads", self.kv_heads,
-                   f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
+        deepseek_v3.refuse_grouped_kv(self)
         self._activation()
         for key in ("n_routed_experts", "num_experts_per_tok"):
             self._refuse_if(key, lambda v: not v, "must be set (HF's DeepSeek-V2 has no fallback)")

@@ -20,6 +20,14 @@ from day0jax.models.base import (HFConfig, nextn_dropped, nextn_mtp, nextn_sourc
 from day0jax.models.contract import Family
 
 
+def refuse_grouped_kv(config) -> None:
+    """Multi-head latent attention keeps one latent for every head: a config whose key/value heads differ from its
+    query heads describes another attention (every MLA family's check)."""
+    if config.kv_heads != config.num_attention_heads:
+        refuse("num_key_value_heads", config.kv_heads,
+               f"differs from num_attention_heads={config.num_attention_heads} (MLA has one latent for all)")
+
+
 @dataclass(frozen=True, eq=False)
 class Config(HFConfig):
     ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
@@ -67,9 +75,7 @@ class Config(HFConfig):
     model_type: str = "deepseek_v3"
 
     def __post_init__(self):
-        if self.kv_heads != self.num_attention_heads:
-            refuse("num_key_value_heads", self.kv_heads,
-                   f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
+        refuse_grouped_kv(self)
         self._activation()
         self._refuse_if("scoring_func", lambda v: v != "sigmoid", "is not implemented (only 'sigmoid')")
         self._refuse_if("topk_method", lambda v: v != "noaux_tc", "is not implemented (only 'noaux_tc')")

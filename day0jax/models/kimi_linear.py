@@ -88,9 +88,7 @@ class Config(HFConfig):
     model_type: str = "kimi_linear"
 
     def __post_init__(self):
-        if self.kv_heads != self.num_attention_heads:
-            refuse("num_key_value_heads", self.kv_heads,
-                   f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
+        deepseek_v3.refuse_grouped_kv(self)
         self._activation()
         # The short convolution runs hidden_act too, and only SiLU is implemented there.
         self._refuse_if("hidden_act", lambda a: a != "silu", "is not implemented for linear attention (only silu)")

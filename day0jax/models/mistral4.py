@@ -69,9 +69,7 @@ class Config(HFConfig):
     softmax_scale = deepseek_v3.Config.softmax_scale
 
     def __post_init__(self):
-        if self.kv_heads != self.num_attention_heads:
-            refuse("num_key_value_heads", self.kv_heads,
-                   f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
+        deepseek_v3.refuse_grouped_kv(self)
         self._activation()
         for key in ("v_head_dim", "num_experts_per_tok", "first_k_dense_replace"):
             self._refuse_if(key, lambda v: v is None, "must be set (HF's Mistral 4 has no fallback for None)")

@@ -96,9 +96,7 @@ class Config(HFConfig):
     softmax_scale = deepseek_v3.Config.softmax_scale
 
     def __post_init__(self):
-        if self.kv_heads != self.num_attention_heads:
-            refuse("num_key_value_heads", self.kv_heads,
-                   f"differs from num_attention_heads={self.num_attention_heads} (MLA has one latent for all)")
+        deepseek_v3.refuse_grouped_kv(self)
         self._activation()
         E = self.routed_experts
         self._refuse_if("n_group", lambda v: not v or E % v or E // v < 2,
