@@ -214,11 +214,12 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     # pending bytes whatever the model's size; the source's digests are computed on the side meanwhile (hashing
     # releases the GIL), by half the cores (the other half writes): a trillion-parameter release is a thousand GB
     # of shards.
-    hash_threads = max(1, min(len(source.source_files()), (os.cpu_count() or 2) // 2))
+    source_files = source.source_files()
+    hash_threads = max(1, min(len(source_files), (os.cpu_count() or 2) // 2))
     with concurrent.futures.ThreadPoolExecutor(hash_threads) as hasher, \
             CheckpointWriter(Path(dst), force=force, on_saved=source.release,
                              workers=options.workers) as writer:
-        hashes = {p.name: hasher.submit(_timed, file_digest, p) for p in source.source_files()}
+        hashes = {p.name: hasher.submit(_timed, file_digest, p) for p in source_files}
         bar = tqdm(total=total_in, unit="B", unit_scale=True, unit_divisor=1024, desc=f"converting {Path(src).name}",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)
         n_params, mtp_params = 0, 0

@@ -280,16 +280,12 @@ def kv_cache_refusal(layout: list, family: str, kv_cache_dtype: str) -> None:
     Args:
         layout: the model's `cache_layout()`.
         family: its model_type, for the message.
-        kv_cache_dtype: one of KV_CACHE_DTYPES.
+        kv_cache_dtype: one of KV_CACHE_DTYPES (as `EngineConfig` checks it).
     Raises:
         UnsupportedKVCache: naming the first cache kind that fp8 does not cover, and the family.
-        GenerationError: an unknown `kv_cache_dtype`.
     """
     from day0jax.core.cache_layout import KVLayer, SharedKV, StateLayer
-    from day0jax.core.errors import GenerationError
 
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise GenerationError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype == "auto":
         return
     for i, entry in enumerate(layout):
