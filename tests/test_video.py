@@ -286,3 +286,33 @@ def test_video_parts_and_keywords_are_checked():
         processor.preprocess(Video(clip, 8, {"num_frames": 2}))
     with pytest.raises(ImageError, match="share one size"):
         processor.preprocess(Video(clip[:3] + [frames(15, 1, 16, 8)[0]]))
+
+
+def test_a_long_video_runs_in_calls_that_fit_the_largest_program(model):
+    """A video whose patches pass the largest tower program (here made small) runs as calls of whole temporal
+    patches that each fit it, so a long video takes the programs warm-up compiled, with the features and DeepStack
+    features of the single call that holds it whole (the tower works inside each temporal patch). Worst seen:
+    4.5e-8 absolute (the padded length changes the order of the sums)."""
+    import dataclasses
+
+    from day0jax.vision.spec import encode_host
+
+    runner = model.engine.runner
+    spec = runner.vision
+    inputs = model.images.inputs([Video(list(frames(8, 12, 20, 20)), 4, {"do_sample_frames": False})])
+    (t, h, w), = inputs.grids
+    assert t == 6
+    small = dataclasses.replace(spec, encoder=dataclasses.replace(spec.encoder, sizes=(4 * h * w,), limit=None))
+    calls = small.encoder_calls(inputs.pixels, inputs.grids)
+    assert [(key, tokens) for key, _, tokens in calls] == [((4 * h * w,), h * w), ((4 * h * w,), h * w // 2)]
+    assert {key for key, _, _ in calls} <= set(small.encoder.keys())
+    assert len(spec.encoder_calls(inputs.pixels, inputs.grids)) == 1
+
+    def run(key, arrays):
+        return runner._encode(runner.stage_params[0], *arrays)
+
+    whole, whole_deep = encode_host(spec, inputs.pixels, inputs.grids, run)
+    split, split_deep = encode_host(small, inputs.pixels, inputs.grids, run)
+    assert whole.shape == split.shape == (t * h * w // 4, whole.shape[1]) and whole_deep.shape == split_deep.shape
+    np.testing.assert_allclose(split, whole, rtol=0, atol=2e-7)
+    np.testing.assert_allclose(split_deep, whole_deep, rtol=0, atol=2e-7)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -211,6 +211,7 @@ class PatchBuckets(qwen_vit.PatchBuckets):
     `VisionSpec.encoder` of MoonViT."""
 
     config: VisionConfig
+    splits_frames: ClassVar[bool] = False  # a frame's time embedding counts from the video's first frame
 
     def inputs(self, patches: np.ndarray, grid: Grid) -> tuple[tuple[int], tuple[np.ndarray, ...], int]:
         c = self.config

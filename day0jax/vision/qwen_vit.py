@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +261,10 @@ class PatchBuckets:
     # The most patches one image can have (the checkpoint's image processor bounds them): the programs stop at its
     # bucket, past the largest size too, so that warm-up covers every image it can take. None: `sizes`.
     limit: int | None = None
+    # A video runs as several calls of whole temporal patches where it would need a program past the largest one:
+    # the Qwen-VL tower attends, places and merges inside each temporal patch only, so the split changes no
+    # feature, and a long video takes the programs warm-up compiled. False for towers that mix frames.
+    splits_frames: ClassVar[bool] = True
 
     def keys(self) -> list[tuple[int]]:
         if self.limit is None:
@@ -280,6 +284,21 @@ class PatchBuckets:
         while size < patches:
             size *= 4
         return size
+
+    def grid_patches(self, grid: Grid) -> int:
+        """The image processor's patches of one image or video of `grid`."""
+        t, h, w = (int(v) for v in grid)
+        return t * h * w
+
+    def grid_calls(self, patches: np.ndarray, grid: Grid) -> list[tuple[tuple[int], tuple[np.ndarray, ...], int]]:
+        """One image's or video's calls (`inputs` of each), in the order of its tokens: one call, or for a video
+        past the largest program, runs of as many temporal patches as that program holds."""
+        t, h, w = (int(v) for v in grid)
+        per_call = max(1, self.keys()[-1][0] // max(1, self.tower_patches(h * w)))
+        if t <= per_call or not self.splits_frames:
+            return [self.inputs(patches, grid)]
+        return [self.inputs(patches[start * h * w:min(t, start + per_call) * h * w],
+                            (min(per_call, t - start), h, w)) for start in range(0, t, per_call)]
 
     def inputs(self, patches: np.ndarray, grid: Grid) -> tuple[tuple[int], tuple[np.ndarray, ...], int]:
         """(program key, the tower's padded array inputs, the image's token count) for one image's patches."""
