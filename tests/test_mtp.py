@@ -1,6 +1,6 @@
 """Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored as
 layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
-Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's and Step-3.7's, transformers' generic MTP layers, chained after
+Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, Step-3.7's and MiMo-V2-Flash's, transformers' generic MTP layers, chained after
 their post-norm). Greedy tokens equal plain decoding's, the drafts the engine reads after each step are the MTP chain's
 over the verified tokens (its KV pages caught up over every kept token, rejected positions rewritten), and conversion
 keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads only
@@ -68,6 +68,12 @@ STEP3P7_ONE = dict(STEP3P7, text_config=dict(
     STEP3P7["text_config"], num_nextn_predict_layers=1, layer_types=STEP3P7["text_config"]["layer_types"][:4],
     mlp_layer_types=STEP3P7["text_config"]["mlp_layer_types"][:4]))
 
+# MiMo-V2-Flash (tests/families.py's: full, sliding, sliding; window 8, sinks, value scale, partial RoPE per kind):
+# transformers' generic MTP layer under Xiaomi's names, its decoder layer a sliding-attention one (window 8, so the
+# longer prompts' window bites) with a dense MLP and a post-norm of its own; two layers, the second chained.
+MIMO = dict(FAMILIES["mimo_v2_flash"][1], model_type="mimo_v2_flash", num_nextn_predict_layers=2)
+MIMO_ONE = dict(MIMO, num_nextn_predict_layers=1)
+
 
 def build(hf: dict):
     cfg = models.config_from_hf(hf)
@@ -105,9 +111,10 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
-                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7_ONE, 2)],
+                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7_ONE, 2),
+                                  (MIMO_ONE, 2)],
                          ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
-                              "ernie4_5_moe-k2", "step3p7-k2"])
+                              "ernie4_5_moe-k2", "step3p7-k2", "mimo_v2_flash-k2"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
@@ -151,13 +158,15 @@ MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in r
 HF_CONFIGS = {hf["model_type"]: {k: v for k, v in hf.items() if k not in ("model_type", "num_nextn_predict_layers",
                                                                          "mtp_num_hidden_layers")}
               for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE, STEP3P7)}
+HF_CONFIGS["mimo_v2_flash"] = {k: v for k, v in MIMO.items() if k != "model_type"}  # the reference reads the count
+MTP_LAYERS = {"step3p7": 2, "mimo_v2_flash": 2}
 
 
 @pytest.fixture(scope="module")
 def mtp_checkpoints(tmp_path_factory):
-    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2, GLM-5, ERNIE 4.5 MoE and Step-3.7 folders with one MTP layer
-    each in their checkpoints' layouts, and the reference MTP logits (float64; the decoder layer transformers' own,
-    ERNIE's and Step-3.7's whole MTP layer)."""
+    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2, GLM-5, ERNIE 4.5 MoE, Step-3.7 and MiMo-V2-Flash folders with
+    their MTP layers in their checkpoints' layouts, and the reference MTP logits (float64; the decoder layer
+    transformers' own, ERNIE's, Step-3.7's and MiMo-V2-Flash's whole MTP layers)."""
     from conftest import run_reference
 
     root = tmp_path_factory.mktemp("mtp")
@@ -188,7 +197,7 @@ def test_mtp_layers_convert_load_and_match_the_reference(mtp_checkpoints, family
     for path in (hf, ckpt):
         report = check(path, dtype="float32")
         assert report.supported, report.reasons
-        assert report.mtp["layers"] == (2 if family == "step3p7" else 1) and report.mtp["parameters"] > 0
+        assert report.mtp["layers"] == MTP_LAYERS.get(family, 1) and report.mtp["parameters"] > 0
         L = HF_CONFIGS[family].get("text_config", HF_CONFIGS[family])["num_hidden_layers"]
         last = L + report.mtp["layers"] - 1
         assert any(str(last) in str(row["layers"]) for row in report.ops if "attention" in row["op"])  # 0-last

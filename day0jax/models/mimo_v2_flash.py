@@ -4,8 +4,12 @@ layers and learned attention sinks; queries and keys of `head_dim`, values of `v
 given); a dense first layer, then MoEs with DeepSeek-V3's routing (sigmoid scores with a score bias, in groups) and no
 shared expert. HF reference: transformers/models/mimo_v2_flash/modeling_mimo_v2_flash.py.
 
-Checkpoints keep Xiaomi's names for the sinks (`attention_sink_bias`) and one Linear per expert; the
-multi-token-prediction layers (`model.mtp.*`) are dropped.
+Checkpoints keep Xiaomi's names for the sinks (`attention_sink_bias`) and one Linear per expert. The
+multi-token-prediction layers (`model.mtp.layers.{i}.*`, `num_nextn_predict_layers`; speculative method "mtp") are
+transformers' generic MTP layer in Xiaomi's names: enorm, hnorm, eh_proj, then a sliding-window attention layer (the
+sliding layers' heads, sinks and RoPE; `input_layernorm`) with a dense MLP (`pre_mlp_layernorm`), and its own
+post-norm `final_layernorm`, read by the shared head and chained into the next layer (the inference engines' MiMo-V2
+MTP modules; transformers skips these tensors).
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ from functools import cached_property
 from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import Attention
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
+from day0jax.layers.mtp import MtpLayer, MtpStack
 from day0jax.layers.rope import rope_parameters
 from day0jax.models import llama
-from day0jax.models.base import LayerTypes, LocalRope, per_expert_source
+from day0jax.models.base import DecoderLayer, LayerTypes, LocalRope, per_expert_source
 from day0jax.models.contract import Family
 
 KINDS = ("full_attention", "sliding_attention")
@@ -34,7 +40,7 @@ DEFAULT_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 5_000_0
 
 @dataclass(frozen=True, eq=False)
 class Config(LayerTypes, llama.Config):
-    ALIASES = {"num_local_experts": "n_routed_experts"}
+    ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
     vocab_size: int = 152576
     hidden_size: int = 4096
     intermediate_size: int = 16384
@@ -58,6 +64,7 @@ class Config(LayerTypes, llama.Config):
     layer_types: list | None = None
     mlp_layer_types: list | None = None
     attention_value_scale: float | None = 0.707
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers (`model.mtp.layers.{i}`)
     model_type: str = "mimo_v2_flash"
 
     def __post_init__(self):
@@ -121,17 +128,43 @@ class Config(LayerTypes, llama.Config):
 
 class Model(LocalRope, llama.Model):
     def attention_kwargs(self, index: int) -> dict:
+        return self._kind_kwargs(self.config.layer_kinds[index] == "sliding_attention")
+
+    def _kind_kwargs(self, sliding: bool) -> dict:
         c = self.config
-        sliding = c.layer_kinds[index] == "sliding_attention"
-        return dict(super().attention_kwargs(index), o_bias=False, rope=self.layer_rope(index),
-                    sliding_window=c.layer_window(index), sinks=sliding, v_head_dim=c.v_head_dim,
+        return dict(super().attention_kwargs(0), o_bias=False, rope=self.local_rope if sliding else self.rope,
+                    sliding_window=c.window if sliding else None, sinks=sliding, v_head_dim=c.v_head_dim,
                     value_scale=1.0 if c.attention_value_scale is None else c.attention_value_scale)
 
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> Attention:
+        return self._attention(self.config.layer_kinds[index] == "sliding_attention", dtype=dtype, rngs=rngs)
+
+    def _attention(self, sliding: bool, *, dtype, rngs: nnx.Rngs) -> Attention:
+        """A full-attention layer's, or with `sliding` a sliding layer's (twice the kv heads, sinks, its RoPE)."""
         c = self.config
         return Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                         num_kv_heads=c.layer_kv_heads(index), head_dim=c.head_size, **self.attention_kwargs(index),
-                         dtype=dtype, rngs=rngs)
+                         num_kv_heads=c.kv_heads * (2 if sliding else 1), head_dim=c.head_size,
+                         **self._kind_kwargs(sliding), dtype=dtype, rngs=rngs)
+
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> MtpStack:
+        """Each MTP layer's decoder layer attends as the sliding layers do and has a dense MLP; its post-norm is
+        its own (`final_layernorm`)."""
+        c = self.config
+        if not c.num_nextn_predict_layers:
+            raise UnsupportedArchitecture("this mimo_v2_flash config declares no multi-token-prediction layers "
+                                          "(num_nextn_predict_layers)")
+        D = c.hidden_size
+        return MtpStack([MtpLayer(DecoderLayer(self._attention(True, dtype=dtype, rngs=rngs),
+                                               llama.Model.make_mlp(self, 0, dtype=dtype, rngs=rngs),
+                                               self.make_norm(D, dtype=dtype, rngs=rngs),
+                                               self.make_norm(D, dtype=dtype, rngs=rngs)),
+                                  self.make_norm, D, post_norm=True, dtype=dtype, rngs=rngs)
+                         for _ in range(c.num_nextn_predict_layers)])
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        """Whole pages under the shared page table (the attention masks the window), not a window ring."""
+        c = self.config
+        return [KVLayer(2 * c.kv_heads, c.head_size, c.v_head_dim)] * self.mtp_layers
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
@@ -149,14 +182,25 @@ class Model(LocalRope, llama.Model):
                 for i in range(c.num_hidden_layers)]
 
 
+# The MTP layer's parameters (`mtp.layers.{i}.` + ours) -> the checkpoint's `model.mtp.layers.{i}.` + Xiaomi's.
+MTP_NAMES = (("mtp_block.post_attention_layernorm.", "pre_mlp_layernorm."), ("mtp_block.", ""),
+             ("post_norm.", "final_layernorm."))
+
+
 def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict) -> Source:
-    """Xiaomi's `attention_sink_bias` for the sinks, one Linear per expert."""
+    """Xiaomi's `attention_sink_bias` for the sinks, one Linear per expert, the MTP layers' names."""
+    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(.*)", path)
+    if mtp:
+        name = next((new + mtp[2][len(ours):] for ours, new in MTP_NAMES if mtp[2].startswith(ours)), mtp[2])
+        return hf_source(config, f"model.mtp.layers.{mtp[1]}.{name}", shape, metadata)
     if re.fullmatch(r".*\.self_attn\.sinks", path):
         return Source((path[:-len("sinks")] + "attention_sink_bias",), lambda a, s: a[0], (shape,))
     return per_expert_source(path, shape) or default_source(path, shape, metadata)
 
 
-DROPPED = {**llama.ROPE_BUFFERS, r"model\.mtp\..*": "multi-token prediction layers (used for speculation, not "
-                                                    "decoding)"}
+MTP = r"model\.mtp\..*"
+DROPPED = {**llama.ROPE_BUFFERS, MTP: "multi-token-prediction layers, used only for speculative decoding (converted "
+                                     "without them)"}
 
-FAMILY = Family(model_types=("mimo_v2_flash",), config=Config, model=Model, dropped=DROPPED, hf_source=hf_source)
+FAMILY = Family(model_types=("mimo_v2_flash",), config=Config, model=Model, dropped=DROPPED, hf_source=hf_source,
+                mtp=lambda c: MTP if c.num_nextn_predict_layers else None)

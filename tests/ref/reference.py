@@ -606,6 +606,64 @@ def _generic_mtp(job):
     np.savez(job["reference"], **result)
 
 
+# MiMo-V2-Flash's MTP layer, transformers' generic one (a sliding-attention decoder layer with a dense MLP, its own
+# post-norm) stored under Xiaomi's names (`model.mtp.layers.{i}.`), which transformers does not read.
+MIMO_MTP_NAMES = (("mtp_block.self_attn.sinks", "self_attn.attention_sink_bias"),
+                  ("mtp_block.post_attention_layernorm.", "pre_mlp_layernorm."), ("mtp_block.", ""),
+                  ("post_norm.", "final_layernorm."))
+
+
+def _mimo_mtp(job):
+    """The config's MTP layers (`num_nextn_predict_layers`, else one), built by transformers' own `MtpModel` around
+    MiMo-V2-Flash's decoder layer (kinds: sliding attention, dense MLP), random, run in float64 (layer j > 0 chained on
+    layer j - 1's output, `logits_{i}_{j}`), and saved in Xiaomi's layout."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    tiny_hf(job)
+    count = job["config"].get("num_nextn_predict_layers") or 1
+    model = _load(job["out"]).double()
+    config = model.config
+    config._attn_implementation = config._experts_implementation = "eager"
+    config.num_mtp_layers, config.mtp_layer_types = count, ["sliding_attention"] * count
+    config.mtp_mlp_layer_types = ["dense"] * count
+    main = {k: v.clone() for k, v in model.state_dict().items()}
+    module = MtpModel(model, count).double().eval()
+    model.load_state_dict(main)  # whatever MtpModel's initialization did to the shared embedding and head
+    D = config.hidden_size
+    torch.manual_seed(job.get("seed", 0) + 1)
+    tensors = load_file(os.path.join(job["out"], "model.safetensors"))
+    with torch.no_grad():
+        for name, p in module.layers.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape) * 0.1 + 1.0)
+            elif name.endswith("eh_proj.weight"):
+                p.copy_(torch.randn(p.shape) * (2 * D) ** -0.5)
+            else:
+                p.copy_(torch.randn(p.shape) * (0.5 if name.endswith("sinks") else 0.2))
+            index, rest = name.split(".", 1)
+            stored = next(new + rest[len(ours):] for ours, new in MIMO_MTP_NAMES if rest.startswith(ours)) \
+                if any(rest.startswith(ours) for ours, _ in MIMO_MTP_NAMES) else rest
+            tensors[f"model.mtp.layers.{index}.{stored}"] = p.detach().float().clone().contiguous()
+        result = {}
+        for i, prompt in enumerate(job["prompts"]):
+            ids = torch.tensor([prompt])
+            T = len(prompt) - 1
+            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
+            h = module.forward_layer(0, hidden, torch.arange(T)[None], None, input_ids=ids[:, 1:])
+            result[f"logits_{i}"] = module._project_to_logits(h)[0].numpy()
+            for j in range(1, count):
+                n = T - j
+                h = module.forward_layer(j, h[:, :n], torch.arange(n)[None], None, input_ids=ids[:, 1 + j:])
+                result[f"logits_{i}_{j}"] = module._project_to_logits(h)[0].numpy()
+    save_file(tensors, os.path.join(job["out"], "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(job["out"], "config.json")
+    saved = json.load(open(config_path))
+    saved["num_nextn_predict_layers"] = count
+    json.dump(saved, open(config_path, "w"), indent=1)
+    np.savez(job["reference"], **result)
+
+
 def mtp(job):
     import copy
     import importlib
@@ -614,6 +672,8 @@ def mtp(job):
 
     if job["family"] in GENERIC_MTP:
         return _generic_mtp(job)
+    if job["family"] == "mimo_v2_flash":
+        return _mimo_mtp(job)
     tiny_hf(job)
     family = job["family"]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
