@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -143,13 +144,20 @@ def tiny(tmp_path_factory):
     return {name: {"hf": root / name, "ref": dict(np.load(root / f"{name}.npz"))} for name in FAMILIES}
 
 
+# Session fixtures build every family in this many processes or threads: the other pytest worker often waits for
+# the same fixture, so its core would idle through a one-process build.
+BUILDERS = min(2, os.cpu_count() or 1)
+
+
 def _reference_of_every_family(root: Path) -> None:
-    jobs = []
-    for name, (model_type, config, _) in FAMILIES.items():
-        jobs.append({"op": "tiny_hf", "family": model_type, "config": config, "seed": 0, "out": str(root / name)})
-        jobs.append({"op": "run", "model": str(root / name), "prompts": PROMPTS, "generate": GENERATE,
-                     "out": str(root / f"{name}.npz")})
-    run_reference(jobs, root)
+    shares = [[] for _ in range(BUILDERS)]
+    for i, (name, (model_type, config, _)) in enumerate(FAMILIES.items()):
+        shares[i % BUILDERS] += [
+            {"op": "tiny_hf", "family": model_type, "config": config, "seed": 0, "out": str(root / name)},
+            {"op": "run", "model": str(root / name), "prompts": PROMPTS, "generate": GENERATE,
+             "out": str(root / f"{name}.npz")}]
+    with ThreadPoolExecutor(BUILDERS) as pool:  # each share its own reference process
+        list(pool.map(lambda k: run_reference(shares[k], root / f".jobs-{k}"), range(BUILDERS)))
 
 
 @pytest.fixture(scope="session")
@@ -159,8 +167,8 @@ def converted(tiny, tmp_path_factory):
 
     with built_once(tmp_path_factory, "converted") as (root, done):
         if not done:
-            for name, t in tiny.items():
-                convert_checkpoint(t["hf"], root / name, progress=False)
+            with ThreadPoolExecutor(BUILDERS) as pool:  # tiny conversions wait in fsync as much as they compute
+                list(pool.map(lambda name: convert_checkpoint(tiny[name]["hf"], root / name, progress=False), tiny))
     return {name: root / name for name in tiny}
 
 

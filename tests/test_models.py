@@ -38,10 +38,10 @@ ALL = list(FAMILIES)
 BATCH_INVARIANT = [n for n, f in FAMILIES.items() if f[2]]
 
 
-def padded_batch() -> np.ndarray:
-    """PROMPTS right-padded into one batch."""
-    batch = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
-    for i, p in enumerate(PROMPTS):
+def padded_batch(rows=PROMPTS) -> np.ndarray:
+    """`rows` of token ids right-padded into one batch."""
+    batch = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, p in enumerate(rows):
         batch[i, :len(p)] = p
     return batch
 
@@ -133,9 +133,9 @@ def test_batched_cached_decode_equals_full_forward(family):
     argmax of the no-cache forward pass over each prompt plus its continuation."""
     name, model = family
     outs = model.generate(PROMPTS, 10, ignore_eos=True)
-    for prompt, new in zip(PROMPTS, outs):
-        full = model.logits([prompt + new])[0]
-        assert new == full[len(prompt) - 1:-1].argmax(-1).tolist(), name
+    full = model.logits(padded_batch([p + new for p, new in zip(PROMPTS, outs)]))  # the parity test's program
+    for i, (prompt, new) in enumerate(zip(PROMPTS, outs)):
+        assert new == full[i, len(prompt) - 1:len(prompt) + len(new) - 1].argmax(-1).tolist(), name
 
 
 # Each feature param is (family, feature): its value names one test alone, so that pytest, which groups the tests of
