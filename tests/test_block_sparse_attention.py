@@ -1,16 +1,18 @@
 """Block-sparse attention (MiniMax-M3) against transformers' own lightning indexer, `build_block_mask` and
 eager attention (float32): the blocks chosen, the attention over them, the paged path the engine takes; the forced
 local blocks taken away, to show the comparison would catch their loss; and, with top-k covering every block, equal
-to dense causal attention.
+to dense causal attention. The gather path, which reads only the kept blocks' keys, against the same references.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import run_reference
+from kernels_pallas import registry
 from kernels_pallas.attention import reference as dense
 from kernels_pallas.block_sparse_attention import api as block_op
 from kernels_pallas.block_sparse_attention import reference as block_ref
@@ -88,12 +90,10 @@ def test_attention_over_kept_blocks_matches_transformers(hf):
     assert rel_err(combined, ref["attention"]) < 1e-5
 
 
-def test_paged_path_matches_transformers(hf):
-    """The engine's path: keys, values and indexer keys in shuffled pages of 8, the block tables one page longer
-    than the rows need (more blocks gathered than there are keys), each query of the last 6 positions attending as
-    a decode chunk."""
-    ref, inputs = hf
-    page, width = 8, -(-T // 8) + 1
+def paged(inputs: dict, ref: dict, page: int = 8):
+    """Keys, values and indexer keys in shuffled pages, the block tables one page longer than the rows need (more
+    blocks gathered than there are keys): (pools, block tables)."""
+    width = -(-T // page) + 1
     rng = np.random.default_rng(1)
     tables = rng.permutation(np.arange(1, B * width + 1)).reshape(B, width).astype(np.int32)
     pools = []
@@ -103,13 +103,60 @@ def test_paged_path_matches_transformers(hf):
             for s in range(T):
                 pool[tables[b, s // page], s % page] = x[b, s]
         pools.append(jnp.asarray(pool))
+    return pools, jnp.asarray(tables)
+
+
+def test_paged_path_matches_transformers(hf):
+    """The engine's path: each query of the last 6 positions attending as one prefill chunk (the reference: the
+    gather path would read more than the pages hold), then each as its own decode step through the gather path,
+    which reads only the kept blocks' keys."""
+    ref, inputs = hf
+    pools, tables = paged(inputs, ref)
+    lengths = jnp.full((B,), T, jnp.int32)
     chunk = slice(T - 6, T)
-    out = block_op.paged_block_sparse_attention(
-        jnp.asarray(inputs["q"][:, chunk]), *pools, jnp.asarray(tables), jnp.full((B,), T, jnp.int32),
-        positions()[:, chunk], jnp.asarray(ref["iq"][:, chunk]), block_size=BLOCK, topk_blocks=TOPK,
-        local_blocks=LOCAL)
+    run = lambda rows, **kw: block_op.paged_block_sparse_attention(  # noqa: E731
+        jnp.asarray(inputs["q"][:, rows]), *pools, tables, lengths, positions()[:, rows],
+        jnp.asarray(ref["iq"][:, rows]), block_size=BLOCK, topk_blocks=TOPK, local_blocks=LOCAL, **kw)
     # Float32, errors seen: 1.5e-7 relative.
-    assert rel_err(out, ref["attention"][:, chunk]) < 1e-5
+    assert rel_err(run(chunk), ref["attention"][:, chunk]) < 1e-5
+    with pytest.raises(registry.KernelUnavailable, match="gather more"):
+        run(chunk, implementation="gather")
+    step = jax.jit(lambda q, p, iq: block_op.paged_block_sparse_attention(
+        q, *pools, tables, lengths, p, iq, block_size=BLOCK, topk_blocks=TOPK, local_blocks=LOCAL,
+        implementation="gather"))
+    for t in range(T - 6, T):  # causal: a query's output is the same whatever comes after it
+        out = step(jnp.asarray(inputs["q"][:, t:t + 1]), positions()[:, t:t + 1], jnp.asarray(ref["iq"][:, t:t + 1]))
+        # Errors seen: 1.2e-7 to 3.0e-7 relative.
+        assert rel_err(out, ref["attention"][:, t:t + 1]) < 1e-6
+
+
+@pytest.mark.parametrize("indexer_heads", [1, K])
+def test_gather_reads_the_kept_blocks_alone(hf, indexer_heads):
+    """Attention over blocks chosen elsewhere (one choice for every head, as the mean and learned poolings make, or
+    one per KV group): the gather path equals the reference's over the whole row, and reads no key outside the kept
+    blocks (keys elsewhere made NaN change nothing)."""
+    ref, inputs = hf
+    pools, tables = paged(inputs, ref)
+    lengths, blocks = jnp.full((B,), T, jnp.int32), -(-(tables.shape[1] * 8) // BLOCK)
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(inputs["q"][:, -1:])
+    kept = np.zeros((B, indexer_heads, 1, blocks), bool)  # at most TOPK + 1 blocks, the query's own among them
+    for b in range(B):
+        for i in range(indexer_heads):
+            kept[b, i, 0, rng.choice((T - 1) // BLOCK, TOPK, replace=False)] = True
+            kept[b, i, 0, (T - 1) // BLOCK] = True
+    args = (q, pools[0], pools[1], tables, lengths, positions()[:, -1:], jnp.asarray(kept))
+    attend = lambda *a, **kw: block_op.paged_attend_blocks(*a, block_size=BLOCK,  # noqa: E731
+                                                           most_blocks=TOPK + 1, **kw)
+    ours, theirs = attend(*args, implementation="gather"), attend(*args, implementation="reference")
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=5e-7)  # errors seen: 1.2e-7 (outputs of size about 1)
+    outside = ~np.repeat(np.repeat(kept, BLOCK, axis=-1)[:, :, 0, :T], K // indexer_heads, axis=1)  # [B, K, T]
+    k_pages, v_pages = np.asarray(pools[0]).copy(), np.asarray(pools[1]).copy()
+    for b, g, s in zip(*np.nonzero(outside)):
+        k_pages[tables[b, s // 8], s % 8, g] = np.nan
+        v_pages[tables[b, s // 8], s % 8, g] = np.nan
+    poisoned = attend(q, jnp.asarray(k_pages), jnp.asarray(v_pages), *args[3:], implementation="gather")
+    np.testing.assert_array_equal(poisoned, ours)
 
 
 def test_every_block_kept_is_dense_attention():

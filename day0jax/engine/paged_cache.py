@@ -142,12 +142,12 @@ class PagedKVCache:
         index_pages = self.index_pages.at[pages, slots].set(ik.astype(self.index_pages.dtype), mode="drop")
         if block_keys is not None:
             # Blocks past a row's keys are never complete for its queries, so the gathered width does not matter.
-            gather = lambda p: block_op.gather_pages(p, self.block_tables)  # noqa: E731
-            out = block_op.indexed_block_sparse_attention(
-                q, gather(self.k_pages), gather(self.v_pages), iq, block_keys(gather(index_pages)),
-                block_size=block_size, topk_blocks=topk_blocks, local_blocks=local_blocks, q_positions=positions,
-                kv_lengths=self.kv_lengths, scale=scale, pool="mean")
-            return dataclasses.replace(self, index_pages=index_pages), out
+            kept = block_op.block_select(iq, block_keys(block_op.gather_pages(index_pages, self.block_tables)),
+                                         block_size=block_size, topk_blocks=topk_blocks, local_blocks=local_blocks,
+                                         q_positions=positions, kv_lengths=self.kv_lengths, pool="mean")
+            cache = dataclasses.replace(self, index_pages=index_pages)
+            return cache, cache.attend_blocks(q, positions, kept, block_size=block_size,
+                                              most_blocks=topk_blocks + 1, scale=scale)
         out = block_op.paged_block_sparse_attention(q, self.k_pages, self.v_pages, index_pages, self.block_tables,
                                                     self.kv_lengths, positions, iq, block_size=block_size,
                                                     topk_blocks=topk_blocks, local_blocks=local_blocks, scale=scale)
@@ -169,14 +169,13 @@ class PagedKVCache:
         return dataclasses.replace(self, index_pages=index_pages), kept
 
     def attend_blocks(self, q: jax.Array, positions: jax.Array, kept: jax.Array, *, block_size: int,
-                      scale: float | None = None) -> jax.Array:
+                      most_blocks: int, scale: float | None = None) -> jax.Array:
         """Queries [B, T, N, H] attend causally over the cached positions of the blocks `kept` [B, I, T, Nb] (from
-        `pooled_blocks`, maybe another layer's over the same block tables)."""
+        `pooled_blocks`, maybe another layer's over the same block tables; at most `most_blocks` per query)."""
         self._plain("block-sparse attention")
-        return block_op.block_sparse_attention(q, block_op.gather_pages(self.k_pages, self.block_tables),
-                                               block_op.gather_pages(self.v_pages, self.block_tables), kept,
-                                               block_size=block_size, q_positions=positions,
-                                               kv_lengths=self.kv_lengths, scale=scale)
+        return block_op.paged_attend_blocks(q, self.k_pages, self.v_pages, self.block_tables, self.kv_lengths,
+                                            positions, kept, block_size=block_size, most_blocks=most_blocks,
+                                            scale=scale)
 
 
 def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:

@@ -145,7 +145,9 @@ class PooledSparseMLAttention(MLAttention):
             out = block_op.block_sparse_attention(query, key, key, kept, block_size=self.block_size,
                                                   q_positions=positions, scale=self.scale)
         else:
-            out = cache.attend_blocks(query, positions, kept, block_size=self.block_size, scale=self.scale)
+            # Kept: the top-k complete blocks and the query's own incomplete one.
+            out = cache.attend_blocks(query, positions, kept, block_size=self.block_size,
+                                      most_blocks=self.topk_blocks + 1, scale=self.scale)
         return self.output(out), cache, kept
 
     def op_calls(self) -> list[OpCall]:

@@ -144,6 +144,16 @@ def paged_block_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.
         local_blocks=local_blocks, q_positions=q_positions, kv_lengths=kv_lengths, scale=scale)
 
 
+def paged_attend_blocks(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                        kv_lengths: jax.Array, q_positions: jax.Array, kept: jax.Array, *, block_size: int,
+                        most_blocks: int, scale: float | None = None) -> jax.Array:
+    """`block_sparse_attention` over each row's pages (k_pages [P, page, K, H], v_pages [P, page, K, Hv], block
+    tables [B, W]) for blocks `kept` [B, I, T, Nb] chosen over them (any pooling; at most `most_blocks` kept per
+    query, which only a path that reads the kept blocks alone needs to know)."""
+    return block_sparse_attention(q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables), kept,
+                                  block_size=block_size, q_positions=q_positions, kv_lengths=kv_lengths, scale=scale)
+
+
 def pooled_block_select(iq: jax.Array, weights: jax.Array, ik: jax.Array, gate: jax.Array, ape: jax.Array, *,
                         block_size: int, topk_blocks: int, scale: float, q_positions: jax.Array,
                         kv_lengths: jax.Array | None = None) -> jax.Array:
