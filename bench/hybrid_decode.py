@@ -1,18 +1,23 @@
-"""Decode tokens/s of a hybrid model with a fixed state per sequence (linear attention in the Qwen3.5 layout, or
-Mamba2 in the NemotronH layout) against transformers, and what its state costs per sequence against full attention
-at a long context.
+"""Decode tokens/s of a model whose cache per sequence is bounded or compressed (linear attention in the Qwen3.5
+layout, Mamba2 in the NemotronH layout, DeepSeek-V4's sliding window with compressed and heavily compressed
+attention) against transformers, and what its cache costs per sequence against full attention at a long context.
 
-    .venv/bin/python bench/linear_attention.py [--layout qwen3_5|nemotron_h] [--repeats 5] [--new-tokens 64]
-        [--batches 1,8] [--context 8192]
+    .venv/bin/python bench/hybrid_decode.py [--layout qwen3_5|nemotron_h|deepseek_v4] [--repeats 5]
+        [--new-tokens 64] [--batches 1,8] [--context 8192]
 
 The models are random but wide enough for the weights to dominate (hidden 1024, 8 layers), built by transformers in
 .venv-ref and converted; float32, CPU. qwen3_5: 6 Gated DeltaNet, 2 gated full attention, 16 value heads of 64.
 nemotron_h: 4 Mamba2 (32 heads of 64 in 8 groups, state 128), 1 attention layer without positions, 3 ReLU-squared
-MLPs. Workers and timing as bench/decode.py (decode rate = batch * (N - 1) / (time for N - time for 1), alternated,
-after a warm-up of the same shapes); greedy tokens are compared and their agreement printed (random weights leave
-near-ties that float rounding may break differently). Then the planner's bytes per sequence at `--context` tokens:
-this model's state plus its full-attention layers' KV, against the same model with every token-mixing layer full
-attention.
+MLPs. deepseek_v4: 2 sliding-window layers (window 128), then compressed sparse attention (one entry per 4
+positions, an indexer keeping 64) and heavily compressed attention (one per 128) in turn, 16 query heads over one
+shared key/value head of 256, four hyper-connection streams, hash-routed MoE in the first 2 layers and
+sqrt-softplus routing after (16 experts, top 4, one shared). Workers and timing as bench/decode.py (decode rate =
+batch * (N - 1) / (time for N - time for 1), alternated, after a warm-up of the same shapes); greedy tokens are
+compared and their agreement printed (random weights leave near-ties that float rounding may break differently).
+Then the planner's bytes per sequence at `--context` tokens (one sequence: a window layer keeps its window's pages,
+a compressed layer its entries and its buffer of positions not yet pooled, a state layer its state) against the
+same model with every token-mixing layer caching each token as its full-attention layers do (DeepSeek-V4: the
+shared key/value head, uncompressed, as MLA caches one latent per token).
 """
 from __future__ import annotations
 
@@ -43,6 +48,17 @@ LAYOUTS = {  # model_type, config, what the table calls it
                                                          "mlp"]),
                    "Mamba2 NemotronH layout (4 Mamba2 + 1 attention + 3 MLP layers)"),
 }
+_V4_KINDS = ["sliding_attention"] * 2 + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3
+LAYOUTS["deepseek_v4"] = (
+    "deepseek_v4", dict(vocab_size=8192, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                        num_key_value_heads=1, head_dim=256, q_lora_rank=512, max_position_embeddings=131072 + 1024,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0, layer_types=_V4_KINDS,
+                        mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                        sliding_window=128, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                        moe_intermediate_size=512, o_groups=4, o_lora_rank=256, index_n_heads=8,
+                        index_head_dim=64, index_topk=64, hc_mult=4, num_nextn_predict_layers=0),
+    "DeepSeek-V4 layout (2 sliding-window + 6 compressed attention layers, 4 hyper-connection streams)")
 PROMPT = [1] + [(37 * i + 11) % 8000 + 3 for i in range(31)]
 
 
@@ -60,21 +76,24 @@ def build(work: Path, layout: str) -> tuple[Path, Path]:
     return hf, ckpt
 
 
-def bytes_per_sequence(ckpt: Path, context: int) -> tuple[int, int]:
-    """(this model, the same model with full attention in every layer that mixes tokens): float32 bytes per
-    sequence of `context`."""
+def bytes_per_sequence(ckpt: Path, context: int, page_size: int = 16) -> tuple[int, int]:
+    """(this model, the same model caching every token of each token-mixing layer as its full-attention layers do):
+    float32 bytes of one sequence of `context` tokens."""
+    import numpy as np
+
     from day0jax import models
     from day0jax.core import hf_config
-    from sharding.plan import ModelShape
+    from sharding.plan import ModelShape, layer_kv_bytes, layer_state_bytes
 
     config = models.config_from_hf(hf_config.read_config_json(ckpt / "config.json"))
     abstract = models.abstract_model(config)
     shape = ModelShape.from_model(abstract, models.param_infos(abstract), config.max_position_embeddings)
-    kv_token = sum(x.token_elements * 4 for x in shape.kv_layers)
-    hybrid = sum(x.bytes_per_sequence for x in shape.state_layers) + kv_token * context
+    windows = {kv.window: min(context, -(-kv.window // page_size) * page_size) for kv in shape.kv_layers}
+    ours = sum(layer_kv_bytes(x, {}, context, np.float32, windows, page_size) + layer_state_bytes(x, {}, 1)
+               for x in shape.cache_layout)
+    per_token = shape.kv_layers[-1].token_elements  # a full-attention layer's (a window layer's, uncompressed)
     mixers = sum(x is not None for x in shape.cache_layout)  # NemotronH's MLP layers keep nothing
-    full = mixers * config.kv_heads * 2 * config.head_size * 4 * context
-    return hybrid, full
+    return ours, mixers * per_token * 4 * context
 
 
 def main() -> None:
@@ -113,7 +132,7 @@ def main() -> None:
                 agree.setdefault(batch, []).append(same / len(ours))
         for w in workers.values():
             w.close()
-        hybrid, full = bytes_per_sequence(ckpt, args.context)
+        ours, full = bytes_per_sequence(ckpt, args.context)
 
     print(f"\nGreedy decode, {LAYOUTS[args.layout][2]}, hidden 1024, float32, {n} new tokens, "
           f"median of {args.repeats} (tokens/s)\n")
@@ -123,9 +142,9 @@ def main() -> None:
         a, b = (statistics.median(rates[(x, batch)]) for x in ("day0jax", "transformers"))
         print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {min(agree[batch]):.2f} |")
     mib = 1 << 20
-    print(f"\nPer sequence at {args.context} tokens (float32): {hybrid / mib:.1f} MiB (state + the full-attention "
-          f"layers' KV) against {full / mib:.1f} MiB with full attention in every token-mixing layer "
-          f"({full / hybrid:.1f}x)")
+    print(f"\nPer sequence at {args.context} tokens (float32): {ours / mib:.1f} MiB against {full / mib:.1f} MiB "
+          f"with every token-mixing layer caching each token in full ({full / ours:.1f}x); "
+          f"{ours / args.context:.0f} against {full / args.context:.0f} bytes per token")
 
 
 if __name__ == "__main__":
