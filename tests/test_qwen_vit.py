@@ -149,12 +149,13 @@ def test_bad_grids(tower, ref):
 
 
 def test_buckets_cover_the_image_processors_limit():
-    """Without a limit, the default sizes; with one, the buckets up to the one that holds it, grown 4x past the
+    """Without a limit, the default sizes; with one, the buckets up to the one that holds it, doubling past the
     largest size as `bucket` grows: every image up to the limit has its program among `keys`."""
     buckets = qwen_vit.PatchBuckets(VisionConfig.from_hf(CONFIG))
-    assert buckets.keys() == [(256,), (1024,), (4096,)]
+    assert buckets.keys() == [(256,), (512,), (1024,), (2048,), (4096,)]
     small = qwen_vit.PatchBuckets(VisionConfig.from_hf(CONFIG), limit=200)
     assert small.keys() == [(256,)]
     big = qwen_vit.PatchBuckets(VisionConfig.from_hf(CONFIG), limit=20000)
-    assert big.keys() == [(256,), (1024,), (4096,), (16384,), (65536,)]
-    assert all((big.bucket(n),) in big.keys() for n in (1, 300, 5000, 16385, 20000))
+    assert big.keys() == [(256,), (512,), (1024,), (2048,), (4096,), (8192,), (16384,), (32768,)]
+    assert all((big.bucket(n),) in big.keys() for n in (1, 300, 1656, 5000, 16385, 20000))
+    assert big.bucket(1656) == 2048 and big.bucket(20000) == 32768
