@@ -3,6 +3,8 @@ skeleton (`CausalLM`), and the default mapping from HF tensor names to runtime p
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -27,6 +29,31 @@ from day0jax.layers.quantized import quantized_op_calls
 from day0jax.layers.rope import Rope, rope_parameters
 from kernels_pallas.calls import OpCall
 from sharding.rules import constrain
+
+# Set while a training forward pass is traced (`rematerialized_layers`): each decoder layer then runs under
+# `jax.checkpoint`, its activations recomputed in the backward pass rather than kept from the forward one. A trace-time
+# setting, like jax's matmul-precision context; the inference paths never set it.
+_REMAT_LAYERS = contextvars.ContextVar("day0jax_remat_layers", default=False)
+
+
+@contextlib.contextmanager
+def rematerialized_layers(enabled: bool = True):
+    """Forward passes traced in this context checkpoint each decoder layer (gradient checkpointing): a gradient
+    keeps only the layers' inputs and recomputes the rest. Set it inside the traced function, so that a jit cache
+    keyed on the flag (a static argument) never hands one kind of program to the other."""
+    token = _REMAT_LAYERS.set(enabled)
+    try:
+        yield
+    finally:
+        _REMAT_LAYERS.reset(token)
+
+
+def _call_layer(layer, x, positions, rope_tables, cache, carry):
+    """One decoder layer -> (x, cache, carry); layers that do not `carries` hand the carry on unchanged."""
+    if getattr(layer, "carries", False):
+        return layer(x, positions, rope_tables, cache, carry)
+    x, cache = layer(x, positions, rope_tables, cache)
+    return x, cache, carry
 
 
 # --- configs ---------------------------------------------------------------------------------------------------
@@ -364,13 +391,15 @@ class CausalLM(nnx.Module):
         hidden = [x] if collect else None
         carry = self.begin_carry(tokens, x)  # what a layer hands to those after it, for layers that `carries`
         layers = range(len(self.model.layers)) if layers is None else layers
+        remat = _REMAT_LAYERS.get()
         for i in layers:
             layer = self.model.layers[i]
             cache = None if caches is None else caches[i - layers.start]
-            if getattr(layer, "carries", False):
-                x, cache, carry = layer(x, positions, rope_tables, cache, carry)
+            if remat:  # the layer (its parameters), positions and RoPE tables closed over, read and never written
+                x, cache, carry = jax.checkpoint(lambda x, carry, layer=layer, cache=cache: _call_layer(
+                    layer, x, positions, rope_tables, cache, carry))(x, carry)
             else:
-                x, cache = layer(x, positions, rope_tables, cache)
+                x, cache, carry = _call_layer(layer, x, positions, rope_tables, cache, carry)
             if i < len(injections):
                 x = x + injections[i].astype(x.dtype)
             x = constrain(x)

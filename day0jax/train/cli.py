@@ -16,7 +16,6 @@ from day0jax.core.errors import Day0Error, TrainingError
 NOT_IMPLEMENTED = {
     "mesh": "--mesh (sharded training) is not implemented yet: training runs on one device",
     "resume": "--resume is not implemented yet",
-    "grad_checkpoint": "--grad-checkpoint is not implemented yet",
     "fuse": "--fuse (merging an adapter into a checkpoint) is not implemented yet",
 }
 
@@ -49,9 +48,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--mesh", default=None)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--grad-checkpoint", action="store_true")
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="gradient checkpointing: recompute each decoder layer's activations in the backward pass "
+                   "(less memory, about one more forward pass of compute; the same losses and gradients)")
     p.add_argument("--fuse", action="store_true")
     return p
+
+
+def train_config(args: argparse.Namespace):
+    """The `TrainConfig` the flags ask for."""
+    from day0jax.train.loop import TrainConfig
+
+    return TrainConfig(iters=args.iters, learning_rate=args.learning_rate, optimizer=args.optimizer,
+                       weight_decay=args.weight_decay, lr_schedule=args.lr_schedule, warmup=args.warmup,
+                       grad_accumulation=args.grad_accumulation, steps_per_report=args.steps_per_report,
+                       steps_per_eval=args.steps_per_eval, save_every=args.save_every,
+                       grad_checkpoint=args.grad_checkpoint)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -64,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
     from day0jax.train import data as data_lib
     from day0jax.train.export import save_checkpoint
     from day0jax.train.lora import LoRAConfig, apply_lora, save_adapter
-    from day0jax.train.loop import TrainConfig, evaluate, train
+    from day0jax.train.loop import evaluate, train
     from day0jax.weights.checkpoint import read_manifest
 
     for flag, why in NOT_IMPLEMENTED.items():
@@ -76,10 +88,7 @@ def run(args: argparse.Namespace) -> None:
         raise TrainingError(f"--batch-size {args.batch_size}: must be at least 1")
     lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                       targets=tuple(t for t in args.lora_targets.split(",") if t))
-    config = TrainConfig(iters=args.iters, learning_rate=args.learning_rate, optimizer=args.optimizer,
-                         weight_decay=args.weight_decay, lr_schedule=args.lr_schedule, warmup=args.warmup,
-                         grad_accumulation=args.grad_accumulation, steps_per_report=args.steps_per_report,
-                         steps_per_eval=args.steps_per_eval, save_every=args.save_every)
+    config = train_config(args)
     # Float32 throughout: the adapters train in float32 and the base is read at that precision.
     model = day0jax.load(args.model, dtype="float32", kernels="reference")
     if model.tokenizer is None:

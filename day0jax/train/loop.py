@@ -40,6 +40,7 @@ class TrainConfig:
     steps_per_report: int = 10
     steps_per_eval: int = 200
     save_every: int = 100
+    grad_checkpoint: bool = False  # recompute each decoder layer's activations in the backward pass
 
     def __post_init__(self):
         if self.iters < 0:
@@ -127,7 +128,7 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
     tx = step_lib.optimizer(config.optimizer, schedule, config.weight_decay)
     params = _placed_like(params, rest)
     opt_state = _placed_like(tx.init(params), rest)
-    step_fn = step_lib.make_step(tx, graphdef)
+    step_fn = step_lib.make_step(tx, graphdef, config.grad_checkpoint)
     dtype = step_lib._dtype_of(rest)
     result = TrainResult()
     batches: Iterator[Batch] = iter(data)

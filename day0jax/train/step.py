@@ -19,6 +19,7 @@ from flax import nnx
 
 from day0jax.core.errors import TrainingError
 from day0jax.layers.linear import exact_float32
+from day0jax.models.base import rematerialized_layers
 from day0jax.train.data import Batch
 from kernels_pallas import registry
 
@@ -55,21 +56,23 @@ def _split(model: nnx.Module, wrt) -> tuple[Any, nnx.State, nnx.State]:
     return graphdef, params, rest
 
 
-def _sum_and_grads(graphdef, params, rest, tokens, mask):
+def _sum_and_grads(graphdef, params, rest, tokens, mask, remat=False):
     def f(p):
-        return loss_sum(nnx.merge(graphdef, p, rest), tokens, mask)
+        with rematerialized_layers(remat):
+            return loss_sum(nnx.merge(graphdef, p, rest), tokens, mask)
 
     (total, count), grads = jax.value_and_grad(f, has_aux=True)(params)
     return total, count, grads
 
 
-_jitted_loss_and_grads = jax.jit(_sum_and_grads, static_argnums=0)
+_jitted_loss_and_grads = jax.jit(_sum_and_grads, static_argnums=(0, 5))
 
 
-def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None) -> tuple[float, nnx.State]:
+def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = False) -> tuple[float, nnx.State]:
     """The batch's loss (mean cross-entropy over its targets that count) and its gradient with respect to the
     parameters `wrt` selects (an nnx filter; default: the LoRA adapters if the model has any, else every
-    parameter).
+    parameter). `remat`: gradient checkpointing, each decoder layer's activations recomputed in the backward pass
+    (the same values, less memory).
 
     Returns:
         (loss, gradients as an `nnx.State` of the same paths as those parameters).
@@ -82,7 +85,7 @@ def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None) -> tuple[float, nn
     graphdef, params, rest = _split(model, wrt)
     with tracing(_dtype_of(rest)):
         total, count, grads = _jitted_loss_and_grads(graphdef, params, rest, jnp.asarray(batch.tokens),
-                                                     jnp.asarray(batch.mask))
+                                                     jnp.asarray(batch.mask), remat)
     return float(total / count), jax.tree.map(lambda g: g / count, grads)
 
 
@@ -140,15 +143,15 @@ def optimizer(name: str, schedule: Callable, weight_decay: float = 0.0) -> optax
     raise TrainingError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
-def make_step(tx: optax.GradientTransformation, graphdef) -> Callable:
+def make_step(tx: optax.GradientTransformation, graphdef, remat: bool = False) -> Callable:
     """One optimizer step over `A` micro-batches (tokens, mask [A, B, T]), their gradients accumulated as the
     gradient of the mean over all their targets: (params, rest, opt_state, tokens, mask) -> (params, opt_state,
-    loss, targets). Jitted: compiled once per shape."""
+    loss, targets); `remat`: gradient checkpointing per decoder layer. Jitted: compiled once per shape."""
 
     def step(params, rest, opt_state, tokens, mask):
         def micro(carry, xs):
             total, count, grads = carry
-            t, n, g = _sum_and_grads(graphdef, params, rest, *xs)
+            t, n, g = _sum_and_grads(graphdef, params, rest, *xs, remat)
             return (total + t, count + n, jax.tree.map(jnp.add, grads, g)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
