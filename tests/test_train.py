@@ -99,13 +99,27 @@ def nonzero_adapter(model, adapters) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny, converted, tmp_path_factory):
+def chat(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, data folder): a tiny Llama with SmolLM2's tokenizer and chat template, and train / valid / test
+    jsonl of chat rows, for the command line."""
+    from serve_tiny import write_tiny_chat_checkpoint
+
+    root = tmp_path_factory.mktemp("chat")
+    ckpt = write_tiny_chat_checkpoint(root)
+    data = root / "data"
+    data.mkdir()
+    for split, rows in (("train", CHAT_ROWS), ("valid", CHAT_ROWS[:2]), ("test", CHAT_ROWS[2:4])):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ckpt, data
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, converted, chat, tmp_path_factory):
     """Per family: the initial adapter (A from PEFT's initialisation, B random so that every gradient is nonzero)
     written as PEFT, day0jax's loss, gradients and logits with it, and the losses and final adapter of each
     optimizer's 20 steps; the command line's runs on a tiny chat checkpoint; then every reference job at once."""
     from day0jax.train import TrainConfig, adapter_arrays, loss_and_grads, save_adapter, train
     from day0jax.train.lora import PREFIX, load_adapter_arrays
-    from serve_tiny import write_tiny_chat_checkpoint
 
     root = tmp_path_factory.mktemp("train")
     out, jobs = {}, []
@@ -157,11 +171,7 @@ def runs(tiny, converted, tmp_path_factory):
                  "batch": {"tokens": batch.tokens.tolist(), "mask": batch.mask.tolist()}})
 
     # The command line on a tiny Llama with SmolLM2's tokenizer and chat template.
-    ckpt = write_tiny_chat_checkpoint(root)
-    data = root / "data"
-    data.mkdir()
-    for split, rows in (("train", CHAT_ROWS), ("valid", CHAT_ROWS[:2]), ("test", CHAT_ROWS[2:4])):
-        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ckpt, data = chat
     cli = {"ckpt": ckpt, "data": data}
     for label, extra in (("zero", ["--iters", "0"]),
                          ("trained", ["--iters", "4", "--batch-size", "2", "--mask-prompt", "--learning-rate", "1e-2",
@@ -170,9 +180,9 @@ def runs(tiny, converted, tmp_path_factory):
         cli[f"{label}_rc"], cli[f"{label}_out"] = run_cli(["--model", str(ckpt), "--data", str(data), "--adapter-path",
                                                            str(cli[label]), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), *extra])
     if cli["trained_rc"] == 0:
-        jobs.append({"op": "peft_logits", "model": str(root / "tiny-chat-hf"), "adapter": str(cli["trained"]),
+        jobs.append({"op": "peft_logits", "model": str(ckpt.parent / "tiny-chat-hf"), "adapter": str(cli["trained"]),
                      "prompts": PROMPTS, "out": str(root / "cli_peft_logits.npz")})
-    jobs.append({"op": "train_rows", "model": str(root / "tiny-chat-hf"), "rows": CHAT_ROWS + TEXT_ROWS,
+    jobs.append({"op": "train_rows", "model": str(ckpt.parent / "tiny-chat-hf"), "rows": CHAT_ROWS + TEXT_ROWS,
                  "out": str(root / "rows.json")})
     run_reference(jobs, root)
     for name in TRAINED:
@@ -332,13 +342,22 @@ def test_cli_full_fine_tuning_writes_a_checkpoint(runs, tmp_path):
     """--fine-tune-type full trains every parameter and writes a checkpoint that loads and gives the validation loss
     the run reported."""
     import day0jax
+    from convert.verify import verify_checkpoint
     from day0jax.train import data, evaluate
 
     cli = runs["cli"]
-    rc, out = run_cli(["--model", str(cli["ckpt"]), "--data", str(cli["data"]), "--adapter-path", str(tmp_path / "ft"),
-                       "--fine-tune-type", "full", "--iters", "2", "--batch-size", "2", "--learning-rate", "1e-3",
-                       "--steps-per-eval", "2", "--no-shuffle"])
+    argv = ["--model", str(cli["ckpt"]), "--data", str(cli["data"]), "--adapter-path", str(tmp_path / "ft"),
+            "--fine-tune-type", "full", "--iters", "2", "--batch-size", "2", "--learning-rate", "1e-3",
+            "--steps-per-eval", "2", "--no-shuffle"]
+    rc, out = run_cli(argv)
     assert rc == 0, out
+    # The checkpoint carries its training state: --resume at the last step restores every parameter and the
+    # optimizer state (names and shapes checked), runs no step, and writes the same weights back.
+    state = tmp_path / "ft" / "training_state" / "tensors.safetensors"  # the parameters and the optimizer state
+    before = load_file(state)
+    rc, again = run_cli(argv + ["--resume"])
+    assert rc == 0 and "resuming from step 2" in again, again
+    assert verify_checkpoint(tmp_path / "ft") == []
     reported = float(out.split("step 2: validation loss ")[1].split()[0])
     tuned = day0jax.load(tmp_path / "ft", dtype="float32", kernels="reference")
     base = day0jax.load(cli["ckpt"], dtype="float32", kernels="reference")
@@ -350,6 +369,8 @@ def test_cli_full_fine_tuning_writes_a_checkpoint(runs, tmp_path):
     assert abs(losses[0] - reported) < 1e-4 and losses[0] < losses[1]
     w = np.asarray(tuned.module.model.layers[0].mlp.down_proj.kernel[...])
     assert not np.array_equal(w, np.asarray(base.module.model.layers[0].mlp.down_proj.kernel[...]))
+    after = load_file(state)
+    assert sorted(before) == sorted(after) and all(np.array_equal(before[k], after[k]) for k in before)
 
 
 def test_rows_tokenize_as_transformers(runs):
@@ -498,8 +519,7 @@ def test_refusals_are_named(runs, tmp_path):
 
     cli = runs["cli"]
     base = ["--model", str(cli["ckpt"]), "--data", str(cli["data"]), "--adapter-path", str(tmp_path / "a")]
-    for flags, said in ((["--mesh", "dp=2"], "--mesh"), (["--resume"], "--resume"),
-                        (["--lora-dropout", "0.1"], "dropout"),
+    for flags, said in ((["--mesh", "dp=2"], "--mesh"), (["--lora-dropout", "0.1"], "dropout"),
                         (["--lora-targets", "nothing"], "no module named")):
         rc, out = run_cli(base + flags)
         assert rc == 2 and said in out, (flags, out)
@@ -515,3 +535,153 @@ def test_refusals_are_named(runs, tmp_path):
     quantized = models.abstract_model(llama, quantization={"model.layers.0.self_attn.q_proj": QuantSpec("int8", 32)})
     with pytest.raises(TrainingError, match=r"model\.layers\.0\.self_attn\.q_proj is quantized"):
         apply_lora(quantized, LoRAConfig())
+
+
+class Interrupted(Exception):
+    """Stands for a run killed right after a periodic save."""
+
+
+@pytest.fixture(scope="module")
+def resumed(chat, tmp_path_factory):
+    """The command line's run of 4 AdamW steps (cosine schedule with warmup, shuffled data crossing a pass, 2 micro-
+    batches a step) once uninterrupted, once interrupted right after its save at step 2 and continued with --resume:
+    each step's loss (recorded from the optimizer step's program) and the final adapters."""
+    import day0jax.train.lora as lora_lib
+    import day0jax.train.step as step_lib
+
+    ckpt, data = chat
+    root = tmp_path_factory.mktemp("resume")
+    flags = ["--model", str(ckpt), "--data", str(data), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+             "--iters", "4", "--batch-size", "2", "--grad-accumulation", "2", "--learning-rate", "1e-2",
+             "--lr-schedule", "cosine", "--warmup", "1", "--weight-decay", "0.01", "--seed", "3",
+             "--steps-per-report", "1"]
+    losses: list[float] = []
+    make_step, save_adapter = step_lib.make_step, lora_lib.save_adapter
+
+    def recording(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+
+        def run(*xs):
+            out = step(*xs)
+            losses.append(float(out[2]))
+            return out
+        return run
+
+    def killed_after_save(*args, **kwargs):
+        save_adapter(*args, **kwargs)
+        raise Interrupted
+
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_lib, "make_step", recording)
+        rc, log = run_cli(flags + ["--adapter-path", str(root / "whole")])
+        assert rc == 0, log
+        out["whole"] = losses[:]
+        losses.clear()
+        with mp.context() as inner:
+            inner.setattr(lora_lib, "save_adapter", killed_after_save)
+            with pytest.raises(Interrupted):
+                run_cli(flags + ["--adapter-path", str(root / "parts"), "--save-every", "2"])
+        out["first"] = losses[:]
+        losses.clear()
+        out["saved"] = load_file(root / "parts" / "adapter_model.safetensors")
+        rc, out["resume_log"] = run_cli(flags + ["--adapter-path", str(root / "parts"), "--save-every", "2",
+                                                 "--resume"])
+        assert rc == 0, out["resume_log"]
+        out["rest"] = losses[:]
+    out.update(root=root, flags=flags)
+    return out
+
+
+def test_resume_continues_bit_for_bit(resumed):
+    """Interrupted after step 2 and resumed: the same per-step losses and the same final adapter as the run without
+    interruption (measured on the CPU: bit-equal), the data taken from where it stood and the optimizer's moments
+    and step count restored (the saved adapter differs from the final one: the resumed steps did train)."""
+    whole, parts = resumed["root"] / "whole", resumed["root"] / "parts"
+    print(f"losses uninterrupted {resumed['whole']}, interrupted {resumed['first']} + resumed {resumed['rest']}")
+    assert len(resumed["whole"]) == 4 and resumed["first"] == resumed["whole"][:2]
+    assert resumed["rest"] == resumed["whole"][2:]
+    assert "resuming from step 2" in resumed["resume_log"]
+    final, ours = load_file(whole / "adapter_model.safetensors"), load_file(parts / "adapter_model.safetensors")
+    assert sorted(final) == sorted(ours) and all(np.array_equal(final[k], ours[k]) for k in final)
+    assert any(not np.array_equal(resumed["saved"][k], ours[k]) for k in ours)
+    state = json.loads((parts / "training_state" / "state.json").read_text())
+    assert state["step"] == 4 and state["batches_taken"] == 8
+    # Nothing is left beside the saves (each went through a hidden folder renamed into place).
+    assert sorted(p.name for p in resumed["root"].iterdir()) == ["parts", "whole"]
+
+
+def test_resume_refuses_a_missing_or_foreign_save(resumed, chat, tmp_path):
+    """--resume without a save, or from a save of other flags or another model: a TrainingError naming the file and
+    the field; a state whose tensors do not fit the run names the tensor."""
+    from serve_tiny import CONFIG, write_tiny_chat_checkpoint
+
+    flags, parts = resumed["flags"], resumed["root"] / "parts"
+    other = write_tiny_chat_checkpoint(tmp_path, config=dict(CONFIG, intermediate_size=96), name="wide")
+    model_at = flags.index("--model") + 1
+    for argv, said in (
+            (flags + ["--adapter-path", str(tmp_path / "none"), "--resume"],
+             "training_state/state.json does not exist"),
+            (flags + ["--adapter-path", str(parts), "--resume", "--lora-rank", "2"], "settings.lora_rank is 4"),
+            (flags + ["--adapter-path", str(parts), "--resume", "--seed", "4"], "settings.seed"),
+            (flags[:model_at] + [str(other)] + flags[model_at + 1:] + ["--adapter-path", str(parts), "--resume"],
+             "settings.model")):
+        rc, out = run_cli(argv)
+        assert rc == 2 and said in out and "error: --resume" in out, (argv[-3:], out)
+    # From Python, a save restored into a run of another rank: the tensor and both shapes named.
+    import optax
+
+    import day0jax
+    from day0jax.core.errors import TrainingError
+    from day0jax.train import LoRAConfig, apply_lora
+    from day0jax.train.resume import read_state
+    from day0jax.train.step import default_wrt
+
+    state = read_state(parts, json.loads((parts / "training_state" / "state.json").read_text())["settings"])
+    model = day0jax.load(chat[0], dtype="float32", kernels="reference")
+    apply_lora(model.module, LoRAConfig(rank=2, alpha=ALPHA))
+    params = nnx.state(model.module, default_wrt(model.module))
+    with pytest.raises(TrainingError, match=r"tensors\.safetensors: tensor \"param\['model'\]\['layers'\]\[0\]\['mlp'\]"
+                                            r"\['down_proj'\]\['lora_a'\]\.value\" is float32\[4, 128\], this run has "
+                                            r"float32\[2, 128\]"):
+        state.restore(params, optax.adamw(1e-3).init(params))
+
+
+def test_fuse_writes_a_checkpoint_with_the_adapter_merged(resumed, chat, tmp_path):
+    """--fuse: the adapter folded into the base (float32) as a checkpoint that loads, verifies against its manifest
+    and gives the logits of the base with the adapter applied; an adapter of another model or a missing file is
+    named."""
+    import day0jax
+    from convert.verify import verify_checkpoint
+    from day0jax.train.lora import load_adapter_arrays
+    from serve_tiny import CONFIG, write_tiny_chat_checkpoint
+
+    ckpt, _ = chat
+    adapter = resumed["root"] / "whole"
+    rc, out = run_cli(["--fuse", "--model", str(ckpt), "--adapter-path", str(adapter), "--out",
+                       str(tmp_path / "fused")])
+    assert rc == 0, out
+    assert verify_checkpoint(tmp_path / "fused") == []
+    fused = day0jax.load(tmp_path / "fused", dtype="float32", kernels="reference")
+    model, adapters = lora_model(ckpt)
+    load_adapter_arrays(model.module, adapters, load_file(adapter / "adapter_model.safetensors"))
+    base = day0jax.load(ckpt, dtype="float32", kernels="reference")
+    ours, ref, plain = (logits_of(m, PROMPTS) for m in (fused.module, model.module, base.module))
+    err = max(float(np.abs(o - r).max() / np.abs(r).max()) for o, r in zip(ours, ref))
+    moved = max(float(np.abs(p - r).max() / np.abs(r).max()) for p, r in zip(plain, ref))
+    print(f"fused checkpoint: logits against the base with the adapter, worst relative error {err:.1e} (the adapter "
+          f"moves them by {moved:.1e})")
+    assert err < 5e-6 and moved > 1e-3  # measured on the CPU: 5.6e-7 (float32 rounding of W + s B A)
+
+    other = write_tiny_chat_checkpoint(tmp_path, config=dict(CONFIG, intermediate_size=96), name="wide")
+    (tmp_path / "lonely").mkdir()
+    (tmp_path / "lonely" / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    for model_path, adapter_path, said in (
+            (other, adapter, "does not fit"),
+            (ckpt, tmp_path / "nothing", "adapter_config.json does not exist"),
+            (ckpt, tmp_path / "lonely", "adapter_model.safetensors does not exist")):
+        rc, out = run_cli(["--fuse", "--model", str(model_path), "--adapter-path", str(adapter_path), "--out",
+                           str(tmp_path / "refused")])
+        assert rc == 2 and said in out, out
+        assert "has shape" in out or said != "does not fit", out  # the tensor and both shapes named
+    assert not (tmp_path / "refused").exists()

@@ -1,6 +1,8 @@
 """The fine-tuning command line: parse mlx-lm-style flags, load the checkpoint in float32, apply LoRA (or train every
 parameter: --fine-tune-type full), train on DIR/train.jsonl (validation on valid.jsonl, test loss and perplexity on
-test.jsonl where they exist), write the PEFT adapter (or a day0jax checkpoint) to --adapter-path."""
+test.jsonl where they exist), write the PEFT adapter (or a day0jax checkpoint) to --adapter-path, with the training
+state that --resume continues from. --fuse --out DST instead merges the adapter at --adapter-path into the model and
+writes the result as a new checkpoint."""
 
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ from day0jax.core.errors import Day0Error, TrainingError
 # Flags of the full interface that this version refuses by name rather than ignores.
 NOT_IMPLEMENTED = {
     "mesh": "--mesh (sharded training) is not implemented yet: training runs on one device",
-    "resume": "--resume is not implemented yet",
-    "fuse": "--fuse (merging an adapter into a checkpoint) is not implemented yet",
 }
 
 
@@ -45,13 +45,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shuffle", action="store_true")
     p.add_argument("--steps-per-report", type=int, default=10)
     p.add_argument("--steps-per-eval", type=int, default=200)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=100,
+                   help="write the adapter (or checkpoint) and the training state every N steps")
     p.add_argument("--mesh", default=None)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last save under --adapter-path (the same flags, the same data)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="gradient checkpointing: recompute each decoder layer's activations in the backward pass "
                    "(less memory, about one more forward pass of compute; the same losses and gradients)")
-    p.add_argument("--fuse", action="store_true")
+    p.add_argument("--fuse", action="store_true",
+                   help="merge the LoRA adapter at --adapter-path into --model and write the checkpoint --out")
+    p.add_argument("--out", help="with --fuse: the fused checkpoint's folder")
     return p
 
 
@@ -66,6 +70,23 @@ def train_config(args: argparse.Namespace):
                        grad_checkpoint=args.grad_checkpoint)
 
 
+def run_settings(args: argparse.Namespace, train_set) -> dict:
+    """What a save records of the run and --resume requires unchanged: the model (its manifest's digest), the
+    training data (a digest of its token ids and targets), and every flag the trajectory depends on."""
+    import hashlib
+    import json
+
+    from day0jax.weights.checkpoint import MANIFEST
+
+    manifest = Path(args.model) / MANIFEST
+    data = hashlib.sha256(json.dumps([[list(e.tokens), e.offset] for e in train_set]).encode()).hexdigest()
+    flags = ("fine_tune_type", "lora_rank", "lora_alpha", "lora_targets", "batch_size", "iters", "learning_rate",
+             "optimizer", "weight_decay", "lr_schedule", "warmup", "grad_accumulation", "max_seq_length",
+             "mask_prompt", "seed", "no_shuffle")
+    return {"model": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+            "train_data": data, **{flag: getattr(args, flag) for flag in flags}}
+
+
 def run(args: argparse.Namespace) -> None:
     """Everything `main` does, raising typed errors."""
     import jax
@@ -74,14 +95,23 @@ def run(args: argparse.Namespace) -> None:
 
     import day0jax
     from day0jax.train import data as data_lib
+    from day0jax.train import resume as resume_lib
     from day0jax.train.export import save_checkpoint
     from day0jax.train.lora import LoRAConfig, apply_lora, save_adapter
     from day0jax.train.loop import evaluate, train
+    from day0jax.train.step import default_wrt
     from day0jax.weights.checkpoint import read_manifest
 
     for flag, why in NOT_IMPLEMENTED.items():
         if getattr(args, flag):
             raise TrainingError(why)
+    if args.fuse:
+        if args.adapter_path is None or args.out is None:
+            raise TrainingError("--fuse needs --adapter-path (the adapter) and --out (the new checkpoint)")
+        from day0jax.train.fuse import fuse
+
+        print(f"fused checkpoint written to {fuse(args.model, args.adapter_path, args.out)}", flush=True)
+        return
     if args.data is None or args.adapter_path is None:
         raise TrainingError("--data and --adapter-path are required")
     if args.batch_size < 1:
@@ -113,23 +143,31 @@ def run(args: argparse.Namespace) -> None:
     else:
         n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.module, nnx.Param)))
         print(f"full fine-tuning: {n_params} trainable parameters; {len(train_set)} training examples", flush=True)
+    settings = run_settings(args, train_set)
+    saved = resume_lib.read_state(args.adapter_path, settings) if args.resume else None
+    if saved is not None:
+        print(f"resuming from step {saved.step} ({args.adapter_path})", flush=True)
     multiple = 32  # rows padded to a multiple of 32 tokens: fewer shapes to compile, the padding never counts
     batches = data_lib.batches(train_set, args.batch_size, shuffle=not args.no_shuffle, seed=args.seed,
-                               pad_id=pad, multiple=multiple)
+                               pad_id=pad, multiple=multiple, start=0 if saved is None else saved.batches_taken)
     valid = None if valid_set is None else (
         lambda: data_lib.passes(valid_set, args.batch_size, pad_id=pad, multiple=multiple))
 
-    def save(step: int | None = None) -> None:
-        if args.fine_tune_type == "lora":
-            save_adapter(model.module, adapters, args.adapter_path, source)
-        else:
-            save_checkpoint(model.module, args.model, args.adapter_path)
-        what = "adapter" if args.fine_tune_type == "lora" else "checkpoint"
-        print(f"{'' if step is None else f'step {step}: '}{what} written to {args.adapter_path}", flush=True)
+    def save(step: int, params, opt_state, final: bool = False) -> None:
+        def state(folder: Path) -> None:
+            resume_lib.write_state(folder, step=step, batches_taken=step * config.grad_accumulation,
+                                   settings=settings, params=params, opt_state=opt_state)
 
-    train(model.module, batches, config, valid=valid, on_save=save, pad_id=pad, progress=sys.stderr.isatty(),
-          report=lambda line: tqdm.write(line, file=sys.stdout))
-    save()
+        if args.fine_tune_type == "lora":
+            save_adapter(model.module, adapters, args.adapter_path, source, extra=state)
+        else:
+            save_checkpoint(model.module, args.model, args.adapter_path, extra=state)
+        what = "adapter" if args.fine_tune_type == "lora" else "checkpoint"
+        print(f"{'' if final else f'step {step}: '}{what} written to {args.adapter_path}", flush=True)
+
+    result = train(model.module, batches, config, valid=valid, on_save=save, pad_id=pad,
+                   progress=sys.stderr.isatty(), report=lambda line: tqdm.write(line, file=sys.stdout), resume=saved)
+    save(config.iters, nnx.state(model.module, default_wrt(model.module)), result.opt_state, final=True)
     if test_set is not None:
         loss = evaluate(model.module, data_lib.passes(test_set, args.batch_size, pad_id=pad, multiple=multiple))
         print(f"test loss {loss:.4f}, test perplexity {math.exp(loss):.4f}", flush=True)

@@ -166,10 +166,13 @@ def order(n: int, *, shuffle: bool, seed: int) -> Iterator[int]:
 
 
 def batches(examples: Sequence[Example], batch_size: int, *, shuffle: bool = True, seed: int = 0, pad_id: int = 0,
-            multiple: int = 1) -> Iterator[Batch]:
+            multiple: int = 1, start: int = 0) -> Iterator[Batch]:
     """Endless batches of `batch_size` examples taken in `order` (continuing into the next pass where one ends),
-    each padded to its longest row rounded up to `multiple` (fewer shapes to compile; the padding never counts)."""
+    each padded to its longest row rounded up to `multiple` (fewer shapes to compile; the padding never counts).
+    `start`: batches to pass over first (a resumed run's position: the order's draws replayed, nothing collated)."""
     it = order(len(examples), shuffle=shuffle, seed=seed)
+    for _ in range(start * batch_size):
+        next(it)
     while True:
         chosen = [examples[next(it)] for _ in range(batch_size)]
         longest = max(len(e.tokens) for e in chosen)

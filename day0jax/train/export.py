@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from flax import nnx
@@ -17,10 +18,13 @@ from day0jax.weights.checkpoint import read_manifest
 KEPT = ("converter_version", "source", "model_type", "tokenizer_files")
 
 
-def save_checkpoint(module: nnx.Module, source: str | Path, dst: str | Path) -> Path:
+def save_checkpoint(module: nnx.Module, source: str | Path, dst: str | Path,
+                    extra: Callable[[Path], None] | None = None, manifest_extra: dict | None = None) -> Path:
     """Writes every parameter of `module` (float32) as a checkpoint at `dst`, with the config.json, generation
     config and tokenizer files of the checkpoint `source` it was loaded from. An existing `dst` is replaced only
-    if it is a day0jax checkpoint or an empty folder.
+    if it is a day0jax checkpoint or an empty folder. `extra(hidden folder)` writes more files into it before the
+    manifest lists them and the folder is renamed into place (the training state of --resume); `manifest_extra`:
+    more manifest fields.
 
     Raises:
         TrainingError: a parameter that is not float (a quantized base: full fine-tuning needs float weights).
@@ -43,5 +47,8 @@ def save_checkpoint(module: nnx.Module, source: str | Path, dst: str | Path) -> 
             if (source / name).is_file():
                 shutil.copy(source / name, writer.tmp / name)
         writer.write_json("config.json", dict(json.loads((source / "config.json").read_text()), dtype="float32"))
+        if extra is not None:
+            extra(writer.tmp)
         out = {k: manifest[k] for k in KEPT if k in manifest}
-        return writer.commit(dict(out, dtype="float32", fine_tuned_from=str(source.absolute())))
+        fields = manifest_extra or {"fine_tuned_from": str(source.absolute())}
+        return writer.commit(dict(out, dtype="float32", **fields))

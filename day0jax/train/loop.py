@@ -9,7 +9,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from tqdm import tqdm
 from day0jax.core.errors import TrainingError
 from day0jax.train import step as step_lib
 from day0jax.train.data import Batch
+from day0jax.train.resume import SavedState
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,14 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """Per-step losses and learning rates, the validation losses ((step, loss) pairs) and the tokens trained on."""
+    """Per-step losses and learning rates (of the steps this call ran), the validation losses ((step, loss) pairs),
+    the tokens trained on and the optimizer's final state."""
 
     losses: list[float] = field(default_factory=list)
     learning_rates: list[float] = field(default_factory=list)
     validation: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0
+    opt_state: Any = None  # the optimizer's state after the last step (what a save for --resume keeps)
 
 
 def peak_memory() -> tuple[int, str]:
@@ -105,37 +108,50 @@ def evaluate(model: nnx.Module, batches: Iterable[Batch]) -> float:
 
 
 def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=None,
-          valid: Callable[[], Iterable[Batch]] | None = None, on_save: Callable[[int], None] | None = None,
-          report: Callable[[str], None] = print, pad_id: int = 0, progress: bool = False) -> TrainResult:
-    """Trains `model` in place for `config.iters` steps, each on `config.grad_accumulation` batches from `data`.
+          valid: Callable[[], Iterable[Batch]] | None = None, on_save: Callable[[int, Any, Any], None] | None = None,
+          report: Callable[[str], None] = print, pad_id: int = 0, progress: bool = False,
+          resume: SavedState | None = None) -> TrainResult:
+    """Trains `model` in place up to step `config.iters`, each step on `config.grad_accumulation` batches from `data`.
 
     Args:
         model: the nnx model, with LoRA adapters applied (`lora.apply_lora`) or not (then every parameter trains).
         data: batches (an iterator is consumed as needed).
         wrt: the nnx filter of what trains; default: the adapters if any, else every parameter.
         valid: makes the validation batches, evaluated every `steps_per_eval` steps and after the last.
-        on_save: called with the step number every `save_every` steps.
+        on_save: called every `save_every` steps with the step number, the trainable parameters (an `nnx.State`)
+            and the optimizer state (the model holds those parameters too).
         report: where report lines go.
         pad_id: the token id micro-batches of different lengths are padded with (it never counts).
         progress: a progress bar over the steps on stderr.
+        resume: a save to continue from (`resume.read_state`): its parameters and optimizer state replace the
+            fresh ones and the steps after its step run; `data` must start where that run's stream stood.
     Returns:
         The `TrainResult`.
+    Raises:
+        TrainingError: the data runs out, a step with no target, a loss that is not finite, or a `resume` whose
+            tensors do not fit this run's.
     """
     wrt = wrt if wrt is not None else step_lib.default_wrt(model)
     graphdef, params, rest = nnx.split(model, wrt, ...)
     schedule = step_lib.schedule_fn(lr=config.learning_rate, schedule=config.lr_schedule, warmup=config.warmup,
                                     iters=config.iters)
     tx = step_lib.optimizer(config.optimizer, schedule, config.weight_decay)
+    opt_state = tx.init(params)
+    first = 1
+    if resume is not None:
+        params, opt_state = jax.tree.map(jnp.asarray, resume.restore(params, opt_state))
+        nnx.update(model, params)
+        first = resume.step + 1
     params = _placed_like(params, rest)
-    opt_state = _placed_like(tx.init(params), rest)
+    opt_state = _placed_like(opt_state, rest)
     step_fn = step_lib.make_step(tx, graphdef, config.grad_checkpoint)
     dtype = step_lib._dtype_of(rest)
     result = TrainResult()
     batches: Iterator[Batch] = iter(data)
     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
-    bar = tqdm(total=config.iters, desc="training", unit="step", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
-    for it in range(1, config.iters + 1):
+    bar = tqdm(total=config.iters, initial=first - 1, desc="training", unit="step", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+    for it in range(first, config.iters + 1):
         micro = list(itertools.islice(batches, config.grad_accumulation))
         if len(micro) < config.grad_accumulation:
             raise TrainingError(f"the data ran out at step {it}")
@@ -171,8 +187,9 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
             report(f"step {it}: validation loss {val:.4f}")
         if on_save is not None and it % config.save_every == 0:
             nnx.update(model, params)
-            on_save(it)
+            on_save(it, params, opt_state)
     bar.close()
     nnx.update(model, params)
+    result.opt_state = opt_state
     return result
 

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from flax import nnx
@@ -147,6 +147,25 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, seed: int = 0) -> Adapters
     return adapters
 
 
+def merge_adapters(model: nnx.Module, adapters: Adapters) -> None:
+    """Folds each adapter into its base, kernel + scale * B @ A in float32 (PEFT's `merge_and_unload`), and puts a
+    plain `Linear` back in place of each `LoRALinear`, in place: the model then has no adapters, and its parameters
+    are the paths and shapes of the checkpoint it was loaded from."""
+    import jax.numpy as jnp
+
+    for owner in adapters.hf_names:
+        m = _get(model, owner)
+        w = np.asarray(m.kernel[...], np.float32)
+        delta = m.scale * (np.asarray(m.lora_b[...], np.float32) @ np.asarray(m.lora_a[...], np.float32))  # [O, I]
+        m.kernel[...] = jnp.asarray(w + delta.reshape(w.shape))  # the kernel is out_shape + in_shape, [O, I] flat
+        axes = (None,) * (len(m.in_shape) + len(m.out_shape))  # unused: the kernel and bias are m's own variables
+        with nnx.use_eager_sharding(False):
+            plain = nnx.eval_shape(lambda m=m: Linear(m.in_shape, m.out_shape, axes, use_bias=m.bias is not None,
+                                                      rngs=nnx.Rngs(0)))
+        plain.kernel, plain.bias, plain.quantizable = m.kernel, m.bias, m.quantizable
+        _set(model, owner, plain)
+
+
 def adapter_arrays(model: nnx.Module, adapters: Adapters) -> dict[str, np.ndarray]:
     """PEFT's tensors: `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]."""
     out = {}
@@ -179,11 +198,13 @@ def load_adapter_arrays(model: nnx.Module, adapters: Adapters, arrays: dict[str,
         var[...] = jnp.asarray(arrays[name], jnp.float32)
 
 
-def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base_model: str) -> Path:
+def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base_model: str,
+                 extra: Callable[[Path], None] | None = None) -> Path:
     """Writes a PEFT LoRA folder (`adapter_config.json`, `adapter_model.safetensors`) that
     `peft.PeftModel.from_pretrained` loads on the HF model `base_model` names. Atomically: the files go into a
     hidden folder beside it, renamed into place once complete, so a crash mid-save (a periodic save included)
     leaves the previous adapter whole. An existing `folder` is replaced only if it holds an adapter or nothing.
+    `extra(hidden folder)` writes more files into the save before the rename (the training state of --resume).
 
     Raises:
         TrainingError: `folder` exists and is neither an adapter folder nor empty.
@@ -209,6 +230,9 @@ def save_adapter(model: nnx.Module, adapters: Adapters, folder: str | Path, base
         save_file(adapter_arrays(model, adapters), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         for f in tmp.iterdir():
             fsync_path(f)
+        if extra is not None:
+            extra(tmp)
+        fsync_path(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp's folder is the owner's alone
         if folder.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
