@@ -512,15 +512,15 @@ def test_learning_rate_schedule():
     assert learning_rate(5, lr=2.0, schedule="constant", warmup=0, iters=9) == 2.0
 
 
-def test_refusals_are_named(runs, tmp_path):
+def test_refusals_are_named(chat, tmp_path):
     from day0jax import models
     from day0jax.core.errors import TrainingError
     from day0jax.train import LoRAConfig, apply_lora
 
-    cli = runs["cli"]
-    base = ["--model", str(cli["ckpt"]), "--data", str(cli["data"]), "--adapter-path", str(tmp_path / "a")]
+    ckpt, data = chat
+    base = ["--model", str(ckpt), "--data", str(data), "--adapter-path", str(tmp_path / "a")]
     for flags, said in ((["--mesh", "dp=2"], "--mesh"), (["--lora-dropout", "0.1"], "dropout"),
-                        (["--lora-targets", "nothing"], "no module named")):
+                        (["--lora-targets", "nothing"], "no module named"), (["--fuse"], "--fuse needs")):
         rc, out = run_cli(base + flags)
         assert rc == 2 and said in out, (flags, out)
     model_type, config, _ = ("qwen3_moe", dict(FAMILIES["llama"][1], num_experts=4, num_experts_per_tok=2,
@@ -544,8 +544,9 @@ class Interrupted(Exception):
 @pytest.fixture(scope="module")
 def resumed(chat, tmp_path_factory):
     """The command line's run of 4 AdamW steps (cosine schedule with warmup, shuffled data crossing a pass, 2 micro-
-    batches a step) once uninterrupted, once interrupted right after its save at step 2 and continued with --resume:
-    each step's loss (recorded from the optimizer step's program) and the final adapters."""
+    batches a step, gradient checkpointing on) once uninterrupted, once interrupted right after its save at step 2
+    and continued with --resume: each step's loss (recorded from the optimizer step's program) and the final
+    adapters."""
     import day0jax.train.lora as lora_lib
     import day0jax.train.step as step_lib
 
@@ -554,7 +555,7 @@ def resumed(chat, tmp_path_factory):
     flags = ["--model", str(ckpt), "--data", str(data), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
              "--iters", "4", "--batch-size", "2", "--grad-accumulation", "2", "--learning-rate", "1e-2",
              "--lr-schedule", "cosine", "--warmup", "1", "--weight-decay", "0.01", "--seed", "3",
-             "--steps-per-report", "1"]
+             "--steps-per-report", "1", "--grad-checkpoint"]  # the checkpointed step program, run for real
     losses: list[float] = []
     make_step, save_adapter = step_lib.make_step, lora_lib.save_adapter
 
