@@ -1,4 +1,5 @@
-"""Grouped matmul as MoE layers see it: the Mosaic GPU kernel (Hopper), XLA's `ragged_dot`, the reference."""
+"""Grouped matmul as MoE layers see it: the Mosaic GPU kernel (Hopper), XLA's `ragged_dot`, tiles of one group's
+rows (the CPU), the reference."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import platform, registry
-from kernels_pallas.moe import pallas_mgpu, reference
+from kernels_pallas.moe import pallas_mgpu, reference, tiles
 from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
 
@@ -49,6 +50,7 @@ def _xla_ragged_dot(lhs, rhs, group_sizes):
 IMPLEMENTATIONS = {
     registry.REFERENCE: reference.grouped_matmul,
     "xla_ragged_dot": _xla_ragged_dot,
+    "tiles": tiles.grouped_matmul,
     "mosaic_gpu": pallas_mgpu.grouped_matmul,
     "mosaic_gpu_interpret": functools.partial(pallas_mgpu.grouped_matmul, interpret=True),
 }
@@ -56,7 +58,8 @@ IMPLEMENTATIONS = {
 # passed its tests' shapes but not selfcheck's serving-sized ones on an H200 (relative errors 0.2 to 0.7 at 128
 # experts: its pipeline refilled a slot that an unawaited wgmma still read, since fixed); it is not chosen until a
 # device self-check passes at those shapes; `implementation="mosaic_gpu"` still runs it.
-CANDIDATES: dict[str, tuple[str, ...]] = {"gpu": ("xla_ragged_dot",), "tpu": ("xla_ragged_dot",)}
+# XLA:CPU expands ragged_dot densely (every row times every expert); tiles read each used expert once per tile.
+CANDIDATES: dict[str, tuple[str, ...]] = {"cpu": ("tiles",), "gpu": ("xla_ragged_dot",), "tpu": ("xla_ragged_dot",)}
 PALLAS = {"mosaic_gpu": "cuda"}
 INTERPRET = {"mosaic_gpu": "mosaic_gpu_interpret"}
 
