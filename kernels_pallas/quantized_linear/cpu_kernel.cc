@@ -546,8 +546,9 @@ const char* format_error(Kind kind, int64_t group, const ffi::AnyBuffer& codes, 
   if (mx_scales(kind) && (group != 32 || scale_type != ffi::DataType::U8)) {
     return "MX kinds take one uint8 E8M0 scale per 32";
   }
-  if (nv_scales(kind) && (group != 16 || scale_type != ffi::DataType::F8E4M3FN ||
-                          global_scale.element_type() != ffi::DataType::F32 || static_cast<int64_t>(global_scale.element_count()) != O)) {
+  const bool global_per_row = global_scale.element_type() == ffi::DataType::F32 &&
+                              static_cast<int64_t>(global_scale.element_count()) == O;
+  if (nv_scales(kind) && (group != 16 || scale_type != ffi::DataType::F8E4M3FN || !global_per_row)) {
     return "NVFP4 kinds take one float8_e4m3fn scale per 16 and a float32 global scale per row";
   }
   if ((kind == kMxfp8E4m3 && code_type != ffi::DataType::F8E4M3FN) ||
