@@ -8,7 +8,7 @@
 // take the same path: for a few rows it streams them faster than XLA:CPU's small products (bfloat16 ones 10x faster at
 // one row: XLA:CPU multiplies a bfloat16 matrix by a vector element by element).
 // The MX and NVFP4 kinds keep their checkpoints' bytes: FP4 (e2m1) codes are looked up in a table of the 16 values
-// times the block's scale (the weights the reference computes, bit for bit), MXFP8 codes are converted as float16
+// times the block's float32 step (the weights their formats define, exactly), MXFP8 codes are converted as float16
 // bit patterns; every kind's scales become float32 once per chunk, so the kinds differ only in how codes are read.
 #include <algorithm>
 #include <atomic>
@@ -151,8 +151,9 @@ struct Problem {
 // One chunk of output features' group parameters as float32, so that w = fma(code, scale, offset) is the weight
 // (e2m1 codes: w = e2m1(code) * scale): symmetric 4-bit codes are centred on 8, and fma(q, s, -8 s) rounds (q - 8) s
 // exactly as the reference does; e4m3 codes' scales carry the vector paths' factor of 256 (exact for any E8M0 scale
-// below 2^120). NVFP4's scale is the reference's float32 step, scale / global (ModelOpt's: scale * global), rounded
-// once as there, so each table entry e2m1 * step is the reference's weight.
+// below 2^120). NVFP4's is the format's float32 step, scale / global (ModelOpt's: scale * global), so each table
+// entry e2m1 * step is the weight compressed-tensors' dequantization gives in float32 (XLA, running the reference,
+// multiplies by the global scale's reciprocal instead, which can move a step by one unit in the last place).
 struct ChunkParams {
   std::vector<float> scale, offset;  // [features, I/group]
 
