@@ -60,19 +60,6 @@ constexpr int64_t kPrefetchBytes = 8192;
 // value / 256 (the exponent biases differ by 8); the scales are taken * 256 instead, exactly.
 constexpr float kFp8Rebias = 256.0f;
 
-float fp8_e4m3fn_to_float(uint8_t v) {
-  const int sign = v >> 7, exponent = (v >> 3) & 15, mantissa = v & 7;
-  float magnitude;
-  if (exponent == 15 && mantissa == 7) {
-    magnitude = __builtin_nanf("");
-  } else if (exponent == 0) {
-    magnitude = mantissa / 8.0f / 64.0f;  // subnormal: m/8 * 2^-6
-  } else {
-    magnitude = (1.0f + mantissa / 8.0f) * __builtin_ldexpf(1.0f, exponent - 7);
-  }
-  return sign ? -magnitude : magnitude;
-}
-
 // The 16 values of an FP4 (e2m1) code, by code: sign bit 3, then the 8 magnitudes. The vector paths load their
 // tables from here (AVX2 only the magnitudes, taking the sign from bit 3).
 alignas(64) constexpr float kE2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
@@ -109,6 +96,14 @@ float half_to_float(uint16_t h) {
   std::memcpy(&magnitude, &bits, 4);
   return magnitude;
 #endif
+}
+
+// float8_e4m3fn read as the float16 with the same sign, exponent and mantissa bits, which is its value / 256 (the
+// biases differ by 8; as the vector paths read codes), times 256: exact, subnormals included, and a few times faster
+// than building it with ldexp (NVFP4 decodes one scale per 16 weights). 0x7F is the format's NaN.
+float fp8_e4m3fn_to_float(uint8_t v) {
+  if ((v & 0x7F) == 0x7F) return __builtin_nanf("");
+  return half_to_float(static_cast<uint16_t>(((v & 0x80) << 8) | ((v & 0x7F) << 7))) * 256.0f;
 }
 
 // float8_e5m2 is float16 without its low 8 mantissa bits (same sign, exponent and bias): exact, inf and NaN included.
@@ -171,9 +166,12 @@ struct ChunkParams {
     if (mx_scales(p.kind)) {
       for (int64_t i = 0; i < n; ++i) scale[i] = e8m0_to_float(bytes[i]) * factor;
     } else if (nv_scales(p.kind)) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float s = fp8_e4m3fn_to_float(bytes[i]), global = p.global_scale[o_begin + i / G];
-        scale[i] = p.kind == kNvfp4 ? s / global : s * global;
+      for (int64_t o = 0; o < o_end - o_begin; ++o) {
+        const float global = p.global_scale[o_begin + o];
+        for (int64_t i = o * G; i < (o + 1) * G; ++i) {
+          const float s = fp8_e4m3fn_to_float(bytes[i]);
+          scale[i] = p.kind == kNvfp4 ? s / global : s * global;
+        }
       }
     } else {
       to_float(p.scale, p.scale_type, o_begin * G, n, factor, scale.data());
