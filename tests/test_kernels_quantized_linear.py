@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from convert import gguf_blocks as gguf_blocks_lib
-from kernels_pallas import registry
-from kernels_pallas.quantized_linear import api, cpu_ffi, reference
+from kernels_pallas import cases, registry
+from kernels_pallas.quantized_linear import api, cpu_ffi, reference, spec
 from kernels_pallas.quantized_linear.reference import QuantizedWeight
 
 # (kind, group, offsets, scale dtype): every format the converter writes.
@@ -80,7 +80,6 @@ class TestReference(QuantizedLinearContract):
 
 class TestCpuFfi(QuantizedLinearContract):
     implementation = "cpu_ffi"
-    declines = ("mxfp4", "nvfp4", "nvfp4_modelopt", "mxfp8_e4m3", "mxfp8_e5m2")
 
 
 def test_cpu_kernel_declines_what_it_does_not_take():
@@ -128,6 +127,92 @@ def test_xla_dot_leaves_float32_activations_to_the_reference():
     with pytest.raises(registry.KernelUnavailable, match="float32"):
         api.quantized_matmul(jnp.ones((2, 256), jnp.float32), q, implementation="xla_dot")
     assert registry.order(api.CANDIDATES, "gpu") == ("xla_dot", registry.REFERENCE)
+
+
+# The MX and NVFP4 kinds as the op's spec draws them (random codes, scales and global scales).
+MX_NV_KINDS = {"mxfp4": (32, "uint8"), "nvfp4": (16, "float8_e4m3fn"), "nvfp4_modelopt": (16, "float8_e4m3fn"),
+               "mxfp8_e4m3": (32, "uint8"), "mxfp8_e5m2": (32, "uint8")}
+
+
+@pytest.mark.parametrize("R, O, I", [(1, 37, 256), (7, 96, 512), (128, 33, 64)])  # passes of 1; 4, 2, 1; 8 rows
+@pytest.mark.parametrize("kind", sorted(MX_NV_KINDS))
+def test_cpu_kernel_matches_the_reference_on_mx_and_nvfp4_spec_cases(kind, R, O, I):
+    """The kernel's weights are the reference's (the same e2m1 table times the same float32 step, NVFP4's within a
+    unit of it, or the same float8 value times the same power of two); only the order of the float32 sum differs.
+    Largest error seen against the reference, relative to its largest output: 7.1e-7 (mxfp4, 7 x 512); against the
+    float64 product 1.4e-7, where the reference's own is 7.4e-7."""
+    group, scale_dtype = MX_NV_KINDS[kind]
+    (x, q), _ = spec.build(cases.Random(R, False), jnp.float32, R=R, O=O, I=I, kind=kind, group=group,
+                           offset=False, scale_dtype=scale_dtype)
+    got = np.asarray(jax.jit(cpu_ffi.quantized_matmul)(x, q), np.float64)
+    want = np.asarray(reference.quantized_matmul(x, q), np.float64)
+    assert got.shape == (R, O)
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    assert_float32_tight(got, x, q, f"cpu_ffi {kind} {R} x [{O} x {I}]")
+
+
+def fp4_bytes(codes: np.ndarray) -> np.ndarray:
+    """[O, I] e2m1 codes 0..15 -> [O, I/2] bytes as MXFP4 and NVFP4 ship them: element 2i low, 2i + 1 high."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+# The e2m1 values by code, written out from the format (sign bit 3; exponent bits 1..2, bias 1; mantissa bit 0).
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def hand_built_fp4(kind: str) -> tuple[QuantizedWeight, np.ndarray]:
+    """A [3, 64] FP4 weight whose every element has a code of its own pattern and whose scales vary per block, with
+    the float32 weight it stands for computed here from the formats' definitions (not from `reference`)."""
+    O, I = 3, 64
+    codes = (np.arange(I)[None, :] * 7 + np.arange(O)[:, None] * 3) % 16  # neighbours differ: order shows
+    values = np.array(E2M1_VALUES, np.float32)[codes]
+    if kind == "mxfp4":
+        exponents = np.array([[100, 127], [131, 140], [126, 118]], np.uint8)  # 2^-27 .. 2^13
+        step = np.array([[2.0 ** (int(e) - 127) for e in row] for row in exponents], np.float32)
+        q = QuantizedWeight(jnp.asarray(fp4_bytes(codes)), jnp.asarray(exponents), None, kind, 32)
+    else:  # e4m3 scales 0.5 .. 448 and a subnormal (2^-9 * 3), divided by (ModelOpt: times) a global scale
+        scale = np.array([[0.5, 1.5, 3.25, 448.0], [0.005859375, 1.0, 2.0, 26.0], [0.75, 96.0, 5.0, 0.125]],
+                         np.float32)
+        glob = np.array([[3.0], [0.1], [7.0]], np.float32)
+        step = scale / glob if kind == "nvfp4" else scale * glob  # float32, as the format defines it
+        q = QuantizedWeight(jnp.asarray(fp4_bytes(codes)), jnp.asarray(scale.astype(ml_dtypes.float8_e4m3fn)), None,
+                            kind, 16, jnp.asarray(glob))
+    group = q.group
+    return q, values * np.repeat(step, group, axis=1)
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "nvfp4", "nvfp4_modelopt"])
+def test_cpu_kernel_reads_fp4_nibbles_and_scales_exactly(kind):
+    """Unit vectors read each weight back alone, so the outputs are the weights bit for bit: a swapped nibble order,
+    int4's layout, or a scale decoded with the wrong bias or rounding fails. (The reference agrees within one float32
+    unit: XLA rewrites its division by the global scale as a product with the reciprocal, which rounds twice; the
+    kernel divides, as compressed-tensors and the converter's --dequantize do.)"""
+    q, want = hand_built_fp4(kind)
+    np.testing.assert_array_max_ulp(np.asarray(reference.dequantize(q)), want, maxulp=0 if kind == "mxfp4" else 1)
+    x = jnp.eye(64, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(cpu_ffi.quantized_matmul(x, q)), want.T)
+    np.testing.assert_array_equal(np.asarray(cpu_ffi.quantized_matmul(x[5:6], q)), want.T[5:6])  # one-row pass
+
+
+@pytest.mark.parametrize("kind", ["mxfp8_e4m3", "mxfp8_e5m2"])
+def test_cpu_kernel_reads_every_mxfp8_code_exactly(kind):
+    """Every finite float8 code of the kind, times E8M0 scales 2^-20 .. 2^10, read back through unit vectors."""
+    dtype = reference.CODE_DTYPES[kind]
+    codes = np.arange(256, dtype=np.uint8).view(dtype).reshape(2, 128)
+    codes = np.where(np.isfinite(codes.astype(np.float32)), codes, np.zeros_like(codes))
+    exponents = np.array([[107, 127, 130, 137], [120, 127, 128, 110]], np.uint8)
+    want = codes.astype(np.float32) * np.repeat(np.ldexp(np.float32(1), exponents.astype(np.int32) - 127), 32, 1)
+    q = QuantizedWeight(jnp.asarray(codes), jnp.asarray(exponents), None, kind, 32)
+    np.testing.assert_array_equal(np.asarray(reference.dequantize(q)), want)
+    got = np.asarray(cpu_ffi.quantized_matmul(jnp.eye(128, dtype=jnp.float32), q))
+    np.testing.assert_array_equal(got, want.T)
+
+
+def test_cpu_kernel_declines_mx_scales_of_another_dtype():
+    q, _ = hand_built_fp4("mxfp4")
+    widened = QuantizedWeight(q.codes, q.scale.astype(jnp.float32), None, "mxfp4", 32)
+    with pytest.raises(registry.KernelUnavailable, match="mxfp4 codes uint8 and scales float32"):
+        api.quantized_matmul(jnp.ones((1, 64)), widened, implementation="cpu_ffi")
 
 
 def test_cpu_kernel_serves_more_rows_than_a_pass_keeps_in_registers_and_odd_feature_counts():

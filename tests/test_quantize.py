@@ -784,7 +784,9 @@ def test_compressed_tensors_mx_formats_stay_as_codes_and_compute_their_values(ti
     for n, want in meant.items():  # exact in float32, bitwise
         got = stored[n[: -len("weight")] + "kernel"].reshape(want.shape)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
-    compare(kept, floats)
+    # The CPU kernel sums the (same) products in another order than XLA's product of the float weights, and these
+    # weights of unit scale grow that rounding layer by layer: logits 1.4e-5 apart (mxfp8), the greedy tokens equal.
+    compare(kept, floats, rtol=3e-5)
 
 
 def test_every_quantized_kind_has_a_verify_tolerance():

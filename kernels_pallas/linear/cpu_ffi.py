@@ -67,7 +67,7 @@ def dense_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     none = jnp.zeros((0,), jnp.float32)
     kind = KIND_IDS["dense" if kernel.dtype == jnp.float32 else "bf16"]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], kernel.shape[0]), jnp.float32))
-    return call(x.astype(jnp.float32), kernel, none, none, kind=np.int64(kind),
+    return call(x.astype(jnp.float32), kernel, none, none, none, kind=np.int64(kind),
                 group=np.int64(64 if x.shape[1] % 64 == 0 else 16), has_offset=False)
 
 

@@ -7,6 +7,9 @@
 // 16 lanes where the CPU has AVX-512, else 8 (AVX2). Float32 and bfloat16 weights (kinds dense and bf16, no scales)
 // take the same path: for a few rows it streams them faster than XLA:CPU's small products (bfloat16 ones 10x faster at
 // one row: XLA:CPU multiplies a bfloat16 matrix by a vector element by element).
+// The MX and NVFP4 kinds keep their checkpoints' bytes: FP4 (e2m1) codes are looked up in a table of the 16 values
+// times the block's float32 step (the weights their formats define, exactly), MXFP8 codes are converted as float16
+// bit patterns; every kind's scales become float32 once per chunk, so the kinds differ only in how codes are read.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -30,11 +33,25 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// dense: float32 weights as they are; bf16: bfloat16 weights, widened exactly to float32 in registers.
-enum Kind : int64_t { kInt8 = 0, kInt4 = 1, kFp8 = 2, kDense = 3, kBf16 = 4 };
+// dense: float32 weights as they are; bf16: bfloat16 weights, widened exactly to float32 in registers. The ids are
+// `cpu_ffi.KIND_IDS`.
+enum Kind : int64_t {
+  kInt8 = 0, kInt4 = 1, kFp8 = 2, kDense = 3, kBf16 = 4,
+  kMxfp4 = 5, kNvfp4 = 6, kNvfp4Modelopt = 7, kMxfp8E4m3 = 8, kMxfp8E5m2 = 9,
+};
 
+// The kind whose codes a kind's are: kinds that differ only in their scales share one set of compiled loops (each
+// set is compiled for every row count and group size, on a user's first use). kMxfp4 stands for all e2m1 codes,
+// kFp8 for all float8_e4m3fn ones.
+constexpr Kind codes_of(Kind k) {
+  return k == kNvfp4 || k == kNvfp4Modelopt ? kMxfp4 : k == kMxfp8E4m3 ? kFp8 : k;
+}
 // Weights with no group parameters, read as floats.
 constexpr bool plain(Kind k) { return k == kDense || k == kBf16; }
+// Two 4-bit codes per byte.
+constexpr bool packed(Kind k) { return k == kInt4 || codes_of(k) == kMxfp4; }
+constexpr bool mx_scales(Kind k) { return k == kMxfp4 || k == kMxfp8E4m3 || k == kMxfp8E5m2; }  // E8M0 per 32
+constexpr bool nv_scales(Kind k) { return k == kNvfp4 || k == kNvfp4Modelopt; }  // e4m3 per 16, a global one
 constexpr int64_t kChunk = 32;  // output features per task
 // How far ahead of the codes being read the next ones are asked into L2 (one request per group): 10-15% faster than
 // the hardware prefetchers alone on a chain of SmolLM2's projections, whose codes come from L3 or memory.
@@ -43,17 +60,21 @@ constexpr int64_t kPrefetchBytes = 8192;
 // value / 256 (the exponent biases differ by 8); the scales are taken * 256 instead, exactly.
 constexpr float kFp8Rebias = 256.0f;
 
-float fp8_e4m3fn_to_float(uint8_t v) {
-  const int sign = v >> 7, exponent = (v >> 3) & 15, mantissa = v & 7;
-  float magnitude;
-  if (exponent == 15 && mantissa == 7) {
-    magnitude = __builtin_nanf("");
-  } else if (exponent == 0) {
-    magnitude = mantissa / 8.0f / 64.0f;  // subnormal: m/8 * 2^-6
-  } else {
-    magnitude = (1.0f + mantissa / 8.0f) * __builtin_ldexpf(1.0f, exponent - 7);
-  }
-  return sign ? -magnitude : magnitude;
+// The 16 values of an FP4 (e2m1) code, by code: sign bit 3, then the 8 magnitudes. The vector paths load their
+// tables from here (AVX2 only the magnitudes, taking the sign from bit 3).
+alignas(64) constexpr float kE2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+
+// Code i of a row of e2m1 codes packed as MXFP4 and NVFP4 ship them: element 2b in the low nibble of byte b, 2b + 1
+// in the high one (not int4's layout).
+uint8_t fp4_code(const uint8_t* row, int64_t i) { return (row[i >> 1] >> (4 * (i & 1))) & 15; }
+
+// An E8M0 scale byte as float32 2^(e - 127), exactly, from its bits (as `reference.e8m0_to_float`): e << 23 is the
+// normal float 2^(e - 127), e = 0 the subnormal 2^-127, 255 the format's NaN.
+float e8m0_to_float(uint8_t e) {
+  const uint32_t bits = e == 0 ? 1u << 22 : e == 255 ? 0x7FC00000u : static_cast<uint32_t>(e) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 float half_to_float(uint16_t h) {
@@ -76,6 +97,17 @@ float half_to_float(uint16_t h) {
   return magnitude;
 #endif
 }
+
+// float8_e4m3fn read as the float16 with the same sign, exponent and mantissa bits, which is its value / 256 (the
+// biases differ by 8; as the vector paths read codes), times 256: exact, subnormals included, and a few times faster
+// than building it with ldexp (NVFP4 decodes one scale per 16 weights). 0x7F is the format's NaN.
+float fp8_e4m3fn_to_float(uint8_t v) {
+  if ((v & 0x7F) == 0x7F) return __builtin_nanf("");
+  return half_to_float(static_cast<uint16_t>(((v & 0x80) << 8) | ((v & 0x7F) << 7))) * 256.0f;
+}
+
+// float8_e5m2 is float16 without its low 8 mantissa bits (same sign, exponent and bias): exact, inf and NaN included.
+float fp8_e5m2_to_float(uint8_t v) { return half_to_float(static_cast<uint16_t>(v) << 8); }
 
 float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -100,19 +132,23 @@ void to_float(const void* data, ffi::DataType type, int64_t begin, int64_t n, fl
 
 struct Problem {
   const float* x;         // [R, I]
-  const uint8_t* codes;   // [O, I] (int8, fp8; float32 for dense, bfloat16 for bf16) or [O, I/2] (int4)
-  const void* scale;      // [O, I/group]
+  const uint8_t* codes;   // [O, I] (int8, fp8, mxfp8; float32 for dense, bfloat16 for bf16) or [O, I/2] (packed)
+  const void* scale;      // [O, I/group] (uint8 E8M0 exponents for the MX kinds, float8_e4m3fn for the NVFP4 ones)
   ffi::DataType scale_type;
   const void* offset;     // [O, I/group], or nullptr
   ffi::DataType offset_type;
+  const float* global_scale;  // [O] (the NVFP4 kinds' per-tensor scale, held once per row), or nullptr
   float* y;               // [R, O]
   Kind kind;
   int64_t R, O, I, group;
 };
 
-// One chunk of output features' group parameters as float32, so that w = fma(code, scale, offset) is the weight:
-// symmetric 4-bit codes are centred on 8, and fma(q, s, -8 s) rounds (q - 8) s exactly as the reference does; FP8
-// scales carry the vector paths' factor of 256.
+// One chunk of output features' group parameters as float32, so that w = fma(code, scale, offset) is the weight
+// (e2m1 codes: w = e2m1(code) * scale): symmetric 4-bit codes are centred on 8, and fma(q, s, -8 s) rounds (q - 8) s
+// exactly as the reference does; e4m3 codes' scales carry the vector paths' factor of 256 (exact for any E8M0 scale
+// below 2^120). NVFP4's is the format's float32 step, scale / global (ModelOpt's: scale * global), so each table
+// entry e2m1 * step is the weight compressed-tensors' dequantization gives in float32 (XLA, running the reference,
+// multiplies by the global scale's reciprocal instead, which can move a step by one unit in the last place).
 struct ChunkParams {
   std::vector<float> scale, offset;  // [features, I/group]
 
@@ -122,11 +158,24 @@ struct ChunkParams {
     scale.resize(n);
     offset.resize(n);
 #ifdef DAY0JAX_AVX2
-    const float factor = p.kind == kFp8 ? kFp8Rebias : 1.0f;
+    const float factor = codes_of(p.kind) == kFp8 ? kFp8Rebias : 1.0f;
 #else
     const float factor = 1.0f;
 #endif
-    to_float(p.scale, p.scale_type, o_begin * G, n, factor, scale.data());
+    const uint8_t* bytes = static_cast<const uint8_t*>(p.scale) + o_begin * G;  // MX and NVFP4 scales: one byte
+    if (mx_scales(p.kind)) {
+      for (int64_t i = 0; i < n; ++i) scale[i] = e8m0_to_float(bytes[i]) * factor;
+    } else if (nv_scales(p.kind)) {
+      for (int64_t o = 0; o < o_end - o_begin; ++o) {
+        const float global = p.global_scale[o_begin + o];
+        for (int64_t i = o * G; i < (o + 1) * G; ++i) {
+          const float s = fp8_e4m3fn_to_float(bytes[i]);
+          scale[i] = p.kind == kNvfp4 ? s / global : s * global;
+        }
+      }
+    } else {
+      to_float(p.scale, p.scale_type, o_begin * G, n, factor, scale.data());
+    }
     if (p.offset != nullptr) {
       to_float(p.offset, p.offset_type, o_begin * G, n, 1.0f, offset.data());
     } else {
@@ -136,6 +185,12 @@ struct ChunkParams {
 };
 
 #ifdef DAY0JAX_AVX2
+// Bytes of packed e2m1 codes, each widened to 16 bits (0x00HL), as one byte per code in element order: v | v << 4 is
+// 0x0H?L, whose low byte's low nibble is L (element 2b) and high byte's H (element 2b + 1). The lookups read only
+// an index's low bits, so the nibble left above L costs no mask.
+inline __m128i fp4_in_order(__m128i v) { return _mm_or_si128(v, _mm_slli_epi16(v, 4)); }
+inline __m256i fp4_in_order(__m256i v) { return _mm256_or_si256(v, _mm256_slli_epi16(v, 4)); }
+
 // The vector operations the kernel is written in, for 8 float32 lanes (AVX2) and 16 (AVX-512).
 struct Avx2 {
   using F = __m256;
@@ -145,6 +200,7 @@ struct Avx2 {
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static float sum(F v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -176,6 +232,21 @@ struct Avx2 {
     const __m128i w = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes(p)), 7), _mm_set1_epi16(-0x4080));
     return _mm256_cvtph_ps(w);
   }
+  // N float8_e5m2 codes: each is the top byte of the float16 of the same value.
+  static F e5m2(const uint8_t* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes(p)), 8)); }
+  // The table e2m1 codes are looked up in: the 8 magnitudes times the group's scale (a permute of 8 lanes takes 3
+  // index bits; the sign comes from the code's bit 3).
+  static F fp4_table(F s) { return mul(_mm256_load_ps(kE2m1), s); }
+  // N bytes of e2m1 codes (2N weights, in order): the first N weights and the next N.
+  static void fp4(const uint8_t* p, F table, F& first, F& next) {
+    const __m128i codes = fp4_in_order(_mm_cvtepu8_epi16(bytes(p)));
+    first = fp4_lookup(_mm256_cvtepu8_epi32(codes), table);
+    next = fp4_lookup(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(codes, codes)), table);
+  }
+  static F fp4_lookup(__m256i code, F table) {
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(code, 28), _mm256_set1_epi32(INT32_MIN));
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(table, code), _mm256_castsi256_ps(sign));
+  }
 };
 
 #ifdef DAY0JAX_AVX512
@@ -187,6 +258,7 @@ struct Avx512 {
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static F int8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
@@ -215,6 +287,14 @@ struct Avx512 {
                                        _mm256_set1_epi16(-0x4080));
     return _mm512_cvtph_ps(w);
   }
+  static F e5m2(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes(p)), 8)); }
+  // All 16 e2m1 values times the group's scale: one permute looks a code up, sign included.
+  static F fp4_table(F s) { return mul(_mm512_load_ps(kE2m1), s); }
+  static void fp4(const uint8_t* p, F table, F& first, F& next) {  // as Avx2::fp4
+    const __m256i codes = fp4_in_order(_mm256_cvtepu8_epi16(bytes(p)));
+    first = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)), table);
+    next = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)), table);
+  }
 };
 using Wide = Avx512;
 #else
@@ -233,7 +313,7 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
   constexpr int U = GROUP == 0 ? 1 : NR == 1 ? 4 : NR == 2 ? 2 : 1;
   const int64_t group = GROUP ? GROUP : p.group;
   const int64_t G = p.I / group;
-  const int64_t group_bytes = K == kInt4 ? group / 2 : K == kDense ? group * 4 : K == kBf16 ? group * 2 : group;
+  const int64_t group_bytes = packed(K) ? group / 2 : K == kDense ? group * 4 : K == kBf16 ? group * 2 : group;
   const int64_t half = group / 2;
   const int64_t steps = plain(K) ? group / N : group_bytes / N;  // N bytes of codes (N weights if plain) a step
   const float* x = p.x + r0 * p.I;
@@ -250,13 +330,25 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
       // Plain weights have no group parameters (and `params` holds none).
       const F s = plain(K) ? L::zero() : L::broadcast(scale[g]);
       const F b = plain(K) ? L::zero() : L::broadcast(offset[g]);
-      const F table = K == kInt4 ? L::weights_of_codes(s, b) : s;
+      const F table = K == kInt4 ? L::weights_of_codes(s, b) : K == kMxfp4 ? L::fp4_table(s) : s;
       const uint8_t* c = row + g * group_bytes;
       const float* xg = x + g * group;
-      _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes), _MM_HINT_T1);
+      // One request per 64-byte line where groups are shorter (NVFP4's are 8 bytes).
+      if (group_bytes >= 64 || (g * group_bytes) % 64 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes), _MM_HINT_T1);
+      }
 #pragma GCC unroll 16
       for (int64_t j = 0; j < steps; ++j) {
-        if constexpr (K == kInt4) {
+        if constexpr (K == kMxfp4) {  // 2N consecutive weights a step
+          F w0, w1;
+          L::fp4(c + N * j, table, w0, w1);
+          for (int r = 0; r < NR; ++r) {
+            F& t0 = total[r][(first + 2 * j) % U];
+            F& t1 = total[r][(first + 2 * j + 1) % U];
+            t0 = L::fma(w0, L::load(xg + r * p.I + 2 * N * j), t0);
+            t1 = L::fma(w1, L::load(xg + r * p.I + 2 * N * j + N), t1);
+          }
+        } else if constexpr (K == kInt4) {
           F lo, hi;
           if constexpr (L::kLookup) {
             L::int4_lookup(c + N * j, table, lo, hi);
@@ -283,7 +375,8 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
             }
             w = L::bf16(c + 2 * N * j);
           } else {
-            w = L::fma(K == kInt8 ? L::int8(c + N * j) : L::fp8(c + N * j), s, b);
+            const F q = K == kInt8 ? L::int8(c + N * j) : K == kMxfp8E5m2 ? L::e5m2(c + N * j) : L::fp8(c + N * j);
+            w = L::fma(q, s, b);
           }
           for (int r = 0; r < NR; ++r) {
             F& t = total[r][(first + j) % U];
@@ -292,8 +385,9 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
         }
       }
     };
-    // Accumulators one group uses (known when the group size is), and so where the next group starts.
-    constexpr int kNext = GROUP == 0 ? 0 : ((K == kInt4 ? 2 : 1) * (K == kInt4 ? GROUP / 2 : GROUP) / N) % U;
+    // Accumulators one group uses (known when the group size is: one per N weights, whatever the kind), and so
+    // where the next group starts.
+    constexpr int kNext = GROUP == 0 ? 0 : (GROUP / N) % U;
     int64_t g = 0;
     for (; g + 2 <= G; g += 2) {
       one_group(g, std::integral_constant<int, 0>());
@@ -311,8 +405,8 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
 template <Kind K, int NR>
 void features_of_group(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o_begin, int64_t o_end) {
   switch (p.group) {
-    // GGUF's blocks and the --quantize default; FP8 and compressed-tensors' usual blocks; any other size (a
-    // multiple of 16, so 8 lanes always divide a group's codes).
+    // GGUF's blocks, the --quantize default and the MX block; FP8 and compressed-tensors' usual blocks; any other
+    // size (a multiple of 16, so 8 lanes always divide a group's codes).
     case 32: return features<Wide, K, 32, NR>(p, params, r0, o_begin, o_end);
     case 128: return features<Wide, K, 128, NR>(p, params, r0, o_begin, o_end);
     default: return features<Avx2, K, 0, NR>(p, params, r0, o_begin, o_end);
@@ -330,14 +424,21 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
       if (p.group == 64) return features<Wide, kBf16, 64, NR>(p, params, r0, o_begin, o_end);
       return features<Avx2, kBf16, 0, NR>(p, params, r0, o_begin, o_end);
     case kInt4: return features_of_group<kInt4, NR>(p, params, r0, o_begin, o_end);
-    default: return features_of_group<kFp8, NR>(p, params, r0, o_begin, o_end);
+    case kMxfp4:
+    case kNvfp4:
+    case kNvfp4Modelopt:  // MX blocks of 32 on the widest lanes; NVFP4's 16 (8 bytes) are one step of 8 lanes
+      if (p.group == 32) return features<Wide, kMxfp4, 32, NR>(p, params, r0, o_begin, o_end);
+      return features<Avx2, kMxfp4, 16, NR>(p, params, r0, o_begin, o_end);
+    case kMxfp8E5m2: return features<Wide, kMxfp8E5m2, 32, NR>(p, params, r0, o_begin, o_end);
+    default: return features_of_group<kFp8, NR>(p, params, r0, o_begin, o_end);  // fp8 and mxfp8_e4m3
   }
 }
 #else
 template <int NR>
 void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o_begin, int64_t o_end) {
   const int64_t G = p.I / p.group;
-  const int64_t row_bytes = p.kind == kInt4 ? p.I / 2 : p.kind == kDense ? p.I * 4 : p.kind == kBf16 ? p.I * 2 : p.I;
+  const int64_t row_bytes = packed(p.kind) ? p.I / 2 : p.kind == kDense ? p.I * 4 : p.kind == kBf16 ? p.I * 2 : p.I;
+  const Kind codes = codes_of(p.kind);
   const int64_t half = p.group / 2;
   for (int64_t o = o_begin; o < o_end; ++o) {
     float total[NR] = {};
@@ -361,11 +462,15 @@ void features(const Problem& p, const ChunkParams& params, int64_t r0, int64_t o
       const float* xg = p.x + r0 * p.I + g * p.group;
       for (int64_t j = 0; j < p.group; ++j) {
         float q;
-        if (p.kind == kInt4) {
+        if (codes == kInt4) {
           const uint8_t byte = row[g * half + j % half];
           q = static_cast<float>(j < half ? byte & 15 : byte >> 4);
-        } else if (p.kind == kInt8) {
+        } else if (codes == kMxfp4) {
+          q = kE2m1[fp4_code(row, g * p.group + j)];
+        } else if (codes == kInt8) {
           q = static_cast<float>(static_cast<int8_t>(row[g * p.group + j]));
+        } else if (codes == kMxfp8E5m2) {
+          q = fp8_e5m2_to_float(row[g * p.group + j]);
         } else {
           q = fp8_e4m3fn_to_float(row[g * p.group + j]);
         }
@@ -433,24 +538,49 @@ void run(const std::shared_ptr<Job>& job, ffi::ThreadPool& pool) {
   }
 }
 
+// Where the MX and NVFP4 kinds' operands are not what their formats hold, the error naming it; else nullptr.
+const char* format_error(Kind kind, int64_t group, const ffi::AnyBuffer& codes, const ffi::AnyBuffer& scale,
+                         const ffi::AnyBuffer& global_scale, int64_t O) {
+  const ffi::DataType code_type = codes.element_type(), scale_type = scale.element_type();
+  if (mx_scales(kind) && (group != 32 || scale_type != ffi::DataType::U8)) {
+    return "MX kinds take one uint8 E8M0 scale per 32";
+  }
+  const bool global_per_row = global_scale.element_type() == ffi::DataType::F32 &&
+                              static_cast<int64_t>(global_scale.element_count()) == O;
+  if (nv_scales(kind) && (group != 16 || scale_type != ffi::DataType::F8E4M3FN || !global_per_row)) {
+    return "NVFP4 kinds take one float8_e4m3fn scale per 16 and a float32 global scale per row";
+  }
+  if ((kind == kMxfp8E4m3 && code_type != ffi::DataType::F8E4M3FN) ||
+      (kind == kMxfp8E5m2 && code_type != ffi::DataType::F8E5M2) ||
+      (codes_of(kind) == kMxfp4 && code_type != ffi::DataType::U8)) {
+    return "codes of the wrong type for the kind";
+  }
+  return nullptr;
+}
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                               ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
-                               int64_t kind, int64_t group, bool has_offset) {
+                               ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer global_scale,
+                               ffi::ResultBuffer<ffi::F32> y, int64_t kind, int64_t group, bool has_offset) {
   const auto x_dims = x.dimensions(), c_dims = codes.dimensions();
   if (x_dims.size() != 2 || c_dims.size() != 2) return ffi::Error::InvalidArgument("x and codes must be 2-D");
   const int64_t R = x_dims[0], I = x_dims[1], O = c_dims[0];
-  if (kind < kInt8 || kind > kBf16 || group <= 0 || group % 16 || I % group) {
+  if (kind < kInt8 || kind > kMxfp8E5m2 || group <= 0 || group % 16 || I % group) {
     return ffi::Error::InvalidArgument("unsupported kind or group");
   }
-  if (c_dims[1] != (kind == kInt4 ? I / 2 : I)) return ffi::Error::InvalidArgument("codes do not match x");
+  const Kind k = static_cast<Kind>(kind);
+  if (c_dims[1] != (packed(k) ? I / 2 : I)) return ffi::Error::InvalidArgument("codes do not match x");
   if ((kind == kDense) != (codes.element_type() == ffi::DataType::F32) ||
       (kind == kBf16) != (codes.element_type() == ffi::DataType::BF16)) {
     return ffi::Error::InvalidArgument("dense weights are float32, bf16 ones bfloat16, codes neither");
   }
+  if (const char* error = format_error(k, group, codes, scale, global_scale, O)) {
+    return ffi::Error::InvalidArgument(error);
+  }
   auto job = std::make_shared<Job>();
   job->add(Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
                    scale.element_type(), has_offset ? offset.untyped_data() : nullptr, offset.element_type(),
-                   y->typed_data(), static_cast<Kind>(kind), R, O, I, group});
+                   nv_scales(k) ? static_cast<const float*>(global_scale.untyped_data()) : nullptr,
+                   y->typed_data(), k, R, O, I, group});
   run(job, pool);
   return ffi::Error::Success();
 }
@@ -481,7 +611,7 @@ ffi::Error DenseMatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
       return ffi::Error::InvalidArgument("a weight or result does not match x");
     }
     job->add(Problem{x.typed_data(), static_cast<const uint8_t*>(w->untyped_data()), nullptr, ffi::DataType::F32,
-                     nullptr, ffi::DataType::F32, static_cast<float*>((*y)->untyped_data()),
+                     nullptr, ffi::DataType::F32, nullptr, static_cast<float*>((*y)->untyped_data()),
                      type == ffi::DataType::F32 ? kDense : kBf16, R, w_dims[0], I, group});
   }
   run(job, pool);
@@ -494,9 +624,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, QuantizedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // codes
+                                  .Arg<ffi::AnyBuffer>()  // scale
+                                  .Arg<ffi::AnyBuffer>()  // offset, or empty
+                                  .Arg<ffi::AnyBuffer>()  // the NVFP4 kinds' global scale [O, 1], or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind")
                                   .Attr<int64_t>("group")
