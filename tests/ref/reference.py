@@ -591,9 +591,15 @@ def _generic_mtp(job):
     if "shared_head.bias" not in MtpModel._keys_to_ignore_on_load_missing:
         MtpModel._keys_to_ignore_on_load_missing = [*MtpModel._keys_to_ignore_on_load_missing, "shared_head.bias"]
     module = MtpModel.from_pretrained(model).double().eval()  # raises on any MTP tensor it cannot find
+    np.savez(job["reference"], **_mtp_chain_logits(model, module, job["prompts"], count))
+
+
+def _mtp_chain_logits(model, module, prompts, count: int) -> dict:
+    """`MtpModel` `module`'s logits over each prompt: `logits_{i}` of layer 0 on the model's final hidden states,
+    `logits_{i}_{j}` of layer j > 0 chained on layer j - 1's output."""
     result = {}
     with torch.no_grad():
-        for i, prompt in enumerate(job["prompts"]):
+        for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt])
             T = len(prompt) - 1
             hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
@@ -603,7 +609,7 @@ def _generic_mtp(job):
                 n = T - j
                 h = module.forward_layer(j, h[:, :n], torch.arange(n)[None], None, input_ids=ids[:, 1 + j:])
                 result[f"logits_{i}_{j}"] = module._project_to_logits(h)[0].numpy()
-    np.savez(job["reference"], **result)
+    return result
 
 
 # MiMo-V2-Flash's MTP layer, transformers' generic one (a sliding-attention decoder layer with a dense MLP, its own
@@ -642,20 +648,9 @@ def _mimo_mtp(job):
             else:
                 p.copy_(torch.randn(p.shape) * (0.5 if name.endswith("sinks") else 0.2))
             index, rest = name.split(".", 1)
-            stored = next(new + rest[len(ours):] for ours, new in MIMO_MTP_NAMES if rest.startswith(ours)) \
-                if any(rest.startswith(ours) for ours, _ in MIMO_MTP_NAMES) else rest
+            stored = next((new + rest[len(ours):] for ours, new in MIMO_MTP_NAMES if rest.startswith(ours)), rest)
             tensors[f"model.mtp.layers.{index}.{stored}"] = p.detach().float().clone().contiguous()
-        result = {}
-        for i, prompt in enumerate(job["prompts"]):
-            ids = torch.tensor([prompt])
-            T = len(prompt) - 1
-            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
-            h = module.forward_layer(0, hidden, torch.arange(T)[None], None, input_ids=ids[:, 1:])
-            result[f"logits_{i}"] = module._project_to_logits(h)[0].numpy()
-            for j in range(1, count):
-                n = T - j
-                h = module.forward_layer(j, h[:, :n], torch.arange(n)[None], None, input_ids=ids[:, 1 + j:])
-                result[f"logits_{i}_{j}"] = module._project_to_logits(h)[0].numpy()
+    result = _mtp_chain_logits(model, module, job["prompts"], count)
     save_file(tensors, os.path.join(job["out"], "model.safetensors"), metadata={"format": "pt"})
     config_path = os.path.join(job["out"], "config.json")
     saved = json.load(open(config_path))
