@@ -92,8 +92,8 @@ def test_selftest_strict_raises_and_reference_runs_nothing(fake_pool):
 
 def test_selftest_on_this_backend():
     """On a GPU every chosen kernel must agree; on the CPU the candidates the flagship's cases reach (the C++ decode
-    attention, and the C++ dense projections on one row and on five rows of three weights) are checked and chosen,
-    every other op runs its reference."""
+    attention, the MoE tiles on its prefill and decode cases, and the C++ dense projections on one row and on five
+    rows of three weights) are checked and chosen, every other op runs its reference."""
     with registry.use_policy(registry.Policy()):
         report = selftest.startup(cases.flagships()["qwen3-30b-a3b"], dtype="bfloat16")
     assert set(report.chosen) == {"attention", "paged_attention", "rms_norm", "moe", "linear"}
@@ -101,9 +101,10 @@ def test_selftest_on_this_backend():
         assert report.disabled == [] and all(r["ok"] for r in report.rows), report.rows
     else:
         assert [(r["op"], r["implementation"], r["ok"]) for r in report.rows] == [
-            ("paged_attention", "cpu_ffi", True), ("linear", "cpu_ffi", True), ("linear", "cpu_ffi", True)]
+            ("paged_attention", "cpu_ffi", True), *[("moe", "tiles", True)] * 3, ("linear", "cpu_ffi", True),
+            ("linear", "cpu_ffi", True)]
         assert report.chosen == {"attention": ["reference"], "paged_attention": ["cpu_ffi"], "rms_norm": ["reference"],
-                                 "moe": ["reference"], "linear": ["cpu_ffi"]}
+                                 "moe": ["tiles"], "linear": ["cpu_ffi"]}
 
 
 def test_startup_cases_keep_the_models_real_dims():
