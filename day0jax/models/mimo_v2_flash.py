@@ -84,8 +84,12 @@ class Config(LayerTypes, llama.Config):
         return self.sliding_window if self.sliding_window_size is None else self.sliding_window_size + 1
 
     def layer_kv_heads(self, index: int) -> int:
-        """Layer `index`'s kv heads: twice `num_key_value_heads` in the sliding layers."""
-        return self.kv_heads * (2 if self.layer_kinds[index] == "sliding_attention" else 1)
+        """Layer `index`'s kv heads (`kind_kv_heads`)."""
+        return self.kind_kv_heads(self.layer_kinds[index] == "sliding_attention")
+
+    def kind_kv_heads(self, sliding: bool) -> int:
+        """A layer's kv heads: twice `num_key_value_heads` in the sliding layers (and the MTP layers, which slide)."""
+        return self.kv_heads * (2 if sliding else 1)
 
     @cached_property
     def mlp_kinds(self) -> tuple[str, ...]:
@@ -143,7 +147,7 @@ class Model(LocalRope, llama.Model):
         """A full-attention layer's, or with `sliding` a sliding layer's (twice the kv heads, sinks, its RoPE)."""
         c = self.config
         return Attention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                         num_kv_heads=c.kv_heads * (2 if sliding else 1), head_dim=c.head_size,
+                         num_kv_heads=c.kind_kv_heads(sliding), head_dim=c.head_size,
                          **self._kind_kwargs(sliding), dtype=dtype, rngs=rngs)
 
     def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> MtpStack:
@@ -164,7 +168,7 @@ class Model(LocalRope, llama.Model):
     def mtp_cache_layout(self) -> list[KVLayer]:
         """Whole pages under the shared page table (the attention masks the window), not a window ring."""
         c = self.config
-        return [KVLayer(2 * c.kv_heads, c.head_size, c.v_head_dim)] * self.mtp_layers
+        return [KVLayer(c.kind_kv_heads(True), c.head_size, c.v_head_dim)] * self.mtp_layers
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
