@@ -80,6 +80,23 @@ def test_selftest_auto_replaces_a_disagreeing_kernel(fake_pool):
     assert "rms_norm=right" in report.summary() and "rms_norm.wrong" in report.summary()
 
 
+def test_selftest_checks_a_case_once_per_process(fake_pool, monkeypatch):
+    """A second model with the same case (another family's name for it) runs no check again and gets the same rows;
+    an implementation replaced by another function is checked anew."""
+    checked, check = [], selftest.Trial.check
+    monkeypatch.setattr(selftest.Trial, "check", lambda trial, name: checked.append(name) or check(trial, name))
+    first = selftest.startup([], dtype="float32", mode="auto", case_list=RMS_CASE)
+    assert checked == ["wrong", "right"]
+    renamed = [cases.Case("rms_norm", "another family", "float32", dict(RMS_CASE[0].spec))]
+    again = selftest.startup([], dtype="float32", mode="auto", case_list=renamed)
+    assert checked == ["wrong", "right"]
+    assert [{**r, "case": "fake"} for r in again.rows] == first.rows and again.chosen == first.chosen
+    assert again.rows[0]["case"] == "another family"
+    monkeypatch.setitem(rms_api.IMPLEMENTATIONS, "right", lambda x, weight, **kw: rms_reference.rms_norm(x, weight, **kw))
+    selftest.startup([], dtype="float32", mode="auto", case_list=renamed)
+    assert checked == ["wrong", "right", "right"]
+
+
 def test_selftest_strict_raises_and_reference_runs_nothing(fake_pool):
     with pytest.raises(registry.KernelMismatch, match="rms_norm.wrong"):
         selftest.startup([], dtype="float32", mode="strict", case_list=RMS_CASE)
