@@ -43,9 +43,12 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array | QuantizedWeight, group_sizes
     group = jnp.minimum(jnp.searchsorted(tile_end, index, side="right"), G - 1).astype(jnp.int32)
     used = index < tile_end[-1]
     row_end = jnp.cumsum(sizes)
-    first = row_end[group] - sizes[group] + (index - (tile_end[group] - tiles_of[group])) * tile
+    # Each tile's group's first row, first tile and end row, in one gather (`group` is in range).
+    table = jnp.stack([row_end - sizes, tile_end - tiles_of, row_end], axis=1)  # [G, 3]
+    group_first_row, group_first_tile, group_end = table.at[group].get(mode="promise_in_bounds").T
+    first = group_first_row + (index - group_first_tile) * tile
     rows = first[:, None] + jnp.arange(tile, dtype=jnp.int32)  # [n_tiles, tile]
-    valid = used[:, None] & (rows < row_end[group][:, None])
+    valid = used[:, None] & (rows < group_end[:, None])
     x = jnp.where(valid[..., None], jnp.take(lhs, jnp.where(valid, rows, 0), axis=0), 0)  # [n_tiles, tile, D]
 
     def product(x_tile, g):
