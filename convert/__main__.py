@@ -1,5 +1,6 @@
 """`python -m convert SRC DST [--dtype bfloat16|float32] [--quantize int8|int4|fp8|mxfp4|nvfp4 [--group-size N]]
-[--dequantize] [--no-mtp] [--force]` and `python -m convert --verify DST`."""
+[--dequantize] [--no-mtp] [--force]`, `python -m convert --verify DST` and `python -m convert --export-hf CKPT OUT
+[--force]`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from convert.convert import Options, convert_checkpoint
+from convert.export_hf import export_hf
 from convert.verify import verify_checkpoint
 from day0jax.core import logs
 from day0jax.core.errors import Day0Error
@@ -16,7 +18,8 @@ from day0jax.core.errors import Day0Error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m convert",
                                      description="Convert a Hugging Face folder or a GGUF file into a day0jax "
-                                                 "checkpoint, or verify one.")
+                                                 "checkpoint, verify one, or export one back as a Hugging Face "
+                                                 "folder.")
     parser.add_argument("src", type=Path, nargs="?", help="Hugging Face model folder or .gguf file")
     parser.add_argument("dst", type=Path, nargs="?", help="checkpoint folder to create")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it is a day0jax checkpoint or an empty folder")
     parser.add_argument("--verify", type=Path, metavar="DST", help="check a checkpoint against its manifest")
+    parser.add_argument("--export-hf", action="store_true",
+                        help="SRC is a day0jax checkpoint (a conversion or a full fine-tuning's output): write it "
+                             "to DST as a Hugging Face folder (safetensors in transformers' names and layouts, "
+                             "config, tokenizer)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     logs.setup("warning" if args.quiet else "info")
@@ -54,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.src is None or args.dst is None:
             parser.error("SRC and DST are required (or --verify DST)")
+        if args.export_hf:
+            given = [f for f, v in (("--dtype", args.dtype), ("--quantize", args.quantize),
+                                    ("--group-size", args.group_size), ("--dequantize", args.dequantize),
+                                    ("--no-mtp", args.no_mtp), ("--workers", args.workers)) if v]
+            if given:
+                parser.error(f"--export-hf writes the checkpoint as it is stored: {given[0]} does not apply")
+            print(export_hf(args.src, args.dst, force=args.force, progress=not args.quiet))
+            return 0
         if args.workers is not None and args.workers < 1:
             parser.error("--workers must be at least 1")
         if args.group_size is not None and not args.quantize:

@@ -342,6 +342,7 @@ def test_cli_full_fine_tuning_writes_a_checkpoint(runs, tmp_path):
     """--fine-tune-type full trains every parameter and writes a checkpoint that loads and gives the validation loss
     the run reported."""
     import day0jax
+    from convert.export_hf import export_hf
     from convert.verify import verify_checkpoint
     from day0jax.train import data, evaluate
 
@@ -369,6 +370,10 @@ def test_cli_full_fine_tuning_writes_a_checkpoint(runs, tmp_path):
     assert abs(losses[0] - reported) < 1e-4 and losses[0] < losses[1]
     w = np.asarray(tuned.module.model.layers[0].mlp.down_proj.kernel[...])
     assert not np.array_equal(w, np.asarray(base.module.model.layers[0].mlp.down_proj.kernel[...]))
+    # Written back for transformers: the trained weights under its names (tests/test_export_hf.py has the rest).
+    exported = load_file(export_hf(tmp_path / "ft", tmp_path / "ft-hf", progress=False).dst / "model.safetensors")
+    assert np.array_equal(exported["model.layers.0.mlp.down_proj.weight"], w.reshape(exported[
+        "model.layers.0.mlp.down_proj.weight"].shape))
     after = load_file(state)
     assert sorted(before) == sorted(after) and all(np.array_equal(before[k], after[k]) for k in before)
 
