@@ -112,7 +112,7 @@ def trials(case_list: list[cases_lib.Case], seed: int) -> Iterator[Trial]:
 
 
 # The checks made in this process, by all that decides their outcome: the case, its seed and the implementation's
-# function. A process that loads several models (a test session, a server that switches models) checks a kernel on
+# function. A process that loads several models one after another (a test session, a notebook) checks a kernel on
 # shapes it has checked before once; tiny models share most of their shapes.
 _CHECKED: dict[tuple, dict[str, Any]] = {}
 
