@@ -77,7 +77,8 @@ def test_transformers_loads_the_export_and_gives_the_same_logits(tiny, converted
     jobs = []
     for name in LOADED:
         export_hf(converted[name], tmp_path / name, progress=False)
-        jobs.append({"op": "run", "model": str(tmp_path / name), "prompts": PROMPTS, "out": str(tmp_path / f"{name}.npz")})
+        jobs.append({"op": "run", "model": str(tmp_path / name), "prompts": PROMPTS,
+                     "out": str(tmp_path / f"{name}.npz")})
     run_reference(jobs, tmp_path / "jobs")
     for name in LOADED:
         got = np.load(tmp_path / f"{name}.npz")

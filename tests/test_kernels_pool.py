@@ -92,7 +92,8 @@ def test_selftest_checks_a_case_once_per_process(fake_pool, monkeypatch):
     assert checked == ["wrong", "right"]
     assert [{**r, "case": "fake"} for r in again.rows] == first.rows and again.chosen == first.chosen
     assert again.rows[0]["case"] == "another family"
-    monkeypatch.setitem(rms_api.IMPLEMENTATIONS, "right", lambda x, weight, **kw: rms_reference.rms_norm(x, weight, **kw))
+    monkeypatch.setitem(rms_api.IMPLEMENTATIONS, "right",
+                        lambda x, weight, **kw: rms_reference.rms_norm(x, weight, **kw))
     selftest.startup([], dtype="float32", mode="auto", case_list=renamed)
     assert checked == ["wrong", "right", "right"]
 
