@@ -132,6 +132,9 @@ def export_hf(ckpt: str | Path, dst: str | Path, *, force: bool = False, progres
         src = fam.hf_source(config, info.path, info.shape, info.metadata) or \
             default_source(info.path, info.shape, info.metadata)
         which, where = element_sources(src, info.shape, info.path)
+        # The parameter's elements grouped by source tensor in one pass (E experts: not E passes over it).
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(len(src.names) + 1))
         flat = value.reshape(-1)
         for i, (name, shape) in enumerate(zip(src.names, src.shapes)):
             if name not in tensors:
@@ -140,7 +143,7 @@ def export_hf(ckpt: str | Path, dst: str | Path, *, force: bool = False, progres
             elif shapes[name] != tuple(shape):
                 raise CheckpointError(f"{info.path}: reads {name} as {tuple(shape)}, another parameter as "
                                       f"{shapes[name]}")
-            mine = which == i
+            mine = order[bounds[i]:bounds[i + 1]]
             tensors[name][where[mine]] = flat[mine]
             filled[name][where[mine]] = True
         bar.update(1)
