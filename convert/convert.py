@@ -78,9 +78,7 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
                                       f"expected {tuple(want)} (for parameter {info.path})")
             used.add(name)
         plan[info.path] = src
-    dropped = {**fam.dropped, **fam.dropped_for(config)}
-    if config.tie_word_embeddings:
-        dropped[r"lm_head\.weight"] = "tied to model.embed_tokens.weight"
+    dropped = dropped_tensors(fam, config)
     counts: dict[str, int] = {}
     for name in available:
         if name in used:
@@ -95,13 +93,21 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
     return plan
 
 
-def _check_destination(src: Path, dst: Path) -> None:
+def dropped_tensors(fam: Family, config) -> dict[str, str]:
+    """regex -> why, for the HF tensors a conversion of this model leaves out on purpose."""
+    dropped = {**fam.dropped, **fam.dropped_for(config)}
+    if config.tie_word_embeddings:
+        dropped[r"lm_head\.weight"] = "tied to model.embed_tokens.weight"
+    return dropped
+
+
+def check_destination(src: Path, dst: Path, verb: str = "convert") -> None:
     """Refuses a destination that is the source, lies inside it or contains it (a --force would delete the source,
     or the output would land among the files it is read from)."""
     s, d = src.resolve(), dst.resolve()
     if d == s or d.is_relative_to(s) or s.is_relative_to(d):
         where = "is" if d == s else "is inside" if d.is_relative_to(s) else "contains"
-        raise CheckpointError(f"the destination {dst} {where} the source {src}; convert into another folder")
+        raise CheckpointError(f"the destination {dst} {where} the source {src}; {verb} into another folder")
 
 
 @dataclass(frozen=True)
@@ -202,7 +208,7 @@ def convert_checkpoint(src: Path, dst: Path, *, dtype: str | None = None, force:
     """
     start = time.perf_counter()
     options = options or Options(dtype=dtype)
-    _check_destination(Path(src), Path(dst))
+    check_destination(Path(src), Path(dst))
     plan = _plan(Path(src), options)
     source, out_dtype = plan.source, DTYPES[plan.dtype]
     total_in = sum(source.tensor_nbytes(n) for src_ in plan.sources.values() for n in src_.names)

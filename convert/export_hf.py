@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from convert.convert import check_destination, dropped_tensors
 from day0jax import models
 from day0jax.core.errors import CheckpointError
 from day0jax.core.hf_tensors import Source, default_source, same
@@ -87,9 +88,7 @@ def element_sources(src: Source, shape: tuple[int, ...], path: str) -> tuple[np.
 
 
 def _refuse_destination(ckpt: Path, dst: Path, force: bool) -> None:
-    s, d = ckpt.resolve(), dst.resolve()
-    if d == s or d.is_relative_to(s) or s.is_relative_to(d):
-        raise CheckpointError(f"the destination {dst} overlaps the checkpoint {ckpt}; export into another folder")
+    check_destination(ckpt, dst, verb="export")
     if dst.exists():
         if not force:
             raise CheckpointError(f"{dst}: already exists; pass --force to replace it")
@@ -153,7 +152,7 @@ def export_hf(ckpt: str | Path, dst: str | Path, *, force: bool = False, progres
         raise CheckpointError(f"{ckpt}: HF tensor {partial} is only partly made from the parameters "
                               f"({int(filled[partial].sum())} of {filled[partial].size} elements); cannot write it")
 
-    for pattern, why in {**fam.dropped, **fam.dropped_for(config)}.items():
+    for pattern, why in dropped_tensors(fam, config).items():
         log.info("not exported, as the conversion dropped them: tensors matching %s (%s)", pattern, why)
 
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import run_reference
+from convert.convert import dropped_tensors
 from convert.export_hf import MARKER, element_sources, export_hf
 from convert.sources import RenamedSource, open_source
 from day0jax import models
@@ -45,7 +46,7 @@ def source_tensors(hf: Path) -> dict[str, np.ndarray]:
     config = fam.config.from_hf(config_hf)
     if fam.renames:
         source = RenamedSource(source, fam.renames)
-    dropped = [*fam.dropped, *fam.dropped_for(config)] + ([r"lm_head\.weight"] if config.tie_word_embeddings else [])
+    dropped = dropped_tensors(fam, config)
     return {n: source.read(n) for n in source.tensor_names() if not any(re.fullmatch(p, n) for p in dropped)}
 
 
