@@ -52,6 +52,7 @@ class Report:
     parameters: dict = dataclasses.field(default_factory=dict)
     vision: dict = dataclasses.field(default_factory=dict)  # a vision-language model's tower and image tokens
     mtp: dict = dataclasses.field(default_factory=dict)  # multi-token-prediction layers the checkpoint ships
+    adapters: dict = dataclasses.field(default_factory=dict)  # LoRA adapters to serve (--lora-modules)
     quantization: str = ""            # which weights stay quantized in memory, and how
     memory: dict = dataclasses.field(default_factory=dict)
     cluster: dict = dataclasses.field(default_factory=dict)  # a described cluster: placement, traffic, fitting meshes
@@ -395,9 +396,26 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         if engine.speculative is None or engine.speculative.method != "mtp":  # planned without them
             abstract = models.abstract_model(config, DTYPES[dtype], quantization=stored_specs)
             infos = models.param_infos(abstract)
+    if engine.lora_modules:
+        report.adapters = _adapters(abstract, engine, jnp.dtype(DTYPES[dtype]).itemsize, report)
     report.memory = _memory(abstract, infos, config, mesh, engine, dtype, report, cluster, probe)
     report.supported = not report.reasons
     return report
+
+
+def _adapters(abstract, engine, itemsize: int, report: Report) -> dict:
+    """The LoRA adapters `--lora-modules` names, checked against the model as the server checks them (their
+    configs and tensor headers, no tensor read): names, ranks, modules, and the bytes every device holds."""
+    from day0jax.adapters import ServedAdapters
+
+    try:
+        served = ServedAdapters(engine.lora_modules, abstract, engine.max_loras, engine.max_lora_rank)
+    except Day0Error as e:
+        report.reasons.append(str(e))
+        return {}
+    elements = sum(math.prod(a) + math.prod(b) for a, b in served.shapes(abstract).values())
+    return {"adapters": [{"name": a.name, "rank": a.config.rank, "modules": len(a.shapes)} for a in served.adapters],
+            "padded_rank": served.rank, "modules": len(served.modules), "bytes": elements * itemsize}
 
 
 def _mtp_shipped(config, source) -> bool:
@@ -715,6 +733,12 @@ def render(report: Report) -> str:
         out += ["", f"multi-token-prediction layers: {t['layers']} ({t['parameters']:,} parameters, "
                     f"{fmt_bytes(t['bytes'])}; {t['kv_per_token']} cached numbers per token), for speculative "
                     "decoding (--speculative mtp; convert --no-mtp leaves them out)"]
+    if report.adapters:
+        t = report.adapters
+        out += ["", "LoRA adapters: " + ", ".join(f"{a['name']} (r={a['rank']}, {a['modules']} modules)"
+                                                    for a in t["adapters"]) +
+                f"; {t['modules']} adapted linear maps, slots padded to r={t['padded_rank']}, "
+                f"{fmt_bytes(t['bytes'])} on every device"]
     if report.load.get("seconds") is not None:
         ld = report.load
         out += ["", f"loading: {fmt_bytes(ld['bytes'])} of parameter files, about {ld['seconds']:.1f} s at "

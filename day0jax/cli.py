@@ -79,6 +79,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-max-batch", type=int, default=None, metavar="B",
                    help="speculation turns off while more sequences than this decode together (default: "
                         "measured, see README)")
+    from day0jax.adapters import MAX_LORA_RANK, MAX_LORAS
+
+    a = p.add_argument_group("LoRA adapters")
+    a.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapter folders served beside the model; a request's `model` names one")
+    a.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM's command lines: --lora-modules alone turns adapters on")
+    a.add_argument("--max-loras", type=int, default=MAX_LORAS, help="most adapters served")
+    a.add_argument("--max-lora-rank", type=int, default=MAX_LORA_RANK, help="largest adapter rank accepted")
 
 
 def add_warmup_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,7 +112,20 @@ def engine_config_from_args(args: argparse.Namespace):
                         kv_cache_tokens=args.kv_cache_tokens, max_waiting=args.max_waiting, chunk_buckets=chunks,
                         min_width=args.min_width, prefix_caching=not args.no_prefix_caching,
                         window_kv=not args.no_window_kv, speculative=speculative_config_from_args(args),
-                        image_cache_mb=args.image_cache_mb, kv_cache_dtype=args.kv_cache_dtype)
+                        image_cache_mb=args.image_cache_mb, kv_cache_dtype=args.kv_cache_dtype,
+                        lora_modules=lora_modules_from_args(args), max_loras=args.max_loras,
+                        max_lora_rank=args.max_lora_rank)
+
+
+def lora_modules_from_args(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=PATH ... as (name, path) pairs."""
+    pairs = []
+    for item in args.lora_modules:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise SystemExit(f"--lora-modules {item!r}: expected NAME=PATH (the adapter's name and its PEFT folder)")
+        pairs.append((name, path))
+    return tuple(pairs)
 
 
 def speculative_config_from_args(args: argparse.Namespace):

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to the prompt")
     p.add_argument("--system", default=None, help="a system message (with --chat)")
+    p.add_argument("--adapter", metavar="NAME", help="generate with this LoRA adapter of --lora-modules")
     logs.add_argument(p, default="warning")
     p.add_argument("-v", "--verbose", action="store_const", dest="log_level", const="info",
                    help="log the steps (the same as --log-level info)")
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ids = model.tokenizer.encode(args.prompt)
         out = model.generate([ids], args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                             top_k=args.top_k, seed=args.seed)[0]
+                             top_k=args.top_k, seed=args.seed, adapter=args.adapter)[0]
         t_gen = time.perf_counter()
     except Day0Error as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,9 +17,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from day0jax import models
+from day0jax.adapters import ServedAdapters
 from day0jax.core.cache_layout import layer_windows
 from day0jax.core.errors import CheckpointError, MeshError
 from day0jax.core.hf_config import read_config_json
@@ -36,6 +37,7 @@ from kernels_pallas import selftest as kernel_selftest
 from sharding import plan as plan_lib
 from sharding.mesh import describe, make_mesh, problems
 from sharding.pipeline import Stages, param_sharding
+from sharding.rules import put
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -48,7 +50,8 @@ def default_dtype() -> str:
 
 def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None,
          engine: EngineConfig | None = None, memory_budget: int | None = None, kernels: str = "auto",
-         timeline: Timeline | None = None, load_concurrency: int | None = None) -> Model:
+         timeline: Timeline | None = None, load_concurrency: int | None = None,
+         adapters: dict[str, str | Path] | None = None) -> Model:
     """Loads a day0jax checkpoint as a `Model`, after checking (sharding/plan.py, kept in `model.memory_plan`) that
     the parameters, the engine's KV page pool and the activations of its largest program fit on each device.
 
@@ -64,6 +67,8 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         timeline: a `Timeline` recording the phases (config, build, restore with its bytes, kernel self-test).
         load_concurrency: bytes of checkpoint data read but not yet on their devices, at most (default: a
             sixteenth of the available host memory, between 64 MiB and 2 GiB; `weights/stream.py`).
+        adapters: LoRA adapters to serve beside the model, name -> PEFT folder (`EngineConfig.lora_modules`, which
+            this extends); `Model.generate(..., adapter=name)` and a server request's `model` pick one.
     Raises:
         CheckpointError: not a checkpoint, newer format, parameters that do not match the model, or a data file
             missing, truncated or malformed (named).
@@ -71,11 +76,16 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         GenerationError: an engine config that cannot work (a pool smaller than one sequence, ...).
         MeshError: the mesh spec is invalid or does not fit the model (the message lists meshes that would).
         OutOfMemoryPlan: the plan does not fit; the message names a mesh or a context length that would.
+        AdapterError: an adapter folder that cannot be served (named, with the file and the key).
         ValueError: `kernels` is not 'auto', 'strict' or 'reference'.
         kernels_pallas.registry.KernelMismatch: kernels='strict' and a kernel disagrees with its reference.
     """
     timeline = timeline or null_timeline()
     path, hf = read_checkpoint_config(path, timeline)
+    if adapters:
+        engine = engine or EngineConfig()
+        engine = dataclasses.replace(engine, lora_modules=engine.lora_modules +
+                                     tuple((name, str(folder)) for name, folder in adapters.items()))
     prepared = prepare(hf, dtype=dtype, mesh=mesh, engine=engine, memory_budget=memory_budget, kernels=kernels,
                        timeline=timeline, folder=path)
     return restore(prepared, path, timeline=timeline, load_concurrency=load_concurrency)
@@ -105,6 +115,7 @@ class Prepared:
         infos: the model's parameters by path (`models.ParamInfo`).
         layout, memory_plan, mesh: the engine's layout, the memory plan for it, the device mesh.
         engine_config, kernel_report: the engine's runtime choices; the startup kernel self-test's report.
+        adapters: the LoRA adapters served (`adapters.ServedAdapters`, attached to `abstract`), or None.
     """
 
     hf: dict
@@ -117,13 +128,16 @@ class Prepared:
     mesh: Mesh
     engine_config: EngineConfig
     kernel_report: object
+    adapters: ServedAdapters | None = None
     _engine: object = None
 
     def sharded_abstract(self) -> nnx.Module:
         """The abstract model with each parameter a `jax.ShapeDtypeStruct` carrying the sharding it is restored into
         (what programs are lowered against before the weights exist)."""
         graphdef, state = nnx.split(self.abstract)
-        flat = [(p, var.replace(self._target(".".join(map(str, p))))) for p, var in nnx.to_flat_state(state)]
+        names = [(p, ".".join(map(str, p)), var) for p, var in nnx.to_flat_state(state)]
+        # Served adapters' stacks are not parameters: the abstract model holds their shapes and shardings already.
+        flat = [(p, var.replace(self._target(name)) if name in self.infos else var) for p, name, var in names]
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
     @property
@@ -205,10 +219,19 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
         layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
         info["mesh"] = describe(mesh)
     # Before anything is traced: the kernel choices are part of every program.
+    adapters = None
+    if engine.lora_modules:
+        with timeline.phase("adapters", count=len(engine.lora_modules)):
+            adapters = ServedAdapters(engine.lora_modules, abstract, engine.max_loras, engine.max_lora_rank)
+            replicated = NamedSharding(mesh, PartitionSpec())
+            adapters.attach(abstract, {path: tuple(jax.ShapeDtypeStruct(shape, DTYPES[dtype], sharding=replicated)
+                                                   for shape in shapes)
+                                       for path, shapes in adapters.shapes(abstract).items()})
+        log.info("LoRA adapters: %s", adapters.describe())
     with timeline.phase("kernel self-test", mode=kernels):
         report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
                                          mode=kernels, tp=mesh.shape.get("tp", 1))
-    return Prepared(hf, config, dtype, abstract, infos, layout, memory_plan, mesh, engine, report)
+    return Prepared(hf, config, dtype, abstract, infos, layout, memory_plan, mesh, engine, report, adapters)
 
 
 def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None = None,
@@ -229,6 +252,10 @@ def restore(prepared: Prepared, path: str | Path, *, timeline: Timeline | None =
         with large_buffers_back_to_the_os():
             arrays = restore_arrays(path, manifest, prepared.infos, mesh, DTYPES[dtype], prepared.stages,
                                     concurrency=load_concurrency, timings=timings)
+        if prepared.adapters is not None:
+            for module, pair in prepared.adapters.stacked(prepared.abstract, DTYPES[dtype]).items():
+                key = ".".join(map(str, module))
+                arrays[f"{key}.lora_a"], arrays[f"{key}.lora_b"] = (put(x, mesh) for x in pair)
         graphdef, abstract_state = nnx.split(prepared.abstract)
         flat = [(p, var.replace(arrays[".".join(map(str, p))])) for p, var in nnx.to_flat_state(abstract_state)]
         module = nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -173,16 +173,16 @@ class Model:
         return self.tokenizer.encode(text, add_special_tokens=False), images
 
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray,
-               images: Sequence[Sequence[Any]] | None = None) -> np.ndarray:
+               images: Sequence[Sequence[Any]] | None = None, adapter: str | None = None) -> np.ndarray:
         """A full forward pass, no cache: int32 [B, T] -> float32 numpy [B, T, V]. Shapes are padded to powers of two
         (the batch to a multiple of dp x ep, the length to at least 16), so differing lengths share compiled programs.
         `images`: a vision-language model's images, one list per row (PIL images or uint8 HxWx3 arrays, and
         `vision.video.Video`s for models that take videos, in order of appearance), the rows' placeholders already
-        expanded.
+        expanded. `adapter`: a served LoRA adapter's name (see `day0jax.load`'s `adapters`); None: the base model.
 
         Raises:
             GenerationError: not a [B, T] array of token ids, longer than the context, or placeholders that do not
-                match the images.
+                match the images, or an adapter the model does not serve.
         """
         tokens = np.asarray(token_ids, dtype=np.int32)
         if tokens.ndim != 2 or tokens.shape[1] < 1:
@@ -199,14 +199,15 @@ class Model:
                 names = ["batch"] + [None] * (x.ndim - 1)
                 return names[1:2] + names[:1] + names[2:] if k == "deepstack" else names
             image = {k: put(x, self.mesh, logical(k, x)) for k, x in self.images.arrays(padded, rows).items()}
-        return np.asarray(self.runner.full_logits(padded, T, image))[:B, :T]
+        return np.asarray(self.runner.full_logits(padded, T, image, adapter))[:B, :T]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, *,
                  json_schema: dict | bool | None = None, regex: str | None = None,
                  choice: Sequence[str] | None = None, logit_bias: dict[int, float] | None = None,
-                 images: Sequence[Sequence[Any]] | None = None, speculative=None) -> list[list[int]]:
+                 images: Sequence[Sequence[Any]] | None = None, speculative=None,
+                 adapter: str | Sequence[str | None] | None = None) -> list[list[int]]:
         """Generates up to `max_new_tokens` for each prompt (a list of token ids); returns only the new tokens. Each
         prompt is one engine request, ending after EOS (unless `ignore_eos`) or any of `stop_token_ids` (returned last).
         At most one of `json_schema` (output that validates against it; `{"type": "object"}` for any JSON object),
@@ -217,10 +218,12 @@ class Model:
         (`EngineConfig.speculative`); False turns speculative decoding off for these prompts, True leaves it on; a
         method name ("ngram", "draft", "mtp") or a `SpeculativeConfig` makes this model's engine speculate that way
         from now on (a new engine: its programs compile anew). Greedy tokens are the same with or without it;
-        sampled ones are distributed alike.
+        sampled ones are distributed alike. `adapter`: the served LoRA adapter (see `day0jax.load`'s `adapters`)
+        all prompts take, or one per prompt (None: the base model); prompts of different adapters share batches.
 
         Raises:
-            GenerationError: invalid prompts or parameters, or a prompt too long for the context.
+            GenerationError: invalid prompts or parameters, a prompt too long for the context, or an adapter the
+                model does not serve.
             GrammarError: more than one constraint, or one that does not compile.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -235,17 +238,21 @@ class Model:
                                 logit_bias=tuple((int(t), float(v)) for t, v in (logit_bias or {}).items()),
                                 speculative=speculative is not False)
         inputs = self.images.rows(images, prompts)
+        adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(prompts):
+            raise GenerationError(f"{len(adapters)} adapters for {len(prompts)} prompts; give one, or one per prompt")
         engine = self.engine
         self._compile_for(prompts, params, inputs)
         ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
         out: dict[str, list[int]] = {rid: [] for rid in ids}
-        queued, running = list(zip(ids, prompts, inputs)), set()
+        queued, running = list(zip(ids, prompts, inputs, adapters)), set()
         try:
             while queued or running:
                 while queued:  # as many as the queue takes; the rest once some have finished
-                    rid, prompt, row_images = queued[0]
+                    rid, prompt, row_images, row_adapter = queued[0]
                     try:
-                        engine.add_request(rid, prompt, params, images=row_images)
+                        engine.add_request(rid, prompt, dataclasses.replace(params, adapter=row_adapter),
+                                           images=row_images)
                     except QueueFull:
                         if not running:
                             raise

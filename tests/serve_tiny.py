@@ -50,6 +50,35 @@ def write_tiny_chat_checkpoint(root: Path, config: dict = CONFIG, seed: int = 0,
     return dst
 
 
+def write_tiny_adapter(folder: Path, config: dict = CONFIG, rank: int = 4, alpha: float = 8.0, seed: int = 1,
+                       targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")) -> Path:
+    """A PEFT LoRA folder for the tiny Llama, written with numpy as PEFT lays it out: A [r, in] as PEFT initialises
+    it, B random (N(0, 0.5^2)) so that it changes what the model generates."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    d, f = config["hidden_size"], config["intermediate_size"]
+    dims = {"q_proj": (d, d), "k_proj": (d, config["num_key_value_heads"] * head_dim),
+            "v_proj": (d, config["num_key_value_heads"] * head_dim), "o_proj": (d, d), "gate_proj": (d, f),
+            "up_proj": (d, f), "down_proj": (f, d)}
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name in targets:
+            where = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{where}.{name}"
+            n_in, n_out = dims[name]
+            bound = 1 / np.sqrt(n_in)
+            tensors[f"{prefix}.lora_A.weight"] = rng.uniform(-bound, bound, (rank, n_in)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (0.5 * rng.standard_normal((n_out, rank))).astype(np.float32)
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+        "target_modules": list(targets), "bias": "none", "base_model_name_or_path": "tiny-chat"}))
+    return folder
+
+
 def _llama_tensors(config: dict, w) -> dict[str, np.ndarray]:
     """A Llama's HF tensors (`model.*`, embeddings tied), random from `w(*shape, scale=None)`, norms at one."""
     D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]

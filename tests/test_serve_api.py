@@ -21,7 +21,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_tiny import write_tiny_chat_checkpoint  # noqa: E402
+from serve_tiny import write_tiny_adapter, write_tiny_chat_checkpoint  # noqa: E402
 
 from launch import ServerProcess  # noqa: E402
 
@@ -29,18 +29,20 @@ KEY = "test-key-123"
 OTHER_KEY = "test-key-456"  # a second tenant's, from --api-key-file
 MAX_CONNECTIONS = 128  # above the 40 concurrent streams a test opens, with the other tests' keep-alive connections
 MODEL = "tiny-chat"
+ADAPTER = "tiny-lora"  # a LoRA adapter served beside it
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("serve"))
+    adapter = write_tiny_adapter(ckpt.parent / "adapter")
     # One key comes from the environment, as a deployment would pass it, a second tenant's from a file.
     # Few compiled shapes (batch 1/2/4/8, one attention span, chunks 32/128) keep the warm-up short.
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"\n{OTHER_KEY}\n")
     proc = ServerProcess(["--model", str(ckpt), "--max-num-seqs", "8", "--chunk-sizes", "32,128",
                           "--max-model-len", "256", "--min-width", "256", "--api-key-file", str(keys),
-                          "--max-connections", str(MAX_CONNECTIONS)],
+                          "--max-connections", str(MAX_CONNECTIONS), "--lora-modules", f"{ADAPTER}={adapter}"],
                          env={"DAY0JAX_API_KEY": KEY})
     try:
         yield proc.wait_ready(900)
@@ -67,7 +69,29 @@ def metric(server, name: str) -> float:
 
 def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL, ADAPTER]
+    assert models[1].parent == MODEL and models[1].root.endswith("adapter")
+
+
+def test_lora_adapter_is_chosen_by_model_and_shares_batches(server, client):
+    """A request's `model` picks the adapter; base and adapter requests in flight together each give what they give
+    alone, the adapter something else than the base; its responses name it; an unknown model is a 400."""
+    def complete(model):
+        r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+        assert r.model == model
+        return r.choices[0].text
+
+    alone = {m: complete(m) for m in (MODEL, ADAPTER)}
+    assert alone[MODEL] != alone[ADAPTER]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(complete, [MODEL, ADAPTER] * 3))
+    assert together == [alone[MODEL], alone[ADAPTER]] * 3
+    r = httpx.post(server.url + "/v1/chat/completions", headers=headers(), timeout=60,
+                   json={"model": "tiny-lora-2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "model" and error["code"] == "model_not_found"
+    assert f"{MODEL!r}, {ADAPTER!r}" in error["message"]
 
 
 def test_chat_plain_and_streamed_give_the_same_text(client):

@@ -48,3 +48,8 @@ class UnsupportedKVCache(Day0Error):
 
 class TrainingError(Day0Error):
     """A fine-tuning request this runtime does not support (named), or training data it cannot use."""
+
+
+class AdapterError(Day0Error):
+    """A LoRA adapter folder that cannot be used: a file missing or malformed, a PEFT option not implemented, or
+    tensors that do not fit the model (each named, with the file and the key)."""

@@ -27,12 +27,13 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def salted_root(parent: bytes | None, salt: str) -> bytes:
+def salted_root(parent: bytes | None, salt: str, kind: str = "salt") -> bytes:
     """The hash a salted sequence's block chain starts from (after its images' digest, if any): a different salt,
-    a different chain, never a shared block."""
+    a different chain, never a shared block. `kind` keeps scopes of different kinds apart ("salt": a tenant's,
+    "adapter": a LoRA adapter's, whose keys and values are not the base model's)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
-    h.update(b"salt:" + salt.encode())
+    h.update(kind.encode() + b":" + salt.encode())
     return h.digest()
 
 

@@ -10,6 +10,7 @@ from typing import Sequence, Union
 
 import jax
 
+from day0jax.adapters import MAX_LORA_RANK, MAX_LORAS
 from day0jax.core.errors import GenerationError
 from day0jax.engine.paged_cache import KV_CACHE_DTYPES
 from kernels_pallas.paged_attention import xla_blocks
@@ -104,6 +105,11 @@ class EngineConfig:
     # token and kv head (`kernels_pallas.paged_attention.fp8`), about half of bfloat16's bytes, so twice the tokens in
     # the same memory. Kinds of cache fp8 does not cover are refused (`paged_cache.kv_cache_refusal`).
     kv_cache_dtype: str = "auto"
+    # LoRA adapters served beside the model (`adapters.ServedAdapters`): (name, PEFT folder) pairs, a request's
+    # `model` naming one; at most `max_loras` of them, each of rank at most `max_lora_rank`.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = MAX_LORAS
+    max_lora_rank: int = MAX_LORA_RANK
 
     def __post_init__(self):
         if isinstance(self.speculative, str):
@@ -162,7 +168,8 @@ class EngineConfig:
             decode_widths=_widths(self.min_width // page, self.fine_width // page, max_pages_per_seq),
             prefill_widths=_widths(max(self.min_width, 256) // page, 0, max_pages_per_seq), rings=rings,
             spec_tokens=k, spec_rows=smallest_bucket(batches, spec.rows) if k else 0,
-            image_cache_bytes=max(self.image_cache_mb, 0) << 20, kv_cache_dtype=self.kv_cache_dtype)
+            image_cache_bytes=max(self.image_cache_mb, 0) << 20, kv_cache_dtype=self.kv_cache_dtype,
+            adapters=tuple(name for name, _ in self.lora_modules))
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,9 @@ class EngineLayout:
     spec_rows: int = 0
     image_cache_bytes: int = 256 << 20  # host memory for encoded images (`vision.spec.FeatureCache`)
     kv_cache_dtype: str = "auto"  # `EngineConfig.kv_cache_dtype`
+    # The served LoRA adapters' names, adapters[i] in slot i + 1 (`adapters.ServedAdapters`); with any, every
+    # forward program takes each row's slot.
+    adapters: tuple[str, ...] = ()
 
     def ring_pages(self, window: int) -> int:
         """Pages per sequence of a layer with this sliding window that keeps only its window (0: it keeps every

@@ -174,7 +174,8 @@ class Engine:
 
         Raises:
             InvalidRequest: empty prompt, ids outside the vocabulary, prompt + max_tokens > max_model_len, bad params,
-                images the model cannot take or whose count does not match the placeholders.
+                images the model cannot take or whose count does not match the placeholders, a LoRA adapter the
+                model does not serve.
             QueueFull: the waiting queue is full.
         """
         prompt = [int(t) for t in prompt]
@@ -188,6 +189,7 @@ class Engine:
                                  f"{len(prompt)} tokens and {params.max_tokens} more were asked for "
                                  f"({len(prompt) + params.max_tokens} in total)", "max_tokens")
         self.runner.inputs.check_images(prompt, images)
+        self.runner.inputs.adapter_slot(params.adapter)
         with self._lock:
             if self.num_waiting + params.n > self.config.max_waiting:
                 raise QueueFull(f"the queue is full ({self.config.max_waiting} waiting)")

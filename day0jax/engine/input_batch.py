@@ -38,6 +38,8 @@ class Batch:
     state_slots: np.ndarray  # [B] each row's slot in the linear-attention state pools (TRASH_SLOT: padding)
     # Verify batches only: [B, T] the slot for each row's state after each of its tokens (see state_cache.py)
     state_targets: np.ndarray | None = None
+    # Models serving LoRA adapters only: [B] each row's adapter slot (0: none; see `layers.lora.adapter_rows`)
+    adapters: np.ndarray | None = None
     # Vision-language models only: [B, T, D] image features, put in place of the embeddings where [B, T] is set;
     # [B, T, 3] multimodal RoPE positions and [k, B, T, D] DeepStack features where the model has them.
     image_features: np.ndarray | None = None
@@ -49,7 +51,7 @@ class Batch:
         image = tuple(x for x in (self.image_features, self.image_mask, self.rope_positions, self.deepstack)
                       if x is not None)
         return (self.tokens, self.positions, self.block_tables, self.kv_lengths, self.last_index, self.token_source,
-                self.state_slots, self.state_targets) + image
+                self.state_slots, self.state_targets, self.adapters) + image
 
     def rows(self, start: int, stop: int) -> "Batch":
         """Rows [start, stop) (a pipeline's micro-batch; DeepStack features keep their layer axis first)."""
@@ -106,7 +108,8 @@ class InputBatch:
                      block_tables=np.full((rows, width), TRASH_PAGE, np.int32),
                      kv_lengths=np.zeros(rows, np.int32), last_index=np.zeros(rows, np.int32),
                      token_source=np.full(rows, -1, np.int32), state_slots=np.full(rows, TRASH_SLOT, np.int32),
-                     state_targets=np.full((rows, tokens), TRASH_SLOT, np.int32) if verify else None, **image)
+                     state_targets=np.full((rows, tokens), TRASH_SLOT, np.int32) if verify else None,
+                     adapters=np.zeros(rows, np.int32) if self.layout.adapters else None, **image)
 
     def padded(self, batch: Batch, shape: tuple[int, int, int]) -> Batch:
         """`batch` grown to `shape` with padding: rows and tokens that write to the trash page, and block-table
@@ -119,6 +122,8 @@ class InputBatch:
         out.block_tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
         for name in ("kv_lengths", "last_index", "token_source", "state_slots"):
             getattr(out, name)[:B] = getattr(batch, name)
+        if batch.adapters is not None:
+            out.adapters[:B] = batch.adapters
         if batch.image_features is not None:
             out.image_features[:B, :T], out.image_mask[:B, :T] = batch.image_features, batch.image_mask
         if batch.rope_positions is not None:
@@ -145,6 +150,7 @@ class InputBatch:
                 batch.rope_positions[i, 0] = s.num_computed + (s.images.rope_delta if s.images is not None else 0)
             batch.kv_lengths[i] = s.num_computed + 1
             batch.state_slots[i] = s.slot
+        self._adapter_rows(batch, seqs)
         batch.block_tables[:] = self._table(seqs, rows, width)
         return batch
 
@@ -174,6 +180,7 @@ class InputBatch:
             batch.state_slots[i] = s.slot
             owned = s.slots or [s.slot]
             batch.state_targets[i] = (owned * T)[:T]
+        self._adapter_rows(batch, seqs)
         batch.block_tables[:] = self._table(seqs, rows, width)
         return batch
 
@@ -206,10 +213,28 @@ class InputBatch:
         batch.kv_lengths[0] = start + n
         batch.last_index[0] = n - 1
         batch.state_slots[0] = seq.slot
+        self._adapter_rows(batch, [seq])
         batch.block_tables[:] = self._table([seq], 1, width)
         if seq.images is not None:
             self._place_image_features(seq, batch, start, n)
         return batch
+
+    def adapter_slot(self, name: str | None) -> int:
+        """The slot of the served adapter `name` (0: None, the base model).
+
+        Raises:
+            InvalidRequest: no adapter of that name is served.
+        """
+        if name is None:
+            return 0
+        if name not in self.layout.adapters:
+            served = ", ".join(map(repr, self.layout.adapters)) or "none"
+            raise InvalidRequest(f"the LoRA adapter {name!r} is not served (served: {served})", "model")
+        return self.layout.adapters.index(name) + 1
+
+    def _adapter_rows(self, batch: Batch, seqs: Sequence[SequenceState]) -> None:
+        if batch.adapters is not None:
+            batch.adapters[:len(seqs)] = [self.adapter_slot(s.params.adapter) for s in seqs]
 
     def _table(self, seqs: Sequence[SequenceState], rows: int, width: int) -> np.ndarray:
         table = np.full((rows, width), TRASH_PAGE, np.int32)

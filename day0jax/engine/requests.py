@@ -52,6 +52,8 @@ class SamplingParams:
     # The prefix cache's scope: cached blocks are shared only between requests with the same salt (None: the
     # unsalted scope), so a tenant cannot learn from cache hits or cached_tokens what another one sent.
     cache_salt: str | None = None
+    # A LoRA adapter the model serves (`EngineConfig.lora_modules`), by name; None: the base model.
+    adapter: str | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest naming the first parameter out of range."""

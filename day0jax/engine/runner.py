@@ -31,6 +31,7 @@ from day0jax.engine.programs import Program, ProgramCatalog
 from day0jax.engine.sampling import accept_drafts, sample
 from day0jax.engine.stages import MicroBatches, leaf_paths, pipeline_refusal, placed_stages
 from day0jax.layers.linear import exact_float32
+from day0jax.layers.lora import adapter_rows
 from day0jax.vision.spec import FeatureCache, encode_host
 from kernels_pallas import registry as kernel_registry
 from sharding.pipeline import Links, Stages
@@ -237,7 +238,7 @@ class ModelRunner:
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._params_def, leaves))
 
     def _stage_fn(self, s: int, every_position: bool, params, pools, x, previous, tokens, positions, block_tables,
-                  kv_lengths, last_index, token_source, state_slots, state_targets, *image):
+                  kv_lengths, last_index, token_source, state_slots, state_targets, adapters, *image):
         model = self._model(s, params)
         layers = self.stages.ranges[s]
         # A layer sharing another's KV has no pools and gets no cache, or one of its indexer's pages only: the model
@@ -252,7 +253,7 @@ class ModelRunner:
             x = jnp.where(from_previous, previous[token_source][:, None], tokens)
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         seq_len = jnp.max(kv_lengths)
-        with exact_float32(self.dtype):
+        with exact_float32(self.dtype), adapter_rows(adapters):
             if first and last:
                 hidden, caches = model(x, positions, caches, seq_len=seq_len, **self._image_inputs(image))
             else:
@@ -272,13 +273,14 @@ class ModelRunner:
             greedy = self._padded(jnp.argmax(logits, axis=-1))
         return (logits, greedy, *kept, pools)
 
-    def _whole_fn(self, s: int, params, x, seq_len, image):
-        """Stage `s` of `Model.logits`' full forward pass (no cache)."""
+    def _whole_fn(self, s: int, params, x, seq_len, image, adapters):
+        """Stage `s` of `Model.logits`' full forward pass (no cache); `adapters`: each row's adapter slot, or None
+        for a model without served adapters."""
         model = self._model(s, params)
         B, T = x.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         first, last = s == 0, s == self.stages.last
-        with exact_float32(self.dtype):
+        with exact_float32(self.dtype), adapter_rows(adapters):
             if first and last:
                 hidden, _ = model(x, positions, seq_len=seq_len, **(image or {}))
             else:
@@ -604,10 +606,15 @@ class ModelRunner:
     def _hidden_sharding(self, s: int, shape) -> NamedSharding:
         return named_sharding(ACTIVATION, shape, self.meshes[s])
 
-    def full_logits(self, tokens: np.ndarray, seq_len: int, image: dict | None = None) -> jax.Array:
+    def full_logits(self, tokens: np.ndarray, seq_len: int, image: dict | None = None,
+                    adapter: str | None = None) -> jax.Array:
         """`Model.logits`' forward pass without a cache: token ids [B, T] -> float32 logits [B, T, V] (replicated on
-        the sample mesh); `image`: a vision-language model's image arrays, on the mesh."""
+        the sample mesh); `image`: a vision-language model's image arrays, on the mesh; `adapter`: the served LoRA
+        adapter every row takes (None: the base model)."""
         B, T = tokens.shape
+        slot = self.inputs.adapter_slot(adapter)
+        rows = [put(np.full(B, slot, np.int32), m) if self.layout.adapters and local else None
+                for m, local in zip(self.meshes, self.links.local)]
         x = put(tokens, self.meshes[0], ("batch", None)) if self.links.local[0] else None
         for s in range(self.stages.count):
             if s > 0:
@@ -616,7 +623,7 @@ class ModelRunner:
                 with jax.set_mesh(self.meshes[s]):
                     x = self.links.settle(self._whole_jits[s](self.stage_params[s], x,
                                                               put(np.int32(seq_len), self.meshes[s]),
-                                                              image if s == 0 else None))
+                                                              image if s == 0 else None, rows[s]))
         return self.links.to_sampler(x if self.links.local[-1] else None, (B, T, self.vocab_size), jnp.float32,
                                      PartitionSpec())
 

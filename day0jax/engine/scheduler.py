@@ -197,11 +197,13 @@ class Scheduler:
         """The prefix-cache hashes of the sequence's first `upto_blocks` full blocks (computed once)."""
         while len(seq.hashes) < upto_blocks:
             i = len(seq.hashes)
-            # A sequence with images starts its chain from their digest, a salted one from its salt: its blocks
-            # never match those of another's.
+            # A sequence with images starts its chain from their digest, a salted one from its salt, one with a
+            # LoRA adapter from the adapter's name: its blocks never match those of another's.
             parent = seq.hashes[-1] if seq.hashes else seq.images.digest if seq.images is not None else None
             if not seq.hashes and seq.params.cache_salt is not None:
                 parent = salted_root(parent, seq.params.cache_salt)
+            if not seq.hashes and seq.params.adapter is not None:
+                parent = salted_root(parent, seq.params.adapter, "adapter")
             seq.hashes.append(block_hash(parent, seq.tokens[i * self.page_size:(i + 1) * self.page_size]))
         return seq.hashes[:upto_blocks]
 

@@ -1,8 +1,13 @@
 """Low-rank adapters (LoRA) on a `Linear`: y = base(x) + scale * (x A^T) B^T, as PEFT's `lora.Linear` computes it
-(no dropout), with A [r, in] and B [out, r] in PEFT's layouts (the map's input and output dims flattened)."""
+(no dropout), with A [r, in] and B [out, r] in PEFT's layouts (the map's input and output dims flattened).
+
+`LoRALinear` holds one trainable adapter (fine-tuning); `MultiLoRALinear` holds the served adapters of a module, one
+slot each, and each batch row takes its own (serving several adapters at once, `day0jax.adapters`)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -43,4 +48,54 @@ class LoRALinear(Linear):
         lead = x.shape[: x.ndim - len(self.in_shape)]
         flat = x.reshape(*lead, -1).astype(self.lora_a.dtype)
         delta = (flat @ self.lora_a[...].T) @ self.lora_b[...].T * self.scale
+        return y + delta.reshape(*lead, *self.out_shape).astype(y.dtype)
+
+
+# --- served adapters: several at once, one per batch row ---------------------------------------------------------
+
+_ROWS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("adapter_rows", default=None)
+
+
+@contextlib.contextmanager
+def adapter_rows(rows: jax.Array | None):
+    """While tracing a model call: each batch row's adapter slot ([B] int32, 0: none), which every
+    `MultiLoRALinear` in the call reads. A trace-time context rather than an argument, so that no layer of any family
+    passes it along; the array itself is an input of the traced program. None: the call has no adapted modules."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+class AdapterStack(nnx.Variable):
+    """Served adapters' matrices, one slot per adapter (slot 0: zeros, no adapter). Not an `nnx.Param`: they are not
+    in the checkpoint, and neither conversion, the loader's parameter list nor training sees them."""
+
+
+class MultiLoRALinear(Linear):
+    """A `Linear` plus the served adapters of its module, each row of a batch taking its own (the Punica / S-LoRA
+    gathered product): y[b] = base(x[b]) + (x[b] A[s_b]^T) B[s_b]^T, with `lora_a` [S, R, I] and `lora_b` [S, O, R],
+    B already scaled by its adapter's alpha / r, ranks below R padded with zeros (which add nothing), and s_b the
+    row's slot from `adapter_rows`. The base kernel may be quantized: the adapter adds to its output in float."""
+
+    def __init__(self, base: Linear, lora_a, lora_b):
+        self.in_shape, self.out_shape = base.in_shape, base.out_shape
+        self.kernel, self.bias, self.quantizable = base.kernel, base.bias, base.quantizable
+        self.lora_a, self.lora_b = AdapterStack(lora_a), AdapterStack(lora_b)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = super().__call__(x)
+        rows = _ROWS.get()
+        if rows is None:
+            raise RuntimeError("a module with served LoRA adapters was called outside `adapter_rows`: this program "
+                               "does not say which adapter each row takes")
+        lead = x.shape[: x.ndim - len(self.in_shape)]
+        B = rows.shape[0]
+        if not lead or lead[0] != B:
+            raise RuntimeError(f"adapter rows for {B} batch rows, but the input's leading dims are {lead}")
+        with jax.named_scope("lora"):
+            flat = x.reshape(B, -1, math.prod(self.in_shape)).astype(self.lora_a.dtype)  # [B, N, I]
+            a, b = self.lora_a[...][rows], self.lora_b[...][rows]  # [B, R, I], [B, O, R]
+            delta = jnp.einsum("bnr,bor->bno", jnp.einsum("bni,bri->bnr", flat, a), b)
         return y + delta.reshape(*lead, *self.out_shape).astype(y.dtype)

@@ -185,6 +185,12 @@ def main(argv=None) -> int:
         except ValueError as e:
             log.error("--reasoning-parser: %s", e)
             return 2
+    from day0jax.cli import lora_modules_from_args
+
+    adapters = lora_modules_from_args(args)
+    if name in dict(adapters):
+        log.error("--lora-modules: the adapter name %r is the base model's served name; give it another", name)
+        return 2
     if args.max_images_per_request < 0:
         log.error("--max-images-per-request must be >= 0, got %d", args.max_images_per_request)
         return 2
@@ -204,7 +210,8 @@ def main(argv=None) -> int:
                         allowed_media_dir=media_dir, max_images_per_request=args.max_images_per_request,
                         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                         max_image_memory=args.max_image_memory_mb << 20, body_timeout=args.body_timeout,
-                        max_prompt_chars=args.max_prompt_chars, max_response_entries=args.max_response_entries)
+                        max_prompt_chars=args.max_prompt_chars, max_response_entries=args.max_response_entries,
+                        adapters=dict(adapters))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.api_keys:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
 
@@ -216,7 +223,12 @@ def main(argv=None) -> int:
             try:
                 load_engine(args, state, loop)
             except BaseException as e:  # noqa: BLE001 - reported, then the server exits non-zero
-                log.exception("loading failed")
+                from day0jax.core.errors import Day0Error
+
+                if isinstance(e, Day0Error):  # a refusal that names its cause: no traceback
+                    log.error("loading failed: %s", e)
+                else:
+                    log.exception("loading failed")
                 state.status, state.detail = "failed", str(e)
                 server.exit_code = 1  # `server` is made below, before the lifespan runs
                 server.should_exit = True

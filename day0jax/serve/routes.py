@@ -53,12 +53,16 @@ async def prometheus_metrics(state: State):
 @router.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
 async def list_models(state: State):
     ready(state)
-    return P.ModelList(data=[P.ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+    base = P.ModelCard(id=state.model_name, max_model_len=state.max_model_len)
+    # Served LoRA adapters, as vLLM lists them: each its own model, `parent` the base, `root` its folder.
+    return P.ModelList(data=[base] + [P.ModelCard(id=name, root=path, parent=state.model_name,
+                                                  max_model_len=state.max_model_len)
+                                      for name, path in state.adapters.items()])
 
 
 @router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=_ERRORS)
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, state: State):
-    return await _chat(state, body, request, format.Chat(state.model_name, body.include_reasoning),
+    return await _chat(state, body, request, format.Chat(validate.model_of(state, body), body.include_reasoning),
                        P.new_id("chatcmpl"))
 
 
@@ -71,7 +75,8 @@ async def responses(body: P.ResponsesRequest, request: Request, state: State):
         except ValidationError as e:  # what the chat request refuses beyond the Responses schema
             error = e.errors()[0]
             raise APIError(400, f"input: {error['msg']}", param=".".join(map(str, error["loc"]))) from None
-        return await _chat(state, chat, request, format.Responses(state.model_name, body), P.new_id("resp", "_"))
+        return await _chat(state, chat, request, format.Responses(validate.model_of(state, body), body),
+                           P.new_id("resp", "_"))
     except APIError as e:
         e.param = P.responses_param(e.param)
         raise
@@ -122,7 +127,7 @@ async def completions(body: P.CompletionRequest, request: Request, state: State)
     run = submit.submit(state, checked.engine, P.new_id("cmpl"), body, prompts, constraints,
                         tenant=tenant_of(request))
     outputs = stream.Outputs(state, run, checked.stops, None, arrival)
-    return await format.respond(request, outputs, format.Completion(state.model_name), body)
+    return await format.respond(request, outputs, format.Completion(validate.model_of(state, body)), body)
 
 
 @router.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS)

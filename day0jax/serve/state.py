@@ -16,6 +16,8 @@ class ServerState:
     """What the routes need; `engine` and `tokenizer` appear once loading is done."""
 
     model_name: str  # the id clients must send as `model`
+    # Served LoRA adapters (`--lora-modules`), name -> folder: a request's `model` may name one instead.
+    adapters: dict[str, str] = field(default_factory=dict)
     # When set, every route but /health needs `Authorization: Bearer <one of them>`. With several, each key is a
     # tenant: prefix-cache hits (`cached_tokens`) stay among the requests sent with the same key, so one tenant
     # cannot learn from response timing or usage what another has sent.

@@ -15,6 +15,7 @@ from day0jax.engine.requests import InvalidRequest, QueueFull, SamplingParams, T
 from day0jax.serve.constrain import Constraints
 from day0jax.serve.errors import APIError
 from day0jax.serve.state import ServerState, tenant_salt
+from day0jax.serve.validate import adapter_of
 from day0jax.vision.inputs import ImageInputs
 
 
@@ -39,7 +40,7 @@ def sampling_params(state: ServerState, body, prompt_len: int, constraints: Cons
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=body.logprob_count(),
         n=body.n, grammar=constraints.grammar, logit_bias=constraints.logit_bias,
-        cache_salt=tenant_salt(tenant, body.cache_salt))
+        cache_salt=tenant_salt(tenant, body.cache_salt), adapter=adapter_of(state, body))
 
 
 @dataclass

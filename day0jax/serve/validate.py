@@ -200,9 +200,20 @@ def _served(state: ServerState, body) -> AsyncEngine:
 
 
 def _check_model(state: ServerState, body) -> None:
-    if body.model is not None and body.model != state.model_name:
-        raise APIError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+    if body.model is not None and body.model != state.model_name and body.model not in state.adapters:
+        served = ", ".join(map(repr, [state.model_name, *state.adapters]))
+        raise APIError(400, f"the model {body.model!r} does not exist; this server serves {served}",
                        param="model", code="model_not_found")
+
+
+def model_of(state: ServerState, body) -> str:
+    """The model a request runs, as its responses name it: the LoRA adapter its `model` names, else the base."""
+    return adapter_of(state, body) or state.model_name
+
+
+def adapter_of(state: ServerState, body) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model)."""
+    return body.model if body.model in state.adapters else None
 
 
 def _check_fields(body) -> None:

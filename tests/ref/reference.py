@@ -88,6 +88,11 @@ Jobs (each a dict with "op"):
                parameter of the HF model (named_parameters: a tied table once).
   peft_logits  {model, adapter, prompts, out}: float32 logits `logits_{i}` [T, V] of each prompt with the PEFT
                adapter folder ADAPTER loaded on the HF model (`PeftModel.from_pretrained`).
+  peft_make    {model, adapters: [{folder, r, alpha, targets, seed}], prompts, generate, out}: each adapter made by
+               PEFT itself (`get_peft_model` with LoraConfig(r, lora_alpha, target_modules), lora_B then drawn
+               N(0, 0.1^2) from `seed` so that it changes the model) and saved to FOLDER (`save_pretrained`); then,
+               loaded back, each prompt's float32 logits `{k}.logits_{i}` and `generate` greedy tokens
+               `{k}.generated_{i}` (no EOS stop) for adapter k.
   train_rows   {model, rows, out}: each jsonl training row (messages, prompt/completion or text) as transformers'
                tokenizer gives it: [ids, offset], the chat template without a generation prompt, the offset the
                length of the prompt rendered with one (0 for text rows, whose ids are `tokenizer(text)` plus EOS
@@ -1144,6 +1149,30 @@ def peft_logits(job):
     with torch.no_grad():
         out = {f"logits_{i}": model(input_ids=torch.tensor([p])).logits[0].float().numpy()
                for i, p in enumerate(job["prompts"])}
+    np.savez(job["out"], **out)
+
+
+def peft_make(job):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    out = {}
+    for k, spec in enumerate(job["adapters"]):
+        torch.manual_seed(spec["seed"])
+        model = get_peft_model(_load(job["model"]), LoraConfig(r=spec["r"], lora_alpha=spec["alpha"],
+                                                               target_modules=spec["targets"], lora_dropout=0.0))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.1)
+        model.save_pretrained(spec["folder"])
+        model = PeftModel.from_pretrained(_load(job["model"]), spec["folder"]).eval()
+        with torch.no_grad():
+            for i, prompt in enumerate(job["prompts"]):
+                ids = torch.tensor([prompt])
+                out[f"{k}.logits_{i}"] = model(input_ids=ids).logits[0].float().numpy()
+                gen = model.generate(input_ids=ids, max_new_tokens=job["generate"], do_sample=False,
+                                     min_new_tokens=0, eos_token_id=None, pad_token_id=0)
+                out[f"{k}.generated_{i}"] = gen[0, len(prompt):].numpy()
     np.savez(job["out"], **out)
 
 
