@@ -9,7 +9,7 @@ not one of `day0jax.train`: `check` may not import the trainer's package.)
 The activation estimate follows what XLA keeps live in the compiled training step (measured with
 `memory_analysis()` in tests/test_train_plan.py): the float32 logits [B, T, V], their log-softmax and the gradients
 of both; without gradient checkpointing every decoder layer's saved activations (its D-, F- and head-sized outputs,
-three float32 copies of its attention scores) stay live through the backward pass; with it, only each layer's input
+two float32 copies of its attention scores) stay live through the backward pass; with it, only each layer's input
 stays and one layer at a time is recomputed, whose backward holds its activations and their gradients. Once the
 logits' gradient has flowed into the last layer they are dead, so the peak is the larger of the two phases over
 what stays.
@@ -32,8 +32,8 @@ FLOAT32 = 4  # the trainer computes, and keeps gradients and moments, in float32
 
 # Calibration against XLA:CPU's buffer assignment of the compiled step (tests/test_train_plan.py).
 LOGIT_COPIES = 4  # logits, log-probabilities and the gradient of each, [B, T, V] float32
-SCORE_COPIES = 2  # an attention layer's scores, masked scores and softmax weights, [B, N, T, T] float32
-BACKWARD_EXTRA = 0.25  # a layer's backward: the gradients of its activations, about half as many as it saved
+SCORE_COPIES = 2  # an attention layer's scores and softmax weights, [B, N, T, T] float32 (XLA keeps ~2.6)
+BACKWARD_EXTRA = 0.25  # a layer's backward: the gradients of its activations live beside them, a quarter as many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +191,9 @@ def activation_bytes(shape: TrainShape, setup: TrainSetup) -> int:
     kv = m.kv_layers
     n, k_heads = m.num_heads, max((x.kv_heads for x in kv), default=0)
     k_dim, v_dim = max((x.k_dim for x in kv), default=0), max((x.v_dim for x in kv), default=0)
-    # Per token: the residual stream, norms' outputs and projections back to D (6), the MLP's gate, up, activation
-    # and product (4 F), LoRA's extras; an attention layer adds q and k before and after RoPE, v, its output.
+    # Per token: the residual stream, norms' outputs and projections back to D (5 D), the MLP's gate, up,
+    # activation and product (4 F), LoRA's extras (x A^T and the adapter's output per target); an attention layer
+    # adds q and k before and after RoPE, v and its output.
     lora = shape.lora_per_token if setup.fine_tune_type == "lora" else 0
     dense = 5 * m.hidden_size + 4 * m.ffn_per_token + lora
     attn = 2 * n * k_dim + 2 * k_heads * k_dim + k_heads * v_dim + n * v_dim
