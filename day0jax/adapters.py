@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from day0jax.core.errors import AdapterError, CheckpointError, Day0Error
+from day0jax.layers.lora import module_at, replace_module_at
 
 ADAPTER_CONFIG, ADAPTER_TENSORS = "adapter_config.json", "adapter_model.safetensors"
 MAX_LORAS = 4  # adapters one model serves at once, by default (--max-loras)
@@ -153,13 +154,6 @@ def read_peft(name: str, folder: str | Path, max_rank: int) -> PeftAdapter:
     return PeftAdapter(name, folder, config, {m: (ab["A"], ab["B"]) for m, ab in sorted(halves.items())})
 
 
-def _get(model: nnx.Module, path: tuple):
-    node = model
-    for part in path:
-        node = node[part] if isinstance(part, int) else getattr(node, part)
-    return node
-
-
 def adaptable_modules(model: nnx.Module) -> dict[str, tuple]:
     """HF module name -> the runtime path of the `Linear` that is that module's weight, for every linear map an
     adapter may target: made from one HF tensor by a reshape alone (the converter's mapping, inverted), applied as
@@ -222,7 +216,7 @@ class ServedAdapters:
                     raise AdapterError(f"{a.path / ADAPTER_TENSORS}: module {module!r} is not one of this "
                                        f"{model.config.model_type} model's adaptable linear maps (another model's "
                                        "adapter, or a map this model keeps fused or quantized as a whole)")
-                linear = _get(model, path)
+                linear = module_at(model, path)
                 want = (math.prod(linear.in_shape), math.prod(linear.out_shape))
                 if (a_shape[1], b_shape[0]) != want:
                     raise AdapterError(f"{a.path / ADAPTER_TENSORS}: module {module!r} maps {a_shape[1]} -> "
@@ -243,7 +237,7 @@ class ServedAdapters:
         S = len(self.adapters) + 1
         out = {}
         for path in self.modules.values():
-            linear = _get(model, path)
+            linear = module_at(model, path)
             out[path] = ((S, self.rank, math.prod(linear.in_shape)), (S, math.prod(linear.out_shape), self.rank))
         return out
 
@@ -253,12 +247,7 @@ class ServedAdapters:
         from day0jax.layers.lora import MultiLoRALinear
 
         for path, (a, b) in values.items():
-            parent = _get(model, path[:-1])
-            module = MultiLoRALinear(_get(model, path), a, b)
-            if isinstance(path[-1], int):
-                parent[path[-1]] = module
-            else:
-                setattr(parent, path[-1], module)
+            replace_module_at(model, path, MultiLoRALinear(module_at(model, path), a, b))
 
     def stacked(self, model: nnx.Module, dtype) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
         """Runtime path -> (A [S, R, in], B [S, out, R]) of `dtype`, read from the adapters' files: slot 0 zeros,

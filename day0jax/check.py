@@ -1,5 +1,6 @@
 """`python -m day0jax.check PATH [--mesh SPEC] [--json] [--quantize KIND] [--probe]
-[--hosts N --devices-per-host M --device-memory SIZE] [--graph [--torch-python PATH]]`: the day-0 readiness report.
+[--hosts N --devices-per-host M --device-memory SIZE] [--graph [--torch-python PATH]] [--train ...]`: the day-0
+readiness report.
 
 Says, before a weight is read, whether a model will run and how: its family, every config.json key (used, ignored
 as harmless, or unknown and refused), each operator and the implementation it takes on this backend (a kernel or
@@ -12,7 +13,10 @@ each axis moves per token, and the meshes that fit. --probe measures the mesh's 
 --graph is the checklist for a model_type day0jax does not implement: it traces one forward pass of the model's
 `transformers` code (the config alone, random weights) in another Python (--torch-python, default the reference
 venv), and lists what day0jax covers and what it lacks, with costs, the nearest family and a verdict
-(`day0jax.graph`). Exit status: 0 when the model will run, 2 when it will not, 1 on a usage error.
+(`day0jax.graph`). --train plans a fine-tuning run instead of serving (`day0jax.train_plan`, the plan the trainer
+checks before its first step): per device, the parameters, trainable ones, gradients, optimizer state and activations,
+whether they fit the device (or --device-memory), and what would fit when they do not. Exit status: 0 when the model
+will run, 2 when it will not, 1 on a usage error.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Report:
     cluster: dict = dataclasses.field(default_factory=dict)  # a described cluster: placement, traffic, fitting meshes
     probe: dict = dataclasses.field(default_factory=dict)  # measured collectives per mesh axis, time per decode step
     load: dict = dataclasses.field(default_factory=dict)  # a day0jax checkpoint's bytes and estimated load time
+    training: dict = dataclasses.field(default_factory=dict)  # --train: the fine-tuning memory plan, what would fit
     backend: str = ""
 
     def to_dict(self) -> dict:
@@ -284,7 +289,8 @@ def _layers(abstract, op_calls, itemsize: int) -> list[dict]:
 
 
 def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str | None = None,
-          cluster=None, quantize: str | None = None, probe: bool = False) -> Report:
+          cluster=None, quantize: str | None = None, probe: bool = False, train=None,
+          device_memory: int | None = None) -> Report:
     """Returns the readiness `Report` for `path` (`.supported`: whether the model will run); reads no tensor data
     but, of a day0jax checkpoint, a sample of at most 64 MB to time the storage (`Report.load`).
 
@@ -299,6 +305,9 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         quantize: plan the weights as `convert --quantize` would store them ('int8', 'int4', 'fp8').
         probe: measure all-reduce and all-gather over each axis of the mesh on the devices present, and estimate
             the communication time of a decode step from them.
+        train: a `day0jax.train_plan.TrainSetup`: plan that fine-tuning run on one device (float32, as the trainer
+            runs it) in `Report.training`, in place of serving's memory plan.
+        device_memory: with `train`, the bytes the device may use (default: its free memory, or the host's).
     """
     import jax
     import jax.numpy as jnp
@@ -398,7 +407,10 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
             infos = models.param_infos(abstract)
     if engine.lora_modules:
         report.adapters = _adapters(abstract, engine, jnp.dtype(DTYPES[dtype]).itemsize, report)
-    report.memory = _memory(abstract, infos, config, mesh, engine, dtype, report, cluster, probe)
+    if train is not None:
+        report.training = _training(abstract, train, device_memory, report)
+    else:
+        report.memory = _memory(abstract, infos, config, mesh, engine, dtype, report, cluster, probe)
     report.supported = not report.reasons
     return report
 
@@ -416,6 +428,23 @@ def _adapters(abstract, engine, itemsize: int, report: Report) -> dict:
     elements = sum(math.prod(a) + math.prod(b) for a, b in served.shapes(abstract).values())
     return {"adapters": [{"name": a.name, "rank": a.config.rank, "modules": len(a.shapes)} for a in served.adapters],
             "padded_rank": served.rank, "modules": len(served.modules), "bytes": elements * itemsize}
+
+
+def _training(abstract, setup, device_memory: int | None, report: Report) -> dict:
+    """The fine-tuning plan (`day0jax.train_plan`) of `setup` on the visible device or `device_memory`; a run that
+    does not fit goes to `report.reasons` with what would."""
+    from day0jax import train_plan
+
+    try:
+        shape = train_plan.TrainShape.of(abstract, setup)
+        p = train_plan.plan(shape, setup, train_plan.available_memory(device_memory))
+    except Day0Error as e:
+        report.reasons.append(str(e))
+        return {}
+    refusal = train_plan.refusal(shape, p)
+    if refusal:
+        report.reasons.append(refusal)
+    return dict(p.to_dict(), rows=p.rows(), summary=p.summary(), would_fit=train_plan.suggestions(shape, p))
 
 
 def _mtp_shipped(config, source) -> bool:
@@ -751,6 +780,13 @@ def render(report: Report) -> str:
             scales = " with a float32 scale per token and kv head" if m["kv_dtype"].startswith("float8") else ""
             out += [f"KV cache dtype: {m['kv_dtype']}{scales} (--kv-cache-dtype)"]
         out += [f"  note: {n}" for n in m.get("notes", ())]
+    if report.training:
+        t = report.training
+        verdict = "fits" if t["fits"] else "DOES NOT FIT"
+        out += ["", f"fine-tuning memory per device (one device, float32; {t['setup']['fine_tune_type']}): {verdict}",
+                _table(t["rows"], ["part", "bytes", "what"])]
+        if t["would_fit"]:
+            out.append("would fit: " + "; or ".join(t["would_fit"]))
     if report.cluster:
         out += _render_cluster(report)
     if report.probe:
@@ -811,12 +847,29 @@ def main(argv: list[str] | None = None) -> int:
                    "nearest family, verdict")
     g.add_argument("--torch-python", default=None, help="the Python with torch and transformers that traces "
                    "(default: the project's .venv-ref/bin/python)")
+    g = parser.add_argument_group("a fine-tuning run instead of serving (python -m day0jax.train's flags)")
+    g.add_argument("--train", action="store_true", help="plan fine-tuning memory on one device (with "
+                   "--device-memory alone: that device's memory)")
+    g.add_argument("--fine-tune-type", choices=["lora", "full"], default=None)
+    g.add_argument("--lora-rank", type=int, default=None)
+    g.add_argument("--lora-targets", default=None, help="comma-separated HF module names (default: every dense "
+                   "projection)")
+    g.add_argument("--batch-size", type=int, default=None)
+    g.add_argument("--max-seq-length", type=int, default=None)
+    g.add_argument("--grad-accumulation", type=int, default=None)
+    g.add_argument("--grad-checkpoint", action="store_true")
+    g.add_argument("--optimizer", choices=["adamw", "sgd"], default=None)
     cli.add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.graph:
         return _graph_main(args)
     if args.torch_python:
         parser.error("--torch-python goes with --graph")
+    if args.train:
+        return _train_main(parser, args)
+    given = [f"--{k.replace('_', '-')}" for k in TRAIN_FLAGS if getattr(args, k) not in (None, False)]
+    if given:
+        parser.error(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --train")
     cluster = None
     described = (args.hosts, args.devices_per_host, args.device_memory)
     if any(x is not None for x in described):
@@ -830,6 +883,37 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     report = check(args.path, mesh=args.mesh, engine=cli.engine_config_from_args(args), dtype=args.dtype,
                    cluster=cluster, quantize=args.quantize, probe=args.probe)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    return RUNS if report.supported else WONT_RUN
+
+
+TRAIN_FLAGS = ("fine_tune_type", "lora_rank", "lora_targets", "batch_size", "max_seq_length", "grad_accumulation",
+               "grad_checkpoint", "optimizer")
+
+
+def _train_main(parser: argparse.ArgumentParser, args) -> int:
+    """`check --train`: the fine-tuning plan on one device, as the trainer runs (float32, no mesh)."""
+    from day0jax.train_plan import TrainSetup
+    from sharding.cluster import parse_size
+
+    if args.mesh is not None:
+        parser.error("--mesh with --train: the trainer runs on one device (sharded training is not implemented)")
+    if args.hosts is not None or args.devices_per_host is not None:
+        parser.error("--hosts and --devices-per-host with --train: the trainer runs on one device (give "
+                     "--device-memory alone)")
+    if args.dtype not in (None, "float32"):
+        parser.error(f"--dtype {args.dtype} with --train: the trainer trains in float32")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainSetup)}
+    given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) not in (None, False)}
+    if "lora_targets" in given:
+        given["lora_targets"] = tuple(t for t in given["lora_targets"].split(",") if t)
+    try:
+        setup = TrainSetup(**{**defaults, **given})
+        memory = parse_size(args.device_memory) if args.device_memory is not None else None
+    except Day0Error as e:
+        parser.error(str(e))
+    report = check(args.path, engine=cli.engine_config_from_args(args), dtype="float32", quantize=args.quantize,
+                   train=setup, device_memory=memory)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return RUNS if report.supported else WONT_RUN
 

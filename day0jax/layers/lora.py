@@ -14,7 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.core.errors import TrainingError
 from day0jax.layers.linear import Linear
+from day0jax.layers.quantized import QuantizedKernel
+
+DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRAParam(nnx.Param):
@@ -49,6 +53,60 @@ class LoRALinear(Linear):
         flat = x.reshape(*lead, -1).astype(self.lora_a.dtype)
         delta = (flat @ self.lora_a[...].T) @ self.lora_b[...].T * self.scale
         return y + delta.reshape(*lead, *self.out_shape).astype(y.dtype)
+
+
+def module_at(model: nnx.Module, path: tuple):
+    """The sub-module (or variable) at `path`: attribute names and layer indices."""
+    node = model
+    for part in path:
+        node = node[part] if isinstance(part, int) else getattr(node, part)
+    return node
+
+
+def replace_module_at(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
+    """Puts `module` at `path` (as `module_at` reads it) in place of what is there."""
+    parent = module_at(model, path[:-1])
+    if isinstance(path[-1], int):
+        parent[path[-1]] = module
+    else:
+        setattr(parent, path[-1], module)
+
+
+def lora_targets(model: nnx.Module, targets) -> list[tuple]:
+    """The paths of the `Linear`s named in `targets` (HF module names such as q_proj) that would take adapters, in
+    parameter order; the model may be abstract (`nnx.eval_shape`): the fine-tuning memory plan walks it before any
+    weight is read.
+
+    Raises:
+        TrainingError: a target that is not a float `Linear` (MoE experts' stacked weights, a quantized base, a map
+            whose kernel a layer reads itself), or no module of those names.
+    """
+    targets = set(targets)
+    found: list[tuple] = []
+    for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path = tuple(path)
+        hits = [i for i, part in enumerate(path) if part in targets]
+        if not hits:
+            continue
+        owner = path[: hits[-1] + 1]
+        module = module_at(model, owner)
+        if not isinstance(module, nnx.Module):
+            raise TrainingError(f"{'.'.join(map(str, path))}: LoRA on MoE experts' stacked weights is not "
+                                "implemented; leave the expert projections out of --lora-targets")
+        if type(module) is not Linear:
+            raise TrainingError(f"{'.'.join(map(str, owner))} is a {type(module).__name__}, not a plain linear map: "
+                                "LoRA on it is not implemented")
+        if isinstance(module.kernel, QuantizedKernel):
+            raise TrainingError(f"{'.'.join(map(str, owner))} is quantized: LoRA on a quantized base (QLoRA) is "
+                                "not implemented; convert the model in float (--dequantize)")
+        if not module.quantizable:
+            raise TrainingError(f"{'.'.join(map(str, owner))}: its layer reads the kernel itself, so an adapter "
+                                "would be bypassed; LoRA on it is not implemented")
+        if owner not in found:
+            found.append(owner)
+    if not found:
+        raise TrainingError(f"no module named {sorted(targets)} in this {model.config.model_type} model")
+    return found
 
 
 # --- served adapters: several at once, one per batch row ---------------------------------------------------------

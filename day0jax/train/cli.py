@@ -1,8 +1,10 @@
 """The fine-tuning command line: parse mlx-lm-style flags, load the checkpoint in float32, apply LoRA (or train every
 parameter: --fine-tune-type full), train on DIR/train.jsonl (validation on valid.jsonl, test loss and perplexity on
 test.jsonl where they exist), write the PEFT adapter (or a day0jax checkpoint) to --adapter-path, with the training
-state that --resume continues from. --fuse --out DST instead merges the adapter at --adapter-path into the model and
-writes the result as a new checkpoint."""
+state that --resume continues from. Before the weights are read, the run's memory is planned (`day0jax.train_plan`,
+as `python -m day0jax.check --train` prints it): a run that would not fit the device (--device-memory overrides
+its free memory) is refused, naming what would fit. --fuse --out DST instead merges the adapter at --adapter-path
+into the model and writes the result as a new checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 from day0jax.core.errors import Day0Error, TrainingError
+from day0jax.train_plan import PAD_MULTIPLE, TrainSetup
 
 # Flags of the full interface that this version refuses by name rather than ignores.
 NOT_IMPLEMENTED = {
@@ -27,19 +30,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-path", help="folder the PEFT adapter (lora) or the day0jax checkpoint (full) is "
                    "written to")
     p.add_argument("--fine-tune-type", default="lora", choices=("lora", "full"))
-    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-rank", type=int, default=TrainSetup.lora_rank)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lora-targets", default=",".join(TrainSetup.lora_targets))
+    p.add_argument("--batch-size", type=int, default=TrainSetup.batch_size)
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    p.add_argument("--optimizer", default=TrainSetup.optimizer, choices=("adamw", "sgd"))
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"))
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--grad-accumulation", type=int, default=1)
-    p.add_argument("--max-seq-length", type=int, default=2048)
+    p.add_argument("--max-seq-length", type=int, default=TrainSetup.max_seq_length)
     p.add_argument("--mask-prompt", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-shuffle", action="store_true")
@@ -53,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="gradient checkpointing: recompute each decoder layer's activations in the backward pass "
                    "(less memory, about one more forward pass of compute; the same losses and gradients)")
+    p.add_argument("--device-memory", metavar="SIZE", help="memory the device may use, e.g. 80GiB (default: its "
+                   "free memory; on the CPU backend the machine's available memory): a run planned beyond it is "
+                   "refused before its first step")
     p.add_argument("--fuse", action="store_true",
                    help="merge the LoRA adapter at --adapter-path into --model and write the checkpoint --out")
     p.add_argument("--out", help="with --fuse: the fused checkpoint's folder")
@@ -87,6 +93,38 @@ def run_settings(args: argparse.Namespace, train_set) -> dict:
             "train_data": data, **{flag: getattr(args, flag) for flag in flags}}
 
 
+def check_memory(args: argparse.Namespace):
+    """The run's memory plan, from the checkpoint's config alone (before a weight is read); prints its total.
+
+    Returns:
+        The `day0jax.train_plan.TrainPlan`.
+    Raises:
+        TrainingError: the plan exceeds the device's memory (the message names what would fit), or a bad
+            --device-memory.
+    """
+    import jax.numpy as jnp
+
+    from day0jax import models, train_plan
+    from day0jax.layers.quantized import specs_from_config
+    from day0jax.loader import read_checkpoint_config
+    from sharding.cluster import parse_size
+
+    try:
+        memory = None if args.device_memory is None else parse_size(args.device_memory)
+    except Day0Error as e:
+        raise TrainingError(f"--device-memory: {e}") from e
+    _, hf = read_checkpoint_config(args.model)
+    abstract = models.abstract_model(models.config_from_hf(hf), jnp.float32, quantization=specs_from_config(hf))
+    setup = TrainSetup.from_args(args)
+    shape = train_plan.TrainShape.of(abstract, setup)
+    plan = train_plan.plan(shape, setup, train_plan.available_memory(memory))
+    print(plan.summary(), flush=True)
+    refusal = train_plan.refusal(shape, plan)
+    if refusal:
+        raise TrainingError(refusal)
+    return plan
+
+
 def run(args: argparse.Namespace) -> None:
     """Everything `main` does, raising typed errors."""
     import jax
@@ -119,6 +157,7 @@ def run(args: argparse.Namespace) -> None:
     lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                       targets=tuple(t for t in args.lora_targets.split(",") if t))
     config = train_config(args)
+    check_memory(args)
     # Float32 throughout: the adapters train in float32 and the base is read at that precision.
     model = day0jax.load(args.model, dtype="float32", kernels="reference")
     if model.tokenizer is None:
@@ -147,7 +186,7 @@ def run(args: argparse.Namespace) -> None:
     saved = resume_lib.read_state(args.adapter_path, settings) if args.resume else None
     if saved is not None:
         print(f"resuming from step {saved.step} ({args.adapter_path})", flush=True)
-    multiple = 32  # rows padded to a multiple of 32 tokens: fewer shapes to compile, the padding never counts
+    multiple = PAD_MULTIPLE  # rows padded to a multiple of 32 tokens: fewer shapes to compile, padding never counts
     batches = data_lib.batches(train_set, args.batch_size, shuffle=not args.no_shuffle, seed=args.seed,
                                pad_id=pad, multiple=multiple, start=0 if saved is None else saved.batches_taken)
     valid = None if valid_set is None else (

@@ -22,10 +22,7 @@ from day0jax import models
 from day0jax.core.errors import TrainingError
 from day0jax.core.hf_tensors import default_source, same
 from day0jax.layers.linear import Linear
-from day0jax.layers.lora import LoRALinear, LoRAParam
-from day0jax.layers.quantized import QuantizedKernel
-
-DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from day0jax.layers.lora import DENSE_TARGETS, LoRALinear, LoRAParam, lora_targets, module_at, replace_module_at
 PREFIX = "base_model.model."  # PEFT's prefix of a causal LM's module names
 
 
@@ -54,26 +51,11 @@ class Adapters:
 
     def modules(self, model: nnx.Module) -> dict[str, LoRALinear]:
         """HF module name -> the model's adapted module."""
-        return {hf: _get(model, path) for path, hf in self.hf_names.items()}
+        return {hf: module_at(model, path) for path, hf in self.hf_names.items()}
 
     @property
     def target_modules(self) -> list[str]:
         return sorted({hf.rsplit(".", 1)[-1] for hf in self.hf_names.values()})
-
-
-def _get(model: nnx.Module, path: tuple) -> Any:
-    node = model
-    for part in path:
-        node = node[part] if isinstance(part, int) else getattr(node, part)
-    return node
-
-
-def _set(model: nnx.Module, path: tuple, value: Any) -> None:
-    parent = _get(model, path[:-1])
-    if isinstance(path[-1], int):
-        parent[path[-1]] = value
-    else:
-        setattr(parent, path[-1], value)
 
 
 def hf_tensor_name(config: Any, path: str, var) -> str:
@@ -112,38 +94,14 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, seed: int = 0) -> Adapters
         TrainingError: a target that is not a float `Linear` (MoE experts' stacked weights, a quantized base, a map
             whose kernel a layer reads itself), or no module of those names.
     """
-    targets = set(config.targets)
-    found: list[tuple] = []
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        path = tuple(path)
-        hits = [i for i, part in enumerate(path) if part in targets]
-        if not hits:
-            continue
-        owner = path[: hits[-1] + 1]
-        module = _get(model, owner)
-        if not isinstance(module, nnx.Module):
-            raise TrainingError(f"{'.'.join(map(str, path))}: LoRA on MoE experts' stacked weights is not "
-                                "implemented; leave the expert projections out of --lora-targets")
-        if type(module) is not Linear:
-            raise TrainingError(f"{'.'.join(map(str, owner))} is a {type(module).__name__}, not a plain linear map: "
-                                "LoRA on it is not implemented")
-        if isinstance(module.kernel, QuantizedKernel):
-            raise TrainingError(f"{'.'.join(map(str, owner))} is quantized: LoRA on a quantized base (QLoRA) is "
-                                "not implemented; convert the model in float (--dequantize)")
-        if not module.quantizable:
-            raise TrainingError(f"{'.'.join(map(str, owner))}: its layer reads the kernel itself, so an adapter "
-                                "would be bypassed; LoRA on it is not implemented")
-        if owner not in found:
-            found.append(owner)
-    if not found:
-        raise TrainingError(f"no module named {sorted(targets)} in this {model.config.model_type} model")
+    found = lora_targets(model, config.targets)
     rngs = nnx.Rngs(params=seed)
     adapters = Adapters(config)
     for owner in found:
-        base = _get(model, owner)
+        base = module_at(model, owner)
         kernel_path = ".".join(map(str, owner)) + ".kernel"
         adapters.hf_names[owner] = _hf_module_name(model.config, kernel_path, base.kernel)
-        _set(model, owner, LoRALinear(base, config.rank, config.alpha, rngs=rngs))
+        replace_module_at(model, owner, LoRALinear(base, config.rank, config.alpha, rngs=rngs))
     return adapters
 
 
@@ -154,7 +112,7 @@ def merge_adapters(model: nnx.Module, adapters: Adapters) -> None:
     import jax.numpy as jnp
 
     for owner in adapters.hf_names:
-        m = _get(model, owner)
+        m = module_at(model, owner)
         w = np.asarray(m.kernel[...], np.float32)
         delta = m.scale * (np.asarray(m.lora_b[...], np.float32) @ np.asarray(m.lora_a[...], np.float32))  # [O, I]
         m.kernel[...] = jnp.asarray(w + delta.reshape(w.shape))  # the kernel is out_shape + in_shape, [O, I] flat
@@ -163,7 +121,7 @@ def merge_adapters(model: nnx.Module, adapters: Adapters) -> None:
             plain = nnx.eval_shape(lambda m=m: Linear(m.in_shape, m.out_shape, axes, use_bias=m.bias is not None,
                                                       rngs=nnx.Rngs(0)))
         plain.kernel, plain.bias, plain.quantizable = m.kernel, m.bias, m.quantizable
-        _set(model, owner, plain)
+        replace_module_at(model, owner, plain)
 
 
 def adapter_arrays(model: nnx.Module, adapters: Adapters) -> dict[str, np.ndarray]:
