@@ -20,11 +20,10 @@ import numpy as np
 from flax import nnx
 
 from day0jax.core.errors import AdapterError, CheckpointError, Day0Error
+from day0jax.engine.config import MAX_LORA_RANK, MAX_LORAS
 from day0jax.layers.lora import module_at, replace_module_at
 
 ADAPTER_CONFIG, ADAPTER_TENSORS = "adapter_config.json", "adapter_model.safetensors"
-MAX_LORAS = 4  # adapters one model serves at once, by default (--max-loras)
-MAX_LORA_RANK = 64  # the largest rank served, by default (--max-lora-rank)
 # PEFT's names for a causal LM's LoRA matrices (saved without the adapter's own name).
 _TENSOR = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
 
@@ -160,7 +159,6 @@ def adaptable_modules(model: nnx.Module) -> dict[str, tuple]:
     a map (not read by its layer), outside the multi-token-prediction layers (speculative drafting runs the base)."""
     from day0jax import models
     from day0jax.layers.linear import Linear
-    from day0jax.train.lora import hf_tensor_name
 
     # The float model's kernels carry the metadata the mapping reads, where the served one's may be quantized.
     plain = models.abstract_model(model.config)
@@ -170,7 +168,7 @@ def adaptable_modules(model: nnx.Module) -> dict[str, tuple]:
         if type(module) is not Linear or not module.quantizable or (path and path[0] == "mtp"):
             continue
         try:
-            name = hf_tensor_name(model.config, ".".join(map(str, path)) + ".kernel", module.kernel)
+            name = models.hf_tensor_name(model.config, ".".join(map(str, path)) + ".kernel", module.kernel)
         except Day0Error:
             continue  # fused from several tensors or re-laid out: no one HF module to adapt
         if name.endswith(".weight"):

@@ -79,7 +79,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-max-batch", type=int, default=None, metavar="B",
                    help="speculation turns off while more sequences than this decode together (default: "
                         "measured, see README)")
-    from day0jax.adapters import MAX_LORA_RANK, MAX_LORAS
+    from day0jax.engine.config import MAX_LORA_RANK, MAX_LORAS
 
     a = p.add_argument_group("LoRA adapters")
     a.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",

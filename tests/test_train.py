@@ -156,7 +156,7 @@ def runs(tiny, converted, chat, tmp_path_factory):
         out[name] = rec
     # Full fine-tuning: every parameter's gradient (Llama), the model without adapters.
     import day0jax
-    from day0jax.train.lora import hf_tensor_name
+    from day0jax.models import hf_tensor_name
 
     base = day0jax.load(converted["llama"], dtype="float32", kernels="reference")
     batch = batches_for(FAMILIES["llama"][1]["vocab_size"], seed=2)[0]

@@ -10,7 +10,6 @@ from typing import Sequence, Union
 
 import jax
 
-from day0jax.adapters import MAX_LORA_RANK, MAX_LORAS
 from day0jax.core.errors import GenerationError
 from day0jax.engine.paged_cache import KV_CACHE_DTYPES
 from kernels_pallas.paged_attention import xla_blocks
@@ -18,6 +17,8 @@ from sharding.plan import Workload
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+MAX_LORAS = 4  # LoRA adapters one model serves at once, by default (--max-loras)
+MAX_LORA_RANK = 64  # the largest adapter rank served, by default (--max-lora-rank)
 # Speculation stops above this many decode rows unless `SpeculativeConfig.max_batch` says otherwise. Measured on a
 # 2-core CPU with SmolLM2-135M and k = 4 (bench/speculative.py): a verify step costs 1.5, 1.7, 3.0 and 4.4 plain
 # steps at 1, 2, 4 and 8 rows (past 16 rows of tokens the linear maps leave the CPU kernel); a rewriting task keeps

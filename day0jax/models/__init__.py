@@ -43,6 +43,27 @@ FAMILIES.update({"glm5_next": "day0jax.models.glm5_next", "glm5_next_text": "day
 FAMILIES.update({"qwen4_exp_text": "day0jax.models.qwen4_exp", "qwen4_exp": "day0jax.models.qwen4_exp"})
 
 
+def hf_tensor_name(config: Any, path: str, var) -> str:
+    """The HF tensor the converter reshapes into the runtime parameter `path` (an nnx variable `var`): the inverse
+    of the family's mapping, for parameters made from one tensor by a reshape alone (where fine-tuning exports
+    adapters to, and where served adapters come from).
+
+    Raises:
+        UnsupportedArchitecture: the family builds the parameter from several tensors or another layout (fused,
+            transposed or stacked), which this version does not map back.
+    """
+    from day0jax.core.hf_tensors import default_source, same
+
+    fam = family(config.model_type)
+    metadata = var.get_metadata()
+    shape = tuple(var.shape)
+    src = fam.hf_source(config, path, shape, metadata) or default_source(path, shape, metadata)
+    if len(src.names) != 1 or src.combine is not same or src.alternative is not None:
+        raise UnsupportedArchitecture(f"{config.model_type}: {path} is made from {list(src.names)} by more than a "
+                                      "reshape; mapping it back to Hugging Face's layout is not implemented")
+    return src.names[0]
+
+
 def family(model_type: str) -> Family:
     """The family implementing `model_type`: the `FAMILY` of its module in `FAMILIES`.
 

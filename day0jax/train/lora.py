@@ -20,7 +20,6 @@ from flax import nnx
 
 from day0jax import models
 from day0jax.core.errors import TrainingError
-from day0jax.core.hf_tensors import default_source, same
 from day0jax.layers.linear import Linear
 from day0jax.layers.lora import DENSE_TARGETS, LoRALinear, LoRAParam, lora_targets, module_at, replace_module_at
 PREFIX = "base_model.model."  # PEFT's prefix of a causal LM's module names
@@ -58,27 +57,9 @@ class Adapters:
         return sorted({hf.rsplit(".", 1)[-1] for hf in self.hf_names.values()})
 
 
-def hf_tensor_name(config: Any, path: str, var) -> str:
-    """The HF tensor the converter reshapes into the runtime parameter `path` (an nnx variable `var`): the inverse
-    of the family's mapping, for parameters made from one tensor by a reshape alone.
-
-    Raises:
-        TrainingError: the family builds the parameter from several tensors or another layout (fused, transposed
-            or stacked), which this version does not map back.
-    """
-    fam = models.family(config.model_type)
-    metadata = var.get_metadata()
-    shape = tuple(var.shape)
-    src = fam.hf_source(config, path, shape, metadata) or default_source(path, shape, metadata)
-    if len(src.names) != 1 or src.combine is not same or src.alternative is not None:
-        raise TrainingError(f"{config.model_type}: {path} is made from {list(src.names)} by more than a reshape; "
-                            "mapping it back to Hugging Face's layout is not implemented")
-    return src.names[0]
-
-
 def _hf_module_name(config: Any, kernel_path: str, kernel) -> str:
-    """The HF module whose `weight` the converter reshapes into this kernel (see `hf_tensor_name`)."""
-    name = hf_tensor_name(config, kernel_path, kernel)
+    """The HF module whose `weight` the converter reshapes into this kernel (see `models.hf_tensor_name`)."""
+    name = models.hf_tensor_name(config, kernel_path, kernel)
     if not name.endswith(".weight"):
         raise TrainingError(f"{config.model_type}: {kernel_path} comes from {name!r}, not a module's weight")
     return name[: -len(".weight")]
