@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -533,13 +534,51 @@ def test_refusals_are_named(chat, tmp_path):
     abstract = models.abstract_model(models.config_from_hf(dict(config, model_type=model_type)))
     with pytest.raises(TrainingError, match="MoE experts"):
         apply_lora(abstract, LoRAConfig(targets=("q_proj", "gate_proj")))
-    # A quantized base (QLoRA) is refused by the module's name.
-    from day0jax.layers.quantized import QuantSpec
 
-    llama = models.config_from_hf(dict(FAMILIES["llama"][1], model_type="llama"))
-    quantized = models.abstract_model(llama, quantization={"model.layers.0.self_attn.q_proj": QuantSpec("int8", 32)})
-    with pytest.raises(TrainingError, match=r"model\.layers\.0\.self_attn\.q_proj is quantized"):
-        apply_lora(quantized, LoRAConfig())
+
+def test_qlora_trains_on_an_int4_base_and_its_adapter_round_trips(chat, tmp_path):
+    """LoRA on the tiny chat model converted to int4 (QLoRA): the base stays int4 codes, frozen; the adapter learns
+    a small memorization set; saved as PEFT, it loads back, and served beside the int4 model it gives the logits of
+    the model it was trained in. Merging it into int4 weights (--fuse) is refused by the module's name."""
+    import day0jax
+    from convert import convert_checkpoint
+    from convert.convert import Options
+    from day0jax.layers.quantized import QuantizedKernel
+    from day0jax.train import (Example, LoRAConfig, TrainConfig, adapter_arrays, apply_lora, collate, save_adapter,
+                               train)
+    from day0jax.train.lora import load_adapter_arrays
+
+    ckpt, _ = chat
+    int4 = convert_checkpoint(ckpt.parent / "tiny-chat-hf", tmp_path / "int4", progress=False,
+                              options=Options(quantize="int4", group_size=32)).dst
+    model = day0jax.load(int4, dtype="float32", kernels="reference")
+    adapters = apply_lora(model.module, LoRAConfig(rank=RANK, alpha=ALPHA))
+    q = model.module.model.layers[0].self_attn.q_proj
+    assert isinstance(q.kernel, QuantizedKernel)
+    codes = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(q.kernel))}
+    rng = np.random.default_rng(3)
+    batch = collate([Example(tuple(int(t) for t in rng.integers(3, 1000, 24)), 0) for _ in range(2)])
+    result = train(model.module, [batch] * 20, TrainConfig(iters=20, optimizer="adamw", learning_rate=1e-2,
+                                                         steps_per_report=20), report=lambda line: None)
+    print(f"QLoRA on int4: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in 20 steps")
+    assert result.losses[-1] < 0.2 * result.losses[0]
+    assert all(np.array_equal(np.asarray(v), codes[k]) for k, v in nnx.to_flat_state(nnx.state(q.kernel)))
+
+    folder = save_adapter(model.module, adapters, tmp_path / "adapter", str(int4))
+    trained = logits_of(model.module, PROMPTS)
+    again = day0jax.load(int4, dtype="float32", kernels="reference")
+    again_adapters = apply_lora(again.module, LoRAConfig(rank=RANK, alpha=ALPHA))
+    load_adapter_arrays(again.module, again_adapters, dict(load_file(str(folder / "adapter_model.safetensors"))))
+    assert all(np.array_equal(a, b) for a, b in zip(logits_of(again.module, PROMPTS), trained))
+    assert all(np.array_equal(v, adapter_arrays(model.module, adapters)[k])
+               for k, v in adapter_arrays(again.module, again_adapters).items())
+    served = day0jax.load(int4, dtype="float32", kernels="reference", adapters={"memorized": str(folder)})
+    for prompt, expected in zip(PROMPTS, trained):
+        ours = served.logits([prompt], adapter="memorized")[0]
+        assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()  # measured: 3e-7
+
+    rc, out = run_cli(["--fuse", "--model", str(int4), "--adapter-path", str(folder), "--out", str(tmp_path / "f")])
+    assert rc == 2 and re.search(r"model\.layers\.\d\.\w+\.\w+_proj is quantized: merging an adapter", out), out
 
 
 class Interrupted(Exception):

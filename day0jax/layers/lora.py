@@ -16,7 +16,6 @@ from flax import nnx
 
 from day0jax.core.errors import TrainingError
 from day0jax.layers.linear import Linear
-from day0jax.layers.quantized import QuantizedKernel
 
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -78,8 +77,8 @@ def lora_targets(model: nnx.Module, targets) -> list[tuple]:
     weight is read.
 
     Raises:
-        TrainingError: a target that is not a float `Linear` (MoE experts' stacked weights, a quantized base, a map
-            whose kernel a layer reads itself), or no module of those names.
+        TrainingError: a target that is not a `Linear` (MoE experts' stacked weights, a map whose kernel a layer
+            reads itself), or no module of those names. A quantized base is a target: it stays frozen (QLoRA).
     """
     targets = set(targets)
     found: list[tuple] = []
@@ -96,9 +95,6 @@ def lora_targets(model: nnx.Module, targets) -> list[tuple]:
         if type(module) is not Linear:
             raise TrainingError(f"{'.'.join(map(str, owner))} is a {type(module).__name__}, not a plain linear map: "
                                 "LoRA on it is not implemented")
-        if isinstance(module.kernel, QuantizedKernel):
-            raise TrainingError(f"{'.'.join(map(str, owner))} is quantized: LoRA on a quantized base (QLoRA) is "
-                                "not implemented; convert the model in float (--dequantize)")
         if not module.quantizable:
             raise TrainingError(f"{'.'.join(map(str, owner))}: its layer reads the kernel itself, so an adapter "
                                 "would be bypassed; LoRA on it is not implemented")

@@ -9,6 +9,7 @@ into the model and writes the result as a new checkpoint."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import sys
@@ -93,8 +94,10 @@ def run_settings(args: argparse.Namespace, train_set) -> dict:
             "train_data": data, **{flag: getattr(args, flag) for flag in flags}}
 
 
-def check_memory(args: argparse.Namespace):
-    """The run's memory plan, from the checkpoint's config alone (before a weight is read); prints its total.
+def check_memory(args: argparse.Namespace, longest: int | None = None):
+    """The run's memory plan, from the checkpoint's config alone; prints its total. `longest`: the data's longest
+    row in tokens, which bounds the batches' length below --max-seq-length (every batch is padded only to its own
+    longest row).
 
     Returns:
         The `day0jax.train_plan.TrainPlan`.
@@ -116,6 +119,9 @@ def check_memory(args: argparse.Namespace):
     _, hf = read_checkpoint_config(args.model)
     abstract = models.abstract_model(models.config_from_hf(hf), jnp.float32, quantization=specs_from_config(hf))
     setup = TrainSetup.from_args(args)
+    if longest is not None and longest < setup.max_seq_length:
+        setup = dataclasses.replace(setup, max_seq_length=longest)
+        print(f"planning for the data's longest row, {longest} tokens", flush=True)
     shape = train_plan.TrainShape.of(abstract, setup)
     plan = train_plan.plan(shape, setup, train_plan.available_memory(memory))
     print(plan.summary(), flush=True)
@@ -157,7 +163,6 @@ def run(args: argparse.Namespace) -> None:
     lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                       targets=tuple(t for t in args.lora_targets.split(",") if t))
     config = train_config(args)
-    check_memory(args)
     # Float32 throughout: the adapters train in float32 and the base is read at that precision.
     model = day0jax.load(args.model, dtype="float32", kernels="reference")
     if model.tokenizer is None:
@@ -174,6 +179,7 @@ def run(args: argparse.Namespace) -> None:
     if train_set is None:
         raise TrainingError(f"{args.data}: no train.jsonl")
     valid_set, test_set = split("valid"), split("test")
+    check_memory(args, max(len(e.tokens) for part in (train_set, valid_set, test_set) if part for e in part))
     if args.fine_tune_type == "lora":
         adapters = apply_lora(model.module, lora, seed=args.seed)
         n_params = sum(m.lora_a.size + m.lora_b.size for m in adapters.modules(model.module).values())

@@ -21,6 +21,7 @@ from flax import nnx
 from day0jax import models
 from day0jax.core.errors import TrainingError
 from day0jax.layers.linear import Linear
+from day0jax.layers.quantized import QuantizedKernel
 from day0jax.layers.lora import DENSE_TARGETS, LoRALinear, LoRAParam, lora_targets, module_at, replace_module_at
 PREFIX = "base_model.model."  # PEFT's prefix of a causal LM's module names
 
@@ -71,18 +72,23 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, seed: int = 0) -> Adapters
 
     Returns:
         The adapted modules with their HF names.
+    A quantized base (int8, int4, FP8, ... as loaded) stays as it is, frozen: the adapter trains in float32 on its
+    output (QLoRA).
+
     Raises:
-        TrainingError: a target that is not a float `Linear` (MoE experts' stacked weights, a quantized base, a map
-            whose kernel a layer reads itself), or no module of those names.
+        TrainingError: a target that is not a `Linear` (MoE experts' stacked weights, a map whose kernel a layer
+            reads itself), or no module of those names.
     """
     found = lora_targets(model, config.targets)
     rngs = nnx.Rngs(params=seed)
     adapters = Adapters(config)
+    # HF names from the float model's kernels, which carry the converter's metadata (a quantized kernel is codes
+    # and scales).
+    plain = models.abstract_model(model.config)
     for owner in found:
-        base = module_at(model, owner)
         kernel_path = ".".join(map(str, owner)) + ".kernel"
-        adapters.hf_names[owner] = _hf_module_name(model.config, kernel_path, base.kernel)
-        replace_module_at(model, owner, LoRALinear(base, config.rank, config.alpha, rngs=rngs))
+        adapters.hf_names[owner] = _hf_module_name(model.config, kernel_path, module_at(plain, owner).kernel)
+        replace_module_at(model, owner, LoRALinear(module_at(model, owner), config.rank, config.alpha, rngs=rngs))
     return adapters
 
 
@@ -94,6 +100,10 @@ def merge_adapters(model: nnx.Module, adapters: Adapters) -> None:
 
     for owner in adapters.hf_names:
         m = module_at(model, owner)
+        if isinstance(m.kernel, QuantizedKernel):
+            raise TrainingError(f"{'.'.join(map(str, owner))} is quantized: merging an adapter into quantized "
+                                "weights is not implemented; serve it beside the model (--lora-modules), or fuse "
+                                "into the base converted in float (--dequantize)")
         w = np.asarray(m.kernel[...], np.float32)
         delta = m.scale * (np.asarray(m.lora_b[...], np.float32) @ np.asarray(m.lora_a[...], np.float32))  # [O, I]
         m.kernel[...] = jnp.asarray(w + delta.reshape(w.shape))  # the kernel is out_shape + in_shape, [O, I] flat
