@@ -547,7 +547,7 @@ def test_refusals_are_named(chat, tmp_path):
 
     ckpt, data = chat
     base = ["--model", str(ckpt), "--data", str(data), "--adapter-path", str(tmp_path / "a")]
-    for flags, said in ((["--mesh", "dp=2"], "--mesh"), (["--lora-dropout", "0.1"], "dropout"),
+    for flags, said in ((["--mesh", "dp=2"], "mesh spec 'dp=2' needs 2 devices"), (["--lora-dropout", "0.1"], "dropout"),
                         (["--lora-targets", "nothing"], "no module named"), (["--fuse"], "--fuse needs")):
         rc, out = run_cli(base + flags)
         assert rc == 2 and said in out, (flags, out)

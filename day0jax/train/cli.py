@@ -18,12 +18,6 @@ from pathlib import Path
 from day0jax.core.errors import Day0Error, TrainingError
 from day0jax.train_plan import PAD_MULTIPLE, TrainSetup
 
-# Flags of the full interface that this version refuses by name rather than ignores.
-NOT_IMPLEMENTED = {
-    "mesh": "--mesh (sharded training) is not implemented yet: training runs on one device",
-}
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m day0jax.train", description=__doc__)
     p.add_argument("--model", required=True, help="day0jax checkpoint folder (python -m convert)")
@@ -51,7 +45,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-eval", type=int, default=200)
     p.add_argument("--save-every", type=int, default=100,
                    help="write the adapter (or checkpoint) and the training state every N steps")
-    p.add_argument("--mesh", default=None)
+    p.add_argument("--mesh", default=None,
+                   help="SPEC such as dp=2,tp=2 or 'auto': batches split over dp (and ep), weights over tp as "
+                        "inference splits them (default: one device)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last save under --adapter-path (the same flags, the same data)")
     p.add_argument("--grad-checkpoint", action="store_true",
@@ -146,9 +142,6 @@ def run(args: argparse.Namespace) -> None:
     from day0jax.train.step import default_wrt
     from day0jax.weights.checkpoint import read_manifest
 
-    for flag, why in NOT_IMPLEMENTED.items():
-        if getattr(args, flag):
-            raise TrainingError(why)
     if args.fuse:
         if args.adapter_path is None or args.out is None:
             raise TrainingError("--fuse needs --adapter-path (the adapter) and --out (the new checkpoint)")
@@ -164,7 +157,7 @@ def run(args: argparse.Namespace) -> None:
                       targets=tuple(t for t in args.lora_targets.split(",") if t))
     config = train_config(args)
     # Float32 throughout: the adapters train in float32 and the base is read at that precision.
-    model = day0jax.load(args.model, dtype="float32", kernels="reference")
+    model = day0jax.load(args.model, dtype="float32", kernels="reference", mesh=args.mesh)
     if model.tokenizer is None:
         raise TrainingError(f"{args.model}: no tokenizer.json; the jsonl data needs the checkpoint's tokenizer")
     source = read_manifest(Path(args.model)).get("source", {}).get("path") or str(Path(args.model).absolute())

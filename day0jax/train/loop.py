@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from tqdm import tqdm
 
@@ -77,13 +78,54 @@ def peak_memory() -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host"
 
 
-def _placed_like(tree, rest):
-    """`tree` replicated over the mesh the model's other parameters live on, where the step's outputs land: inputs
-    placed otherwise would compile the step a second time."""
+def mesh_of(tree):
+    """The mesh the model's parameters in `tree` live on (None: not placed on one)."""
+    from jax.sharding import NamedSharding
+
+    return next((x.sharding.mesh for x in jax.tree.leaves(tree) if isinstance(x.sharding, NamedSharding)), None)
+
+
+def _placed_like(tree, mesh):
+    """`tree` on `mesh`: leaves sharded on it already (a full fine-tune's tp-split weights and their optimizer
+    moments) stay as they are, the others (adapters made on one device, step counts) are replicated, where the
+    step's outputs land: inputs placed otherwise would compile the step a second time."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    mesh = next((x.sharding.mesh for x in jax.tree.leaves(rest) if isinstance(x.sharding, NamedSharding)), None)
-    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+    if mesh is None:
+        return tree
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+        return x if on_mesh else jax.device_put(x, replicated)
+    return jax.tree.map(place, tree)
+
+
+def _batch_on(mesh, *arrays, uneven_ok: bool = False):
+    """Host arrays [..., B, T] onto `mesh`, rows split over its data axes (dp, ep): each device computes its rows'
+    loss and gradients, which the step's sums gather (None: as they are, for one device). `uneven_ok`: rows that do
+    not split evenly (an evaluation's last batch) go to every device whole instead.
+
+    Raises:
+        TrainingError: rows that do not split evenly over the data axes (unless `uneven_ok`).
+    """
+    data = 1 if mesh is None else mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)
+    rows = arrays[0].shape[-2]
+    if mesh is None or mesh.size == 1 or (uneven_ok and rows % data):
+        return tuple(jnp.asarray(a) for a in arrays)
+    from sharding.rules import put
+
+    if rows % data:
+        raise TrainingError(f"--batch-size {rows}: the mesh splits each batch's rows over dp x ep = {data} devices; "
+                            f"use a multiple of {data}")
+    return tuple(put(a, mesh, (None,) * (a.ndim - 2) + ("batch", None)) for a in arrays)
+
+
+def _mesh_context(mesh):
+    """The mesh as the context the model's sharding constraints read (`sharding.rules.constrain`), while tracing."""
+    import contextlib
+
+    return contextlib.nullcontext() if mesh is None or mesh.size == 1 else jax.set_mesh(mesh)
 
 
 def _loss_sum(graphdef, state, tokens, mask):
@@ -97,10 +139,11 @@ _jitted_loss_sum = jax.jit(_loss_sum, static_argnums=0)
 def evaluate(model: nnx.Module, batches: Iterable[Batch]) -> float:
     """Mean cross-entropy over every target that counts in `batches` (all rows pooled)."""
     graphdef, state = nnx.split(model)
+    mesh = mesh_of(state)
     total = count = 0.0
-    with step_lib.tracing(step_lib._dtype_of(state)):
+    with step_lib.tracing(step_lib._dtype_of(state)), _mesh_context(mesh):
         for b in batches:
-            t, n = _jitted_loss_sum(graphdef, state, jnp.asarray(b.tokens), jnp.asarray(b.mask))
+            t, n = _jitted_loss_sum(graphdef, state, *_batch_on(mesh, b.tokens, b.mask, uneven_ok=True))
             total, count = total + float(t), count + float(n)
     if not count:
         raise TrainingError("no target that counts in the evaluation data")
@@ -142,8 +185,12 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         params, opt_state = jax.tree.map(jnp.asarray, resume.restore(params, opt_state))
         nnx.update(model, params)
         first = resume.step + 1
-    params = _placed_like(params, rest)
-    opt_state = _placed_like(opt_state, rest)
+    mesh = mesh_of(rest) or mesh_of(params)
+    params = _placed_like(params, mesh)
+    if mesh is not None:  # each optimizer moment where its parameter is (a tp-split weight's split the same way)
+        opt_state = optax.tree_map_params(tx, lambda s, p: jax.device_put(s, p.sharding), opt_state, params,
+                                          transform_non_params=lambda s: s)
+    opt_state = _placed_like(opt_state, mesh)
     step_fn = step_lib.make_step(tx, graphdef, config.grad_checkpoint)
     dtype = step_lib._dtype_of(rest)
     result = TrainResult()
@@ -158,8 +205,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         tokens, mask = step_lib.stack(micro, pad_id)
         if not mask[:, :, 1:].any():
             raise TrainingError(f"step {it}: its batches have no target that counts")
-        with step_lib.tracing(dtype):
-            params, opt_state, loss, _ = step_fn(params, rest, opt_state, jnp.asarray(tokens), jnp.asarray(mask))
+        with step_lib.tracing(dtype), _mesh_context(mesh):
+            params, opt_state, loss, _ = step_fn(params, rest, opt_state, *_batch_on(mesh, tokens, mask))
         loss = float(loss)
         if not math.isfinite(loss):
             raise TrainingError(f"step {it}: the loss is {loss}; lower --learning-rate")
