@@ -101,6 +101,31 @@ def _placed_like(tree, mesh):
     return jax.tree.map(place, tree)
 
 
+def fully_sharded(tree, mesh):
+    """Trained weights split over the mesh's data axes (dp, ep) as well (FSDP): in each leaf, the first dim not
+    split yet that they divide, added to what tp already splits. Every device then keeps its share of the weights,
+    their gradients and their optimizer moments; XLA gathers a weight where a step uses it. A leaf already split over
+    a data axis (experts over ep), or with no such dim, keeps its placement."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axes = tuple(a for a in ("dp", "ep") if mesh.shape.get(a, 1) > 1)
+    n = math.prod(mesh.shape[a] for a in axes)
+
+    def split(x):
+        if not axes or not isinstance(x.sharding, NamedSharding):
+            return x
+        spec = list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))
+        used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+        if used & set(axes):
+            return x
+        for d, entry in enumerate(spec):
+            if entry is None and x.shape[d] % n == 0:
+                spec[d] = axes if len(axes) > 1 else axes[0]
+                return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
+        return x
+    return jax.tree.map(split, tree)
+
+
 def _batch_on(mesh, *arrays, uneven_ok: bool = False):
     """Host arrays [..., B, T] onto `mesh`, rows split over its data axes (dp, ep): each device computes its rows'
     loss and gradients, which the step's sums gather (None: as they are, for one device). `uneven_ok`: rows that do
@@ -187,6 +212,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         first = resume.step + 1
     mesh = mesh_of(rest) or mesh_of(params)
     params = _placed_like(params, mesh)
+    if mesh is not None and not step_lib.has_lora(model):  # full fine-tuning: FSDP over the data axes
+        params = fully_sharded(params, mesh)
     if mesh is not None:  # each optimizer moment where its parameter is (a tp-split weight's split the same way)
         opt_state = optax.tree_map_params(tx, lambda s, p: jax.device_put(s, p.sharding), opt_state, params,
                                           transform_non_params=lambda s: s)

@@ -89,11 +89,17 @@ def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = Fals
     return float(total / count), jax.tree.map(lambda g: g / count, grads)
 
 
+def has_lora(model: nnx.Module) -> bool:
+    """Whether the model has LoRA adapters (`lora.apply_lora`)."""
+    from day0jax.layers.lora import LoRAParam
+
+    return bool(jax.tree.leaves(nnx.state(model, LoRAParam)))
+
+
 def default_wrt(model: nnx.Module):
     from day0jax.layers.lora import LoRAParam
 
-    has_lora = bool(jax.tree.leaves(nnx.state(model, LoRAParam)))
-    return LoRAParam if has_lora else nnx.Param
+    return LoRAParam if has_lora(model) else nnx.Param
 
 
 def _dtype_of(state: nnx.State):
