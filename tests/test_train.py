@@ -547,7 +547,8 @@ def test_refusals_are_named(chat, tmp_path):
 
     ckpt, data = chat
     base = ["--model", str(ckpt), "--data", str(data), "--adapter-path", str(tmp_path / "a")]
-    for flags, said in ((["--mesh", "dp=2"], "mesh spec 'dp=2' needs 2 devices"), (["--lora-dropout", "0.1"], "dropout"),
+    for flags, said in ((["--mesh", "dp=2"], "mesh spec 'dp=2' needs 2 devices"),
+                        (["--lora-dropout", "1.0"], "--lora-dropout 1.0: must be in [0, 1)"),
                         (["--lora-targets", "nothing"], "no module named"), (["--fuse"], "--fuse needs")):
         rc, out = run_cli(base + flags)
         assert rc == 2 and said in out, (flags, out)
@@ -556,6 +557,45 @@ def test_refusals_are_named(chat, tmp_path):
     abstract = models.abstract_model(models.config_from_hf(dict(config, model_type=model_type)))
     with pytest.raises(TrainingError, match="MoE experts"):
         apply_lora(abstract, LoRAConfig(targets=("q_proj", "gate_proj")))
+
+
+def test_lora_dropout_masks_the_adapters_input_while_training(converted):
+    """--lora-dropout p: within a training step each adapter's input keeps an element with probability 1 - p,
+    scaled by 1 / (1 - p) (torch's inverted dropout before PEFT's lora_A); outside one (evaluation, inference) and
+    without a key nothing drops. With B = 0 the forward pass does not see the masks, so B's gradient is linear in
+    them: its mean over many steps' masks is the gradient without dropout. Masks follow from the seed and the step,
+    so a run is reproducible (and resumes bit for bit), and another seed trains otherwise."""
+    from day0jax.train import LoRAConfig, TrainConfig, apply_lora, loss_and_grads, train
+
+    batch = batches_for(FAMILIES["llama"][1]["vocab_size"], seed=2)[0]
+    import day0jax
+
+    plain, _ = lora_model(converted["llama"])
+    dropped = day0jax.load(converted["llama"], dtype="float32", kernels="reference")
+    apply_lora(dropped.module, LoRAConfig(rank=RANK, alpha=ALPHA, dropout=0.5))
+    loss, grads = loss_and_grads(plain.module, batch)
+    loss_off, grads_off = loss_and_grads(dropped.module, batch)  # no key: no dropout
+    assert loss_off == loss
+    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])  # noqa: E731
+    keys = [jax.random.key(i) for i in range(64)]
+    draws = [flat(loss_and_grads(dropped.module, batch, key=k)[1]) for k in keys]
+    one, mean, want = draws[0], np.mean(draws, axis=0), flat(grads)
+    assert np.array_equal(flat(grads_off), want)
+    assert np.array_equal(flat(loss_and_grads(dropped.module, batch, key=keys[0])[1]), one)
+    err_one, err_mean = rel_l2(one, want), rel_l2(mean, want)
+    print(f"LoRA dropout 0.5: one step's gradient {err_one:.2f} from the gradient without dropout, the mean of 64 "
+          f"{err_mean:.3f}")
+    assert err_one > 0.1 and err_mean < 0.2 * err_one  # measured: 0.97 and 0.122 (the mean of 64: 1/8 of one)
+
+    def losses(seed):
+        m = day0jax.load(converted["llama"], dtype="float32", kernels="reference")
+        apply_lora(m.module, LoRAConfig(rank=RANK, alpha=ALPHA, dropout=0.5))
+        return train(m.module, batches_for(FAMILIES["llama"][1]["vocab_size"], seed=2)[:3],
+                     TrainConfig(iters=3, optimizer="sgd", learning_rate=0.2, seed=seed),
+                     report=lambda line: None).losses
+
+    first = losses(0)
+    assert losses(0) == first and losses(1)[1:] != first[1:]
 
 
 def test_qlora_trains_on_an_int4_base_and_its_adapter_round_trips(chat, tmp_path):

@@ -1,5 +1,5 @@
-"""Low-rank adapters (LoRA) on a `Linear`: y = base(x) + scale * (x A^T) B^T, as PEFT's `lora.Linear` computes it
-(no dropout), with A [r, in] and B [out, r] in PEFT's layouts (the map's input and output dims flattened).
+"""Low-rank adapters (LoRA) on a `Linear`: y = base(x) + scale * (dropout(x) A^T) B^T, as PEFT's `lora.Linear`
+computes it, with A [r, in] and B [out, r] in PEFT's layouts (the map's input and output dims flattened).
 
 `LoRALinear` holds one trainable adapter (fine-tuning); `MultiLoRALinear` holds the served adapters of a module, one
 slot each, and each batch row takes its own (serving several adapters at once, `day0jax.adapters`)."""
@@ -20,6 +20,20 @@ from day0jax.layers.linear import Linear
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+_DROPOUT: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_dropout_key", default=None)
+
+
+@contextlib.contextmanager
+def dropout_key(key: jax.Array | None):
+    """While tracing a training step: the random key of its LoRA dropout masks (each adapter draws from it folded
+    with its own index). None, and outside any training step: no dropout (evaluation, inference)."""
+    token = _DROPOUT.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
 class LoRAParam(nnx.Param):
     """A trainable adapter matrix: its own variable type, so that training splits adapters from the frozen base."""
 
@@ -29,10 +43,13 @@ class LoRALinear(Linear):
     [O, r] (I, O: the products of the input and output dims), scaled by `alpha / r`.
 
     Initialised as PEFT initialises LoRA: A Kaiming-uniform (torch's `kaiming_uniform_(a=sqrt(5))`: U(-1/sqrt(I),
-    1/sqrt(I))), B zero, so that the adapted map starts equal to the base.
+    1/sqrt(I))), B zero, so that the adapted map starts equal to the base. `dropout` p: within a training step
+    (`dropout_key`), the adapter's input keeps each element with probability 1 - p, scaled by 1 / (1 - p), as
+    torch's `nn.Dropout` before PEFT's lora_A; `index` tells this adapter's masks from the others'.
     """
 
-    def __init__(self, base: Linear, rank: int, alpha: float, *, rngs: nnx.Rngs):
+    def __init__(self, base: Linear, rank: int, alpha: float, *, rngs: nnx.Rngs, dropout: float = 0.0,
+                 index: int = 0):
         self.in_shape, self.out_shape = base.in_shape, base.out_shape
         self.kernel, self.bias, self.quantizable = base.kernel, base.bias, base.quantizable
         I, O = math.prod(self.in_shape), math.prod(self.out_shape)
@@ -41,6 +58,7 @@ class LoRALinear(Linear):
         self.lora_a = LoRAParam(a)
         self.lora_b = LoRAParam(jnp.zeros((O, rank), jnp.float32))
         self.rank, self.alpha = rank, float(alpha)
+        self.dropout, self.index = float(dropout), index
 
     @property
     def scale(self) -> float:
@@ -50,6 +68,10 @@ class LoRALinear(Linear):
         y = super().__call__(x)
         lead = x.shape[: x.ndim - len(self.in_shape)]
         flat = x.reshape(*lead, -1).astype(self.lora_a.dtype)
+        key = _DROPOUT.get()
+        if self.dropout and key is not None:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, self.index), 1.0 - self.dropout, flat.shape)
+            flat = jnp.where(keep, flat / (1.0 - self.dropout), 0.0)
         delta = (flat @ self.lora_a[...].T) @ self.lora_b[...].T * self.scale
         return y + delta.reshape(*lead, *self.out_shape).astype(y.dtype)
 

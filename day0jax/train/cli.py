@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fine-tune-type", default="lora", choices=("lora", "full"))
     p.add_argument("--lora-rank", type=int, default=TrainSetup.lora_rank)
     p.add_argument("--lora-alpha", type=float, default=16.0)
-    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="dropout on the adapters' input while training, as PEFT's lora_dropout (masks from --seed)")
     p.add_argument("--lora-targets", default=",".join(TrainSetup.lora_targets))
     p.add_argument("--batch-size", type=int, default=TrainSetup.batch_size)
     p.add_argument("--iters", type=int, default=1000)
@@ -70,7 +71,7 @@ def train_config(args: argparse.Namespace):
                        weight_decay=args.weight_decay, lr_schedule=args.lr_schedule, warmup=args.warmup,
                        grad_accumulation=args.grad_accumulation, steps_per_report=args.steps_per_report,
                        steps_per_eval=args.steps_per_eval, save_every=args.save_every,
-                       grad_checkpoint=args.grad_checkpoint)
+                       grad_checkpoint=args.grad_checkpoint, seed=args.seed)
 
 
 def run_settings(args: argparse.Namespace, train_set) -> dict:
@@ -85,7 +86,7 @@ def run_settings(args: argparse.Namespace, train_set) -> dict:
     data = hashlib.sha256(json.dumps([[list(e.tokens), e.offset] for e in train_set]).encode()).hexdigest()
     flags = ("fine_tune_type", "lora_rank", "lora_alpha", "lora_targets", "batch_size", "iters", "learning_rate",
              "optimizer", "weight_decay", "lr_schedule", "warmup", "grad_accumulation", "max_seq_length",
-             "mask_prompt", "seed", "no_shuffle")
+             "mask_prompt", "seed", "no_shuffle", "lora_dropout")
     return {"model": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
             "train_data": data, **{flag: getattr(args, flag) for flag in flags}}
 

@@ -19,6 +19,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from day0jax.core.errors import TrainingError
+from day0jax.layers.lora import LoRALinear
 from day0jax.train import step as step_lib
 from day0jax.train.data import Batch
 from day0jax.train.resume import SavedState
@@ -43,6 +44,7 @@ class TrainConfig:
     steps_per_eval: int = 200
     save_every: int = 100
     grad_checkpoint: bool = False  # recompute each decoder layer's activations in the backward pass
+    seed: int = 0  # LoRA dropout's masks: step k's from the key of `seed` folded with k
 
     def __post_init__(self):
         if self.iters < 0:
@@ -219,6 +221,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
                                           transform_non_params=lambda s: s)
     opt_state = _placed_like(opt_state, mesh)
     step_fn = step_lib.make_step(tx, graphdef, config.grad_checkpoint)
+    # A key per step only where some adapter drops out: a step without dropout stays one program without a key.
+    dropout = any(isinstance(m, LoRALinear) and m.dropout for _, m in nnx.iter_modules(model))
     dtype = step_lib._dtype_of(rest)
     result = TrainResult()
     batches: Iterator[Batch] = iter(data)
@@ -233,7 +237,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         if not mask[:, :, 1:].any():
             raise TrainingError(f"step {it}: its batches have no target that counts")
         with step_lib.tracing(dtype), _mesh_context(mesh):
-            params, opt_state, loss, _ = step_fn(params, rest, opt_state, *_batch_on(mesh, tokens, mask))
+            key = jax.random.fold_in(jax.random.key(config.seed), it) if dropout else None
+            params, opt_state, loss, _ = step_fn(params, rest, opt_state, *_batch_on(mesh, tokens, mask), key)
         loss = float(loss)
         if not math.isfinite(loss):
             raise TrainingError(f"step {it}: the loss is {loss}; lower --learning-rate")

@@ -28,7 +28,8 @@ PREFIX = "base_model.model."  # PEFT's prefix of a causal LM's module names
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """rank r, alpha (scale alpha / r), dropout (0 only), and the module names (HF's) that take adapters."""
+    """rank r, alpha (scale alpha / r), dropout p of the adapters' input while training, and the module names (HF's)
+    that take adapters."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -38,8 +39,8 @@ class LoRAConfig:
     def __post_init__(self):
         if self.rank < 1:
             raise TrainingError(f"--lora-rank {self.rank}: the rank must be at least 1")
-        if self.dropout != 0.0:
-            raise TrainingError(f"--lora-dropout {self.dropout}: LoRA dropout is not implemented (use 0)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise TrainingError(f"--lora-dropout {self.dropout}: must be in [0, 1)")
 
 
 @dataclass
@@ -85,10 +86,11 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, seed: int = 0) -> Adapters
     # HF names from the float model's kernels, which carry the converter's metadata (a quantized kernel is codes
     # and scales).
     plain = models.abstract_model(model.config)
-    for owner in found:
+    for index, owner in enumerate(found):
         kernel_path = ".".join(map(str, owner)) + ".kernel"
         adapters.hf_names[owner] = _hf_module_name(model.config, kernel_path, module_at(plain, owner).kernel)
-        replace_module_at(model, owner, LoRALinear(module_at(model, owner), config.rank, config.alpha, rngs=rngs))
+        replace_module_at(model, owner, LoRALinear(module_at(model, owner), config.rank, config.alpha, rngs=rngs,
+                                                   dropout=config.dropout, index=index))
     return adapters
 
 

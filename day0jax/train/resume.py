@@ -4,8 +4,8 @@ Each save (every `--save-every` steps and the last) writes `training_state/` ins
 hidden folder that is then renamed into place, so the adapter (or checkpoint) and the state beside it are always
 from one step:
 - `state.json`: the step, the data position (batches taken from the stream, whose order is numpy's
-  `default_rng(seed)` permutations: the seed and that count are the shuffle's whole state; training draws no other
-  random numbers, LoRA dropout being refused), and the run's settings that the trajectory depends on;
+  `default_rng(seed)` permutations: the seed and that count are the shuffle's whole state; LoRA dropout's masks
+  come from the seed and the step number), and the run's settings that the trajectory depends on;
 - `tensors.safetensors`: the trainable parameters (`param/<path>`) and the optimizer state (`opt/<path>`), as
   trained (float32), so a resumed run continues bit for bit.
 Safetensors and JSON rather than Orbax: the state is one small set of host arrays on one device, which the

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from day0jax.core.errors import TrainingError
+from day0jax.layers.lora import dropout_key
 from day0jax.layers.linear import exact_float32
 from day0jax.models.base import rematerialized_layers
 from day0jax.train.data import Batch
@@ -56,9 +57,9 @@ def _split(model: nnx.Module, wrt) -> tuple[Any, nnx.State, nnx.State]:
     return graphdef, params, rest
 
 
-def _sum_and_grads(graphdef, params, rest, tokens, mask, remat=False):
+def _sum_and_grads(graphdef, params, rest, tokens, mask, remat=False, key=None):
     def f(p):
-        with rematerialized_layers(remat):
+        with rematerialized_layers(remat), dropout_key(key):
             return loss_sum(nnx.merge(graphdef, p, rest), tokens, mask)
 
     (total, count), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -68,11 +69,12 @@ def _sum_and_grads(graphdef, params, rest, tokens, mask, remat=False):
 _jitted_loss_and_grads = jax.jit(_sum_and_grads, static_argnums=(0, 5))
 
 
-def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = False) -> tuple[float, nnx.State]:
+def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = False,
+                   key: jax.Array | None = None) -> tuple[float, nnx.State]:
     """The batch's loss (mean cross-entropy over its targets that count) and its gradient with respect to the
     parameters `wrt` selects (an nnx filter; default: the LoRA adapters if the model has any, else every
     parameter). `remat`: gradient checkpointing, each decoder layer's activations recomputed in the backward pass
-    (the same values, less memory).
+    (the same values, less memory). `key`: the random key of LoRA dropout's masks (None: no dropout).
 
     Returns:
         (loss, gradients as an `nnx.State` of the same paths as those parameters).
@@ -85,7 +87,7 @@ def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = Fals
     graphdef, params, rest = _split(model, wrt)
     with tracing(_dtype_of(rest)):
         total, count, grads = _jitted_loss_and_grads(graphdef, params, rest, jnp.asarray(batch.tokens),
-                                                     jnp.asarray(batch.mask), remat)
+                                                     jnp.asarray(batch.mask), remat, key)
     return float(total / count), jax.tree.map(lambda g: g / count, grads)
 
 
@@ -151,17 +153,21 @@ def optimizer(name: str, schedule: Callable, weight_decay: float = 0.0) -> optax
 
 def make_step(tx: optax.GradientTransformation, graphdef, remat: bool = False) -> Callable:
     """One optimizer step over `A` micro-batches (tokens, mask [A, B, T]), their gradients accumulated as the
-    gradient of the mean over all their targets: (params, rest, opt_state, tokens, mask) -> (params, opt_state,
-    loss, targets); `remat`: gradient checkpointing per decoder layer. Jitted: compiled once per shape."""
+    gradient of the mean over all their targets: (params, rest, opt_state, tokens, mask, key) -> (params,
+    opt_state, loss, targets); `key`: LoRA dropout's for this step (micro-batch i takes it folded with i), or None;
+    `remat`: gradient checkpointing per decoder layer. Jitted: compiled once per shape."""
 
-    def step(params, rest, opt_state, tokens, mask):
+    def step(params, rest, opt_state, tokens, mask, key=None):
         def micro(carry, xs):
             total, count, grads = carry
-            t, n, g = _sum_and_grads(graphdef, params, rest, *xs, remat)
+            t_, m_, i = xs
+            t, n, g = _sum_and_grads(graphdef, params, rest, t_, m_, remat,
+                                     None if key is None else jax.random.fold_in(key, i))
             return (total + t, count + n, jax.tree.map(jnp.add, grads, g)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (total, count, grads), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0), zeros), (tokens, mask))
+        (total, count, grads), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0), zeros),
+                                                (tokens, mask, jnp.arange(tokens.shape[0])))
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, total / count, count
