@@ -259,5 +259,9 @@ class ServedAdapters:
                 B[slot, :, :r] = b * np.float32(adapter.config.scale)
         return {p: (A.astype(dtype), B.astype(dtype)) for p, (A, B) in out.items()}
 
+    def nbytes(self, model: nnx.Module, itemsize: int) -> int:
+        """Bytes of the stacked matrices, which every device holds whole."""
+        return itemsize * sum(math.prod(a) + math.prod(b) for a, b in self.shapes(model).values())
+
     def describe(self) -> str:
         return ", ".join(f"{a.name} (r={a.config.rank}, {len(a.shapes)} modules)" for a in self.adapters)

@@ -425,9 +425,8 @@ def _adapters(abstract, engine, itemsize: int, report: Report) -> dict:
     except Day0Error as e:
         report.reasons.append(str(e))
         return {}
-    elements = sum(math.prod(a) + math.prod(b) for a, b in served.shapes(abstract).values())
     return {"adapters": [{"name": a.name, "rank": a.config.rank, "modules": len(a.shapes)} for a in served.adapters],
-            "padded_rank": served.rank, "modules": len(served.modules), "bytes": elements * itemsize}
+            "padded_rank": served.rank, "modules": len(served.modules), "bytes": served.nbytes(abstract, itemsize)}
 
 
 def _training(abstract, setup, device_memory: int | None, report: Report) -> dict:

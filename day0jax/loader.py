@@ -216,18 +216,19 @@ def prepare(hf: dict, *, dtype: str | None = None, mesh: Mesh | str | None = Non
 
             abstract.image_patch_limit = patch_limit(folder)
         infos = {i.path: i for i in models.param_infos(abstract)}
-        layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget)
-        info["mesh"] = describe(mesh)
-    # Before anything is traced: the kernel choices are part of every program.
-    adapters = None
-    if engine.lora_modules:
-        with timeline.phase("adapters", count=len(engine.lora_modules)):
+        adapters = None
+        if engine.lora_modules:  # checked before any weight is read; every device holds them whole
             adapters = ServedAdapters(engine.lora_modules, abstract, engine.max_loras, engine.max_lora_rank)
-            replicated = NamedSharding(mesh, PartitionSpec())
-            adapters.attach(abstract, {path: tuple(jax.ShapeDtypeStruct(shape, DTYPES[dtype], sharding=replicated)
-                                                   for shape in shapes)
-                                       for path, shapes in adapters.shapes(abstract).items()})
-        log.info("LoRA adapters: %s", adapters.describe())
+            log.info("LoRA adapters: %s", adapters.describe())
+        reserved = 0 if adapters is None else adapters.nbytes(abstract, jnp.dtype(DTYPES[dtype]).itemsize)
+        layout, memory_plan, mesh = plan_memory(abstract, config, engine, dtype, mesh, memory_budget, reserved)
+        info["mesh"] = describe(mesh)
+    if adapters is not None:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        adapters.attach(abstract, {path: tuple(jax.ShapeDtypeStruct(shape, DTYPES[dtype], sharding=replicated)
+                                               for shape in shapes)
+                                   for path, shapes in adapters.shapes(abstract).items()})
+    # Before anything is traced: the kernel choices are part of every program.
     with timeline.phase("kernel self-test", mode=kernels):
         report = kernel_selftest.startup([call for _, call in abstract.op_calls()], dtype=DTYPES[dtype],
                                          mode=kernels, tp=mesh.shape.get("tp", 1))
@@ -318,8 +319,9 @@ class EnginePlanInputs:
 
 
 def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, mesh: Mesh | str | None,
-                memory_budget: int | None = None) -> tuple[EngineLayout, plan_lib.Plan, Mesh]:
-    """The engine's layout, the memory plan for it, and the mesh (made here unless a `Mesh` is given).
+                memory_budget: int | None = None, reserved: int = 0) -> tuple[EngineLayout, plan_lib.Plan, Mesh]:
+    """The engine's layout, the memory plan for it, and the mesh (made here unless a `Mesh` is given); `reserved`:
+    bytes each device holds besides what the plan counts (served LoRA adapters), taken off its budget.
 
     Raises:
         GenerationError, MeshError, OutOfMemoryPlan: as `load`.
@@ -332,9 +334,10 @@ def plan_memory(abstract: nnx.Module, config, engine: EngineConfig, dtype: str, 
         if bad:
             raise MeshError(f"mesh {describe(mesh)} does not fit the model: {'; '.join(bad)}")
     else:
-        budget = memory_budget if memory_budget is not None else plan_lib.device_memory(devices)
+        budget = (memory_budget if memory_budget is not None else plan_lib.device_memory(devices)) - reserved
         mesh = make_mesh(mesh, infos=infos, fits=lambda s: inputs.plan(s, dtype, budget).fits)
-    budget = memory_budget if memory_budget is not None else plan_lib.device_memory(list(mesh.devices.flat))
+    budget = (memory_budget if memory_budget is not None else
+              plan_lib.device_memory(list(mesh.devices.flat))) - reserved
     if "pp" in mesh.axis_names:
         from day0jax.engine.stages import pipeline_refusal
 

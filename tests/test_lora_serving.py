@@ -193,6 +193,26 @@ def test_adapters_that_cannot_be_served_are_refused_naming_file_and_key(served, 
     assert [a["rank"] for a in report.adapters["adapters"]] == [4, 8]
 
 
+def test_memory_plan_reserves_the_adapters(served, converted):
+    """The adapters' stacks (every device holds them whole) come off each device's budget before the plan: a budget
+    the model fits alone with less room than they take is refused with them, and accepted without."""
+    from day0jax import loader
+    from day0jax.adapters import ServedAdapters
+    from day0jax.core.errors import OutOfMemoryPlan
+    from day0jax.engine.config import EngineConfig
+
+    _, hf = loader.read_checkpoint_config(converted["llama"])
+    modules = tuple((name, str(f)) for name, f in served["folders"].items())
+    engine = EngineConfig(max_num_seqs=8, chunk_buckets=(32,), max_model_len=96)
+    alone = loader.prepare(hf, dtype="float32", kernels="reference", engine=engine)
+    need = ServedAdapters(modules, alone.abstract).nbytes(alone.abstract, 4)
+    budget = alone.memory_plan.total_bytes + need // 2
+    loader.prepare(hf, dtype="float32", kernels="reference", engine=engine, memory_budget=budget)
+    with pytest.raises(OutOfMemoryPlan):
+        loader.prepare(hf, dtype="float32", kernels="reference", memory_budget=budget,
+                       engine=EngineConfig(max_num_seqs=8, chunk_buckets=(32,), max_model_len=96, lora_modules=modules))
+
+
 def test_server_refuses_a_bad_adapter_at_start(served, converted, tmp_path):
     """The server exits non-zero, naming the adapter's file and field, without serving the model alone."""
     from launch import ServerProcess
