@@ -24,14 +24,19 @@ _DROPOUT: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lor
 
 
 @contextlib.contextmanager
-def dropout_key(key: jax.Array | None):
-    """While tracing a training step: the random key of its LoRA dropout masks (each adapter draws from it folded
-    with its own index). None, and outside any training step: no dropout (evaluation, inference)."""
-    token = _DROPOUT.set(key)
+def _tracing_with(var: contextvars.ContextVar, value):
+    """`var` set to `value` for the block: what the layers of a model call read while it is traced."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _DROPOUT.reset(token)
+        var.reset(token)
+
+
+def dropout_key(key: jax.Array | None):
+    """While tracing a training step: the random key of its LoRA dropout masks (each adapter draws from it folded
+    with its own index). None, and outside any training step: no dropout (evaluation, inference)."""
+    return _tracing_with(_DROPOUT, key)
 
 
 class LoRAParam(nnx.Param):
@@ -132,16 +137,11 @@ def lora_targets(model: nnx.Module, targets) -> list[tuple]:
 _ROWS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("adapter_rows", default=None)
 
 
-@contextlib.contextmanager
 def adapter_rows(rows: jax.Array | None):
     """While tracing a model call: each batch row's adapter slot ([B] int32, 0: none), which every
     `MultiLoRALinear` in the call reads. A trace-time context rather than an argument, so that no layer of any family
     passes it along; the array itself is an input of the traced program. None: the call has no adapted modules."""
-    token = _ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
+    return _tracing_with(_ROWS, rows)
 
 
 class AdapterStack(nnx.Variable):
