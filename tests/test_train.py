@@ -635,9 +635,10 @@ def test_qlora_trains_on_an_int4_base_and_its_adapter_round_trips(chat, tmp_path
     assert all(np.array_equal(v, adapter_arrays(model.module, adapters)[k])
                for k, v in adapter_arrays(again.module, again_adapters).items())
     served = day0jax.load(int4, dtype="float32", kernels="reference", adapters={"memorized": str(folder)})
-    for prompt, expected in zip(PROMPTS, trained):
-        ours = served.logits([prompt], adapter="memorized")[0]
-        assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()  # measured: 3e-7
+    errs = [np.abs(served.logits([p], adapter="memorized")[0] - want).max() / np.abs(want).max()
+            for p, want in zip(PROMPTS, trained)]
+    print(f"the adapter served beside the int4 model: logits within {max(errs):.1e} of the trained model's")
+    assert max(errs) <= 1e-5  # measured: 5.2e-7
 
     rc, out = run_cli(["--fuse", "--model", str(int4), "--adapter-path", str(folder), "--out", str(tmp_path / "f")])
     assert rc == 2 and re.search(r"model\.layers\.\d\.\w+\.\w+_proj is quantized: merging an adapter", out), out
