@@ -180,7 +180,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--steps", type=int, default=100, help="optimizer steps on each side, warm-up included")
     ap.add_argument("--warmup-steps", type=int, default=3,
                     help="the first steps, not timed (compilation; PyTorch's first steps are slow too)")
