@@ -21,7 +21,7 @@ from flax import nnx
 
 from day0jax.core.errors import AdapterError, CheckpointError, Day0Error
 from day0jax.engine.config import MAX_LORA_RANK, MAX_LORAS
-from day0jax.layers.lora import module_at, replace_module_at
+from day0jax.layers.lora import MultiLoRALinear, module_at, replace_module_at
 
 ADAPTER_CONFIG, ADAPTER_TENSORS = "adapter_config.json", "adapter_model.safetensors"
 # PEFT's names for a causal LM's LoRA matrices (saved without the adapter's own name).
@@ -186,20 +186,19 @@ class ServedAdapters:
         model: the (abstract) model they adapt.
         max_loras: the most adapters (`--max-loras`).
         max_rank: the largest rank accepted (`--max-lora-rank`).
-        base_name: the base model's served name, which no adapter may take.
     Raises:
-        AdapterError: too many adapters, a name twice (or the base's), a vision-language model, a folder that
+        AdapterError: too many adapters, an empty name or one given twice, a vision-language model, a folder that
             `read_peft` refuses, or a tensor naming no module of the model or of another shape than its module.
     """
 
     def __init__(self, modules: Sequence[tuple[str, str]], model: nnx.Module, max_loras: int = MAX_LORAS,
-                 max_rank: int = MAX_LORA_RANK, base_name: str | None = None):
+                 max_rank: int = MAX_LORA_RANK):
         names = [n for n, _ in modules]
         if len(modules) > max_loras:
             raise AdapterError(f"--lora-modules gives {len(modules)} adapters, more than --max-loras {max_loras}")
         for i, n in enumerate(names):
-            if not n or n in names[:i] or n == base_name:
-                what = "empty" if not n else "the base model's" if n == base_name else "given twice"
+            if not n or n in names[:i]:
+                what = "empty" if not n else "given twice"
                 raise AdapterError(f"--lora-modules: adapter name {n!r} is {what}; each adapter needs its own name")
         if getattr(model, "vision_spec", None) is not None:
             raise AdapterError(f"{model.config.model_type}: serving LoRA adapters on a vision-language model is not "
@@ -222,14 +221,6 @@ class ServedAdapters:
                 self.modules[module] = path
         self.rank = max(a.config.rank for a in self.adapters)
 
-    @property
-    def names(self) -> list[str]:
-        return [a.name for a in self.adapters]
-
-    def slot(self, name: str | None) -> int:
-        """The slot of the adapter `name` (0 for None: the base model). Raises ValueError for an unknown name."""
-        return 0 if name is None else self.names.index(name) + 1
-
     def shapes(self, model: nnx.Module) -> dict[tuple, tuple[tuple, tuple]]:
         """Runtime path -> the shapes of its stacked A [S, R, in] and B [S, out, R]."""
         S = len(self.adapters) + 1
@@ -242,8 +233,6 @@ class ServedAdapters:
     def attach(self, model: nnx.Module, values: dict[tuple, tuple]) -> None:
         """Replaces each targeted `Linear` of `model` by a `MultiLoRALinear` holding `values[path]` (its A and B
         stacks: arrays, or shapes for an abstract model), in place."""
-        from day0jax.layers.lora import MultiLoRALinear
-
         for path, (a, b) in values.items():
             replace_module_at(model, path, MultiLoRALinear(module_at(model, path), a, b))
 

@@ -177,6 +177,12 @@ def test_adapters_that_cannot_be_served_are_refused_naming_file_and_key(served, 
         with pytest.raises(AdapterError) as e:
             ServedAdapters(modules, abstract, **limits)
         assert said in str(e.value), (said, str(e.value))
+    from families import MULTIMODAL
+
+    llava = MULTIMODAL["llava"]
+    vision = models.abstract_model(models.config_from_hf(dict(llava.config, model_type=llava.model_type)))
+    with pytest.raises(AdapterError, match="llava: serving LoRA adapters on a vision-language model is not"):
+        ServedAdapters([("x", str(good))], vision)
 
     # `load` refuses before reading a weight; `check` reports the same refusal, and plans the good ones.
     import day0jax
