@@ -896,7 +896,7 @@ def _train_main(parser: argparse.ArgumentParser, args) -> int:
     from sharding.cluster import parse_size
 
     if args.mesh is not None:
-        parser.error("--mesh with --train: the trainer runs on one device (sharded training is not implemented)")
+        parser.error("--mesh with --train: the fine-tuning plan is for one device (a mesh's split is not planned)")
     if args.hosts is not None or args.devices_per_host is not None:
         parser.error("--hosts and --devices-per-host with --train: the trainer runs on one device (give "
                      "--device-memory alone)")
