@@ -273,7 +273,7 @@ class ModelRunner:
             greedy = self._padded(jnp.argmax(logits, axis=-1))
         return (logits, greedy, *kept, pools)
 
-    def _whole_fn(self, s: int, params, x, seq_len, image, adapters):
+    def _whole_fn(self, s: int, params, x, seq_len, image, adapters=None):
         """Stage `s` of `Model.logits`' full forward pass (no cache); `adapters`: each row's adapter slot, or None
         for a model without served adapters."""
         model = self._model(s, params)
