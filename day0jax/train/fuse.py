@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from day0jax.adapters import ADAPTER_TENSORS, read_adapter_config
+from day0jax.adapters import adapter_tensors_file, read_adapter_config
 from day0jax.core.errors import TrainingError
 from day0jax.train.lora import LoRAConfig
 
@@ -15,14 +15,11 @@ def fuse(model_path: str | Path, adapter_path: str | Path, out: str | Path) -> P
     + alpha / r * B @ A, in float32) to `out`, beside the source's config and tokenizer files.
 
     Raises:
-        AdapterError: the adapter's config missing or naming an option not implemented (`read_adapter_config`).
-        TrainingError: its tensors missing, or not fitting the model (another model's adapter): naming the file
-            and the tensor.
+        AdapterError: the adapter's config or tensors file missing or malformed, or an option not implemented
+            (`read_adapter_config`, `adapter_tensors_file`).
+        TrainingError: its tensors not fitting the model (another model's adapter): naming the file and the tensor.
         CheckpointError: `out` exists and is not a checkpoint, or cannot be written.
     """
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     import day0jax
     from day0jax.train.export import save_checkpoint
     from day0jax.train.lora import apply_lora, load_adapter_arrays, merge_adapters
@@ -30,19 +27,14 @@ def fuse(model_path: str | Path, adapter_path: str | Path, out: str | Path) -> P
     adapter_path = Path(adapter_path)
     c = read_adapter_config(adapter_path)
     config = LoRAConfig(rank=c.rank, alpha=c.alpha, targets=c.targets)
-    tensors_path = adapter_path / ADAPTER_TENSORS
-    if not tensors_path.is_file():
-        raise TrainingError(f"{tensors_path} does not exist: --adapter-path must be a PEFT LoRA folder")
-    try:
-        arrays = load_file(str(tensors_path))
-    except (OSError, SafetensorError) as e:
-        raise TrainingError(f"{tensors_path}: unreadable ({e})") from None
+    tensors = adapter_tensors_file(adapter_path)
+    arrays = {name: tensors.read(name) for name in tensors.tensors}
     model = day0jax.load(model_path, dtype="float32", kernels="reference")
     adapters = apply_lora(model.module, config)
     try:
         load_adapter_arrays(model.module, adapters, arrays)
     except TrainingError as e:
-        raise TrainingError(f"{tensors_path} does not fit {model_path} (an adapter of another model?): {e}") from None
+        raise TrainingError(f"{tensors.path} does not fit {model_path} (an adapter of another model?): {e}") from None
     merge_adapters(model.module, adapters)
     source = str(Path(model_path).absolute())
     return save_checkpoint(model.module, model_path, out,
