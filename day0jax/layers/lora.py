@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
@@ -77,8 +78,32 @@ class LoRALinear(Linear):
         if self.dropout and key is not None:
             keep = jax.random.bernoulli(jax.random.fold_in(key, self.index), 1.0 - self.dropout, flat.shape)
             flat = jnp.where(keep, flat / (1.0 - self.dropout), 0.0)
-        delta = (flat @ self.lora_a[...].T) @ self.lora_b[...].T * self.scale
+        delta = low_rank_product(flat.reshape(-1, flat.shape[-1]), self.lora_a[...], self.lora_b[...], self.scale)
         return y + delta.reshape(*lead, *self.out_shape).astype(y.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def low_rank_product(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """x [N, I] -> scale * (x A^T) B^T [N, O], A [r, I], B [O, r]: the adapter's term, with a gradient whose products
+    all contract the N rows of two row-major operands with the small one transposed. Autodiff's own dB = g^T (x A^T)
+    had XLA:CPU copy g [N, O] into [O, N] first, a quarter of a LoRA training step."""
+    return (x @ a.T) @ b.T * scale
+
+
+def _low_rank_forward(x, a, b, scale):
+    u = x @ a.T  # [N, r]
+    return (u @ b.T) * scale, (x, a, b, u)
+
+
+def _low_rank_backward(scale, residuals, g):
+    x, a, b, u = residuals
+    gu = (g @ b) * scale  # [N, r]
+    db = (u.T * scale) @ g  # [r, O]: the small u transposed, not g
+    da = gu.T @ x  # [r, I]
+    return gu @ a, da, db.T
+
+
+low_rank_product.defvjp(_low_rank_forward, _low_rank_backward)
 
 
 def module_at(model: nnx.Module, path: tuple):
