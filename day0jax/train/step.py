@@ -42,8 +42,30 @@ def forward_logits(model: nnx.Module, tokens: jax.Array) -> jax.Array:
 
 def token_nll(model: nnx.Module, tokens: jax.Array) -> jax.Array:
     """tokens int32 [B, T] -> float32 [B, T - 1]: -log p(token t + 1 | tokens <= t), from float32 logits."""
-    logp = jax.nn.log_softmax(forward_logits(model, tokens)[:, :-1], axis=-1)  # [B, T - 1, V]
-    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return cross_entropy(forward_logits(model, tokens)[:, :-1], tokens[:, 1:])
+
+
+@jax.custom_vjp
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """float32 logits [..., V], int targets [...] -> -log softmax(logits)[target], [...]. Its gradient keeps only
+    the logits and their log-sum-exp, where autodiff of log_softmax kept a second [..., V] array (the size of the
+    logits: 400 MB at 2048 tokens of a 49k vocabulary)."""
+    return _cross_entropy_forward(logits, targets)[0]
+
+
+def _cross_entropy_forward(logits, targets):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], (logits, targets, lse)
+
+
+def _cross_entropy_backward(residuals, g):
+    logits, targets, lse = residuals
+    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+    d_logits = (jnp.exp(logits - lse[..., None]) - is_target) * g[..., None]  # (softmax - one-hot) * g
+    return d_logits, None
+
+
+cross_entropy.defvjp(_cross_entropy_forward, _cross_entropy_backward)
 
 
 def loss_sum(model: nnx.Module, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
