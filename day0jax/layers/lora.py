@@ -77,7 +77,10 @@ class LoRALinear(Linear):
         if self.dropout and key is not None:
             keep = jax.random.bernoulli(jax.random.fold_in(key, self.index), 1.0 - self.dropout, flat.shape)
             flat = jnp.where(keep, flat / (1.0 - self.dropout), 0.0)
-        delta = (flat @ self.lora_a[...].T) @ self.lora_b[...].T * self.scale
+        # True float32 products even where the base's are bfloat16 (no TF32 on GPUs): the adapters are float32.
+        highest = jax.lax.Precision.HIGHEST
+        delta = jnp.matmul(jnp.matmul(flat, self.lora_a[...].T, precision=highest), self.lora_b[...].T,
+                           precision=highest) * self.scale
         return y + delta.reshape(*lead, *self.out_shape).astype(y.dtype)
 
 
