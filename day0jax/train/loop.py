@@ -227,6 +227,8 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         raise TrainingError(f"--dtype {dtype}: the LoRA base is loaded in {step_lib.base_dtype(model)}; load it in "
                             f"{dtype} (day0jax.load(..., dtype='{dtype}')), the frozen weights' only copy")
     compute = compute_dtype(model, dtype)
+    log.info("training precision: %s", "float32" if dtype == jnp.float32 else
+             f"{dtype} forward and backward on float32 master weights")
     graphdef, params, rest = nnx.split(model, wrt, ...)
     params = step_lib.masters(params)
     nnx.update(model, params)  # a bfloat16-loaded full fine-tune's weights: the masters replace them
