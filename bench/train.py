@@ -73,7 +73,8 @@ def worker(ckpt: str, tokens_path: str, adapter: str) -> None:
     from day0jax.train import Example, LoRAConfig, TrainConfig, apply_lora, collate, evaluate, save_adapter, train
 
     batches = [collate([Example(tuple(row.tolist())) for row in b]) for b in np.load(tokens_path)]
-    model = day0jax.load(ckpt, dtype="float32", kernels="reference")  # as `python -m day0jax.train` loads it
+    # In float32, as `python -m day0jax.train --dtype float32` loads it and as the torch side trains.
+    model = day0jax.load(ckpt, dtype="float32", kernels="reference")
     adapters = apply_lora(model.module, LoRAConfig(rank=RANK, alpha=ALPHA), seed=0)
     save_adapter(model.module, adapters, adapter, base_model=ckpt)
     trainable = sum(m.lora_a.size + m.lora_b.size for m in adapters.modules(model.module).values())
@@ -103,7 +104,7 @@ def worker(ckpt: str, tokens_path: str, adapter: str) -> None:
             yield batch
 
     config = TrainConfig(iters=len(batches), learning_rate=LEARNING_RATE, optimizer="adamw", weight_decay=0.0,
-                         steps_per_report=len(batches))
+                         steps_per_report=len(batches), dtype="float32")
     result = train(model.module, stream(), config, report=lambda line: None)
     seconds.append(time.perf_counter() - started[0])
     answer(losses=result.losses, peak_mib=peak_mib())

@@ -305,8 +305,8 @@ def check(path: str | Path, *, mesh: str | None = None, engine=None, dtype: str 
         quantize: plan the weights as `convert --quantize` would store them ('int8', 'int4', 'fp8').
         probe: measure all-reduce and all-gather over each axis of the mesh on the devices present, and estimate
             the communication time of a decode step from them.
-        train: a `day0jax.train_plan.TrainSetup`: plan that fine-tuning run on one device (float32, as the trainer
-            runs it) in `Report.training`, in place of serving's memory plan.
+        train: a `day0jax.train_plan.TrainSetup`: plan that fine-tuning run on one device (in its precision,
+            `TrainSetup.dtype`, as the trainer runs it) in `Report.training`, in place of serving's memory plan.
         device_memory: with `train`, the bytes the device may use (default: its free memory, or the host's).
     """
     import jax
@@ -782,7 +782,9 @@ def render(report: Report) -> str:
     if report.training:
         t = report.training
         verdict = "fits" if t["fits"] else "DOES NOT FIT"
-        out += ["", f"fine-tuning memory per device (one device, float32; {t['setup']['fine_tune_type']}): {verdict}",
+        precision = t["setup"]["dtype"] + (" with float32 masters" if t["setup"]["dtype"] != "float32" else "")
+        out += ["", f"fine-tuning memory per device (one device, {precision}; {t['setup']['fine_tune_type']}): "
+                f"{verdict}",
                 _table(t["rows"], ["part", "bytes", "what"])]
         if t["would_fit"]:
             out.append("would fit: " + "; or ".join(t["would_fit"]))
@@ -891,8 +893,9 @@ TRAIN_FLAGS = ("fine_tune_type", "lora_rank", "lora_targets", "batch_size", "max
 
 
 def _train_main(parser: argparse.ArgumentParser, args) -> int:
-    """`check --train`: the fine-tuning plan on one device, as the trainer runs (float32, no mesh)."""
-    from day0jax.train_plan import TrainSetup
+    """`check --train`: the fine-tuning plan on one device, as the trainer runs (--dtype float32 or bfloat16, its
+    default per backend; no mesh)."""
+    from day0jax.train_plan import TRAIN_DTYPES, TrainSetup, default_train_dtype
     from sharding.cluster import parse_size
 
     if args.mesh is not None:
@@ -900,10 +903,11 @@ def _train_main(parser: argparse.ArgumentParser, args) -> int:
     if args.hosts is not None or args.devices_per_host is not None:
         parser.error("--hosts and --devices-per-host with --train: the trainer runs on one device (give "
                      "--device-memory alone)")
-    if args.dtype not in (None, "float32"):
-        parser.error(f"--dtype {args.dtype} with --train: the trainer trains in float32")
+    if args.dtype not in (None, *TRAIN_DTYPES):
+        parser.error(f"--dtype {args.dtype} with --train: the trainer trains in {' or '.join(TRAIN_DTYPES)}")
     defaults = {f.name: f.default for f in dataclasses.fields(TrainSetup)}
     given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) not in (None, False)}
+    given["dtype"] = args.dtype or default_train_dtype()
     if "lora_targets" in given:
         given["lora_targets"] = tuple(t for t in given["lora_targets"].split(",") if t)
     try:

@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def default_dtype() -> str:
-    """float32 on the CPU (bf16 arithmetic is slow there), bfloat16 on accelerators."""
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+def default_dtype(backend: str | None = None) -> str:
+    """float32 on the CPU (bf16 arithmetic is slow there), bfloat16 on accelerators; `backend`: a JAX backend's name
+    ('cpu', 'gpu', 'tpu'; default: the one in use)."""
+    return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
 
 
 def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None = None,

@@ -1,10 +1,12 @@
 """The memory plan of a fine-tuning run on one device, from the model's shapes alone (no weight is read).
 
-Per device: the frozen parameters, the trainable ones (LoRA's adapters, or every parameter), their float32
-gradients, the optimizer's state (AdamW: two float32 moments per trained parameter; SGD: none) and an estimate of
-the training step's peak activations. `python -m day0jax.check CKPT --train` prints it and `python -m day0jax.train`
-refuses a run that does not fit, both from `plan`; `suggestions` says what would fit instead. (A top-level module,
-not one of `day0jax.train`: `check` may not import the trainer's package.)
+Per device: the frozen parameters, the trainable ones (LoRA's adapters, or every parameter, float32: the masters),
+a full fine-tune's bfloat16 compute copy of them (in bfloat16 training), their float32 gradients, the optimizer's
+state (AdamW: two float32 moments per trained parameter; SGD: none) and an estimate of the training step's peak
+activations (counted in float32 in either precision: an overestimate of bfloat16's). `python -m day0jax.check CKPT
+--train` prints it and `python -m day0jax.train` refuses a run that does not fit, both from `plan`; `suggestions`
+says what would fit instead. (A top-level module, not one of `day0jax.train`: `check` may not import the trainer's
+package.)
 
 The activation estimate follows what XLA keeps live in the compiled training step (measured with
 `memory_analysis()` in tests/test_train_plan.py): the float32 logits [B, T, V], their log-softmax and the gradients
@@ -28,7 +30,10 @@ from day0jax.layers.lora import DENSE_TARGETS
 FINE_TUNE_TYPES = ("lora", "full")
 OPTIMIZER_MOMENTS = {"adamw": 2, "sgd": 0}  # float32 copies of each trained parameter the optimizer keeps
 PAD_MULTIPLE = 32  # the trainer pads each batch to a multiple of this many tokens (fewer shapes to compile)
-FLOAT32 = 4  # the trainer computes, and keeps gradients and moments, in float32
+FLOAT32 = 4  # the trainer keeps the trained parameters (masters), their gradients and moments in float32
+# Training precisions (--dtype): the forward and backward's dtype; bfloat16 trains float32 masters (`train.step`).
+# No float16: its narrow exponent needs loss scaling, which the trainer does not do.
+TRAIN_DTYPES = ("float32", "bfloat16")
 
 # Calibration against XLA:CPU's buffer assignment of the compiled step (tests/test_train_plan.py).
 LOGIT_COPIES = 4  # logits, log-probabilities and the gradient of each, [B, T, V] float32
@@ -48,8 +53,11 @@ class TrainSetup:
     max_seq_length: int = 2048
     grad_accumulation: int = 1
     grad_checkpoint: bool = False
+    dtype: str = "float32"  # the forward and backward's (TRAIN_DTYPES)
 
     def __post_init__(self):
+        if self.dtype not in TRAIN_DTYPES:
+            raise TrainingError(f"--dtype {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)}")
         if self.fine_tune_type not in FINE_TUNE_TYPES:
             raise TrainingError(f"--fine-tune-type {self.fine_tune_type!r} is not one of {', '.join(FINE_TUNE_TYPES)}")
         if self.optimizer not in OPTIMIZER_MOMENTS:
@@ -65,7 +73,8 @@ class TrainSetup:
         return cls(fine_tune_type=args.fine_tune_type, lora_rank=args.lora_rank,
                    lora_targets=tuple(t for t in targets.split(",") if t) if targets else DENSE_TARGETS,
                    optimizer=args.optimizer, batch_size=args.batch_size, max_seq_length=args.max_seq_length,
-                   grad_accumulation=getattr(args, "grad_accumulation", 1), grad_checkpoint=args.grad_checkpoint)
+                   grad_accumulation=getattr(args, "grad_accumulation", 1), grad_checkpoint=args.grad_checkpoint,
+                   dtype=getattr(args, "dtype", None) or default_train_dtype())
 
     @property
     def tokens(self) -> int:
@@ -78,7 +87,22 @@ class TrainSetup:
         return (f"--fine-tune-type {self.fine_tune_type}{lora} --optimizer {self.optimizer} --batch-size "
                 f"{self.batch_size} --max-seq-length {self.max_seq_length}"
                 + (f" --grad-accumulation {self.grad_accumulation}" if self.grad_accumulation > 1 else "")
-                + (" --grad-checkpoint" if self.grad_checkpoint else ""))
+                + (" --grad-checkpoint" if self.grad_checkpoint else "") + f" --dtype {self.dtype}")
+
+    @property
+    def compute_copy(self) -> bool:
+        """Whether the step casts the trained parameters to a bfloat16 copy (a full fine-tune in bfloat16; LoRA's
+        adapters compute in float32 on the bfloat16 base's output, as PEFT's do)."""
+        return self.dtype != "float32" and self.fine_tune_type == "full"
+
+
+def default_train_dtype(backend: str | None = None) -> str:
+    """The training precision when --dtype is not given: the loader's default dtype for `backend` (a JAX backend's
+    name; default: the one in use), float32 on the CPU backend (no native bfloat16 arithmetic there, and float32 is
+    what the parity tests compare), bfloat16 with float32 masters on accelerators."""
+    from day0jax.loader import default_dtype
+
+    return default_dtype(backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +111,7 @@ class TrainShape:
 
     model: Any  # `sharding.plan.ModelShape`
     parameters: int  # every parameter of the model (elements)
-    parameter_bytes: int  # at the dtype each is loaded as in float32 (quantized weights keep their own)
+    parameter_bytes: int  # loaded in the run's dtype (--dtype; quantized weights keep their own)
     attention: tuple[bool, ...]  # per decoder layer: whether it attends (keeps [B, N, T, T] scores)
     # LoRA on the targets asked for: adapter elements, and the extra per-token floats a layer saves (x A^T, and the
     # adapter's output beside the base's), the most of any layer; `lora_error` when the targets cannot take LoRA.
@@ -97,7 +121,8 @@ class TrainShape:
 
     @classmethod
     def of(cls, abstract: Any, setup: TrainSetup) -> "TrainShape":
-        """From the abstract model (`models.abstract_model`, float32) and the LoRA targets and rank of `setup`."""
+        """From the abstract model (`models.abstract_model`, float32), and the LoRA targets, rank and dtype of
+        `setup`."""
         import jax.numpy as jnp
 
         from day0jax import models
@@ -107,7 +132,7 @@ class TrainShape:
         infos = models.param_infos(abstract)
         shape = plan_lib.ModelShape.from_model(abstract, infos, 0)
         parameters = sum(math.prod(i.shape) for i in infos)
-        nbytes = sum(math.prod(i.shape) * plan_lib.param_itemsize(i, jnp.float32) for i in infos)
+        nbytes = sum(math.prod(i.shape) * plan_lib.param_itemsize(i, jnp.dtype(setup.dtype)) for i in infos)
         attention = tuple(kv_part(entry) is not None for entry in shape.cache_layout)
         lora_parameters = lora_per_token = 0
         error = None
@@ -131,8 +156,9 @@ class TrainPlan:
 
     setup: TrainSetup
     frozen_bytes: int  # parameters that do not train (LoRA's base; none for full fine-tuning)
-    trainable_bytes: int  # LoRA's adapters, or every parameter
+    trainable_bytes: int  # LoRA's adapters, or every parameter: float32 (the masters, in bfloat16 training)
     trainable_parameters: int
+    compute_copy_bytes: int  # the trained parameters cast to bfloat16 for the forward and backward (full, bfloat16)
     gradient_bytes: int
     optimizer_bytes: int
     activation_bytes: int
@@ -140,8 +166,8 @@ class TrainPlan:
 
     @property
     def total_bytes(self) -> int:
-        return (self.frozen_bytes + self.trainable_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes)
+        return (self.frozen_bytes + self.trainable_bytes + self.compute_copy_bytes + self.gradient_bytes
+                + self.optimizer_bytes + self.activation_bytes)
 
     @property
     def fits(self) -> bool:
@@ -152,10 +178,13 @@ class TrainPlan:
         from sharding.plan import fmt_bytes
 
         s = self.setup
-        parts = [("parameters", self.frozen_bytes, "frozen" if s.fine_tune_type == "lora" else
+        masters = " masters" if s.dtype != "float32" else ""
+        parts = [("parameters", self.frozen_bytes, f"frozen, {s.dtype}" if s.fine_tune_type == "lora" else
                   "none frozen: every parameter trains"),
-                 ("trainable", self.trainable_bytes, f"{self.trainable_parameters:,} float32 "
+                 ("trainable", self.trainable_bytes, f"{self.trainable_parameters:,} float32{masters} "
                   + (f"(LoRA rank {s.lora_rank})" if s.fine_tune_type == "lora" else "(full fine-tuning)")),
+                 ("compute copy", self.compute_copy_bytes, f"the trained parameters in {s.dtype} for the forward and "
+                  "backward" if s.compute_copy else "none: the trained parameters compute as they are"),
                  ("gradients", self.gradient_bytes, "float32, one per trainable parameter"
                   + (" and their sum over micro-batches" if s.grad_accumulation > 1 else "")),
                  ("optimizer", self.optimizer_bytes, f"{s.optimizer}: {OPTIMIZER_MOMENTS[s.optimizer]} float32 "
@@ -172,8 +201,9 @@ class TrainPlan:
 
         avail = ("available memory unknown" if self.available_bytes is None
                  else f"{fmt_bytes(self.available_bytes)} available")
+        copy = f", compute copy {fmt_bytes(self.compute_copy_bytes)}" if self.compute_copy_bytes else ""
         return (f"training memory {fmt_bytes(self.total_bytes)} per device (parameters {fmt_bytes(self.frozen_bytes)}"
-                f", trainable {fmt_bytes(self.trainable_bytes)}, gradients {fmt_bytes(self.gradient_bytes)}, "
+                f", trainable {fmt_bytes(self.trainable_bytes)}{copy}, gradients {fmt_bytes(self.gradient_bytes)}, "
                 f"optimizer {fmt_bytes(self.optimizer_bytes)}, activations {fmt_bytes(self.activation_bytes)}) for "
                 f"{self.setup.flags()}; {avail}")
 
@@ -222,9 +252,10 @@ def plan(shape: TrainShape, setup: TrainSetup, available: int | None) -> TrainPl
     else:
         trainable, frozen_bytes = shape.parameters, 0
     trainable_bytes = trainable * FLOAT32
+    copy = trainable * 2 if setup.compute_copy else 0  # bfloat16
     # The step sums micro-batches' gradients into a carried total: two copies when there are several.
     gradients = trainable_bytes * (2 if setup.grad_accumulation > 1 else 1)
-    return TrainPlan(setup, frozen_bytes, trainable_bytes, trainable, gradients,
+    return TrainPlan(setup, frozen_bytes, trainable_bytes, trainable, copy, gradients,
                      OPTIMIZER_MOMENTS[setup.optimizer] * trainable_bytes, activation_bytes(shape, setup), available)
 
 

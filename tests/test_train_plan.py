@@ -5,6 +5,7 @@ trainer's refusal before its first step."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -113,6 +114,35 @@ def test_parameter_gradient_and_optimizer_bytes_by_hand():
     bad = train_plan.TrainSetup(lora_targets=("nothing",))
     with pytest.raises(TrainingError, match="no module named"):
         train_plan.plan(train_plan.TrainShape.of(abstract, bad), bad, None)
+
+
+def test_bfloat16_plan_counts_masters_and_the_compute_copy(config_folder):
+    """--dtype bfloat16, the same TINY llama: a full fine-tune keeps float32 masters (4 bytes a parameter), their
+    bfloat16 copy for the forward and backward (2), float32 gradients (4) and AdamW's two float32 moments (8); LoRA
+    holds its base in bfloat16 only (2 bytes a parameter) and float32 adapters, with no copy of them. `check --train`
+    prints the row."""
+    from day0jax import train_plan
+    from day0jax.check import main
+
+    D, F, KH, V, L = 64, 128, 32, 256, 4
+    total = L * (2 * D * D + 2 * KH * D + 3 * F * D + 2 * D) + 2 * V * D + D
+    lora = L * RANK * ((D + D) + 2 * (D + KH) + (D + D) + 2 * (D + F) + (F + D))
+    for kind in ("full", "lora"):
+        setup = train_plan.TrainSetup(fine_tune_type=kind, lora_rank=RANK, batch_size=B, max_seq_length=T,
+                                      dtype="bfloat16")
+        p = train_plan.plan(train_plan.TrainShape.of(abstract_llama(), setup), setup, None)
+        f32 = train_plan.plan(train_plan.TrainShape.of(abstract_llama(), dataclasses.replace(setup, dtype="float32")),
+                              dataclasses.replace(setup, dtype="float32"), None)
+        n = total if kind == "full" else lora
+        assert (p.frozen_bytes, p.trainable_bytes, p.compute_copy_bytes, p.gradient_bytes, p.optimizer_bytes) == (
+            (0, 4 * n, 2 * n, 4 * n, 8 * n) if kind == "full" else (2 * total, 4 * n, 0, 4 * n, 8 * n)), kind
+        assert f32.compute_copy_bytes == 0 and p.activation_bytes == f32.activation_bytes
+    rc, out = run_main(main, [str(config_folder), "--train", "--fine-tune-type", "full", "--dtype", "bfloat16",
+                              "--max-seq-length", "128", "--device-memory", "1GiB"])
+    assert rc == 0 and "(one device, bfloat16 with float32 masters; full)" in out, out
+    assert "\ncompute copy " in out and "the trained parameters in bfloat16" in out
+    rc, out = run_main(main, [str(config_folder), "--train", "--dtype", "float16"])
+    assert rc == 2 and "the trainer trains in float32 or bfloat16" in out
 
 
 def test_suggestions_fit_and_are_the_largest():

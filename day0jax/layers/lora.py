@@ -86,21 +86,26 @@ class LoRALinear(Linear):
 def low_rank_product(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
     """x [N, I] -> scale * (x A^T) B^T [N, O], A [r, I], B [O, r]: the adapter's term, with a gradient whose products
     all contract the N rows of two row-major operands with the small one transposed. Autodiff's own dB = g^T (x A^T)
-    had XLA:CPU copy g [N, O] into [O, N] first, a quarter of a LoRA training step."""
-    return (x @ a.T) @ b.T * scale
+    had XLA:CPU copy g [N, O] into [O, N] first, a quarter of a LoRA training step. Products in true float32 even
+    where the base's are bfloat16 (no TF32 on GPUs), as PEFT's float32 adapters compute."""
+    return _low_rank_forward(x, a, b, scale)[0]
+
+
+def _mm(x, y):
+    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
 
 
 def _low_rank_forward(x, a, b, scale):
-    u = x @ a.T  # [N, r]
-    return (u @ b.T) * scale, (x, a, b, u)
+    u = _mm(x, a.T)  # [N, r]
+    return _mm(u, b.T) * scale, (x, a, b, u)
 
 
 def _low_rank_backward(scale, residuals, g):
     x, a, b, u = residuals
-    gu = (g @ b) * scale  # [N, r]
-    db = (u.T * scale) @ g  # [r, O]: the small u transposed, not g
-    da = gu.T @ x  # [r, I]
-    return gu @ a, da, db.T
+    gu = _mm(g, b) * scale  # [N, r]
+    db = _mm(u.T * scale, g)  # [r, O]: the small u transposed, not g
+    da = _mm(gu.T, x)  # [r, I]
+    return _mm(gu, a), da, db.T
 
 
 low_rank_product.defvjp(_low_rank_forward, _low_rank_backward)

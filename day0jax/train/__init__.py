@@ -2,9 +2,10 @@
 
 From Python: `apply_lora(model.module, LoRAConfig(...))`, then `loss_and_grads(module, batch)` or
 `train(module, batches, TrainConfig(...))` (`grad_checkpoint=True`: per-layer gradient checkpointing; `resume=`
-a `resume.read_state` save); `save_adapter` writes the PEFT folder, `merge_adapters` folds the adapters into the
-base (`fuse.fuse`: an adapter folder into a new checkpoint). Batches come from `data.load_split` / `data.batches`
-(mlx-lm's jsonl formats) or `data.collate` of token ids.
+a `resume.read_state` save; `dtype='bfloat16'`: bfloat16 forward and backward on float32 master weights);
+`save_adapter` writes the PEFT folder, `merge_adapters` folds the adapters into the base (`fuse.fuse`: an adapter
+folder into a new checkpoint). Batches come from `data.load_split` / `data.batches` (mlx-lm's jsonl formats) or
+`data.collate` of token ids.
 """
 
 from day0jax.train.data import Batch, Example, batches, collate, load_split

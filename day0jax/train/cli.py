@@ -1,10 +1,11 @@
-"""The fine-tuning command line: parse mlx-lm-style flags, load the checkpoint in float32, apply LoRA (or train every
-parameter: --fine-tune-type full), train on DIR/train.jsonl (validation on valid.jsonl, test loss and perplexity on
-test.jsonl where they exist), write the PEFT adapter (or a day0jax checkpoint) to --adapter-path, with the training
-state that --resume continues from. Before the weights are read, the run's memory is planned (`day0jax.train_plan`,
-as `python -m day0jax.check --train` prints it): a run that would not fit the device (--device-memory overrides
-its free memory) is refused, naming what would fit. --fuse --out DST instead merges the adapter at --adapter-path
-into the model and writes the result as a new checkpoint."""
+"""The fine-tuning command line: parse mlx-lm-style flags, load the checkpoint (LoRA: the base in --dtype; full
+fine-tuning: in float32, the master weights), apply LoRA (or train every parameter: --fine-tune-type full), train on
+DIR/train.jsonl (validation on valid.jsonl, test loss and perplexity on test.jsonl where they exist), write the PEFT
+adapter (or a day0jax checkpoint, in its source's dtype) to --adapter-path, with the training state that --resume
+continues from. Before the weights are read, the run's memory is planned (`day0jax.train_plan`, as
+`python -m day0jax.check --train` prints it): a run that would not fit the device (--device-memory overrides its free
+memory) is refused, naming what would fit. --fuse --out DST instead merges the adapter at --adapter-path into the
+model and writes the result as a new checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import sys
 from pathlib import Path
 
 from day0jax.core.errors import Day0Error, TrainingError
-from day0jax.train_plan import PAD_MULTIPLE, TrainSetup
+from day0jax.train_plan import PAD_MULTIPLE, TRAIN_DTYPES, TrainSetup, default_train_dtype
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m day0jax.train", description=__doc__)
@@ -54,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="gradient checkpointing: recompute each decoder layer's activations in the backward pass "
                    "(less memory, about one more forward pass of compute; the same losses and gradients)")
+    p.add_argument("--dtype", choices=TRAIN_DTYPES, default=None,
+                   help="the forward and backward passes' precision; bfloat16 keeps float32 master weights, gradients "
+                   "and optimizer state, and LoRA's base in bfloat16 only (default: float32 on the CPU backend, "
+                   "bfloat16 on accelerators)")
     p.add_argument("--device-memory", metavar="SIZE", help="memory the device may use, e.g. 80GiB (default: its "
                    "free memory; on the CPU backend the machine's available memory): a run planned beyond it is "
                    "refused before its first step")
@@ -71,7 +77,7 @@ def train_config(args: argparse.Namespace):
                        weight_decay=args.weight_decay, lr_schedule=args.lr_schedule, warmup=args.warmup,
                        grad_accumulation=args.grad_accumulation, steps_per_report=args.steps_per_report,
                        steps_per_eval=args.steps_per_eval, save_every=args.save_every,
-                       grad_checkpoint=args.grad_checkpoint, seed=args.seed)
+                       grad_checkpoint=args.grad_checkpoint, seed=args.seed, dtype=args.dtype)
 
 
 def run_settings(args: argparse.Namespace, train_set) -> dict:
@@ -86,7 +92,7 @@ def run_settings(args: argparse.Namespace, train_set) -> dict:
     data = hashlib.sha256(json.dumps([[list(e.tokens), e.offset] for e in train_set]).encode()).hexdigest()
     flags = ("fine_tune_type", "lora_rank", "lora_alpha", "lora_targets", "batch_size", "iters", "learning_rate",
              "optimizer", "weight_decay", "lr_schedule", "warmup", "grad_accumulation", "max_seq_length",
-             "mask_prompt", "seed", "no_shuffle", "lora_dropout")
+             "mask_prompt", "seed", "no_shuffle", "lora_dropout", "dtype")
     return {"model": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
             "train_data": data, **{flag: getattr(args, flag) for flag in flags}}
 
@@ -128,6 +134,24 @@ def check_memory(args: argparse.Namespace, longest: int | None = None):
     return plan
 
 
+def resolve_dtype(dtype: str | None, backend: str | None = None) -> str:
+    """--dtype, or its default for `backend` (default: the one in use), said in one line."""
+    import jax
+
+    if dtype is not None:
+        print(f"precision: {_precision(dtype)} (--dtype)", flush=True)
+        return dtype
+    backend = backend or jax.default_backend()
+    dtype = default_train_dtype(backend)
+    print(f"precision: {_precision(dtype)} (the default on the {backend} backend; --dtype to choose)", flush=True)
+    return dtype
+
+
+def _precision(dtype: str) -> str:
+    return ("float32" if dtype == "float32" else
+            f"{dtype} forward and backward, float32 master weights, gradients and optimizer state")
+
+
 def run(args: argparse.Namespace) -> None:
     """Everything `main` does, raising typed errors."""
     import jax
@@ -139,7 +163,7 @@ def run(args: argparse.Namespace) -> None:
     from day0jax.train import resume as resume_lib
     from day0jax.train.export import save_checkpoint
     from day0jax.train.lora import LoRAConfig, apply_lora, save_adapter
-    from day0jax.train.loop import evaluate, train
+    from day0jax.train.loop import compute_dtype, evaluate, train
     from day0jax.train.step import default_wrt
     from day0jax.weights.checkpoint import read_manifest
 
@@ -156,9 +180,12 @@ def run(args: argparse.Namespace) -> None:
         raise TrainingError(f"--batch-size {args.batch_size}: must be at least 1")
     lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
                       targets=tuple(t for t in args.lora_targets.split(",") if t))
+    args.dtype = resolve_dtype(args.dtype)
     config = train_config(args)
-    # Float32 throughout: the adapters train in float32 and the base is read at that precision.
-    model = day0jax.load(args.model, dtype="float32", kernels="reference", mesh=args.mesh)
+    # LoRA's frozen base in the training dtype only (its adapters are float32); a full fine-tune's weights in float32,
+    # the masters the optimizer updates (the step casts them to --dtype).
+    model = day0jax.load(args.model, dtype="float32" if args.fine_tune_type == "full" else args.dtype,
+                         kernels="reference", mesh=args.mesh)
     if model.tokenizer is None:
         raise TrainingError(f"{args.model}: no tokenizer.json; the jsonl data needs the checkpoint's tokenizer")
     source = read_manifest(Path(args.model)).get("source", {}).get("path") or str(Path(args.model).absolute())
@@ -182,6 +209,9 @@ def run(args: argparse.Namespace) -> None:
     else:
         n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.module, nnx.Param)))
         print(f"full fine-tuning: {n_params} trainable parameters; {len(train_set)} training examples", flush=True)
+    # A full fine-tune is written in its source's dtype, rounded from the float32 masters (which the training state
+    # beside it keeps for --resume).
+    source_dtype = read_manifest(Path(args.model)).get("dtype", "float32")
     settings = run_settings(args, train_set)
     saved = resume_lib.read_state(args.adapter_path, settings) if args.resume else None
     if saved is not None:
@@ -200,7 +230,7 @@ def run(args: argparse.Namespace) -> None:
         if args.fine_tune_type == "lora":
             save_adapter(model.module, adapters, args.adapter_path, source, extra=state)
         else:
-            save_checkpoint(model.module, args.model, args.adapter_path, extra=state)
+            save_checkpoint(model.module, args.model, args.adapter_path, extra=state, dtype=source_dtype)
         what = "adapter" if args.fine_tune_type == "lora" else "checkpoint"
         print(f"{'' if final else f'step {step}: '}{what} written to {args.adapter_path}", flush=True)
 
@@ -208,7 +238,8 @@ def run(args: argparse.Namespace) -> None:
                    progress=sys.stderr.isatty(), report=lambda line: tqdm.write(line, file=sys.stdout), resume=saved)
     save(config.iters, nnx.state(model.module, default_wrt(model.module)), result.opt_state, final=True)
     if test_set is not None:
-        loss = evaluate(model.module, data_lib.passes(test_set, args.batch_size, pad_id=pad, multiple=multiple))
+        loss = evaluate(model.module, data_lib.passes(test_set, args.batch_size, pad_id=pad, multiple=multiple),
+                        compute_dtype(model.module, args.dtype))
         print(f"test loss {loss:.4f}, test perplexity {math.exp(loss):.4f}", flush=True)
 
 

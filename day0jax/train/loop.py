@@ -23,6 +23,7 @@ from day0jax.layers.lora import LoRALinear
 from day0jax.train import step as step_lib
 from day0jax.train.data import Batch
 from day0jax.train.resume import SavedState
+from day0jax.train_plan import TRAIN_DTYPES, default_train_dtype
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,14 @@ class TrainConfig:
     save_every: int = 100
     grad_checkpoint: bool = False  # recompute each decoder layer's activations in the backward pass
     seed: int = 0  # LoRA dropout's masks: step k's from the key of `seed` folded with k
+    # The forward and backward's dtype, 'float32' or 'bfloat16' (None: `train_plan.default_train_dtype`, float32 on
+    # the CPU backend, bfloat16 on accelerators). In bfloat16 the trained parameters stay float32 masters, and so do
+    # the gradients and the optimizer's state; LoRA's base must be loaded in this dtype (`day0jax.load(dtype=)`).
+    dtype: str | None = None
 
     def __post_init__(self):
+        if self.dtype is not None and self.dtype not in TRAIN_DTYPES:
+            raise TrainingError(f"--dtype {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)}")
         if self.iters < 0:
             raise TrainingError(f"--iters {self.iters}: must be 0 or more")
         if self.grad_accumulation < 1:
@@ -155,22 +162,33 @@ def _mesh_context(mesh):
     return contextlib.nullcontext() if mesh is None or mesh.size == 1 else jax.set_mesh(mesh)
 
 
-def _loss_sum(graphdef, state, tokens, mask):
-    return step_lib.loss_sum(nnx.merge(graphdef, state), tokens, mask)
+def _loss_sum(graphdef, params, rest, tokens, mask, compute=None):
+    return step_lib.loss_sum(nnx.merge(graphdef, step_lib.compute_copy(params, compute), rest), tokens, mask)
 
 
 # One jitted function for every evaluation: compiled once per model structure and batch shape, not per call.
-_jitted_loss_sum = jax.jit(_loss_sum, static_argnums=0)
+_jitted_loss_sum = jax.jit(_loss_sum, static_argnums=(0, 5))
 
 
-def evaluate(model: nnx.Module, batches: Iterable[Batch]) -> float:
-    """Mean cross-entropy over every target that counts in `batches` (all rows pooled)."""
-    graphdef, state = nnx.split(model)
-    mesh = mesh_of(state)
+def compute_dtype(model: nnx.Module, dtype) -> jnp.dtype | None:
+    """What the trained parameters are cast to for the forward and backward in training precision `dtype`: a full
+    fine-tune's float32 masters to bfloat16; None (as they are) in float32, and for LoRA's adapters, which compute
+    in float32 on the base's output whatever its dtype (as PEFT's adapters do)."""
+    dtype = jnp.dtype(dtype)
+    return None if dtype == jnp.float32 or step_lib.has_lora(model) else dtype
+
+
+def evaluate(model: nnx.Module, batches: Iterable[Batch], compute=None) -> float:
+    """Mean cross-entropy over every target that counts in `batches` (all rows pooled). `compute`: the dtype the
+    model's parameters are cast to for it (`compute_dtype`: a bfloat16 full fine-tune's; None: as they are)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    mesh = mesh_of(params) or mesh_of(rest)
+    compute = None if compute is None else jnp.dtype(compute)
     total = count = 0.0
-    with step_lib.tracing(step_lib._dtype_of(state)), _mesh_context(mesh):
+    with step_lib.tracing(compute or step_lib.base_dtype(model)), _mesh_context(mesh):
         for b in batches:
-            t, n = _jitted_loss_sum(graphdef, state, *_batch_on(mesh, b.tokens, b.mask, uneven_ok=True))
+            t, n = _jitted_loss_sum(graphdef, params, rest, *_batch_on(mesh, b.tokens, b.mask, uneven_ok=True),
+                                    compute)
             total, count = total + float(t), count + float(n)
     if not count:
         raise TrainingError("no target that counts in the evaluation data")
@@ -195,14 +213,25 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         progress: a progress bar over the steps on stderr.
         resume: a save to continue from (`resume.read_state`): its parameters and optimizer state replace the
             fresh ones and the steps after its step run; `data` must start where that run's stream stood.
+    The trained parameters are float32 (masters) from the first step on: a full fine-tune of a model loaded in
+    bfloat16 leaves it holding float32 parameters.
     Returns:
         The `TrainResult`.
     Raises:
-        TrainingError: the data runs out, a step with no target, a loss that is not finite, or a `resume` whose
-            tensors do not fit this run's.
+        TrainingError: the data runs out, a step with no target, a loss that is not finite, a `resume` whose
+            tensors do not fit this run's, or LoRA on a base loaded in another dtype than `config.dtype`.
     """
     wrt = wrt if wrt is not None else step_lib.default_wrt(model)
+    dtype = jnp.dtype(config.dtype or default_train_dtype())
+    if step_lib.has_lora(model) and step_lib.base_dtype(model) != dtype:
+        raise TrainingError(f"--dtype {dtype}: the LoRA base is loaded in {step_lib.base_dtype(model)}; load it in "
+                            f"{dtype} (day0jax.load(..., dtype='{dtype}')), the frozen weights' only copy")
+    compute = compute_dtype(model, dtype)
+    log.info("training precision: %s", "float32" if dtype == jnp.float32 else
+             f"{dtype} forward and backward on float32 master weights")
     graphdef, params, rest = nnx.split(model, wrt, ...)
+    params = step_lib.masters(params)
+    nnx.update(model, params)  # a bfloat16-loaded full fine-tune's weights: the masters replace them
     schedule = step_lib.schedule_fn(lr=config.learning_rate, schedule=config.lr_schedule, warmup=config.warmup,
                                     iters=config.iters)
     tx = step_lib.optimizer(config.optimizer, schedule, config.weight_decay)
@@ -220,10 +249,9 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
         opt_state = optax.tree_map_params(tx, lambda s, p: jax.device_put(s, p.sharding), opt_state, params,
                                           transform_non_params=lambda s: s)
     opt_state = _placed_like(opt_state, mesh)
-    step_fn = step_lib.make_step(tx, graphdef, config.grad_checkpoint)
+    step_fn = step_lib.make_step(tx, graphdef, config.grad_checkpoint, compute)
     # A key per step only where some adapter drops out: a step without dropout stays one program without a key.
     dropout = any(isinstance(m, LoRALinear) and m.dropout for _, m in nnx.iter_modules(model))
-    dtype = step_lib._dtype_of(rest)
     result = TrainResult()
     batches: Iterator[Batch] = iter(data)
     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
@@ -261,7 +289,7 @@ def train(model: nnx.Module, data: Iterable[Batch], config: TrainConfig, *, wrt=
             window_loss, window_tokens, window_start = [], 0, time.perf_counter()
         if valid is not None and (it % config.steps_per_eval == 0 or it == config.iters):
             nnx.update(model, params)
-            val = evaluate(model, valid())
+            val = evaluate(model, valid(), compute)
             result.validation.append((it, val))
             report(f"step {it}: validation loss {val:.4f}")
         if on_save is not None and it % config.save_every == 0:

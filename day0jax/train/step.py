@@ -3,6 +3,11 @@
 The model's operators are traced through their references (`kernels_pallas` policy 'reference'): those are plain
 jax.numpy and differentiable, where some kernels (the CPU linear kernel, Pallas kernels) have no gradient.
 Float32 models multiply in true float32 (`exact_float32`), as the parity tests need.
+
+Mixed precision (bfloat16 training): the trained parameters are float32 masters, which the optimizer updates and
+keeps its moments for; the differentiated function casts them to the compute dtype (`compute_copy`), so the forward
+and backward multiply in bfloat16 while the gradients arrive in float32, with respect to the masters. Updates below
+bfloat16's resolution of a weight then still accumulate. The logits, log-softmax and loss stay float32.
 """
 
 from __future__ import annotations
@@ -79,24 +84,39 @@ def _split(model: nnx.Module, wrt) -> tuple[Any, nnx.State, nnx.State]:
     return graphdef, params, rest
 
 
-def _sum_and_grads(graphdef, params, rest, tokens, mask, remat=False, key=None):
+def compute_copy(params, dtype):
+    """`params` as the forward and backward use them: float leaves cast to `dtype` (None: as they are). Called
+    inside the differentiated function, so that the cast's gradient brings the gradients back to the masters' dtype."""
+    if dtype is None:
+        return params
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def masters(params):
+    """The trained parameters as the optimizer keeps them: float leaves in float32 (a model loaded in bfloat16 is
+    widened, exactly)."""
+    return compute_copy(params, jnp.float32)
+
+
+def _sum_and_grads(graphdef, params, rest, tokens, mask, remat=False, key=None, compute=None):
     def f(p):
         with rematerialized_layers(remat), dropout_key(key):
-            return loss_sum(nnx.merge(graphdef, p, rest), tokens, mask)
+            return loss_sum(nnx.merge(graphdef, compute_copy(p, compute), rest), tokens, mask)
 
     (total, count), grads = jax.value_and_grad(f, has_aux=True)(params)
     return total, count, grads
 
 
-_jitted_loss_and_grads = jax.jit(_sum_and_grads, static_argnums=(0, 5))
+_jitted_loss_and_grads = jax.jit(_sum_and_grads, static_argnums=(0, 5, 7))
 
 
 def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = False,
-                   key: jax.Array | None = None) -> tuple[float, nnx.State]:
+                   key: jax.Array | None = None, compute=None) -> tuple[float, nnx.State]:
     """The batch's loss (mean cross-entropy over its targets that count) and its gradient with respect to the
     parameters `wrt` selects (an nnx filter; default: the LoRA adapters if the model has any, else every
     parameter). `remat`: gradient checkpointing, each decoder layer's activations recomputed in the backward pass
-    (the same values, less memory). `key`: the random key of LoRA dropout's masks (None: no dropout).
+    (the same values, less memory). `key`: the random key of LoRA dropout's masks (None: no dropout). `compute`: the
+    dtype those parameters are cast to for the forward and backward (None: as they are); the gradients keep theirs.
 
     Returns:
         (loss, gradients as an `nnx.State` of the same paths as those parameters).
@@ -107,9 +127,10 @@ def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = Fals
     if batch.targets == 0:
         raise TrainingError("the batch has no target that counts (every token padding or masked prompt)")
     graphdef, params, rest = _split(model, wrt)
-    with tracing(_dtype_of(rest)):
+    with tracing(compute or _dtype_of(rest)):
         total, count, grads = _jitted_loss_and_grads(graphdef, params, rest, jnp.asarray(batch.tokens),
-                                                     jnp.asarray(batch.mask), remat, key)
+                                                     jnp.asarray(batch.mask), remat, key,
+                                                     None if compute is None else jnp.dtype(compute))
     return float(total / count), jax.tree.map(lambda g: g / count, grads)
 
 
@@ -124,6 +145,20 @@ def default_wrt(model: nnx.Module):
     from day0jax.layers.lora import LoRAParam
 
     return LoRAParam if has_lora(model) else nnx.Param
+
+
+def base_dtype(model: nnx.Module):
+    """The dtype the model computes in: that of its float parameters, LoRA's adapters and quantized weights (whose
+    scales keep dtypes of their own) aside; float32 if it has none."""
+    from day0jax.layers.lora import LoRAParam
+    from day0jax.layers.quantized import QuantizedExperts, QuantizedKernel
+
+    quantized = [tuple(p) for p, m in nnx.iter_modules(model) if isinstance(m, (QuantizedKernel, QuantizedExperts))]
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(LoRAParam)))):
+        x = var.get_value()
+        if jnp.issubdtype(x.dtype, jnp.floating) and not any(tuple(path[:len(q)]) == q for q in quantized):
+            return jnp.dtype(x.dtype)
+    return jnp.dtype(jnp.float32)
 
 
 def _dtype_of(state: nnx.State):
@@ -173,18 +208,19 @@ def optimizer(name: str, schedule: Callable, weight_decay: float = 0.0) -> optax
     raise TrainingError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
-def make_step(tx: optax.GradientTransformation, graphdef, remat: bool = False) -> Callable:
+def make_step(tx: optax.GradientTransformation, graphdef, remat: bool = False, compute=None) -> Callable:
     """One optimizer step over `A` micro-batches (tokens, mask [A, B, T]), their gradients accumulated as the
     gradient of the mean over all their targets: (params, rest, opt_state, tokens, mask, key) -> (params,
     opt_state, loss, targets); `key`: LoRA dropout's for this step (micro-batch i takes it folded with i), or None;
-    `remat`: gradient checkpointing per decoder layer. Jitted: compiled once per shape."""
+    `remat`: gradient checkpointing per decoder layer; `compute`: the dtype the parameters (float32 masters) are cast
+    to for the forward and backward (None: as they are). Jitted: compiled once per shape."""
 
     def step(params, rest, opt_state, tokens, mask, key=None):
         def micro(carry, xs):
             total, count, grads = carry
             t_, m_, i = xs
             t, n, g = _sum_and_grads(graphdef, params, rest, t_, m_, remat,
-                                     None if key is None else jax.random.fold_in(key, i))
+                                     None if key is None else jax.random.fold_in(key, i), compute)
             return (total + t, count + n, jax.tree.map(jnp.add, grads, g)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
