@@ -9,12 +9,11 @@ says what would fit instead. (A top-level module, not one of `day0jax.train`: `c
 package.)
 
 The activation estimate follows what XLA keeps live in the compiled training step (measured with
-`memory_analysis()` in tests/test_train_plan.py): the float32 logits [B, T, V], their log-softmax and the gradients
-of both; without gradient checkpointing every decoder layer's saved activations (its D-, F- and head-sized outputs,
-two float32 copies of its attention scores) stay live through the backward pass; with it, only each layer's input
-stays and one layer at a time is recomputed, whose backward holds its activations and their gradients. Once the
-logits' gradient has flowed into the last layer they are dead, so the peak is the larger of the two phases over
-what stays.
+`memory_analysis()` in tests/test_train_plan.py): the float32 logits [B, T, V] and their gradient; without gradient
+checkpointing every decoder layer's saved activations (its D-, F- and head-sized outputs, and some of its attention
+scores) stay live through the backward pass; with it, only each layer's input stays and one layer at a time is
+recomputed, whose backward holds its activations and their gradients. Once the logits' gradient has flowed into the
+last layer they are dead, so the peak is the larger of the two phases over what stays.
 """
 
 from __future__ import annotations
@@ -36,8 +35,10 @@ FLOAT32 = 4  # the trainer keeps the trained parameters (masters), their gradien
 TRAIN_DTYPES = ("float32", "bfloat16")
 
 # Calibration against XLA:CPU's buffer assignment of the compiled step (tests/test_train_plan.py).
-LOGIT_COPIES = 4  # logits, log-probabilities and the gradient of each, [B, T, V] float32
-SCORE_COPIES = 2  # an attention layer's scores and softmax weights, [B, N, T, T] float32 (XLA keeps ~2.6)
+LOGIT_COPIES = 3  # the logits, the softmax their gradient is made from, and the gradient, [B, T, V] float32
+# An attention layer's [B, N, T, T] float32 arrays kept until its backward: the backward recomputes the softmax
+# weights from q and k, yet XLA keeps 0.8 to 1.8 copies' worth per layer (measured at T 256 and 512).
+SCORE_COPIES = 1.5
 BACKWARD_EXTRA = 0.25  # a layer's backward: the gradients of its activations live beside them, a quarter as many
 
 

@@ -37,17 +37,23 @@ def tracing(dtype=jnp.float32):
         yield
 
 
-def forward_logits(model: nnx.Module, tokens: jax.Array) -> jax.Array:
-    """tokens int32 [B, T] -> float32 logits [B, T, V]: a full forward pass at positions 0..T-1, no cache."""
+def forward_hidden(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """tokens int32 [B, T] -> the final hidden states [B, T, D]: a full forward pass at positions 0..T-1, no cache."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, _ = model(tokens, positions)
-    return model.logits(hidden).astype(jnp.float32)
+    return model(tokens, positions)[0]
+
+
+def forward_logits(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """tokens int32 [B, T] -> float32 logits [B, T, V]."""
+    return model.logits(forward_hidden(model, tokens)).astype(jnp.float32)
 
 
 def token_nll(model: nnx.Module, tokens: jax.Array) -> jax.Array:
-    """tokens int32 [B, T] -> float32 [B, T - 1]: -log p(token t + 1 | tokens <= t), from float32 logits."""
-    return cross_entropy(forward_logits(model, tokens)[:, :-1], tokens[:, 1:])
+    """tokens int32 [B, T] -> float32 [B, T - 1]: -log p(token t + 1 | tokens <= t), from float32 logits (of the
+    positions that predict a token only: no [B, T, V] array is sliced)."""
+    logits = model.logits(forward_hidden(model, tokens)[:, :-1]).astype(jnp.float32)
+    return cross_entropy(logits, tokens[:, 1:])
 
 
 @jax.custom_vjp
