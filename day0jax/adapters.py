@@ -30,11 +30,13 @@ _TENSOR = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.wei
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """What a PEFT LoRA folder's `adapter_config.json` says: rank r, lora_alpha, the target module names."""
+    """What a PEFT LoRA folder's `adapter_config.json` says: rank r, lora_alpha, the target module names, and the
+    target parameters (MoE experts' fused weights, PEFT's `target_parameters`; empty for most adapters)."""
 
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    parameters: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -71,15 +73,17 @@ def read_adapter_config(folder: Path) -> AdapterConfig:
                            "adapter; not implemented")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{path}: bias is {config['bias']!r}; adapters that train biases are not implemented")
-    targets = config.get("target_modules")
-    if isinstance(targets, str) or not targets:
+    targets, parameters = config.get("target_modules"), config.get("target_parameters") or []
+    if not isinstance(parameters, list) or not all(isinstance(p, str) for p in parameters):
+        raise AdapterError(f"{path}: target_parameters is {parameters!r}; a list of parameter names is needed")
+    if isinstance(targets, str) or not (targets or parameters):
         raise AdapterError(f"{path}: target_modules is {targets!r}; the list of module names is needed")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if type(rank) is not int or rank < 1:
         raise AdapterError(f"{path}: r is {rank!r}; a positive integer is needed")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise AdapterError(f"{path}: lora_alpha is {alpha!r}; a number is needed")
-    return AdapterConfig(rank=rank, alpha=float(alpha), targets=tuple(targets))
+    return AdapterConfig(rank=rank, alpha=float(alpha), targets=tuple(targets or ()), parameters=tuple(parameters))
 
 
 def adapter_tensors_file(folder: Path):
@@ -122,13 +126,18 @@ def read_peft(name: str, folder: str | Path, max_rank: int) -> PeftAdapter:
     """An adapter folder's config and tensor shapes, checked (no tensor is read).
 
     Raises:
-        AdapterError: as `read_adapter_config`; a rank over `max_rank`; a tensor that is not a linear module's LoRA
-            A or B, or of a shape that does not match r; a module with A but no B (or B but no A).
+        AdapterError: as `read_adapter_config`; an adapter of MoE experts' fused weights (`target_parameters`); a
+            rank over `max_rank`; a tensor that is not a linear module's LoRA A or B, or of a shape that does not
+            match r; a module with A but no B (or B but no A).
     """
     folder = Path(folder).absolute()
     if not folder.is_dir():
         raise AdapterError(f"--lora-modules {name}={folder}: no such folder")
     config = read_adapter_config(folder)
+    if config.parameters:
+        raise AdapterError(f"{folder / ADAPTER_CONFIG}: target_parameters {list(config.parameters)} adapts MoE "
+                           "experts' stacked weights; serving such adapters is not implemented (merge it into the "
+                           "model instead: python -m day0jax.train --fuse)")
     if config.rank > max_rank:
         raise AdapterError(f"{folder / ADAPTER_CONFIG}: rank r={config.rank} is over --max-lora-rank {max_rank}")
     f = adapter_tensors_file(folder)

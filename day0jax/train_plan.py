@@ -119,6 +119,10 @@ class TrainShape:
     lora_parameters: int = 0
     lora_per_token: int = 0
     lora_error: str | None = None
+    # LoRA on MoE experts: the floats of the experts' weights merged with their adapters inside the step (each
+    # adapted parameter's delta and merged weight, E * in * out each), over all layers and the most of one layer.
+    lora_merged: int = 0
+    lora_merged_largest: int = 0
 
     @classmethod
     def of(cls, abstract: Any, setup: TrainSetup) -> "TrainShape":
@@ -127,7 +131,7 @@ class TrainShape:
         import jax.numpy as jnp
 
         from day0jax import models
-        from day0jax.layers.lora import lora_targets, module_at
+        from day0jax.layers.lora import lora_sizes, lora_targets
         from sharding import plan as plan_lib
 
         infos = models.param_infos(abstract)
@@ -137,18 +141,22 @@ class TrainShape:
         attention = tuple(kv_part(entry) is not None for entry in shape.cache_layout)
         lora_parameters = lora_per_token = 0
         error = None
+        per_layer: dict[Any, int] = {}
+        merged: dict[Any, int] = {}
         try:
-            per_layer: dict[Any, int] = {}
             for owner in lora_targets(abstract, setup.lora_targets):
-                m = module_at(abstract, owner)
-                I, O = math.prod(m.in_shape), math.prod(m.out_shape)
-                lora_parameters += setup.lora_rank * (I + O)
+                E, I, O = lora_sizes(abstract, owner)
+                lora_parameters += setup.lora_rank * E * (I + O)
                 layer = next((p for p in owner if isinstance(p, int)), None)
-                per_layer[layer] = per_layer.get(layer, 0) + setup.lora_rank + O
+                if str(owner[-1]).startswith("lora_"):  # an experts' adapter: merged weights, not per-token products
+                    merged[layer] = merged.get(layer, 0) + 2 * E * I * O
+                else:
+                    per_layer[layer] = per_layer.get(layer, 0) + setup.lora_rank + O
             lora_per_token = max(per_layer.values(), default=0)
         except TrainingError as e:
             error = str(e)
-        return cls(shape, parameters, nbytes, attention, lora_parameters, lora_per_token, error)
+        return cls(shape, parameters, nbytes, attention, lora_parameters, lora_per_token, error,
+                   sum(merged.values()), max(merged.values(), default=0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,10 +239,15 @@ def activation_bytes(shape: TrainShape, setup: TrainSetup) -> int:
     scores = SCORE_COPIES * B * n * T * T * FLOAT32
     saved = [rows * (dense + (attn if a else 0)) * FLOAT32 + (scores if a else 0) for a in shape.attention]
     largest = max(saved, default=0)
+    # Experts' merged weights stay live through the backward pass like activations (one layer's with checkpointing),
+    # and a layer's backward adds their gradient.
+    lora_on = setup.fine_tune_type == "lora"
+    merged_all, merged_one = (shape.lora_merged * FLOAT32, shape.lora_merged_largest * FLOAT32) if lora_on else (0, 0)
     if setup.grad_checkpoint:
-        kept, backward = len(saved) * rows * m.hidden_size * FLOAT32, (1 + BACKWARD_EXTRA) * largest
+        kept = len(saved) * rows * m.hidden_size * FLOAT32
+        backward = (1 + BACKWARD_EXTRA) * largest + 2 * merged_one
     else:
-        kept, backward = sum(saved), BACKWARD_EXTRA * largest
+        kept, backward = sum(saved) + merged_all, BACKWARD_EXTRA * largest + merged_one
     logits = LOGIT_COPIES * rows * m.vocab_size * FLOAT32
     inputs = 2 * setup.grad_accumulation * rows * 4  # int32 token ids and mask
     return int(kept + max(logits, backward) + inputs)

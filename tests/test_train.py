@@ -29,8 +29,8 @@ from families import FAMILIES, PROMPTS
 
 TRAINED = ("llama", "qwen3")
 # Families whose loss and LoRA gradients are checked on one batch too, with the linear maps they have: MoE
-# families' attention (their experts are stacked weights, which LoRA does not take yet), MLA's projections but
-# kv_b_proj (absorbed into attention: the layer reads its kernel, which LoRA refuses by name).
+# families' attention (their experts' adapters: tests/test_train_moe_lora.py), MLA's projections but kv_b_proj
+# (absorbed into attention: the layer reads its kernel, which LoRA refuses by name).
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 GRADIENTS_ONLY = {"qwen3_moe": ATTENTION, "gemma3_text": None,
                   "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")}
@@ -541,22 +541,16 @@ def test_learning_rate_schedule():
 
 
 def test_refusals_are_named(chat, tmp_path):
-    from day0jax import models
-    from day0jax.core.errors import TrainingError
-    from day0jax.train import LoRAConfig, apply_lora
-
+    """(MoE experts' targets and their refusals: tests/test_train_moe_lora.py.)"""
     ckpt, data = chat
     base = ["--model", str(ckpt), "--data", str(data), "--adapter-path", str(tmp_path / "a")]
     for flags, said in ((["--mesh", "dp=2"], "mesh spec 'dp=2' needs 2 devices"),
                         (["--lora-dropout", "1.0"], "--lora-dropout 1.0: must be in [0, 1)"),
-                        (["--lora-targets", "nothing"], "no module named"), (["--fuse"], "--fuse needs")):
+                        (["--lora-targets", "nothing"], "no module named"), (["--fuse"], "--fuse needs"),
+                        (["--lora-targets", "experts.gate_up_proj"],
+                         "no MoE experts for ['experts.gate_up_proj'] in this llama model")):
         rc, out = run_cli(base + flags)
         assert rc == 2 and said in out, (flags, out)
-    model_type, config, _ = ("qwen3_moe", dict(FAMILIES["llama"][1], num_experts=4, num_experts_per_tok=2,
-                                                  moe_intermediate_size=32), None)
-    abstract = models.abstract_model(models.config_from_hf(dict(config, model_type=model_type)))
-    with pytest.raises(TrainingError, match="MoE experts"):
-        apply_lora(abstract, LoRAConfig(targets=("q_proj", "gate_proj")))
 
 
 def test_lora_dropout_masks_the_adapters_input_while_training(converted):

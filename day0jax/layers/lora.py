@@ -1,8 +1,11 @@
 """Low-rank adapters (LoRA) on a `Linear`: y = base(x) + scale * (dropout(x) A^T) B^T, as PEFT's `lora.Linear`
-computes it, with A [r, in] and B [out, r] in PEFT's layouts (the map's input and output dims flattened).
+computes it, with A [r, in] and B [out, r] in PEFT's layouts (the map's input and output dims flattened); and on MoE
+experts' stacked weights, as PEFT's `ParamWrapper` adapts transformers' fused expert parameters: each expert's weight
+plus scale * B_e @ A_e (`LoRAExperts`).
 
-`LoRALinear` holds one trainable adapter (fine-tuning); `MultiLoRALinear` holds the served adapters of a module, one
-slot each, and each batch row takes its own (serving several adapters at once, `day0jax.adapters`)."""
+`LoRALinear` and `LoRAExperts` hold one trainable adapter (fine-tuning); `MultiLoRALinear` holds the served adapters
+of a module, one slot each, and each batch row takes its own (serving several adapters at once, `day0jax.adapters`).
+"""
 
 from __future__ import annotations
 
@@ -17,8 +20,25 @@ from flax import nnx
 
 from day0jax.core.errors import TrainingError
 from day0jax.layers.linear import Linear
+from day0jax.layers.moe import Experts
+from day0jax.layers.quantized import QuantizedExperts
 
 DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# transformers' fused expert parameters (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]),
+# in the order its experts module registers them (PEFT nests its wrappers in that order), and the runtime `Experts`
+# weights each is made of (gate_up_proj: gate_proj's rows, then up_proj's).
+EXPERT_PARAMETERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+EXPERT_TARGETS = tuple(f"experts.{name}" for name in EXPERT_PARAMETERS)  # as PEFT's `target_parameters` spell them
+
+
+def expert_parameter(target: str) -> str | None:
+    """The fused expert parameter a target name asks for: PEFT's `target_parameters` spelling (`experts.gate_up_proj`,
+    `experts.down_proj`, or a longer suffix such as `mlp.experts.down_proj`), or `gate_up_proj` alone, which names
+    nothing else; None for a module name (`down_proj` alone names the dense MLPs' linear maps)."""
+    parts = target.split(".")
+    if parts[-1] == "gate_up_proj" or (parts[-1] == "down_proj" and len(parts) > 1 and parts[-2] == "experts"):
+        return parts[-1]
+    return None
 
 
 _DROPOUT: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_dropout_key", default=None)
@@ -111,6 +131,80 @@ def _low_rank_backward(scale, residuals, g):
 low_rank_product.defvjp(_low_rank_forward, _low_rank_backward)
 
 
+class ExpertsLoRA(nnx.Module):
+    """LoRA on one fused expert parameter, laid out as PEFT's `ParamWrapper` lays it out: `lora_a` [r*E, I], expert
+    e's A_e its rows e*r .. e*r + r - 1, and `lora_b` [O, r*E], B_e its columns j*E + e for j < r (PEFT reshapes A to
+    [E, r, I] but B to [O, r, E]); expert e's HF weight [O, I] gains alpha / r * B_e @ A_e. I, O: the HF map's input
+    and output features (gate_up_proj: D -> 2F, down_proj: F -> D). Initialised as PEFT initialises it (A
+    Kaiming-uniform, U(-1/sqrt(I), 1/sqrt(I)); B zero)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int, alpha: float, *,
+                 rngs: nnx.Rngs):
+        E, I, O = num_experts, in_features, out_features
+        bound = 1.0 / math.sqrt(I)
+        self.lora_a = LoRAParam(jax.random.uniform(rngs.params(), (rank * E, I), jnp.float32, -bound, bound))
+        self.lora_b = LoRAParam(jnp.zeros((O, rank * E), jnp.float32))
+        self.num_experts, self.rank, self.alpha = E, rank, float(alpha)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self) -> jax.Array:
+        """Each expert's added weight, float32 [E, I, O]: the runtime `Experts` layout, HF's [E, O, I] transposed."""
+        E, r = self.num_experts, self.rank
+        a = self.lora_a[...].reshape(E, r, -1)  # [E, r, I]
+        b = self.lora_b[...].reshape(-1, r, E)  # [O, r, E]
+        return jnp.einsum("ore,eri->eio", b, a) * self.scale
+
+
+class LoRAExperts(Experts):
+    """`Experts` with their stacked weights (shared with the base, frozen by the trainer) plus an `ExpertsLoRA` for
+    each fused parameter adapted (`lora_gate_up_proj`, `lora_down_proj`; None where not): each expert computes with
+    its weights plus its own scale * B_e @ A_e, added inside the traced call. The merged weights cost E*I*O floats per
+    adapted parameter while the call lives; in exchange the product is PEFT's exactly and the grouped matmul and its
+    routing stay as they are."""
+
+    def __init__(self, base: Experts, parameters, rank: int, alpha: float, *, rngs: nnx.Rngs):
+        for name, value in vars(base).items():  # the base's weights and settings, shared
+            if not name.startswith("_"):
+                setattr(self, name, value)
+        E, D, F = base.up_proj.shape
+        adapted = set(parameters)
+        self.lora_gate_up_proj = ExpertsLoRA(E, D, 2 * F, rank, alpha, rngs=rngs) if "gate_up_proj" in adapted \
+            else None
+        self.lora_down_proj = ExpertsLoRA(E, F, D, rank, alpha, rngs=rngs) if "down_proj" in adapted else None
+
+    def delta(self, name: str) -> jax.Array | None:
+        """What the adapters add to the stacked weight `name` (gate_proj, up_proj, down_proj), float32 [E, in, out];
+        None where it is not adapted."""
+        fused = next(f for f, parts in EXPERT_PARAMETERS.items() if name in parts)
+        adapter = getattr(self, f"lora_{fused}")
+        if adapter is None:
+            return None
+        delta = adapter.delta()
+        F = delta.shape[-1] // len(EXPERT_PARAMETERS[fused])
+        at = EXPERT_PARAMETERS[fused].index(name) * F
+        return delta[..., at:at + F]
+
+    def weight(self, name: str):
+        w = super().weight(name)
+        delta = self.delta(name)
+        return w if delta is None else (w.astype(jnp.float32) + delta).astype(w.dtype)
+
+    def plain(self) -> Experts:
+        """An `Experts` holding this module's stacked weights and settings, without the adapters."""
+        E, D, F = self.up_proj.shape
+        with nnx.use_eager_sharding(False):
+            plain = nnx.eval_shape(lambda: Experts(E, D, F, self.glu, use_bias=self.down_proj_bias is not None,
+                                                   scale_inputs=self.scale_inputs, gated=self.gate_proj is not None,
+                                                   rngs=nnx.Rngs(0)))
+        for name, value in vars(plain).items():
+            if not name.startswith("_"):
+                setattr(plain, name, getattr(self, name))
+        return plain
+
+
 def module_at(model: nnx.Module, path: tuple):
     """The sub-module (or variable) at `path`: attribute names and layer indices."""
     node = model
@@ -129,37 +223,67 @@ def replace_module_at(model: nnx.Module, path: tuple, module: nnx.Module) -> Non
 
 
 def lora_targets(model: nnx.Module, targets) -> list[tuple]:
-    """The paths of the `Linear`s named in `targets` (HF module names such as q_proj) that would take adapters, in
-    parameter order; the model may be abstract (`nnx.eval_shape`): the fine-tuning memory plan walks it before any
-    weight is read.
+    """The paths of the adapters `targets` asks for, in parameter order, then the experts': a `Linear` named by an HF
+    module name (q_proj, ...: the path of the `LoRALinear` it becomes), and for each MoE experts module the fused
+    parameters named as PEFT's `target_parameters` (`experts.gate_up_proj`, `experts.down_proj`; see
+    `expert_parameter`): the path `<experts>.lora_<parameter>` of its `ExpertsLoRA`. Module names adapt linear maps
+    only, as PEFT's `target_modules` do: attention, dense MLPs and shared experts, never the routed experts' stacked
+    weights. The model may be abstract (`nnx.eval_shape`): the fine-tuning memory plan walks it before any weight is
+    read.
 
     Raises:
-        TrainingError: a target that is not a `Linear` (MoE experts' stacked weights, a map whose kernel a layer
-            reads itself), or no module of those names. A quantized base is a target: it stays frozen (QLoRA).
+        TrainingError: a target that is not a plain `Linear` (a map whose kernel a layer reads itself), experts whose
+            weights PEFT has no layout for (ungated, with biases) or that are quantized, or nothing of those names.
+            A quantized base `Linear` is a target: it stays frozen (QLoRA).
     """
     targets = set(targets)
+    parameters = {expert_parameter(t) for t in targets} - {None}
+    names = {t for t in targets if expert_parameter(t) is None}
+    experts = {tuple(path): m for path, m in nnx.iter_modules(model) if isinstance(m, Experts)}
     found: list[tuple] = []
     for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         path = tuple(path)
-        hits = [i for i, part in enumerate(path) if part in targets]
+        hits = [i for i, part in enumerate(path) if part in names]
         if not hits:
             continue
         owner = path[: hits[-1] + 1]
+        if owner[:-1] in experts:
+            continue  # a routed experts' stacked weight: adapted only when its fused parameter is asked for
         module = module_at(model, owner)
-        if not isinstance(module, nnx.Module):
-            raise TrainingError(f"{'.'.join(map(str, path))}: LoRA on MoE experts' stacked weights is not "
-                                "implemented; leave the expert projections out of --lora-targets")
-        if type(module) is not Linear:
-            raise TrainingError(f"{'.'.join(map(str, owner))} is a {type(module).__name__}, not a plain linear map: "
-                                "LoRA on it is not implemented")
+        if not isinstance(module, nnx.Module) or type(module) is not Linear:
+            kind = type(module).__name__ if isinstance(module, nnx.Module) else "stacked weight"
+            raise TrainingError(f"{'.'.join(map(str, owner))} is a {kind}, not a plain linear map: LoRA on it is not "
+                                "implemented")
         if not module.quantizable:
             raise TrainingError(f"{'.'.join(map(str, owner))}: its layer reads the kernel itself, so an adapter "
                                 "would be bypassed; LoRA on it is not implemented")
         if owner not in found:
             found.append(owner)
+    for path, m in experts.items() if parameters else ():
+        where = ".".join(map(str, path))
+        if m.gate_proj is None or m.down_proj_bias is not None:
+            raise TrainingError(f"{where}: experts {'without a gate' if m.gate_proj is None else 'with biases'} have "
+                                f"no fused gate_up_proj [E, 2F, D] layout in PEFT; LoRA on them is not implemented "
+                                f"(leave {', '.join(sorted(EXPERT_TARGETS))} out of --lora-targets)")
+        if isinstance(m.up_proj, QuantizedExperts):
+            raise TrainingError(f"{where}: the experts are quantized; LoRA on quantized experts is not implemented "
+                                "(convert the base in float, or leave the experts out of --lora-targets)")
+        found += [path + (f"lora_{name}",) for name in EXPERT_PARAMETERS if name in parameters]
     if not found:
-        raise TrainingError(f"no module named {sorted(targets)} in this {model.config.model_type} model")
+        missing = ([f"no module named {sorted(names)}"] if names or not parameters else []) + (
+            [f"no MoE experts for {sorted(t for t in targets if expert_parameter(t))}"] if parameters else [])
+        raise TrainingError(f"{' and '.join(missing)} in this {model.config.model_type} model")
     return found
+
+
+def lora_sizes(model: nnx.Module, path: tuple) -> tuple[int, int, int]:
+    """(E, I, O) of the adapter `lora_targets` names `path`: E experts (1 for a linear map) and the map's input and
+    output features, so that it holds r * E * (I + O) parameters."""
+    if path[-1] in {f"lora_{name}" for name in EXPERT_PARAMETERS}:
+        E, D, F = module_at(model, path[:-1]).up_proj.shape
+        return (E, D, 2 * F) if path[-1] == "lora_gate_up_proj" else (E, F, D)
+    m = module_at(model, path)
+    return 1, math.prod(m.in_shape), math.prod(m.out_shape)
 
 
 # --- served adapters: several at once, one per batch row ---------------------------------------------------------

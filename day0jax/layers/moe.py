@@ -216,21 +216,26 @@ class Experts(nnx.Module):
         row_weights = weights.reshape(-1)[order][:, None]
         if self.scale_inputs:
             rows = rows * row_weights.astype(rows.dtype)
-        up = moe_op.grouped_matmul(rows, _weight(self.up_proj), group_sizes)
+        up = moe_op.grouped_matmul(rows, self.weight("up_proj"), group_sizes)
         if self.gate_proj is None:
             hidden = self.glu(up)
         else:
-            gate = moe_op.grouped_matmul(rows, _weight(self.gate_proj), group_sizes)
+            gate = moe_op.grouped_matmul(rows, self.weight("gate_proj"), group_sizes)
             if self.gate_proj_bias is not None:
                 gate = gate + self.gate_proj_bias[...][sorted_expert]
                 up = up + self.up_proj_bias[...][sorted_expert]
             hidden = self.glu(gate, up)
-        out = moe_op.grouped_matmul(hidden, _weight(self.down_proj), group_sizes)  # [M*k, D]
+        out = moe_op.grouped_matmul(hidden, self.weight("down_proj"), group_sizes)  # [M*k, D]
         if self.down_proj_bias is not None:
             out = out + self.down_proj_bias[...][sorted_expert]
         if not self.scale_inputs:
             out = out * row_weights.astype(out.dtype)
         return jnp.zeros_like(x).at[token].add(out)
+
+    def weight(self, name: str):
+        """The stacked weight `name` (gate_proj, up_proj, down_proj) as the grouped matmul takes it: a subclass
+        adds to it (LoRA on the experts, `layers.lora.LoRAExperts`)."""
+        return _weight(getattr(self, name))
 
 
 def _weight(w):

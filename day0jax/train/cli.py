@@ -31,7 +31,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="dropout on the adapters' input while training, as PEFT's lora_dropout (masks from --seed)")
-    p.add_argument("--lora-targets", default=",".join(TrainSetup.lora_targets))
+    p.add_argument("--lora-targets", default=",".join(TrainSetup.lora_targets),
+                   help="comma-separated HF module names whose linear maps take adapters (attention, dense MLPs, "
+                   "shared experts: PEFT's target_modules); MoE models' routed experts only when named as PEFT's "
+                   "target_parameters: experts.gate_up_proj, experts.down_proj (e.g. "
+                   "q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj; no --lora-dropout then)")
     p.add_argument("--batch-size", type=int, default=TrainSetup.batch_size)
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--learning-rate", type=float, default=1e-4)
@@ -204,7 +208,8 @@ def run(args: argparse.Namespace) -> None:
     if args.fine_tune_type == "lora":
         adapters = apply_lora(model.module, lora, seed=args.seed)
         n_params = sum(m.lora_a.size + m.lora_b.size for m in adapters.modules(model.module).values())
-        print(f"LoRA rank {lora.rank} on {len(adapters.hf_names)} modules ({', '.join(adapters.target_modules)}): "
+        print(f"LoRA rank {lora.rank} on {len(adapters.hf_names)} modules "
+              f"({', '.join(adapters.target_modules + adapters.target_parameters)}): "
               f"{n_params} trainable parameters; {len(train_set)} training examples", flush=True)
     else:
         n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.module, nnx.Param)))

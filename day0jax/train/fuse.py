@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from day0jax.adapters import adapter_tensors_file, read_adapter_config
-from day0jax.core.errors import TrainingError
+from day0jax.adapters import ADAPTER_CONFIG, adapter_tensors_file, read_adapter_config
+from day0jax.core.errors import AdapterError, TrainingError
+from day0jax.layers.lora import EXPERT_PARAMETERS
 from day0jax.train.lora import LoRAConfig
 
 
@@ -26,7 +27,13 @@ def fuse(model_path: str | Path, adapter_path: str | Path, out: str | Path) -> P
 
     adapter_path = Path(adapter_path)
     c = read_adapter_config(adapter_path)
-    config = LoRAConfig(rank=c.rank, alpha=c.alpha, targets=c.targets)
+    # PEFT matches a target parameter by its name's end: any spelling of a fused expert parameter is that one.
+    parameters = tuple(f"experts.{p.rsplit('.', 1)[-1]}" for p in c.parameters)
+    unknown = [p for p in c.parameters if p.rsplit(".", 1)[-1] not in EXPERT_PARAMETERS]
+    if unknown:
+        raise AdapterError(f"{adapter_path / ADAPTER_CONFIG}: target_parameters {unknown} names no MoE experts' fused "
+                           f"parameter ({', '.join(EXPERT_PARAMETERS)}); LoRA on it is not implemented")
+    config = LoRAConfig(rank=c.rank, alpha=c.alpha, targets=c.targets + parameters)
     tensors = adapter_tensors_file(adapter_path)
     arrays = {name: tensors.read(name) for name in tensors.tensors}
     model = day0jax.load(model_path, dtype="float32", kernels="reference")
