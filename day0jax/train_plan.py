@@ -37,7 +37,8 @@ TRAIN_DTYPES = ("float32", "bfloat16")
 # Calibration against XLA:CPU's buffer assignment of the compiled step (tests/test_train_plan.py).
 LOGIT_COPIES = 3  # the logits, the softmax their gradient is made from, and the gradient, [B, T, V] float32
 # An attention layer's [B, N, T, T] float32 arrays kept until its backward: the backward recomputes the softmax
-# weights from q and k, yet XLA keeps 1.2 to 1.8 copies' worth per layer (measured at T 256 to 2048).
+# weights from q and k, but XLA merges that with the forward's weights and keeps them; 1.2 to 1.8 copies' worth per
+# layer measured at T 256 to 2048.
 SCORE_COPIES = 1.5
 BACKWARD_EXTRA = 0.25  # a layer's backward: the gradients of its activations live beside them, a quarter as many
 

@@ -80,8 +80,10 @@ def _attend_forward(q, k, v, sinks, visible, scale, logit_softcap):
 
 # The gradient by hand, flash attention's way: only q, k, v, the output and the softmax's peak and denominator are
 # kept for the backward pass, which recomputes the weights. Autodiff of the forward kept every layer's [T, S] weights
-# (most of a training step's memory at long rows) and XLA:CPU fused its softmax backward into the score product, at a
-# tenth of the product's speed.
+# and softmax intermediates (most of a training step's memory at long rows) and XLA:CPU fused its softmax backward
+# into the score product, at a tenth of the product's speed. (XLA still merges the recomputed weights with the
+# forward's identical ones, keeping one [T, S] array per layer; optimization barriers against that cost more memory
+# than they saved.)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attend(q, k, v, sinks, visible, scale, logit_softcap):
