@@ -7,7 +7,7 @@ Float32 models multiply in true float32 (`exact_float32`), as the parity tests n
 Mixed precision (bfloat16 training): the trained parameters are float32 masters, which the optimizer updates and
 keeps its moments for; the differentiated function casts them to the compute dtype (`compute_copy`), so the forward
 and backward multiply in bfloat16 while the gradients arrive in float32, with respect to the masters. Updates below
-bfloat16's resolution of a weight then still accumulate. The logits, log-softmax and loss stay float32.
+bfloat16's resolution of a weight then still accumulate. The logits, their cross-entropy and the loss stay float32.
 """
 
 from __future__ import annotations
