@@ -53,6 +53,9 @@ def test_lower_cuda_table():
 
 
 def test_load_runs_the_kernel_selftest(converted):
+    # `load(kernels=...)` sets the process-wide policy (earlier tests in this process may have left 'reference'):
+    # inside the block it is load's, after it the one before.
+    before = registry.get_policy()
     with registry.use_policy(registry.Policy()):
         model = day0jax.load(converted["llama"], kernels="reference")
         assert registry.get_policy().mode == "reference"
@@ -62,7 +65,7 @@ def test_load_runs_the_kernel_selftest(converted):
         assert model.kernel_report.mode == "auto"
         with pytest.raises(ValueError, match="kernels='fastest'"):
             day0jax.load(converted["llama"], kernels="fastest")
-    assert registry.get_policy() == registry.Policy()
+    assert registry.get_policy() == before
 
 
 def test_rows_past_the_deadline_are_skipped_and_each_row_is_emitted():
