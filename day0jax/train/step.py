@@ -133,7 +133,7 @@ def loss_and_grads(model: nnx.Module, batch: Batch, wrt=None, remat: bool = Fals
     if batch.targets == 0:
         raise TrainingError("the batch has no target that counts (every token padding or masked prompt)")
     graphdef, params, rest = _split(model, wrt)
-    with tracing(compute or _dtype_of(rest)):
+    with tracing(compute or base_dtype(model)):
         total, count, grads = _jitted_loss_and_grads(graphdef, params, rest, jnp.asarray(batch.tokens),
                                                      jnp.asarray(batch.mask), remat, key,
                                                      None if compute is None else jnp.dtype(compute))
@@ -165,11 +165,6 @@ def base_dtype(model: nnx.Module):
         if jnp.issubdtype(x.dtype, jnp.floating) and not any(tuple(path[:len(q)]) == q for q in quantized):
             return jnp.dtype(x.dtype)
     return jnp.dtype(jnp.float32)
-
-
-def _dtype_of(state: nnx.State):
-    floats = [x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return floats[0] if floats else jnp.float32
 
 
 # --- optimizers and schedules ------------------------------------------------------------------------------------
