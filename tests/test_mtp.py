@@ -1,10 +1,11 @@
 """Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored as
 layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
-Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, Step-3.7's and MiMo-V2-Flash's, transformers' generic MTP layers, chained after
-their post-norm). Greedy tokens equal plain decoding's, the drafts the engine reads after each step are the MTP chain's
-over the verified tokens (its KV pages caught up over every kept token, rejected positions rewritten), and conversion
-keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads only
-for speculative method "mtp".
+Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, Step-3.7's and MiMo-V2-Flash's, transformers' generic MTP
+layers, chained after their post-norm). Greedy tokens equal plain decoding's; the drafts the engine reads after each
+step are the MTP chain's over the verified tokens (each layer's KV pages caught up over every kept token, as
+transformers' `MtpModel` chains its layers, and rewritten where a drafted token had reached them); conversion keeps
+the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads only for
+speculative method "mtp"; MiniMax-M2's, whose forward nothing public defines, are refused by name.
 """
 
 from __future__ import annotations
@@ -61,18 +62,10 @@ STEP3P7 = dict(_STEP, model_type="step3p7", text_config=dict(
     _STEP["text_config"], num_nextn_predict_layers=2, swiglu_limits=[0.7, 0.5, 0.8],
     layer_types=[*_STEP["text_config"]["layer_types"], "full_attention", "full_attention"],
     mlp_layer_types=[*_STEP["text_config"]["mlp_layer_types"], "sparse", "dense"]))
-# Its first MTP layer alone, drafting k tokens by chaining on itself: the engine catches up only the first MTP layer's
-# KV pages over every kept token (a later layer's pages hold the positions it drafted), so the draft check below,
-# against the cache-less chain, holds for one layer.
-STEP3P7_ONE = dict(STEP3P7, text_config=dict(
-    STEP3P7["text_config"], num_nextn_predict_layers=1, layer_types=STEP3P7["text_config"]["layer_types"][:4],
-    mlp_layer_types=STEP3P7["text_config"]["mlp_layer_types"][:4]))
-
 # MiMo-V2-Flash (tests/families.py's: full, sliding, sliding; window 8, sinks, value scale, partial RoPE per kind):
 # transformers' generic MTP layer under Xiaomi's names, its decoder layer a sliding-attention one (window 8, so the
 # longer prompts' window bites) with a dense MLP and a post-norm of its own; two layers, the second chained.
 MIMO = dict(FAMILIES["mimo_v2_flash"][1], model_type="mimo_v2_flash", num_nextn_predict_layers=2)
-MIMO_ONE = dict(MIMO, num_nextn_predict_layers=1)
 
 
 def build(hf: dict):
@@ -82,27 +75,40 @@ def build(hf: dict):
 
 
 def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray:
-    """The MTP chain over `tokens` without a cache, fed the engine's own `drafts` (teacher forcing): the logits of
-    each draft [k, V]. Layer 0 at positions 0..n-2 takes the model's final hidden state and the next token; step j
-    at position n - 2 + j the previous step's chained h' and draft j. Padded to the context (causal: harmless), so
-    that one compiled program serves every length."""
+    """The MTP chain over `tokens` without a cache, fed the engine's own `drafts` (teacher forcing), as
+    transformers' `MtpModel` chains its layers: the logits of each draft [k, V]. With L tokens, layer i runs over
+    columns 0 .. L - 2, at column c on token c + 1 + i of the tokens followed by the drafts and on the model's final
+    hidden state there (layer 0) or layer i - 1's chained output at the same column; its output at column L - 2
+    drafts token i + 1. Drafts past the n layers go through layer j mod n again, at the columns after L - 2, on the
+    previous draft and the previous step's chained output. Padded to the context (causal: harmless), so that one
+    compiled program serves every length."""
     graphdef, state = nnx.split(module)
     k = len(drafts)
 
     @jax.jit
-    def chain(padded, n, drafts):
+    def chain(padded, L, drafts):
         model = nnx.merge(graphdef, state)
+        n = min(model.mtp_layers, k)
         positions = jnp.arange(CONTEXT, dtype=jnp.int32)
         hidden, _ = model(padded[None], positions[None])
-        following = jnp.where(positions < n - 1, jnp.roll(padded, -1), 0)
-        states, out = hidden, []
-        for j in range(k):
-            i = j % model.mtp_layers
+        stream = jnp.concatenate([jnp.where(positions < L - 1, jnp.roll(padded, -1), 0), jnp.zeros(k, jnp.int32)])
+        stream = jax.lax.dynamic_update_slice(stream, drafts, (L - 1,))
+        inputs, states, out = [], hidden, []
+        for i in range(n):
+            following = stream[i:i + CONTEXT]
             h, _ = model.mtp_step(i, following[None], states, positions[None])
-            last = h[0, n - 2 + j]
-            out.append(model.mtp_logits(i, last))
-            following = following.at[n - 1 + j].set(drafts[j])
-            states = states.at[0, n - 1 + j].set(model.mtp_chained(i, last))
+            out.append(model.mtp_logits(i, h[0, L - 2]))
+            inputs.append((following, states))
+            states = model.mtp_chained(i, h)
+        chained = states[0, L - 2]
+        for j in range(n, k):
+            i, at = j % n, L - 2 + j // n
+            following, states = inputs[i]
+            following, states = following.at[at].set(drafts[j - 1]), states.at[0, at].set(chained)
+            inputs[i] = (following, states)
+            h, _ = model.mtp_step(i, following[None], states, positions[None])
+            out.append(model.mtp_logits(i, h[0, at]))
+            chained = model.mtp_chained(i, h[0, at])
         return jnp.stack(out)
 
     padded = np.zeros(CONTEXT, np.int32)
@@ -111,16 +117,18 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
-                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7_ONE, 2),
-                                  (MIMO_ONE, 2)],
+                                  (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7, 2),
+                                  (MIMO, 3)],
                          ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
-                              "ernie4_5_moe-k2", "step3p7-k2", "mimo_v2_flash-k2"])
+                              "ernie4_5_moe-k2", "step3p7-k2", "mimo_v2_flash-k3"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
     drafts, rows of another never speculate. Greedy tokens equal plain decoding's (through Gated DeltaNet layers,
     whose state after the last accepted token each verify step keeps in a slot of its own), and each draft read is
-    the cache-less MTP chain's argmax over the tokens verified so far (within 1e-4 of the best logit)."""
+    the cache-less MTP chain's argmax over the tokens verified so far (within 1e-4 of the best logit). Step-3.7 and
+    MiMo-V2-Flash chain two layers (MiMo's third draft through the first again): the second layer's pages must hold
+    every kept column, rewritten where they were last written from a draft."""
     module = build(hf)
     truth = {f"r{i}": ref for i, ref in enumerate(cache_less_greedy(module))}
     engine = Engine(module, make_mesh(None), jnp.float32, context_length=CONTEXT, config=EngineConfig(
@@ -152,6 +160,29 @@ def test_mtp_drafts_and_greedy_tokens(hf, k):
     if engine.runner.has_state:
         assert engine.scheduler.state_copies == k + 1
         assert sorted(engine.scheduler.free_slots) == list(range(1, engine.layout.state_slots))
+
+
+def test_mtp_carry_belongs_to_its_admission():
+    """With n chained MTP layers, each call rewrites the n - 1 columns before its own from the hidden states the
+    sequence's previous call left in its slot: only while the sequence is in the same admission (one preempted and
+    admitted again, or another sequence in that slot, starts fresh), and only with the tokens after those columns on
+    the host."""
+    from types import SimpleNamespace
+
+    from day0jax.engine.device_proposers import MTPProposer
+    from day0jax.engine.requests import SequenceState
+
+    proposer = MTPProposer(SimpleNamespace(mtp_carried=2, layout=SimpleNamespace(spec_tokens=3)))
+    seq = SequenceState("r", 0, [5, 6, 7, 8], 4, greedy(4), 0, 0.0, frozenset(), slot=3, slots=[3, 4])
+    prefix, slots, fresh = proposer._carry([seq], 2, [3])
+    assert prefix.tolist() == [[7, 8], [0, 0]] and slots.tolist() == [3, 0] and fresh.tolist() == [True, True]
+    prefix, _, fresh = proposer._carry([seq], 1, [3])
+    assert prefix.tolist() == [[7, 8]] and fresh.tolist() == [False]
+    assert proposer._carry([seq], 1, [0])[0].tolist() == [[0, 5]]  # nothing before column 0
+    assert proposer._carry([seq], 1, [4])[2].tolist() == [True]  # t(4) still on the device
+    seq.slots = [3, 4]  # admitted again (the same slots, a new admission)
+    assert proposer._carry([seq], 1, [3])[2].tolist() == [True]
+    assert proposer._carry([seq], 1, [3])[2].tolist() == [False]
 
 
 MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in range(12)]]
@@ -241,3 +272,14 @@ def test_ernie_refuses_more_than_one_mtp_layer():
 
     with pytest.raises(UnsupportedArchitecture, match="num_nextn_predict_layers"):
         models.config_from_hf(dict(ERNIE, num_nextn_predict_layers=2))
+
+
+def test_minimax_m2_mtp_modules_are_refused_by_name():
+    """MiniMax-M2's configs declare MTP modules whose forward nothing public defines: speculative method 'mtp' is
+    refused naming them (conversion drops them, as before)."""
+    from day0jax.core.errors import UnsupportedArchitecture
+
+    cfg = models.config_from_hf(dict(FAMILIES["minimax_m2"][1], model_type="minimax_m2", use_mtp=True,
+                                     num_mtp_modules=3))
+    with pytest.raises(UnsupportedArchitecture, match=r"3 multi-token-prediction module\(s\) \(num_mtp_modules\)"):
+        models.abstract_model(cfg, mtp=True)

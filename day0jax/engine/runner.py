@@ -99,6 +99,7 @@ class ModelRunner:
         self.keep_hidden = False
         self.hidden: jax.Array | None = None
         self.mtp_pools: list | None = None
+        self.mtp_carry: tuple = ()
         self._stage_pools: list | None = None  # allocated by the engine (`allocate_pools`), not by `full_logits`
         self._stage_replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
         self._sample_mesh = self.links.sample_mesh
@@ -354,45 +355,71 @@ class ModelRunner:
                 pos = pos + 1
         return jnp.stack(drafts, axis=1), pools
 
-    def _mtp_fn(self, k: int, params, pools, hidden, tokens, last_token, override, accepted, base, block_tables,
-                state_slots):
-        """The model's multi-token-prediction layers drafting after a verify step or over a prefill chunk, all on
-        the device (`layers/mtp.py`).
+    def _mtp_fn(self, k: int, params, pools, carry, hidden, prefix, tokens, last_token, override, accepted, base,
+                block_tables, slots, fresh):
+        """The model's multi-token-prediction layers over a verify step's or a prefill chunk's positions, then
+        drafting, all on the device (`layers/mtp.py`). Returns (drafts [B, k] int32, pools, carry).
 
-        Catch-up: MTP layer 0 at positions base + column for columns 0..accepted, each taking the target's final
-        hidden state there (`hidden` [B, T, D], the verify's or the chunk's) and the token after it (`tokens`: the
-        kept drafts and the next token, or the chunk's next prompt tokens; with `override`, column `accepted`
-        replaced by `last_token`, the token the prompt's sampler drew), writing the MTP layer's keys. Its greedy
-        token at the last column is draft 1; then k - 1 steps, step j through MTP layer j mod n at the next position
-        on the last step's h' and draft, as vLLM and SGLang chain them. Returns (drafts [B, k] int32, pools).
+        The layers are chained over a window of columns, as transformers' `MtpModel` runs them: column c is the
+        main-model position a chain starts from. Layer 0 at c takes the target's final hidden state there and token
+        t(c + 1); layer i takes layer i - 1's (chained) output at the same column and token t(c + 1 + i), and its
+        keys sit at column c of its own pages. The window is the call's columns `base` .. `base + accepted`
+        (`hidden` [B, T, D], `tokens` t(base + 1) ...; with `override`, column `accepted`'s token replaced by
+        `last_token`, the one a prompt's sampler drew) and, with n > 1 layers, the n - 1 columns before them
+        (`carry`: their hidden states, kept per sequence slot `slots`; `prefix`: the tokens after them), so that
+        the entries a layer wrote last time from drafted tokens are rewritten from the kept ones. Where a layer's
+        token lies past the last kept one, it is a draft: layer i's output at the last column drafts token i + 1.
+        Drafts k > n chain through layer j mod n, each layer at the columns after its window's.
         """
         from day0jax.engine.paged_cache import PagedKVCache
 
         model = self._model(0, params)
         B, T = tokens.shape
-        n = len(pools)
+        n = min(len(pools), k)  # the layers the drafts go through
+        E = n - 1  # window columns before `base`
         pad = block_tables.shape[1] * self.layout.page_size
+        rows = jnp.arange(B)
         col = jnp.arange(T, dtype=jnp.int32)[None, :]
         tokens = jnp.where(override[:, None] & (col == accepted[:, None]), last_token[:B, None], tokens)
-        positions = jnp.where(col <= accepted[:, None], base[:, None] + col, pad).astype(jnp.int32)
+        kept = col <= accepted[:, None]
+        states, stream = hidden, tokens
+        if E:  # a fresh sequence's carry is another's, and nothing lies before column 0
+            carried, carried_ok = carry
+            kept = jnp.concatenate([carried_ok[slots] & ~fresh[:, None], kept], axis=1)
+            states = jnp.concatenate([carried[slots].astype(hidden.dtype), hidden], axis=1)
+            stream = jnp.concatenate([prefix, tokens], axis=1)
+        columns = base[:, None] - E + jnp.arange(E + T, dtype=jnp.int32)[None, :]
+        kept = kept & (columns >= 0)
+        positions = jnp.where(kept, columns, pad).astype(jnp.int32)
+        stream = jnp.concatenate([stream, jnp.zeros((B, n), jnp.int32)], axis=1)  # room for the drafts
+        last = E + accepted  # the window index of the last kept column
         kv = (base + accepted + 1).astype(jnp.int32)
-        rows = jnp.arange(B)
         caches = [PagedKVCache.from_pools(p, block_tables, kv) for p in pools]
+        drafts, chain = [], states
         with exact_float32(self.dtype):
-            h, caches[0] = model.mtp_step(0, tokens, hidden, positions, caches[0], seq_len=jnp.max(kv))
-            last = h[rows, accepted]
-            draft = jnp.argmax(model.mtp_logits(0, last), axis=-1).astype(jnp.int32)
-            chain, drafts, pos = model.mtp_chained(0, last), [draft], kv
-            for j in range(1, k):
-                i = j % n
-                cache = PagedKVCache.from_pools(caches[i].pools, block_tables, pos + 1)
-                h, caches[i] = model.mtp_step(i, draft[:, None], chain[:, None], pos[:, None], cache,
-                                              seq_len=jnp.max(pos + 1))
+            for i in range(n):
+                h, caches[i] = model.mtp_step(i, stream[:, i:i + E + T], chain, positions, caches[i],
+                                              seq_len=jnp.max(kv))
+                out = h[rows, last]
+                draft = jnp.argmax(model.mtp_logits(i, out), axis=-1).astype(jnp.int32)
+                drafts.append(draft)
+                stream = jnp.where(jnp.arange(stream.shape[1])[None, :] == (last + i + 1)[:, None], draft[:, None],
+                                   stream)
+                chain = model.mtp_chained(i, h)
+            chain = chain[rows, last]
+            for j in range(n, k):
+                i, at = j % n, base + accepted + j // n
+                cache = PagedKVCache.from_pools(caches[i].pools, block_tables, at + 1)
+                h, caches[i] = model.mtp_step(i, draft[:, None], chain[:, None], at[:, None], cache,
+                                              seq_len=jnp.max(at + 1))
                 draft = jnp.argmax(model.mtp_logits(i, h[:, 0]), axis=-1).astype(jnp.int32)
                 chain = model.mtp_chained(i, h[:, 0])
                 drafts.append(draft)
-                pos = pos + 1
-        return jnp.stack(drafts, axis=1), [c.pools for c in caches]
+        if E:  # the next call's window starts after this one's last kept column
+            take = accepted[:, None] + 1 + jnp.arange(E)[None, :]
+            carry = (carried.at[slots].set(jnp.take_along_axis(states, take[..., None], axis=1).astype(carried.dtype)),
+                     carried_ok.at[slots].set(jnp.take_along_axis(kept, take, axis=1)))
+        return jnp.stack(drafts, axis=1), [c.pools for c in caches], carry
 
     def attach_mtp(self) -> None:
         """Makes the model's multi-token-prediction layers speculative decoding's proposer: their KV pools (in this
@@ -409,14 +436,18 @@ class ModelRunner:
                                   "builds them when EngineConfig.speculative is 'mtp')")
         if self.micro is not None:
             raise GenerationError("speculative method 'mtp' with pipeline stages (pp > 1) is not implemented")
+        L = self.layout
         if self.mtp_pools is None:
-            L = self.layout
             self.mtp_pools = new_pools(self._mtp_layout, L.num_pages, L.page_size, L.state_slots, self.dtype,
                                        self.mesh, kv_cache_dtype=L.kv_cache_dtype)
+            E = min(len(self._mtp_layout), L.spec_tokens) - 1
+            # Per sequence slot, the hidden states of the last E kept columns and whether they are this
+            # sequence's (`_mtp_fn`): tiny next to the pages.
+            self.mtp_carry = (self._put(np.zeros((L.state_slots, E, self.hidden_size), self.dtype)),
+                              self._put(np.zeros((L.state_slots, E), bool))) if E > 0 else ()
         self.keep_hidden = True
-        self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(self._mtp_fn,
-                                                                                 self.layout.spec_tokens)),
-                                    donate_argnames=("pools",))
+        self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(self._mtp_fn, L.spec_tokens)),
+                                    donate_argnames=("pools", "carry"))
 
     def attach_draft(self, module: nnx.Module) -> None:
         """Makes `module` (a smaller model with the same vocabulary, on this runner's mesh) the draft model of
@@ -453,26 +484,43 @@ class ModelRunner:
             program = self.programs.get(Program("draft", key))
         self.draft.run_stage(0, program, batch, None, None)
 
-    def propose(self, tokens, last_token, override: np.ndarray, accepted, base: np.ndarray, block_tables: np.ndarray,
-                state_slots: np.ndarray) -> jax.Array:
-        """The device proposer's drafts [B, k] after a verify step or a prompt's chunk (`_propose_fn` for a draft
-        model, `_mtp_fn` on `hidden` for the MTP layers), without waiting for them. `tokens`, `last_token` and
-        `accepted` may be device arrays (the acceptance's or the sampler's outputs)."""
-        B, T = tokens.shape
-        key = (B, T, block_tables.shape[1])
+    @property
+    def mtp_carried(self) -> int:
+        """The columns before its own that each MTP call recomputes: n - 1 for n chained layers (`_mtp_fn`)."""
+        return self.mtp_carry[1].shape[1] if self.mtp_carry else 0
+
+    def _program(self, key: tuple):
+        """The compiled propose program for `key` (rows, tokens, table width), compiling it on demand."""
         wanted = Program("propose", key)
         if wanted not in self.programs and self.ensure is not None:
             self.ensure(wanted)
-        args = [self._put(x) if isinstance(x, np.ndarray) else x
-                for x in (tokens, last_token, override, accepted, base, block_tables, state_slots)]
-        run = self.programs.get(wanted, self._propose_jit)
+        return self.programs.get(wanted, self._propose_jit)
+
+    def _device(self, arrays) -> list:
+        return [self._put(x) if isinstance(x, np.ndarray) else x for x in arrays]
+
+    def propose(self, tokens, last_token, override: np.ndarray, accepted, base: np.ndarray, block_tables: np.ndarray,
+                state_slots: np.ndarray) -> jax.Array:
+        """The draft model's drafts [B, k] (`_propose_fn`) after a verify step or a prompt's last chunk, without
+        waiting for them. `tokens`, `last_token` and `accepted` may be device arrays (the acceptance's or the
+        sampler's outputs)."""
+        run = self._program(tokens.shape + (block_tables.shape[1],))
+        args = self._device((tokens, last_token, override, accepted, base, block_tables, state_slots))
+        draft = self.draft
         with jax.set_mesh(self.mesh):
-            if self.draft is None:  # the MTP layers
-                drafts, self.mtp_pools = self.links.settle(run(self.stage_params[0], self.mtp_pools, self.hidden,
-                                                               *args))
-                return drafts
-            draft = self.draft
             drafts, draft.stage_pools[0] = self.links.settle(run(draft.stage_params[0], draft.stage_pools[0], *args))
+        return drafts
+
+    def mtp_propose(self, prefix: np.ndarray, tokens, last_token, override: np.ndarray, accepted, base: np.ndarray,
+                    block_tables: np.ndarray, slots: np.ndarray, fresh: np.ndarray) -> jax.Array:
+        """The MTP layers over the last forward's positions (`hidden`) and their drafts [B, k] (`_mtp_fn`), without
+        waiting for them; arguments as `propose`'s, plus the tokens after the carried columns (`prefix` [B, n - 1]),
+        each row's carry slot (`slots`) and whether its carry is another sequence's (`fresh`)."""
+        run = self._program(tokens.shape + (block_tables.shape[1],))
+        args = self._device((prefix, tokens, last_token, override, accepted, base, block_tables, slots, fresh))
+        with jax.set_mesh(self.mesh):
+            drafts, self.mtp_pools, self.mtp_carry = self.links.settle(
+                run(self.stage_params[0], self.mtp_pools, self.mtp_carry, self.hidden, *args))
         return drafts
 
     # --- running -------------------------------------------------------------------------------------------------
@@ -770,8 +818,9 @@ class ModelRunner:
             if self.draft is None:  # the MTP layers, on the target's hidden states
                 hidden = jax.ShapeDtypeStruct((B, T, self.hidden_size), jnp.dtype(self.dtype),
                                               sharding=self._hidden_sharding(0, (B, T, self.hidden_size)))
-                return self._propose_jit.lower(self.stage_params[0], shapes(self.mtp_pools), hidden,
-                                               *[self._put(a) for a in args])
+                prefix = np.zeros((B, self.mtp_carried), np.int32)
+                return self._propose_jit.lower(self.stage_params[0], shapes(self.mtp_pools), shapes(self.mtp_carry),
+                                               hidden, *[self._put(a) for a in [prefix, *args, np.zeros(B, bool)]])
             return self._propose_jit.lower(self.draft.stage_params[0], shapes(self.draft.stage_pools[0]),
                                            *[self._put(a) for a in args])
 

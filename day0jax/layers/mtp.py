@@ -4,8 +4,10 @@ the token that follows it:
 
     h' = layer(proj([norm_e(embed(t_{p+1})) ; norm_h(h_p)]))      logits = head(norm_out(h'))
 
-with the model's own embedding and output head. Chained for more drafts, h' and the drafted token take the place of
-h and t (as vLLM and SGLang chain them). Two layouts in released checkpoints:
+with the model's own embedding and output head. Several layers are chained as transformers' `MtpModel` chains them:
+layer i at position p takes layer i - 1's h' at p and token t_{p+1+i}, so layer i drafts the token i + 2 ahead
+(`ModelRunner._mtp_fn` keeps every layer's cache over every position). Past the last layer, h' and the drafted token
+take the place of h and t (as vLLM and SGLang chain a single layer). Three layouts in released checkpoints:
 
 - `NextNStack`, DeepSeek-V3 and GLM-4.5 style: each MTP layer is stored as a decoder layer after the last one
   (`model.layers.{L + i}.`) with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` beside the decoder layer's own

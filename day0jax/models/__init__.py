@@ -105,7 +105,7 @@ def abstract_model(config: Any, dtype=jnp.float32, quantization: dict | None = N
     from day0jax.layers.quantized import quantize_modules
 
     fam = family(config.model_type)
-    if mtp and not has_mtp(config):
+    if mtp and fam.mtp is not None and not has_mtp(config):  # a family without them: its `make_mtp` says why
         raise UnsupportedArchitecture(f"this {config.model_type} config declares no multi-token-prediction layers; "
                                       "speculative method 'mtp' needs them (use 'ngram' or 'draft')")
     kwargs = {"mtp": True} if mtp else {}

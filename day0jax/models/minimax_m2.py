@@ -11,6 +11,7 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
@@ -75,6 +76,17 @@ class Config(HFConfig):
 
 
 class Model(llama.LlamaLike):
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """MiniMax-M2's configs declare MTP modules (`num_mtp_modules`), but no published code runs them
+        (transformers has no forward for them, nor do the public engines), so their layout and forward are not
+        known: refused rather than guessed."""
+        n = self.config.num_mtp_modules
+        raise UnsupportedArchitecture(
+            f"minimax_m2: its {n} multi-token-prediction module(s) (num_mtp_modules) have no published forward "
+            "(transformers defines none), so day0jax does not run them; use speculative method 'ngram' or 'draft'"
+            if n else "minimax_m2: this config declares no multi-token-prediction modules (num_mtp_modules is 0); "
+            "use speculative method 'ngram' or 'draft'")
+
     def attention_kwargs(self, index: int) -> dict:
         return dict(rope=self.rope, qk_norm_eps=self.config.rms_norm_eps, qk_norm_over="all")
 
