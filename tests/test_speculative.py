@@ -1,7 +1,8 @@
 """Speculative decoding in the engine: greedy tokens with drafts equal those without, for the ngram and draft
-proposers and 1 to k drafts, alone and in batches where some rows speculate and some do not (the MTP proposer and
-linear-attention layers: test_mtp.py); sampled tokens are distributed as without drafts; pages and state slots come
-back after accepts, rejections, preemptions and aborts, and the prefix cache never serves a rejected draft's keys.
+proposers and 1 to k drafts, alone and in batches where some rows speculate and some do not, also through Mamba2
+layers (the MTP proposer and Gated DeltaNet layers: test_mtp.py); sampled tokens are distributed as without drafts;
+pages and state slots come back after accepts, rejections, preemptions and aborts, and the prefix cache never serves
+a rejected draft's keys.
 """
 
 from __future__ import annotations
@@ -162,22 +163,44 @@ def test_greedy_tokens_equal_plain_decoding(llama, llama_reference, k):
 
 
 def test_state_layers_that_keep_only_the_last_state_are_refused():
-    """Mamba2 and compressed-attention layers write only the state after a step's last token, so a verify step
-    would leave rejected drafts in it: the engine refuses speculation for such a model, naming the layer; Gated
-    DeltaNet and short convolutions keep the state after each token and pass."""
+    """Per-layer embeddings and compressed-attention layers write only the state after a step's last token, so a
+    verify step would leave rejected drafts in it: the engine refuses speculation for such a model, naming the layer;
+    Gated DeltaNet, short convolutions and Mamba2 keep the state after each token and pass."""
     from day0jax.core.errors import GenerationError
     from day0jax.engine.speculative import refuse_unverifiable_state
     from families import FAMILIES
 
-    model_type, config, _ = FAMILIES["nemotron_h"]
-    with pytest.raises(GenerationError, match="Mamba2Mixer"):
+    model_type, config, _ = FAMILIES["qwen4_exp"]
+    with pytest.raises(GenerationError, match="PLELayer"):
         refuse_unverifiable_state(build(dict(config, model_type=model_type)))
     model_type, config, _ = FAMILIES["deepseek_v4"]  # its compressors keep the tail of an incomplete block
     with pytest.raises(GenerationError, match="compressed attention"):
         refuse_unverifiable_state(build(dict(config, model_type=model_type)))
-    model_type, config, _ = FAMILIES["lfm2"]
-    refuse_unverifiable_state(build(dict(config, model_type=model_type)))
+    for family in ("lfm2", "nemotron_h"):
+        model_type, config, _ = FAMILIES[family]
+        refuse_unverifiable_state(build(dict(config, model_type=model_type)))
     refuse_unverifiable_state(build(QWEN3_NEXT))
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1"])
+def test_mamba2_hybrids_keep_the_state_after_each_verified_token(family):
+    """Mamba2 layers (NemotronH's beside attention and MoE layers, Falcon-H1's in parallel with attention in each
+    layer): a verify step scans its tokens one at a time and keeps the state after each, and the accepted one becomes
+    the sequence's. With planted drafts (every acceptance length) in rows that join one by one beside a row that never
+    drafts, greedy tokens equal plain decoding's, and every state slot comes back."""
+    from families import FAMILIES
+
+    model_type, config, _ = FAMILIES[family]
+    module = build(dict(config, model_type=model_type, max_position_embeddings=CONTEXT))
+    truth = {f"r{i}": ref for i, ref in enumerate(cache_less_greedy(module))}
+    engine = make_engine(module, SpeculativeConfig("ngram", num_tokens=3), batch_buckets=(4,), chunk_buckets=(32,))
+    engine.spec.proposer = Oracle(truth, silent={"r1"}, seed=3)
+    out = collect(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}, stagger=2)
+    assert out == truth
+    stats = engine.spec.stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens and min(stats.accepted_per_position) > 0
+    assert engine.scheduler.state_copies == 4
+    assert sorted(engine.scheduler.free_slots) == list(range(1, engine.layout.state_slots))
 
 
 def test_speculative_flags():

@@ -7,17 +7,20 @@ out_proj. Reference: transformers/models/nemotron_h/modeling_nemotron_h.py (`Nem
 HF's fused `in_proj` [z | x | B | C | dt] and `conv1d` [x | B | C] are split at conversion
 (`models.nemotron_h.mamba2_source`), so each part keeps its heads or groups as an axis of its own: tensor
 parallelism splits z, x, dt, the scan and the per-sequence state by heads, and B and C by groups where the groups
-divide (each device's heads use only its groups'), else keeps them whole.
+divide (each device's heads use only its groups'), else keeps them whole. A speculative verify step scans its few
+tokens one at a time to keep the state after each (the accepted one becomes the sequence's).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.core.cache_layout import StateLayer
-from day0jax.layers.gated_delta_net import StateCache
+from day0jax.layers.gated_delta_net import StateCache, conv_states_per_token
 from day0jax.layers.linear import Linear, param, project_together
 from kernels_pallas.calls import OpCall
 from kernels_pallas.causal_conv1d import api as conv_op
@@ -73,6 +76,9 @@ class Mamba2Mixer(nnx.Module):
             it (Falcon-H1's muP `ssm_in_multiplier` and `ssm_multipliers`; 1.0 elsewhere).
     """
 
+    # A speculative verify step can keep the state after each of its tokens (`StateCache.targets`).
+    per_token_states = True
+
     def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, n_groups: int, state_size: int,
                  conv_kernel: int, chunk_size: int, eps: float, norm: str | None = "gate_then_norm",
                  use_bias: bool = False, out_bias: bool = False, conv_bias: bool = True,
@@ -118,6 +124,7 @@ class Mamba2Mixer(nnx.Module):
         unused: the convolution's and the scan's states carry order."""
         B, T = x.shape[:2]
         N, H, G, Z, W = self.shape
+        per_token = cache is not None and cache.targets is not None
         if self.in_multiplier != 1.0:
             x = x * self.in_multiplier
         projs = project_together(x, [getattr(self, f"in_proj_{p}") for p in PARTS])
@@ -136,12 +143,24 @@ class Mamba2Mixer(nnx.Module):
                 y.reshape(B, T, heads * dim), weight[...].reshape(heads * dim, W), flat_state, valid=valid,
                 bias=None if bias is None else bias[...].reshape(heads * dim))
             mixed.append(out.reshape(B, T, heads, dim))
-            new_conv.append(new_state.reshape(B, W - 1, heads, dim))
+            if per_token:
+                new_state = conv_states_per_token(flat_state, y.reshape(B, T, heads * dim), valid)
+            new_conv.append(new_state.reshape(new_state.shape[:-1] + (heads, dim)))
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         xs, b, c = mixed
-        y, scan_state = ssd_op.mamba2_ssd(xs, dt, A, b, c, scan_state, D=self.D[...],
-                                          dt_bias=self.dt_bias[...], dt_limit=self.dt_limit, valid=valid,
-                                          chunk_size=self.chunk_size)
+        scan = functools.partial(ssd_op.mamba2_ssd, A=A, D=self.D[...], dt_bias=self.dt_bias[...],
+                                 dt_limit=self.dt_limit, chunk_size=self.chunk_size)
+        if per_token:
+            # One token at a time, keeping the state after each (a padding token leaves it as it was).
+            ys, states = [], []
+            for t in range(T):
+                y, scan_state = scan(xs[:, t:t + 1], dt[:, t:t + 1], b=b[:, t:t + 1], c=c[:, t:t + 1],
+                                     state=scan_state, valid=jnp.clip(valid - t, 0, 1))
+                ys.append(y)
+                states.append(scan_state)
+            y, scan_state = jnp.concatenate(ys, axis=1), jnp.stack(states, axis=1)
+        else:
+            y, scan_state = scan(xs, dt, b=b, c=c, state=scan_state, valid=valid)
         if cache is not None:
             cache = cache.write((*new_conv, scan_state))
         if self.norm is not None:
