@@ -1,7 +1,8 @@
 """Multi-token-prediction (MTP) layers: speculative decoding with a model's own MTP layers (DeepSeek-V3 style, stored as
 layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
 Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, Step-3.7's and MiMo-V2-Flash's, transformers' generic MTP
-layers, chained after their post-norm). Greedy tokens equal plain decoding's; the drafts the engine reads after each
+layers, chained after their post-norm; Nemotron 3's, blocks of a pattern between the projection and a final norm,
+beside Mamba2 layers). Greedy tokens equal plain decoding's; the drafts the engine reads after each
 step are the MTP chain's over the verified tokens (each layer's KV pages caught up over every kept token, as
 transformers' `MtpModel` chains its layers, and rewritten where a drafted token had reached them); conversion keeps
 the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads only for
@@ -67,6 +68,11 @@ STEP3P7 = dict(_STEP, model_type="step3p7", text_config=dict(
 # longer prompts' window bites) with a dense MLP and a post-norm of its own; two layers, the second chained.
 MIMO = dict(FAMILIES["mimo_v2_flash"][1], model_type="mimo_v2_flash", num_nextn_predict_layers=2)
 
+# Nemotron 3 (tests/families.py's NemotronH: Mamba2, MoE with a latent space, attention, MLP): its MTP layer an
+# attention block then an MoE block, as NVIDIA's configs give them.
+NEMOTRON_H = dict(FAMILIES["nemotron_h"][1], model_type="nemotron_h", mtp_hybrid_override_pattern="*E",
+                  num_nextn_predict_layers=1, max_position_embeddings=CONTEXT)
+
 
 def build(hf: dict):
     cfg = models.config_from_hf(hf)
@@ -118,9 +124,10 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
                                   (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7, 2),
-                                  (MIMO, 3)],
+                                  (MIMO, 3), (NEMOTRON_H, 2)],
                          ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
-                              "ernie4_5_moe-k2", "step3p7-k2", "mimo_v2_flash-k3"])
+                              "ernie4_5_moe-k2", "step3p7-k2", "mimo_v2_flash-k3",
+                              "nemotron_h-k2"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
@@ -188,7 +195,7 @@ def test_mtp_carry_belongs_to_its_admission():
 MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in range(12)]]
 HF_CONFIGS = {hf["model_type"]: {k: v for k, v in hf.items() if k not in ("model_type", "num_nextn_predict_layers",
                                                                          "mtp_num_hidden_layers")}
-              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE, STEP3P7)}
+              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE, STEP3P7, NEMOTRON_H)}
 HF_CONFIGS["mimo_v2_flash"] = {k: v for k, v in MIMO.items() if k != "model_type"}  # the reference reads the count
 MTP_LAYERS = {"step3p7": 2, "mimo_v2_flash": 2}
 
@@ -229,7 +236,8 @@ def test_mtp_layers_convert_load_and_match_the_reference(mtp_checkpoints, family
         report = check(path, dtype="float32")
         assert report.supported, report.reasons
         assert report.mtp["layers"] == MTP_LAYERS.get(family, 1) and report.mtp["parameters"] > 0
-        L = HF_CONFIGS[family].get("text_config", HF_CONFIGS[family])["num_hidden_layers"]
+        text = HF_CONFIGS[family].get("text_config", HF_CONFIGS[family])
+        L = text.get("num_hidden_layers") or len(text["layers_block_type"])
         last = L + report.mtp["layers"] - 1
         assert any(str(last) in str(row["layers"]) for row in report.ops if "attention" in row["op"])  # 0-last
     engine = EngineConfig(max_num_seqs=1, chunk_buckets=(32,), max_model_len=64, min_width=64)
@@ -283,3 +291,15 @@ def test_minimax_m2_mtp_modules_are_refused_by_name():
                                      num_mtp_modules=3))
     with pytest.raises(UnsupportedArchitecture, match=r"3 multi-token-prediction module\(s\) \(num_mtp_modules\)"):
         models.abstract_model(cfg, mtp=True)
+
+
+@pytest.mark.parametrize("change,match", [(dict(num_nextn_predict_layers=2), "num_nextn_predict_layers=2"),
+                                          (dict(mtp_hybrid_override_pattern="ME"), "mtp_hybrid_override_pattern"),
+                                          (dict(mtp_hybrid_override_pattern="*E*"), "exactly one attention")])
+def test_nemotron_h_mtp_layers_beyond_the_published_forward_are_refused(change, match):
+    """The published forward runs one MTP layer whose blocks are attention, MoE or MLP with exactly one attention
+    block (its KV pages): anything else is refused by key."""
+    from day0jax.core.errors import UnsupportedArchitecture
+
+    with pytest.raises(UnsupportedArchitecture, match=match):
+        models.abstract_model(models.config_from_hf(dict(NEMOTRON_H, **change)), mtp=True)

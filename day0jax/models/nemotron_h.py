@@ -4,6 +4,11 @@ MLP, or a latent MoE (sigmoid scores routed in groups with a score bias, ungated
 latent space, a shared MLP). Each layer is x + mixer(norm(x)). HF reference:
 transformers/models/nemotron_h/modeling_nemotron_h.py.
 
+Nemotron 3's multi-token-prediction layer (`mtp.layers.{j}.*`, speculative method "mtp"): transformers does not run
+it; the published architecture (NVIDIA's, as vLLM's `NemotronHMTP` runs it) is one MTP step made of blocks in
+`mtp_hybrid_override_pattern` order, the first with `enorm`, `hnorm` and `eh_proj` in front, the last with
+`final_layernorm` after it (`MtpLayer` around `MtpBlocks`).
+
 Also the home of `mamba2_source`, the Mamba2 mixer's checkpoint layout, which Falcon-H1 and Granite 4 share.
 """
 
@@ -18,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer, StateLayer
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import Attention
@@ -25,6 +31,7 @@ from day0jax.layers.linear import Linear
 from day0jax.layers.mamba2 import PARTS, Mamba2Mixer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, ungated
+from day0jax.layers.mtp import MtpLayer, MtpStack
 from day0jax.layers.norms import RMSNorm
 from day0jax.models.base import CausalLM, HFConfig, build_config, per_expert_source
 from day0jax.models.contract import Family
@@ -92,7 +99,7 @@ class Config(HFConfig):
     residual_in_fp32: bool = False
     rescale_prenorm_residual: bool = True
     num_logits_to_keep: int | None = 1
-    # Multi-token prediction layers (tensors `mtp.*`, dropped): used for speculation, not decoding.
+    # The multi-token-prediction layer (tensors `mtp.*`, kept at conversion): speculative method "mtp".
     num_nextn_predict_layers: int = 0
     mtp_layers_block_type: list | None = None
     # No layer rotates: only values that describe no scaling are accepted (see `rope`).
@@ -171,6 +178,20 @@ class Config(HFConfig):
     def num_hidden_layers(self) -> int:
         return len(self.layer_kinds)
 
+    @cached_property
+    def mtp_layer_kinds(self) -> tuple[str, ...]:
+        """The MTP layer's block kinds (`mtp_layers_block_type`, from `mtp_hybrid_override_pattern`; NVIDIA's
+        default: attention then MoE).
+
+        Raises:
+            UnsupportedArchitecture: a kind HF's blocks do not build.
+        """
+        kinds = [LEGACY_KINDS.get(k, k) for k in self.mtp_layers_block_type or ["full_attention", "moe"]]
+        for kind in kinds:
+            if kind not in LAYER_KINDS.values():
+                refuse("mtp_layers_block_type", kind, f"is not implemented (known: {', '.join(LAYER_KINDS.values())})")
+        return tuple(kinds)
+
     @property
     def hidden_act(self) -> str:
         return self.mlp_hidden_act
@@ -211,6 +232,25 @@ class Block(nnx.Module):
         return self.mixer.op_calls() + self.norm.op_calls()
 
 
+class MtpBlocks(nnx.Module):
+    """The body of Nemotron 3's MTP step: blocks in `mtp_hybrid_override_pattern` order (`layers.{j}`), one of them
+    attention, which keeps the step's keys and values."""
+
+    def __init__(self, blocks: list[Block]):
+        self.layers = nnx.List(blocks)
+
+    def __call__(self, x, positions, rope_tables, cache=None):
+        for block in self.layers:
+            if block.kind == "full_attention":
+                x, cache = block(x, positions, rope_tables, cache)
+            else:
+                x, _ = block(x, positions, rope_tables)
+        return x, cache
+
+    def op_calls(self):
+        return [call for block in self.layers for call in block.op_calls()]
+
+
 class Model(CausalLM):
     def make_rope(self) -> None:
         return None
@@ -221,9 +261,9 @@ class Model(CausalLM):
     def make_norm(self, dim: int, *, dtype, rngs: nnx.Rngs) -> RMSNorm:
         return RMSNorm(dim, self.config.layer_norm_epsilon, dtype=dtype, rngs=rngs)
 
-    def make_mixer(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    def make_mixer(self, index: int, *, dtype, rngs: nnx.Rngs, kind: str | None = None) -> nnx.Module:
         c = self.config
-        D, kind = c.hidden_size, c.layer_kinds[index]
+        D, kind = c.hidden_size, kind or c.layer_kinds[index]
         if kind == "linear_attention":
             N, H, G, Z, W = c.mamba_shape
             return Mamba2Mixer(hidden_size=D, num_heads=N, head_dim=H, n_groups=G, state_size=Z, conv_kernel=W,
@@ -258,6 +298,35 @@ class Model(CausalLM):
         full = KVLayer(c.kv_heads, c.head_size, c.head_size)
         return [layer.mixer.state_layout() if kind == "linear_attention" else full if kind == "full_attention"
                 else None for kind, layer in zip(c.layer_kinds, self.model.layers)]
+
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> MtpStack:
+        """Nemotron 3's MTP layer: its pattern's blocks between the input projection and `final_layernorm`.
+
+        Raises:
+            UnsupportedArchitecture: no MTP layer, more than one (the published forward runs one), or a pattern
+                without exactly one attention block or with a Mamba2 one (whose state would have to follow each
+                draft).
+        """
+        c = self.config
+        if not c.num_nextn_predict_layers:
+            raise UnsupportedArchitecture("this nemotron_h config declares no multi-token-prediction layers "
+                                          "(num_nextn_predict_layers)")
+        if c.num_nextn_predict_layers > 1:
+            refuse("num_nextn_predict_layers", c.num_nextn_predict_layers, "is not implemented: NemotronH's "
+                   "published MTP forward runs one layer")
+        kinds = c.mtp_layer_kinds
+        if kinds.count("full_attention") != 1 or "linear_attention" in kinds:
+            refuse("mtp_hybrid_override_pattern", list(kinds), "is not implemented: the MTP layer needs exactly "
+                   "one attention block ('*') and no Mamba2 ('M')")
+        D = c.hidden_size
+        blocks = [Block(self.make_norm(D, dtype=dtype, rngs=rngs), self.make_mixer(0, kind=kind, dtype=dtype,
+                                                                                   rngs=rngs), kind)
+                  for kind in kinds]
+        return MtpStack([MtpLayer(MtpBlocks(blocks), self.make_norm, D, post_norm=True, dtype=dtype, rngs=rngs)])
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        c = self.config
+        return [KVLayer(c.kv_heads, c.head_size, c.head_size)] * self.mtp_layers
 
 
 # --- checkpoint layout ---------------------------------------------------------------------------------------
@@ -301,12 +370,20 @@ NAMES = {"model.embed_tokens.": "backbone.embeddings.", "model.norm.": "backbone
 
 def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict) -> Source:
     """NVIDIA's names (`backbone.`, `embeddings`, `norm_f`), the Mamba2 mixers' fused tensors split, and the experts
-    stacked from one Linear each (`experts.<e>.up_proj.weight`)."""
+    stacked from one Linear each (`experts.<e>.up_proj.weight`). The MTP layer's blocks are NVIDIA's flat
+    `mtp.layers.{j}`, the first holding enorm, hnorm and eh_proj, the last `final_layernorm`."""
+    mtp = re.fullmatch(r"mtp\.layers\.0\.(?:mtp_block\.layers\.(\d+)\.(.*)|post_norm\.(.*)|(.*))", path)
+    if mtp:
+        block, rest, post, own = mtp.groups()
+        path = (f"mtp.layers.{block}.{rest}" if block is not None else
+                f"mtp.layers.{len(config.mtp_layer_kinds) - 1}.final_layernorm.{post}" if post is not None else
+                f"mtp.layers.0.{own}")
     src = (mamba2_source(path, shape, config.mamba_shape) or per_expert_source(path, shape)
            or default_source(path, shape, metadata))
     return src.renamed(lambda n: next((new + n[len(old):] for old, new in NAMES.items() if n.startswith(old)), n))
 
 
-DROPPED = {r"mtp\..*": "multi-token prediction layers (used for speculation, not decoding)"}
+DROPPED = {r"mtp\..*": "multi-token prediction layers, used only for speculative decoding (converted without them)"}
 
-FAMILY = Family(model_types=("nemotron_h",), config=Config, model=Model, dropped=DROPPED, hf_source=hf_source)
+FAMILY = Family(model_types=("nemotron_h",), config=Config, model=Model, dropped=DROPPED, hf_source=hf_source,
+                mtp=lambda c: r"mtp\..*" if c.num_nextn_predict_layers else None)

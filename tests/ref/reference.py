@@ -664,6 +664,59 @@ def _mimo_mtp(job):
     np.savez(job["reference"], **result)
 
 
+def _nemotron_h_mtp(job):
+    """Nemotron 3's MTP layer as NVIDIA publishes it (transformers does not run it; vLLM's `NemotronHMTP` does): the
+    blocks of `mtp_hybrid_override_pattern` (transformers' own `NemotronHBlock`s, taken with their tensors from
+    another random model of the config, at its first layer of each kind) between enorm, hnorm and eh_proj and
+    `final_layernorm`, in float64, saved as NVIDIA's flat `mtp.layers.{j}`."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf(job)
+    pattern = job["config"]["mtp_hybrid_override_pattern"]
+    kinds = [{"*": "full_attention", "E": "moe", "-": "mlp"}[ch] for ch in pattern]
+    like = [job["config"]["layers_block_type"].index(kind) for kind in kinds]
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_hf(dict(job, out=tmp, seed=job.get("seed", 0) + 1))
+        other = _load(tmp).double().eval()
+        tensors = {f"mtp.layers.{j}." + k[len(f"backbone.layers.{i}."):]: v
+                   for j, i in enumerate(like) for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
+                   if k.startswith(f"backbone.layers.{i}.")}
+    model = _load(job["out"]).double().eval()
+    for m in (model, other):
+        m.config._attn_implementation = m.config._experts_implementation = "eager"
+    blocks = [other.get_decoder().layers[i] for i in like]
+    D, eps = model.config.hidden_size, model.config.layer_norm_epsilon
+    torch.manual_seed(job.get("seed", 0) + 2)
+    enorm, hnorm, final = (torch.randn(D, dtype=torch.float64) * 0.1 + 1.0 for _ in range(3))
+    eh_proj = torch.randn(D, 2 * D, dtype=torch.float64) * (2 * D) ** -0.5
+    tensors.update({"mtp.layers.0.enorm.weight": enorm, "mtp.layers.0.hnorm.weight": hnorm,
+                    "mtp.layers.0.eh_proj.weight": eh_proj,
+                    f"mtp.layers.{len(kinds) - 1}.final_layernorm.weight": final})
+    rms = lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w  # noqa: E731
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids = torch.tensor([prompt])
+            T = len(prompt) - 1
+            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
+            x = torch.cat([rms(model.get_input_embeddings()(ids[:, 1:]), enorm), rms(hidden, hnorm)], -1) @ eh_proj.T
+            mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+            for block in blocks:
+                x = block(x, attention_mask=mask, position_ids=torch.arange(T)[None])
+            result[f"logits_{i}"] = (rms(x, final) @ model.lm_head.weight.T)[0].numpy()
+    path = os.path.join(job["out"], "model.safetensors")
+    save_file({**load_file(path), **{k: v.float().contiguous() for k, v in tensors.items()}}, path,
+              metadata={"format": "pt"})
+    config_path = os.path.join(job["out"], "config.json")
+    saved = json.load(open(config_path))
+    saved["num_nextn_predict_layers"] = 1
+    saved["mtp_hybrid_override_pattern"] = job["config"]["mtp_hybrid_override_pattern"]
+    json.dump(saved, open(config_path, "w"), indent=1)
+    np.savez(job["reference"], **result)
+
+
 def mtp(job):
     import copy
     import importlib
@@ -674,6 +727,8 @@ def mtp(job):
         return _generic_mtp(job)
     if job["family"] == "mimo_v2_flash":
         return _mimo_mtp(job)
+    if job["family"] == "nemotron_h":
+        return _nemotron_h_mtp(job)
     tiny_hf(job)
     family = job["family"]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
