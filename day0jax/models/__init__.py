@@ -105,8 +105,10 @@ def abstract_model(config: Any, dtype=jnp.float32, quantization: dict | None = N
     from day0jax.layers.quantized import quantize_modules
 
     fam = family(config.model_type)
-    if mtp and fam.mtp is not None and not has_mtp(config):  # a family without them: its `make_mtp` says why
-        raise UnsupportedArchitecture(f"this {config.model_type} config declares no multi-token-prediction layers; "
+    if mtp and not has_mtp(config):
+        raise UnsupportedArchitecture(f"{config.model_type}: {fam.mtp_refusal}; use speculative method 'ngram' or "
+                                      "'draft'" if fam.mtp_refusal else
+                                      f"this {config.model_type} config declares no multi-token-prediction layers; "
                                       "speculative method 'mtp' needs them (use 'ngram' or 'draft')")
     kwargs = {"mtp": True} if mtp else {}
     # Logical axis names are resolved by sharding/rules.py, not by flax's eager sharding.

@@ -36,6 +36,8 @@ class Family:
             names `hf_source` reads (HF's `_checkpoint_conversion_mapping`), applied where they match.
         mtp: config -> the regex of the multi-token-prediction tensors its checkpoints ship, for families whose model
             builds them (`make_mtp`; None: the family has none). Conversion keeps them unless `--no-mtp`.
+        mtp_refusal: why speculative method "mtp" is refused for a family whose checkpoints ship MTP layers that
+            day0jax does not run (None: the generic refusal).
     """
 
     model_types: tuple[str, ...]
@@ -46,3 +48,4 @@ class Family:
     hf_source: Callable[[Any, str, tuple[int, ...], dict], Source | None] = plain_hf_names
     renames: tuple[tuple[str, str], ...] = ()
     mtp: Callable[[Any], str | None] | None = None
+    mtp_refusal: str | None = None

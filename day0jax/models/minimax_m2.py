@@ -11,7 +11,6 @@ from functools import cached_property
 
 from flax import nnx
 
-from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import llama
@@ -76,17 +75,6 @@ class Config(HFConfig):
 
 
 class Model(llama.LlamaLike):
-    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        """MiniMax-M2's configs declare MTP modules (`num_mtp_modules`), but no published code runs them
-        (transformers has no forward for them, nor do the public engines), so their layout and forward are not
-        known: refused rather than guessed."""
-        n = self.config.num_mtp_modules
-        raise UnsupportedArchitecture(
-            f"minimax_m2: its {n} multi-token-prediction module(s) (num_mtp_modules) have no published forward "
-            "(transformers defines none), so day0jax does not run them; use speculative method 'ngram' or 'draft'"
-            if n else "minimax_m2: this config declares no multi-token-prediction modules (num_mtp_modules is 0); "
-            "use speculative method 'ngram' or 'draft'")
-
     def attention_kwargs(self, index: int) -> dict:
         return dict(rope=self.rope, qk_norm_eps=self.config.rms_norm_eps, qk_norm_over="all")
 
@@ -122,5 +110,9 @@ def dropped(config: Config) -> dict[str, str]:
     return {rf"model\.layers\.({indices})\..*": "multi-token-prediction modules, used only for speculative decoding"}
 
 
+# Its configs declare MTP modules, but no published code (transformers included) defines their forward: refused
+# rather than guessed.
 FAMILY = Family(model_types=("minimax_m2",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS,
-                dropped_for=dropped, hf_source=hf_source)
+                dropped_for=dropped, hf_source=hf_source,
+                mtp_refusal="its multi-token-prediction modules (num_mtp_modules) have no published forward "
+                            "(transformers defines none), so day0jax does not run them")
