@@ -599,15 +599,21 @@ def _generic_mtp(job):
     np.savez(job["reference"], **_mtp_chain_logits(model, module, job["prompts"], count))
 
 
+def _prompt_hidden(model, prompt: list[int]):
+    """(ids [1, T + 1], T, the model's final hidden states at the first T positions [1, T, D]): what an MTP layer
+    takes beside the tokens after those positions."""
+    ids = torch.tensor([prompt])
+    T = len(prompt) - 1
+    return ids, T, model.get_decoder()(ids).last_hidden_state[:, :T]
+
+
 def _mtp_chain_logits(model, module, prompts, count: int) -> dict:
     """`MtpModel` `module`'s logits over each prompt: `logits_{i}` of layer 0 on the model's final hidden states,
     `logits_{i}_{j}` of layer j > 0 chained on layer j - 1's output."""
     result = {}
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt])
-            T = len(prompt) - 1
-            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
+            ids, T, hidden = _prompt_hidden(model, prompt)
             h = module.forward_layer(0, hidden, torch.arange(T)[None], None, input_ids=ids[:, 1:])
             result[f"logits_{i}"] = module._project_to_logits(h)[0].numpy()
             for j in range(1, count):  # at position p, h of layer j - 1 there and token p + 1 + j
@@ -698,9 +704,7 @@ def _nemotron_h_mtp(job):
     result = {}
     with torch.no_grad():
         for i, prompt in enumerate(job["prompts"]):
-            ids = torch.tensor([prompt])
-            T = len(prompt) - 1
-            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
+            ids, T, hidden = _prompt_hidden(model, prompt)
             x = torch.cat([rms(model.get_input_embeddings()(ids[:, 1:]), enorm), rms(hidden, hnorm)], -1) @ eh_proj.T
             mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
             for block in blocks:
@@ -804,9 +808,7 @@ def mtp(job):
     result = {}
     with torch.no_grad():
         for i, prompt in enumerate(job["prompts"]):
-            ids = torch.tensor([prompt])
-            T = len(prompt) - 1
-            hidden = model.get_decoder()(ids).last_hidden_state[:, :T]
+            ids, T, hidden = _prompt_hidden(model, prompt)
             embeds = model.model.embed_tokens(ids[:, 1:])
             if deepseek:
                 x = torch.cat([rms(embeds, extra[prefix + "enorm.weight"]),
