@@ -41,6 +41,19 @@ LAYER_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": 
 LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
+def block_kinds(key: str, kinds: list[str]) -> tuple[str, ...]:
+    """The block kinds of config key `key`, older checkpoints' 'mamba' and 'attention' read as HF reads them.
+
+    Raises:
+        UnsupportedArchitecture: a kind HF's blocks do not build.
+    """
+    kinds = [LEGACY_KINDS.get(k, k) for k in kinds]
+    for kind in kinds:
+        if kind not in LAYER_KINDS.values():
+            refuse(key, kind, f"is not implemented (known: {', '.join(LAYER_KINDS.values())})")
+    return tuple(kinds)
+
+
 @dataclass(frozen=True, eq=False)
 class Config(HFConfig):
     # HF's attribute_map, and the older names its __post_init__ reads in place of the current ones.
@@ -167,12 +180,8 @@ class Config(HFConfig):
         Raises:
             UnsupportedArchitecture: a kind HF's model does not build.
         """
-        kinds = [LEGACY_KINDS.get(k, k) for k in self.layers_block_type or
-                 ["linear_attention", "moe", "full_attention", "mlp"]]
-        for kind in kinds:
-            if kind not in LAYER_KINDS.values():
-                refuse("layers_block_type", kind, f"is not implemented (known: {', '.join(LAYER_KINDS.values())})")
-        return tuple(kinds)
+        return block_kinds("layers_block_type",
+                           self.layers_block_type or ["linear_attention", "moe", "full_attention", "mlp"])
 
     @property
     def num_hidden_layers(self) -> int:
@@ -186,11 +195,7 @@ class Config(HFConfig):
         Raises:
             UnsupportedArchitecture: a kind HF's blocks do not build.
         """
-        kinds = [LEGACY_KINDS.get(k, k) for k in self.mtp_layers_block_type or ["full_attention", "moe"]]
-        for kind in kinds:
-            if kind not in LAYER_KINDS.values():
-                refuse("mtp_layers_block_type", kind, f"is not implemented (known: {', '.join(LAYER_KINDS.values())})")
-        return tuple(kinds)
+        return block_kinds("mtp_layers_block_type", self.mtp_layers_block_type or ["full_attention", "moe"])
 
     @property
     def hidden_act(self) -> str:
