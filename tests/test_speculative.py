@@ -163,9 +163,9 @@ def test_greedy_tokens_equal_plain_decoding(llama, llama_reference, k):
 
 
 def test_state_layers_that_keep_only_the_last_state_are_refused():
-    """Per-layer embeddings and compressed-attention layers write only the state after a step's last token, so a
-    verify step would leave rejected drafts in it: the engine refuses speculation for such a model, naming the layer;
-    Gated DeltaNet, short convolutions and Mamba2 keep the state after each token and pass."""
+    """Per-layer embeddings write only the state after a step's last token, so a verify step would leave rejected
+    drafts in it: the engine refuses speculation for such a model, naming the layer; Gated DeltaNet, short
+    convolutions, Mamba2 and compressed attention's buffers keep the state after each token and pass."""
     from day0jax.core.errors import GenerationError
     from day0jax.engine.speculative import refuse_unverifiable_state
     from families import FAMILIES
@@ -173,10 +173,7 @@ def test_state_layers_that_keep_only_the_last_state_are_refused():
     model_type, config, _ = FAMILIES["qwen4_exp"]
     with pytest.raises(GenerationError, match="PLELayer"):
         refuse_unverifiable_state(build(dict(config, model_type=model_type)))
-    model_type, config, _ = FAMILIES["deepseek_v4"]  # its compressors keep the tail of an incomplete block
-    with pytest.raises(GenerationError, match="compressed attention"):
-        refuse_unverifiable_state(build(dict(config, model_type=model_type)))
-    for family in ("lfm2", "nemotron_h"):
+    for family in ("lfm2", "nemotron_h", "deepseek_v4"):
         model_type, config, _ = FAMILIES[family]
         refuse_unverifiable_state(build(dict(config, model_type=model_type)))
     refuse_unverifiable_state(build(QWEN3_NEXT))

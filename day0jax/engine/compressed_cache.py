@@ -8,7 +8,9 @@ Three parts, each sized by what the model promises a long context costs:
   `ratio // page_size` pages when the ratio is larger), so they need no allocation of their own and leave with the
   sequence's pages;
 - per sequence slot, the projections of its last `buffer` tokens (`StateCache` arrays, float32): the windows a
-  step closes may begin before it.
+  step closes may begin before it. A verify step keeps them as they stand after each of its tokens, one slot each
+  (`StateCache.targets`); a window closed by a rejected draft wrote an entry that no query sees (it lies past the
+  sequence's length) until the window closes again on the accepted tokens and rewrites it.
 A step `extend`s each buffer by its tokens, pools the windows that close in it (the layer), `store`s them, picks its
 entries (`index_topk`, CSA) and attends (`attend_compressed`). Padding neither closes a window nor enters a buffer.
 """
@@ -40,12 +42,13 @@ class CompressedCache:
 
     @classmethod
     def from_pools(cls, pools: tuple, n_state: int, ratio: int, page_size: int, block_tables: jax.Array,
-                   ring_table: jax.Array, kv_lengths: jax.Array, positions: jax.Array,
-                   slots: jax.Array) -> "CompressedCache":
+                   ring_table: jax.Array, kv_lengths: jax.Array, positions: jax.Array, slots: jax.Array,
+                   targets: jax.Array | None = None) -> "CompressedCache":
         """The cache over a layer's pools in `paged_cache.new_pools`' order: its `n_state` buffers, the window's two
-        (keys, and an empty value pool), then the entry pools."""
+        (keys, and an empty value pool), then the entry pools; `targets`: a verify step's slot for the buffers after
+        each token."""
         stride = max(1, ratio // page_size)
-        return cls(StateCache.for_rows(pools[:n_state], slots, positions, kv_lengths),
+        return cls(StateCache.for_rows(pools[:n_state], slots, positions, kv_lengths, targets),
                    PagedKVCache.from_pools(pools[n_state:n_state + 2], ring_table, kv_lengths),
                    tuple(pools[n_state + 2:]), block_tables[:, ::stride], ratio)
 
@@ -64,13 +67,21 @@ class CompressedCache:
 
     def extend(self, i: int, proj: jax.Array) -> tuple["CompressedCache", jax.Array]:
         """Buffer `i`'s last tokens before this step, then this step's projections proj [B, T, F]: ([B, R + T, F],
-        positions start - R ..), and the cache keeping the last R real ones (padding past a row's tokens left out)."""
+        positions start - R ..), and the cache keeping the last R real ones (padding past a row's tokens left out);
+        in a verify step (`state.targets`), the R up to each token t in t's target slot, so that whichever draft is
+        the last accepted, the buffer after it survives."""
         pool, st = self.state.pools[i], self.state
         R = pool.shape[1]
         old = jnp.where(st.fresh[:, None, None], 0, pool[st.slots]).astype(proj.dtype)
         ext = jnp.concatenate([old, proj], axis=1)
-        keep = jnp.take_along_axis(ext, (st.valid[:, None] + jnp.arange(R)[None, :])[:, :, None], axis=1)
-        pools = st.pools[:i] + (pool.at[st.slots].set(keep.astype(pool.dtype)),) + st.pools[i + 1:]
+        if st.targets is None:
+            keep = jnp.take_along_axis(ext, (st.valid[:, None] + jnp.arange(R)[None, :])[:, :, None], axis=1)
+            pool = pool.at[st.slots].set(keep.astype(pool.dtype))
+        else:  # after token t: ext[t + 1 .. t + R]
+            T = proj.shape[1]
+            after = ext[:, 1 + jnp.arange(T)[:, None] + jnp.arange(R)[None, :]]  # [B, T, R, F]
+            pool = pool.at[st.targets].set(after.astype(pool.dtype))
+        pools = st.pools[:i] + (pool,) + st.pools[i + 1:]
         return dataclasses.replace(self, state=dataclasses.replace(st, pools=pools)), ext
 
     def store(self, i: int, entries: jax.Array, ids: jax.Array, complete: jax.Array) -> "CompressedCache":

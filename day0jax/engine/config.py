@@ -156,13 +156,13 @@ class EngineConfig:
         batches = self.batch_buckets or tuple(1 << i for i in range(self.max_num_seqs.bit_length()))
         batches = tuple(sorted({b for b in batches if b < self.max_num_seqs} | {self.max_num_seqs}))
         chunks = tuple(sorted({min(x, max_len) for x in self.chunk_buckets}))
-        # A window's ring must hold, while a chunk is written, every position its queries see: window + chunk
-        # tokens, over whole pages (+1: they need not start at a page boundary). One ring per sequence slot (the
-        # most running sequences, and the trash slot): only where that is fewer pages than the shared pool.
-        rings = tuple((w, -(-(w + chunks[-1]) // page) + 1) for w in sorted({w for w in windows if w}))
         k = spec.num_tokens if spec is not None and spec.rows > 0 else 0
-        slots = batches[-1] * (k + 1) + 1  # `EngineLayout.state_slots`
-        rings = tuple((w, r) for w, r in rings if slots * r < num_pages) if self.window_kv else ()
+        # A window's ring must hold, while a chunk (or a verify step's k + 1 tokens) is written, every position its
+        # queries see: window + chunk tokens, over whole pages (+1: they need not start at a page boundary). One
+        # ring per running sequence, and the trash's: only where that is fewer pages than the shared pool.
+        step = max(chunks[-1], k + 1)
+        rings = tuple((w, -(-(w + step) // page) + 1) for w in sorted({w for w in windows if w}))
+        rings = tuple((w, r) for w, r in rings if (batches[-1] + 1) * r < num_pages) if self.window_kv else ()
         return EngineLayout(
             max_model_len=max_len, page_size=page, num_pages=num_pages, batch_buckets=batches,
             chunk_buckets=chunks,
@@ -185,7 +185,7 @@ class EngineLayout:
     decode_widths: tuple[int, ...]  # both widths: block-table pages, the last covering max_model_len
     prefill_widths: tuple[int, ...]
     # (window, pages per sequence) of sliding-window layers that keep only their window: a ring of pages per
-    # sequence slot (see `paged_cache.ring_table`), slot 0's ring holding the trash page
+    # running sequence (see `paged_cache.ring_table`), ring 0 holding the trash page
     rings: tuple[tuple[int, int], ...] = ()
     # Speculative decoding: k drafts per row (0: off), scored by verify programs of k + 1 tokens per row for batch
     # buckets up to `spec_rows`.
@@ -213,6 +213,12 @@ class EngineLayout:
     def state_copies(self) -> int:
         """State slots each running sequence holds."""
         return self.spec_tokens + 1
+
+    @property
+    def ring_slots(self) -> int:
+        """Rings of a sliding-window layer that keeps only its window: one per running sequence (its group of
+        `state_copies` state slots), and the trash's."""
+        return self.batch_buckets[-1] + 1
 
     def verify_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens, width in pages) of the verify programs: decode rows with their drafts."""
@@ -247,7 +253,7 @@ class EngineLayout:
                         sampler_rows=self.max_rows, max_num_seqs=self.max_rows, max_model_len=self.max_model_len,
                         score_block=xla_blocks.BLOCK_PAGES * self.page_size if cpu else None, decode_in_place=cpu,
                         state_slots=self.state_slots,
-                        window_slots=tuple((w, self.state_slots * r * self.page_size) for w, r in self.rings),
+                        window_slots=tuple((w, self.ring_slots * r * self.page_size) for w, r in self.rings),
                         page_size=self.page_size, kv_cache_dtype=self.kv_cache_dtype)
 
     def sampler_batches(self) -> list[int]:

@@ -87,9 +87,6 @@ class Engine:
         self.spec = None
         if config.speculative is not None and self.layout.spec_tokens:
             refuse_unverifiable_state(module)
-            if self.runner.has_state and self.layout.rings:
-                raise GenerationError("speculative decoding is not implemented for models with both linear-attention "
-                                      "layers and sliding-window layers that keep only their window (window_kv)")
             self.spec = Speculation(config.speculative, self._proposer(config.speculative, draft),
                                     self.layout.max_model_len)
         copies = self.layout.state_copies if self.runner.has_state else 1

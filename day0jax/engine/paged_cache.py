@@ -4,10 +4,11 @@ Row b's token at position p lives in page `block_tables[b, p // page_size]`, slo
 page, is never handed to a sequence: padding tokens get a position beyond the block table, which maps them there, so
 their writes never land in a page holding live keys. Attention is the `kernels_pallas` paged attention op.
 
-A sliding-window layer may keep only its window (`EngineLayout.rings`): its own pool holds R pages per sequence
-slot, and its block table maps a row's logical page i to page slot * R + i % R (`ring_table`), so positions wrap
-around the ring. R pages cover the window plus the longest chunk, so every key a query sees is still there; the
-older keys that share its pages lie outside the window, which attention masks. Slot 0's ring holds the trash page.
+A sliding-window layer may keep only its window (`EngineLayout.rings`): its own pool holds R pages per running
+sequence (ring g for the sequence holding state-slot group g), and its block table maps a row's logical page i to page
+g * R + i % R (`ring_table`), so positions wrap around the ring. R pages cover the window plus the longest chunk
+(a verify step's k + 1 tokens included), so every key a query sees is still there; the older keys that share its
+pages lie outside the window, which attention masks, and so do a rejected draft's. Ring 0 holds the trash page.
 """
 
 from __future__ import annotations
@@ -179,30 +180,33 @@ class PagedKVCache:
 
 
 def ring_table(slots: jax.Array, ring_pages: int, width: int) -> jax.Array:
-    """[B, width] block table of rows whose sequences hold `slots` [B], for a layer whose pool is a ring of
-    `ring_pages` pages per slot."""
+    """[B, width] block table of rows whose sequences hold rings `slots` [B], for a layer whose pool is a ring of
+    `ring_pages` pages per sequence."""
     return (slots[:, None] * ring_pages + jnp.arange(width, dtype=jnp.int32)[None, :] % ring_pages).astype(jnp.int32)
 
 
 def layer_caches(pools: list, stateful: list[int], rings: list[int], block_tables: jax.Array, kv_lengths: jax.Array,
                  positions: jax.Array, state_slots: jax.Array, state_targets: jax.Array | None = None,
-                 compressed: list | None = None, page_size: int = 0) -> list:
+                 compressed: list | None = None, page_size: int = 0, state_copies: int = 1) -> list:
     """Each layer's cache for one step: a `StateCache` for state layers (`stateful[i]`: the number of their state
     arrays, the first of their pools; `state_targets`: a verify step's slot for the state after each token), a
     `PagedKVCache` over the shared block tables or, for a layer with a ring (`rings[i]` pages per slot), over its
     ring table; a `ParallelCache` of both for a state layer that also attends (pools beyond its state arrays); a
     `CompressedCache` for a layer with compressed entries (`compressed[i]`, its `CompressedKV`, with the pool's
-    `page_size`); None for a layer that keeps nothing of its own."""
+    `page_size`); None for a layer that keeps nothing of its own. A sequence's state slots come in groups of
+    `state_copies` (`EngineLayout.state_copies`), and its ring is its group's: the same ring whichever slot of the
+    group holds its state after a verify step."""
     from day0jax.engine.compressed_cache import CompressedCache
     from day0jax.engine.state_cache import ParallelCache, StateCache
 
-    tables = {r: ring_table(state_slots, r, block_tables.shape[1]) for r in set(rings) if r}
+    groups = (state_slots + state_copies - 1) // state_copies  # slot 0 -> ring 0, the trash's
+    tables = {r: ring_table(groups, r, block_tables.shape[1]) for r in set(rings) if r}
     caches = []
     for i, (p, n, ring) in enumerate(zip(pools, stateful, rings)):
         if compressed and compressed[i] is not None:
             caches.append(CompressedCache.from_pools(p, n, compressed[i].ratio, page_size, block_tables,
                                                      tables.get(ring, block_tables), kv_lengths, positions,
-                                                     state_slots))
+                                                     state_slots, state_targets))
             continue
         kv = PagedKVCache.from_pools(p[n:], tables.get(ring, block_tables), kv_lengths) if p[n:] else None
         state = StateCache.for_rows(p[:n], state_slots, positions, kv_lengths, state_targets) if n else None
@@ -211,7 +215,7 @@ def layer_caches(pools: list, stateful: list[int], rings: list[int], block_table
 
 
 def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dtype, mesh=None,
-              ring_pages=None, kv_cache_dtype: str = "auto") -> list[tuple]:
+              ring_pages=None, kv_cache_dtype: str = "auto", ring_slots: int = 0) -> list[tuple]:
     """Zeroed pools per layer, shaped from the model's `cache_layout()`: (k_pages, v_pages) for a `KVLayer`
     ([P, page_size, K, H] each, split like the kv heads), for a `StateLayer` one float32 [S, *shape] pool per
     state array (split like its heads), then its `kv` part's pools if it has one and its compressed entries' if it
@@ -224,8 +228,9 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
         state_slots: sequence slots of state layers (the trash slot included).
         dtype: KV cache dtype.
         mesh: the mesh the pools live on (None: the default device).
-        ring_pages: callable(window) -> pages per slot of a sliding-window layer that keeps only its window (0: the
+        ring_pages: callable(window) -> pages per ring of a sliding-window layer that keeps only its window (0: the
             shared pool's `num_pages`); None: every layer keeps them all.
+        ring_slots: rings of such a layer, one per running sequence and the trash's (0: `state_slots`).
         kv_cache_dtype: "auto" (keys and values in `dtype`) or "fp8" (`fp8.QuantPages`: float8 codes and float32
             scales, read back as `dtype`); `kv_cache_refusal` names the layouts fp8 cannot take.
     """
@@ -237,7 +242,7 @@ def new_pools(layout: list, num_pages: int, page_size: int, state_slots: int, dt
 
     def kv_pools(entry):
         ring = ring_pages(entry.window) if ring_pages else 0
-        pages = state_slots * ring if ring else num_pages
+        pages = (ring_slots or state_slots) * ring if ring else num_pages
         if kv_cache_dtype == "fp8":  # scales [P, page, K] split like the codes' kv heads
             pool = [fp8.QuantPages.zeros((pages, page_size, entry.kv_heads, d), dtype,
                                          lambda shape, dt: zeros(shape, KV_POOL[:len(shape)], dt))

@@ -190,7 +190,8 @@ class ModelRunner:
         if self._stage_pools is None:
             L = self.layout
             self._stage_pools = [new_pools([self._cache_layout[i] for i in r], L.num_pages, L.page_size,
-                                           L.state_slots, self.dtype, m, L.ring_pages, L.kv_cache_dtype)
+                                           L.state_slots, self.dtype, m, L.ring_pages, L.kv_cache_dtype,
+                                           L.ring_slots)
                                  if local else []
                                  for r, m, local in zip(self.stages.ranges, self.meshes, self.links.local)]
         return self._stage_pools
@@ -246,7 +247,8 @@ class ModelRunner:
         # hands it its source's.
         caches = layer_caches(pools, self.stateful[layers.start:layers.stop], self.rings[layers.start:layers.stop],
                               block_tables, kv_lengths, positions, state_slots, state_targets,
-                              self.compressed[layers.start:layers.stop], self.layout.page_size)
+                              self.compressed[layers.start:layers.stop], self.layout.page_size,
+                              self.layout.state_copies)
         first, last = s == 0, s == self.stages.last
         if first:
             # A row's token still on the device is its first one (a verify row's drafts follow it from the host).
@@ -340,14 +342,16 @@ class ModelRunner:
         rows = jnp.arange(B)
         with exact_float32(self.dtype):
             caches = layer_caches(pools, self.stateful, self.rings, block_tables, kv, positions, state_slots,
-                                  compressed=self.compressed, page_size=self.layout.page_size)
+                                  compressed=self.compressed, page_size=self.layout.page_size,
+                                  state_copies=self.layout.state_copies)
             hidden, caches = model(tokens, positions, caches, seq_len=jnp.max(kv))
             pools = [() if c is None else c.pools for c in caches]
             draft = jnp.argmax(model.logits(hidden[rows, accepted]), axis=-1).astype(jnp.int32)
             drafts, pos = [draft], kv
             for _ in range(k - 1):
                 caches = layer_caches(pools, self.stateful, self.rings, block_tables, pos + 1, pos[:, None],
-                                      state_slots, compressed=self.compressed, page_size=self.layout.page_size)
+                                      state_slots, compressed=self.compressed, page_size=self.layout.page_size,
+                                      state_copies=self.layout.state_copies)
                 hidden, caches = model(draft[:, None], pos[:, None], caches, seq_len=jnp.max(pos + 1))
                 pools = [() if c is None else c.pools for c in caches]
                 draft = jnp.argmax(model.logits(hidden[:, 0]), axis=-1).astype(jnp.int32)

@@ -57,8 +57,11 @@ class Scheduler:
         self.step_tokens = config.step_tokens(platform)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = BlockPool(layout.num_pages, layout.page_size)
-        # Linear-attention state slots, one per running sequence (slot 0 is the trash slot).
-        self.free_slots = list(range(layout.state_slots - 1, 0, -1))
+        # Linear-attention state slots (slot 0 is the trash slot) in groups of `layout.state_copies`, one group per
+        # running sequence, which holds the first `state_copies` of its group; a window's ring is its group's
+        # (`paged_cache.layer_caches`), whichever of its slots holds the state.
+        self.group_size = layout.state_copies
+        self.free_groups = list(range((layout.state_slots - 1) // self.group_size - 1, -1, -1))
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self.by_request: dict[str, list[SequenceState]] = {}
@@ -101,7 +104,8 @@ class Scheduler:
             self.waiting.popleft()
             self.pool.take_cached(hits, queried)
             seq.pages = list(hits) + [self.pool.allocate() for _ in range(needed)]
-            seq.slots = [self.free_slots.pop() for _ in range(self.state_copies)]
+            first = 1 + self.free_groups.pop() * self.group_size
+            seq.slots = list(range(first, first + self.state_copies))
             seq.slot = seq.slots[0]
             seq.num_computed, seq.num_hashed = len(hits) * page, len(hits)
             if seq.num_generated == 0:
@@ -184,8 +188,14 @@ class Scheduler:
             self.by_request.pop(seq.request_id, None)
 
     def _release_slot(self, seq: SequenceState) -> None:
-        self.free_slots.extend(seq.slots or [seq.slot])
+        if seq.slots:
+            self.free_groups.append((seq.slots[0] - 1) // self.group_size)
         seq.slot, seq.slots = 0, []
+
+    @property
+    def free_slots(self) -> list[int]:
+        """The state slots no running sequence holds (of each free group, those a sequence would take)."""
+        return [1 + g * self.group_size + j for g in self.free_groups for j in range(self.state_copies)]
 
     def commit_state(self, seq: SequenceState, accepted: int) -> None:
         """After a verify step that kept `accepted` drafts: the state slot after the last accepted token (the verify

@@ -24,7 +24,6 @@ from typing import Sequence
 
 import numpy as np
 
-from day0jax.core.cache_layout import StateLayer
 from day0jax.core.errors import GenerationError
 from day0jax.engine.config import SpeculativeConfig
 from day0jax.engine.requests import SequenceState
@@ -222,13 +221,8 @@ def refuse_unverifiable_state(module) -> None:
     Raises:
         GenerationError: such a layer (one with a `state_layout` but without `per_token_states`), named.
     """
-    lacking = {type(m).__name__ for _, m in module.iter_modules()
-               if hasattr(m, "state_layout") and not getattr(m, "per_token_states", False)}
-    # Compressed-attention layers keep the projections of their block's incomplete tail: one state, after the last
-    # token, like the layers above.
-    lacking |= {f"compressed attention ({x.kind})" for x in module.cache_layout()
-                if isinstance(x, StateLayer) and x.compressed is not None}
-    lacking = sorted(lacking)
+    lacking = sorted({type(m).__name__ for _, m in module.iter_modules()
+                      if hasattr(m, "state_layout") and not getattr(m, "per_token_states", False)})
     if lacking:
         raise GenerationError(f"speculative decoding is not implemented for models with {', '.join(lacking)} "
                               "layers (their state after each verified token is not kept)")
