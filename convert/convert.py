@@ -71,8 +71,10 @@ def plan_sources(fam: Family, config, infos, source) -> dict[str, Source]:
                or default_source(info.path, info.shape, info.metadata)).matching(available)
         for name, want in zip(src.names, src.shapes):
             if name not in available:
+                hint = ("; the source's multi-token-prediction layers are incomplete (--no-mtp leaves them out)"
+                        if info.path.startswith(models.MTP_PREFIX) else "")
                 raise CheckpointError(f"{source.path}: tensor {name!r} (for parameter {info.path}, shape {want}) "
-                                      "is missing")
+                                      f"is missing{hint}")
             if tuple(available[name]) != tuple(want):
                 raise CheckpointError(f"{source.path}: tensor {name!r} has shape {tuple(available[name])}, "
                                       f"expected {tuple(want)} (for parameter {info.path})")

@@ -383,8 +383,9 @@ def test_kimi_linear_moonshot_layout_converts_to_the_same_model(tiny, tmp_path):
 
 def test_deepseek_v4_released_tensor_names_convert_to_the_same_model(tiny, tmp_path):
     """DeepSeek-V4 as DeepSeek publishes it: transformers' own save without the `model.` prefix, the embeddings as
-    `embed`, the hyper head's tensors as `hc_head_fn|base|scale`, and multi-token-prediction layers (`mtp.*`),
-    dropped. The same weights give transformers' logits."""
+    `embed`, the hyper head's tensors as `hc_head_fn|base|scale`, and multi-token-prediction layers (`mtp.*`,
+    kept by default: tests/test_mtp.py), left out with --no-mtp; an incomplete MTP layer is refused, naming the
+    tensor and --no-mtp. The same weights give transformers' logits."""
     from safetensors.numpy import save_file
 
     src = tmp_path / "src"
@@ -399,7 +400,10 @@ def test_deepseek_v4_released_tensor_names_convert_to_the_same_model(tiny, tmp_p
         tensors)
     tensors["mtp.0.emb.tok_emb.weight"] = np.zeros((4, 4), np.float32)
     save_file(tensors, str(src / "model.safetensors"))
-    model = day0jax.load(convert_checkpoint(src, tmp_path / "d0", progress=False).dst, dtype="float32")
+    with pytest.raises(CheckpointError, match=r"mtp\.0\..* is missing; .*incomplete \(--no-mtp"):
+        convert_checkpoint(src, tmp_path / "with", progress=False)
+    model = day0jax.load(convert_checkpoint(src, tmp_path / "d0", progress=False, options=Options(no_mtp=True)).dst,
+                         dtype="float32")
     for i, prompt in enumerate(PROMPTS):
         ours, ref = model.logits([prompt])[0], tiny["deepseek_v4"]["ref"][f"logits_{i}"]
         # Float32, as test_models.py's parity (about 1.6e-6 relative seen).
@@ -410,7 +414,8 @@ def test_hy_v3_transformers5_layout_converts_to_the_same_model(tiny, tmp_path):
     """HY-V3 in the transformers 5 layout Tencent converts its release to: HF's module names (`mlp.gate`,
     `mlp.e_score_correction_bias`, `mlp.shared_experts`), each layer's experts fused (`gate_up_proj` [E, 2F, D], gate
     rows first, `down_proj` [E, D, F]), Tencent's own config keys with the values transformers' model runs, and a
-    multi-token-prediction layer after the last one, dropped. The same weights give transformers' logits."""
+    multi-token-prediction layer after the last one (kept by default: tests/test_mtp.py), left out with --no-mtp.
+    The same weights give transformers' logits."""
     from safetensors.numpy import save_file
 
     src = tmp_path / "src"
@@ -433,7 +438,8 @@ def test_hy_v3_transformers5_layout_converts_to_the_same_model(tiny, tmp_path):
         tensors[f"{p}.down_proj"] = np.stack([saved[f"{p}.{e}.down_proj.weight"] for e in range(E)])
     tensors[f"model.layers.{L}.eh_proj.weight"] = np.ones((64, 128), np.float32)
     save_file(tensors, str(src / "model.safetensors"))
-    model = day0jax.load(convert_checkpoint(src, tmp_path / "d0", progress=False).dst, dtype="float32")
+    model = day0jax.load(convert_checkpoint(src, tmp_path / "d0", progress=False, options=Options(no_mtp=True)).dst,
+                         dtype="float32")
     for i, prompt in enumerate(PROMPTS):
         ours, ref = model.logits([prompt])[0], tiny["hy_v3"]["ref"][f"logits_{i}"]
         # Float32, as test_models.py's parity (about 1e-6 relative seen).

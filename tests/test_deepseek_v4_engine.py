@@ -1,7 +1,7 @@
 """DeepSeek-V4 through the engine: a sequence's compressed entries and its buffer of projections not yet pooled follow
 it through prefill chunks that end inside windows, decode steps and batches, and the greedy tokens are
-those of the cache-less forward pass, also with speculative drafts that windows close over and that are then rejected;
-the plan counts what the engine allocates and the report names each layer's window and entries. The layer kinds and the entries' sizes: tests/test_deepseek_v4_ops.py's CONFIG.
+those of the cache-less forward pass; the plan counts what the engine allocates and the report names each layer's
+window and entries. The layer kinds and the entries' sizes: tests/test_deepseek_v4_ops.py's CONFIG.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import pytest
 from flax import nnx
 
 from day0jax import check as check_lib, models
-from day0jax.engine.config import EngineConfig, SpeculativeConfig
+from day0jax.engine.config import EngineConfig
 from day0jax.engine.engine import Engine
 from sharding import plan as plan_lib
 from sharding.mesh import make_mesh
 from test_deepseek_v4_ops import CONFIG
 from test_engine_paged import cache_less_greedy, greedy, run
-from test_speculative import Oracle, collect
 
 CONTEXT = 64
 HF = dict(CONFIG, model_type="deepseek_v4", vocab_size=256, max_position_embeddings=CONTEXT)
@@ -43,13 +42,13 @@ def module():
     return model
 
 
-def make_engine(module, **overrides) -> Engine:
+def make_engine(module) -> Engine:
     # 4-token pages: the CSA layer keeps one entry per page, the HCA layer one per two pages. Chunks of 6 end inside
     # the 4- and 8-token windows, so windows close across chunk boundaries. Few shapes (batch 1/2, one chunk, one
     # width) keep compilation short; staggered requests join while others decode, slots of finished sequences go
     # to later ones.
     config = dict(page_size=4, max_num_seqs=2, kv_cache_tokens=256, max_model_len=CONTEXT, chunk_buckets=(6,),
-                  min_width=CONTEXT, **overrides)
+                  min_width=CONTEXT)
     return Engine(module, make_mesh(None), jnp.float32, context_length=CONTEXT, config=EngineConfig(**config))
 
 
@@ -60,25 +59,6 @@ def test_entries_follow_each_sequence_through_chunks_and_batches(module):
     reference = cache_less_greedy(module, PROMPTS, NEW, CONTEXT)
     for i, ref in enumerate(reference):
         assert out[(f"r{i}", 0)] == ref, f"prompt {i}"
-
-
-def test_verify_steps_keep_the_buffers_after_each_token_and_rewrite_rejected_entries(module):
-    """Speculation: a verify step of 4 tokens closes CSA windows (4 positions) and HCA ones (8) over drafts, and
-    keeps each compressor's buffer as it stands after each token; the accepted one becomes the sequence's, the
-    entries a rejected draft closed lie past the sequence's end until the accepted tokens close their windows
-    again. With planted drafts (every acceptance length) in rows that join one by one beside a row that never
-    drafts, the greedy tokens are the cache-less forward pass's, the windows' rings follow each sequence whichever
-    of its slots holds the buffers, and every slot comes back."""
-    engine = make_engine(module, speculative=SpeculativeConfig("ngram", num_tokens=3))
-    assert engine.layout.rings  # the sliding windows keep only their window, in a ring per sequence
-    engine.spec.backoff = False
-    truth = {f"r{i}": ref for i, ref in enumerate(cache_less_greedy(module, PROMPTS, NEW, CONTEXT))}
-    engine.spec.proposer = Oracle(truth, silent={"r2"}, seed=1, vocab=HF["vocab_size"])
-    out = collect(engine, {f"r{i}": (p, greedy(NEW)) for i, p in enumerate(PROMPTS)}, stagger=2)
-    assert out == truth
-    stats = engine.spec.stats
-    assert 0 < stats.accepted_tokens < stats.draft_tokens and min(stats.accepted_per_position) > 0
-    assert sorted(engine.scheduler.free_slots) == list(range(1, engine.layout.state_slots))
 
 
 def test_plan_and_report_count_the_window_and_the_entries(module, tmp_path):

@@ -2,11 +2,13 @@
 layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention ones with an indexer of their own;
 Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, Step-3.7's and MiMo-V2-Flash's, transformers' generic MTP
 layers, chained after their post-norm; Nemotron 3's, blocks of a pattern between the projection and a final norm,
-beside Mamba2 layers). Greedy tokens equal plain decoding's; the drafts the engine reads after each
-step are the MTP chain's over the verified tokens (each layer's KV pages caught up over every kept token, as
-transformers' `MtpModel` chains its layers, and rewritten where a drafted token had reached them); conversion keeps
-the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads only for
-speculative method "mtp"; MiniMax-M2's, whose forward nothing public defines, are refused by name.
+beside Mamba2 layers; DeepSeek-V4's, over the hyper-connected streams, beside compressed attention; HY-V3's, stored
+as DeepSeek-V3's with a final norm of its own). Greedy tokens equal plain decoding's; the drafts the engine reads
+after each step are the MTP chain's over the verified tokens (each layer's KV pages caught up over every kept token,
+as transformers' `MtpModel` chains its layers, and rewritten where a drafted token had reached them); conversion
+keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads
+only for speculative method "mtp"; MiniMax-M2's, whose forward nothing public defines, and HY-V4's and Mistral Large
+4's, not implemented, are refused by name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from day0jax.engine.config import EngineConfig, SpeculativeConfig
 from day0jax.engine.engine import Engine
 from families import FAMILIES
 from sharding.mesh import make_mesh
+from test_deepseek_v4_ops import CONFIG as V4_OPS_CONFIG
 from test_engine_paged import PROMPTS, cache_less_greedy, greedy
 from test_speculative import QWEN3_NEXT, Oracle, collect
 
@@ -72,6 +75,19 @@ MIMO = dict(FAMILIES["mimo_v2_flash"][1], model_type="mimo_v2_flash", num_nextn_
 # attention block then an MoE block, as NVIDIA's configs give them.
 NEMOTRON_H = dict(FAMILIES["nemotron_h"][1], model_type="nemotron_h", mtp_hybrid_override_pattern="*E",
                   num_nextn_predict_layers=1, max_position_embeddings=CONTEXT)
+# DeepSeek-V4 (tests/families.py's: sliding, CSA, HCA and CSA layers over four hyper-connected streams, window 8):
+# its MTP layer reads the last layer's streams and runs a sliding-attention MoE layer of its own over them, whose
+# window the longer prompts' chains outgrow, then its own hyper head and norm.
+DEEPSEEK_V4 = dict(FAMILIES["deepseek_v4"][1], model_type="deepseek_v4", num_nextn_predict_layers=1,
+                   max_position_embeddings=CONTEXT)
+# HY-V3 (tests/families.py's: MoE, dense, MoE with biases): its MTP layer stored as the layer after the last one, an
+# MoE decoder layer between enorm/hnorm/eh_proj and a final_layernorm of its own, as vLLM runs it.
+HY_V3 = dict(FAMILIES["hy_v3"][1], model_type="hy_v3", num_nextn_predict_layers=1, max_position_embeddings=CONTEXT)
+# The engine runs the smaller one of tests/test_deepseek_v4_ops.py (sliding, CSA, HCA; window 6): verify steps of 3
+# tokens close CSA windows (4 positions) and HCA ones (8) over drafts, the compressors' buffers are kept after each
+# verified token, and the windows' rings follow each sequence whichever of its slots holds the buffers.
+DEEPSEEK_V4_SMALL = dict(V4_OPS_CONFIG, model_type="deepseek_v4", vocab_size=256, num_nextn_predict_layers=1,
+                         max_position_embeddings=CONTEXT)
 
 
 def build(hf: dict):
@@ -96,7 +112,7 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
         model = nnx.merge(graphdef, state)
         n = min(model.mtp_layers, k)
         positions = jnp.arange(CONTEXT, dtype=jnp.int32)
-        hidden, _ = model(padded[None], positions[None])
+        hidden = model.mtp_hidden(model(padded[None], positions[None], raw=True)[0])
         stream = jnp.concatenate([jnp.where(positions < L - 1, jnp.roll(padded, -1), 0), jnp.zeros(k, jnp.int32)])
         stream = jax.lax.dynamic_update_slice(stream, drafts, (L - 1,))
         inputs, states, out = [], hidden, []
@@ -124,10 +140,10 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
                                   (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7, 2),
-                                  (MIMO, 3), (NEMOTRON_H, 2)],
+                                  (MIMO, 3), (NEMOTRON_H, 2), (DEEPSEEK_V4_SMALL, 2)],
                          ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
                               "ernie4_5_moe-k2", "step3p7-k2", "mimo_v2_flash-k3",
-                              "nemotron_h-k2"])
+                              "nemotron_h-k2", "deepseek_v4-k2"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
@@ -195,7 +211,8 @@ def test_mtp_carry_belongs_to_its_admission():
 MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in range(12)]]
 HF_CONFIGS = {hf["model_type"]: {k: v for k, v in hf.items() if k not in ("model_type", "num_nextn_predict_layers",
                                                                          "mtp_num_hidden_layers")}
-              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE, STEP3P7, NEMOTRON_H)}
+              for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE, STEP3P7, NEMOTRON_H, DEEPSEEK_V4,
+                         HY_V3)}
 HF_CONFIGS["mimo_v2_flash"] = {k: v for k, v in MIMO.items() if k != "model_type"}  # the reference reads the count
 MTP_LAYERS = {"step3p7": 2, "mimo_v2_flash": 2}
 
@@ -264,7 +281,7 @@ def mtp_chain_logits(module, ids):
     them, layer j on layer j - 1's chained output and the tokens j + 1 ahead. A list of [1, T - j, V]."""
     T = ids.shape[1] - 1
     positions = lambda n: jnp.arange(n, dtype=jnp.int32)[None]  # noqa: E731
-    hidden, _ = module(ids, positions(T + 1))
+    hidden = module.mtp_hidden(module(ids, positions(T + 1), raw=True)[0])
     h, _ = module.mtp_step(0, ids[:, 1:], hidden[:, :T], positions(T))
     out = [module.mtp_logits(0, h)]
     for j in range(1, module.mtp_layers):
@@ -282,14 +299,18 @@ def test_ernie_refuses_more_than_one_mtp_layer():
         models.config_from_hf(dict(ERNIE, num_nextn_predict_layers=2))
 
 
-def test_minimax_m2_mtp_modules_are_refused_by_name():
-    """MiniMax-M2's configs declare MTP modules whose forward nothing public defines: speculative method 'mtp' is
-    refused naming them (conversion drops them, as before)."""
+@pytest.mark.parametrize("family,extra,match", [
+    ("minimax_m2", dict(use_mtp=True, num_mtp_modules=3), r"prediction modules \(num_mtp_modules\) have no"),
+    ("hy_v4", {}, r"multi-token-prediction layers \(model.mtp_layers\) are not implemented"),
+    ("mistral_large4", {}, r"draft head \(mtp_dspark\) is not implemented")])
+def test_mtp_modules_not_implemented_are_refused_by_name(family, extra, match):
+    """MiniMax-M2's configs declare MTP modules whose forward nothing public defines, HY-V4's and Mistral Large 4's
+    are not implemented: speculative method 'mtp' is refused naming them (conversion drops them)."""
     from day0jax.core.errors import UnsupportedArchitecture
 
-    cfg = models.config_from_hf(dict(FAMILIES["minimax_m2"][1], model_type="minimax_m2", use_mtp=True,
-                                     num_mtp_modules=3))
-    with pytest.raises(UnsupportedArchitecture, match=r"multi-token-prediction modules \(num_mtp_modules\) have no"):
+    model_type, config, _ = FAMILIES[family]
+    cfg = models.config_from_hf(dict(config, model_type=model_type, **extra))
+    with pytest.raises(UnsupportedArchitecture, match=match):
         models.abstract_model(cfg, mtp=True)
 
 

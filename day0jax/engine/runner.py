@@ -94,8 +94,9 @@ class ModelRunner:
         self.compressed = [x.compressed if isinstance(x, StateLayer) else None for x in cache_layout]
         self._cache_layout = cache_layout
         self._mtp_layout = module.mtp_cache_layout() if getattr(module, "mtp", None) is not None else []
-        # With the MTP proposer, the forward and verify programs also return the final hidden states [B, T, D]
-        # (`hidden`, the last call's), which the MTP layers read.
+        self._mtp_hidden_size = module.mtp_hidden_size if self._mtp_layout else 0
+        # With the MTP proposer, the forward and verify programs also return what the MTP layers read of the last
+        # layer's output, [B, T, mtp_hidden_size] (`hidden`, the last call's: `CausalLM.mtp_hidden`).
         self.keep_hidden = False
         self.hidden: jax.Array | None = None
         self.mtp_pools: list | None = None
@@ -257,14 +258,17 @@ class ModelRunner:
         # seq_len: the real longest length (padding positions are huge), for RoPE variants that depend on it.
         seq_len = jnp.max(kv_lengths)
         with exact_float32(self.dtype), adapter_rows(adapters):
-            if first and last:
+            kept = ()
+            if first and last and self.keep_hidden:  # the MTP layers read the last layer's output (`mtp_hidden`)
+                out, caches = model(x, positions, caches, seq_len=seq_len, raw=True, **self._image_inputs(image))
+                hidden, kept = model.final_norm(out), (model.mtp_hidden(out),)
+            elif first and last:
                 hidden, caches = model(x, positions, caches, seq_len=seq_len, **self._image_inputs(image))
             else:
                 hidden, caches = model.stage(x, positions, caches, seq_len, layers)
             pools = [() if c is None else c.pools for c in caches]
             if not last:
                 return hidden, pools
-            kept = (hidden,) if self.keep_hidden else ()
             if every_position:
                 logits = model.logits(hidden)
                 logits = jax.lax.with_sharding_constraint(logits, self._stage_replicated[s])
@@ -368,9 +372,9 @@ class ModelRunner:
         main-model position a chain starts from. Layer 0 at c takes the target's final hidden state there and token
         t(c + 1); layer i takes layer i - 1's (chained) output at the same column and token t(c + 1 + i), and its
         keys sit at column c of its own pages. The window is the call's columns `base` .. `base + accepted`
-        (`hidden` [B, T, D], `tokens` t(base + 1) ...; with `override`, column `accepted`'s token replaced by
-        `last_token`, the one a prompt's sampler drew) and, with n > 1 layers, the n - 1 columns before them
-        (`carry`: their hidden states, kept per sequence slot `slots`; `prefix`: the tokens after them), so that
+        (`hidden` [B, T, mtp_hidden_size], `tokens` t(base + 1) ...; with `override`, column `accepted`'s token
+        replaced by `last_token`, the one a prompt's sampler drew) and, with n > 1 layers, the n - 1 columns before
+        them (`carry`: their hidden states, kept per sequence slot `slots`; `prefix`: the tokens after them), so that
         the entries a layer wrote last time from drafted tokens are rewritten from the kept ones. Where a layer's
         token lies past the last kept one, it is a draft: layer i's output at the last column drafts token i + 1.
         Drafts k > n chain through layer j mod n, each layer at the columns after its window's.
@@ -447,7 +451,7 @@ class ModelRunner:
             E = min(len(self._mtp_layout), L.spec_tokens) - 1
             # Per sequence slot, the hidden states of the last E kept columns and whether they are this
             # sequence's (`_mtp_fn`): tiny next to the pages.
-            self.mtp_carry = (self._put(np.zeros((L.state_slots, E, self.hidden_size), self.dtype)),
+            self.mtp_carry = (self._put(np.zeros((L.state_slots, E, self._mtp_hidden_size), self.dtype)),
                               self._put(np.zeros((L.state_slots, E), bool))) if E > 0 else ()
         self.keep_hidden = True
         self._propose_jit = jax.jit(jax.named_scope("propose")(functools.partial(self._mtp_fn, L.spec_tokens)),
@@ -820,8 +824,8 @@ class ModelRunner:
                 np.full((B, W), 0, np.int32), zeros]
         with jax.set_mesh(self.mesh):
             if self.draft is None:  # the MTP layers, on the target's hidden states
-                hidden = jax.ShapeDtypeStruct((B, T, self.hidden_size), jnp.dtype(self.dtype),
-                                              sharding=self._hidden_sharding(0, (B, T, self.hidden_size)))
+                shape = (B, T, self._mtp_hidden_size)
+                hidden = jax.ShapeDtypeStruct(shape, jnp.dtype(self.dtype), sharding=self._hidden_sharding(0, shape))
                 prefix = np.zeros((B, self.mtp_carried), np.int32)
                 return self._propose_jit.lower(self.stage_params[0], shapes(self.mtp_pools), shapes(self.mtp_carry),
                                                hidden, *[self._put(a) for a in [prefix, *args, np.zeros(B, bool)]])

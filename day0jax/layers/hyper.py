@@ -153,9 +153,9 @@ class HyperConnected:
     hc_streams: int
     hc_head_mean = False
 
-    def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs, **kwargs):
         self.hc_streams = config.hc_mult
-        super().__init__(config, dtype=dtype, rngs=rngs)
+        super().__init__(config, dtype=dtype, rngs=rngs, **kwargs)
         self.model.hc_head = MeanHyperHead() if self.hc_head_mean else HyperHead(
             config.hidden_size, config.hc_mult, norm_eps=config.rms_norm_eps, eps=config.hc_eps, rngs=rngs)
 

@@ -20,7 +20,13 @@ take the place of h and t (as vLLM and SGLang chain a single layer). Three layou
   `mtp_emb_norm.{i}`, `mtp_hidden_norm.{i}`, `mtp_linear_proj.{i}`, `mtp_block.{i}` (the post-norm the model's final
   norm); Step-3.7 as DeepSeek-V3 does (`model.layers.{L + i}.`, the post-norm `shared_head.norm`).
 
-h is the model's final hidden state, after its last norm (what the inference engines hand their MTP modules).
+- `StreamMTP`, DeepSeek-V4 (`mtp.{i}.`): the model's residual is n hyper-connected streams, and its MTP layer reads
+  them as they stand before the hyper head collapses them: x = e_proj(enorm(e)) + h_proj(hnorm(h)) per stream, a
+  decoder layer over the streams, and a hyper head and norm of its own before the shared output head. h' (the
+  streams) is chained as it is.
+
+h is the model's final hidden state, after its last norm (what the inference engines hand their MTP modules), or,
+for `StreamMTP`, its last layer's streams (`CausalLM.mtp_hidden`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from day0jax.layers.hyper import HyperCarry, HyperHead
 from day0jax.layers.linear import Linear
 from kernels_pallas.calls import OpCall
 
@@ -157,3 +164,56 @@ class MtpStack(nnx.Module):
         m = self.layers[index]
         own = m.post_norm.op_calls() if m.post_norm is not None else []
         return m.mtp_block.op_calls() + m.enorm.op_calls() + m.hnorm.op_calls() + own
+
+
+class StreamLayer(nnx.Module):
+    """One DeepSeek-V4 MTP layer: `enorm`, `hnorm`, `e_proj`, `h_proj` (no bias), the hyper-connected decoder layer
+    `decoder`, and the head's `hc_head` (its own `HyperHead`) and `norm`."""
+
+    def __init__(self, decoder: nnx.Module, make_norm, hidden_size: int, streams: int, *, norm_eps: float,
+                 hc_eps: float, dtype, rngs: nnx.Rngs):
+        D = hidden_size
+        self.decoder = decoder
+        self.enorm, self.hnorm = make_norm(D, dtype=dtype, rngs=rngs), make_norm(D, dtype=dtype, rngs=rngs)
+        self.e_proj = Linear((D,), (D,), (None, "embed"), dtype=dtype, rngs=rngs)
+        self.h_proj = Linear((D,), (D,), (None, "embed"), dtype=dtype, rngs=rngs)
+        self.hc_head = HyperHead(D, streams, norm_eps=norm_eps, eps=hc_eps, rngs=rngs)
+        self.norm = make_norm(D, dtype=dtype, rngs=rngs)
+
+
+class StreamMTP(nnx.Module):
+    """DeepSeek-V4's MTP layers (`layers.{i}`, stored as `mtp.{i}.`) over n streams: the hidden state they take and
+    give is the streams flattened, [B, T, n D]."""
+
+    def __init__(self, layers: list[StreamLayer], streams: int):
+        self.layers = nnx.List(layers)
+        self.streams = streams
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def _split(self, h: jax.Array) -> jax.Array:
+        return h.reshape(*h.shape[:-1], self.streams, h.shape[-1] // self.streams)
+
+    def step(self, index: int, embeds: jax.Array, hidden: jax.Array, positions: jax.Array, rope_tables: dict,
+             cache=None, *, tokens: jax.Array):
+        """embeds [B, T, D] (the plain embeddings of `tokens`), hidden [B, T, n D] -> (h' [B, T, n D], cache)."""
+        m = self.layers[index]
+        x = m.e_proj(m.enorm(embeds))[:, :, None, :] + m.h_proj(m.hnorm(self._split(hidden).astype(embeds.dtype)))
+        y, cache, _ = m.decoder(x, positions, rope_tables, cache, HyperCarry(tokens))
+        return y.reshape(hidden.shape), cache
+
+    def head_input(self, index: int, h: jax.Array) -> jax.Array:
+        """h' [..., n D] -> the head's input [..., D]."""
+        m = self.layers[index]
+        x = self._split(h)
+        flat = m.hc_head(x.reshape(-1, 1, *x.shape[-2:]))  # the hyper head takes [B, T, n, D]
+        return m.norm(flat.reshape(*x.shape[:-2], x.shape[-1]))
+
+    def chained(self, index: int, h: jax.Array) -> jax.Array:
+        """What the next MTP step takes: the streams themselves."""
+        return h
+
+    def op_calls(self, index: int) -> list[OpCall]:
+        m = self.layers[index]
+        return m.decoder.op_calls() + m.enorm.op_calls() + m.hnorm.op_calls() + m.norm.op_calls()

@@ -297,6 +297,15 @@ class CausalLM(nnx.Module):
         rope_tables = self.rope_tables(positions, seq_len)
         return self.mtp.step(index, self.embed(tokens), hidden, positions, rope_tables, cache)
 
+    def mtp_hidden(self, x: jax.Array) -> jax.Array:
+        """What the MTP layers read from the last decoder layer's output x (`__call__` with `raw=True`): the final
+        hidden state, normed as the head reads it ([B, T, `mtp_hidden_size`])."""
+        return self.final_norm(x)
+
+    @property
+    def mtp_hidden_size(self) -> int:
+        return self.config.hidden_size
+
     def mtp_logits(self, index: int, h: jax.Array) -> jax.Array:
         """float32 logits [..., V] from MTP layer `index`'s h' (the model's own head)."""
         return self.logits(self.mtp.head_input(index, h))
@@ -353,7 +362,8 @@ class CausalLM(nnx.Module):
         the unpadded length of the longest sequence, for RoPE variants that depend on it. `inputs` (vision-language
         models): `embeds` [B, T, D] in place of `embed(tokens)`, image features merged in; `rope_positions`
         [B, T, 3] for multimodal RoPE in place of `positions` (the cache and the masks keep those);
-        `injections`: [B, T, D] arrays added to the residual stream after the first layers, one each (DeepStack)."""
+        `injections`: [B, T, D] arrays added to the residual stream after the first layers, one each (DeepStack);
+        `raw=True`: the last layer's output before `final_norm` (what `mtp_hidden` reads)."""
         return self._run(tokens, positions, caches, seq_len, collect=False, **inputs)[:2]
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array, seq_len: jax.Array | None = None,
@@ -383,7 +393,7 @@ class CausalLM(nnx.Module):
         return None
 
     def _run(self, tokens, positions, caches, seq_len, collect: bool, embeds=None, rope_positions=None,
-             injections=(), layers: range | None = None):
+             injections=(), layers: range | None = None, raw: bool = False):
         # The residual stream is pinned (batch over dp) at block boundaries only; XLA derives the rest.
         x = constrain(self.embed(tokens) if embeds is None else embeds)
         rope_tables = self.rope_tables(positions if rope_positions is None else rope_positions, seq_len)
@@ -407,7 +417,7 @@ class CausalLM(nnx.Module):
                 new_caches.append(cache)
             if collect:
                 hidden.append(x)
-        return self.final_norm(x) if layers.stop == len(self.model.layers) else x, new_caches, hidden
+        return self.final_norm(x) if layers.stop == len(self.model.layers) and not raw else x, new_caches, hidden
 
     def final_norm(self, x: jax.Array) -> jax.Array:
         """The last layer's output -> the normed hidden states [B, T, D] the head reads (a hyper-connected model

@@ -15,12 +15,14 @@ from typing import Any
 from flax import nnx
 
 from day0jax.core.cache_layout import CompressedKV, KVLayer, StateLayer
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.compressed_attention import CompressedAttention, Compressor, Indexer
 from day0jax.layers.hyper import HyperConnected, HyperDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import SCORES, Experts, HashRouter, MoE, Router, clipped_swiglu
+from day0jax.layers.mtp import StreamLayer, StreamMTP
 from day0jax.layers.rope import Rope, rope_parameters
 from day0jax.models.base import CausalLM, HFConfig, per_expert_source
 from day0jax.models.contract import Family
@@ -193,7 +195,8 @@ class Model(HyperConnected, CausalLM):
 
     def make_layer(self, index: int, *, dtype, rngs: nnx.Rngs) -> HyperDecoderLayer:
         c = self.config
-        D, kind = c.hidden_size, c.layer_kinds[index]
+        # Past the last layer: an MTP layer's, sliding attention (`make_mtp`).
+        D, kind = c.hidden_size, c.layer_kinds[index] if index < c.num_hidden_layers else SLIDING
         compressor = None
         if kind != SLIDING:
             m = c.rates[kind]
@@ -211,7 +214,7 @@ class Model(HyperConnected, CausalLM):
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> MoE:
         c = self.config
         D, E, k, F = c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size
-        if c.mlp_kinds[index] == "hash_moe":
+        if index < c.num_hidden_layers and c.mlp_kinds[index] == "hash_moe":  # MTP layers' are scored
             router = HashRouter(D, E, k, c.vocab_size, score_fn=c.scoring_func,
                                 routed_scaling_factor=c.routed_scaling_factor, dtype=dtype, rngs=rngs)
         else:
@@ -220,6 +223,51 @@ class Model(HyperConnected, CausalLM):
         return MoE(router, Experts(E, D, F, clipped_swiglu(c.hidden_act, c.swiglu_limit), dtype=dtype, rngs=rngs),
                    shared=GatedMLP(D, F, c.hidden_act, use_bias=c.mlp_bias, input_limit=c.swiglu_limit, dtype=dtype,
                                    rngs=rngs), shared_name="shared_experts")
+
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> StreamMTP:
+        """The multi-token-prediction layers released checkpoints ship as `mtp.{i}.` (DeepSeek's and vLLM's forward:
+        `layers.mtp.StreamMTP`), each around a decoder layer of sliding attention and a scored MoE, as their
+        configs declare them (the entries of `compress_ratios` / `layer_types` and `mlp_layer_types` past the last
+        layer, where given).
+
+        Raises:
+            UnsupportedArchitecture: none declared, or one declared with compressed attention or hash routing.
+        """
+        c = self.config
+        L, n = c.num_hidden_layers, c.num_nextn_predict_layers
+        if not n:
+            raise UnsupportedArchitecture("this deepseek_v4 config declares no multi-token-prediction layers")
+        kinds = c.layer_types if c.layer_types is not None else [LEGACY_KINDS.get(r, r) for r in
+                                                                   c.compress_ratios or []]
+        for i in range(L, L + n):
+            if i < len(kinds) and kinds[i] != SLIDING:
+                refuse("layer_types" if c.layer_types is not None else "compress_ratios", kinds[i],
+                       f"declares multi-token-prediction layer {i - L} with compressed attention, which is not "
+                       "implemented (sliding attention only)")
+            if c.mlp_layer_types is not None and i < len(c.mlp_layer_types) and c.mlp_layer_types[i] != "moe":
+                refuse("mlp_layer_types", c.mlp_layer_types[i],
+                       f"declares multi-token-prediction layer {i - L} with hash routing, which is not implemented")
+        D = c.hidden_size
+        return StreamMTP([StreamLayer(self.make_layer(L + i, dtype=dtype, rngs=rngs), self.make_norm, D, c.hc_mult,
+                                      norm_eps=c.rms_norm_eps, hc_eps=c.hc_eps, dtype=dtype, rngs=rngs)
+                          for i in range(n)], c.hc_mult)
+
+    def mtp_step(self, index, tokens, hidden, positions, cache=None, seq_len=None):
+        """As `CausalLM.mtp_step`, on the plain embeddings (not copied into streams) and the tokens' ids."""
+        return self.mtp.step(index, self.model.embed_tokens(tokens), hidden, positions,
+                             self.rope_tables(positions, seq_len), cache, tokens=tokens)
+
+    def mtp_hidden(self, x):
+        """The last layer's streams [B, T, n, D], before the hyper head, flattened: [B, T, n D]."""
+        return x.reshape(*x.shape[:2], -1)
+
+    @property
+    def mtp_hidden_size(self) -> int:
+        return self.config.hc_mult * self.config.hidden_size
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        """Each MTP layer's sliding window: one key head that is also the value."""
+        return [KVLayer(1, self.config.head_dim, 0)] * self.mtp_layers
 
     def cache_layout(self) -> list[KVLayer | StateLayer]:
         """Per layer the window's keys (one head, also the values); compressed layers add their entries (and index
@@ -263,15 +311,24 @@ EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
-    """Every parameter from its original name (`ORIGINAL_NAMES`); experts stacked from `ffn.experts.N.w1|w3|w2`."""
+    """Every parameter from its original name (`ORIGINAL_NAMES`); experts stacked from `ffn.experts.N.w1|w3|w2`. An
+    MTP layer's (`mtp.layers.{i}.[decoder.]X`) from `mtp.{i}.X`, named as a main layer's tensors are, its hyper
+    head's as `hc_head_fn|base|scale`."""
+    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(decoder\.)?(.*)", path)
+    if mtp:  # through a main layer's naming, under a prefix no rule touches
+        path = f"model.layers.MTP{mtp[1]}.{mtp[3]}"
     experts = per_expert_source(path, shape, lambda p: p.replace(".mlp", ".ffn"), EXPERT_NAMES)
-    if experts is not None:
-        return experts
-    src = default_source(path, shape, metadata)
-    name = src.names[0]
-    for pattern, repl in ORIGINAL_NAMES:
-        name = re.sub(pattern, repl, name)
-    return Source((name,), src.combine, src.shapes)
+    src = experts or default_source(path, shape, metadata)
+    names = []
+    for name in src.names:
+        if experts is None:
+            for pattern, repl in ORIGINAL_NAMES:
+                name = re.sub(pattern, repl, name)
+        if mtp:
+            name = re.sub(r"\.hc_head\.hc_(fn|base|scale)$", r".hc_head_\1", name)
+            name = name.replace(f"model.layers.MTP{mtp[1]}.", f"mtp.{mtp[1]}.")
+        names.append(name)
+    return Source(tuple(names), src.combine, src.shapes)
 
 
 # DeepSeek's own checkpoints name the same tensors without the `model.` prefix, and the head's and embeddings' apart.
@@ -279,5 +336,9 @@ RELEASED_NAMES = ((r"^layers\.", "model.layers."), (r"^embed\.weight$", "model.e
                   (r"^norm\.weight$", "model.norm.weight"), (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"))
 
 FAMILY = Family(model_types=("deepseek_v4",), config=Config, model=Model,
-                dropped={r"(model\.)?mtp\..*": "multi-token-prediction layers, used only for speculative decoding"},
-                hf_source=hf_source, renames=RELEASED_NAMES)
+                dropped={r"mtp\.\d+\.(emb\.tok_emb|head)\.weight": "the multi-token-prediction layer's copy of the "
+                         "model's embedding or output head (shared)",
+                         r"(model\.)?mtp\..*": "multi-token-prediction layers, used only for speculative decoding "
+                         "(converted without them)"},
+                hf_source=hf_source, renames=RELEASED_NAMES,
+                mtp=lambda c: r"mtp\.\d+\..*" if c.num_nextn_predict_layers else None)

@@ -18,12 +18,15 @@ from functools import cached_property
 
 from flax import nnx
 
+from day0jax.core.cache_layout import KVLayer
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
+from day0jax.layers.mtp import MtpLayer, MtpStack
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, fused_experts_source, nextn_dropped, per_expert_source
+from day0jax.models.base import HFConfig, fused_experts_source, nextn_dropped, nextn_tensors, per_expert_source
 from day0jax.models.contract import Family
 
 MLP_KINDS = ("dense", "sparse")
@@ -67,7 +70,7 @@ class Config(HFConfig):
     qk_norm: bool = True
     first_k_dense_replace: int | None = None
     expert_hidden_dim: int | None = None
-    num_nextn_predict_layers: int = 0  # multi-token-prediction layers after the last one; HF skips them, as here
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers after the last one (HF skips them)
     enable_attention_fp32_softmax: bool = False  # attention scores and softmax are float32 here in any case
     enable_lm_head_fp32: bool = False  # a precision hint HF's model ignores; the logits come out float32 here
     use_grouped_mm: bool = True  # how Tencent's code runs the experts, not what they compute
@@ -133,7 +136,7 @@ class Model(llama.LlamaLike):
 
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
-        if c.mlp_kinds[index] == "dense":
+        if index < c.num_hidden_layers and c.mlp_kinds[index] == "dense":  # MTP layers' are MoE (`make_mtp`)
             return super().make_mlp(index, dtype=dtype, rngs=rngs)
         D, E, F = c.hidden_size, c.num_experts, c.moe_intermediate_size
         # HF keeps the router weight in float32; Router scores in float32 whatever the weight's dtype.
@@ -143,6 +146,25 @@ class Model(llama.LlamaLike):
                    shared=GatedMLP(D, F * c.num_shared_experts, c.hidden_act, use_bias=c.mlp_bias, dtype=dtype,
                                    rngs=rngs),
                    shared_name="shared_experts")
+
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> MtpStack:
+        """The multi-token-prediction layers Tencent's checkpoints store after the last layer, as vLLM's HY-V3 MTP
+        runs them (transformers skips them): enorm, hnorm, eh_proj, a decoder layer with an MoE (the layer index is
+        past `first_k_dense_replace`) and its own `final_layernorm`, whose output the shared head reads and the next
+        step takes."""
+        c = self.config
+        if not c.num_nextn_predict_layers:
+            raise UnsupportedArchitecture("this hy_v3 config declares no multi-token-prediction layers")
+        if "sparse" not in c.mlp_kinds:
+            refuse("num_nextn_predict_layers", c.num_nextn_predict_layers,
+                   "declares MTP layers, whose MLP is an MoE, for a config without experts")
+        L, D = c.num_hidden_layers, c.hidden_size
+        return MtpStack([MtpLayer(self.make_layer(L + i, dtype=dtype, rngs=rngs), self.make_norm, D, post_norm=True,
+                                  dtype=dtype, rngs=rngs) for i in range(c.num_nextn_predict_layers)])
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        c = self.config
+        return [KVLayer(c.kv_heads, c.head_size, c.head_size)] * self.mtp_layers
 
 
 # Runtime parameter -> its tensor in save_pretrained's layout (Tencent's transformers 4 release), and in the
@@ -155,7 +177,13 @@ SAVED_NAMES = ((r"(.*\.mlp)\.gate\.kernel", r"\1.router.gate.kernel", r"\1.gate.
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
     """The router, its routing bias and the shared experts under save_pretrained's names, the experts one Linear
     each; or, where the checkpoint has those instead, the transformers 5 names and the experts fused
-    (`experts.gate_up_proj`, `experts.down_proj`)."""
+    (`experts.gate_up_proj`, `experts.down_proj`). MTP layer i's as `model.layers.{L + i}.`: its decoder layer's
+    tensors beside enorm, hnorm, eh_proj and final_layernorm."""
+    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(mtp_block\.|post_norm\.)?(.*)", path)
+    if mtp:
+        name = {"mtp_block.": mtp[3], "post_norm.": "final_layernorm." + mtp[3]}.get(mtp[2] or "", mtp[3])
+        renamed = f"model.layers.{config.num_hidden_layers + int(mtp[1])}.{name}"
+        return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     for pattern, saved, fused_layout in SAVED_NAMES:
         if re.fullmatch(pattern, path):
             return replace(default_source(re.sub(pattern, saved, path), shape, metadata),
@@ -165,9 +193,10 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
 
 
 def dropped(config: Config) -> dict[str, str]:
-    """The multi-token-prediction layers stored after the last decoder layer, which transformers skips too."""
+    """The MTP layers' copies of the embedding and the head, and the layers themselves where the model is built
+    without them."""
     return nextn_dropped(config, config.num_nextn_predict_layers)
 
 
 FAMILY = Family(model_types=("hy_v3",), config=Config, model=Model, dropped=llama.ROPE_BUFFERS, dropped_for=dropped,
-                hf_source=hf_source)
+                hf_source=hf_source, mtp=lambda c: nextn_tensors(c, c.num_nextn_predict_layers))

@@ -201,4 +201,6 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
 # mapping) reads as the original one: the same renames, which match no original name.
 FAMILY = Family(model_types=("hy_v4",), config=Config, model=Model,
                 dropped={r"model\.mtp_layers\..*": "multi-token-prediction layers, used only for speculative decoding"},
-                hf_source=hf_source, renames=tuple(ORIGINAL_NAMES))
+                hf_source=hf_source, renames=tuple(ORIGINAL_NAMES),
+                mtp_refusal="its multi-token-prediction layers (model.mtp_layers) are not implemented (dropped at "
+                            "conversion)")

@@ -357,4 +357,6 @@ DROPPED = {**llama.ROPE_BUFFERS,
            r"mtp_dspark\..*": "the multi-token-prediction draft head, used only for speculative decoding"}
 
 FAMILY = Family(model_types=("mistral_large4_text", "mistral_large4"), config=Config, model=Model, dropped=DROPPED,
-                dropped_for=dropped_for, hf_source=hf_source)
+                dropped_for=dropped_for, hf_source=hf_source,
+                mtp_refusal="its multi-token-prediction draft head (mtp_dspark) is not implemented (dropped at "
+                            "conversion)")

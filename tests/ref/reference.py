@@ -36,7 +36,8 @@ Jobs (each a dict with "op"):
                multi-token-prediction layer in the checkpoint's own layout (DeepSeek-V3's, DeepSeek-V3.2's and
                GLM-5's `model.layers.{L}.` with enorm, hnorm, eh_proj, shared_head and its copies of the embedding
                and head, the decoder layer an MoE with its own indexer where the family has one; Qwen3-Next's
-               `mtp.`; ERNIE 4.5 MoE's `mtp_block.0` and its norms and projection), random;
+               `mtp.`; ERNIE 4.5 MoE's `mtp_block.0` and its norms and projection; DeepSeek-V4's `mtp.0.` over
+               the hyper-connected streams), random;
                REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
                layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
                transformers' own (float64), the rest written out here; for ERNIE 4.5 MoE the whole MTP layer
@@ -721,6 +722,73 @@ def _nemotron_h_mtp(job):
     np.savez(job["reference"], **result)
 
 
+def _deepseek_v4_mtp(job):
+    """DeepSeek-V4's MTP layer as DeepSeek publishes it and vLLM runs it (transformers does not): the main model's
+    last streams (before its hyper head) through hnorm and h_proj, plus e_proj(enorm(embedding)) of the next token in
+    every stream, then transformers' own `DeepseekV4DecoderLayer` (sliding attention, scored MoE: taken with its
+    tensors from another random model of the config with one more layer, that last one) and `DeepseekV4HyperHead`,
+    then the head's norm and the shared output head; in float64, saved as DeepSeek's `mtp.0.`."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
+
+    tiny_hf(job)
+    seed, config = job.get("seed", 0), job["config"]
+    L = config["num_hidden_layers"]
+    longer = dict(config, num_hidden_layers=L + 1, layer_types=[*config["layer_types"], "sliding_attention"],
+                  mlp_layer_types=[*config["mlp_layer_types"], "moe"])
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_hf(dict(job, out=tmp, seed=seed + 1, config=longer))
+        other = _load(tmp).double().eval()
+        prefix = f"model.layers.{L}."
+        tensors = {"mtp.0." + k[len(prefix):]: v for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
+                   if k.startswith(prefix)}
+    model = _load(job["out"]).double().eval()
+    for m in (model, other):
+        m.config._attn_implementation = m.config._experts_implementation = "eager"
+    block = other.model.layers[L]
+    D, n, eps = model.config.hidden_size, model.config.hc_mult, model.config.rms_norm_eps
+    torch.manual_seed(seed + 2)
+    enorm, hnorm, norm = (torch.randn(D, dtype=torch.float64) * 0.1 + 1.0 for _ in range(3))
+    e_proj, h_proj = (torch.randn(D, D, dtype=torch.float64) * D ** -0.5 for _ in range(2))
+    head = DeepseekV4HyperHead(model.config).double()
+    with torch.no_grad():
+        head.hc_fn.copy_(torch.randn(n, n * D, dtype=torch.float64) * (n * D) ** -0.5)
+        head.hc_base.copy_(torch.randn(n, dtype=torch.float64) * 0.1)
+        head.hc_scale.copy_(torch.randn(1, dtype=torch.float64) * 0.1 + 1.0)
+    tensors.update({"mtp.0.enorm.weight": enorm, "mtp.0.hnorm.weight": hnorm, "mtp.0.norm.weight": norm,
+                    "mtp.0.e_proj.weight": e_proj, "mtp.0.h_proj.weight": h_proj, "mtp.0.hc_head_fn": head.hc_fn,
+                    "mtp.0.hc_head_base": head.hc_base, "mtp.0.hc_head_scale": head.hc_scale})
+    rms = lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w  # noqa: E731
+    streams = []
+    model.model.hc_head.register_forward_hook(lambda module, inputs, output: streams.append(inputs[0]))
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids, T = torch.tensor([prompt]), len(prompt) - 1
+            streams.clear()
+            model(ids)
+            x = (rms(model.model.embed_tokens(ids[:, 1:]), enorm) @ e_proj.T)[:, :, None]
+            x = x + rms(streams[0][:, :T], hnorm) @ h_proj.T
+            positions = torch.arange(T)[None]
+            rope = {kind: model.model.rotary_emb(x[:, :, 0], position_ids=positions, layer_type=kind)
+                    for kind in ("main", "compress")}
+            mask = create_sliding_window_causal_mask(config=model.config, inputs_embeds=x[:, :, 0],
+                                                     attention_mask=None, cache=None, position_ids=positions)
+            y = block(x, input_ids=None, position_embeddings=rope, position_ids=positions, attention_mask=mask)
+            result[f"logits_{i}"] = (rms(head(y), norm) @ model.lm_head.weight.T)[0].numpy()
+    path = os.path.join(job["out"], "model.safetensors")
+    save_file({**load_file(path), **{k: v.detach().float().contiguous() for k, v in tensors.items()}}, path,
+              metadata={"format": "pt"})
+    config_path = os.path.join(job["out"], "config.json")
+    saved = json.load(open(config_path))
+    saved["num_nextn_predict_layers"] = 1
+    json.dump(saved, open(config_path, "w"), indent=1)
+    np.savez(job["reference"], **result)
+
+
 def mtp(job):
     import copy
     import importlib
@@ -733,6 +801,8 @@ def mtp(job):
         return _mimo_mtp(job)
     if job["family"] == "nemotron_h":
         return _nemotron_h_mtp(job)
+    if job["family"] == "deepseek_v4":
+        return _deepseek_v4_mtp(job)
     tiny_hf(job)
     family = job["family"]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -743,7 +813,9 @@ def mtp(job):
     L, D = config.num_hidden_layers, config.hidden_size
     torch.manual_seed(job.get("seed", 0) + 1)
     nextn = {"deepseek_v3": "DeepseekV3DecoderLayer", "deepseek_v32": "DeepseekV32DecoderLayer",
-             "glm_moe_dsa": "GlmMoeDsaDecoderLayer"}
+             "glm_moe_dsa": "GlmMoeDsaDecoderLayer", "hy_v3": "HYV3DecoderLayer"}
+    # The norm before the head: DeepSeek's `shared_head.norm`; HY-V3's `final_layernorm` (vLLM's HY-V3 MTP layer).
+    head_norm = "final_layernorm.weight" if family == "hy_v3" else "shared_head.norm.weight"
     deepseek = family in nextn  # stored as the layer after the last one
     own = copy.deepcopy(config)
     if deepseek:
@@ -776,8 +848,7 @@ def mtp(job):
         norm = lambda: torch.randn(D, dtype=torch.float64) * 0.1 + 1.0 - offset  # noqa: E731
         proj = torch.randn(D, 2 * D, dtype=torch.float64) * (2 * D) ** -0.5
         if deepseek:
-            names = {"enorm.weight": norm(), "hnorm.weight": norm(), "eh_proj.weight": proj,
-                     "shared_head.norm.weight": norm(),
+            names = {"enorm.weight": norm(), "hnorm.weight": norm(), "eh_proj.weight": proj, head_norm: norm(),
                      "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
                      "shared_head.head.weight": model.lm_head.weight.detach().clone()}
             extra = {prefix + k: v for k, v in names.items()}
@@ -821,7 +892,7 @@ def mtp(job):
             y = layer(x, attention_mask=mask, position_ids=positions,
                       position_embeddings=model.model.rotary_emb(x, positions))
             y = y[0] if isinstance(y, tuple) else y
-            y = rms(y, extra[prefix + "shared_head.norm.weight"] if deepseek else extra["mtp.norm.weight"])
+            y = rms(y, extra[prefix + head_norm] if deepseek else extra["mtp.norm.weight"])
             result[f"logits_{i}"] = (y @ model.lm_head.weight.T)[0].numpy()
     config_path = os.path.join(job["out"], "config.json")
     saved = json.load(open(config_path))
