@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from day0jax.engine.paged_cache import TRASH_PAGE, PagedKVCache
 from day0jax.engine.state_cache import StateCache
+from day0jax.layers.gated_delta_net import conv_states_per_token
 from kernels_pallas.compressed_attention import api as compressed_op
 from kernels_pallas.sparse_attention import api as sparse_op
 
@@ -77,10 +78,8 @@ class CompressedCache:
         if st.targets is None:
             keep = jnp.take_along_axis(ext, (st.valid[:, None] + jnp.arange(R)[None, :])[:, :, None], axis=1)
             pool = pool.at[st.slots].set(keep.astype(pool.dtype))
-        else:  # after token t: ext[t + 1 .. t + R]
-            T = proj.shape[1]
-            after = ext[:, 1 + jnp.arange(T)[:, None] + jnp.arange(R)[None, :]]  # [B, T, R, F]
-            pool = pool.at[st.targets].set(after.astype(pool.dtype))
+        else:  # after token t, its last R projections, as a convolution's state after it
+            pool = pool.at[st.targets].set(conv_states_per_token(old, proj, st.valid).astype(pool.dtype))
         pools = st.pools[:i] + (pool,) + st.pools[i + 1:]
         return dataclasses.replace(self, state=dataclasses.replace(st, pools=pools)), ext
 
