@@ -190,7 +190,7 @@ def layer_caches(pools: list, stateful: list[int], rings: list[int], block_table
                  compressed: list | None = None, page_size: int = 0, state_copies: int = 1) -> list:
     """Each layer's cache for one step: a `StateCache` for state layers (`stateful[i]`: the number of their state
     arrays, the first of their pools; `state_targets`: a verify step's slot for the state after each token), a
-    `PagedKVCache` over the shared block tables or, for a layer with a ring (`rings[i]` pages per slot), over its
+    `PagedKVCache` over the shared block tables or, for a layer with a ring (`rings[i]` pages per sequence), over its
     ring table; a `ParallelCache` of both for a state layer that also attends (pools beyond its state arrays); a
     `CompressedCache` for a layer with compressed entries (`compressed[i]`, its `CompressedKV`, with the pool's
     `page_size`); None for a layer that keeps nothing of its own. A sequence's state slots come in groups of
