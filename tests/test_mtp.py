@@ -324,3 +324,20 @@ def test_nemotron_h_mtp_layers_beyond_the_published_forward_are_refused(change, 
 
     with pytest.raises(UnsupportedArchitecture, match=match):
         models.abstract_model(models.config_from_hf(dict(NEMOTRON_H, **change)), mtp=True)
+
+
+@pytest.mark.parametrize("hf,change,match", [
+    (DEEPSEEK_V4, dict(layer_types=[*DEEPSEEK_V4["layer_types"], "compressed_sparse_attention"]),
+     "layer_types.*multi-token-prediction layer 0 with compressed attention"),
+    (DEEPSEEK_V4, dict(mlp_layer_types=[*DEEPSEEK_V4["mlp_layer_types"], "hash_moe"]),
+     "mlp_layer_types.*multi-token-prediction layer 0 with hash routing"),
+    (HY_V3, dict(mlp_layer_types=["dense"] * 3), "num_nextn_predict_layers.*without experts")],
+    ids=["deepseek_v4-compressed", "deepseek_v4-hash", "hy_v3-dense"])
+def test_mtp_layers_other_than_the_published_forward_are_refused(hf, change, match):
+    """DeepSeek-V4's MTP layer is a sliding-attention layer with a scored MoE, HY-V3's an MoE layer: a config that
+    declares another kind for it is refused by key, where the published forward would be left."""
+    from day0jax.core.errors import UnsupportedArchitecture
+
+    models.abstract_model(models.config_from_hf(hf), mtp=True)  # as declared: built
+    with pytest.raises(UnsupportedArchitecture, match=match):
+        models.abstract_model(models.config_from_hf(dict(hf, **change)), mtp=True)
