@@ -55,6 +55,17 @@ def conv_states_per_token(state: jax.Array, x: jax.Array, valid: jax.Array) -> j
     return jax.vmap(lambda row, ix: row[ix])(full, index)
 
 
+def scan_per_token(step, tokens: int, state):
+    """A recurrence run one token at a time, keeping the state after each (a speculative verify step's; see
+    `StateCache`): step(t, state) -> (output [B, 1, ...], state). Returns (outputs [B, T, ...], states [B, T, ...])."""
+    outs, states = [], []
+    for t in range(tokens):
+        out, state = step(t, state)
+        outs.append(out)
+        states.append(state)
+    return jnp.concatenate(outs, axis=1), jnp.stack(states, axis=1)
+
+
 class DeltaRuleMixer(nnx.Module):
     """What both delta-rule layers share: the per-sequence state and its layout, the convolutions over q/k/v and the
     recurrence. Subclasses set `self.shape` = (Nk, Nv, Hk, Hv, W)."""
@@ -105,15 +116,9 @@ class DeltaRuleMixer(nnx.Module):
             if per_token:
                 new_state = conv_states_per_token(flat_state, y.reshape(B, T, heads * dim), valid)
             new_conv.append(new_state.reshape(new_state.shape[:-1] + (heads, dim)))
-        if per_token:
-            # One token at a time, keeping the state after each (padding tokens neither decay nor write it).
-            outs, states = [], []
-            for t in range(T):
-                o, recurrent = gdr_op.gated_delta_rule(*(m[:, t:t + 1] for m in mixed), g[:, t:t + 1],
-                                                       beta[:, t:t + 1], recurrent)
-                outs.append(o)
-                states.append(recurrent)
-            out, recurrent = jnp.concatenate(outs, axis=1), jnp.stack(states, axis=1)
+        if per_token:  # padding tokens neither decay nor write the state
+            out, recurrent = scan_per_token(lambda t, state: gdr_op.gated_delta_rule(
+                *(m[:, t:t + 1] for m in mixed), g[:, t:t + 1], beta[:, t:t + 1], state), T, recurrent)
         else:
             out, recurrent = gdr_op.gated_delta_rule(*mixed, g, beta, recurrent)
         if cache is not None:

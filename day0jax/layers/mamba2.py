@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from day0jax.core.cache_layout import StateLayer
-from day0jax.layers.gated_delta_net import StateCache, conv_states_per_token
+from day0jax.layers.gated_delta_net import StateCache, conv_states_per_token, scan_per_token
 from day0jax.layers.linear import Linear, param, project_together
 from kernels_pallas.calls import OpCall
 from kernels_pallas.causal_conv1d import api as conv_op
@@ -150,15 +150,10 @@ class Mamba2Mixer(nnx.Module):
         xs, b, c = mixed
         scan = functools.partial(ssd_op.mamba2_ssd, A=A, D=self.D[...], dt_bias=self.dt_bias[...],
                                  dt_limit=self.dt_limit, chunk_size=self.chunk_size)
-        if per_token:
-            # One token at a time, keeping the state after each (a padding token leaves it as it was).
-            ys, states = [], []
-            for t in range(T):
-                y, scan_state = scan(xs[:, t:t + 1], dt[:, t:t + 1], b=b[:, t:t + 1], c=c[:, t:t + 1],
-                                     state=scan_state, valid=jnp.clip(valid - t, 0, 1))
-                ys.append(y)
-                states.append(scan_state)
-            y, scan_state = jnp.concatenate(ys, axis=1), jnp.stack(states, axis=1)
+        if per_token:  # a padding token leaves the state as it was
+            y, scan_state = scan_per_token(lambda t, state: scan(
+                xs[:, t:t + 1], dt[:, t:t + 1], b=b[:, t:t + 1], c=c[:, t:t + 1], state=state,
+                valid=jnp.clip(valid - t, 0, 1)), T, scan_state)
         else:
             y, scan_state = scan(xs, dt, b=b, c=c, state=scan_state, valid=valid)
         if cache is not None:
