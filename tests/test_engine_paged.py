@@ -105,14 +105,16 @@ def test_greedy_matches_the_cache_less_forward_with_continuous_batching(engine, 
 
 def test_prefill_in_key_blocks_gives_the_same_tokens(module, reference):
     # 4-token pages make the prefill's tables 32 pages wide, two key blocks: on the CPU, chunks after the first page
-    # take the key-block candidate, which stops at each chunk's last key.
-    engine = make_engine(module, page_size=4)
-    if jax.default_backend() == "cpu":  # a 32-token chunk at positions 8..39, as this engine's program traces it
-        q, pool = jnp.zeros((1, 32, 4, 16)), jnp.zeros((9, 4, 2, 16))
-        tables = jnp.zeros((1, engine.layout.prefill_widths[-1]), jnp.int32)
-        assert registry.chosen("paged_attention", q, pool, pool, tables, jnp.array([40]),
-                               jnp.arange(8, 40)[None]) == "xla_blocks"
-    out = run(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}, stagger=3)
+    # take the key-block candidate, which stops at each chunk's last key. Under the default policy: another test in
+    # this process may have installed the reference one (`load(kernels="reference")`).
+    with registry.use_policy(registry.Policy()):
+        engine = make_engine(module, page_size=4)
+        if jax.default_backend() == "cpu":  # a 32-token chunk at positions 8..39, as this engine's program traces it
+            q, pool = jnp.zeros((1, 32, 4, 16)), jnp.zeros((9, 4, 2, 16))
+            tables = jnp.zeros((1, engine.layout.prefill_widths[-1]), jnp.int32)
+            assert registry.chosen("paged_attention", q, pool, pool, tables, jnp.array([40]),
+                                   jnp.arange(8, 40)[None]) == "xla_blocks"
+        out = run(engine, {f"r{i}": (p, greedy()) for i, p in enumerate(PROMPTS)}, stagger=3)
     for i, ref in enumerate(reference):
         assert out[(f"r{i}", 0)] == ref, f"prompt {i}"
 
