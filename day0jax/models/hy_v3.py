@@ -26,7 +26,8 @@ from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.layers.mtp import MtpLayer, MtpStack
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, fused_experts_source, nextn_dropped, nextn_tensors, per_expert_source
+from day0jax.models.base import (HFConfig, fused_experts_source, nextn_dropped, nextn_tensors, per_expert_source,
+                                 stored_mtp_path)
 from day0jax.models.contract import Family
 
 MLP_KINDS = ("dense", "sparse")
@@ -179,10 +180,8 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     each; or, where the checkpoint has those instead, the transformers 5 names and the experts fused
     (`experts.gate_up_proj`, `experts.down_proj`). MTP layer i's as `model.layers.{L + i}.`: its decoder layer's
     tensors beside enorm, hnorm, eh_proj and final_layernorm."""
-    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(mtp_block\.|post_norm\.)?(.*)", path)
-    if mtp:
-        name = {"mtp_block.": mtp[3], "post_norm.": "final_layernorm." + mtp[3]}.get(mtp[2] or "", mtp[3])
-        renamed = f"model.layers.{config.num_hidden_layers + int(mtp[1])}.{name}"
+    renamed = stored_mtp_path(path, lambda i: f"model.layers.{config.num_hidden_layers + i}.", "final_layernorm")
+    if renamed:
         return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     for pattern, saved, fused_layout in SAVED_NAMES:
         if re.fullmatch(pattern, path):

@@ -30,7 +30,8 @@ from day0jax.layers.moe import Experts, MoE, Router, limited_swiglu, swiglu
 from day0jax.layers.norms import RMSNorm
 from day0jax.layers.rope import rope_parameters
 from day0jax.models import llama
-from day0jax.models.base import DecoderLayer, LayerTypes, LocalRope, nextn_dropped, nextn_tensors, vision_dropped
+from day0jax.models.base import (DecoderLayer, LayerTypes, LocalRope, nextn_dropped, nextn_tensors, stored_mtp_path,
+                                 vision_dropped)
 from day0jax.models.contract import Family
 
 KINDS = ("full_attention", "sliding_attention")
@@ -284,10 +285,8 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     """StepFun's MoE names: experts stacked [E, out, in] under `moe`, the router's bias `moe.router_bias`, the
     shared expert `share_expert` beside the MoE."""
     L = config.num_hidden_layers
-    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(mtp_block\.|post_norm\.)?(.*)", path)
-    if mtp:  # `model.layers.{L + i}.`: the decoder layer's tensors beside enorm, hnorm, eh_proj, shared_head.norm
-        name = {"mtp_block.": mtp[3], "post_norm.": "shared_head.norm." + mtp[3]}.get(mtp[2] or "", mtp[3])
-        renamed = f"model.layers.{L + int(mtp[1])}.{name}"
+    renamed = stored_mtp_path(path, lambda i: f"model.layers.{L + i}.", "shared_head.norm")
+    if renamed:
         return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.(.*)", path)
     index = int(m[1].rsplit(".", 1)[1]) if m else 0
