@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from flax import nnx
 
 from day0jax.core.errors import GenerationError
 from day0jax.engine.config import SpeculativeConfig
@@ -221,7 +222,7 @@ def refuse_unverifiable_state(module) -> None:
     Raises:
         GenerationError: such a layer (one with a `state_layout` but without `per_token_states`), named.
     """
-    lacking = sorted({type(m).__name__ for _, m in module.iter_modules()
+    lacking = sorted({type(m).__name__ for _, m in nnx.iter_modules(module)
                       if hasattr(m, "state_layout") and not getattr(m, "per_token_states", False)})
     if lacking:
         raise GenerationError(f"speculative decoding is not implemented for models with {', '.join(lacking)} "
