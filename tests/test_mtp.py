@@ -3,12 +3,12 @@ layers after the last one, also DeepSeek-V3.2's and GLM-5's sparse-attention one
 Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, Step-3.7's and MiMo-V2-Flash's, transformers' generic MTP
 layers, chained after their post-norm; Nemotron 3's, blocks of a pattern between the projection and a final norm,
 beside Mamba2 layers; DeepSeek-V4's, over the hyper-connected streams, beside compressed attention; HY-V3's, stored
-as DeepSeek-V3's with a final norm of its own). Greedy tokens equal plain decoding's; the drafts the engine reads
+as DeepSeek-V3's with a final norm of its own; HY-V4's, a decoder layer without the model's hyper-connections). Greedy tokens equal plain decoding's; the drafts the engine reads
 after each step are the MTP chain's over the verified tokens (each layer's KV pages caught up over every kept token,
 as transformers' `MtpModel` chains its layers, and rewritten where a drafted token had reached them); conversion
 keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads
-only for speculative method "mtp"; MiniMax-M2's, whose forward nothing public defines, and HY-V4's and Mistral Large
-4's, not implemented, are refused by name.
+only for speculative method "mtp"; MiniMax-M2's, whose forward nothing public defines, and Mistral Large 4's, not
+implemented, are refused by name.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,14 @@ DEEPSEEK_V4 = dict(FAMILIES["deepseek_v4"][1], model_type="deepseek_v4", num_nex
 # HY-V3 (tests/families.py's: MoE, dense, MoE with biases): its MTP layer stored as the layer after the last one, an
 # MoE decoder layer between enorm/hnorm/eh_proj and a final_layernorm of its own, as vLLM runs it.
 HY_V3 = dict(FAMILIES["hy_v3"][1], model_type="hy_v3", num_nextn_predict_layers=1, max_position_embeddings=CONTEXT)
+# HY-V4 (tests/families.py's: five layers over four plain hyper-connected streams, sparse MLA with top-8 keys, some
+# layers sharing the top-k of the last full one): its MTP layer under `model.mtp_layers.0.`, a decoder layer without
+# hyper-connections (an indexer of its own, whose top-8 the longer prompts outgrow; the MoE of the last entry of
+# mlp_layer_types) on the model's final hidden state, then a final_layernorm of its own, as vLLM runs it.
+HY_V4 = dict(FAMILIES["hy_v4"][1], model_type="hy_v4", num_nextn_predict_layers=1, max_position_embeddings=CONTEXT)
+# The engine runs two of its layers (the second sharing the first's top-k): an MTP layer whose hidden state is one
+# stream's width beside the main layers' four streams.
+HY_V4_SMALL = dict(HY_V4, num_hidden_layers=2, mlp_layer_types=["dense", "sparse"], indexer_types=["full", "shared"])
 # The engine runs the smaller one of tests/test_deepseek_v4_ops.py (sliding, CSA, HCA; window 6): verify steps of 3
 # tokens close CSA windows (4 positions) and HCA ones (8) over drafts, the compressors' buffers are kept after each
 # verified token, and the windows' rings follow each sequence whichever of its slots holds the buffers.
@@ -140,10 +149,10 @@ def reference_drafts(module, tokens: list[int], drafts: list[int]) -> np.ndarray
 
 @pytest.mark.parametrize("hf,k", [(DEEPSEEK, 2), (dict(QWEN3_NEXT, mtp_num_hidden_layers=1), 3), (QWEN3_5, 1),
                                   (DEEPSEEK_V32, 2), (GLM_MOE_DSA, 1), (ERNIE, 2), (STEP3P7, 2),
-                                  (MIMO, 3), (NEMOTRON_H, 2), (DEEPSEEK_V4_SMALL, 2)],
+                                  (MIMO, 3), (NEMOTRON_H, 2), (DEEPSEEK_V4_SMALL, 2), (HY_V4_SMALL, 2)],
                          ids=["deepseek_v3-k2", "qwen3_next-k3", "qwen3_5-k1", "deepseek_v32-k2", "glm_moe_dsa-k1",
                               "ernie4_5_moe-k2", "step3p7-k2", "mimo_v2_flash-k3",
-                              "nemotron_h-k2", "deepseek_v4-k2"])
+                              "nemotron_h-k2", "deepseek_v4-k2", "hy_v4-k2"])
 def test_mtp_drafts_and_greedy_tokens(hf, k):
     """The test takes the MTP layers' drafts the engine read after each step and plants the oracle's (right ones
     and mistakes) in their place, so that every acceptance length occurs; rows of one request keep their own
@@ -212,16 +221,16 @@ MTP_PROMPTS = [[1, 17, 42, 5, 99, 7, 3], [1] + [(7 * i + 3) % 250 + 3 for i in r
 HF_CONFIGS = {hf["model_type"]: {k: v for k, v in hf.items() if k not in ("model_type", "num_nextn_predict_layers",
                                                                          "mtp_num_hidden_layers")}
               for hf in (DEEPSEEK, QWEN3_NEXT, DEEPSEEK_V32, GLM_MOE_DSA, ERNIE, STEP3P7, NEMOTRON_H, DEEPSEEK_V4,
-                         HY_V3)}
+                         HY_V3, HY_V4)}
 HF_CONFIGS["mimo_v2_flash"] = {k: v for k, v in MIMO.items() if k != "model_type"}  # the reference reads the count
 MTP_LAYERS = {"step3p7": 2, "mimo_v2_flash": 2}
 
 
 @pytest.fixture(scope="module")
 def mtp_checkpoints(tmp_path_factory):
-    """Tiny random DeepSeek-V3, Qwen3-Next, DeepSeek-V3.2, GLM-5, ERNIE 4.5 MoE, Step-3.7 and MiMo-V2-Flash folders with
-    their MTP layers in their checkpoints' layouts, and the reference MTP logits (float64; the decoder layer
-    transformers' own, ERNIE's, Step-3.7's and MiMo-V2-Flash's whole MTP layers)."""
+    """A tiny random folder of each family of `HF_CONFIGS` with its MTP layers in its checkpoints' layout, and the
+    reference MTP logits (float64; the decoder layer transformers' own, ERNIE's, Step-3.7's and MiMo-V2-Flash's whole
+    MTP layers)."""
     from conftest import run_reference
 
     root = tmp_path_factory.mktemp("mtp")
@@ -299,19 +308,24 @@ def test_ernie_refuses_more_than_one_mtp_layer():
         models.config_from_hf(dict(ERNIE, num_nextn_predict_layers=2))
 
 
-@pytest.mark.parametrize("family,extra,match", [
-    ("minimax_m2", dict(use_mtp=True, num_mtp_modules=3), r"prediction modules \(num_mtp_modules\) have no"),
-    ("hy_v4", {}, r"multi-token-prediction layers \(model.mtp_layers\) are not implemented"),
-    ("mistral_large4", {}, r"draft head \(mtp_dspark\) is not implemented")])
-def test_mtp_modules_not_implemented_are_refused_by_name(family, extra, match):
-    """MiniMax-M2's configs declare MTP modules whose forward nothing public defines, HY-V4's and Mistral Large 4's
-    are not implemented: speculative method 'mtp' is refused naming them (conversion drops them)."""
+@pytest.mark.parametrize("family,extra,match,shipped", [
+    ("minimax_m2", dict(use_mtp=True, num_mtp_modules=3), r"prediction modules \(num_mtp_modules\) have no",
+     "model.layers.4.eh_proj.weight"),
+    ("mistral_large4", {}, r"draft head \(mtp_dspark\) is not implemented", "mtp_dspark.fc.weight"),
+    ("qwen4_exp", {}, r"prediction layers \(mtp\.\*\) are not implemented", "mtp.layers.0.mlp.gate.weight"),
+    ("minimax_m3", {}, r"prediction layers \(mtp\.\*\) are not implemented", "mtp.layers.0.eh_proj.weight")])
+def test_mtp_modules_not_implemented_are_refused_by_name(family, extra, match, shipped):
+    """MiniMax-M2's configs declare MTP modules whose forward nothing public defines; Mistral Large 4's, Qwen4-Exp's
+    and MiniMax-M3's are not implemented: speculative method 'mtp' is refused naming them, and conversion drops
+    their tensors by name (the converter refuses any tensor it neither reads nor drops)."""
+    from convert.convert import dropped_tensors
     from day0jax.core.errors import UnsupportedArchitecture
 
     model_type, config, _ = FAMILIES[family]
     cfg = models.config_from_hf(dict(config, model_type=model_type, **extra))
     with pytest.raises(UnsupportedArchitecture, match=match):
         models.abstract_model(cfg, mtp=True)
+    assert any(re.fullmatch(p, shipped) for p in dropped_tensors(models.family(model_type), cfg))
 
 
 @pytest.mark.parametrize("change,match", [(dict(num_nextn_predict_layers=2), "num_nextn_predict_layers=2"),
@@ -331,11 +345,14 @@ def test_nemotron_h_mtp_layers_beyond_the_published_forward_are_refused(change, 
      "layer_types.*multi-token-prediction layer 0 with compressed attention"),
     (DEEPSEEK_V4, dict(mlp_layer_types=[*DEEPSEEK_V4["mlp_layer_types"], "hash_moe"]),
      "mlp_layer_types.*multi-token-prediction layer 0 with hash routing"),
-    (HY_V3, dict(mlp_layer_types=["dense"] * 3), "num_nextn_predict_layers.*without experts")],
-    ids=["deepseek_v4-compressed", "deepseek_v4-hash", "hy_v3-dense"])
+    (HY_V3, dict(mlp_layer_types=["dense"] * 3), "num_nextn_predict_layers.*without experts"),
+    (HY_V4, dict(mlp_layer_types=[*HY_V4["mlp_layer_types"], "hash_moe"]),
+     "mlp_layer_types.*hash_moe.*multi-token-prediction layer")],
+    ids=["deepseek_v4-compressed", "deepseek_v4-hash", "hy_v3-dense", "hy_v4-unknown-mlp"])
 def test_mtp_layers_other_than_the_published_forward_are_refused(hf, change, match):
-    """DeepSeek-V4's MTP layer is a sliding-attention layer with a scored MoE, HY-V3's an MoE layer: a config that
-    declares another kind for it is refused by key, where the published forward would be left."""
+    """DeepSeek-V4's MTP layer is a sliding-attention layer with a scored MoE, HY-V3's an MoE layer, HY-V4's a dense
+    or MoE one: a config that declares another kind for it is refused by key, where the published forward would be
+    left."""
     from day0jax.core.errors import UnsupportedArchitecture
 
     models.abstract_model(models.config_from_hf(hf), mtp=True)  # as declared: built

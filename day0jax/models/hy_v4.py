@@ -4,7 +4,13 @@ per-head attention sinks and a sigmoid gate on each head's output, the indexer r
 heads and "shared" layers reusing the top-k of the last "full" one; dense or MoE MLP per layer (`mlp_layer_types`;
 sigmoid routing with the score bias, one shared expert, SwiGLU clamped before the activation in the routed experts).
 HF reference: transformers/models/hy_v4/modeling_hy_v4.py (and its conversion mapping: checkpoints keep the original
-names `hc_pre.hc_attn_layer.hc_fn`, `linear_gate`, `learnable_sink_param`)."""
+names `hc_pre.hc_attn_layer.hc_fn`, `linear_gate`, `learnable_sink_param`).
+
+Multi-token-prediction layers (`model.mtp_layers.{i}.`, speculative method "mtp"; transformers skips them), as vLLM's
+HY-V4 MTP runs them: enorm, hnorm and eh_proj over the model's final hidden state (after the hyper head and the final
+norm) and the next token's embedding, then a decoder layer without hyper-connections (pre-norm residual blocks, sparse
+MLA with an indexer of its own, the MLP of `mlp_layer_types` extended past the main layers) and its own
+`final_layernorm`, whose output the shared head reads and the next step takes (`layers.mtp.MtpStack`)."""
 
 from __future__ import annotations
 
@@ -15,14 +21,16 @@ from functools import cached_property
 from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.hyper import HyperConnected, HyperDecoderLayer
 from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, clipped_swiglu
+from day0jax.layers.mtp import MtpLayer, MtpStack
 from day0jax.layers.sparse_mla import Indexer, SparseMLAttention
 from day0jax.models import deepseek_v3
-from day0jax.models.base import CausalLM, HFConfig, fused_experts_source
+from day0jax.models.base import CausalLM, DecoderLayer, HFConfig, fused_experts_source, stored_mtp_path
 from day0jax.models.contract import Family
 
 
@@ -69,6 +77,7 @@ class Config(HFConfig):
     hc_eps: float = 1e-6
     learnable_sink_init: float = 0.0  # initialization only: the checkpoint holds the sinks
     swiglu_limit: float = 10.0
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers (`model.mtp_layers`; HF skips them)
     rope_parameters: dict | None = None
     rope_theta: float | None = None  # legacy keys HF folds into rope_parameters
     rope_scaling: dict | None = None
@@ -122,6 +131,19 @@ class Config(HFConfig):
         return self._kinds("mlp_layer_types", ["dense"] * min(1, L) + ["sparse"] * max(L - 1, 0), ("dense", "sparse"))
 
     @cached_property
+    def mtp_mlp_kinds(self) -> tuple[str, ...]:
+        """Each MTP layer's MLP: the `mlp_layer_types` entry of layer L + i where the list goes that far, else its
+        last entry, as vLLM's HY-V4 MTP extends the list (HF's default list where none is given)."""
+        L = self.num_hidden_layers
+        kinds = list(self.mlp_layer_types) if self.mlp_layer_types is not None else list(self.mlp_kinds)
+        mtp = tuple(kinds[min(L + i, len(kinds) - 1)] for i in range(self.num_nextn_predict_layers))
+        for kind in mtp:
+            if kind not in ("dense", "sparse"):
+                refuse("mlp_layer_types", kind, "is not implemented for a multi-token-prediction layer (known: dense, "
+                       "sparse; convert with --no-mtp to leave them out)")
+        return mtp
+
+    @cached_property
     def indexer_kinds(self) -> tuple[str, ...]:
         """Each layer's indexer, "full" or "shared" (HF's default: layer 0 and every fourth from 1 full).
 
@@ -137,8 +159,10 @@ class Config(HFConfig):
 
 class Model(HyperConnected, CausalLM):
     def make_attention(self, index: int, *, dtype, rngs: nnx.Rngs) -> SparseMLAttention:
+        """Layer `index`'s attention; an MTP layer's (index >= num_hidden_layers) has an indexer of its own."""
         c = self.config
-        indexer = None if c.indexer_kinds[index] == "shared" else Indexer(
+        shared = index < c.num_hidden_layers and c.indexer_kinds[index] == "shared"
+        indexer = None if shared else Indexer(
             hidden_size=c.hidden_size, q_lora_rank=c.q_lora_rank, n_heads=c.index_n_heads, head_dim=c.index_head_dim,
             rope_dim=c.qk_rope_head_dim, rope_interleave=True, rope_last=True, eps=c.rms_norm_eps, dtype=dtype,
             rngs=rngs)
@@ -153,7 +177,8 @@ class Model(HyperConnected, CausalLM):
     def make_mlp(self, index: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         c = self.config
         D, E, F = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
-        if c.mlp_kinds[index] == "dense":
+        L = c.num_hidden_layers
+        if (c.mlp_kinds[index] if index < L else c.mtp_mlp_kinds[index - L]) == "dense":
             return GatedMLP(D, c.intermediate_size, c.hidden_act, dtype=dtype, rngs=rngs)
         # n_group = topk_group = 1: DeepSeek-V3's grouped routing over one group is a plain global top-k.
         router = Router(D, E, c.num_experts_per_tok, routing="sigmoid_grouped", norm_topk_prob=c.norm_topk_prob,
@@ -173,6 +198,30 @@ class Model(HyperConnected, CausalLM):
         d = c.kv_lora_rank + c.qk_rope_head_dim
         return [KVLayer(1, d, d, index_dim=c.index_head_dim if kind == "full" else 0) for kind in c.indexer_kinds]
 
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs) -> MtpStack:
+        """The MTP layers: plain pre-norm decoder layers (the checkpoints hold no hyper-connection weights for them)
+        between enorm/hnorm/eh_proj and a `final_layernorm` of their own."""
+        c = self.config
+        if not c.num_nextn_predict_layers:
+            raise UnsupportedArchitecture("this hy_v4 config declares no multi-token-prediction layers")
+        L, D = c.num_hidden_layers, c.hidden_size
+        norm = lambda: self.make_norm(D, dtype=dtype, rngs=rngs)  # noqa: E731
+        return MtpStack([MtpLayer(DecoderLayer(self.make_attention(L + i, dtype=dtype, rngs=rngs),
+                                               self.make_mlp(L + i, dtype=dtype, rngs=rngs), norm(), norm()),
+                                  self.make_norm, D, post_norm=True, dtype=dtype, rngs=rngs)
+                         for i in range(c.num_nextn_predict_layers)])
+
+    def mtp_step(self, index, tokens, hidden, positions, cache=None, seq_len=None):
+        """As `CausalLM.mtp_step`, on the plain embeddings: an MTP layer runs over one stream, not the model's n."""
+        return self.mtp.step(index, self.model.embed_tokens(tokens), hidden, positions,
+                             self.rope_tables(positions, seq_len), cache)
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        """Each MTP layer's latent keys and, for its own indexer, index keys."""
+        c = self.config
+        d = c.kv_lora_rank + c.qk_rope_head_dim
+        return [KVLayer(1, d, d, index_dim=c.index_head_dim)] * self.mtp_layers
+
 
 # Runtime path -> the checkpoint's name (the original release's, which transformers also saves), in order.
 ORIGINAL_NAMES = [
@@ -186,7 +235,11 @@ ORIGINAL_NAMES = [
 
 def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict) -> Source | None:
     """Every parameter from its original name (`ORIGINAL_NAMES`); routed experts from the fused `gate_up_proj`
-    [E, 2F, D] and `down_proj` [E, D, F]."""
+    [E, 2F, D] and `down_proj` [E, D, F]; MTP layer i's under `model.mtp_layers.{i}.`, its decoder layer's tensors
+    beside enorm, hnorm, eh_proj and final_layernorm."""
+    renamed = stored_mtp_path(path, lambda i: f"model.mtp_layers.{i}.", "final_layernorm")
+    if renamed:
+        return hf_source(config, renamed, shape, metadata)
     experts = fused_experts_source(path, shape)
     if experts is not None:
         return experts
@@ -200,7 +253,9 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
 # A checkpoint under transformers' module names (`attn_hc.fn`, `gate_proj`, `sinks`: saved without its conversion
 # mapping) reads as the original one: the same renames, which match no original name.
 FAMILY = Family(model_types=("hy_v4",), config=Config, model=Model,
-                dropped={r"model\.mtp_layers\..*": "multi-token-prediction layers, used only for speculative decoding"},
+                dropped={r"model\.mtp_layers\.\d+\.(embed_tokens|shared_head\.head)\.weight": "the multi-token-"
+                         "prediction layer's copy of the model's embedding or output head (shared)",
+                         r"model\.mtp_layers\..*": "multi-token-prediction layers, used only for speculative decoding "
+                         "(converted without them)"},
                 hf_source=hf_source, renames=tuple(ORIGINAL_NAMES),
-                mtp_refusal="its multi-token-prediction layers (model.mtp_layers) are not implemented (dropped at "
-                            "conversion)")
+                mtp=lambda c: r"model\.mtp_layers\.\d+\..*" if c.num_nextn_predict_layers else None)

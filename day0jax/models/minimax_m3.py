@@ -190,12 +190,15 @@ def original_source(path: str, shape: tuple, metadata: dict) -> Source:
 
 
 def dropped(config: Config) -> dict[str, str]:
-    """The vision tower, its projector and patch merger of a multimodal checkpoint (and its lm_head, when tied)."""
+    """The vision tower, its projector and patch merger of a multimodal checkpoint (and its lm_head, when tied), and
+    the multi-token-prediction layers (`mtp.*`, which transformers skips too)."""
     out = vision_dropped(config, r"vision_tower\..*", r"multi_modal_projector\..*", r"patch_merge_mlp\..*")
+    out[r"(.*\.)?mtp\..*"] = "multi-token-prediction layers, used only for speculative decoding (not implemented)"
     if config.is_composite and config.tie_word_embeddings:
         out[r"language_model\.lm_head\.weight"] = "tied to the embeddings"
     return out
 
 
 FAMILY = Family(model_types=("minimax_m3_vl_text", "minimax_m3_vl"), config=Config, model=Model,
-                dropped=llama.ROPE_BUFFERS, dropped_for=dropped, hf_source=hf_source)
+                dropped=llama.ROPE_BUFFERS, dropped_for=dropped, hf_source=hf_source,
+                mtp_refusal="its multi-token-prediction layers (mtp.*) are not implemented (dropped at conversion)")

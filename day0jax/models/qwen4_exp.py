@@ -276,4 +276,5 @@ def dropped(config: Config) -> dict[str, str]:
 
 
 FAMILY = Family(model_types=("qwen4_exp_text", "qwen4_exp"), config=Config, model=Model, dropped={},
-                dropped_for=dropped, hf_source=hf_source)
+                dropped_for=dropped, hf_source=hf_source,
+                mtp_refusal="its multi-token-prediction layers (mtp.*) are not implemented (dropped at conversion)")

@@ -37,7 +37,7 @@ Jobs (each a dict with "op"):
                GLM-5's `model.layers.{L}.` with enorm, hnorm, eh_proj, shared_head and its copies of the embedding
                and head, the decoder layer an MoE with its own indexer where the family has one; Qwen3-Next's
                `mtp.`; ERNIE 4.5 MoE's `mtp_block.0` and its norms and projection; DeepSeek-V4's `mtp.0.` over
-               the hyper-connected streams), random;
+               the hyper-connected streams; HY-V4's `model.mtp_layers.0.`, a decoder layer without them), random;
                REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
                layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
                transformers' own (float64), the rest written out here; for ERNIE 4.5 MoE the whole MTP layer
@@ -722,6 +722,65 @@ def _nemotron_h_mtp(job):
     np.savez(job["reference"], **result)
 
 
+def _hy_v4_mtp(job):
+    """HY-V4's MTP layer as vLLM's HY-V4 MTP runs it (transformers skips `model.mtp_layers`): enorm and hnorm over
+    the next token's embedding and the model's final hidden state (after the hyper head and the final norm), eh_proj
+    over the two, a decoder layer without hyper-connections (transformers' own HY-V4 attention with an indexer of its
+    own and MoE, each a pre-norm residual block), then its final_layernorm and the shared head; float64. The decoder
+    layer is another random model's sparse layer with a full indexer, saved under `model.mtp_layers.0.` with that
+    layer's tensor names, less its hyper-connection weights."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf(job)
+    model = _load(job["out"]).double()
+    config = model.config
+    L, D = config.num_hidden_layers, config.hidden_size
+    like = next(i for i in range(L) if config.mlp_layer_types[i] == "sparse" and config.indexer_types[i] == "full")
+    with tempfile.TemporaryDirectory() as tmp:  # another random model, for the decoder layer's tensors
+        tiny_hf(dict(job, out=tmp, seed=job.get("seed", 0) + 1))
+        other = _load(tmp).double()
+        saved = load_file(os.path.join(tmp, "model.safetensors"))
+    for c in (model.config, other.config):
+        c._attn_implementation = c._experts_implementation = "eager"
+    layer = other.model.layers[like]
+    prefix, source = "model.mtp_layers.0.", f"model.layers.{like}."
+    path = os.path.join(job["out"], "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({prefix + k[len(source):]: v.clone() for k, v in saved.items()
+                    if k.startswith(source) and ".hc_pre." not in k})
+    torch.manual_seed(job.get("seed", 0) + 2)
+    own = {"enorm": torch.randn(D) * 0.1 + 1.0, "hnorm": torch.randn(D) * 0.1 + 1.0,
+           "eh_proj": torch.randn(D, 2 * D) * (2 * D) ** -0.5, "final_layernorm": torch.randn(D) * 0.1 + 1.0}
+    tensors.update({f"{prefix}{k}.weight": v.contiguous() for k, v in own.items()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    config_path = os.path.join(job["out"], "config.json")
+    saved_config = json.load(open(config_path))
+    saved_config["num_nextn_predict_layers"] = 1
+    json.dump(saved_config, open(config_path, "w"), indent=1)
+
+    own = {k: v.double() for k, v in own.items()}
+
+    def rms(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * w
+
+    result = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(job["prompts"]):
+            ids, T, hidden = _prompt_hidden(model, prompt)
+            embeds = model.model.embed_tokens(ids[:, 1:])
+            x = torch.cat([rms(embeds, own["enorm"]), rms(hidden, own["hnorm"])], -1) @ own["eh_proj"].T
+            positions = torch.arange(T)[None]
+            mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+            h = layer.self_attn(layer.input_layernorm(x), position_embeddings=model.model.rotary_emb(x, positions),
+                                attention_mask=mask, position_ids=positions)[0]
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            result[f"logits_{i}"] = (rms(x, own["final_layernorm"]) @ model.lm_head.weight.T)[0].numpy()
+    np.savez(job["reference"], **result)
+
+
 def _deepseek_v4_mtp(job):
     """DeepSeek-V4's MTP layer as DeepSeek publishes it and vLLM runs it (transformers does not): the main model's
     last streams (before its hyper head) through hnorm and h_proj, plus e_proj(enorm(embedding)) of the next token in
@@ -803,6 +862,8 @@ def mtp(job):
         return _nemotron_h_mtp(job)
     if job["family"] == "deepseek_v4":
         return _deepseek_v4_mtp(job)
+    if job["family"] == "hy_v4":
+        return _hy_v4_mtp(job)
     tiny_hf(job)
     family = job["family"]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
