@@ -5,7 +5,13 @@ vision tower is dropped): GQA with per-head (1 + weight) q/k RMSNorms and partia
 by score + `e_score_correction_bias`, weights renormalized, times `routed_scaling_factor`, plus a shared expert),
 "dense" one MLP; every MLP uses gpt-oss's clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate)). Every norm is
 (1 + weight). Tensor names: see `hf_source`. HF reference: transformers/models/minimax_m3_vl/modeling_minimax_m3_vl.py
-(MiniMaxM3VLForCausalLM; MiniMaxM3SparseForConditionalGeneration for the multimodal checkpoint)."""
+(MiniMaxM3VLForCausalLM; MiniMaxM3SparseForConditionalGeneration for the multimodal checkpoint).
+
+Multi-token-prediction modules (`model.mtp.layers.{i}.`, speculative method "mtp"; transformers skips them), as vLLM's
+MiniMax-M3 MTP runs them: enorm, hnorm and eh_proj over the next token's embedding and the model's final hidden
+state, a decoder layer (`transformer_layer`) with block-sparse attention and an MoE whatever the per-layer lists say,
+and `final_layernorm` before the shared head; the next step takes the layer's output before that norm
+(`layers.mtp.NextNStack`)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import jax
 from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer
+from day0jax.core.errors import UnsupportedArchitecture
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import Attention
@@ -25,7 +32,7 @@ from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, clamped_swiglu
 from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, fused_experts_source, per_expert_source, vision_dropped
+from day0jax.models.base import HFConfig, fused_experts_source, nextn_mtp, per_expert_source, vision_dropped
 from day0jax.models.contract import Family
 
 SPARSE, FULL = "minimax_m3_sparse", "full_attention"
@@ -66,6 +73,8 @@ class Config(HFConfig):
     index_topk_blocks: int = 16
     index_local_blocks: int = 1
     layer_types: list | None = None  # "full_attention" or "minimax_m3_sparse" per layer (None: all full, as HF)
+    num_mtp_modules: int = 0  # multi-token-prediction modules (`model.mtp.layers`; HF skips them)
+    mtp_transformer_layers: int = 1  # decoder layers per MTP module
     model_type: str = "minimax_m3_vl_text"
 
     def __post_init__(self):
@@ -81,7 +90,7 @@ class Config(HFConfig):
             for kind in kinds:
                 if kind not in known:
                     refuse(key, kind, f"is not implemented (known: {', '.join(known)})")
-        if SPARSE in (self.layer_types or ()):
+        if SPARSE in (self.layer_types or ()) or self.num_mtp_modules:  # MTP modules attend block-sparsely
             self._refuse_if("index_n_heads", lambda i: self.num_attention_heads % i,
                             f"does not divide num_attention_heads={self.num_attention_heads}")
             rotary = int(self.head_size * self.rope.get("partial_rotary_factor", 1.0))
@@ -93,10 +102,15 @@ class Config(HFConfig):
                             f"must be between 0 and index_topk_blocks={self.index_topk_blocks}")
 
     def layer_kind(self, index: int) -> str:
+        """Layer `index`'s attention; an MTP module's (index >= num_hidden_layers) is block-sparse."""
+        if index >= self.num_hidden_layers:
+            return SPARSE
         return FULL if self.layer_types is None else self.layer_types[index]
 
     def is_moe(self, index: int) -> bool:
-        return self.mlp_layer_types is None or self.mlp_layer_types[index] == "sparse"
+        """Whether layer `index`'s MLP is an MoE, as an MTP module's always is."""
+        L, kinds = self.num_hidden_layers, self.mlp_layer_types
+        return index >= L or kinds is None or kinds[index] == "sparse"
 
 
 class ClampedSwiGLUMLP(GatedMLP):
@@ -150,12 +164,33 @@ class Model(llama.LlamaLike):
                         index_dim=c.index_head_dim if c.layer_kind(i) == SPARSE else 0)
                 for i in range(c.num_hidden_layers)]
 
+    def make_mtp(self, *, dtype, rngs: nnx.Rngs):
+        """The MTP modules, DeepSeek-style layers around `make_layer(L + i)` (block-sparse and MoE: see `layer_kind`,
+        `is_moe`), `final_layernorm` as the head's norm."""
+        c = self.config
+        if c.num_mtp_modules and c.mtp_transformer_layers != 1:
+            raise UnsupportedArchitecture(f"mtp_transformer_layers={c.mtp_transformer_layers} is not implemented "
+                                          "(one decoder layer per MTP module, as vLLM runs them; convert with "
+                                          "--no-mtp to leave them out)")
+        return nextn_mtp(self, c.num_mtp_modules, dtype=dtype, rngs=rngs)
+
+    def mtp_cache_layout(self) -> list[KVLayer]:
+        """Each MTP module's keys and values and its indexer's keys (block-sparse attention)."""
+        c = self.config
+        return [KVLayer(c.kv_heads, c.head_size, c.head_size, index_dim=c.index_head_dim)] * self.mtp_layers
+
 
 def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source | None:
     """transformers' names: dense and shared MLPs' gate_proj / up_proj [F, D] <- the halves of `gate_up_proj.weight`
     [2F, D]; routed experts from the fused `experts.gate_up_proj` [E, 2F, D] and `experts.down_proj` [E, D, F]. A
     multimodal (`minimax_m3_vl`) checkpoint keeps MiniMax's own names instead (what transformers' conversion mapping
-    renames on load): see `original_source`."""
+    renames on load): see `original_source`. MTP module i's as `model.mtp.layers.{i}.`: enorm, hnorm, eh_proj,
+    final_layernorm and its decoder layer's tensors under `transformer_layer.`, named as a main layer's."""
+    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(decoder\.|shared_head\.norm\.)?(.*)", path)
+    if mtp:
+        part = {"decoder.": "transformer_layer.", "shared_head.norm.": "final_layernorm."}.get(mtp[2] or "", "")
+        renamed = f"model.mtp.layers.{mtp[1]}.{part}{mtp[3]}"
+        return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     if config.is_composite:
         return original_source(path, shape, metadata)
     if m := re.fullmatch(r"(.*\.mlp(?:\.shared_experts)?)\.(gate|up)_proj\.kernel", path):
@@ -191,9 +226,10 @@ def original_source(path: str, shape: tuple, metadata: dict) -> Source:
 
 def dropped(config: Config) -> dict[str, str]:
     """The vision tower, its projector and patch merger of a multimodal checkpoint (and its lm_head, when tied), and
-    the multi-token-prediction layers (`mtp.*`, which transformers skips too)."""
+    the multi-token-prediction modules (`mtp.*`) where the model is built without them."""
     out = vision_dropped(config, r"vision_tower\..*", r"multi_modal_projector\..*", r"patch_merge_mlp\..*")
-    out[r"(.*\.)?mtp\..*"] = "multi-token-prediction layers, used only for speculative decoding (not implemented)"
+    out[r"(.*\.)?mtp\..*"] = ("multi-token-prediction modules, used only for speculative decoding (converted "
+                              "without them)")
     if config.is_composite and config.tie_word_embeddings:
         out[r"language_model\.lm_head\.weight"] = "tied to the embeddings"
     return out
@@ -201,4 +237,4 @@ def dropped(config: Config) -> dict[str, str]:
 
 FAMILY = Family(model_types=("minimax_m3_vl_text", "minimax_m3_vl"), config=Config, model=Model,
                 dropped=llama.ROPE_BUFFERS, dropped_for=dropped, hf_source=hf_source,
-                mtp_refusal="its multi-token-prediction layers (mtp.*) are not implemented (dropped at conversion)")
+                mtp=lambda c: r"(language_model\.)?model\.mtp\.layers\.\d+\..*" if c.num_mtp_modules else None)

@@ -37,7 +37,8 @@ Jobs (each a dict with "op"):
                GLM-5's `model.layers.{L}.` with enorm, hnorm, eh_proj, shared_head and its copies of the embedding
                and head, the decoder layer an MoE with its own indexer where the family has one; Qwen3-Next's
                `mtp.`; ERNIE 4.5 MoE's `mtp_block.0` and its norms and projection; DeepSeek-V4's `mtp.0.` over
-               the hyper-connected streams; HY-V4's `model.mtp_layers.0.`, a decoder layer without them), random;
+               the hyper-connected streams; HY-V4's `model.mtp_layers.0.`, a decoder layer without them; MiniMax-M3's
+               `model.mtp.layers.0.` around its `transformer_layer`), random;
                REFERENCE.npz gets per prompt `logits_{i}` [T - 1, V] float64: at each position p < T - 1, the MTP
                layer on the model's final hidden state at p and the embedding of token p + 1, its decoder layer
                transformers' own (float64), the rest written out here; for ERNIE 4.5 MoE the whole MTP layer
@@ -722,13 +723,13 @@ def _nemotron_h_mtp(job):
     np.savez(job["reference"], **result)
 
 
-def _hy_v4_mtp(job):
-    """HY-V4's MTP layer as vLLM's HY-V4 MTP runs it (transformers skips `model.mtp_layers`): enorm and hnorm over
-    the next token's embedding and the model's final hidden state (after the hyper head and the final norm), eh_proj
-    over the two, a decoder layer without hyper-connections (transformers' own HY-V4 attention with an indexer of its
-    own and MoE, each a pre-norm residual block), then its final_layernorm and the shared head; float64. The decoder
-    layer is another random model's sparse layer with a full indexer, saved under `model.mtp_layers.0.` with that
-    layer's tensor names, less its hyper-connection weights."""
+def _flat_mtp_layer(job, like, prefix: str, block: str, offset: float, count_key: str, run):
+    """One MTP layer as vLLM runs the flat DeepSeek-style layouts: enorm and hnorm over the next token's embedding and
+    the model's final hidden state, eh_proj over the two, a decoder layer, then `final_layernorm` and the shared
+    head; float64. The decoder layer is another random model's layer `like(config)` (transformers' own module,
+    called as `run(layer, x, position_embeddings, mask, positions)`), saved under `prefix + block` with that layer's
+    tensor names (less its hyper-connection weights, which an MTP layer does not have); the norms scale by
+    (offset + weight)."""
     import tempfile
 
     from safetensors.torch import load_file, save_file
@@ -736,34 +737,32 @@ def _hy_v4_mtp(job):
     tiny_hf(job)
     model = _load(job["out"]).double()
     config = model.config
-    L, D = config.num_hidden_layers, config.hidden_size
-    like = next(i for i in range(L) if config.mlp_layer_types[i] == "sparse" and config.indexer_types[i] == "full")
+    D, index = config.hidden_size, like(config)
     with tempfile.TemporaryDirectory() as tmp:  # another random model, for the decoder layer's tensors
         tiny_hf(dict(job, out=tmp, seed=job.get("seed", 0) + 1))
         other = _load(tmp).double()
         saved = load_file(os.path.join(tmp, "model.safetensors"))
     for c in (model.config, other.config):
         c._attn_implementation = c._experts_implementation = "eager"
-    layer = other.model.layers[like]
-    prefix, source = "model.mtp_layers.0.", f"model.layers.{like}."
+    layer, source = other.model.layers[index], f"model.layers.{index}."
     path = os.path.join(job["out"], "model.safetensors")
     tensors = load_file(path)
-    tensors.update({prefix + k[len(source):]: v.clone() for k, v in saved.items()
+    tensors.update({prefix + block + k[len(source):]: v.clone() for k, v in saved.items()
                     if k.startswith(source) and ".hc_pre." not in k})
     torch.manual_seed(job.get("seed", 0) + 2)
-    own = {"enorm": torch.randn(D) * 0.1 + 1.0, "hnorm": torch.randn(D) * 0.1 + 1.0,
-           "eh_proj": torch.randn(D, 2 * D) * (2 * D) ** -0.5, "final_layernorm": torch.randn(D) * 0.1 + 1.0}
+    own = {"enorm": torch.randn(D) * 0.1 + 1.0 - offset, "hnorm": torch.randn(D) * 0.1 + 1.0 - offset,
+           "eh_proj": torch.randn(D, 2 * D) * (2 * D) ** -0.5, "final_layernorm": torch.randn(D) * 0.1 + 1.0 - offset}
     tensors.update({f"{prefix}{k}.weight": v.contiguous() for k, v in own.items()})
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
     config_path = os.path.join(job["out"], "config.json")
     saved_config = json.load(open(config_path))
-    saved_config["num_nextn_predict_layers"] = 1
+    saved_config[count_key] = 1
     json.dump(saved_config, open(config_path, "w"), indent=1)
 
     own = {k: v.double() for k, v in own.items()}
 
     def rms(x, w):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * w
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + config.rms_norm_eps) * (offset + w)
 
     result = {}
     with torch.no_grad():
@@ -773,12 +772,38 @@ def _hy_v4_mtp(job):
             x = torch.cat([rms(embeds, own["enorm"]), rms(hidden, own["hnorm"])], -1) @ own["eh_proj"].T
             positions = torch.arange(T)[None]
             mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-            h = layer.self_attn(layer.input_layernorm(x), position_embeddings=model.model.rotary_emb(x, positions),
-                                attention_mask=mask, position_ids=positions)[0]
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            result[f"logits_{i}"] = (rms(x, own["final_layernorm"]) @ model.lm_head.weight.T)[0].numpy()
+            y = run(layer, x, model.model.rotary_emb(x, positions), mask, positions)
+            result[f"logits_{i}"] = (rms(y, own["final_layernorm"]) @ model.lm_head.weight.T)[0].numpy()
     np.savez(job["reference"], **result)
+
+
+def _hy_v4_mtp(job):
+    """HY-V4's MTP layer as vLLM's HY-V4 MTP runs it (transformers skips `model.mtp_layers`), under
+    `model.mtp_layers.0.`: on the model's final hidden state (after the hyper head and the final norm), a decoder
+    layer without hyper-connections, each block a pre-norm residual one around transformers' own HY-V4 attention (a
+    sparse layer's, with an indexer of its own) and MoE."""
+
+    def run(layer, x, position_embeddings, mask, positions):
+        x = x + layer.self_attn(layer.input_layernorm(x), position_embeddings=position_embeddings,
+                                attention_mask=mask, position_ids=positions)[0]
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    _flat_mtp_layer(job, lambda c: next(i for i in range(c.num_hidden_layers) if c.mlp_layer_types[i] == "sparse"
+                                        and c.indexer_types[i] == "full"),
+                    "model.mtp_layers.0.", "", 0.0, "num_nextn_predict_layers", run)
+
+
+def _minimax_m3_mtp(job):
+    """MiniMax-M3's MTP module as vLLM's MiniMax-M3 MTP runs it (transformers skips `model.mtp.layers`), under
+    `model.mtp.layers.0.`: its `transformer_layer` transformers' own MiniMax-M3 decoder layer with block-sparse
+    attention and an MoE; (1 + weight) norms."""
+
+    def run(layer, x, position_embeddings, mask, positions):
+        return layer(x, position_embeddings=position_embeddings, attention_mask=mask, position_ids=positions)
+
+    _flat_mtp_layer(job, lambda c: next(i for i in range(c.num_hidden_layers) if c.layer_types[i] == "minimax_m3_sparse"
+                                        and c.mlp_layer_types[i] == "sparse"),
+                    "model.mtp.layers.0.", "transformer_layer.", 1.0, "num_mtp_modules", run)
 
 
 def _deepseek_v4_mtp(job):
@@ -864,6 +889,8 @@ def mtp(job):
         return _deepseek_v4_mtp(job)
     if job["family"] == "hy_v4":
         return _hy_v4_mtp(job)
+    if job["family"] == "minimax_m3_vl_text":
+        return _minimax_m3_mtp(job)
     tiny_hf(job)
     family = job["family"]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
