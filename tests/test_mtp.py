@@ -4,12 +4,12 @@ Qwen3-Next / Qwen3.5 style, `mtp.*`; ERNIE 4.5 MoE's, Step-3.7's and MiMo-V2-Fla
 layers, chained after their post-norm; Nemotron 3's, blocks of a pattern between the projection and a final norm,
 beside Mamba2 layers; DeepSeek-V4's, over the hyper-connected streams, beside compressed attention; HY-V3's, stored
 as DeepSeek-V3's with a final norm of its own; HY-V4's, a decoder layer without the model's hyper-connections;
-MiniMax-M3's, a block-sparse MoE layer whatever the model's per-layer lists say). Greedy tokens equal plain decoding's; the drafts the engine reads
-after each step are the MTP chain's over the verified tokens (each layer's KV pages caught up over every kept token,
-as transformers' `MtpModel` chains its layers, and rewritten where a drafted token had reached them); conversion
-keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint that `check` lists and `load` reads
-only for speculative method "mtp"; MiniMax-M2's, whose forward nothing public defines, and Mistral Large 4's and
-Qwen4-Exp's, not implemented, are refused by name.
+MiniMax-M3's, a block-sparse MoE layer whatever the model's per-layer lists say). Greedy tokens equal plain
+decoding's; the drafts the engine reads after each step are the MTP chain's over the verified tokens (each layer's KV
+pages caught up over every kept token, as transformers' `MtpModel` chains its layers, and rewritten where a drafted
+token had reached them); conversion keeps the layers (`--no-mtp` drops them) as an optional part of the checkpoint
+that `check` lists and `load` reads only for speculative method "mtp"; MiniMax-M2's, whose forward nothing public
+defines, and Mistral Large 4's and Qwen4-Exp's, not implemented, are refused by name.
 """
 
 from __future__ import annotations
