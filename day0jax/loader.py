@@ -65,6 +65,8 @@ def load(path: str | Path, *, dtype: str | None = None, mesh: Mesh | str | None 
         memory_budget: bytes one device may use; default: free device memory (CPU: host memory, shared).
         kernels: 'auto' (kernels checked against their references on the model's shapes; one that disagrees is
             replaced by the next candidate), 'strict' (disagreement is an error) or 'reference' (no kernels).
+            The resulting choice holds for the whole process (`kernels_pallas.registry.set_policy`): every program
+            traced after this load, another model's included, follows it.
         timeline: a `Timeline` recording the phases (config, build, restore with its bytes, kernel self-test).
         load_concurrency: bytes of checkpoint data read but not yet on their devices, at most (default: a
             sixteenth of the available host memory, between 64 MiB and 2 GiB; `weights/stream.py`).
