@@ -448,6 +448,12 @@ FAMILIES = {
                                                   embedding_multiplier=6.0, attention_multiplier=0.2,
                                                   residual_multiplier=0.4, logits_scaling=3.0,
                                                   initializer_range=0.1), True),
+    # Bamba, 3 layers: Mamba2 (4 heads x 32 in 2 groups, state 16, chunks of 8, the gated norm over each group, dt
+    # clipped to [0.001, 0.5]: the clip bites) around one attention layer (`attn_layer_indices`) with RoPE over half
+    # of each head, HF's default for Bamba.
+    "bamba": ("bamba", dict(TINY, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2,
+                            mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, time_step_limit=[0.001, 0.5],
+                            initializer_range=0.1), True),
     # Falcon-H1, 2 layers each running Mamba2 (4 heads x 16 in 2 groups, state 16, chunks of 8, the gated norm after the
     # scan and before the gate) and attention with RoPE side by side; every muP multiplier away from 1.
     "falcon_h1": ("falcon_h1", dict(TINY, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=2,

@@ -621,6 +621,9 @@ MUTATIONS: dict[str, list[tuple[str, Any]]] = {
     "granitemoehybrid": [("muP multipliers", config(embedding_multiplier=1.0, residual_multiplier=1.0,
                                                     logits_scaling=1.0)),
                          ("attention multiplier", config(attention_multiplier=0.25))],
+    # Bamba's attention layers hold other parameters than its Mamba2 layers: misplacing them is a conversion error.
+    "bamba": [("half rotary", config(rope_parameters=rope(rope_theta=10000.0, partial_rotary_factor=1.0))),
+              ("time step limit", config(time_step_limit=[0.0, float("inf")]))],
     "falcon_h1": [("Mamba2 muP multipliers", config(ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
                                                     ssm_multipliers=None)),
                   ("attention muP multipliers", config(attention_in_multiplier=1.0, key_multiplier=1.0,

@@ -25,8 +25,8 @@ FAMILIES = {name: f"day0jax.models.{name}" for name in (
     "qwen3_next", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
     "lfm2", "lfm2_moe", "lfm3", "llava", "gemma3", "qwen3_vl", "qwen3_vl_text", "kimi_k25", "qwen3_vl_moe",
     "qwen3_vl_moe_text", "mistral3", "lfm2_vl",
-    "ministral", "exaone", "nemotron_h", "granitemoehybrid", "falcon_h1", "mimo_v2_flash", "deepseek_v2", "dots1",
-    "cohere", "cohere2", "olmoe", "starcoder2")}
+    "ministral", "exaone", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "mimo_v2_flash", "deepseek_v2",
+    "dots1", "cohere", "cohere2", "olmoe", "starcoder2")}
 # Model types a module implements besides its own name (the text model of a multimodal family); Qwen3.5's text
 # models and its released, multimodal checkpoints.
 FAMILIES.update({"qwen3_5_text": "day0jax.models.qwen3_5", "qwen3_5_moe_text": "day0jax.models.qwen3_5_moe",

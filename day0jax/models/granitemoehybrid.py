@@ -81,19 +81,23 @@ class Config(granite.Config):
 
     @cached_property
     def mamba_shape(self) -> tuple[int, int, int, int, int]:
-        """(N, H, G, Z, W) of the Mamba2 layers: heads of `mamba_d_head`, or ('auto') the heads' share of
-        mamba_expand * hidden_size.
+        return mamba_shape(self)
 
-        Raises:
-            UnsupportedArchitecture: heads that do not fill that width, or groups that do not divide them.
-        """
-        N, width = self.mamba_n_heads, self.mamba_expand * self.hidden_size
-        H = width // N if self.mamba_d_head == "auto" else self.mamba_d_head
-        if H * N != width:
-            refuse("mamba_d_head", self.mamba_d_head, f"times mamba_n_heads={N} is not mamba_expand * hidden_size")
-        if N % self.mamba_n_groups:
-            refuse("mamba_n_groups", self.mamba_n_groups, f"does not divide mamba_n_heads={N}")
-        return N, H, self.mamba_n_groups, self.mamba_d_state, self.mamba_d_conv
+
+def mamba_shape(config) -> tuple[int, int, int, int, int]:
+    """(N, H, G, Z, W) of the Mamba2 layers of a config with IBM's `mamba_*` keys (Granite 4, Bamba): heads of
+    `mamba_d_head`, or ('auto') the heads' share of mamba_expand * hidden_size.
+
+    Raises:
+        UnsupportedArchitecture: heads that do not fill that width, or groups that do not divide them.
+    """
+    N, width = config.mamba_n_heads, config.mamba_expand * config.hidden_size
+    H = width // N if config.mamba_d_head == "auto" else config.mamba_d_head
+    if H * N != width:
+        refuse("mamba_d_head", config.mamba_d_head, f"times mamba_n_heads={N} is not mamba_expand * hidden_size")
+    if N % config.mamba_n_groups:
+        refuse("mamba_n_groups", config.mamba_n_groups, f"does not divide mamba_n_heads={N}")
+    return N, H, config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv
 
 
 class Model(granite.Model):

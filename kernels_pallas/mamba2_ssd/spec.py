@@ -50,4 +50,4 @@ def build(rnd: Random, dtype, *, B, T, N, H, G, Z, chunk, limit):
 
 SPEC = OpSpec("mamba2_ssd", "Mamba2 SSD (state-space scan)", PARAMS, describe,
               dict(N=8, H=64, G=2, Z=128, chunk=128), api="kernels_pallas.mamba2_ssd.api", cases=cases, build=build,
-              torch_patterns=("Mamba2Mixer", "MambaLayer", "FalconH1Mixer"))
+              torch_patterns=("Mamba2Mixer", "MambaLayer", "FalconH1Mixer", "BambaMixer"))
