@@ -16,10 +16,10 @@ from day0jax.core.cache_layout import KVLayer, StateLayer
 from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.mamba2 import Mamba2Mixer
-from day0jax.models import granitemoehybrid, llama
+from day0jax.models import llama
 from day0jax.models.base import DecoderLayer
 from day0jax.models.contract import Family
-from day0jax.models.nemotron_h import mamba2_source
+from day0jax.models.nemotron_h import mamba2_source, mamba_shape
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,8 +72,8 @@ class Config(llama.Config):
 
     @cached_property
     def mamba_shape(self) -> tuple[int, int, int, int, int]:
-        """(N, H, G, Z, W) of the Mamba2 layers, from the same keys as Granite 4's."""
-        return granitemoehybrid.mamba_shape(self)
+        """(N, H, G, Z, W) of the Mamba2 layers: mamba_expand * hidden_size channels in heads (`nemotron_h`)."""
+        return mamba_shape(self, self.mamba_expand * self.hidden_size)
 
 
 class Model(llama.Model):

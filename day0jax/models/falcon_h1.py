@@ -17,7 +17,6 @@ import jax
 from flax import nnx
 
 from day0jax.core.cache_layout import KVLayer, StateLayer
-from day0jax.core.hf_config import refuse
 from day0jax.core.hf_tensors import Source, default_source
 from day0jax.layers.attention import Attention
 from day0jax.layers.mamba2 import Mamba2Mixer
@@ -26,7 +25,7 @@ from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama
 from day0jax.models.base import CausalLM, HFConfig
 from day0jax.models.contract import Family
-from day0jax.models.nemotron_h import mamba2_source
+from day0jax.models.nemotron_h import mamba2_source, mamba_shape
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,20 +85,9 @@ class Config(HFConfig):
 
     @cached_property
     def mamba_shape(self) -> tuple[int, int, int, int, int]:
-        """(N, H, G, Z, W) of the Mamba2 mixers: mamba_d_ssm (else mamba_expand * hidden_size) channels in heads of
-        `mamba_d_head` (or, 'auto', their share).
-
-        Raises:
-            UnsupportedArchitecture: heads that do not fill that width, or groups that do not divide them.
-        """
-        N = self.mamba_n_heads
-        width = self.mamba_expand * self.hidden_size if self.mamba_d_ssm is None else self.mamba_d_ssm
-        H = width // N if self.mamba_d_head == "auto" else self.mamba_d_head
-        if H * N != width:
-            refuse("mamba_d_head", self.mamba_d_head, f"times mamba_n_heads={N} is not the Mamba2 width {width}")
-        if N % self.mamba_n_groups:
-            refuse("mamba_n_groups", self.mamba_n_groups, f"does not divide mamba_n_heads={N}")
-        return N, H, self.mamba_n_groups, self.mamba_d_state, self.mamba_d_conv
+        """(N, H, G, Z, W) of the Mamba2 mixers: mamba_d_ssm (else mamba_expand * hidden_size) channels in heads
+        (`nemotron_h`)."""
+        return mamba_shape(self, self.mamba_expand * self.hidden_size if self.mamba_d_ssm is None else self.mamba_d_ssm)
 
 
 class DecoderLayer(nnx.Module):

@@ -25,7 +25,7 @@ from day0jax.layers.moe import Experts, MoE, Router, swiglu
 from day0jax.models import granite, llama
 from day0jax.models.base import DecoderLayer, fused_experts_source
 from day0jax.models.contract import Family
-from day0jax.models.nemotron_h import LEGACY_KINDS, mamba2_source
+from day0jax.models.nemotron_h import LEGACY_KINDS, mamba2_source, mamba_shape
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -81,23 +81,8 @@ class Config(granite.Config):
 
     @cached_property
     def mamba_shape(self) -> tuple[int, int, int, int, int]:
-        return mamba_shape(self)
-
-
-def mamba_shape(config) -> tuple[int, int, int, int, int]:
-    """(N, H, G, Z, W) of the Mamba2 layers of a config with IBM's `mamba_*` keys (Granite 4, Bamba): heads of
-    `mamba_d_head`, or ('auto') the heads' share of mamba_expand * hidden_size.
-
-    Raises:
-        UnsupportedArchitecture: heads that do not fill that width, or groups that do not divide them.
-    """
-    N, width = config.mamba_n_heads, config.mamba_expand * config.hidden_size
-    H = width // N if config.mamba_d_head == "auto" else config.mamba_d_head
-    if H * N != width:
-        refuse("mamba_d_head", config.mamba_d_head, f"times mamba_n_heads={N} is not mamba_expand * hidden_size")
-    if N % config.mamba_n_groups:
-        refuse("mamba_n_groups", config.mamba_n_groups, f"does not divide mamba_n_heads={N}")
-    return N, H, config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv
+        """(N, H, G, Z, W) of the Mamba2 layers: mamba_expand * hidden_size channels in heads (`nemotron_h`)."""
+        return mamba_shape(self, self.mamba_expand * self.hidden_size)
 
 
 class Model(granite.Model):

@@ -336,6 +336,22 @@ class Model(CausalLM):
 
 # --- checkpoint layout ---------------------------------------------------------------------------------------
 
+def mamba_shape(config, width: int) -> tuple[int, int, int, int, int]:
+    """(N, H, G, Z, W) of the Mamba2 mixers of a config with the `mamba_*` keys Granite 4, Bamba and Falcon-H1 share:
+    `width` channels in `mamba_n_heads` heads of `mamba_d_head` (or, 'auto', their share).
+
+    Raises:
+        UnsupportedArchitecture: heads that do not fill that width, or groups that do not divide them.
+    """
+    N = config.mamba_n_heads
+    H = width // N if config.mamba_d_head == "auto" else config.mamba_d_head
+    if H * N != width:
+        refuse("mamba_d_head", config.mamba_d_head, f"times mamba_n_heads={N} is not the Mamba2 width {width}")
+    if N % config.mamba_n_groups:
+        refuse("mamba_n_groups", config.mamba_n_groups, f"does not divide mamba_n_heads={N}")
+    return N, H, config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv
+
+
 def mamba2_source(path: str, shape: tuple[int, ...], mamba_shape: tuple[int, int, int, int, int], *,
                   prefix: str = "mixer") -> Source | None:
     """The Source of a `layers.mamba2.Mamba2Mixer` parameter whose HF layout differs (None for the others, which
