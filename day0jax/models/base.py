@@ -530,21 +530,22 @@ def nextn_dropped(config: Any, count: int) -> dict[str, str]:
             pattern: "multi-token-prediction layers, used only for speculative decoding (converted without them)"}
 
 
-def stored_mtp_path(path: str, prefix: Callable[[int], str], post_norm: str) -> str | None:
-    """The checkpoint name of an `MtpStack` parameter `mtp.layers.{i}.[mtp_block.|post_norm.]X` for checkpoints that
-    store MTP layer i flat under `prefix(i)`: its decoder layer's tensors beside enorm, hnorm, eh_proj and the
-    post-norm (named `post_norm`); None for other paths."""
-    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(mtp_block\.|post_norm\.)?(.*)", path)
+def stored_mtp_path(path: str, prefix: Callable[[int], str], parts: dict[str, str]) -> str | None:
+    """The checkpoint name of an MTP parameter `mtp.layers.{i}.X` for checkpoints that store MTP layer i flat under
+    `prefix(i)`: X with its leading runtime part renamed by `parts` (`NextNStack`'s `decoder.`, `MtpStack`'s
+    `mtp_block.` and `post_norm.`: the checkpoint's names for the decoder layer and the head's norm, "" where the
+    decoder layer's tensors sit beside enorm, hnorm and eh_proj); None for other paths."""
+    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.*)", path)
     if not m:
         return None
-    return prefix(int(m[1])) + (f"{post_norm}.{m[3]}" if m[2] == "post_norm." else m[3])
+    rest = next((theirs + m[2][len(ours):] for ours, theirs in parts.items() if m[2].startswith(ours)), m[2])
+    return prefix(int(m[1])) + rest
 
 
 def nextn_source(config: Any, path: str, shape: tuple[int, ...], metadata: dict, inner) -> Source | None:
     """The Source of an MTP parameter `mtp.layers.{i}.[decoder.]X`: the checkpoint's `model.layers.{L + i}.X`, read
     as `inner` (the family's `hf_source`) or HF's plain naming reads a main layer's; None for other paths."""
-    m = re.fullmatch(r"mtp\.layers\.(\d+)\.(decoder\.)?(.*)", path)
-    if not m:
+    renamed = stored_mtp_path(path, lambda i: f"model.layers.{config.num_hidden_layers + i}.", {"decoder.": ""})
+    if renamed is None:
         return None
-    renamed = f"model.layers.{config.num_hidden_layers + int(m[1])}.{m[3]}"
     return inner(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)

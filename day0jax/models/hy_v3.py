@@ -180,7 +180,8 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     each; or, where the checkpoint has those instead, the transformers 5 names and the experts fused
     (`experts.gate_up_proj`, `experts.down_proj`). MTP layer i's as `model.layers.{L + i}.`: its decoder layer's
     tensors beside enorm, hnorm, eh_proj and final_layernorm."""
-    renamed = stored_mtp_path(path, lambda i: f"model.layers.{config.num_hidden_layers + i}.", "final_layernorm")
+    renamed = stored_mtp_path(path, lambda i: f"model.layers.{config.num_hidden_layers + i}.",
+                              {"mtp_block.": "", "post_norm.": "final_layernorm."})
     if renamed:
         return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     for pattern, saved, fused_layout in SAVED_NAMES:

@@ -237,7 +237,8 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     """Every parameter from its original name (`ORIGINAL_NAMES`); routed experts from the fused `gate_up_proj`
     [E, 2F, D] and `down_proj` [E, D, F]; MTP layer i's under `model.mtp_layers.{i}.`, its decoder layer's tensors
     beside enorm, hnorm, eh_proj and final_layernorm."""
-    renamed = stored_mtp_path(path, lambda i: f"model.mtp_layers.{i}.", "final_layernorm")
+    renamed = stored_mtp_path(path, lambda i: f"model.mtp_layers.{i}.",
+                              {"mtp_block.": "", "post_norm.": "final_layernorm."})
     if renamed:
         return hf_source(config, renamed, shape, metadata)
     experts = fused_experts_source(path, shape)

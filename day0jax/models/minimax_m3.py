@@ -32,7 +32,8 @@ from day0jax.layers.mlp import GatedMLP
 from day0jax.layers.moe import Experts, MoE, Router, clamped_swiglu
 from day0jax.layers.norms import RMSNorm
 from day0jax.models import llama
-from day0jax.models.base import HFConfig, fused_experts_source, nextn_mtp, per_expert_source, vision_dropped
+from day0jax.models.base import (HFConfig, fused_experts_source, nextn_mtp, per_expert_source, stored_mtp_path,
+                                 vision_dropped)
 from day0jax.models.contract import Family
 
 SPARSE, FULL = "minimax_m3_sparse", "full_attention"
@@ -186,10 +187,9 @@ def hf_source(config: Config, path: str, shape: tuple, metadata: dict) -> Source
     multimodal (`minimax_m3_vl`) checkpoint keeps MiniMax's own names instead (what transformers' conversion mapping
     renames on load): see `original_source`. MTP module i's as `model.mtp.layers.{i}.`: enorm, hnorm, eh_proj,
     final_layernorm and its decoder layer's tensors under `transformer_layer.`, named as a main layer's."""
-    mtp = re.fullmatch(r"mtp\.layers\.(\d+)\.(decoder\.|shared_head\.norm\.)?(.*)", path)
-    if mtp:
-        part = {"decoder.": "transformer_layer.", "shared_head.norm.": "final_layernorm."}.get(mtp[2] or "", "")
-        renamed = f"model.mtp.layers.{mtp[1]}.{part}{mtp[3]}"
+    renamed = stored_mtp_path(path, lambda i: f"model.mtp.layers.{i}.",
+                              {"decoder.": "transformer_layer.", "shared_head.norm.": "final_layernorm."})
+    if renamed:
         return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     if config.is_composite:
         return original_source(path, shape, metadata)

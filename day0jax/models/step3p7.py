@@ -285,7 +285,8 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     """StepFun's MoE names: experts stacked [E, out, in] under `moe`, the router's bias `moe.router_bias`, the
     shared expert `share_expert` beside the MoE."""
     L = config.num_hidden_layers
-    renamed = stored_mtp_path(path, lambda i: f"model.layers.{L + i}.", "shared_head.norm")
+    renamed = stored_mtp_path(path, lambda i: f"model.layers.{L + i}.",
+                              {"mtp_block.": "", "post_norm.": "shared_head.norm."})
     if renamed:
         return hf_source(config, renamed, shape, metadata) or default_source(renamed, shape, metadata)
     m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.(.*)", path)
