@@ -100,13 +100,13 @@ class Model(llama.Model):
 
 
 # Runtime names -> Bamba's.
-BAMBA_NAMES = ((".mlp.", ".feed_forward."), (".post_attention_layernorm.", ".pre_ff_layernorm."),
-               ("model.norm.", "model.final_layernorm."))
+BAMBA_NAMES = ((r"\.mlp\.", ".feed_forward."), (r"\.post_attention_layernorm\.", ".pre_ff_layernorm."),
+               (r"^model\.norm\.", "model.final_layernorm."))
 
 
 def _bamba_name(name: str) -> str:
     for ours, theirs in BAMBA_NAMES:
-        name = name.replace(ours, theirs) if ours[0] == "." else re.sub(rf"^{re.escape(ours)}", theirs, name)
+        name = re.sub(ours, theirs, name)
     return name
 
 
@@ -114,7 +114,7 @@ def hf_source(config: Config, path: str, shape: tuple[int, ...], metadata: dict)
     """The Mamba2 mixer's fused projections and convolution (`mamba2_source`), the MLP as `feed_forward`, its norm as
     `pre_ff_layernorm` and the final norm as `final_layernorm`; everything else under HF's plain names."""
     src = mamba2_source(path, shape, config.mamba_shape, prefix="mamba")
-    if src is None and any(ours in f".{path}" for ours, _ in BAMBA_NAMES):
+    if src is None and _bamba_name(path) != path:
         src = default_source(path, shape, metadata)
     return src and src.renamed(_bamba_name)
 
